@@ -1,0 +1,52 @@
+# fastattn — the two commands of a fresh machine:
+#   make demo   install what is missing, build, run the demo
+#   make test   install what is missing, build, run every test (C++ and Python)
+# Also: make bench, make build, make test-asan, make format, make install, make clean.
+
+BUILD      ?= build
+BUILD_TYPE ?= Release
+JOBS       ?= $(shell nproc)
+CMAKE_ARGS ?=
+PREFIX     ?= /usr/local
+# Threads for the tests (the machine's cores by default).
+export OMP_NUM_THREADS ?= $(shell nproc)
+
+.PHONY: all deps configure build demo test bench test-asan format install clean
+
+all: build
+
+deps:
+	@bash scripts/install_deps.sh
+
+$(BUILD)/CMakeCache.txt: | deps
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) $(CMAKE_ARGS)
+
+configure: deps $(BUILD)/CMakeCache.txt
+
+build: configure
+	cmake --build $(BUILD) -j $(JOBS)
+
+demo: build
+	$(BUILD)/fastattn demo
+
+test: build
+	cd $(BUILD) && ctest --output-on-failure -j 1
+
+bench: build
+	$(BUILD)/bench_full_attention
+
+# AddressSanitizer + UndefinedBehaviorSanitizer debug build of the C++ suite.
+test-asan: deps
+	cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DFASTATTN_SANITIZE=ON -DFASTATTN_BUILD_BENCH=OFF $(CMAKE_ARGS)
+	cmake --build build-asan -j $(JOBS) --target fastattn_tests
+	cd build-asan && ASAN_OPTIONS=detect_leaks=0:new_delete_type_mismatch=0 \
+	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 ./fastattn_tests
+
+format:
+	git ls-files '*.cpp' '*.h' '*.cu' '*.cuh' | xargs clang-format -i
+
+install: build
+	cmake --install $(BUILD) --prefix $(PREFIX)
+
+clean:
+	rm -rf $(BUILD) build-asan

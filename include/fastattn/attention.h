@@ -1,0 +1,69 @@
+// Attention types: one class per type, all with the same call
+//   forward(queries (N,H,L,E), keys (N,H,S,E), values (N,H,S,M), mask) -> (N,H,L,M).
+// Types are torch::nn::Modules so that types with parameters or buffers
+// (learned centroids, random feature matrices) save and load with the model.
+// Build them by name through the registry (registry.h).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "fastattn/mask.h"
+
+namespace fastattn {
+
+// What a type may need to know of the layer it sits in.
+struct AttentionDims {
+  int64_t heads = 1;
+  int64_t query_dim = 64;  // E, per head
+  int64_t value_dim = 64;  // M, per head
+};
+
+class AttentionBase : public torch::nn::Module {
+ public:
+  virtual torch::Tensor forward(const torch::Tensor& queries, const torch::Tensor& keys,
+                                const torch::Tensor& values, const Mask& mask) = 0;
+  // The registry name this instance was built as (e.g. "full").
+  virtual std::string type_name() const = 0;
+};
+using AttentionPtr = std::shared_ptr<AttentionBase>;
+
+// Checks the common shape contract (ranks, N/H/E agreement, S agreement,
+// dtype and device agreement) and the mask; throws naming the argument.
+void check_attention_inputs(const torch::Tensor& queries, const torch::Tensor& keys,
+                            const torch::Tensor& values, const Mask& mask);
+
+// Exact softmax attention through the fused operator.
+class FullAttention : public AttentionBase {
+ public:
+  explicit FullAttention(std::optional<double> softmax_temp = std::nullopt,
+                         double attention_dropout = 0.0);
+  torch::Tensor forward(const torch::Tensor& queries, const torch::Tensor& keys,
+                        const torch::Tensor& values, const Mask& mask) override;
+  std::string type_name() const override { return "full"; }
+
+ private:
+  std::optional<double> softmax_temp_;
+  double attention_dropout_;
+};
+
+// conditional-full:<type>: full attention while S <= length_limit, the inner
+// type beyond it.
+class ConditionalFullAttention : public AttentionBase {
+ public:
+  ConditionalFullAttention(AttentionPtr inner, std::shared_ptr<FullAttention> full,
+                           int64_t length_limit);
+  torch::Tensor forward(const torch::Tensor& queries, const torch::Tensor& keys,
+                        const torch::Tensor& values, const Mask& mask) override;
+  std::string type_name() const override;
+
+ private:
+  AttentionPtr inner_;
+  std::shared_ptr<FullAttention> full_;
+  int64_t length_limit_;
+};
+
+}  // namespace fastattn

@@ -1,0 +1,117 @@
+// Registry of attention types by name, with typed parameter specs.
+//
+//   auto attn = fastattn::make_attention("full", {{"softmax_temp", 0.125}});
+//
+// Every type registers its name, a description, its parameters (name, type,
+// default, range or choices, help) and a factory. User-given parameters are
+// validated against the specs: an unknown type or parameter, a value of the
+// wrong type or out of range gives an error that names it and lists what is
+// valid. The decorator "conditional-full:<type>" adds a `length_limit`
+// parameter to the inner type's.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "fastattn/attention.h"
+
+namespace fastattn {
+
+enum class ParamType { Int, Float, Bool, Choice, String };
+const char* param_type_name(ParamType t);
+
+// A parameter value as the user gives it (an Int spec also takes no double; a
+// Float spec takes an int).
+using ParamValue = std::variant<int64_t, double, bool, std::string>;
+using ParamMap = std::map<std::string, ParamValue>;
+std::string param_value_to_string(const ParamValue& v);
+
+struct ParamSpec {
+  std::string name;
+  ParamType type = ParamType::Int;
+  // The default; std::nullopt means "optional, no value" (e.g. softmax_temp,
+  // whose absence means 1/sqrt(E)).
+  std::optional<ParamValue> default_value;
+  std::string help;
+  std::optional<double> min;  // inclusive, for Int and Float
+  std::optional<double> max;  // inclusive, for Int and Float
+  std::vector<std::string> choices;  // for Choice
+
+  // Shorthands for the common specs.
+  static ParamSpec integer(std::string name, std::optional<int64_t> def, std::string help,
+                           std::optional<double> min = std::nullopt,
+                           std::optional<double> max = std::nullopt);
+  static ParamSpec real(std::string name, std::optional<double> def, std::string help,
+                        std::optional<double> min = std::nullopt,
+                        std::optional<double> max = std::nullopt);
+  static ParamSpec boolean(std::string name, bool def, std::string help);
+  static ParamSpec choice(std::string name, std::string def, std::vector<std::string> choices,
+                          std::string help);
+};
+
+// Validated parameters: every spec'd name is present (with its default) or
+// explicitly absent (optional without default).
+class Params {
+ public:
+  Params() = default;
+  explicit Params(ParamMap values) : values_(std::move(values)) {}
+  bool has(const std::string& name) const { return values_.count(name) > 0; }
+  int64_t get_int(const std::string& name) const;
+  double get_float(const std::string& name) const;
+  bool get_bool(const std::string& name) const;
+  const std::string& get_string(const std::string& name) const;  // Choice and String
+  std::optional<int64_t> get_optional_int(const std::string& name) const;
+  std::optional<double> get_optional_float(const std::string& name) const;
+  const ParamMap& values() const { return values_; }
+
+ private:
+  const ParamValue& at(const std::string& name) const;
+  ParamMap values_;
+};
+
+using AttentionFactory = std::function<AttentionPtr(const Params&, const AttentionDims&)>;
+
+struct AttentionType {
+  std::string name;
+  std::string description;
+  std::vector<ParamSpec> params;
+  AttentionFactory factory;
+};
+
+class AttentionRegistry {
+ public:
+  // The process-wide registry, with every built-in type registered.
+  static AttentionRegistry& global();
+
+  void add(AttentionType type);  // throws if the name is taken
+  bool contains(const std::string& name) const;  // understands conditional-full:<type>
+  // The type's record; for "conditional-full:<type>" a synthesized record.
+  AttentionType get(const std::string& name) const;
+  std::vector<std::string> names() const;  // sorted, without the decorator
+  // Validates `params` against the type's specs and fills in defaults.
+  Params validate(const std::string& name, const ParamMap& params) const;
+  AttentionPtr build(const std::string& name, const ParamMap& params = {},
+                     const AttentionDims& dims = {}) const;
+  // Every type with its specs, as JSON (what `fastattn list --json` prints).
+  nlohmann::json describe() const;
+
+ private:
+  std::map<std::string, AttentionType> types_;
+};
+
+inline AttentionPtr make_attention(const std::string& name, const ParamMap& params = {},
+                                   const AttentionDims& dims = {}) {
+  return AttentionRegistry::global().build(name, params, dims);
+}
+
+// Parameters from a JSON object ({"softmax_temp": 0.125, ...}); numbers keep
+// their JSON kind (integer or floating), which validation then coerces.
+ParamMap params_from_json(const nlohmann::json& j);
+
+}  // namespace fastattn

@@ -1,0 +1,30 @@
+// The one schema block of the fastattn operator library. Every operator is
+// declared here; implementations register per dispatch key beside their
+// kernels (CPU, CUDA, Autograd) in src/ops/<op>.cpp.
+#include <torch/library.h>
+
+TORCH_LIBRARY(fastattn, m) {
+  // ---- fused softmax attention ---------------------------------------------
+  // q (N,H,L,E), k (N,H,S,E), v (N,H,S,M) -> (N,H,L,M).
+  m.def(
+      "full_attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, "
+      "Tensor? key_lengths=None, bool causal=False, float? softmax_temp=None) -> Tensor");
+  // Forward kernel: output and the row log-sum-exp (N,H,L) of the scaled scores.
+  m.def(
+      "full_attention_forward(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, "
+      "Tensor? key_lengths, bool causal, float softmax_temp) -> (Tensor, Tensor)");
+  // Backward kernel: recomputes the scores per tile from the saved lse.
+  m.def(
+      "full_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
+      "Tensor lse, Tensor? attn_mask, Tensor? key_lengths, bool causal, float softmax_temp) "
+      "-> (Tensor, Tensor, Tensor)");
+
+  // ---- registry access (Python mirrors the C++ registry through these) -----
+  // Any registered attention type by name; params_json is a JSON object of the
+  // type's parameters.
+  m.def(
+      "attention(str type, Tensor q, Tensor k, Tensor v, bool causal=False, "
+      "Tensor? key_lengths=None, Tensor? attn_mask=None, str params_json='{}') -> Tensor");
+  // JSON description of every registered type and its parameters.
+  m.def("attention_types() -> str");
+}
