@@ -1,5 +1,6 @@
 // EncoderBuilder and DecoderBuilder: resolve and check the settings, build
 // the attention types through the registry, read the settings from JSON.
+#include <algorithm>
 #include <nlohmann/json.hpp>
 
 #include "fastattn/transformer.h"
