@@ -9,7 +9,6 @@
 // themselves, which the fused operator never forms.
 #include <cmath>
 #include <limits>
-#include <sstream>
 
 #include "attention/builtin_types.h"
 #include "fastattn/attention.h"
@@ -18,29 +17,21 @@
 
 namespace fastattn {
 
-namespace {
-std::string shape_str(const torch::Tensor& t) {
-  std::ostringstream os;
-  os << t.sizes();
-  return os.str();
-}
-}  // namespace
-
 void check_attention_inputs(const torch::Tensor& queries, const torch::Tensor& keys,
                             const torch::Tensor& values, const Mask& mask) {
   TORCH_CHECK(queries.defined() && keys.defined() && values.defined(),
               "attention: queries, keys and values must be defined tensors");
   TORCH_CHECK(queries.dim() == 4, "attention: queries must have shape (N, H, L, E), got ",
-              shape_str(queries));
+              queries.sizes());
   const int64_t N = queries.size(0), H = queries.size(1), L = queries.size(2), E = queries.size(3);
   TORCH_CHECK(keys.dim() == 4 && keys.size(0) == N && keys.size(1) == H && keys.size(3) == E,
               "attention: keys must have shape (N, H, S, E) = (", N, ", ", H, ", S, ", E, "), got ",
-              shape_str(keys));
+              keys.sizes());
   const int64_t S = keys.size(2);
   TORCH_CHECK(
       values.dim() == 4 && values.size(0) == N && values.size(1) == H && values.size(2) == S,
       "attention: values must have shape (N, H, S, M) = (", N, ", ", H, ", ", S, ", M), got ",
-      shape_str(values));
+      values.sizes());
   TORCH_CHECK(queries.is_floating_point(), "attention: queries must be floating, got ",
               queries.scalar_type());
   TORCH_CHECK(keys.scalar_type() == queries.scalar_type(), "attention: keys must be ",
@@ -116,7 +107,7 @@ torch::Tensor ConditionalFullAttention::forward(const torch::Tensor& queries,  /
                                                 const torch::Tensor& values,   // (N, H, S, M)
                                                 const Mask& mask) {
   TORCH_CHECK(keys.dim() == 4, "conditional-full: keys must have shape (N, H, S, E), got ",
-              shape_str(keys));
+              keys.sizes());
   if (keys.size(2) <= length_limit_) return full_->forward(queries, keys, values, mask);
   return inner_->forward(queries, keys, values, mask);
 }

@@ -12,20 +12,13 @@ namespace fastattn {
 
 namespace {
 
-std::string shape_str(const torch::Tensor& t) {
-  std::ostringstream os;
-  os << t.sizes();
-  return os.str();
-}
-
 // (N,) integer tensor with values >= 0; the upper bound is checked in check().
 void check_lengths(const char* name, const torch::Tensor& lengths) {
   TORCH_CHECK(lengths.defined(), "Mask: ", name, " must be a defined tensor");
   TORCH_CHECK(!lengths.is_floating_point() && !lengths.is_complex() &&
                   lengths.scalar_type() != torch::kBool,
               "Mask: ", name, " must be an integer tensor, got ", lengths.scalar_type());
-  TORCH_CHECK(lengths.dim() == 1, "Mask: ", name, " must have shape (N,), got ",
-              shape_str(lengths));
+  TORCH_CHECK(lengths.dim() == 1, "Mask: ", name, " must have shape (N,), got ", lengths.sizes());
   if (lengths.numel() > 0) {
     const auto mn = lengths.min().item<int64_t>();
     TORCH_CHECK(mn >= 0, "Mask: ", name, " must be >= 0, got a minimum of ", mn);
@@ -50,7 +43,7 @@ Mask Mask::with_attn_mask(const torch::Tensor& attn_mask) const {
               attn_mask.scalar_type());
   TORCH_CHECK(attn_mask.dim() >= 2 && attn_mask.dim() <= 4,
               "Mask: attn_mask must have shape (L, S), (N, L, S) or (N, H, L, S), got ",
-              shape_str(attn_mask));
+              attn_mask.sizes());
   Mask m = *this;
   m.attn_mask_ = attn_mask;
   return m;
@@ -89,7 +82,7 @@ void Mask::check(int64_t N, int64_t H, int64_t L, int64_t S) const {
   if (query_lengths_) {
     const auto& ql = *query_lengths_;
     TORCH_CHECK(ql.size(0) == N, "Mask: query_lengths must have shape (N,) = (", N, "), got ",
-                shape_str(ql));
+                ql.sizes());
     if (N > 0) {
       const auto mx = ql.max().item<int64_t>();
       TORCH_CHECK(mx <= L, "Mask: query_lengths must lie in [0, L] = [0, ", L,
@@ -134,14 +127,14 @@ std::string Mask::to_string() const {
     sep = ", ";
   }
   if (attn_mask_) {
-    os << sep << "attn_mask=" << attn_mask_->scalar_type() << shape_str(*attn_mask_);
+    os << sep << "attn_mask=" << attn_mask_->scalar_type() << attn_mask_->sizes();
     sep = ", ";
   }
   if (key_lengths_) {
-    os << sep << "key_lengths=" << shape_str(*key_lengths_);
+    os << sep << "key_lengths=" << key_lengths_->sizes();
     sep = ", ";
   }
-  if (query_lengths_) os << sep << "query_lengths=" << shape_str(*query_lengths_);
+  if (query_lengths_) os << sep << "query_lengths=" << query_lengths_->sizes();
   os << ")";
   return os.str();
 }

@@ -4,20 +4,17 @@
 // projections and the feed-forward block.
 #include "fastattn/transformer.h"
 
-#include <sstream>
-
 namespace fastattn {
 
 namespace {
 
-std::string shape_str(const torch::Tensor& t) {
-  std::ostringstream os;
-  os << t.sizes();
-  return os.str();
-}
-
-torch::Tensor activate(const torch::Tensor& x, const std::string& activation) {
-  return activation == "gelu" ? torch::gelu(x) : torch::relu(x);
+// dropout(linear2(dropout(activation(linear1(y))))): (N, L, D) -> (N, L, D).
+torch::Tensor feed_forward(const torch::Tensor& y, torch::nn::Linear& linear1,
+                           torch::nn::Linear& linear2, torch::nn::Dropout& dropout,
+                           const std::string& activation) {
+  auto h = linear1(y);
+  h = activation == "gelu" ? torch::gelu(h) : torch::relu(h);
+  return dropout(linear2(dropout(h)));
 }
 
 void check_layer_options(const char* who, const TransformerLayerOptions& o) {
@@ -33,7 +30,7 @@ void check_layer_options(const char* who, const TransformerLayerOptions& o) {
 void check_width(const char* who, const char* name, const char* length, const torch::Tensor& x,
                  int64_t width) {
   TORCH_CHECK(x.dim() == 3 && x.size(2) == width, who, ": ", name, " must have shape (N, ", length,
-              ", ", width, "), got ", shape_str(x));
+              ", ", width, "), got ", x.sizes());
 }
 
 torch::nn::LayerNorm layer_norm(int64_t d) {
@@ -83,7 +80,7 @@ torch::Tensor AttentionLayerImpl::forward(const torch::Tensor& queries,  // (N, 
   const int64_t N = queries.size(0), L = queries.size(1), S = keys.size(1);
   TORCH_CHECK(keys.size(0) == N && values.size(0) == N && values.size(1) == S,
               "AttentionLayer: keys and values must have shape (N, S, ", Dk, ") with N = ", N,
-              " and the same S, got ", shape_str(keys), " and ", shape_str(values));
+              " and the same S, got ", keys.sizes(), " and ", values.sizes());
   const int64_t H = dims_.heads, E = dims_.query_dim, M = dims_.value_dim;
   auto q = query_projection_(queries).view({N, L, H, E}).transpose(1, 2);  // (N, H, L, E)
   auto k = key_projection_(keys).view({N, S, H, E}).transpose(1, 2);       // (N, H, S, E)
@@ -115,16 +112,16 @@ TransformerEncoderLayerImpl::TransformerEncoderLayerImpl(AttentionLayer attentio
 
 torch::Tensor TransformerEncoderLayerImpl::forward(const torch::Tensor& x,  // (N, L, D)
                                                    const Mask& mask) {
-  auto feed_forward = [&](const torch::Tensor& y) {
-    return dropout_(linear2_(dropout_(activate(linear1_(y), options_.activation()))));
+  auto ff = [&](const torch::Tensor& y) {
+    return feed_forward(y, linear1_, linear2_, dropout_, options_.activation());
   };
   if (options_.norm_first()) {
     auto h = norm1_(x);
     auto y = x + dropout_(attention_(h, h, h, mask));
-    return y + feed_forward(norm2_(y));
+    return y + ff(norm2_(y));
   }
   auto y = norm1_(x + dropout_(attention_(x, x, x, mask)));
-  return norm2_(y + feed_forward(y));
+  return norm2_(y + ff(y));
 }
 
 TransformerEncoderImpl::TransformerEncoderImpl(std::vector<TransformerEncoderLayer> layers,
@@ -178,18 +175,18 @@ torch::Tensor TransformerDecoderLayerImpl::forward(const torch::Tensor& x,      
                                                    const torch::Tensor& memory,  // (N, S, Dm)
                                                    const Mask& x_mask, const Mask& memory_mask) {
   const Mask self_mask = x_mask.with_causal(true);
-  auto feed_forward = [&](const torch::Tensor& y) {
-    return dropout_(linear2_(dropout_(activate(linear1_(y), options_.activation()))));
+  auto ff = [&](const torch::Tensor& y) {
+    return feed_forward(y, linear1_, linear2_, dropout_, options_.activation());
   };
   if (options_.norm_first()) {
     auto h = norm1_(x);
     auto y = x + dropout_(self_attention_(h, h, h, self_mask));
     y = y + dropout_(cross_attention_(norm2_(y), memory, memory, memory_mask));
-    return y + feed_forward(norm3_(y));
+    return y + ff(norm3_(y));
   }
   auto y = norm1_(x + dropout_(self_attention_(x, x, x, self_mask)));
   y = norm2_(y + dropout_(cross_attention_(y, memory, memory, memory_mask)));
-  return norm3_(y + feed_forward(y));
+  return norm3_(y + ff(y));
 }
 
 TransformerDecoderImpl::TransformerDecoderImpl(std::vector<TransformerDecoderLayer> layers,
