@@ -11,7 +11,7 @@ PREFIX     ?= /usr/local
 # Threads for the tests (the machine's cores by default).
 export OMP_NUM_THREADS ?= $(shell nproc)
 
-.PHONY: all deps configure build demo test bench test-asan format install clean
+.PHONY: all deps configure build demo test bench test-asan format install check-install clean
 
 all: build
 
@@ -47,6 +47,16 @@ format:
 
 install: build
 	cmake --install $(BUILD) --prefix $(PREFIX)
+
+# Installs into a scratch prefix and builds examples/find_package against it,
+# as a user's project would (find_package(fastattn)).
+check-install: build
+	rm -rf $(BUILD)/check-install
+	cmake --install $(BUILD) --prefix $(BUILD)/check-install/prefix
+	cmake -S examples/find_package -B $(BUILD)/check-install/build \
+	  -DCMAKE_PREFIX_PATH=$(CURDIR)/$(BUILD)/check-install/prefix $(CMAKE_ARGS)
+	cmake --build $(BUILD)/check-install/build -j $(JOBS)
+	LD_LIBRARY_PATH=$(CURDIR)/$(BUILD)/check-install/prefix/lib $(BUILD)/check-install/build/readme_example
 
 clean:
 	rm -rf $(BUILD) build-asan

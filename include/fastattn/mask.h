@@ -10,6 +10,9 @@
 // Causal masking with S != L aligns the last query with the last key: query i
 // keeps key j when j <= i + (S - L). A query that keeps no key at all outputs
 // zeros (and gets zero gradients), never NaN.
+//
+// Query lengths never drop keys: they enter no dense form below (padded
+// queries still attend); query_keep() reports them.
 #pragma once
 
 #include <torch/torch.h>

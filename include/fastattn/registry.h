@@ -39,8 +39,10 @@ struct ParamSpec {
   // whose absence means 1/sqrt(E)).
   std::optional<ParamValue> default_value;
   std::string help;
-  std::optional<double> min;  // inclusive, for Int and Float
-  std::optional<double> max;  // inclusive, for Int and Float
+  std::optional<double> min;  // for Int and Float; inclusive unless min_exclusive
+  std::optional<double> max;  // for Int and Float; inclusive unless max_exclusive
+  bool min_exclusive = false;
+  bool max_exclusive = false;
   std::vector<std::string> choices;  // for Choice
 
   // Shorthands for the common specs.
@@ -53,6 +55,11 @@ struct ParamSpec {
   static ParamSpec boolean(std::string name, bool def, std::string help);
   static ParamSpec choice(std::string name, std::string def, std::vector<std::string> choices,
                           std::string help);
+  // Open bounds: ParamSpec::real("p", 0.0, "...", 0.0, 1.0).exclusive_max() is [0, 1).
+  ParamSpec exclusive_min() const;
+  ParamSpec exclusive_max() const;
+  // "[0, 1)", ">= 1", "> 0" or "" without bounds.
+  std::string range_string() const;
 };
 
 // Validated parameters: every spec'd name is present (with its default) or
@@ -89,7 +96,7 @@ class AttentionRegistry {
   // The process-wide registry, with every built-in type registered.
   static AttentionRegistry& global();
 
-  void add(AttentionType type);  // throws if the name is taken
+  void add(AttentionType type);                  // throws if the name is taken
   bool contains(const std::string& name) const;  // understands conditional-full:<type>
   // The type's record; for "conditional-full:<type>" a synthesized record.
   AttentionType get(const std::string& name) const;
@@ -98,7 +105,12 @@ class AttentionRegistry {
   Params validate(const std::string& name, const ParamMap& params) const;
   AttentionPtr build(const std::string& name, const ParamMap& params = {},
                      const AttentionDims& dims = {}) const;
-  // Every type with its specs, as JSON (what `fastattn list --json` prints).
+  // Every type with its specs, as JSON (what `fastattn list --json` prints):
+  //   {"types": [{"name", "description", "params": [{"name", "type", "default"
+  //   (null when optional), "help", and where they apply "min", "max",
+  //   "min_exclusive", "max_exclusive", "choices"}]}],
+  //    "decorators": [{"name": "conditional-full:<type>", "description",
+  //   "params": [the parameters it adds to the inner type's]}]}
   nlohmann::json describe() const;
 
  private:

@@ -2,6 +2,7 @@
 // Used only by tests and benchmarks (never on a hot path).
 #include "fastattn/ops.h"
 #include "ops/mask_util.h"
+#include "ops/op_util.h"
 
 namespace fastattn::reference {
 

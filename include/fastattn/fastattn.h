@@ -1,0 +1,9 @@
+// fastattn: efficient transformer attention for LibTorch. One include for the
+// whole public API.
+#pragma once
+
+#include "fastattn/attention.h"
+#include "fastattn/mask.h"
+#include "fastattn/ops.h"
+#include "fastattn/registry.h"
+#include "fastattn/transformer.h"

@@ -1,0 +1,17 @@
+// The built-in attention types, one registration function per family
+// (internal). AttentionRegistry::global() calls register_builtin_types once;
+// a new family declares its function here and adds one line below.
+#pragma once
+
+#include "fastattn/registry.h"
+
+namespace fastattn {
+
+// full (src/attention/full.cpp).
+void register_full_attention_types(AttentionRegistry& registry);
+
+inline void register_builtin_types(AttentionRegistry& registry) {
+  register_full_attention_types(registry);
+}
+
+}  // namespace fastattn

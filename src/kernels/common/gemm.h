@@ -1,0 +1,123 @@
+// Register-blocked small matrix products for the attention kernels' tiles:
+//   C (M x N, row stride ldc) = [C +] A (M x K, row stride lda) · B (K x N)
+// B is either row-major (row stride ldb) or packed in panels of NR = 2·W
+// columns (panel p holds rows 0..K-1 of columns [p·NR, p·NR + NR), K·NR
+// contiguous values; see pack_panels). The micro-kernel keeps a 6 x NR block
+// of C in registers (12 AVX2 accumulators) and streams A by broadcast and B by
+// vector loads: thin products (K = 64) run near the FMA peak, which BLAS does
+// not reach on such shapes.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "kernels/common/simd.h"
+
+namespace fastattn::kernels {
+
+template <typename T>
+constexpr int panel_width() {
+  return 2 * Simd<T>::W;
+}
+
+// C[MR x NV·W] (+)= A[MR x K] · B[K x NV·W] with B rows ldb apart.
+template <typename T, int MR, int NV>
+inline void micro_kernel(int64_t K, const T* __restrict A, int64_t lda, const T* __restrict B,
+                         int64_t ldb, T* __restrict C, int64_t ldc, bool accumulate) {
+  using S = Simd<T>;
+  constexpr int W = S::W;
+  typename S::V c[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) c[i][v] = accumulate ? S::load(C + i * ldc + v * W) : S::zero();
+  for (int64_t k = 0; k < K; ++k) {
+    typename S::V b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = S::load(B + k * ldb + v * W);
+    for (int i = 0; i < MR; ++i) {
+      const auto a = S::set1(A[i * lda + k]);
+      for (int v = 0; v < NV; ++v) c[i][v] = S::fma(a, b[v], c[i][v]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) S::store(C + i * ldc + v * W, c[i][v]);
+}
+
+// Rows [0, M) of one column block, in groups of 6 and a remainder.
+template <typename T, int NV>
+inline void column_block(int64_t M, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb,
+                         T* C, int64_t ldc, bool accumulate) {
+  int64_t i = 0;
+  for (; i + 6 <= M; i += 6)
+    micro_kernel<T, 6, NV>(K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, accumulate);
+  const T* a = A + i * lda;
+  T* c = C + i * ldc;
+  switch (M - i) {
+    case 5: micro_kernel<T, 5, NV>(K, a, lda, B, ldb, c, ldc, accumulate); break;
+    case 4: micro_kernel<T, 4, NV>(K, a, lda, B, ldb, c, ldc, accumulate); break;
+    case 3: micro_kernel<T, 3, NV>(K, a, lda, B, ldb, c, ldc, accumulate); break;
+    case 2: micro_kernel<T, 2, NV>(K, a, lda, B, ldb, c, ldc, accumulate); break;
+    case 1: micro_kernel<T, 1, NV>(K, a, lda, B, ldb, c, ldc, accumulate); break;
+    default: break;
+  }
+}
+
+// C = [C +] A · B, B row-major with row stride ldb.
+template <typename T>
+inline void gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb,
+                 T* C, int64_t ldc, bool accumulate) {
+  constexpr int W = Simd<T>::W;
+  int64_t j = 0;
+  for (; j + 2 * W <= N; j += 2 * W)
+    column_block<T, 2>(M, K, A, lda, B + j, ldb, C + j, ldc, accumulate);
+  if (j + W <= N) {
+    column_block<T, 1>(M, K, A, lda, B + j, ldb, C + j, ldc, accumulate);
+    j += W;
+  }
+  for (; j < N; ++j) {  // fewer than W columns left
+    for (int64_t i = 0; i < M; ++i) {
+      T s = accumulate ? C[i * ldc + j] : T(0);
+      for (int64_t k = 0; k < K; ++k) s += A[i * lda + k] * B[k * ldb + j];
+      C[i * ldc + j] = s;
+    }
+  }
+}
+
+// C = [C +] A · B with B packed in panels (N a multiple of panel_width<T>()).
+template <typename T>
+inline void gemm_packed(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* Bp,
+                        T* C, int64_t ldc, bool accumulate) {
+  constexpr int NR = panel_width<T>();
+  for (int64_t j = 0; j < N; j += NR)
+    column_block<T, 2>(M, K, A, lda, Bp + j * K, NR, C + j, ldc, accumulate);
+}
+
+// Packs X^T into panels for gemm_packed: X is rows x cols (row stride ldx);
+// the product's B = X^T is cols x rows, so panel p holds, for every column c
+// of X, the rows [p·NR, p·NR + NR) of X. Rows past `rows` are zero-filled up
+// to padded_rows (a multiple of NR). out has cols · padded_rows values.
+template <typename T>
+inline void pack_transposed_panels(const T* X, int64_t rows, int64_t cols, int64_t ldx,
+                                   int64_t padded_rows, T* out) {
+  constexpr int NR = panel_width<T>();
+  for (int64_t p = 0; p < padded_rows; p += NR) {
+    T* panel = out + p * cols;
+    const int64_t n = std::min<int64_t>(NR, rows - p);
+    for (int64_t c = 0; c < cols; ++c) {
+      T* dst = panel + c * NR;
+      int64_t r = 0;
+      for (; r < n; ++r) dst[r] = X[(p + r) * ldx + c];
+      for (; r < NR; ++r) dst[r] = T(0);
+    }
+  }
+}
+
+// out (cols x rows, row stride ldo) = X^T for X rows x cols (row stride ldx).
+template <typename T>
+inline void transpose(const T* X, int64_t rows, int64_t cols, int64_t ldx, T* out, int64_t ldo) {
+  constexpr int64_t B = 8;
+  for (int64_t r0 = 0; r0 < rows; r0 += B)
+    for (int64_t c0 = 0; c0 < cols; c0 += B)
+      for (int64_t r = r0; r < std::min(rows, r0 + B); ++r)
+        for (int64_t c = c0; c < std::min(cols, c0 + B); ++c) out[c * ldo + r] = X[r * ldx + c];
+}
+
+}  // namespace fastattn::kernels

@@ -1,0 +1,51 @@
+// Fused softmax attention on the CPU: FlashAttention-style tiling with an
+// online softmax (forward) and per-tile recomputation from the saved row
+// log-sum-exp (backward). Never materialises the L×S matrix: extra memory is
+// one packed copy of K (and V in backward) plus per-thread tiles.
+//
+// Cost: forward 4·N·H·L·S·E flops (E = M), backward 2.5× that.
+// Tested by tests/cpp/test_full_attention.cpp; timed by bench/bench_full_attention.cpp.
+#pragma once
+
+#include <cstdint>
+
+namespace fastattn::kernels {
+
+template <typename T>
+struct FullAttentionParams {
+  const T* q = nullptr;  // (N, H, L, E) contiguous
+  const T* k = nullptr;  // (N, H, S, E) contiguous
+  const T* v = nullptr;  // (N, H, S, M) contiguous
+  // Additive mask or nullptr: element (n, h, l, s) at
+  // mask[n·mask_sn + h·mask_sh + l·mask_sl + s] (stride 0 on broadcast dims).
+  const T* mask = nullptr;
+  int64_t mask_sn = 0, mask_sh = 0, mask_sl = 0;
+  const int64_t* key_lengths = nullptr;  // (N,) in [0, S], or nullptr for S
+  int64_t N = 0, H = 0, L = 0, S = 0, E = 0, M = 0;
+  bool causal = false;  // query i sees key j iff j <= i + (S - L)
+  T scale = 1;          // softmax temperature applied to q·k
+  int num_threads = 1;
+};
+
+template <typename T>
+struct FullAttentionForwardArgs : FullAttentionParams<T> {
+  T* out = nullptr;  // (N, H, L, M)
+  T* lse = nullptr;  // (N, H, L): log-sum-exp of the kept scaled scores, -inf if none
+};
+
+template <typename T>
+struct FullAttentionBackwardArgs : FullAttentionParams<T> {
+  const T* grad_out = nullptr;  // (N, H, L, M) contiguous
+  const T* lse = nullptr;       // (N, H, L) from the forward
+  const T* delta = nullptr;     // (N, H, L): rowsum(grad_out ∘ out)
+  T* grad_q = nullptr;          // (N, H, L, E), written
+  T* grad_k = nullptr;          // (N, H, S, E), written
+  T* grad_v = nullptr;          // (N, H, S, M), written
+};
+
+template <typename T>
+void full_attention_forward_cpu(const FullAttentionForwardArgs<T>& args);
+template <typename T>
+void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& args);
+
+}  // namespace fastattn::kernels

@@ -1,0 +1,291 @@
+// CPU kernels of fused softmax attention (see full_attention.h).
+//
+// Forward, per work item (n, h, tile of kBr queries): for each tile of kBc
+// keys, S = Q·K^T (register-blocked, K packed in panels), scale and mask, an
+// online softmax update of the running row max m and sum l, O += P·V. At the
+// end O /= l and lse = m + log l.
+//
+// Backward (FlashAttention-2 order), per work item (n, h, split of key tiles):
+// for each key tile j, for each query tile i that can see it: recompute
+// P = exp(S·scale + mask - lse), dV_j += P^T dO_i, dP = dO_i V_j^T,
+// dS = P ∘ (dP - delta_i) · scale, dQ_i += dS K_j, dK_j += dS^T Q_i. When
+// there are fewer heads than threads the key tiles of a head are split and
+// each split accumulates its own dQ (O(L·E) each), summed at the end.
+#include "kernels/full/full_attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "kernels/common/gemm.h"
+#include "kernels/common/parallel.h"
+#include "kernels/common/simd.h"
+
+namespace fastattn::kernels {
+namespace {
+
+constexpr int64_t kFwdBr = 96;   // queries per forward tile (a multiple of 6)
+constexpr int64_t kFwdBc = 128;  // keys per forward tile
+constexpr int64_t kBwdBr = 48;   // queries per backward tile
+constexpr int64_t kBwdBc = 64;   // keys per backward tile
+
+template <typename T>
+constexpr T neg_inf() {
+  return -std::numeric_limits<T>::infinity();
+}
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Number of keys query i may see within [j0, j0 + cols): causal cut-off.
+inline int64_t visible_cols(bool causal, int64_t i, int64_t offset, int64_t j0, int64_t cols) {
+  if (!causal) return cols;
+  return std::clamp<int64_t>(i + offset + 1 - j0, 0, cols);
+}
+
+// Packs K (and V) of every (n, h) into transposed panels for gemm_packed:
+// out is (N·H, S_pad / NR panels, D, NR).
+template <typename T>
+std::unique_ptr<T[]> pack_all(const T* x, int64_t NH, int64_t S, int64_t D, int64_t S_pad,
+                              int num_threads) {
+  std::unique_ptr<T[]> out(new T[static_cast<size_t>(NH * S_pad * D)]);
+  T* o = out.get();
+  struct None {};
+  parallel_items<None>(
+      NH, num_threads, [](None&) {},
+      [&](int64_t nh, None&) {
+        pack_transposed_panels(x + nh * S * D, S, D, D, S_pad, o + nh * S_pad * D);
+      });
+  return out;
+}
+
+// Scales a row of scores, adds the mask row and cuts it at `limit` (the rest
+// up to `width` becomes -inf).
+template <typename T>
+inline void prepare_scores(T* row, const T* mask_row, int64_t limit, int64_t width, T scale) {
+  if (mask_row) {
+    for (int64_t c = 0; c < limit; ++c) row[c] = row[c] * scale + mask_row[c];
+  } else {
+    for (int64_t c = 0; c < limit; ++c) row[c] = row[c] * scale;
+  }
+  for (int64_t c = limit; c < width; ++c) row[c] = neg_inf<T>();
+}
+
+template <typename T>
+inline T row_max(const T* row, int64_t width) {  // width: a multiple of W
+  using S = Simd<T>;
+  auto m = S::set1(neg_inf<T>());
+  for (int64_t c = 0; c < width; c += S::W) m = S::max(m, S::load(row + c));
+  return S::hmax(m);
+}
+
+// row = exp(row - shift) in place; returns the sum. width: a multiple of W.
+template <typename T>
+inline T exp_shift_sum(T* row, int64_t width, T shift) {
+  using S = Simd<T>;
+  const auto sh = S::set1(shift);
+  auto sum = S::zero();
+  for (int64_t c = 0; c < width; c += S::W) {
+    const auto e = S::exp(S::sub(S::load(row + c), sh));
+    S::store(row + c, e);
+    sum = S::add(sum, e);
+  }
+  return S::hsum(sum);
+}
+
+template <typename T>
+struct ForwardScratch {
+  std::vector<T> s, o, m, l;
+};
+
+}  // namespace
+
+template <typename T>
+void full_attention_forward_cpu(const FullAttentionForwardArgs<T>& a) {
+  const int64_t N = a.N, H = a.H, L = a.L, S = a.S, E = a.E, M = a.M;
+  const int64_t NH = N * H;
+  if (NH == 0 || L == 0) return;
+  constexpr int64_t NR = panel_width<T>();
+  const int64_t S_pad = round_up(std::max<int64_t>(S, 1), NR);
+  const auto kp = pack_all(a.k, NH, S, E, S_pad, a.num_threads);
+  const int64_t q_tiles = (L + kFwdBr - 1) / kFwdBr;
+  const int64_t offset = S - L;
+
+  parallel_items<ForwardScratch<T>>(
+      NH * q_tiles, a.num_threads,
+      [&](ForwardScratch<T>& w) {
+        w.s.resize(kFwdBr * kFwdBc);
+        w.o.resize(kFwdBr * M);
+        w.m.resize(kFwdBr);
+        w.l.resize(kFwdBr);
+      },
+      [&](int64_t item, ForwardScratch<T>& w) {
+        const int64_t nh = item / q_tiles, n = nh / H, h = nh % H;
+        const int64_t i0 = (item % q_tiles) * kFwdBr;
+        const int64_t rows = std::min(kFwdBr, L - i0);
+        const T* q = a.q + (nh * L + i0) * E;
+        const T* kph = kp.get() + nh * S_pad * E;
+        const T* vh = a.v + nh * S * M;
+        int64_t kend = a.key_lengths ? a.key_lengths[n] : S;
+        if (a.causal) kend = std::min(kend, i0 + rows + offset);
+        std::fill(w.o.begin(), w.o.end(), T(0));
+        std::fill(w.m.begin(), w.m.end(), neg_inf<T>());
+        std::fill(w.l.begin(), w.l.end(), T(0));
+        for (int64_t j0 = 0; j0 < kend; j0 += kFwdBc) {
+          const int64_t cols = std::min(kFwdBc, kend - j0);
+          const int64_t width = round_up(cols, NR);
+          gemm_packed(rows, width, E, q, E, kph + j0 * E, w.s.data(), kFwdBc, false);
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t i = i0 + r;
+            T* row = w.s.data() + r * kFwdBc;
+            const T* mrow = a.mask ? a.mask + n * a.mask_sn + h * a.mask_sh + i * a.mask_sl + j0
+                                   : nullptr;
+            prepare_scores(row, mrow, visible_cols(a.causal, i, offset, j0, cols), width, a.scale);
+            const T m_new = std::max(w.m[r], row_max(row, width));
+            if (m_new == neg_inf<T>()) {  // nothing kept so far in this row
+              std::fill(row, row + width, T(0));
+              continue;
+            }
+            const T alpha = std::exp(w.m[r] - m_new);  // 0 when m was -inf
+            const T sum = exp_shift_sum(row, width, m_new);
+            w.l[r] = w.l[r] * alpha + sum;
+            w.m[r] = m_new;
+            if (alpha != T(1)) {
+              T* orow = w.o.data() + r * M;
+              for (int64_t c = 0; c < M; ++c) orow[c] *= alpha;
+            }
+          }
+          gemm(rows, M, cols, w.s.data(), kFwdBc, vh + j0 * M, M, w.o.data(), M, true);
+        }
+        T* out = a.out + (nh * L + i0) * M;
+        T* lse = a.lse + nh * L + i0;
+        for (int64_t r = 0; r < rows; ++r) {
+          const T l = w.l[r];
+          const T inv = l > T(0) ? T(1) / l : T(0);
+          for (int64_t c = 0; c < M; ++c) out[r * M + c] = w.o[r * M + c] * inv;
+          lse[r] = l > T(0) ? w.m[r] + std::log(l) : neg_inf<T>();
+        }
+      });
+}
+
+namespace {
+template <typename T>
+struct BackwardScratch {
+  std::vector<T> p, pt, dp, dst, dk, dv;
+};
+}  // namespace
+
+template <typename T>
+void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& a) {
+  const int64_t N = a.N, H = a.H, L = a.L, S = a.S, E = a.E, M = a.M;
+  const int64_t NH = N * H;
+  std::fill(a.grad_q, a.grad_q + NH * L * E, T(0));
+  std::fill(a.grad_k, a.grad_k + NH * S * E, T(0));
+  std::fill(a.grad_v, a.grad_v + NH * S * M, T(0));
+  if (NH == 0 || L == 0 || S == 0) return;
+  constexpr int64_t NR = panel_width<T>();
+  const int64_t S_pad = round_up(S, NR);
+  const auto kp = pack_all(a.k, NH, S, E, S_pad, a.num_threads);
+  const auto vp = pack_all(a.v, NH, S, M, S_pad, a.num_threads);
+  const int64_t k_tiles = (S + kBwdBc - 1) / kBwdBc;
+  const int64_t offset = S - L;
+  // Split each head's key tiles when there are fewer heads than threads.
+  const int64_t splits =
+      std::min<int64_t>(k_tiles, std::max<int64_t>(1, (2 * a.num_threads + NH - 1) / NH));
+  std::unique_ptr<T[]> dq_parts;
+  if (splits > 1) {
+    dq_parts.reset(new T[static_cast<size_t>(NH * splits * L * E)]());
+  }
+
+  parallel_items<BackwardScratch<T>>(
+      NH * splits, a.num_threads,
+      [&](BackwardScratch<T>& w) {
+        w.p.resize(kBwdBr * kBwdBc);
+        w.pt.resize(kBwdBc * kBwdBr);
+        w.dp.resize(kBwdBr * kBwdBc);
+        w.dst.resize(kBwdBc * kBwdBr);
+        w.dk.resize(kBwdBc * E);
+        w.dv.resize(kBwdBc * M);
+      },
+      [&](int64_t item, BackwardScratch<T>& w) {
+        const int64_t nh = item / splits, split = item % splits, n = nh / H, h = nh % H;
+        const int64_t len = a.key_lengths ? a.key_lengths[n] : S;
+        const T* qh = a.q + nh * L * E;
+        const T* kh = a.k + nh * S * E;
+        const T* doh = a.grad_out + nh * L * M;
+        const T* lse = a.lse + nh * L;
+        const T* delta = a.delta + nh * L;
+        T* dq = splits > 1 ? dq_parts.get() + (nh * splits + split) * L * E : a.grad_q + nh * L * E;
+        for (int64_t t = split; t * kBwdBc < len; t += splits) {
+          const int64_t j0 = t * kBwdBc;
+          const int64_t cols = std::min(kBwdBc, len - j0);
+          const int64_t width = round_up(cols, NR);
+          std::fill(w.dk.begin(), w.dk.end(), T(0));
+          std::fill(w.dv.begin(), w.dv.end(), T(0));
+          // Queries that may see this tile: i >= j0 - offset when causal.
+          int64_t i_start = a.causal ? std::max<int64_t>(0, j0 - offset) : 0;
+          i_start = i_start / kBwdBr * kBwdBr;
+          for (int64_t i0 = i_start; i0 < L; i0 += kBwdBr) {
+            const int64_t rows = std::min(kBwdBr, L - i0);
+            const T* qi = qh + i0 * E;
+            const T* doi = doh + i0 * M;
+            // P = exp(S·scale + mask - lse), zero where dropped.
+            gemm_packed(rows, width, E, qi, E, kp.get() + nh * S_pad * E + j0 * E, w.p.data(),
+                        kBwdBc, false);
+            for (int64_t r = 0; r < rows; ++r) {
+              const int64_t i = i0 + r;
+              T* row = w.p.data() + r * kBwdBc;
+              if (lse[i] == neg_inf<T>()) {
+                std::fill(row, row + width, T(0));
+                continue;
+              }
+              const T* mrow = a.mask
+                                  ? a.mask + n * a.mask_sn + h * a.mask_sh + i * a.mask_sl + j0
+                                  : nullptr;
+              prepare_scores(row, mrow, visible_cols(a.causal, i, offset, j0, cols), width,
+                             a.scale);
+              exp_shift_sum(row, width, lse[i]);
+            }
+            // dV_j += P^T dO_i
+            transpose(w.p.data(), rows, cols, kBwdBc, w.pt.data(), kBwdBr);
+            gemm(cols, M, rows, w.pt.data(), kBwdBr, doi, M, w.dv.data(), M, true);
+            // dP = dO_i V_j^T, then dS = P ∘ (dP - delta) · scale (in w.dp)
+            gemm_packed(rows, width, M, doi, M, vp.get() + nh * S_pad * M + j0 * M, w.dp.data(),
+                        kBwdBc, false);
+            for (int64_t r = 0; r < rows; ++r) {
+              const T d = delta[i0 + r];
+              const T* prow = w.p.data() + r * kBwdBc;
+              T* dprow = w.dp.data() + r * kBwdBc;
+              for (int64_t c = 0; c < cols; ++c) dprow[c] = prow[c] * (dprow[c] - d) * a.scale;
+            }
+            // dQ_i += dS K_j ; dK_j += dS^T Q_i
+            gemm(rows, E, cols, w.dp.data(), kBwdBc, kh + j0 * E, E, dq + i0 * E, E, true);
+            transpose(w.dp.data(), rows, cols, kBwdBc, w.dst.data(), kBwdBr);
+            gemm(cols, E, rows, w.dst.data(), kBwdBr, qi, E, w.dk.data(), E, true);
+          }
+          std::copy(w.dk.begin(), w.dk.begin() + cols * E, a.grad_k + (nh * S + j0) * E);
+          std::copy(w.dv.begin(), w.dv.begin() + cols * M, a.grad_v + (nh * S + j0) * M);
+        }
+      });
+
+  if (splits > 1) {
+    struct None {};
+    parallel_items<None>(
+        NH, a.num_threads, [](None&) {},
+        [&](int64_t nh, None&) {
+          T* dst = a.grad_q + nh * L * E;
+          for (int64_t s = 0; s < splits; ++s) {
+            const T* src = dq_parts.get() + (nh * splits + s) * L * E;
+            for (int64_t x = 0; x < L * E; ++x) dst[x] += src[x];
+          }
+        });
+  }
+}
+
+template void full_attention_forward_cpu<float>(const FullAttentionForwardArgs<float>&);
+template void full_attention_forward_cpu<double>(const FullAttentionForwardArgs<double>&);
+template void full_attention_backward_cpu<float>(const FullAttentionBackwardArgs<float>&);
+template void full_attention_backward_cpu<double>(const FullAttentionBackwardArgs<double>&);
+
+}  // namespace fastattn::kernels

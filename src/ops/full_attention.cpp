@@ -1,0 +1,203 @@
+// The full_attention operator: input checks, CPU implementations of the
+// forward/backward kernels, the autograd function, and the C++ entry point.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include "fastattn/ops.h"
+#include "kernels/full/full_attention.h"
+#include "ops/mask_util.h"
+#include "ops/op_util.h"
+
+namespace fastattn {
+namespace {
+
+using torch::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+constexpr const char* kOp = "fastattn::full_attention";
+
+double default_temp(const Tensor& q, c10::optional<double> softmax_temp) {
+  if (softmax_temp) {
+    TORCH_CHECK(std::isfinite(*softmax_temp) && *softmax_temp > 0, kOp,
+                ": softmax_temp must be a finite number > 0, got ", *softmax_temp);
+    return *softmax_temp;
+  }
+  return 1.0 / std::sqrt(static_cast<double>(q.size(3)));
+}
+
+void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
+                  const c10::optional<Tensor>& attn_mask,
+                  const c10::optional<Tensor>& key_lengths) {
+  ops::check_qkv(kOp, q, k, v);
+  ops::check_masks(kOp, q, k.size(2), to_std(attn_mask), to_std(key_lengths));
+}
+
+// Everything a kernel needs, made contiguous and of the kernel's types.
+struct Prepared {
+  Tensor q, k, v, mask, lengths;  // mask: additive (N,H,L,S) view; lengths: int64
+};
+
+Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v,
+                 const c10::optional<Tensor>& attn_mask,
+                 const c10::optional<Tensor>& key_lengths) {
+  Prepared p{q.contiguous(), k.contiguous(), v.contiguous(), {}, {}};
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
+  if (attn_mask) {
+    p.mask = ops::broadcast_mask(ops::additive_mask(*attn_mask, q.scalar_type()).contiguous(), N,
+                                 H, L, S);
+  }
+  if (key_lengths) p.lengths = key_lengths->to(torch::kLong).contiguous();
+  return p;
+}
+
+template <typename T, typename Args>
+void fill_params(Args& a, const Prepared& p, bool causal, double temp) {
+  a.q = p.q.data_ptr<T>();
+  a.k = p.k.data_ptr<T>();
+  a.v = p.v.data_ptr<T>();
+  a.N = p.q.size(0);
+  a.H = p.q.size(1);
+  a.L = p.q.size(2);
+  a.E = p.q.size(3);
+  a.S = p.k.size(2);
+  a.M = p.v.size(3);
+  if (p.mask.defined()) {
+    a.mask = p.mask.data_ptr<T>();
+    a.mask_sn = p.mask.stride(0);
+    a.mask_sh = p.mask.stride(1);
+    a.mask_sl = p.mask.stride(2);
+  }
+  if (p.lengths.defined()) a.key_lengths = p.lengths.data_ptr<int64_t>();
+  a.causal = causal;
+  a.scale = static_cast<T>(temp);
+  a.num_threads = at::get_num_threads();
+}
+
+std::tuple<Tensor, Tensor> full_attention_forward_cpu(const Tensor& q, const Tensor& k,
+                                                      const Tensor& v,
+                                                      const c10::optional<Tensor>& attn_mask,
+                                                      const c10::optional<Tensor>& key_lengths,
+                                                      bool causal, double softmax_temp) {
+  check_inputs(q, k, v, attn_mask, key_lengths);
+  const auto p = prepare(q, k, v, attn_mask, key_lengths);
+  auto out = torch::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+  auto lse = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "full_attention_forward_cpu", [&] {
+    kernels::FullAttentionForwardArgs<scalar_t> a;
+    fill_params<scalar_t>(a, p, causal, softmax_temp);
+    a.out = out.data_ptr<scalar_t>();
+    a.lse = lse.data_ptr<scalar_t>();
+    kernels::full_attention_forward_cpu(a);
+  });
+  return {out, lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor> full_attention_backward_cpu(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+    const Tensor& lse, const c10::optional<Tensor>& attn_mask,
+    const c10::optional<Tensor>& key_lengths, bool causal, double softmax_temp) {
+  check_inputs(q, k, v, attn_mask, key_lengths);
+  const auto p = prepare(q, k, v, attn_mask, key_lengths);
+  TORCH_CHECK(grad_out.sizes() == out.sizes(), kOp, ": grad_out must have shape ", out.sizes(),
+              ", got ", grad_out.sizes());
+  auto go = grad_out.to(q.scalar_type()).contiguous();
+  auto delta = (go * out).sum(-1).contiguous();  // (N, H, L)
+  auto lse_c = lse.contiguous();
+  auto gq = torch::empty_like(p.q), gk = torch::empty_like(p.k), gv = torch::empty_like(p.v);
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "full_attention_backward_cpu", [&] {
+    kernels::FullAttentionBackwardArgs<scalar_t> a;
+    fill_params<scalar_t>(a, p, causal, softmax_temp);
+    a.grad_out = go.data_ptr<scalar_t>();
+    a.lse = lse_c.data_ptr<scalar_t>();
+    a.delta = delta.data_ptr<scalar_t>();
+    a.grad_q = gq.data_ptr<scalar_t>();
+    a.grad_k = gk.data_ptr<scalar_t>();
+    a.grad_v = gv.data_ptr<scalar_t>();
+    kernels::full_attention_backward_cpu(a);
+  });
+  return {gq, gk, gv};
+}
+
+// Calls below autograd go through the dispatcher so each backend's kernel runs.
+std::tuple<Tensor, Tensor> call_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                        const c10::optional<Tensor>& attn_mask,
+                                        const c10::optional<Tensor>& key_lengths, bool causal,
+                                        double temp) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastattn::full_attention_forward", "")
+                       .typed<decltype(full_attention_forward_cpu)>();
+  return op.call(q, k, v, attn_mask, key_lengths, causal, temp);
+}
+
+Tensor full_attention_no_grad(const Tensor& q, const Tensor& k, const Tensor& v,
+                              const c10::optional<Tensor>& attn_mask,
+                              const c10::optional<Tensor>& key_lengths, bool causal,
+                              c10::optional<double> softmax_temp) {
+  ops::check_qkv(kOp, q, k, v);
+  return std::get<0>(
+      call_forward(q, k, v, attn_mask, key_lengths, causal, default_temp(q, softmax_temp)));
+}
+
+class FullAttentionFunction : public torch::autograd::Function<FullAttentionFunction> {
+ public:
+  static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const c10::optional<Tensor>& attn_mask,
+                        const c10::optional<Tensor>& key_lengths, bool causal,
+                        c10::optional<double> softmax_temp) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    ops::check_qkv(kOp, q, k, v);
+    const double temp = default_temp(q, softmax_temp);
+    auto [out, lse] = call_forward(q, k, v, attn_mask, key_lengths, causal, temp);
+    ctx->save_for_backward({q, k, v, out, lse});
+    ctx->saved_data["attn_mask"] = attn_mask ? *attn_mask : Tensor();
+    ctx->saved_data["key_lengths"] = key_lengths ? *key_lengths : Tensor();
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["temp"] = temp;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("fastattn::full_attention_backward", "")
+                         .typed<decltype(full_attention_backward_cpu)>();
+    const auto saved = ctx->get_saved_variables();
+    auto opt = [](const c10::IValue& t) {
+      return t.toTensor().defined() ? c10::optional<Tensor>(t.toTensor()) : c10::nullopt;
+    };
+    auto [gq, gk, gv] =
+        op.call(grads[0], saved[0], saved[1], saved[2], saved[3], saved[4],
+                opt(ctx->saved_data["attn_mask"]), opt(ctx->saved_data["key_lengths"]),
+                ctx->saved_data["causal"].toBool(), ctx->saved_data["temp"].toDouble());
+    return {gq, gk, gv, Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+Tensor full_attention_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
+                               const c10::optional<Tensor>& attn_mask,
+                               const c10::optional<Tensor>& key_lengths, bool causal,
+                               c10::optional<double> softmax_temp) {
+  return FullAttentionFunction::apply(q, k, v, attn_mask, key_lengths, causal, softmax_temp);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
+  m.impl("full_attention", full_attention_no_grad);
+  m.impl("full_attention_forward", full_attention_forward_cpu);
+  m.impl("full_attention_backward", full_attention_backward_cpu);
+}
+
+TORCH_LIBRARY_IMPL(fastattn, Autograd, m) { m.impl("full_attention", full_attention_autograd); }
+
+Tensor full_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                      const std::optional<Tensor>& attn_mask,
+                      const std::optional<Tensor>& key_lengths, bool causal,
+                      std::optional<double> softmax_temp) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastattn::full_attention", "")
+                       .typed<decltype(full_attention_no_grad)>();
+  return op.call(q, k, v, to_c10(attn_mask), to_c10(key_lengths), causal, to_c10(softmax_temp));
+}
+
+}  // namespace fastattn

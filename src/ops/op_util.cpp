@@ -1,0 +1,41 @@
+// Shared input checks of the operators (see op_util.h).
+#include "ops/op_util.h"
+
+namespace fastattn::ops {
+
+void check_qkv(const char* op, const torch::Tensor& q, const torch::Tensor& k,
+               const torch::Tensor& v) {
+  TORCH_CHECK(q.defined() && k.defined() && v.defined(), op,
+              ": q, k and v must be defined tensors");
+  TORCH_CHECK(q.dim() == 4, op, ": q must have shape (N, H, L, E), got ", q.dim(),
+              " dimensions ", q.sizes());
+  TORCH_CHECK(k.dim() == 4, op, ": k must have shape (N, H, S, E), got ", k.dim(),
+              " dimensions ", k.sizes());
+  TORCH_CHECK(v.dim() == 4, op, ": v must have shape (N, H, S, M), got ", v.dim(),
+              " dimensions ", v.sizes());
+  TORCH_CHECK(k.size(0) == q.size(0) && k.size(1) == q.size(1) && k.size(3) == q.size(3), op,
+              ": k must agree with q (N, H, L, E) = ", q.sizes(), " in N, H and E, got ",
+              k.sizes());
+  TORCH_CHECK(v.size(0) == k.size(0) && v.size(1) == k.size(1) && v.size(2) == k.size(2), op,
+              ": v must agree with k (N, H, S, E) = ", k.sizes(), " in N, H and S, got ",
+              v.sizes());
+  TORCH_CHECK(q.size(3) >= 1, op, ": q's head dimension E must be >= 1, got ", q.size(3));
+  TORCH_CHECK(q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kDouble, op,
+              ": q must be float32 or float64, got ", q.scalar_type());
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), op,
+              ": q, k and v must have one dtype, got ", q.scalar_type(), ", ", k.scalar_type(),
+              ", ", v.scalar_type());
+  TORCH_CHECK(k.device() == q.device() && v.device() == q.device(), op,
+              ": q, k and v must be on one device, got ", q.device(), ", ", k.device(), ", ",
+              v.device());
+}
+
+torch::Tensor additive_mask(const torch::Tensor& attn_mask, torch::ScalarType dtype) {
+  if (attn_mask.scalar_type() == torch::kBool) {
+    return torch::zeros(attn_mask.sizes(), attn_mask.options().dtype(dtype))
+        .masked_fill(attn_mask.logical_not(), -std::numeric_limits<double>::infinity());
+  }
+  return attn_mask.to(dtype);
+}
+
+}  // namespace fastattn::ops

@@ -1,0 +1,31 @@
+// Small helpers shared by the operators' entry points (internal).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <optional>
+
+namespace fastattn {
+
+// std::optional <-> c10::optional (distinct types in LibTorch 1.13).
+template <typename T>
+c10::optional<T> to_c10(const std::optional<T>& x) {
+  return x ? c10::optional<T>(*x) : c10::nullopt;
+}
+template <typename T>
+std::optional<T> to_std(const c10::optional<T>& x) {
+  return x ? std::optional<T>(*x) : std::nullopt;
+}
+
+namespace ops {
+
+// Checks q (N,H,L,E), k (N,H,S,E), v (N,H,S,M): ranks, agreement of N, H, E
+// and S, floating dtype (one for all three), device; messages name `op`.
+void check_qkv(const char* op, const torch::Tensor& q, const torch::Tensor& k,
+               const torch::Tensor& v);
+
+// A bool mask (true = keep) as 0 / -inf of `dtype`; a floating mask cast.
+torch::Tensor additive_mask(const torch::Tensor& attn_mask, torch::ScalarType dtype);
+
+}  // namespace ops
+}  // namespace fastattn

@@ -1,0 +1,1 @@
+// Compiles the executables' precompiled header (see CMakeLists.txt).

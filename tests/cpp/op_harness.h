@@ -1,0 +1,50 @@
+// Reusable checks for fastattn operators. An operator case says how to make
+// its inputs and how to call the op and its reference; the harness checks
+//  - forward against the reference in float64 (tight) and float32 (a stated
+//    tolerance), the reference always evaluated in float64;
+//  - gradients against autograd through the reference (float64);
+//  - gradients by central finite differences (float64, small shapes): the
+//    directional derivative along random directions must match <grad, d>.
+// A new op adds a case (see test_full_attention.cpp), not a harness.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace fastattn::testing {
+
+using Inputs = std::vector<torch::Tensor>;
+
+struct OpCase {
+  std::string name;
+  // Differentiable inputs in float64 for a seed (the harness casts copies).
+  std::function<Inputs(uint64_t seed)> make_inputs;
+  std::function<torch::Tensor(const Inputs&)> op;
+  std::function<torch::Tensor(const Inputs&)> reference;
+  // Which inputs get gradients checked (default: all).
+  std::vector<size_t> grad_inputs;
+  double f64_tol = 1e-10;  // max abs error, float64
+  double f32_tol = 1e-5;   // max abs error, float32: state the reason in the case
+};
+
+// Max |a - b|, treating matching NaN/inf as equal and reporting them otherwise.
+double max_abs_diff(const torch::Tensor& a, const torch::Tensor& b);
+
+void check_forward(const OpCase& c, uint64_t seed = 0);
+void check_gradients_vs_reference(const OpCase& c, uint64_t seed = 0, double tol = 1e-9);
+void check_finite_differences(const OpCase& c, uint64_t seed = 0, int directions = 3,
+                              double tol = 1e-6);
+
+// Runs all three.
+inline void check_op(const OpCase& c, uint64_t seed = 0) {
+  SCOPED_TRACE(c.name);
+  check_forward(c, seed);
+  check_gradients_vs_reference(c, seed);
+  check_finite_differences(c, seed);
+}
+
+}  // namespace fastattn::testing

@@ -1,0 +1,191 @@
+// Fused full attention vs its float64 reference: awkward shapes, every mask
+// form, gradients, edge numerics and bad inputs.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "fastattn/ops.h"
+#include "op_harness.h"
+
+namespace fastattn {
+namespace {
+
+using testing::Inputs;
+using testing::OpCase;
+
+enum class MaskKind { None, Bool, Additive };
+
+struct FullCfg {
+  std::string name;
+  int64_t N, H, L, S, E, M;
+  bool causal = false;
+  std::vector<int64_t> lengths;  // empty: no key lengths
+  MaskKind mask = MaskKind::None;
+  std::optional<double> temp;
+  bool mask_per_batch = false;  // (N, L, S) instead of (L, S)
+};
+
+OpCase make_case(const FullCfg& c) {
+  OpCase oc;
+  oc.name = c.name;
+  // Masks and lengths are not differentiated: build them once per case.
+  torch::manual_seed(1234);
+  std::optional<torch::Tensor> mask, lengths;
+  if (c.mask != MaskKind::None) {
+    auto shape = c.mask_per_batch ? std::vector<int64_t>{c.N, c.L, c.S}
+                                  : std::vector<int64_t>{c.L, c.S};
+    auto keep = torch::rand(shape, torch::kDouble) > 0.3;
+    // Keep the first key of each row so that a row is never empty by chance.
+    keep.select(-1, 0).fill_(true);
+    if (c.mask == MaskKind::Bool) {
+      mask = keep;
+    } else {
+      mask = torch::randn(shape, torch::kDouble).masked_fill(keep.logical_not(), -INFINITY);
+    }
+  }
+  if (!c.lengths.empty()) lengths = torch::tensor(c.lengths, torch::kLong);
+  oc.make_inputs = [c](uint64_t seed) -> Inputs {
+    torch::manual_seed(seed);
+    return {torch::randn({c.N, c.H, c.L, c.E}, torch::kDouble),
+            torch::randn({c.N, c.H, c.S, c.E}, torch::kDouble),
+            torch::randn({c.N, c.H, c.S, c.M}, torch::kDouble)};
+  };
+  auto cast_mask = [mask](const torch::Tensor& like) -> std::optional<torch::Tensor> {
+    if (!mask) return std::nullopt;
+    return mask->is_floating_point() ? mask->to(like.scalar_type()) : *mask;
+  };
+  oc.op = [c, cast_mask, lengths](const Inputs& x) {
+    return full_attention(x[0], x[1], x[2], cast_mask(x[0]), lengths, c.causal, c.temp);
+  };
+  oc.reference = [c, cast_mask, lengths](const Inputs& x) {
+    return reference::full_attention(x[0], x[1], x[2], cast_mask(x[0]), lengths, c.causal, c.temp);
+  };
+  oc.f64_tol = 1e-12;
+  // float32: inputs are rounded to float32 (relative 6e-8) and sums of up to
+  // S·E products accumulate in float32; outputs are O(1).
+  oc.f32_tol = 2e-5;
+  return oc;
+}
+
+class FullAttentionCases : public ::testing::TestWithParam<FullCfg> {};
+
+TEST_P(FullAttentionCases, MatchesReference) { testing::check_op(make_case(GetParam())); }
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, FullAttentionCases,
+    ::testing::Values(
+        FullCfg{"tiny", 1, 1, 1, 1, 1, 1}, FullCfg{"batch2_heads3_97", 2, 3, 97, 97, 64, 64},
+        FullCfg{"odd_dims_S_ne_L", 1, 2, 37, 130, 17, 33},
+        FullCfg{"causal_97", 2, 2, 97, 97, 32, 32, true},
+        FullCfg{"causal_L_gt_S", 1, 2, 50, 29, 8, 5, true},
+        FullCfg{"causal_L_lt_S", 1, 2, 29, 50, 8, 5, true},
+        FullCfg{"lengths", 3, 2, 40, 70, 16, 16, false, {70, 33, 1}},
+        FullCfg{"lengths_zero_and_causal", 3, 1, 40, 40, 16, 8, true, {40, 0, 17}},
+        FullCfg{"bool_mask", 2, 2, 45, 60, 16, 16, false, {}, MaskKind::Bool},
+        FullCfg{"additive_mask_batch", 2, 2, 45, 60, 16, 16, false, {}, MaskKind::Additive,
+                std::nullopt, true},
+        FullCfg{"everything", 2, 3, 61, 61, 24, 40, true, {61, 30}, MaskKind::Bool, 0.3},
+        FullCfg{"temp", 1, 1, 20, 20, 8, 8, false, {}, MaskKind::None, 2.5}),
+    [](const ::testing::TestParamInfo<FullCfg>& info) { return info.param.name; });
+
+TEST(FullAttention, LongSequenceFloat32MatchesFloat64Reference) {
+  torch::manual_seed(3);
+  auto q = torch::randn({1, 2, 1025, 64}, torch::kDouble);
+  auto k = torch::randn({1, 2, 1025, 64}, torch::kDouble);
+  auto v = torch::randn({1, 2, 1025, 64}, torch::kDouble);
+  for (bool causal : {false, true}) {
+    auto ref = reference::full_attention(q, k, v, std::nullopt, std::nullopt, causal);
+    auto out = full_attention(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat),
+                              std::nullopt, std::nullopt, causal);
+    EXPECT_LE(testing::max_abs_diff(out, ref), 2e-5) << "causal=" << causal;
+  }
+}
+
+TEST(FullAttention, RowsWithoutKeysGiveZerosAndZeroGradients) {
+  // Causal with L > S: the first L - S queries see no key; key length 0 too.
+  auto q = torch::randn({2, 1, 9, 4}, torch::kDouble).requires_grad_();
+  auto k = torch::randn({2, 1, 5, 4}, torch::kDouble).requires_grad_();
+  auto v = torch::randn({2, 1, 5, 3}, torch::kDouble).requires_grad_();
+  auto lengths = torch::tensor({5, 0}, torch::kLong);
+  auto out = full_attention(q, k, v, std::nullopt, lengths, /*causal=*/true);
+  EXPECT_TRUE(torch::isfinite(out).all().item<bool>());
+  EXPECT_EQ(out.index({0, 0, torch::indexing::Slice(0, 4)}).abs().max().item<double>(), 0.0);
+  EXPECT_EQ(out[1].abs().max().item<double>(), 0.0);
+  out.sum().backward();
+  for (const auto& g : {q.grad(), k.grad(), v.grad()})
+    EXPECT_TRUE(torch::isfinite(g).all().item<bool>());
+  EXPECT_EQ(q.grad()[1].abs().max().item<double>(), 0.0);
+  EXPECT_EQ(q.grad().index({0, 0, torch::indexing::Slice(0, 4)}).abs().max().item<double>(), 0.0);
+}
+
+TEST(FullAttention, HugeScoresStayFinite) {
+  auto q = torch::randn({1, 1, 64, 16}) * 100;  // |q·k| ~ 1e4 and beyond
+  auto k = torch::randn({1, 1, 64, 16}) * 100;
+  auto v = torch::randn({1, 1, 64, 16});
+  auto out = full_attention(q, k, v, std::nullopt, std::nullopt, false, 1.0);
+  auto ref = reference::full_attention(q.to(torch::kDouble), k.to(torch::kDouble),
+                                       v.to(torch::kDouble), std::nullopt, std::nullopt, false, 1.0);
+  EXPECT_TRUE(torch::isfinite(out).all().item<bool>());
+  EXPECT_LE(testing::max_abs_diff(out, ref), 1e-4);
+}
+
+TEST(FullAttention, SameResultWithOneOrTwoThreads) {
+  auto q = torch::randn({1, 1, 300, 32}), k = torch::randn({1, 1, 300, 32}),
+       v = torch::randn({1, 1, 300, 32});
+  const int saved = at::get_num_threads();
+  at::set_num_threads(1);
+  auto a = full_attention(q, k, v, std::nullopt, std::nullopt, true);
+  at::set_num_threads(2);
+  auto b = full_attention(q, k, v, std::nullopt, std::nullopt, true);
+  at::set_num_threads(saved);
+  EXPECT_TRUE(torch::equal(a, b));
+}
+
+TEST(FullAttention, NonContiguousInputs) {
+  auto base = torch::randn({1, 30, 2, 16}, torch::kDouble);  // (N, L, H, E) viewed as (N,H,L,E)
+  auto q = base.transpose(1, 2);
+  ASSERT_FALSE(q.is_contiguous());
+  auto out = full_attention(q, q, q);
+  auto ref = reference::full_attention(q.contiguous(), q.contiguous(), q.contiguous());
+  EXPECT_LE(testing::max_abs_diff(out, ref), 1e-12);
+}
+
+// Bad input: the message names the argument.
+void expect_error(const std::function<void()>& f, const std::string& needle) {
+  try {
+    f();
+    ADD_FAILURE() << "no error; expected one mentioning '" << needle << "'";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
+        << "message '" << e.what_without_backtrace() << "' does not mention '" << needle << "'";
+  }
+}
+
+TEST(FullAttention, BadInputsNameTheArgument) {
+  auto q = torch::randn({1, 2, 5, 4}), k = torch::randn({1, 2, 6, 4}),
+       v = torch::randn({1, 2, 6, 3});
+  expect_error([&] { full_attention(q[0], k, v); }, "q must have shape");
+  expect_error([&] { full_attention(q, k.narrow(3, 0, 3), v); }, "k must agree with q");
+  expect_error([&] { full_attention(q, k, v.narrow(2, 0, 5)); }, "v must agree with k");
+  expect_error([&] { full_attention(q, k.to(torch::kDouble), v); }, "one dtype");
+  expect_error([&] { full_attention(q.to(torch::kInt), k, v); }, "q must be float32 or float64");
+  expect_error([&] { full_attention(q, k, v, torch::ones({5, 5}, torch::kBool)); }, "attn_mask");
+  expect_error([&] { full_attention(q, k, v, torch::ones({5, 6}, torch::kInt)); }, "attn_mask");
+  expect_error([&] { full_attention(q, k, v, std::nullopt, torch::tensor({7}, torch::kLong)); },
+               "key_lengths");
+  expect_error([&] { full_attention(q, k, v, std::nullopt, torch::tensor({1.0})); },
+               "key_lengths");
+  expect_error([&] { full_attention(q, k, v, std::nullopt, std::nullopt, false, -1.0); },
+               "softmax_temp");
+}
+
+TEST(FullAttention, EmptyInputs) {
+  auto out = full_attention(torch::randn({1, 2, 0, 4}), torch::randn({1, 2, 6, 4}),
+                            torch::randn({1, 2, 6, 3}));
+  EXPECT_EQ(out.sizes(), (std::vector<int64_t>{1, 2, 0, 3}));
+  auto out2 = full_attention(torch::randn({1, 2, 5, 4}), torch::randn({1, 2, 0, 4}),
+                             torch::randn({1, 2, 0, 3}));
+  EXPECT_EQ(out2.abs().sum().item<double>(), 0.0);
+}
+
+}  // namespace
+}  // namespace fastattn
