@@ -1,0 +1,280 @@
+"""Python tests of the fastattn operators through the fastattn package.
+
+Checks full_attention against a float64 torch reference written here (masks,
+causal with S != L aligned bottom-right, key lengths, bool and additive masks),
+gradients against torch autograd of that reference, fastattn.attention against
+full_attention, the registry's errors and attention_types().
+
+Run: ctest -R python_tests (sets PYTHONPATH and FASTATTN_LIBRARY), or
+  PYTHONPATH=python FASTATTN_LIBRARY=build/libfastattn.so /usr/bin/python3 -m pytest tests/python
+"""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fastattn
+
+# float64 kernels against a float64 reference: only rounding differences.
+F64_TOL = 1e-10
+# float32 output against the float64 reference: float32 rounding of the scores,
+# exponentials and sums over S <= 131 terms of O(1) values.
+F32_TOL = 2e-5
+
+
+def reference(q, k, v, attn_mask=None, key_lengths=None, causal=False, softmax_temp=None):
+    """softmax(q k^T * scale + additive) v with "true = keep" masks, in q's dtype.
+
+    Rows that keep no key output zeros (with zero gradients).
+    """
+    N, H, L, E = q.shape
+    S = k.shape[2]
+    scale = softmax_temp if softmax_temp is not None else 1.0 / math.sqrt(E)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (N, H, L, S)
+    keep = torch.ones(N, 1, L, S, dtype=torch.bool)
+    if causal:
+        i = torch.arange(L).view(L, 1)
+        j = torch.arange(S).view(1, S)
+        keep = keep & (j <= i + (S - L))
+    if key_lengths is not None:
+        j = torch.arange(S).view(1, S)
+        keep = keep & (j < key_lengths.view(N, 1)).view(N, 1, 1, S)
+    if attn_mask is not None:
+        m = attn_mask
+        if m.dim() == 3:
+            m = m.unsqueeze(1)
+        if m.dtype == torch.bool:
+            keep = keep & m
+        else:
+            scores = scores + m.to(scores.dtype)
+            keep = keep & torch.isfinite(m)
+    keep = keep.expand(N, H, L, S)
+    any_kept = keep.any(-1, keepdim=True)
+    # Fully masked rows get finite scores so softmax and its gradient stay NaN-free.
+    scores = torch.where(keep, scores, torch.full_like(scores, -math.inf))
+    scores = torch.where(any_kept, scores, torch.zeros_like(scores))
+    probs = torch.softmax(scores, -1) * any_kept
+    return torch.matmul(probs, v)
+
+
+def make_inputs(N, H, L, S, E, M, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(N, H, L, E, generator=g, dtype=dtype)
+    k = torch.randn(N, H, S, E, generator=g, dtype=dtype)
+    v = torch.randn(N, H, S, M, generator=g, dtype=dtype)
+    return q, k, v
+
+
+def make_mask(kind, N, H, L, S, seed=1):
+    """(attn_mask, key_lengths, causal) for a named mask case."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, S + 1, (N,), generator=g)
+    lengths[0] = S
+    if kind == "none":
+        return None, None, False
+    if kind == "causal":
+        return None, None, True
+    if kind == "key_lengths":
+        return None, lengths, False
+    if kind == "causal+key_lengths":
+        return None, lengths, True
+    if kind == "bool_LS":
+        return torch.rand(L, S, generator=g) > 0.3, None, False
+    if kind == "bool_NLS+causal":
+        return torch.rand(N, L, S, generator=g) > 0.3, None, True
+    if kind == "additive_NHLS":
+        m = torch.randn(N, H, L, S, generator=g)
+        m[torch.rand(N, H, L, S, generator=g) < 0.2] = -math.inf
+        return m, None, False
+    if kind == "empty_rows":  # a whole query row dropped by the boolean mask
+        m = torch.rand(L, S, generator=g) > 0.3
+        m[0] = False
+        return m, lengths, False
+    raise ValueError(kind)
+
+
+SHAPES = [
+    # N, H, L, S, E, M
+    (2, 3, 17, 17, 8, 8),
+    (1, 1, 97, 131, 33, 17),  # S > L, odd sizes, batch 1, one head
+    (2, 2, 131, 97, 16, 5),  # L > S: causal rows i < L - S see no key
+]
+MASKS = [
+    "none",
+    "causal",
+    "key_lengths",
+    "causal+key_lengths",
+    "bool_LS",
+    "bool_NLS+causal",
+    "additive_NHLS",
+    "empty_rows",
+]
+
+
+def cast_mask(m, dtype):
+    return m if m is None or m.dtype == torch.bool else m.to(dtype)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_full_attention_matches_reference(shape, mask, dtype):
+    N, H, L, S, E, M = shape
+    q, k, v = make_inputs(N, H, L, S, E, M)
+    attn_mask, key_lengths, causal = make_mask(mask, N, H, L, S)
+    ref = reference(q, k, v, attn_mask, key_lengths, causal)
+    out = fastattn.full_attention(
+        q.to(dtype), k.to(dtype), v.to(dtype), cast_mask(attn_mask, dtype), key_lengths, causal
+    )
+    assert out.shape == (N, H, L, M)
+    assert out.dtype == dtype
+    tol = F64_TOL if dtype == torch.float64 else F32_TOL
+    err = (out.double() - ref).abs().max().item()
+    assert err <= tol, "max abs error %g > %g" % (err, tol)
+
+
+def test_full_attention_softmax_temp_and_empty_rows_are_zero():
+    q, k, v = make_inputs(2, 2, 9, 5, 4, 3)
+    out = fastattn.full_attention(q, k, v, causal=True, softmax_temp=0.3)
+    ref = reference(q, k, v, causal=True, softmax_temp=0.3)
+    assert (out - ref).abs().max().item() <= F64_TOL
+    # L - S = 4 queries (rows 0..3) see no key under bottom-right causal alignment.
+    assert torch.all(out[:, :, :4] == 0)
+    assert torch.all(out[:, :, 4:].abs().sum(-1) > 0)
+
+
+@pytest.mark.parametrize("mask", ["none", "causal+key_lengths", "additive_NHLS", "empty_rows"])
+def test_full_attention_gradients_match_autograd_of_reference(mask):
+    N, H, L, S, E, M = 2, 2, 23, 31, 7, 5
+    q, k, v = make_inputs(N, H, L, S, E, M, seed=3)
+    attn_mask, key_lengths, causal = make_mask(mask, N, H, L, S, seed=4)
+    grad_out = torch.randn(N, H, L, M, dtype=torch.float64)
+
+    def grads(fn):
+        qs, ks, vs = (t.clone().requires_grad_(True) for t in (q, k, v))
+        fn(qs, ks, vs, attn_mask, key_lengths, causal).backward(grad_out)
+        return qs.grad, ks.grad, vs.grad
+
+    got = grads(fastattn.full_attention)
+    want = grads(reference)
+    for name, a, b in zip("qkv", got, want):
+        assert torch.isfinite(a).all(), "d%s has non-finite values" % name
+        err = (a - b).abs().max().item()
+        assert err <= 1e-9, "d%s: max abs error %g" % (name, err)
+
+
+def test_attention_full_equals_full_attention():
+    q, k, v = make_inputs(2, 3, 19, 29, 8, 6)
+    attn_mask, key_lengths, causal = make_mask("causal+key_lengths", 2, 3, 19, 29)
+    a = fastattn.attention("full", q, k, v, causal=causal, key_lengths=key_lengths)
+    b = fastattn.full_attention(q, k, v, key_lengths=key_lengths, causal=causal)
+    assert torch.equal(a, b)
+    m, _, _ = make_mask("additive_NHLS", 2, 3, 19, 29)
+    a = fastattn.attention("full", q, k, v, attn_mask=m, softmax_temp=0.2)
+    b = fastattn.full_attention(q, k, v, attn_mask=m, softmax_temp=0.2)
+    assert torch.equal(a, b)
+    # Not trivially equal: another temperature changes the result.
+    c = fastattn.attention("full", q, k, v, attn_mask=m, softmax_temp=0.5)
+    assert not torch.allclose(a, c)
+
+
+def test_attention_int_for_float_param_and_decorator():
+    q, k, v = make_inputs(1, 2, 12, 12, 4, 4)
+    a = fastattn.attention("full", q, k, v, softmax_temp=1)  # int accepted for a float
+    b = fastattn.full_attention(q, k, v, softmax_temp=1.0)
+    assert torch.equal(a, b)
+    c = fastattn.attention("conditional-full:full", q, k, v, causal=True, length_limit=64)
+    d = fastattn.full_attention(q, k, v, causal=True)
+    assert (c - d).abs().max().item() <= F64_TOL
+
+
+def test_attention_gradients_flow():
+    q, k, v = make_inputs(1, 2, 11, 13, 4, 3, seed=5)
+    grad_out = torch.randn(1, 2, 11, 3, dtype=torch.float64)
+
+    def grads(fn):
+        qs, ks, vs = (t.clone().requires_grad_(True) for t in (q, k, v))
+        fn(qs, ks, vs).backward(grad_out)
+        return qs.grad, ks.grad, vs.grad
+
+    got = grads(lambda a, b, c: fastattn.attention("full", a, b, c, causal=True))
+    want = grads(lambda a, b, c: reference(a, b, c, causal=True))
+    for a, b in zip(got, want):
+        assert a is not None
+        assert (a - b).abs().max().item() <= 1e-9
+
+
+def test_bad_type_name_is_named():
+    q, k, v = make_inputs(1, 1, 4, 4, 2, 2)
+    with pytest.raises(RuntimeError, match="no-such-attention"):
+        fastattn.attention("no-such-attention", q, k, v)
+
+
+def test_unknown_parameter_is_named():
+    q, k, v = make_inputs(1, 1, 4, 4, 2, 2)
+    with pytest.raises(RuntimeError, match="not_a_parameter") as info:
+        fastattn.attention("full", q, k, v, not_a_parameter=3)
+    assert "softmax_temp" in str(info.value)  # lists the valid ones
+
+
+@pytest.mark.parametrize("value", [-1.0, 0, "big", True])
+def test_bad_parameter_value_is_named(value):
+    q, k, v = make_inputs(1, 1, 4, 4, 2, 2)
+    with pytest.raises(RuntimeError, match="softmax_temp"):
+        fastattn.attention("full", q, k, v, softmax_temp=value)
+
+
+def test_python_side_parameter_errors():
+    q, k, v = make_inputs(1, 1, 4, 4, 2, 2)
+    with pytest.raises(TypeError, match="softmax_temp"):
+        fastattn.attention("full", q, k, v, softmax_temp=[0.1])
+    with pytest.raises(ValueError, match="softmax_temp"):
+        fastattn.attention("full", q, k, v, softmax_temp=math.nan)
+
+
+def test_bad_params_json_and_shapes():
+    q, k, v = make_inputs(1, 1, 4, 4, 2, 2)
+    with pytest.raises(RuntimeError, match="JSON"):
+        fastattn.ops.attention("full", q, k, v, False, None, None, "{not json")
+    with pytest.raises(RuntimeError, match="JSON object"):
+        fastattn.ops.attention("full", q, k, v, False, None, None, "[1, 2]")
+    with pytest.raises(RuntimeError, match=r"q must have shape"):
+        fastattn.attention("full", q[0], k, v)
+
+
+def test_attention_types_lists_full():
+    raw = fastattn.ops.attention_types()  # no tensor argument: dispatches all the same
+    assert isinstance(raw, str)
+    d = fastattn.attention_types()
+    types = {t["name"]: t for t in d["types"]}
+    assert "full" in types
+    assert types["full"]["description"]
+    params = {p["name"]: p for p in types["full"]["params"]}
+    assert params["softmax_temp"]["type"] == "float"
+    assert params["softmax_temp"]["default"] is None
+    assert params["attention_dropout"]["type"] == "float"
+    assert params["attention_dropout"]["default"] == 0.0
+    assert any(dec["name"].startswith("conditional-full:") for dec in d["decorators"])
+
+
+def test_ops_is_torch_ops_namespace():
+    assert fastattn.ops is torch.ops.fastattn
+    q, k, v = make_inputs(1, 1, 5, 6, 3, 2)
+    assert torch.equal(torch.ops.fastattn.full_attention(q, k, v), fastattn.full_attention(q, k, v))
+
+
+def test_library_search_reports_missing_library():
+    env = dict(os.environ, FASTATTN_LIBRARY="/nonexistent/libfastattn.so")
+    r = subprocess.run(
+        [sys.executable, "-c", "import fastattn"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode != 0
+    assert "ImportError" in r.stderr
+    assert "/nonexistent/libfastattn.so" in r.stderr
