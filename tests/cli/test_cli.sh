@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# End-to-end checks of the `fastattn` program: help, exit codes, error
+# messages that list what is valid, list, and a tiny bench with --json.
+# Run by CTest as `cli_tests`:  bash tests/cli/test_cli.sh build/fastattn
+set -u
+bin="$1"
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+failures=0
+
+# expect CODE PATTERN -- ARGS...: runs the program, checks the exit code and
+# that stdout+stderr matches the extended regex PATTERN.
+expect() {
+  local code="$1" pattern="$2"
+  shift 3
+  local out rc
+  out="$("$bin" "$@" 2>&1)"
+  rc=$?
+  if [ "$rc" -ne "$code" ]; then
+    echo "FAIL: fastattn $* exited $rc, expected $code"; echo "$out" | head -20
+    failures=$((failures + 1))
+  elif ! grep -Eq -- "$pattern" <<<"$out"; then
+    echo "FAIL: fastattn $*: output does not match /$pattern/"; echo "$out" | head -20
+    failures=$((failures + 1))
+  else
+    echo "ok: fastattn $*"
+  fi
+}
+
+expect 0 "commands:.*" -- --help
+expect 0 "bench +time attention types" -- --help
+expect 2 "no command given; valid commands: .*list" --
+expect 2 "unknown command 'frobnicate'; valid commands: bench, demo, list" -- frobnicate
+expect 2 "unknown flag '--nope'; valid flags: --json, --threads, --help" -- list --nope
+expect 2 "--threads must be an integer, got 'many'" -- --threads many list
+expect 2 "--threads must be >= 1" -- list --threads=0
+expect 2 "given twice" -- bench --length 4 --length 8
+expect 2 "--length must be an integer, got 'x'" -- bench --length 4,x
+expect 2 "needs a value" -- bench --dtype
+expect 2 "--pass must be forward, backward or both" -- bench --pass up
+expect 2 "--causal must be true or false" -- bench --causal=maybe
+expect 2 "unknown attention type 'nope'" -- bench --attention nope
+expect 2 "has no parameter 'foo'; its parameters: softmax_temp" -- bench --attention full:foo=1
+expect 2 "softmax_temp of full must be a number, got 'abc'" -- bench --attention full:softmax_temp=abc
+expect 2 "softmax_temp" -- bench --attention full:softmax_temp=-1
+expect 0 "usage: fastattn bench.*" -- bench --help
+expect 0 "TYPE\[:PARAM=VALUE" -- bench -h
+expect 0 "softmax_temp +float +\(none\) +> 0" -- list
+expect 0 "conditional-full:<type>" -- list
+expect 0 '"types"' -- list --json
+expect 0 "full +48 +backward" -- --threads 1 bench --attention full,conditional-full:full:length_limit=32 \
+  --length 16,48 --pass both --causal --repeat 1 --heads 2 --dim 8 --dtype float64 --json "$tmp/b.json"
+
+# The JSON file: 2 specs x 2 lengths x 2 passes = 8 records with the fields.
+if [ -f "$tmp/b.json" ] && [ "$(grep -c '"time_ms"' "$tmp/b.json")" -eq 8 ] &&
+   grep -q '"peak_memory_bytes"' "$tmp/b.json" && grep -q '"max_abs_error"' "$tmp/b.json"; then
+  echo "ok: bench --json wrote 8 records"
+else
+  echo "FAIL: bench --json records"; cat "$tmp/b.json" 2>/dev/null | head -40
+  failures=$((failures + 1))
+fi
+# float64 errors (full against the reference, conditional-full against full)
+# must be at rounding level.
+if ! grep -o '"max_abs_error": [^,}]*' "$tmp/b.json" |
+     awk '{ if ($2 + 0 > 1e-9) bad = 1 } END { exit bad }'; then
+  echo "FAIL: a max_abs_error is above 1e-9"; grep '"max_abs_error"' "$tmp/b.json"
+  failures=$((failures + 1))
+fi
+
+echo "$failures failure(s)"
+[ "$failures" -eq 0 ]
