@@ -371,8 +371,8 @@ AttentionType AttentionRegistry::get(const std::string& name) const {
   // at length_limit from changing the model's temperature.
   AttentionType t;
   t.name = name;
-  t.description = "full attention while max(L, S) <= length_limit, '" + inner_name +
-                  "' beyond (" + inner.description + ")";
+  t.description = "full attention while max(L, S) <= length_limit, '" + inner_name + "' beyond (" +
+                  inner.description + ")";
   t.params = inner.params;
   for (const auto& spec : full.params) {
     if (!find_spec(inner.params, spec.name)) t.params.push_back(spec);
