@@ -22,8 +22,7 @@
 namespace {
 
 double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 // Median wall time of `reps` calls after one warm-up.
@@ -55,9 +54,12 @@ int main(int argc, char** argv) {
   int64_t long_len = 65536;
   bool skip_long = false;
   for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--threads") && i + 1 < argc) threads = std::atoi(argv[++i]);
-    else if (!std::strcmp(argv[i], "--long") && i + 1 < argc) long_len = std::atoll(argv[++i]);
-    else if (!std::strcmp(argv[i], "--skip-long")) skip_long = true;
+    if (!std::strcmp(argv[i], "--threads") && i + 1 < argc)
+      threads = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--long") && i + 1 < argc)
+      long_len = std::atoll(argv[++i]);
+    else if (!std::strcmp(argv[i], "--skip-long"))
+      skip_long = true;
     else {
       std::fprintf(stderr, "usage: %s [--threads T] [--long L] [--skip-long]\n", argv[0]);
       return 2;
@@ -75,7 +77,8 @@ int main(int argc, char** argv) {
   }
 
   const int64_t N = 1, H = 8, L = 4096, E = 64;
-  auto q = torch::randn({N, H, L, E}), k = torch::randn({N, H, L, E}), v = torch::randn({N, H, L, E});
+  auto q = torch::randn({N, H, L, E}), k = torch::randn({N, H, L, E}),
+       v = torch::randn({N, H, L, E});
   const double fwd_flops = 4.0 * N * H * L * L * E;
   for (bool causal : {false, true}) {
     const double flops = causal ? fwd_flops / 2 : fwd_flops;
@@ -120,9 +123,10 @@ int main(int argc, char** argv) {
                 ("fused forward L=" + std::to_string(long_len) + " causal").c_str(), t * 1e3,
                 flops / t / 1e9);
     const double inputs_mib = 4.0 * H * long_len * E * 4 / (1 << 20);  // q, k, v, out
-    std::printf("peak RSS %.0f MiB before the long call, %.0f MiB after; inputs+output %.0f MiB; "
-                "one L×L float matrix would be %.0f MiB per head\n",
-                rss0, peak_rss_mib(), inputs_mib, double(long_len) * long_len * 4 / (1 << 20));
+    std::printf(
+        "peak RSS %.0f MiB before the long call, %.0f MiB after; inputs+output %.0f MiB; "
+        "one L×L float matrix would be %.0f MiB per head\n",
+        rss0, peak_rss_mib(), inputs_mib, double(long_len) * long_len * 4 / (1 << 20));
   }
   return 0;
 }

@@ -26,12 +26,8 @@ int main() {
   std::cout << "registry 'full': " << out2.sizes() << "\n";
 
   // 3. A transformer encoder from the builder; inputs are (N, L, D).
-  auto encoder = fastattn::EncoderBuilder()
-                     .layers(2)
-                     .heads(4)
-                     .d_model(128)
-                     .attention("full", {})
-                     .build();
+  auto encoder =
+      fastattn::EncoderBuilder().layers(2).heads(4).d_model(128).attention("full", {}).build();
   auto x = torch::randn({2, 100, 128});
   auto y = encoder->forward(x, fastattn::Mask::causal_mask());
   std::cout << "encoder: " << y.sizes() << "\n";

@@ -50,7 +50,7 @@ class FullAttention : public AttentionBase {
   double attention_dropout_;
 };
 
-// conditional-full:<type>: full attention while S <= length_limit, the inner
+// conditional-full:<type>: full attention while max(L, S) <= length_limit, the inner
 // type beyond it.
 class ConditionalFullAttention : public AttentionBase {
  public:

@@ -108,7 +108,10 @@ torch::Tensor ConditionalFullAttention::forward(const torch::Tensor& queries,  /
                                                 const Mask& mask) {
   TORCH_CHECK(keys.dim() == 4, "conditional-full: keys must have shape (N, H, S, E), got ",
               keys.sizes());
-  if (keys.size(2) <= length_limit_) return full_->forward(queries, keys, values, mask);
+  // Full attention while both lengths fit (as fast-transformers does): its cost
+  // is L·S, so a long query side alone also calls for the inner type.
+  if (std::max(queries.size(2), keys.size(2)) <= length_limit_)
+    return full_->forward(queries, keys, values, mask);
   return inner_->forward(queries, keys, values, mask);
 }
 

@@ -137,7 +137,7 @@ nlohmann::json spec_json(const ParamSpec& s) {
 
 ParamSpec length_limit_spec() {
   return ParamSpec::integer(kLengthLimit, 512,
-                            "full attention while the key length S <= length_limit, the inner "
+                            "full attention while max(L, S) <= length_limit, the inner "
                             "type beyond",
                             1);
 }
@@ -371,8 +371,8 @@ AttentionType AttentionRegistry::get(const std::string& name) const {
   // at length_limit from changing the model's temperature.
   AttentionType t;
   t.name = name;
-  t.description = "full attention while the key length S <= length_limit, '" + inner_name +
-                  "' beyond (" + inner.description + ")";
+  t.description = "full attention while max(L, S) <= length_limit, '" + inner_name + "' beyond (" +
+                  inner.description + ")";
   t.params = inner.params;
   for (const auto& spec : full.params) {
     if (!find_spec(inner.params, spec.name)) t.params.push_back(spec);
@@ -434,7 +434,7 @@ nlohmann::json AttentionRegistry::describe() const {
   decorators.push_back(
       {{"name", std::string(kConditionalPrefix) + "<type>"},
        {"description",
-        "full attention while the key length S <= length_limit, <type> beyond; takes <type>'s "
+        "full attention while max(L, S) <= length_limit, <type> beyond; takes <type>'s "
         "parameters plus these (a parameter of full that <type> also has is shared)"},
        {"params", added}});
   return {{"types", types}, {"decorators", decorators}};

@@ -39,13 +39,12 @@ struct Prepared {
 };
 
 Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v,
-                 const c10::optional<Tensor>& attn_mask,
-                 const c10::optional<Tensor>& key_lengths) {
+                 const c10::optional<Tensor>& attn_mask, const c10::optional<Tensor>& key_lengths) {
   Prepared p{q.contiguous(), k.contiguous(), v.contiguous(), {}, {}};
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
   if (attn_mask) {
-    p.mask = ops::broadcast_mask(ops::additive_mask(*attn_mask, q.scalar_type()).contiguous(), N,
-                                 H, L, S);
+    p.mask = ops::broadcast_mask(ops::additive_mask(*attn_mask, q.scalar_type()).contiguous(), N, H,
+                                 L, S);
   }
   if (key_lengths) p.lengths = key_lengths->to(torch::kLong).contiguous();
   return p;

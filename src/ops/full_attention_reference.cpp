@@ -12,7 +12,7 @@ torch::Tensor full_attention(const torch::Tensor& q, const torch::Tensor& k, con
                              std::optional<double> softmax_temp) {
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), E = q.size(3);
   const double temp = softmax_temp.value_or(1.0 / std::sqrt(static_cast<double>(E)));
-  auto scores = torch::matmul(q, k.transpose(-1, -2)) * temp;  // (N,H,L,S)
+  auto scores = torch::matmul(q, k.transpose(-1, -2)) * temp;                        // (N,H,L,S)
   auto keep = ops::dense_keep(N, L, S, attn_mask, key_lengths, causal, q.device());  // (N,1,L,S)
   if (attn_mask && attn_mask->is_floating_point()) {
     scores = scores + ops::broadcast_mask(*attn_mask, N, H, L, S).to(scores.scalar_type());

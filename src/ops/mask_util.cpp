@@ -35,8 +35,8 @@ void check_masks(const char* op, const torch::Tensor& q, int64_t S,
     const auto& kl = *key_lengths;
     TORCH_CHECK(!kl.is_floating_point() && kl.scalar_type() != torch::kBool, op,
                 ": key_lengths must be an integer tensor, got ", kl.scalar_type());
-    TORCH_CHECK(kl.dim() == 1 && kl.size(0) == N, op, ": key_lengths must have shape (N,) = (",
-                N, "), got ", shape_str(kl));
+    TORCH_CHECK(kl.dim() == 1 && kl.size(0) == N, op, ": key_lengths must have shape (N,) = (", N,
+                "), got ", shape_str(kl));
     if (N > 0) {
       const auto mn = kl.min().item<int64_t>(), mx = kl.max().item<int64_t>();
       TORCH_CHECK(mn >= 0 && mx <= S, op, ": key_lengths must lie in [0, S] = [0, ", S,

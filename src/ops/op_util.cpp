@@ -7,12 +7,12 @@ void check_qkv(const char* op, const torch::Tensor& q, const torch::Tensor& k,
                const torch::Tensor& v) {
   TORCH_CHECK(q.defined() && k.defined() && v.defined(), op,
               ": q, k and v must be defined tensors");
-  TORCH_CHECK(q.dim() == 4, op, ": q must have shape (N, H, L, E), got ", q.dim(),
-              " dimensions ", q.sizes());
-  TORCH_CHECK(k.dim() == 4, op, ": k must have shape (N, H, S, E), got ", k.dim(),
-              " dimensions ", k.sizes());
-  TORCH_CHECK(v.dim() == 4, op, ": v must have shape (N, H, S, M), got ", v.dim(),
-              " dimensions ", v.sizes());
+  TORCH_CHECK(q.dim() == 4, op, ": q must have shape (N, H, L, E), got ", q.dim(), " dimensions ",
+              q.sizes());
+  TORCH_CHECK(k.dim() == 4, op, ": k must have shape (N, H, S, E), got ", k.dim(), " dimensions ",
+              k.sizes());
+  TORCH_CHECK(v.dim() == 4, op, ": v must have shape (N, H, S, M), got ", v.dim(), " dimensions ",
+              v.sizes());
   TORCH_CHECK(k.size(0) == q.size(0) && k.size(1) == q.size(1) && k.size(3) == q.size(3), op,
               ": k must agree with q (N, H, L, E) = ", q.sizes(), " in N, H and E, got ",
               k.sizes());

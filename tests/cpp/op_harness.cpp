@@ -69,8 +69,8 @@ void check_gradients_vs_reference(const OpCase& c, uint64_t seed, double tol) {
   auto g_op = grads_of(c.op, x_op, w, idx);
   auto g_ref = grads_of(c.reference, x_ref, w, idx);
   for (size_t j = 0; j < idx.size(); ++j) {
-    ASSERT_TRUE(g_ref[j].defined()) << c.name << ": reference gives no gradient for input "
-                                    << idx[j];
+    ASSERT_TRUE(g_ref[j].defined())
+        << c.name << ": reference gives no gradient for input " << idx[j];
     ASSERT_TRUE(g_op[j].defined()) << c.name << ": op gives no gradient for input " << idx[j];
     EXPECT_LE(max_abs_diff(g_op[j], g_ref[j]), tol) << c.name << " gradient of input " << idx[j];
   }

@@ -31,8 +31,8 @@ OpCase make_case(const FullCfg& c) {
   torch::manual_seed(1234);
   std::optional<torch::Tensor> mask, lengths;
   if (c.mask != MaskKind::None) {
-    auto shape = c.mask_per_batch ? std::vector<int64_t>{c.N, c.L, c.S}
-                                  : std::vector<int64_t>{c.L, c.S};
+    auto shape =
+        c.mask_per_batch ? std::vector<int64_t>{c.N, c.L, c.S} : std::vector<int64_t>{c.L, c.S};
     auto keep = torch::rand(shape, torch::kDouble) > 0.3;
     // Keep the first key of each row so that a row is never empty by chance.
     keep.select(-1, 0).fill_(true);
@@ -72,19 +72,30 @@ TEST_P(FullAttentionCases, MatchesReference) { testing::check_op(make_case(GetPa
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, FullAttentionCases,
-    ::testing::Values(
-        FullCfg{"tiny", 1, 1, 1, 1, 1, 1}, FullCfg{"batch2_heads3_97", 2, 3, 97, 97, 64, 64},
-        FullCfg{"odd_dims_S_ne_L", 1, 2, 37, 130, 17, 33},
-        FullCfg{"causal_97", 2, 2, 97, 97, 32, 32, true},
-        FullCfg{"causal_L_gt_S", 1, 2, 50, 29, 8, 5, true},
-        FullCfg{"causal_L_lt_S", 1, 2, 29, 50, 8, 5, true},
-        FullCfg{"lengths", 3, 2, 40, 70, 16, 16, false, {70, 33, 1}},
-        FullCfg{"lengths_zero_and_causal", 3, 1, 40, 40, 16, 8, true, {40, 0, 17}},
-        FullCfg{"bool_mask", 2, 2, 45, 60, 16, 16, false, {}, MaskKind::Bool},
-        FullCfg{"additive_mask_batch", 2, 2, 45, 60, 16, 16, false, {}, MaskKind::Additive,
-                std::nullopt, true},
-        FullCfg{"everything", 2, 3, 61, 61, 24, 40, true, {61, 30}, MaskKind::Bool, 0.3},
-        FullCfg{"temp", 1, 1, 20, 20, 8, 8, false, {}, MaskKind::None, 2.5}),
+    ::testing::Values(FullCfg{"tiny", 1, 1, 1, 1, 1, 1},
+                      FullCfg{"batch2_heads3_97", 2, 3, 97, 97, 64, 64},
+                      FullCfg{"odd_dims_S_ne_L", 1, 2, 37, 130, 17, 33},
+                      FullCfg{"causal_97", 2, 2, 97, 97, 32, 32, true},
+                      FullCfg{"causal_L_gt_S", 1, 2, 50, 29, 8, 5, true},
+                      FullCfg{"causal_L_lt_S", 1, 2, 29, 50, 8, 5, true},
+                      FullCfg{"lengths", 3, 2, 40, 70, 16, 16, false, {70, 33, 1}},
+                      FullCfg{"lengths_zero_and_causal", 3, 1, 40, 40, 16, 8, true, {40, 0, 17}},
+                      FullCfg{"bool_mask", 2, 2, 45, 60, 16, 16, false, {}, MaskKind::Bool},
+                      FullCfg{"additive_mask_batch",
+                              2,
+                              2,
+                              45,
+                              60,
+                              16,
+                              16,
+                              false,
+                              {},
+                              MaskKind::Additive,
+                              std::nullopt,
+                              true},
+                      FullCfg{
+                          "everything", 2, 3, 61, 61, 24, 40, true, {61, 30}, MaskKind::Bool, 0.3},
+                      FullCfg{"temp", 1, 1, 20, 20, 8, 8, false, {}, MaskKind::None, 2.5}),
     [](const ::testing::TestParamInfo<FullCfg>& info) { return info.param.name; });
 
 TEST(FullAttention, LongSequenceFloat32MatchesFloat64Reference) {
@@ -122,8 +133,9 @@ TEST(FullAttention, HugeScoresStayFinite) {
   auto k = torch::randn({1, 1, 64, 16}) * 100;
   auto v = torch::randn({1, 1, 64, 16});
   auto out = full_attention(q, k, v, std::nullopt, std::nullopt, false, 1.0);
-  auto ref = reference::full_attention(q.to(torch::kDouble), k.to(torch::kDouble),
-                                       v.to(torch::kDouble), std::nullopt, std::nullopt, false, 1.0);
+  auto ref =
+      reference::full_attention(q.to(torch::kDouble), k.to(torch::kDouble), v.to(torch::kDouble),
+                                std::nullopt, std::nullopt, false, 1.0);
   EXPECT_TRUE(torch::isfinite(out).all().item<bool>());
   EXPECT_LE(testing::max_abs_diff(out, ref), 1e-4);
 }
@@ -172,8 +184,7 @@ TEST(FullAttention, BadInputsNameTheArgument) {
   expect_error([&] { full_attention(q, k, v, torch::ones({5, 6}, torch::kInt)); }, "attn_mask");
   expect_error([&] { full_attention(q, k, v, std::nullopt, torch::tensor({7}, torch::kLong)); },
                "key_lengths");
-  expect_error([&] { full_attention(q, k, v, std::nullopt, torch::tensor({1.0})); },
-               "key_lengths");
+  expect_error([&] { full_attention(q, k, v, std::nullopt, torch::tensor({1.0})); }, "key_lengths");
   expect_error([&] { full_attention(q, k, v, std::nullopt, std::nullopt, false, -1.0); },
                "softmax_temp");
 }

@@ -359,6 +359,11 @@ TEST(ConditionalFull, FullUpToTheLimitInnerBeyond) {
     auto expected = (2.0 * v.mean(2, true)).expand({1, 2, 3, 5});
     EXPECT_TRUE(torch::allclose(attn->forward(q, k, v, mask), expected, 1e-12, 1e-12)) << S;
   }
+  {  // A query side past the limit also switches, whatever S is.
+    auto q_long = randn64({1, 2, 9, 4}), k = randn64({1, 2, 3, 4}), v = randn64({1, 2, 3, 5});
+    auto expected = (2.0 * v.mean(2, true)).expand({1, 2, 9, 5});
+    EXPECT_TRUE(torch::allclose(attn->forward(q_long, k, v, Mask()), expected, 1e-12, 1e-12));
+  }
   // Both parts are submodules (training mode reaches them, weights save).
   EXPECT_EQ(attn->children().size(), 2u);
 }

@@ -51,12 +51,23 @@ inline void column_block(int64_t M, int64_t K, const T* A, int64_t lda, const T*
   const T* a = A + i * lda;
   T* c = C + i * ldc;
   switch (M - i) {
-    case 5: micro_kernel<T, 5, NV>(K, a, lda, B, ldb, c, ldc, accumulate); break;
-    case 4: micro_kernel<T, 4, NV>(K, a, lda, B, ldb, c, ldc, accumulate); break;
-    case 3: micro_kernel<T, 3, NV>(K, a, lda, B, ldb, c, ldc, accumulate); break;
-    case 2: micro_kernel<T, 2, NV>(K, a, lda, B, ldb, c, ldc, accumulate); break;
-    case 1: micro_kernel<T, 1, NV>(K, a, lda, B, ldb, c, ldc, accumulate); break;
-    default: break;
+    case 5:
+      micro_kernel<T, 5, NV>(K, a, lda, B, ldb, c, ldc, accumulate);
+      break;
+    case 4:
+      micro_kernel<T, 4, NV>(K, a, lda, B, ldb, c, ldc, accumulate);
+      break;
+    case 3:
+      micro_kernel<T, 3, NV>(K, a, lda, B, ldb, c, ldc, accumulate);
+      break;
+    case 2:
+      micro_kernel<T, 2, NV>(K, a, lda, B, ldb, c, ldc, accumulate);
+      break;
+    case 1:
+      micro_kernel<T, 1, NV>(K, a, lda, B, ldb, c, ldc, accumulate);
+      break;
+    default:
+      break;
   }
 }
 
@@ -83,8 +94,8 @@ inline void gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const
 
 // C = [C +] A · B with B packed in panels (N a multiple of panel_width<T>()).
 template <typename T>
-inline void gemm_packed(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* Bp,
-                        T* C, int64_t ldc, bool accumulate) {
+inline void gemm_packed(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* Bp, T* C,
+                        int64_t ldc, bool accumulate) {
   constexpr int NR = panel_width<T>();
   for (int64_t j = 0; j < N; j += NR)
     column_block<T, 2>(M, K, A, lda, Bp + j * K, NR, C + j, ldc, accumulate);

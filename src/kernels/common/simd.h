@@ -70,8 +70,10 @@ struct Simd<float> {
     const __m256i ni = _mm256_cvtps_epi32(n);
     const __m256i n1 = _mm256_srai_epi32(ni, 1);
     const __m256i n2 = _mm256_sub_epi32(ni, n1);
-    const V s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, _mm256_set1_epi32(127)), 23));
-    const V s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, _mm256_set1_epi32(127)), 23));
+    const V s1 =
+        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, _mm256_set1_epi32(127)), 23));
+    const V s2 =
+        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, _mm256_set1_epi32(127)), 23));
     p = _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
     return _mm256_andnot_ps(under, p);
   }

@@ -139,8 +139,8 @@ void full_attention_forward_cpu(const FullAttentionForwardArgs<T>& a) {
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t i = i0 + r;
             T* row = w.s.data() + r * kFwdBc;
-            const T* mrow = a.mask ? a.mask + n * a.mask_sn + h * a.mask_sh + i * a.mask_sl + j0
-                                   : nullptr;
+            const T* mrow =
+                a.mask ? a.mask + n * a.mask_sn + h * a.mask_sh + i * a.mask_sl + j0 : nullptr;
             prepare_scores(row, mrow, visible_cols(a.causal, i, offset, j0, cols), width, a.scale);
             const T m_new = std::max(w.m[r], row_max(row, width));
             if (m_new == neg_inf<T>()) {  // nothing kept so far in this row
@@ -240,9 +240,8 @@ void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& a) {
                 std::fill(row, row + width, T(0));
                 continue;
               }
-              const T* mrow = a.mask
-                                  ? a.mask + n * a.mask_sn + h * a.mask_sh + i * a.mask_sl + j0
-                                  : nullptr;
+              const T* mrow =
+                  a.mask ? a.mask + n * a.mask_sn + h * a.mask_sh + i * a.mask_sl + j0 : nullptr;
               prepare_scores(row, mrow, visible_cols(a.causal, i, offset, j0, cols), width,
                              a.scale);
               exp_shift_sum(row, width, lse[i]);
