@@ -79,7 +79,7 @@ class ListCommand : public Command {
            "parameters. Parameters are what `bench --attention type:param=value` and the\n"
            "Python fastattn.attention(type, ..., param=value) accept.\n"
            "The decorator conditional-full:<type> wraps any type: full attention while\n"
-           "S <= length_limit, <type> beyond it.\n\n"
+           "max(L, S) <= length_limit, <type> beyond it.\n\n"
            "examples:\n"
            "  fastattn list\n"
            "  fastattn list --json > types.json\n";
