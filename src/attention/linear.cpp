@@ -1,0 +1,173 @@
+// Linear attention types (Katharopoulos et al. 2020, "Transformers are RNNs"):
+// `linear` and `causal-linear`, and their registration.
+//
+//   linear:        out = phi(Q) (phi(K)^T V) / (phi(Q) sum_j phi(K_j) + eps).
+//                  Two ATen matmuls (BLAS): O(N·H·(L+S)·F·M) time, O((L+S)·F + F·M)
+//                  memory per head; no L×S tensor.
+//   causal-linear: the numerator from the chunked operator causal_linear_product
+//                  (carried F×M state), the normaliser phi(q_i)·(sum_{j<=i}
+//                  phi(k_j)) from a cumulative sum of phi(K) along L, taken in
+//                  float64 (O(L·F) memory; float32 sums of 65536 terms would
+//                  drift from the kernel's chunked numerator). S == L required.
+// Padded keys (key_lengths) get phi(k) = 0, so they add nothing to either sum.
+// Tested by tests/cpp/test_linear_attention.cpp; timed by
+// bench/bench_linear_attention.cpp.
+#include <cmath>
+
+#include "attention/builtin_types.h"
+#include "fastattn/attention.h"
+#include "fastattn/feature_maps.h"
+#include "fastattn/ops.h"
+#include "fastattn/registry.h"
+
+namespace fastattn {
+
+using torch::Tensor;
+
+namespace {
+
+void check_eps(const char* type, double eps) {
+  TORCH_CHECK(std::isfinite(eps) && eps > 0, type, ": eps must be a finite number > 0, got ", eps);
+}
+
+// phi(Q) (N, H, L, F) and phi(K) (N, H, S, F) with padded keys zeroed.
+std::pair<Tensor, Tensor> feature_mapped(const char* type, FeatureMap& fm, bool training,
+                                         const Tensor& q, const Tensor& k, const Mask& mask) {
+  fm.maybe_redraw(training);
+  const int64_t N = k.size(0), S = k.size(2);
+  std::optional<Tensor> keep;
+  if (mask.key_lengths()) keep = mask.key_keep(N, S, k.device());  // (N, S)
+  auto qf = fm.forward_queries(q);
+  auto kf = fm.forward_keys(k, keep);
+  TORCH_CHECK(qf.dim() == 4 && kf.dim() == 4 && qf.size(3) == kf.size(3) &&
+                  qf.size(2) == q.size(2) && kf.size(2) == S,
+              type, ": feature map '", fm.name(), "' must map (N, H, L, E) to (N, H, L, F), got ",
+              qf.sizes(), " for queries ", q.sizes(), " and ", kf.sizes(), " for keys ", k.sizes());
+  if (keep) kf = kf.masked_fill(keep->reshape({N, 1, S, 1}).logical_not(), 0.0);
+  return {qf, kf};
+}
+
+struct LinearOptions {
+  FeatureMapOptions map;
+  double eps = 1e-6;
+};
+
+LinearOptions linear_options(const Params& p, const AttentionDims& dims) {
+  LinearOptions o;
+  o.map.kind = p.get_string("feature_map");
+  o.map.query_dim = dims.query_dim;
+  o.map.n_features = p.get_optional_int("n_features");
+  o.map.softmax_temp = p.get_optional_float("softmax_temp");
+  o.map.orthogonal = p.get_bool("orthogonal");
+  o.map.smoothing = p.get_float("smoothing");
+  o.map.seed = static_cast<uint64_t>(p.get_int("seed"));
+  o.map.redraw = p.get_int("redraw");
+  o.eps = p.get_float("eps");
+  return o;
+}
+
+std::vector<ParamSpec> linear_params() {
+  return {
+      ParamSpec::choice("feature_map", "elu", feature_map_names(),
+                        "phi: elu (elu+1), relu, favor (Performer FAVOR+), rff (random Fourier "
+                        "features), smoothed-rff (rff plus a constant feature)"),
+      ParamSpec::integer("n_features", std::nullopt,
+                         "random maps: number of features m (rff: even); default query_dim", 1),
+      ParamSpec::real("softmax_temp", std::nullopt,
+                      "favor / rff: kernel scale, exp(temp·q·k) or exp(-temp·|q-k|²/2); default "
+                      "1/sqrt(E)",
+                      0.0)
+          .exclusive_min(),
+      ParamSpec::boolean("orthogonal", true, "favor / rff: orthogonal random blocks"),
+      ParamSpec::real("smoothing", 1.0, "smoothed-rff: constant added to the kernel", 0.0)
+          .exclusive_min(),
+      ParamSpec::real("eps", 1e-6, "added to the normaliser phi(q)·sum phi(k)", 0.0)
+          .exclusive_min(),
+      ParamSpec::integer("seed", 0, "seed of the random feature map's generator", 0),
+      ParamSpec::integer("redraw", 1,
+                         "random maps: redraw every n-th forward in training (0: never); "
+                         "evaluation never redraws",
+                         0),
+  };
+}
+
+}  // namespace
+
+// ---- linear -----------------------------------------------------------------
+
+LinearAttention::LinearAttention(std::shared_ptr<FeatureMap> feature_map, double eps)
+    : feature_map_(std::move(feature_map)), eps_(eps) {
+  TORCH_CHECK(feature_map_, "LinearAttention: feature_map must be a feature map, got null");
+  check_eps("LinearAttention", eps_);
+  register_module("feature_map", feature_map_);
+}
+
+Tensor LinearAttention::forward(const Tensor& queries,  // (N, H, L, E)
+                                const Tensor& keys,     // (N, H, S, E)
+                                const Tensor& values,   // (N, H, S, M)
+                                const Mask& mask) {
+  check_attention_inputs(queries, keys, values, mask);
+  TORCH_CHECK(!mask.attn_mask(),
+              "linear: attn_mask is not supported (linear attention never forms the L×S "
+              "weights); use key_lengths for padding, got an attn_mask of shape ",
+              mask.attn_mask()->sizes());
+  TORCH_CHECK(!mask.is_causal(),
+              "linear: a causal mask is not supported; use the attention type 'causal-linear'");
+  auto [qf, kf] = feature_mapped("linear", *feature_map_, is_training(), queries, keys, mask);
+  auto kv = torch::matmul(kf.transpose(-1, -2), values);         // (N, H, F, M)
+  auto z = kf.sum(2).unsqueeze(-1);                              // (N, H, F, 1)
+  return torch::matmul(qf, kv) / (torch::matmul(qf, z) + eps_);  // (N, H, L, M)
+}
+
+// ---- causal-linear ----------------------------------------------------------
+
+CausalLinearAttention::CausalLinearAttention(std::shared_ptr<FeatureMap> feature_map, double eps)
+    : feature_map_(std::move(feature_map)), eps_(eps) {
+  TORCH_CHECK(feature_map_, "CausalLinearAttention: feature_map must be a feature map, got null");
+  check_eps("CausalLinearAttention", eps_);
+  register_module("feature_map", feature_map_);
+}
+
+Tensor CausalLinearAttention::forward(const Tensor& queries,  // (N, H, L, E)
+                                      const Tensor& keys,     // (N, H, S, E)
+                                      const Tensor& values,   // (N, H, S, M)
+                                      const Mask& mask) {
+  check_attention_inputs(queries, keys, values, mask);
+  TORCH_CHECK(mask.is_causal(),
+              "causal-linear: computes causal attention only and needs a causal mask "
+              "(Mask::causal_mask() or with_causal()), got ",
+              mask.to_string());
+  TORCH_CHECK(keys.size(2) == queries.size(2),
+              "causal-linear: needs as many keys as queries (S == L), got queries ",
+              queries.sizes(), " and keys ", keys.sizes());
+  TORCH_CHECK(!mask.attn_mask(),
+              "causal-linear: attn_mask is not supported (only the causal mask and key_lengths), "
+              "got an attn_mask of shape ",
+              mask.attn_mask()->sizes());
+  auto [qf, kf] =
+      feature_mapped("causal-linear", *feature_map_, is_training(), queries, keys, mask);
+  auto num = causal_linear_product(qf, kf, values);  // (N, H, L, M)
+  auto den = (qf.to(torch::kDouble) * kf.to(torch::kDouble).cumsum(2))
+                 .sum(-1, /*keepdim=*/true)
+                 .to(num.scalar_type());  // (N, H, L, 1)
+  return num / (den + eps_);
+}
+
+void register_linear_attention_types(AttentionRegistry& registry) {
+  registry.add({"linear",
+                "linear attention phi(Q)(phi(K)^T V), normalised: O(L·F·M) time, no L×S "
+                "matrix (no attn_mask, no causal: see causal-linear)",
+                linear_params(), [](const Params& p, const AttentionDims& dims) -> AttentionPtr {
+                  const auto o = linear_options(p, dims);
+                  return std::make_shared<LinearAttention>(make_feature_map(o.map), o.eps);
+                }});
+  registry.add({"causal-linear",
+                "causal linear attention through the chunked causal_linear_product operator "
+                "(needs a causal mask and S == L)",
+                linear_params(), [](const Params& p, const AttentionDims& dims) -> AttentionPtr {
+                  const auto o = linear_options(p, dims);
+                  return std::make_shared<CausalLinearAttention>(make_feature_map(o.map), o.eps);
+                }});
+}
+
+}  // namespace fastattn
