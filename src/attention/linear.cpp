@@ -4,11 +4,12 @@
 //   linear:        out = phi(Q) (phi(K)^T V) / (phi(Q) sum_j phi(K_j) + eps).
 //                  Two ATen matmuls (BLAS): O(N·H·(L+S)·F·M) time, O((L+S)·F + F·M)
 //                  memory per head; no L×S tensor.
-//   causal-linear: the numerator from the chunked operator causal_linear_product
-//                  (carried F×M state), the normaliser phi(q_i)·(sum_{j<=i}
-//                  phi(k_j)) from a cumulative sum of phi(K) along L, taken in
-//                  float64 (O(L·F) memory; float32 sums of 65536 terms would
-//                  drift from the kernel's chunked numerator). S == L required.
+//   causal-linear: numerator and normaliser from one call of the chunked
+//                  operator causal_linear_product (carried F×(M+1) state) on
+//                  [V, 1]: column M is phi(q_i)·sum_{j<=i} phi(k_j), summed in
+//                  the numerator's order and precision (a separate float32
+//                  cumulative sum over 65536 terms would drift from it); costs
+//                  one extra, scalar, column. S == L required.
 // Padded keys (key_lengths) get phi(k) = 0, so they add nothing to either sum.
 // Tested by tests/cpp/test_linear_attention.cpp; timed by
 // bench/bench_linear_attention.cpp.
@@ -146,10 +147,14 @@ Tensor CausalLinearAttention::forward(const Tensor& queries,  // (N, H, L, E)
               mask.attn_mask()->sizes());
   auto [qf, kf] =
       feature_mapped("causal-linear", *feature_map_, is_training(), queries, keys, mask);
-  auto num = causal_linear_product(qf, kf, values);  // (N, H, L, M)
-  auto den = (qf.to(torch::kDouble) * kf.to(torch::kDouble).cumsum(2))
-                 .sum(-1, /*keepdim=*/true)
-                 .to(num.scalar_type());  // (N, H, L, 1)
+  // One product for numerator and normaliser: v gets a column of ones, so
+  // column M of the result is phi(q_i)·sum_{j<=i} phi(k_j), accumulated in
+  // exactly the numerator's order (and its precision).
+  const int64_t M = values.size(3);
+  auto ones = torch::ones({values.size(0), values.size(1), values.size(2), 1}, values.options());
+  auto prod = causal_linear_product(qf, kf, torch::cat({values, ones}, -1));  // (N, H, L, M + 1)
+  auto num = prod.narrow(-1, 0, M);
+  auto den = prod.narrow(-1, M, 1);
   return num / (den + eps_);
 }
 
