@@ -4,10 +4,11 @@
 //   build/bench_linear_attention [--threads T] [--max-len L] [--reps R]
 //
 // N=1, H=8, E=M=64, float32, elu feature map. For L = 1024, 2048, ..., max-len
-// (65536 by default) prints the median wall time of: `linear` forward,
-// `causal-linear` forward, `causal-linear` forward+backward, and the bare
-// causal_linear_product operator forward with its GFLOP/s (useful flops
-// 2·L·(F·M·2 + C·(F+M)) per head with chunks of C = 64), each also in ms per
+// (65536 by default) prints the median wall time (one run from L = 16384) of:
+// `linear` forward, `causal-linear` forward, `causal-linear` forward+backward,
+// and the bare causal_linear_product operator forward and forward+backward
+// with their GFLOP/s (flops as computed, per head 2·L·(2·F·M + C·(F+M)) forward and
+// 2·L·(5·F·M + 3·C·(F+M)) backward, chunks of C = 64), each also in ms per
 // 1k tokens: a flat column shows linear scaling. Then a finiteness check of
 // causal-linear in float32 at the longest length with unnormalised inputs
 // (|x| ~ 100·sqrt(E)), and the process's peak resident memory (an L×L matrix
@@ -85,38 +86,53 @@ int main(int argc, char** argv) {
   causal->eval();
   const auto causal_mask = fastattn::Mask::causal_mask();
 
-  std::printf("%7s | %-21s | %-21s | %-21s | %-30s\n", "L", "linear fwd", "causal-linear fwd",
-              "causal-linear fwd+bwd", "causal_linear_product fwd");
-  std::printf("%7s | %9s %11s | %9s %11s | %9s %11s | %9s %11s %8s\n", "", "ms", "ms/1k tok", "ms",
-              "ms/1k tok", "ms", "ms/1k tok", "ms", "ms/1k tok", "GFLOP/s");
+  const double C = 64;  // the operator's chunk
+  std::printf("%7s  %-34s %10s %11s %9s\n", "L", "what", "ms", "ms/1k tok", "GFLOP/s");
+  auto report = [](int64_t L, const char* what, double t, double flops) {
+    std::printf("%7lld  %-34s %10.2f %11.3f", static_cast<long long>(L), what, t * 1e3,
+                t * 1e3 * 1000.0 / static_cast<double>(L));
+    if (flops > 0) std::printf(" %9.1f", flops / t / 1e9);
+    std::printf("\n");
+    std::fflush(stdout);
+  };
   for (int64_t L = 1024; L <= max_len; L *= 2) {
     auto q = torch::randn({N, H, L, E}), k = torch::randn({N, H, L, E}),
          v = torch::randn({N, H, L, E});
+    auto w = torch::randn({N, H, L, E});
     const int r = L >= 16384 ? 1 : reps;
-    double t_lin, t_causal, t_prod;
+    const double fwd_flops = 2.0 * N * H * L * (2.0 * E * E + C * (E + E));
+    const double bwd_flops = 2.0 * N * H * L * (5.0 * E * E + 3 * C * (E + E));
     {
       torch::NoGradGuard no_grad;
-      t_lin = time_median([&] { linear->forward(q, k, v, fastattn::Mask()); }, r);
-      t_causal = time_median([&] { causal->forward(q, k, v, causal_mask); }, r);
-      auto qf = torch::elu(q) + 1, kf = torch::elu(k) + 1;
-      t_prod = time_median([&] { fastattn::causal_linear_product(qf, kf, v); }, r);
+      report(L, "linear fwd", time_median([&] { linear->forward(q, k, v, fastattn::Mask()); }, r),
+             0);
+      report(L, "causal-linear fwd", time_median([&] { causal->forward(q, k, v, causal_mask); }, r),
+             0);
     }
     auto qg = q.clone().requires_grad_(), kg = k.clone().requires_grad_(),
          vg = v.clone().requires_grad_();
-    auto w = torch::randn({N, H, L, E});
-    const double t_fb = time_median(
-        [&] {
-          auto out = causal->forward(qg, kg, vg, causal_mask);
-          (out * w).sum().backward();
-        },
-        r);
-    const double flops = 2.0 * N * H * L * (E * E * 2 + 64.0 * (E + E));
-    const double per_k = 1000.0 / static_cast<double>(L);
-    std::printf("%7lld | %9.2f %11.3f | %9.2f %11.3f | %9.2f %11.3f | %9.2f %11.3f %8.1f\n",
-                static_cast<long long>(L), t_lin * 1e3, t_lin * 1e3 * per_k, t_causal * 1e3,
-                t_causal * 1e3 * per_k, t_fb * 1e3, t_fb * 1e3 * per_k, t_prod * 1e3,
-                t_prod * 1e3 * per_k, flops / t_prod / 1e9);
-    std::fflush(stdout);
+    report(L, "causal-linear fwd+bwd",
+           time_median(
+               [&] {
+                 auto out = causal->forward(qg, kg, vg, causal_mask);
+                 torch::autograd::grad({(out * w).sum()}, {qg, kg, vg});
+               },
+               r),
+           0);
+    auto qf = (torch::elu(q) + 1).requires_grad_(), kf = (torch::elu(k) + 1).requires_grad_();
+    {
+      torch::NoGradGuard no_grad;
+      report(L, "causal_linear_product fwd",
+             time_median([&] { fastattn::causal_linear_product(qf, kf, v); }, r), fwd_flops);
+    }
+    report(L, "causal_linear_product fwd+bwd",
+           time_median(
+               [&] {
+                 auto out = fastattn::causal_linear_product(qf, kf, vg);
+                 torch::autograd::grad({out}, {qf, kf, vg}, {w});
+               },
+               r),
+           fwd_flops + bwd_flops);
   }
 
   {

@@ -8,8 +8,9 @@
 // Never an L×F×M tensor: extra memory is, per thread, one F×M state (two in
 // the backward), C×C and C×(F+M) tiles.
 //
-// Cost: forward 2·N·H·L·(C·(F+M) + 2·F·M) flops (the C×C products are
-// computed whole and masked), backward about twice that: linear in L.
+// Cost: forward 2·N·H·L·(C·(F+M) + 2·F·M) flops, backward
+// 2·N·H·L·(3·C·(F+M) + 5·F·M) (the C×C products are computed whole and
+// masked; 2.75× the forward at C = F = M = 64): linear in L.
 // Tested by tests/cpp/test_linear_attention.cpp; timed by
 // bench/bench_linear_attention.cpp.
 #pragma once
