@@ -105,11 +105,13 @@ class FavorFeatureMap : public RandomFeatureMap {
 
   Tensor forward_keys(const Tensor& x, const std::optional<Tensor>& key_keep) override {
     auto e = exponent(x);  // (N, H, L, m)
-    auto d = e.detach();
     if (key_keep) {
+      // Padded keys: exponent -inf, so phi = 0 and exp's gradient is 0 (not
+      // 0·inf = NaN when a padded key's exponent would overflow).
       const auto keep = key_keep->reshape({x.size(0), 1, x.size(2), 1});
-      d = d.masked_fill(keep.logical_not(), -std::numeric_limits<double>::infinity());
+      e = e.masked_fill(keep.logical_not(), -std::numeric_limits<double>::infinity());
     }
+    auto d = e.detach();
     // Max over the kept keys and features of each (n, h); 0 when none is kept.
     auto mx = std::get<0>(d.flatten(2).max(-1, /*keepdim=*/true)).unsqueeze(-1);
     mx = mx.masked_fill(torch::isinf(mx), 0.0);

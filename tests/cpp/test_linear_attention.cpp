@@ -202,32 +202,46 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<TypeCfg>& info) { return info.param.name; });
 
 TEST(LinearAttention, PaddedKeysContributeNothing) {
-  // Padding filled with huge values must not change (or overflow) anything.
+  // Padding must not change (or overflow) anything, nor give NaN gradients:
+  // huge padded keys, and zero padded keys beside large real keys (FAVOR+'s
+  // key offset then puts the padding's exponent far above 0).
   for (const char* type : {"linear", "causal-linear"}) {
     for (const char* map : {"elu", "favor"}) {
-      SCOPED_TRACE(std::string(type) + " " + map);
-      const bool causal = std::string(type) == "causal-linear";
-      AttentionDims dims{2, 8, 8};
-      auto attn = make_attention(type, {{"feature_map", std::string(map)}}, dims);
-      attn->eval();
-      auto q = torch::randn({2, 2, 30, 8}, torch::kDouble);
-      auto k = torch::randn({2, 2, 30, 8}, torch::kDouble);
-      auto v = torch::randn({2, 2, 30, 8}, torch::kDouble);
-      const int64_t len = 17;
-      auto kp = k.clone(), vp = v.clone();
-      kp.narrow(2, len, 30 - len).fill_(1e3);
-      vp.narrow(2, len, 30 - len).fill_(1e6);
-      auto mask = Mask().with_causal(causal).with_key_lengths(torch::tensor({len, len}));
-      auto out = attn->forward(q, kp, vp, mask);
-      ASSERT_TRUE(torch::isfinite(out).all().item<bool>());
-      if (causal) {
-        // Rows before len see exactly the real keys up to themselves.
-        auto ref = attn->forward(q.narrow(2, 0, len), k.narrow(2, 0, len), v.narrow(2, 0, len),
-                                 Mask::causal_mask());
-        EXPECT_LE(testing::max_abs_diff(out.narrow(2, 0, len), ref), 1e-9);
-      } else {
-        auto ref = attn->forward(q, k.narrow(2, 0, len), v.narrow(2, 0, len), Mask());
-        EXPECT_LE(testing::max_abs_diff(out, ref), 1e-9);
+      for (const auto& [key_scale, pad] :
+           std::vector<std::pair<double, double>>{{1, 1e3}, {300, 0}}) {
+        SCOPED_TRACE(std::string(type) + " " + map + " pad " + std::to_string(pad));
+        const bool causal = std::string(type) == "causal-linear";
+        AttentionDims dims{2, 8, 8};
+        auto attn = make_attention(type, {{"feature_map", std::string(map)}}, dims);
+        attn->eval();
+        auto q = torch::randn({2, 2, 30, 8}, torch::kDouble);
+        auto k = torch::randn({2, 2, 30, 8}, torch::kDouble) * key_scale;
+        auto v = torch::randn({2, 2, 30, 8}, torch::kDouble);
+        const int64_t len = 17;
+        auto kp = k.clone(), vp = v.clone();
+        kp.narrow(2, len, 30 - len).fill_(pad);
+        vp.narrow(2, len, 30 - len).fill_(1e6);
+        auto mask = Mask().with_causal(causal).with_key_lengths(torch::tensor({len, len}));
+        kp.requires_grad_();
+        vp.requires_grad_();
+        auto out = attn->forward(q, kp, vp, mask);
+        ASSERT_TRUE(torch::isfinite(out).all().item<bool>());
+        // Gradients stay finite and are zero on the padding.
+        out.sum().backward();
+        for (const auto& g : {kp.grad(), vp.grad()}) {
+          EXPECT_TRUE(torch::isfinite(g).all().item<bool>());
+          EXPECT_EQ(g.narrow(2, len, 30 - len).abs().max().item<double>(), 0.0);
+        }
+        out = out.detach();
+        if (causal) {
+          // Rows before len see exactly the real keys up to themselves.
+          auto ref = attn->forward(q.narrow(2, 0, len), k.narrow(2, 0, len), v.narrow(2, 0, len),
+                                   Mask::causal_mask());
+          EXPECT_LE(testing::max_abs_diff(out.narrow(2, 0, len), ref), 1e-9);
+        } else {
+          auto ref = attn->forward(q, k.narrow(2, 0, len), v.narrow(2, 0, len), Mask());
+          EXPECT_LE(testing::max_abs_diff(out, ref), 1e-9);
+        }
       }
     }
   }
