@@ -142,9 +142,11 @@ Tensor LinearAttention::forward(const Tensor& queries,  // (N, H, L, E)
   TORCH_CHECK(!mask.is_causal(),
               "linear: a causal mask is not supported; use the attention type 'causal-linear'");
   auto [qf, kf] = feature_mapped("linear", *feature_map_, is_training(), queries, keys, mask);
-  auto kv = torch::matmul(kf.transpose(-1, -2), values);         // (N, H, F, M)
-  auto z = kf.sum(2).unsqueeze(-1);                              // (N, H, F, 1)
-  return torch::matmul(qf, kv) / (torch::matmul(qf, z) + eps_);  // (N, H, L, M)
+  // [phi(K)^T V | sum_j phi(K_j)] is small (F × (M + 1) per head): one product
+  // with phi(Q) then gives numerator and normaliser together.
+  auto kvz = torch::cat({torch::matmul(kf.transpose(-1, -2), values), kf.sum(2).unsqueeze(-1)},
+                        -1);                                        // (N, H, F, M + 1)
+  return NormaliseLastColumn::apply(torch::matmul(qf, kvz), eps_);  // (N, H, L, M)
 }
 
 // ---- causal-linear ----------------------------------------------------------
