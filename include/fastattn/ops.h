@@ -34,7 +34,15 @@ torch::Tensor full_attention(const torch::Tensor& q, const torch::Tensor& k, con
 torch::Tensor causal_linear_product(const torch::Tensor& q, const torch::Tensor& k,
                                     const torch::Tensor& v);
 
+// elu(x) + 1 elementwise, the default feature map of linear attention
+// (vectorised CPU kernels; ATen's elu runs scalar in Debian's build).
+// float32 / float64, any shape; gradients flow to x.
+torch::Tensor elu_feature_map(const torch::Tensor& x);
+
 namespace reference {
+// torch::elu(x) + 1: for tests and benchmarks only.
+torch::Tensor elu_feature_map(const torch::Tensor& x);
+
 // tril(q k^T) v in plain ATen (O(L²) memory): for tests and benchmarks only.
 torch::Tensor causal_linear_product(const torch::Tensor& q, const torch::Tensor& k,
                                     const torch::Tensor& v);

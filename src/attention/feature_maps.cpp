@@ -4,6 +4,8 @@
 // product per call, O(L·m) memory. Tested by tests/cpp/test_linear_attention.cpp.
 #include "fastattn/feature_maps.h"
 
+#include "fastattn/ops.h"
+
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <cmath>
@@ -36,6 +38,11 @@ class EluFeatureMap : public FeatureMap {
   explicit EluFeatureMap(int64_t E) : FeatureMap(0), E_(E) {}
   Tensor forward(const Tensor& x) override {
     check_input("elu", x, E_);
+    // The vectorised operator on the CPU; the ATen composite elsewhere (the
+    // operator has no CUDA kernel yet).
+    if (x.device().is_cpu() &&
+        (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kDouble))
+      return elu_feature_map(x);
     return torch::elu(x) + 1;
   }
   int64_t output_dim() const override { return E_; }

@@ -30,6 +30,10 @@ TORCH_LIBRARY(fastattn, m) {
       "causal_linear_product_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v) "
       "-> (Tensor, Tensor, Tensor)");
 
+  // elu(x) + 1 elementwise (linear attention's default feature map), any shape.
+  m.def("elu_feature_map(Tensor x) -> Tensor");
+  m.def("elu_feature_map_backward(Tensor grad_out, Tensor x) -> Tensor");
+
   // ---- registry access (Python mirrors the C++ registry through these) -----
   // Any registered attention type by name; params_json is a JSON object of the
   // type's parameters.

@@ -6,12 +6,13 @@
 // the number of features grows, seeds, redraw); registry parameters and
 // errors; large-norm inputs stay finite in float32.
 //
-//   build/fastattn_tests --gtest_filter='CausalLinear*:LinearAttention*:FeatureMap*'
+//   build/fastattn_tests --gtest_filter='*CausalLinear*:*LinearAttention*:*FeatureMap*'
 #include <gtest/gtest.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
 #include <cmath>
+#include <limits>
 
 #include "expect_error.h"
 #include "fastattn/attention.h"
@@ -116,6 +117,34 @@ TEST(CausalLinearProduct, EmptyInputs) {
   auto out = causal_linear_product(torch::randn({1, 2, 0, 4}), torch::randn({1, 2, 0, 4}),
                                    torch::randn({1, 2, 0, 3}));
   EXPECT_EQ(out.sizes(), (std::vector<int64_t>{1, 2, 0, 3}));
+}
+
+// ---- elu_feature_map ---------------------------------------------------------------
+
+TEST(EluFeatureMap, MatchesReference) {
+  for (const auto& shape : std::vector<std::vector<int64_t>>{{1}, {7}, {2, 3, 37, 17}, {70000}}) {
+    OpCase oc;
+    oc.name = "elu_feature_map " + std::to_string(shape.back());
+    oc.make_inputs = [shape](uint64_t seed) -> Inputs {
+      torch::manual_seed(seed);
+      return {torch::randn(shape, torch::kDouble) * 3};
+    };
+    oc.op = [](const Inputs& x) { return elu_feature_map(x[0]); };
+    oc.reference = [](const Inputs& x) { return reference::elu_feature_map(x[0]); };
+    oc.f64_tol = 1e-14;  // exp to ~1 ulp on values up to ~10
+    oc.f32_tol = 4e-6;   // float32 exp, ~2 ulp of values up to ~10
+    SCOPED_TRACE(oc.name);
+    testing::check_op(oc);
+  }
+  // Exact values at and around 0, large inputs, NaN.
+  auto x = torch::tensor(
+      {0.0, -0.0, 1e-30, -1e-30, 50.0, -200.0, std::numeric_limits<double>::quiet_NaN()},
+      torch::kDouble);
+  auto y = elu_feature_map(x);
+  auto ref = reference::elu_feature_map(x);
+  EXPECT_LE(testing::max_abs_diff(y.narrow(0, 0, 6), ref.narrow(0, 0, 6)), 1e-15);
+  EXPECT_TRUE(std::isnan(y[6].item<double>()));
+  EXPECT_ERROR_CONTAINS(elu_feature_map(torch::ones({3}, torch::kInt)), "x must be float32");
 }
 
 // ---- dense references for the attention types -----------------------------------
