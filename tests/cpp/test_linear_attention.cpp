@@ -1,6 +1,7 @@
 // Linear attention (Katharopoulos et al. 2020): the causal_linear_product
 // operator against tril(Q K^T) V in float64 (forward, gradients vs autograd of
-// the reference and by finite differences) over awkward shapes; the `linear`
+// the reference and by finite differences) over awkward shapes; the
+// elu_feature_map operator against torch::elu(x) + 1; the `linear`
 // and `causal-linear` types against dense references, with key-length
 // padding; feature maps (FAVOR+ and RFF approximate their kernels better as
 // the number of features grows, seeds, redraw); registry parameters and
