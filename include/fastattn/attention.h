@@ -15,6 +15,8 @@
 
 namespace fastattn {
 
+class FeatureMap;  // fastattn/feature_maps.h
+
 // What a type may need to know of the layer it sits in.
 struct AttentionDims {
   int64_t heads = 1;
@@ -48,6 +50,41 @@ class FullAttention : public AttentionBase {
  private:
   std::optional<double> softmax_temp_;
   double attention_dropout_;
+};
+
+// linear (Katharopoulos et al. 2020): out_i = phi(q_i)^T (sum_j phi(k_j) v_j^T)
+// / (phi(q_i)^T sum_j phi(k_j) + eps), in O(N·H·(L+S)·F·M) time and
+// O((L+S)·F + F·M) memory per head; keys past key_lengths contribute nothing.
+// Takes no attn_mask and no causal mask (see causal-linear). The feature map
+// is a submodule named "feature_map" (fast-transformers' name).
+class LinearAttention : public AttentionBase {
+ public:
+  explicit LinearAttention(std::shared_ptr<FeatureMap> feature_map, double eps = 1e-6);
+  torch::Tensor forward(const torch::Tensor& queries, const torch::Tensor& keys,
+                        const torch::Tensor& values, const Mask& mask) override;
+  std::string type_name() const override { return "linear"; }
+  const std::shared_ptr<FeatureMap>& feature_map() const { return feature_map_; }
+
+ private:
+  std::shared_ptr<FeatureMap> feature_map_;
+  double eps_;
+};
+
+// causal-linear: out_i = phi(q_i)^T (sum_{j<=i} phi(k_j) v_j^T)
+// / (phi(q_i)^T sum_{j<=i} phi(k_j) + eps) through the chunked operator
+// causal_linear_product (never an L×F×M tensor). Needs a causal mask, S == L
+// and no attn_mask; keys past key_lengths contribute nothing.
+class CausalLinearAttention : public AttentionBase {
+ public:
+  explicit CausalLinearAttention(std::shared_ptr<FeatureMap> feature_map, double eps = 1e-6);
+  torch::Tensor forward(const torch::Tensor& queries, const torch::Tensor& keys,
+                        const torch::Tensor& values, const Mask& mask) override;
+  std::string type_name() const override { return "causal-linear"; }
+  const std::shared_ptr<FeatureMap>& feature_map() const { return feature_map_; }
+
+ private:
+  std::shared_ptr<FeatureMap> feature_map_;
+  double eps_;
 };
 
 // conditional-full:<type>: full attention while max(L, S) <= length_limit, the inner

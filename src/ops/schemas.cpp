@@ -19,6 +19,21 @@ TORCH_LIBRARY(fastattn, m) {
       "Tensor lse, Tensor? attn_mask, Tensor? key_lengths, bool causal, float softmax_temp) "
       "-> (Tensor, Tensor, Tensor)");
 
+  // ---- causal linear attention (Katharopoulos et al. 2020) -----------------
+  // q, k feature-mapped (N,H,L,F), v (N,H,L,M) -> (N,H,L,M):
+  // out_i = sum_{j<=i} (q_i·k_j) v_j, unnormalised; needs S == L.
+  m.def("causal_linear_product(Tensor q, Tensor k, Tensor v) -> Tensor");
+  // Forward kernel (chunked, carried F×M state).
+  m.def("causal_linear_product_forward(Tensor q, Tensor k, Tensor v) -> Tensor");
+  // Backward kernel: (grad_q, grad_k, grad_v).
+  m.def(
+      "causal_linear_product_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v) "
+      "-> (Tensor, Tensor, Tensor)");
+
+  // elu(x) + 1 elementwise (linear attention's default feature map), any shape.
+  m.def("elu_feature_map(Tensor x) -> Tensor");
+  m.def("elu_feature_map_backward(Tensor grad_out, Tensor x) -> Tensor");
+
   // ---- registry access (Python mirrors the C++ registry through these) -----
   // Any registered attention type by name; params_json is a JSON object of the
   // type's parameters.

@@ -1,0 +1,204 @@
+// Linear attention types (Katharopoulos et al. 2020, "Transformers are RNNs"):
+// `linear` and `causal-linear`, and their registration.
+//
+//   linear:        out = phi(Q) (phi(K)^T V) / (phi(Q) sum_j phi(K_j) + eps).
+//                  Two ATen matmuls (BLAS): O(N·H·(L+S)·F·M) time, O((L+S)·F + F·M)
+//                  memory per head; no L×S tensor.
+//   causal-linear: numerator and normaliser from one call of the chunked
+//                  operator causal_linear_product (carried F×(M+1) state) on
+//                  [V, 1]: column M is phi(q_i)·sum_{j<=i} phi(k_j), summed in
+//                  the numerator's order and precision (a separate float32
+//                  cumulative sum over 65536 terms would drift from it); costs
+//                  one extra, scalar, column. S == L required.
+// Padded keys (key_lengths) get phi(k) = 0, so they add nothing to either sum.
+// Tested by tests/cpp/test_linear_attention.cpp; timed by
+// bench/bench_linear_attention.cpp.
+#include <cmath>
+
+#include "attention/builtin_types.h"
+#include "fastattn/attention.h"
+#include "fastattn/feature_maps.h"
+#include "fastattn/ops.h"
+#include "fastattn/registry.h"
+
+namespace fastattn {
+
+using torch::Tensor;
+
+namespace {
+
+// out = prod[..., :M] / (prod[..., M] + eps) for prod (N, H, L, M + 1), with
+// a fused backward (grad_num = g / d, grad_den = -sum(g ∘ out) / d): two
+// passes instead of the generic narrow / add / div chain (about ten at
+// L·M size).
+class NormaliseLastColumn : public torch::autograd::Function<NormaliseLastColumn> {
+ public:
+  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& prod, double eps) {
+    const int64_t M = prod.size(-1) - 1;
+    auto d = prod.narrow(-1, M, 1) + eps;  // (N, H, L, 1)
+    auto out = prod.narrow(-1, 0, M) / d;  // (N, H, L, M)
+    ctx->save_for_backward({out, d});
+    return out;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &out = saved[0], &d = saved[1];
+    const auto& g = grads[0];
+    const int64_t M = out.size(-1);
+    auto grad = torch::empty({out.size(0), out.size(1), out.size(2), M + 1}, out.options());
+    auto head = grad.narrow(-1, 0, M);
+    torch::div_out(head, g, d);
+    grad.narrow(-1, M, 1).copy_(-(g * out).sum(-1, /*keepdim=*/true) / d);
+    return {grad, Tensor()};
+  }
+};
+
+void check_eps(const char* type, double eps) {
+  TORCH_CHECK(std::isfinite(eps) && eps > 0, type, ": eps must be a finite number > 0, got ", eps);
+}
+
+// phi(Q) (N, H, L, F) and phi(K) (N, H, S, F) with padded keys zeroed.
+std::pair<Tensor, Tensor> feature_mapped(const char* type, FeatureMap& fm, bool training,
+                                         const Tensor& q, const Tensor& k, const Mask& mask) {
+  fm.maybe_redraw(training);
+  const int64_t N = k.size(0), S = k.size(2);
+  std::optional<Tensor> keep;
+  if (mask.key_lengths()) keep = mask.key_keep(N, S, k.device());  // (N, S)
+  auto qf = fm.forward_queries(q);
+  auto kf = fm.forward_keys(k, keep);
+  TORCH_CHECK(qf.dim() == 4 && kf.dim() == 4 && qf.size(3) == kf.size(3) &&
+                  qf.size(2) == q.size(2) && kf.size(2) == S,
+              type, ": feature map '", fm.name(), "' must map (N, H, L, E) to (N, H, L, F), got ",
+              qf.sizes(), " for queries ", q.sizes(), " and ", kf.sizes(), " for keys ", k.sizes());
+  if (keep) kf = kf.masked_fill(keep->reshape({N, 1, S, 1}).logical_not(), 0.0);
+  return {qf, kf};
+}
+
+struct LinearOptions {
+  FeatureMapOptions map;
+  double eps = 1e-6;
+};
+
+LinearOptions linear_options(const Params& p, const AttentionDims& dims) {
+  LinearOptions o;
+  o.map.kind = p.get_string("feature_map");
+  o.map.query_dim = dims.query_dim;
+  o.map.n_features = p.get_optional_int("n_features");
+  o.map.softmax_temp = p.get_optional_float("softmax_temp");
+  o.map.orthogonal = p.get_bool("orthogonal");
+  o.map.smoothing = p.get_float("smoothing");
+  o.map.seed = static_cast<uint64_t>(p.get_int("seed"));
+  o.map.redraw = p.get_int("redraw");
+  o.eps = p.get_float("eps");
+  return o;
+}
+
+std::vector<ParamSpec> linear_params() {
+  return {
+      ParamSpec::choice("feature_map", "elu", feature_map_names(),
+                        "phi: elu (elu+1), relu, favor (Performer FAVOR+), rff (random Fourier "
+                        "features), smoothed-rff (rff plus a constant feature)"),
+      ParamSpec::integer("n_features", std::nullopt,
+                         "random maps: number of features m (rff: even); default query_dim", 1),
+      ParamSpec::real("softmax_temp", std::nullopt,
+                      "favor / rff: kernel scale, exp(temp·q·k) or exp(-temp·|q-k|²/2); default "
+                      "1/sqrt(E)",
+                      0.0)
+          .exclusive_min(),
+      ParamSpec::boolean("orthogonal", true, "favor / rff: orthogonal random blocks"),
+      ParamSpec::real("smoothing", 1.0, "smoothed-rff: constant added to the kernel", 0.0)
+          .exclusive_min(),
+      ParamSpec::real("eps", 1e-6, "added to the normaliser phi(q)·sum phi(k)", 0.0)
+          .exclusive_min(),
+      ParamSpec::integer("seed", 0, "seed of the random feature map's generator", 0),
+      ParamSpec::integer("redraw", 1,
+                         "random maps: redraw every n-th forward in training (0: never); "
+                         "evaluation never redraws",
+                         0),
+  };
+}
+
+}  // namespace
+
+// ---- linear -----------------------------------------------------------------
+
+LinearAttention::LinearAttention(std::shared_ptr<FeatureMap> feature_map, double eps)
+    : feature_map_(std::move(feature_map)), eps_(eps) {
+  TORCH_CHECK(feature_map_, "LinearAttention: feature_map must be a feature map, got null");
+  check_eps("LinearAttention", eps_);
+  register_module("feature_map", feature_map_);
+}
+
+Tensor LinearAttention::forward(const Tensor& queries,  // (N, H, L, E)
+                                const Tensor& keys,     // (N, H, S, E)
+                                const Tensor& values,   // (N, H, S, M)
+                                const Mask& mask) {
+  check_attention_inputs(queries, keys, values, mask);
+  TORCH_CHECK(!mask.attn_mask(),
+              "linear: attn_mask is not supported (linear attention never forms the L×S "
+              "weights); use key_lengths for padding, got an attn_mask of shape ",
+              mask.attn_mask()->sizes());
+  TORCH_CHECK(!mask.is_causal(),
+              "linear: a causal mask is not supported; use the attention type 'causal-linear'");
+  auto [qf, kf] = feature_mapped("linear", *feature_map_, is_training(), queries, keys, mask);
+  // [phi(K)^T V | sum_j phi(K_j)] is small (F × (M + 1) per head): one product
+  // with phi(Q) then gives numerator and normaliser together.
+  auto kvz = torch::cat({torch::matmul(kf.transpose(-1, -2), values), kf.sum(2).unsqueeze(-1)},
+                        -1);                                        // (N, H, F, M + 1)
+  return NormaliseLastColumn::apply(torch::matmul(qf, kvz), eps_);  // (N, H, L, M)
+}
+
+// ---- causal-linear ----------------------------------------------------------
+
+CausalLinearAttention::CausalLinearAttention(std::shared_ptr<FeatureMap> feature_map, double eps)
+    : feature_map_(std::move(feature_map)), eps_(eps) {
+  TORCH_CHECK(feature_map_, "CausalLinearAttention: feature_map must be a feature map, got null");
+  check_eps("CausalLinearAttention", eps_);
+  register_module("feature_map", feature_map_);
+}
+
+Tensor CausalLinearAttention::forward(const Tensor& queries,  // (N, H, L, E)
+                                      const Tensor& keys,     // (N, H, S, E)
+                                      const Tensor& values,   // (N, H, S, M)
+                                      const Mask& mask) {
+  check_attention_inputs(queries, keys, values, mask);
+  TORCH_CHECK(mask.is_causal(),
+              "causal-linear: computes causal attention only and needs a causal mask "
+              "(Mask::causal_mask() or with_causal()), got ",
+              mask.to_string());
+  TORCH_CHECK(keys.size(2) == queries.size(2),
+              "causal-linear: needs as many keys as queries (S == L), got queries ",
+              queries.sizes(), " and keys ", keys.sizes());
+  TORCH_CHECK(!mask.attn_mask(),
+              "causal-linear: attn_mask is not supported (only the causal mask and key_lengths), "
+              "got an attn_mask of shape ",
+              mask.attn_mask()->sizes());
+  auto [qf, kf] =
+      feature_mapped("causal-linear", *feature_map_, is_training(), queries, keys, mask);
+  // One product for numerator and normaliser: v gets a column of ones, so
+  // column M of the result is phi(q_i)·sum_{j<=i} phi(k_j), accumulated in
+  // exactly the numerator's order (and its precision).
+  auto ones = torch::ones({values.size(0), values.size(1), values.size(2), 1}, values.options());
+  auto prod = causal_linear_product(qf, kf, torch::cat({values, ones}, -1));  // (N, H, L, M + 1)
+  return NormaliseLastColumn::apply(prod, eps_);
+}
+
+void register_linear_attention_types(AttentionRegistry& registry) {
+  registry.add({"linear",
+                "linear attention phi(Q)(phi(K)^T V), normalised: O(L·F·M) time, no L×S "
+                "matrix (no attn_mask, no causal: see causal-linear)",
+                linear_params(), [](const Params& p, const AttentionDims& dims) -> AttentionPtr {
+                  const auto o = linear_options(p, dims);
+                  return std::make_shared<LinearAttention>(make_feature_map(o.map), o.eps);
+                }});
+  registry.add({"causal-linear",
+                "causal linear attention through the chunked causal_linear_product operator "
+                "(needs a causal mask and S == L)",
+                linear_params(), [](const Params& p, const AttentionDims& dims) -> AttentionPtr {
+                  const auto o = linear_options(p, dims);
+                  return std::make_shared<CausalLinearAttention>(make_feature_map(o.map), o.eps);
+                }});
+}
+
+}  // namespace fastattn

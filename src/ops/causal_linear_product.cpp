@@ -1,0 +1,143 @@
+// The causal_linear_product operator: out_i = sum_{j<=i} (q_i·k_j) v_j for
+// feature-mapped q, k (N,H,L,F) and v (N,H,L,M). Input checks, the CPU
+// forward/backward (chunked kernels of src/kernels/causal_product/, O(L·(F+M))
+// memory), the autograd function, the C++ entry point and the plain-ATen
+// reference tril(Q K^T) V (O(L²) memory, tests and benchmarks only).
+// Tested by tests/cpp/test_linear_attention.cpp; timed by
+// bench/bench_linear_attention.cpp.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include "fastattn/ops.h"
+#include "kernels/causal_product/causal_product.h"
+#include "ops/op_util.h"
+
+namespace fastattn {
+namespace {
+
+using torch::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+constexpr const char* kOp = "fastattn::causal_linear_product";
+constexpr int64_t kChunk = 64;  // rows per chunk: C×C tiles stay in L1/L2
+
+void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v) {
+  ops::check_qkv(kOp, q, k, v);
+  TORCH_CHECK(k.size(2) == q.size(2), kOp,
+              ": k must have the length L of q (causal linear attention needs S == L), got q ",
+              q.sizes(), " and k ", k.sizes());
+  TORCH_CHECK(q.device().is_cpu(), kOp, ": only CPU tensors are supported so far, got ",
+              q.device());
+}
+
+template <typename T, typename Args>
+void fill_params(Args& a, const Tensor& q, const Tensor& k, const Tensor& v) {
+  a.q = q.data_ptr<T>();
+  a.k = k.data_ptr<T>();
+  a.v = v.data_ptr<T>();
+  a.N = q.size(0);
+  a.H = q.size(1);
+  a.L = q.size(2);
+  a.F = q.size(3);
+  a.M = v.size(3);
+  a.chunk = kChunk;
+  a.num_threads = at::get_num_threads();
+}
+
+Tensor causal_linear_product_forward_cpu(const Tensor& q_in, const Tensor& k_in,
+                                         const Tensor& v_in) {
+  check_inputs(q_in, k_in, v_in);
+  const auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+  auto out = torch::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "causal_linear_product_forward_cpu", [&] {
+    kernels::CausalProductForwardArgs<scalar_t> a;
+    fill_params<scalar_t>(a, q, k, v);
+    a.out = out.data_ptr<scalar_t>();
+    kernels::causal_product_forward_cpu(a);
+  });
+  return out;
+}
+
+std::tuple<Tensor, Tensor, Tensor> causal_linear_product_backward_cpu(const Tensor& grad_out,
+                                                                      const Tensor& q_in,
+                                                                      const Tensor& k_in,
+                                                                      const Tensor& v_in) {
+  check_inputs(q_in, k_in, v_in);
+  const std::vector<int64_t> out_shape{q_in.size(0), q_in.size(1), q_in.size(2), v_in.size(3)};
+  TORCH_CHECK(grad_out.sizes() == c10::IntArrayRef(out_shape), kOp,
+              ": grad_out must have the output's shape ", c10::IntArrayRef(out_shape), ", got ",
+              grad_out.sizes());
+  const auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+  const auto go = grad_out.to(q.scalar_type()).contiguous();
+  auto gq = torch::empty_like(q), gk = torch::empty_like(k), gv = torch::empty_like(v);
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "causal_linear_product_backward_cpu", [&] {
+    kernels::CausalProductBackwardArgs<scalar_t> a;
+    fill_params<scalar_t>(a, q, k, v);
+    a.grad_out = go.data_ptr<scalar_t>();
+    a.grad_q = gq.data_ptr<scalar_t>();
+    a.grad_k = gk.data_ptr<scalar_t>();
+    a.grad_v = gv.data_ptr<scalar_t>();
+    kernels::causal_product_backward_cpu(a);
+  });
+  return {gq, gk, gv};
+}
+
+Tensor call_forward(const Tensor& q, const Tensor& k, const Tensor& v) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastattn::causal_linear_product_forward", "")
+                       .typed<decltype(causal_linear_product_forward_cpu)>();
+  return op.call(q, k, v);
+}
+
+class CausalLinearProductFunction : public torch::autograd::Function<CausalLinearProductFunction> {
+ public:
+  static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto out = call_forward(q, k, v);
+    ctx->save_for_backward({q, k, v});
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("fastattn::causal_linear_product_backward", "")
+                         .typed<decltype(causal_linear_product_backward_cpu)>();
+    const auto saved = ctx->get_saved_variables();
+    auto [gq, gk, gv] = op.call(grads[0], saved[0], saved[1], saved[2]);
+    return {gq, gk, gv};
+  }
+};
+
+Tensor causal_linear_product_autograd(const Tensor& q, const Tensor& k, const Tensor& v) {
+  return CausalLinearProductFunction::apply(q, k, v);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
+  m.impl("causal_linear_product", call_forward);
+  m.impl("causal_linear_product_forward", causal_linear_product_forward_cpu);
+  m.impl("causal_linear_product_backward", causal_linear_product_backward_cpu);
+}
+
+TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
+  m.impl("causal_linear_product", causal_linear_product_autograd);
+}
+
+Tensor causal_linear_product(const Tensor& q, const Tensor& k, const Tensor& v) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastattn::causal_linear_product", "")
+                       .typed<Tensor(const Tensor&, const Tensor&, const Tensor&)>();
+  return op.call(q, k, v);
+}
+
+namespace reference {
+
+Tensor causal_linear_product(const Tensor& q, const Tensor& k, const Tensor& v) {
+  check_inputs(q, k, v);
+  return torch::matmul(torch::tril(torch::matmul(q, k.transpose(-1, -2))), v);
+}
+
+}  // namespace reference
+}  // namespace fastattn

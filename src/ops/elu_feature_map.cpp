@@ -1,0 +1,99 @@
+// The elu_feature_map operator: phi(x) = elu(x) + 1 elementwise (the default
+// feature map of linear attention), with vectorised CPU kernels
+// (src/kernels/feature_maps/) for forward and backward, an autograd function
+// and the C++ entry point; the reference is torch::elu(x) + 1.
+// O(n) time, no extra memory. Tested by tests/cpp/test_linear_attention.cpp.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include "fastattn/ops.h"
+#include "kernels/feature_maps/elu_feature_map.h"
+
+namespace fastattn {
+namespace {
+
+using torch::Tensor;
+
+constexpr const char* kOp = "fastattn::elu_feature_map";
+
+void check_input(const char* name, const Tensor& x) {
+  TORCH_CHECK(x.defined(), kOp, ": ", name, " must be a defined tensor");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kDouble, kOp, ": ",
+              name, " must be float32 or float64, got ", x.scalar_type());
+}
+
+template <bool Backward>
+Tensor run(const Tensor& x_in, const Tensor& grad_in) {
+  const auto x = x_in.contiguous();
+  Tensor g;
+  if (Backward) g = grad_in.to(x.scalar_type()).contiguous();
+  auto out = torch::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "elu_feature_map_cpu", [&] {
+    kernels::EluFeatureMapArgs<scalar_t> a;
+    a.x = x.data_ptr<scalar_t>();
+    if (Backward) a.grad_out = g.data_ptr<scalar_t>();
+    a.out = out.data_ptr<scalar_t>();
+    a.n = x.numel();
+    a.num_threads = at::get_num_threads();
+    if (Backward) {
+      kernels::elu_feature_map_backward_cpu(a);
+    } else {
+      kernels::elu_feature_map_forward_cpu(a);
+    }
+  });
+  return out;
+}
+
+Tensor elu_feature_map_cpu(const Tensor& x) {
+  check_input("x", x);
+  return run<false>(x, Tensor());
+}
+
+Tensor elu_feature_map_backward_cpu(const Tensor& grad_out, const Tensor& x) {
+  check_input("x", x);
+  TORCH_CHECK(grad_out.sizes() == x.sizes(), kOp, ": grad_out must have the shape of x ", x.sizes(),
+              ", got ", grad_out.sizes());
+  return run<true>(x, grad_out);
+}
+
+Tensor call_forward(const Tensor& x) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastattn::elu_feature_map", "")
+                       .typed<Tensor(const Tensor&)>();
+  return op.call(x);
+}
+
+class EluFeatureMapFunction : public torch::autograd::Function<EluFeatureMapFunction> {
+ public:
+  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& x) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    ctx->save_for_backward({x});
+    return call_forward(x);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("fastattn::elu_feature_map_backward", "")
+                         .typed<Tensor(const Tensor&, const Tensor&)>();
+    return {op.call(grads[0], ctx->get_saved_variables()[0])};
+  }
+};
+
+Tensor elu_feature_map_autograd(const Tensor& x) { return EluFeatureMapFunction::apply(x); }
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
+  m.impl("elu_feature_map", elu_feature_map_cpu);
+  m.impl("elu_feature_map_backward", elu_feature_map_backward_cpu);
+}
+
+TORCH_LIBRARY_IMPL(fastattn, Autograd, m) { m.impl("elu_feature_map", elu_feature_map_autograd); }
+
+Tensor elu_feature_map(const Tensor& x) { return call_forward(x); }
+
+namespace reference {
+Tensor elu_feature_map(const Tensor& x) { return torch::elu(x) + 1; }
+}  // namespace reference
+
+}  // namespace fastattn

@@ -1,0 +1,507 @@
+// Linear attention (Katharopoulos et al. 2020): the causal_linear_product
+// operator against tril(Q K^T) V in float64 (forward, gradients vs autograd of
+// the reference and by finite differences) over awkward shapes; the
+// elu_feature_map operator against torch::elu(x) + 1; the `linear`
+// and `causal-linear` types against dense references, with key-length
+// padding; feature maps (FAVOR+ and RFF approximate their kernels better as
+// the number of features grows, seeds, redraw); registry parameters and
+// errors; large-norm inputs stay finite in float32.
+//
+//   build/fastattn_tests --gtest_filter='*CausalLinear*:*LinearAttention*:*FeatureMap*'
+#include <gtest/gtest.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <limits>
+
+#include "expect_error.h"
+#include "fastattn/attention.h"
+#include "fastattn/feature_maps.h"
+#include "fastattn/ops.h"
+#include "fastattn/registry.h"
+#include "op_harness.h"
+
+namespace fastattn {
+namespace {
+
+using testing::Inputs;
+using testing::OpCase;
+using torch::Tensor;
+
+// ---- causal_linear_product ----------------------------------------------------
+
+struct ProductCfg {
+  std::string name;
+  int64_t N, H, L, F, M;
+};
+
+OpCase product_case(const ProductCfg& c) {
+  OpCase oc;
+  oc.name = c.name;
+  oc.make_inputs = [c](uint64_t seed) -> Inputs {
+    torch::manual_seed(seed);
+    // q·k ~ N(0, 1) whatever F is.
+    const double s = std::pow(static_cast<double>(c.F), -0.25);
+    return {torch::randn({c.N, c.H, c.L, c.F}, torch::kDouble) * s,
+            torch::randn({c.N, c.H, c.L, c.F}, torch::kDouble) * s,
+            torch::randn({c.N, c.H, c.L, c.M}, torch::kDouble)};
+  };
+  oc.op = [](const Inputs& x) { return causal_linear_product(x[0], x[1], x[2]); };
+  oc.reference = [](const Inputs& x) { return reference::causal_linear_product(x[0], x[1], x[2]); };
+  // Row i sums i O(1) products: float64 keeps ~1e-15 relative of that sum,
+  // float32 ~1e-7 per term with the chunked order differing from BLAS's.
+  oc.f64_tol = 1e-11;
+  oc.f32_tol = 2e-6 * std::max<int64_t>(8, c.L);
+  return oc;
+}
+
+class CausalLinearProductCases : public ::testing::TestWithParam<ProductCfg> {};
+
+TEST_P(CausalLinearProductCases, MatchesReference) {
+  const auto oc = product_case(GetParam());
+  SCOPED_TRACE(oc.name);
+  testing::check_forward(oc);
+  testing::check_gradients_vs_reference(oc, 0, 1e-9);
+  testing::check_finite_differences(oc, 0, 3, 1e-6);
+}
+
+// Chunks are 64 rows: 97 and 1025 leave a partial chunk, 64 is exactly one.
+INSTANTIATE_TEST_SUITE_P(Shapes, CausalLinearProductCases,
+                         ::testing::Values(ProductCfg{"L1", 1, 1, 1, 1, 1},
+                                           ProductCfg{"L1_wide", 2, 2, 1, 9, 5},
+                                           ProductCfg{"one_chunk", 1, 1, 64, 8, 8},
+                                           ProductCfg{"L97_F_ne_M", 2, 3, 97, 16, 24},
+                                           ProductCfg{"L130_odd", 1, 2, 130, 33, 17},
+                                           ProductCfg{"L97_64x64", 1, 2, 97, 64, 64},
+                                           ProductCfg{"L1025_odd", 1, 2, 1025, 7, 5},
+                                           ProductCfg{"L1025_F_gt_M", 1, 1, 1025, 40, 3}),
+                         [](const ::testing::TestParamInfo<ProductCfg>& info) {
+                           return info.param.name;
+                         });
+
+TEST(CausalLinearProduct, SameResultWithOneOrTwoThreads) {
+  auto q = torch::randn({1, 3, 300, 16}), k = torch::randn({1, 3, 300, 16}),
+       v = torch::randn({1, 3, 300, 8});
+  const int saved = at::get_num_threads();
+  at::set_num_threads(1);
+  auto a = causal_linear_product(q, k, v);
+  at::set_num_threads(2);
+  auto b = causal_linear_product(q, k, v);
+  at::set_num_threads(saved);
+  EXPECT_TRUE(torch::equal(a, b));
+}
+
+TEST(CausalLinearProduct, NonContiguousInputs) {
+  auto base = torch::randn({1, 70, 2, 16}, torch::kDouble);  // (N, L, H, F) viewed as (N,H,L,F)
+  auto q = base.transpose(1, 2);
+  ASSERT_FALSE(q.is_contiguous());
+  auto out = causal_linear_product(q, q, q);
+  auto ref = reference::causal_linear_product(q.contiguous(), q.contiguous(), q.contiguous());
+  EXPECT_LE(testing::max_abs_diff(out, ref), 1e-11);
+}
+
+TEST(CausalLinearProduct, BadInputsNameTheArgument) {
+  auto q = torch::randn({1, 2, 5, 4}), v = torch::randn({1, 2, 5, 3});
+  EXPECT_ERROR_CONTAINS(
+      causal_linear_product(q, torch::randn({1, 2, 6, 4}), torch::randn({1, 2, 6, 3})),
+      "k must have the length L", "S == L");
+  EXPECT_ERROR_CONTAINS(causal_linear_product(q, q, torch::randn({1, 2, 6, 3})),
+                        "v must agree with k");
+  EXPECT_ERROR_CONTAINS(causal_linear_product(q[0], q, v), "q must have shape");
+  EXPECT_ERROR_CONTAINS(causal_linear_product(q, q.to(torch::kDouble), v), "one dtype");
+  EXPECT_ERROR_CONTAINS(causal_linear_product(q.to(torch::kInt), q.to(torch::kInt), v),
+                        "q must be float32 or float64");
+}
+
+TEST(CausalLinearProduct, EmptyInputs) {
+  auto out = causal_linear_product(torch::randn({1, 2, 0, 4}), torch::randn({1, 2, 0, 4}),
+                                   torch::randn({1, 2, 0, 3}));
+  EXPECT_EQ(out.sizes(), (std::vector<int64_t>{1, 2, 0, 3}));
+}
+
+// ---- elu_feature_map ---------------------------------------------------------------
+
+TEST(EluFeatureMap, MatchesReference) {
+  for (const auto& shape : std::vector<std::vector<int64_t>>{{1}, {7}, {2, 3, 37, 17}, {70000}}) {
+    OpCase oc;
+    oc.name = "elu_feature_map " + std::to_string(shape.back());
+    oc.make_inputs = [shape](uint64_t seed) -> Inputs {
+      torch::manual_seed(seed);
+      return {torch::randn(shape, torch::kDouble) * 3};
+    };
+    oc.op = [](const Inputs& x) { return elu_feature_map(x[0]); };
+    oc.reference = [](const Inputs& x) { return reference::elu_feature_map(x[0]); };
+    oc.f64_tol = 1e-14;  // exp to ~1 ulp on values up to ~10
+    oc.f32_tol = 4e-6;   // float32 exp, ~2 ulp of values up to ~10
+    SCOPED_TRACE(oc.name);
+    testing::check_op(oc);
+  }
+  // Exact values at and around 0, large inputs, NaN.
+  auto x = torch::tensor(
+      {0.0, -0.0, 1e-30, -1e-30, 50.0, -200.0, std::numeric_limits<double>::quiet_NaN()},
+      torch::kDouble);
+  auto y = elu_feature_map(x);
+  auto ref = reference::elu_feature_map(x);
+  EXPECT_LE(testing::max_abs_diff(y.narrow(0, 0, 6), ref.narrow(0, 0, 6)), 1e-15);
+  EXPECT_TRUE(std::isnan(y[6].item<double>()));
+  EXPECT_ERROR_CONTAINS(elu_feature_map(torch::ones({3}, torch::kInt)), "x must be float32");
+}
+
+// ---- dense references for the attention types -----------------------------------
+
+// Normalised (phi(Q) phi(K)^T) V with the L×S matrix: keep (N, S) drops keys,
+// causal keeps j <= i.
+Tensor dense_linear(const Tensor& qf, const Tensor& kf, const Tensor& v,
+                    const std::optional<Tensor>& keep, bool causal, double eps) {
+  auto a = torch::matmul(qf, kf.transpose(-1, -2));  // (N, H, L, S)
+  if (keep) a = a.masked_fill(keep->view({keep->size(0), 1, 1, -1}).logical_not(), 0.0);
+  if (causal) a = torch::tril(a);
+  return torch::matmul(a, v) / (a.sum(-1, /*keepdim=*/true) + eps);
+}
+
+struct TypeCfg {
+  std::string name;
+  std::string type;  // linear or causal-linear
+  std::string feature_map;
+  int64_t N, H, L, S, E, M;
+  std::vector<int64_t> lengths;  // empty: none
+};
+
+OpCase type_case(const TypeCfg& c) {
+  OpCase oc;
+  oc.name = c.name;
+  const bool causal = c.type == "causal-linear";
+  const double eps = 1e-15;  // tiny: stabilised and plain favor then agree
+  AttentionDims dims;
+  dims.heads = c.H;
+  dims.query_dim = c.E;
+  dims.value_dim = c.M;
+  ParamMap params{{"feature_map", c.feature_map}, {"eps", eps}, {"seed", int64_t{7}}};
+  if (c.feature_map == "favor") params["n_features"] = int64_t{48};
+  auto attn = make_attention(c.type, params, dims);
+  attn->eval();
+  std::shared_ptr<FeatureMap> fm =
+      causal ? std::dynamic_pointer_cast<CausalLinearAttention>(attn)->feature_map()
+             : std::dynamic_pointer_cast<LinearAttention>(attn)->feature_map();
+  Mask mask = Mask().with_causal(causal);
+  std::optional<Tensor> keep;
+  if (!c.lengths.empty()) {
+    mask = mask.with_key_lengths(torch::tensor(c.lengths, torch::kLong));
+    keep = mask.key_keep(c.N, c.S);
+  }
+  oc.make_inputs = [c](uint64_t seed) -> Inputs {
+    torch::manual_seed(seed);
+    return {torch::randn({c.N, c.H, c.L, c.E}, torch::kDouble),
+            torch::randn({c.N, c.H, c.S, c.E}, torch::kDouble),
+            torch::randn({c.N, c.H, c.S, c.M}, torch::kDouble)};
+  };
+  oc.op = [attn, mask](const Inputs& x) { return attn->forward(x[0], x[1], x[2], mask); };
+  oc.reference = [fm, keep, causal, eps](const Inputs& x) {
+    return dense_linear(fm->forward(x[0]), fm->forward(x[1]), x[2], keep, causal, eps);
+  };
+  oc.f64_tol = 1e-10;
+  // float32: outputs are weighted means of O(1) values; favor's exponentials
+  // add a few ulp of relative error per weight.
+  oc.f32_tol = 5e-5;
+  return oc;
+}
+
+class LinearAttentionCases : public ::testing::TestWithParam<TypeCfg> {};
+
+TEST_P(LinearAttentionCases, MatchesDenseReference) {
+  const auto oc = type_case(GetParam());
+  SCOPED_TRACE(oc.name);
+  testing::check_forward(oc);
+  testing::check_gradients_vs_reference(oc, 0, 1e-8);
+  testing::check_finite_differences(oc, 0, 3, 1e-6);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Types, LinearAttentionCases,
+    ::testing::Values(
+        TypeCfg{"linear_elu", "linear", "elu", 2, 2, 37, 53, 16, 24},
+        TypeCfg{"linear_elu_L1", "linear", "elu", 1, 1, 1, 1, 3, 2},
+        TypeCfg{"linear_relu", "linear", "relu", 1, 2, 5, 31, 16, 3},
+        TypeCfg{"linear_favor_lengths", "linear", "favor", 3, 2, 40, 70, 8, 5, {70, 33, 1}},
+        TypeCfg{"linear_elu_lengths", "linear", "elu", 2, 1, 20, 30, 7, 9, {30, 12}},
+        TypeCfg{"causal_elu_L1", "causal-linear", "elu", 1, 1, 1, 1, 3, 2},
+        TypeCfg{"causal_elu_97", "causal-linear", "elu", 2, 2, 97, 97, 16, 16},
+        TypeCfg{"causal_favor_130", "causal-linear", "favor", 1, 2, 130, 130, 8, 12},
+        TypeCfg{"causal_elu_lengths", "causal-linear", "elu", 3, 1, 70, 70, 9, 5, {70, 40, 1}}),
+    [](const ::testing::TestParamInfo<TypeCfg>& info) { return info.param.name; });
+
+TEST(LinearAttention, PaddedKeysContributeNothing) {
+  // Padding must not change (or overflow) anything, nor give NaN gradients:
+  // huge padded keys, and zero padded keys beside large real keys (FAVOR+'s
+  // key offset then puts the padding's exponent far above 0).
+  for (const char* type : {"linear", "causal-linear"}) {
+    for (const char* map : {"elu", "favor"}) {
+      for (const auto& [key_scale, pad] :
+           std::vector<std::pair<double, double>>{{1, 1e3}, {300, 0}}) {
+        SCOPED_TRACE(std::string(type) + " " + map + " pad " + std::to_string(pad));
+        const bool causal = std::string(type) == "causal-linear";
+        AttentionDims dims{2, 8, 8};
+        auto attn = make_attention(type, {{"feature_map", std::string(map)}}, dims);
+        attn->eval();
+        auto q = torch::randn({2, 2, 30, 8}, torch::kDouble);
+        auto k = torch::randn({2, 2, 30, 8}, torch::kDouble) * key_scale;
+        auto v = torch::randn({2, 2, 30, 8}, torch::kDouble);
+        const int64_t len = 17;
+        auto kp = k.clone(), vp = v.clone();
+        kp.narrow(2, len, 30 - len).fill_(pad);
+        vp.narrow(2, len, 30 - len).fill_(1e6);
+        auto mask = Mask().with_causal(causal).with_key_lengths(torch::tensor({len, len}));
+        kp.requires_grad_();
+        vp.requires_grad_();
+        auto out = attn->forward(q, kp, vp, mask);
+        ASSERT_TRUE(torch::isfinite(out).all().item<bool>());
+        // Gradients stay finite and are zero on the padding.
+        out.sum().backward();
+        for (const auto& g : {kp.grad(), vp.grad()}) {
+          EXPECT_TRUE(torch::isfinite(g).all().item<bool>());
+          EXPECT_EQ(g.narrow(2, len, 30 - len).abs().max().item<double>(), 0.0);
+        }
+        out = out.detach();
+        if (causal) {
+          // Rows before len see exactly the real keys up to themselves.
+          auto ref = attn->forward(q.narrow(2, 0, len), k.narrow(2, 0, len), v.narrow(2, 0, len),
+                                   Mask::causal_mask());
+          EXPECT_LE(testing::max_abs_diff(out.narrow(2, 0, len), ref), 1e-9);
+        } else {
+          auto ref = attn->forward(q, k.narrow(2, 0, len), v.narrow(2, 0, len), Mask());
+          EXPECT_LE(testing::max_abs_diff(out, ref), 1e-9);
+        }
+      }
+    }
+  }
+}
+
+TEST(LinearAttention, LargeNormInputsStayFiniteInFloat32) {
+  // Unnormalised inputs (|x| ~ 100·sqrt(E)) at a moderate length; the
+  // L = 65536 check is in bench/bench_linear_attention.cpp.
+  for (const char* type : {"linear", "causal-linear"}) {
+    for (const char* map : {"elu", "relu", "favor", "smoothed-rff"}) {
+      SCOPED_TRACE(std::string(type) + " " + map);
+      AttentionDims dims{2, 32, 32};
+      auto attn = make_attention(type, {{"feature_map", std::string(map)}}, dims);
+      attn->eval();
+      auto q = torch::randn({1, 2, 4096, 32}) * 100;
+      auto k = torch::randn({1, 2, 4096, 32}) * 100;
+      auto v = torch::randn({1, 2, 4096, 32}) * 100;
+      auto out = attn->forward(q, k, v, Mask().with_causal(std::string(type) == "causal-linear"));
+      EXPECT_TRUE(torch::isfinite(out).all().item<bool>());
+    }
+  }
+}
+
+// ---- feature maps -----------------------------------------------------------------
+
+// Mean |estimate - exact| over a few seeds for m features.
+double favor_softmax_error(int64_t m) {
+  const int64_t E = 16, L = 32;
+  torch::manual_seed(11);
+  auto q = torch::randn({1, 1, L, E}, torch::kDouble) * 0.7;
+  auto k = torch::randn({1, 1, L, E}, torch::kDouble) * 0.7;
+  const double temp = 1.0 / std::sqrt(static_cast<double>(E));
+  auto exact = torch::softmax(torch::matmul(q, k.transpose(-1, -2)) * temp, -1);
+  double err = 0;
+  const int seeds = 6;
+  for (int s = 0; s < seeds; ++s) {
+    FeatureMapOptions o;
+    o.kind = "favor";
+    o.query_dim = E;
+    o.n_features = m;
+    o.seed = 100 + s;
+    auto fm = make_feature_map(o);
+    auto a = torch::matmul(fm->forward_queries(q), fm->forward_keys(k).transpose(-1, -2));
+    a = a / a.sum(-1, /*keepdim=*/true);
+    err += (a - exact).abs().mean().item<double>() / seeds;
+  }
+  return err;
+}
+
+double rff_rbf_error(int64_t m, bool orthogonal) {
+  const int64_t E = 16, L = 32;
+  torch::manual_seed(12);
+  auto x = torch::randn({1, 1, L, E}, torch::kDouble);
+  auto y = torch::randn({1, 1, L, E}, torch::kDouble);
+  const double temp = 0.25;
+  auto d2 = (x.unsqueeze(3) - y.unsqueeze(2)).pow(2).sum(-1);  // (1, 1, L, L)
+  auto exact = torch::exp(-0.5 * temp * d2);
+  double err = 0;
+  const int seeds = 6;
+  for (int s = 0; s < seeds; ++s) {
+    FeatureMapOptions o;
+    o.kind = "rff";
+    o.query_dim = E;
+    o.n_features = m;
+    o.softmax_temp = temp;
+    o.orthogonal = orthogonal;
+    o.seed = 200 + s;
+    auto fm = make_feature_map(o);
+    auto est = torch::matmul(fm->forward(x), fm->forward(y).transpose(-1, -2));
+    err += (est - exact).abs().mean().item<double>() / seeds;
+  }
+  return err;
+}
+
+TEST(FeatureMap, FavorApproximatesSoftmaxBetterWithMoreFeatures) {
+  const double e16 = favor_softmax_error(16), e128 = favor_softmax_error(128),
+               e1024 = favor_softmax_error(1024), e8192 = favor_softmax_error(8192);
+  // Monte-Carlo error falls like 1/sqrt(m): 8x the features, ~2.8x less error
+  // (and no plateau, which a biased estimator would show).
+  EXPECT_LT(e128, 0.6 * e16) << e16 << " " << e128;
+  EXPECT_LT(e1024, 0.6 * e128) << e128 << " " << e1024;
+  EXPECT_LT(e8192, 0.6 * e1024) << e1024 << " " << e8192;
+  EXPECT_LT(e8192, 0.1 * (1.0 / 32)) << "mean weight is 1/32";
+}
+
+TEST(FeatureMap, RffApproximatesRbfBetterWithMoreFeatures) {
+  for (bool orthogonal : {false, true}) {
+    SCOPED_TRACE(orthogonal ? "orthogonal" : "iid");
+    const double e16 = rff_rbf_error(16, orthogonal), e128 = rff_rbf_error(128, orthogonal),
+                 e1024 = rff_rbf_error(1024, orthogonal);
+    EXPECT_LT(e128, 0.6 * e16) << e16 << " " << e128;
+    EXPECT_LT(e1024, 0.6 * e128) << e128 << " " << e1024;
+    EXPECT_LT(e1024, 0.03);
+  }
+}
+
+TEST(FeatureMap, OrthogonalProjectionHasOrthogonalBlocks) {
+  auto gen = at::detail::createCPUGenerator(3);
+  auto w = random_projection(40, 16, true, gen);  // blocks of 16, 16, 8 rows
+  ASSERT_EQ(w.sizes(), (std::vector<int64_t>{40, 16}));
+  auto b = w.narrow(0, 16, 16);
+  auto g = torch::matmul(b, b.t());
+  EXPECT_LE((g - torch::diag(torch::diag(g))).abs().max().item<double>(), 1e-10);
+}
+
+TEST(FeatureMap, OutputDims) {
+  FeatureMapOptions o;
+  o.query_dim = 10;
+  for (const auto& [kind, dim] : std::vector<std::pair<std::string, int64_t>>{
+           {"elu", 10}, {"relu", 10}, {"favor", 10}, {"rff", 10}, {"smoothed-rff", 11}}) {
+    o.kind = kind;
+    auto fm = make_feature_map(o);
+    EXPECT_EQ(fm->output_dim(), dim) << kind;
+    EXPECT_EQ(fm->forward(torch::randn({2, 3, 5, 10})).sizes(),
+              (std::vector<int64_t>{2, 3, 5, dim}))
+        << kind;
+    EXPECT_EQ(fm->name(), kind);
+  }
+}
+
+TEST(FeatureMap, SameSeedSameOutputAndRedrawControl) {
+  AttentionDims dims{1, 8, 8};
+  auto q = torch::randn({1, 1, 12, 8}), k = torch::randn({1, 1, 12, 8}),
+       v = torch::randn({1, 1, 12, 8});
+  auto build = [&](int64_t seed, int64_t redraw) {
+    return make_attention(
+        "linear", {{"feature_map", std::string("favor")}, {"seed", seed}, {"redraw", redraw}},
+        dims);
+  };
+  auto a = build(5, 1), b = build(5, 1), c = build(6, 1);
+  a->eval();
+  b->eval();
+  c->eval();
+  const auto out = a->forward(q, k, v, Mask());
+  EXPECT_TRUE(torch::equal(out, b->forward(q, k, v, Mask())));
+  EXPECT_FALSE(torch::allclose(out, c->forward(q, k, v, Mask())));
+  // Evaluation never redraws.
+  EXPECT_TRUE(torch::equal(out, a->forward(q, k, v, Mask())));
+  // redraw = 1: every training forward draws anew, reproducibly per seed.
+  a->train();
+  b->train();
+  auto t1 = a->forward(q, k, v, Mask()), t2 = a->forward(q, k, v, Mask());
+  EXPECT_FALSE(torch::allclose(t1, out));
+  EXPECT_FALSE(torch::allclose(t1, t2));
+  EXPECT_TRUE(torch::equal(t1, b->forward(q, k, v, Mask())));
+  // redraw = 2: the first training forward keeps the matrix, the second redraws.
+  auto d = build(5, 2);
+  d->train();
+  EXPECT_TRUE(torch::equal(d->forward(q, k, v, Mask()), out));
+  EXPECT_FALSE(torch::allclose(d->forward(q, k, v, Mask()), out));
+  // redraw = 0: never.
+  auto e = build(5, 0);
+  e->train();
+  e->forward(q, k, v, Mask());
+  EXPECT_TRUE(torch::equal(e->forward(q, k, v, Mask()), out));
+}
+
+TEST(FeatureMap, RandomMatrixIsABufferThatSavesWithTheModel) {
+  FeatureMapOptions o;
+  o.kind = "favor";
+  o.query_dim = 8;
+  o.n_features = 12;
+  auto fm = make_feature_map(o);
+  auto buffers = fm->named_buffers();
+  ASSERT_TRUE(buffers.contains("omega"));
+  EXPECT_EQ(buffers["omega"].sizes(), (std::vector<int64_t>{8, 12}));
+}
+
+// ---- registry -----------------------------------------------------------------------
+
+TEST(LinearAttention, BuildsThroughTheRegistryWithItsParams) {
+  AttentionDims dims{4, 32, 16};
+  for (const char* type : {"linear", "causal-linear"}) {
+    auto attn = make_attention(type,
+                               {{"feature_map", std::string("favor")},
+                                {"n_features", int64_t{48}},
+                                {"eps", 1e-5},
+                                {"seed", int64_t{3}},
+                                {"redraw", int64_t{0}}},
+                               dims);
+    EXPECT_EQ(attn->type_name(), type);
+    std::shared_ptr<FeatureMap> fm =
+        std::string(type) == "linear"
+            ? std::dynamic_pointer_cast<LinearAttention>(attn)->feature_map()
+            : std::dynamic_pointer_cast<CausalLinearAttention>(attn)->feature_map();
+    ASSERT_TRUE(fm);
+    EXPECT_EQ(fm->name(), "favor");
+    EXPECT_EQ(fm->output_dim(), 48);
+    EXPECT_EQ(fm->redraw_every(), 0);
+    auto out = attn->forward(torch::randn({2, 4, 10, 32}), torch::randn({2, 4, 10, 32}),
+                             torch::randn({2, 4, 10, 16}),
+                             Mask().with_causal(std::string(type) == "causal-linear"));
+    EXPECT_EQ(out.sizes(), (std::vector<int64_t>{2, 4, 10, 16}));
+  }
+  // Defaults: elu.
+  auto def = std::dynamic_pointer_cast<LinearAttention>(make_attention("linear"));
+  ASSERT_TRUE(def);
+  EXPECT_EQ(def->feature_map()->name(), "elu");
+  // Through the conditional-full decorator.
+  EXPECT_TRUE(AttentionRegistry::global().contains("conditional-full:causal-linear"));
+}
+
+TEST(LinearAttention, BadParametersNameThem) {
+  EXPECT_ERROR_CONTAINS(make_attention("linear", {{"feature_map", std::string("nope")}}),
+                        "feature_map", "favor");
+  EXPECT_ERROR_CONTAINS(make_attention("linear", {{"eps", 0.0}}), "eps");
+  EXPECT_ERROR_CONTAINS(make_attention("linear", {{"n_features", int64_t{0}}}), "n_features");
+  EXPECT_ERROR_CONTAINS(make_attention("linear", {{"n_features", int64_t{16}}}), "n_features",
+                        "elu");
+  EXPECT_ERROR_CONTAINS(make_attention("causal-linear", {{"feature_map", std::string("rff")},
+                                                         {"n_features", int64_t{7}}}),
+                        "n_features", "even");
+  EXPECT_ERROR_CONTAINS(make_attention("linear", {{"redraw", int64_t{-1}}}), "redraw");
+  EXPECT_ERROR_CONTAINS(make_attention("linear", {{"seed", int64_t{-2}}}), "seed");
+  EXPECT_ERROR_CONTAINS(make_attention("linear", {{"smoothing", -1.0}}), "smoothing");
+}
+
+TEST(LinearAttention, UnsupportedMasksAreErrors) {
+  auto q = torch::randn({1, 2, 6, 8}), k = torch::randn({1, 2, 9, 8}),
+       v = torch::randn({1, 2, 9, 4});
+  AttentionDims dims{2, 8, 4};
+  auto lin = make_attention("linear", {}, dims);
+  auto causal = make_attention("causal-linear", {}, dims);
+  EXPECT_ERROR_CONTAINS(lin->forward(q, k, v, Mask::causal_mask()), "causal-linear");
+  EXPECT_ERROR_CONTAINS(
+      lin->forward(q, k, v, Mask().with_attn_mask(torch::ones({6, 9}, torch::kBool))), "attn_mask");
+  EXPECT_ERROR_CONTAINS(causal->forward(q, k, v, Mask::causal_mask()), "S == L", "[1, 2, 6, 8]",
+                        "[1, 2, 9, 8]");
+  EXPECT_ERROR_CONTAINS(causal->forward(q, q, q.narrow(3, 0, 4), Mask()), "causal mask");
+}
+
+}  // namespace
+}  // namespace fastattn
