@@ -19,6 +19,16 @@ TORCH_LIBRARY(fastattn, m) {
       "Tensor lse, Tensor? attn_mask, Tensor? key_lengths, bool causal, float softmax_temp) "
       "-> (Tensor, Tensor, Tensor)");
 
+  // ---- clustered attention ---------------------------------------------------
+  // Sign-of-random-projection codes: x (N,H,L,E), planes (B,E+1) with
+  // 1 <= B <= 64 (last column: biases) -> (N,H,L) int64, bit b = x·w_b + bias_b > 0.
+  m.def("hash_queries(Tensor x, Tensor planes) -> Tensor");
+  // Hamming K-means per (n, h): codes (N,H,L) int64, lengths (N,) of valid
+  // queries -> assignments (N,H,L) int64 (-1 for padding), counts (N,H,C) int64.
+  m.def(
+      "cluster_codes(Tensor codes, Tensor? lengths, int clusters, int iterations, int seed) "
+      "-> (Tensor, Tensor)");
+
   // ---- registry access (Python mirrors the C++ registry through these) -----
   // Any registered attention type by name; params_json is a JSON object of the
   // type's parameters.
