@@ -10,8 +10,12 @@ namespace fastattn {
 // full (src/attention/full.cpp).
 void register_full_attention_types(AttentionRegistry& registry);
 
+// clustered, improved-clustered (src/attention/clustered.cpp).
+void register_clustered_attention_types(AttentionRegistry& registry);
+
 inline void register_builtin_types(AttentionRegistry& registry) {
   register_full_attention_types(registry);
+  register_clustered_attention_types(registry);
 }
 
 }  // namespace fastattn
