@@ -165,6 +165,8 @@ Tensor improved_clustered_attention(const Tensor& queries, const Tensor& keys, c
   auto rows = (torch::arange(N * H, a.options()).view({N, H, 1, 1}) * S + q_idx).reshape({-1});
   auto k_sel = keys.reshape({N * H * S, E}).index_select(0, rows).view({N, H, L, k, E});
   auto v_sel = values.reshape({N * H * S, M}).index_select(0, rows).view({N, H, L, k, M});
+  // Batched (k, E) x (E, 1) products: measured faster here than elementwise
+  // products and sums over (N, H, L, k, E).
   auto scores = torch::matmul(k_sel, queries.unsqueeze(-1)).squeeze(-1) * temp;  // (N,H,L,k)
   std::optional<Tensor> q_keep;
   if (key_lengths) {
