@@ -45,9 +45,24 @@ torch::Tensor hash_queries(const torch::Tensor& x, const torch::Tensor& planes);
 // Returns assignments (N, H, L) int64 in [0, C) or -1, counts (N, H, C) int64.
 // Every cluster below min(C, valid queries) has >= 1 member (empty clusters
 // are re-seeded with the farthest query; see kernels/clustering/clustering.h).
-std::tuple<torch::Tensor, torch::Tensor> cluster_codes(
-    const torch::Tensor& codes, const std::optional<torch::Tensor>& lengths, int64_t clusters,
-    int64_t iterations, int64_t seed);
+std::tuple<torch::Tensor, torch::Tensor> cluster_codes(const torch::Tensor& codes,
+                                                       const std::optional<torch::Tensor>& lengths,
+                                                       int64_t clusters, int64_t iterations,
+                                                       int64_t seed);
+
+// Improved clustered attention, the per-query sparse part (eq. 10): query l
+// of cluster j = assignments[l] outputs
+//   mass[j] · Σ_t softmax_t(softmax_temp · q_l·k_{topk[j,t]}) v_{topk[j,t]}
+// over the keys before key_lengths[n]; padded queries (-1) output zeros.
+//   topk: (N, H, C, K) int64 key indices in [0, S); mass: (N, H, C) (q's dtype);
+//   assignments: (N, H, L) int64 in [-1, C).
+// Reads keys and values in place: O(N·H·L·K·(E + M)). Gradients flow to q, k,
+// v and mass.
+torch::Tensor clustered_topk_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                       const torch::Tensor& v, const torch::Tensor& topk,
+                                       const torch::Tensor& mass, const torch::Tensor& assignments,
+                                       const std::optional<torch::Tensor>& key_lengths,
+                                       double softmax_temp);
 
 namespace reference {
 // Plain-ATen hashing: (x·W^T + b > 0) packed into int64.

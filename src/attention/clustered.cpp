@@ -5,9 +5,10 @@
 // mean of the members (index_add, differentiable) -> fused full attention of
 // the C centroids over the S keys -> broadcast to the members (index_select).
 // Improved: the centroid attention (N,H,C,S) is materialised (linear in S) to
-// take its top-k keys per cluster; each query's exact scores on its cluster's
-// k keys come from gathered keys and values, (N,H,L,k,E) and (N,H,L,k,M):
-// O(L·k·(E+M)) memory, linear in L (a sparse-product kernel can replace it).
+// take its top-k keys per cluster; each query's exact attention on its
+// cluster's k keys is the clustered_topk_attention op (reads the keys in
+// place, O(L·k·(E+M)) time). Only training with dropout > 0 takes an ATen
+// path that gathers (N,H,L,k,E) keys and (N,H,L,k,M) values.
 //
 // Cost: O(N·H·(L·B·E + iterations·L·C + C·S·(E+M) + L·k·(E+M))).
 // Tested by tests/cpp/test_clustered_attention.cpp; timed by
@@ -84,6 +85,34 @@ Tensor broadcast_to_queries(const Tensor& centroid_values, const QueryClusters& 
   return table.index_select(0, flat_cluster_index(c)).view({N, H, L, M});
 }
 
+// The per-query top-k part composed from ATen, for training with dropout on
+// the weights: gathers (N, H, L, k, E) keys and (N, H, L, k, M) values.
+Tensor top_part_with_dropout(const Tensor& queries, const Tensor& keys, const Tensor& values,
+                             const QueryClusters& clusters, const Tensor& top_idx,
+                             const Tensor& mass, const std::optional<Tensor>& key_lengths,
+                             double temp, double dropout) {
+  const int64_t N = queries.size(0), H = queries.size(1), L = queries.size(2), E = queries.size(3),
+                S = keys.size(2), M = values.size(3), k = top_idx.size(3);
+  auto a = clusters.assignments;
+  auto valid = a.ge(0);  // (N, H, L)
+  auto a_safe = a.clamp_min(0);
+  auto q_idx = top_idx.gather(2, a_safe.unsqueeze(-1).expand({N, H, L, k}));  // (N, H, L, k)
+  auto rows = (torch::arange(N * H, a.options()).view({N, H, 1, 1}) * S + q_idx).reshape({-1});
+  auto k_sel = keys.reshape({N * H * S, E}).index_select(0, rows).view({N, H, L, k, E});
+  auto v_sel = values.reshape({N * H * S, M}).index_select(0, rows).view({N, H, L, k, M});
+  // Batched (k, E) x (E, 1) products: measured faster here than elementwise
+  // products and sums over (N, H, L, k, E).
+  auto scores = torch::matmul(k_sel, queries.unsqueeze(-1)).squeeze(-1) * temp;  // (N,H,L,k)
+  std::optional<Tensor> q_keep;
+  if (key_lengths) {
+    q_keep = q_idx.lt(key_lengths->to(keys.device(), torch::kLong).view({N, 1, 1, 1}));
+  }
+  auto q_mass = mass.gather(2, a_safe).unsqueeze(-1);  // (N, H, L, 1)
+  auto weights = masked_softmax(scores, q_keep) * q_mass * valid.unsqueeze(-1);
+  auto top_values = torch::matmul(maybe_dropout(weights, dropout).unsqueeze(-2), v_sel).squeeze(-2);
+  return top_values;
+}
+
 }  // namespace
 
 QueryClusters cluster_queries(const Tensor& queries, const std::optional<Tensor>& query_lengths,
@@ -141,8 +170,8 @@ Tensor improved_clustered_attention(const Tensor& queries, const Tensor& keys, c
                                     const std::optional<Tensor>& key_lengths,
                                     std::optional<double> softmax_temp, double dropout) {
   TORCH_CHECK(topk >= 1, "improved_clustered_attention: topk must be >= 1, got ", topk);
-  const int64_t N = queries.size(0), H = queries.size(1), L = queries.size(2), E = queries.size(3),
-                S = keys.size(2), M = values.size(3), C = clusters.counts.size(2);
+  const int64_t N = queries.size(0), H = queries.size(1), L = queries.size(2), S = keys.size(2),
+                M = values.size(3);
   if (S == 0) return torch::zeros({N, H, L, M}, queries.options());
   const int64_t k = std::min(topk, S);
   const double temp = temp_or_default(queries, softmax_temp);
@@ -158,24 +187,14 @@ Tensor improved_clustered_attention(const Tensor& queries, const Tensor& keys, c
   auto rest_values = torch::matmul(maybe_dropout(rest, dropout), values);  // (N, H, C, M)
 
   // Per query: exact scores on its cluster's k keys (eq. 10).
-  auto a = clusters.assignments;
-  auto valid = a.ge(0);  // (N, H, L)
-  auto a_safe = a.clamp_min(0);
-  auto q_idx = top_idx.gather(2, a_safe.unsqueeze(-1).expand({N, H, L, k}));  // (N, H, L, k)
-  auto rows = (torch::arange(N * H, a.options()).view({N, H, 1, 1}) * S + q_idx).reshape({-1});
-  auto k_sel = keys.reshape({N * H * S, E}).index_select(0, rows).view({N, H, L, k, E});
-  auto v_sel = values.reshape({N * H * S, M}).index_select(0, rows).view({N, H, L, k, M});
-  // Batched (k, E) x (E, 1) products: measured faster here than elementwise
-  // products and sums over (N, H, L, k, E).
-  auto scores = torch::matmul(k_sel, queries.unsqueeze(-1)).squeeze(-1) * temp;  // (N,H,L,k)
-  std::optional<Tensor> q_keep;
-  if (key_lengths) {
-    q_keep = q_idx.lt(key_lengths->to(keys.device(), torch::kLong).view({N, 1, 1, 1}));
+  Tensor top_values;  // (N, H, L, M)
+  if (dropout == 0) {
+    top_values = clustered_topk_attention(queries, keys, values, top_idx, mass,
+                                          clusters.assignments, key_lengths, temp);
+  } else {
+    top_values = top_part_with_dropout(queries, keys, values, clusters, top_idx, mass, key_lengths,
+                                       temp, dropout);
   }
-  auto q_mass = mass.gather(2, a_safe).unsqueeze(-1);  // (N, H, L, 1)
-  auto weights = masked_softmax(scores, q_keep) * q_mass * valid.unsqueeze(-1);
-  auto top_values = torch::matmul(maybe_dropout(weights, dropout).unsqueeze(-2), v_sel).squeeze(-2);
-  (void)C;
   return top_values + broadcast_to_queries(rest_values, clusters);
 }
 

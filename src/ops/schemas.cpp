@@ -29,6 +29,18 @@ TORCH_LIBRARY(fastattn, m) {
       "cluster_codes(Tensor codes, Tensor? lengths, int clusters, int iterations, int seed) "
       "-> (Tensor, Tensor)");
 
+  // Per-query attention on each cluster's top-k keys (improved clustered,
+  // eq. 10): q (N,H,L,E), k (N,H,S,E), v (N,H,S,M), topk (N,H,C,K) int64,
+  // mass (N,H,C), assignments (N,H,L) int64 -> (N,H,L,M).
+  m.def(
+      "clustered_topk_attention(Tensor q, Tensor k, Tensor v, Tensor topk, Tensor mass, "
+      "Tensor assignments, Tensor? key_lengths, float softmax_temp) -> Tensor");
+  // Backward kernel: gradients of q, k, v and mass.
+  m.def(
+      "clustered_topk_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, "
+      "Tensor topk, Tensor mass, Tensor assignments, Tensor? key_lengths, float softmax_temp) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
+
   // ---- registry access (Python mirrors the C++ registry through these) -----
   // Any registered attention type by name; params_json is a JSON object of the
   // type's parameters.

@@ -267,5 +267,33 @@ TEST(Clustered, RegistryAndBadMasks) {
   EXPECT_EQ(cond->forward(q, q, q, Mask()).sizes(), q.sizes());
 }
 
+TEST(ClusteredTopkAttention, BadInputsNameTheArgument) {
+  auto q = torch::randn({1, 2, 5, 4}), k = torch::randn({1, 2, 6, 4}),
+       v = torch::randn({1, 2, 6, 3});
+  auto topk = torch::zeros({1, 2, 3, 2}, torch::kLong);
+  auto mass = torch::ones({1, 2, 3});
+  auto a = torch::zeros({1, 2, 5}, torch::kLong);
+  EXPECT_ERROR_CONTAINS(clustered_topk_attention(q, k, v, topk[0], mass, a, std::nullopt, 1.0),
+                        "topk must have shape");
+  EXPECT_ERROR_CONTAINS(clustered_topk_attention(q, k, v, topk + 6, mass, a, std::nullopt, 1.0),
+                        "[0, 6)");
+  EXPECT_ERROR_CONTAINS(
+      clustered_topk_attention(q, k, v, topk, mass.narrow(2, 0, 2), a, std::nullopt, 1.0),
+      "mass must have shape");
+  EXPECT_ERROR_CONTAINS(
+      clustered_topk_attention(q, k, v, topk, mass.to(torch::kDouble), a, std::nullopt, 1.0),
+      "mass must be");
+  EXPECT_ERROR_CONTAINS(clustered_topk_attention(q, k, v, topk, mass, a + 3, std::nullopt, 1.0),
+                        "[-1, 3)");
+  EXPECT_ERROR_CONTAINS(
+      clustered_topk_attention(q, k, v, topk, mass, a, torch::tensor({7}, torch::kLong), 1.0),
+      "key_lengths");
+  // Padded queries and a key length of 0 give zeros.
+  auto out = clustered_topk_attention(q, k, v, topk, mass, a - 1, std::nullopt, 1.0);
+  EXPECT_EQ(out.abs().max().item<double>(), 0.0);
+  out = clustered_topk_attention(q, k, v, topk, mass, a, torch::tensor({0}, torch::kLong), 1.0);
+  EXPECT_EQ(out.abs().max().item<double>(), 0.0);
+}
+
 }  // namespace
 }  // namespace fastattn
