@@ -3,6 +3,7 @@
 #pragma once
 
 #include "fastattn/attention.h"
+#include "fastattn/clustered.h"
 #include "fastattn/mask.h"
 #include "fastattn/ops.h"
 #include "fastattn/registry.h"
