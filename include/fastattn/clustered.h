@@ -63,6 +63,18 @@ torch::Tensor improved_clustered_attention(
     const std::optional<torch::Tensor>& key_lengths = std::nullopt,
     std::optional<double> softmax_temp = std::nullopt, double dropout = 0.0);
 
+// exact-topk (the "oracle top-k" of the paper's comparisons): each query
+// attends only to its own top-k keys by exact score (softmax over those k):
+// O(N·H·L·S·E) to find them (scores in chunks of queries, O(chunk·S) memory),
+// O(N·H·L·k·(E+M)) for the attention (fastattn::clustered_topk_attention with
+// one "cluster" per query). topk is clamped to S; with topk >= S it equals
+// full attention. Gradients flow to q, k, v (the selection is piecewise
+// constant).
+torch::Tensor exact_topk_attention(const torch::Tensor& queries, const torch::Tensor& keys,
+                                   const torch::Tensor& values, int64_t topk,
+                                   const std::optional<torch::Tensor>& key_lengths = std::nullopt,
+                                   std::optional<double> softmax_temp = std::nullopt);
+
 struct ClusteredOptions {
   int64_t clusters = 100;
   int64_t iterations = 10;
@@ -91,6 +103,21 @@ class ClusteredAttention : public AttentionBase {
   ClusteredOptions options_;
   bool improved_;
   at::Generator gen_;
+};
+
+// `exact-topk`. Masks: key lengths (query lengths are ignored: padded
+// queries still attend, as in full); an attention mask or causal masking is
+// an error.
+class ExactTopkAttention : public AttentionBase {
+ public:
+  explicit ExactTopkAttention(int64_t topk = 32, std::optional<double> softmax_temp = std::nullopt);
+  torch::Tensor forward(const torch::Tensor& queries, const torch::Tensor& keys,
+                        const torch::Tensor& values, const Mask& mask) override;
+  std::string type_name() const override { return "exact-topk"; }
+
+ private:
+  int64_t topk_;
+  std::optional<double> softmax_temp_;
 };
 
 }  // namespace fastattn

@@ -198,6 +198,56 @@ Tensor improved_clustered_attention(const Tensor& queries, const Tensor& keys, c
   return top_values + broadcast_to_queries(rest_values, clusters);
 }
 
+Tensor exact_topk_attention(const Tensor& queries, const Tensor& keys, const Tensor& values,
+                            int64_t topk, const std::optional<Tensor>& key_lengths,
+                            std::optional<double> softmax_temp) {
+  TORCH_CHECK(topk >= 1, "exact_topk_attention: topk must be >= 1, got ", topk);
+  const int64_t N = queries.size(0), H = queries.size(1), L = queries.size(2), S = keys.size(2),
+                M = values.size(3);
+  if (S == 0 || L == 0) return torch::zeros({N, H, L, M}, queries.options());
+  const int64_t k = std::min(topk, S);
+  const double temp = temp_or_default(queries, softmax_temp);
+  // Top-k key indices per query from exact scores, a chunk of queries at a
+  // time so that at most about 2^22 scores exist at once.
+  auto idx = torch::empty({N, H, L, k}, queries.options().dtype(torch::kLong));
+  {
+    torch::NoGradGuard no_grad;
+    const auto keep = key_keep(key_lengths, N, S, keys.device());  // (N, 1, 1, S)
+    const int64_t chunk =
+        std::max<int64_t>(1, (int64_t(1) << 22) / std::max<int64_t>(1, N * H * S));
+    auto kt = keys.detach().transpose(-1, -2);
+    for (int64_t l0 = 0; l0 < L; l0 += chunk) {
+      const int64_t n = std::min(chunk, L - l0);
+      auto scores = torch::matmul(queries.detach().narrow(2, l0, n), kt);  // (N, H, n, S)
+      if (keep) scores.masked_fill_(keep->logical_not(), -std::numeric_limits<double>::infinity());
+      idx.narrow(2, l0, n).copy_(std::get<1>(scores.topk(k, -1)));
+    }
+  }
+  // One cluster per query with mass 1: the sparse top-k kernel.
+  auto self = torch::arange(L, idx.options()).view({1, 1, L}).expand({N, H, L}).contiguous();
+  auto mass = torch::ones({N, H, L}, queries.options());
+  return clustered_topk_attention(queries, keys, values, idx, mass, self, key_lengths, temp);
+}
+
+ExactTopkAttention::ExactTopkAttention(int64_t topk, std::optional<double> softmax_temp)
+    : topk_(topk), softmax_temp_(softmax_temp) {
+  TORCH_CHECK(topk_ >= 1, "ExactTopkAttention: topk must be >= 1, got ", topk_);
+  TORCH_CHECK(!softmax_temp_ || (std::isfinite(*softmax_temp_) && *softmax_temp_ > 0),
+              "ExactTopkAttention: softmax_temp must be a finite number > 0, got ",
+              softmax_temp_.value_or(0.0));
+}
+
+Tensor ExactTopkAttention::forward(const Tensor& queries,  // (N, H, L, E)
+                                   const Tensor& keys,     // (N, H, S, E)
+                                   const Tensor& values,   // (N, H, S, M)
+                                   const Mask& mask) {
+  check_attention_inputs(queries, keys, values, mask);
+  TORCH_CHECK(!mask.is_causal(), "exact-topk: causal masking is not supported; got a causal mask");
+  TORCH_CHECK(!mask.attn_mask(),
+              "exact-topk: an attention mask is not supported (only key lengths); got one");
+  return exact_topk_attention(queries, keys, values, topk_, mask.key_lengths(), softmax_temp_);
+}
+
 // ---- the attention types ------------------------------------------------------
 
 ClusteredAttention::ClusteredAttention(ClusteredOptions options, bool improved)
@@ -296,6 +346,17 @@ void register_clustered_attention_types(AttentionRegistry& registry) {
                 "(Vyas et al. 2020, eq. 9-10)",
                 clustered_specs(true),
                 [](const Params& p, const AttentionDims&) { return build_clustered(p, true); }});
+  registry.add({"exact-topk",
+                "each query attends to its own top-k keys by exact score (softmax over those k); "
+                "O(L·S) to select them, O(L·k) memory",
+                {ParamSpec::integer("topk", 32, "keys per query (clamped to S)", 1),
+                 ParamSpec::real("softmax_temp", std::nullopt,
+                                 "scale of the scores q·k; default 1/sqrt(E)", 0.0)
+                     .exclusive_min()},
+                [](const Params& p, const AttentionDims&) -> AttentionPtr {
+                  return std::make_shared<ExactTopkAttention>(p.get_int("topk"),
+                                                              p.get_optional_float("softmax_temp"));
+                }});
 }
 
 }  // namespace fastattn

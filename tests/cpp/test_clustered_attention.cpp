@@ -267,6 +267,63 @@ TEST(Clustered, RegistryAndBadMasks) {
   EXPECT_EQ(cond->forward(q, q, q, Mask()).sizes(), q.sizes());
 }
 
+// exact-topk against its dense definition: softmax over each query's top-k
+// keys by exact score.
+torch::Tensor dense_exact_topk(const Inputs& x, int64_t topk,
+                               const std::optional<torch::Tensor>& key_lengths) {
+  const int64_t N = x[0].size(0), S = x[1].size(2);
+  auto scores = torch::matmul(x[0], x[1].transpose(-1, -2)) / std::sqrt(double(x[0].size(3)));
+  auto keep = torch::ones({N, 1, 1, S}, torch::kBool);
+  if (key_lengths) keep = torch::arange(S).view({1, 1, 1, S}).lt(key_lengths->view({N, 1, 1, 1}));
+  auto masked = scores.detach().masked_fill(keep.logical_not(), -INFINITY);
+  auto idx = std::get<1>(masked.topk(std::min(topk, S), -1));
+  auto in_top = torch::zeros_like(keep.expand_as(scores)).scatter(-1, idx, true).logical_and(keep);
+  auto dead = in_top.logical_not().all(-1, true);
+  auto p =
+      torch::softmax(scores.masked_fill(in_top.logical_not(), -INFINITY).masked_fill(dead, 0.0), -1)
+          .masked_fill(dead, 0.0);
+  return torch::matmul(p, x[2]);
+}
+
+TEST(ExactTopk, MatchesDenseDefinition) {
+  for (int64_t topk : {1, 5, 40}) {
+    for (bool lengths : {false, true}) {
+      OpCase oc;
+      oc.name = "exact_topk_" + std::to_string(topk) + (lengths ? "_lengths" : "");
+      oc.make_inputs = [](uint64_t seed) -> Inputs {
+        torch::manual_seed(seed);
+        return {torch::randn({2, 2, 23, 6}, torch::kDouble),
+                torch::randn({2, 2, 19, 6}, torch::kDouble),
+                torch::randn({2, 2, 19, 5}, torch::kDouble)};
+      };
+      std::optional<torch::Tensor> klen;
+      if (lengths) klen = torch::tensor({19, 4}, torch::kLong);
+      oc.op = [topk, klen](const Inputs& x) {
+        return exact_topk_attention(x[0], x[1], x[2], topk, klen);
+      };
+      oc.reference = [topk, klen](const Inputs& x) { return dense_exact_topk(x, topk, klen); };
+      oc.f64_tol = 1e-12;
+      oc.f32_tol = 2e-5;  // softmax-weighted sums of <= 19 O(1) terms in float32
+      testing::check_op(oc);
+    }
+  }
+}
+
+TEST(ExactTopk, TopkSEqualsFullAndRegistry) {
+  torch::manual_seed(6);
+  auto q = torch::randn({2, 2, 30, 8}, torch::kDouble),
+       k = torch::randn({2, 2, 25, 8}, torch::kDouble),
+       v = torch::randn({2, 2, 25, 4}, torch::kDouble);
+  auto klen = torch::tensor({25, 9}, torch::kLong);
+  auto attn = make_attention("exact-topk", {{"topk", int64_t(100)}});
+  EXPECT_LE(testing::max_abs_diff(attn->forward(q, k, v, Mask().with_key_lengths(klen)),
+                                  reference::full_attention(q, k, v, std::nullopt, klen)),
+            1e-12);
+  EXPECT_EQ(AttentionRegistry::global().validate("exact-topk", {}).get_int("topk"), 32);
+  EXPECT_ERROR_CONTAINS(attn->forward(q, q, q, Mask::causal_mask()), "exact-topk",
+                        "causal masking is not supported");
+}
+
 TEST(ClusteredTopkAttention, BadInputsNameTheArgument) {
   auto q = torch::randn({1, 2, 5, 4}), k = torch::randn({1, 2, 6, 4}),
        v = torch::randn({1, 2, 6, 3});
