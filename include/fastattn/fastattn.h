@@ -4,6 +4,7 @@
 
 #include "fastattn/attention.h"
 #include "fastattn/feature_maps.h"
+#include "fastattn/clustered.h"
 #include "fastattn/mask.h"
 #include "fastattn/ops.h"
 #include "fastattn/registry.h"

@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include <optional>
+#include <tuple>
 
 namespace fastattn {
 
@@ -39,7 +40,47 @@ torch::Tensor causal_linear_product(const torch::Tensor& q, const torch::Tensor&
 // float32 / float64, any shape; gradients flow to x.
 torch::Tensor elu_feature_map(const torch::Tensor& x);
 
+// Clustered attention, step 1: sign-of-random-projection hashing. Bit b of a
+// query's code is 1 iff x·planes[b, :E] + planes[b, E] > 0.
+//   x:      (N, H, L, E) float32 or float64
+//   planes: (B, E + 1), 1 <= B <= 64, x's dtype; draw them from a seeded
+//           torch::Generator (last column zero for hashing without bias).
+// Returns (N, H, L) int64 codes (bit 63 included: the uint64 bit pattern).
+torch::Tensor hash_queries(const torch::Tensor& x, const torch::Tensor& planes);
+
+// Clustered attention, step 2: K-means in Hamming space, per (n, h).
+//   codes:   (N, H, L) int64 from hash_queries
+//   lengths: (N,) integers in [0, L]: queries at l >= lengths[n] are padding,
+//            never assigned (-1) and never counted
+//   clusters C >= 1, clamped per batch element to its valid queries (extra
+//   clusters stay empty); iterations >= 0 Lloyd updates; seed: the
+//   initialisation (farthest-first over distinct valid queries), same seed same result.
+// Returns assignments (N, H, L) int64 in [0, C) or -1, counts (N, H, C) int64.
+// Every cluster below min(C, valid queries) has >= 1 member (empty clusters
+// are re-seeded with the farthest query; see kernels/clustering/clustering.h).
+std::tuple<torch::Tensor, torch::Tensor> cluster_codes(const torch::Tensor& codes,
+                                                       const std::optional<torch::Tensor>& lengths,
+                                                       int64_t clusters, int64_t iterations,
+                                                       int64_t seed);
+
+// Improved clustered attention, the per-query sparse part (eq. 10): query l
+// of cluster j = assignments[l] outputs
+//   mass[j] · Σ_t softmax_t(softmax_temp · q_l·k_{topk[j,t]}) v_{topk[j,t]}
+// over the keys before key_lengths[n]; padded queries (-1) output zeros.
+//   topk: (N, H, C, K) int64 key indices in [0, S); mass: (N, H, C) (q's dtype);
+//   assignments: (N, H, L) int64 in [-1, C).
+// Reads keys and values in place: O(N·H·L·K·(E + M)). Gradients flow to q, k,
+// v and mass.
+torch::Tensor clustered_topk_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                       const torch::Tensor& v, const torch::Tensor& topk,
+                                       const torch::Tensor& mass, const torch::Tensor& assignments,
+                                       const std::optional<torch::Tensor>& key_lengths,
+                                       double softmax_temp);
+
 namespace reference {
+// Plain-ATen hashing: (x·W^T + b > 0) packed into int64.
+torch::Tensor hash_queries(const torch::Tensor& x, const torch::Tensor& planes);
+
 // torch::elu(x) + 1: for tests and benchmarks only.
 torch::Tensor elu_feature_map(const torch::Tensor& x);
 

@@ -12,10 +12,13 @@ void register_full_attention_types(AttentionRegistry& registry);
 
 // linear, causal-linear (src/attention/linear.cpp).
 void register_linear_attention_types(AttentionRegistry& registry);
+// clustered, improved-clustered, exact-topk (src/attention/clustered.cpp).
+void register_clustered_attention_types(AttentionRegistry& registry);
 
 inline void register_builtin_types(AttentionRegistry& registry) {
   register_full_attention_types(registry);
   register_linear_attention_types(registry);
+  register_clustered_attention_types(registry);
 }
 
 }  // namespace fastattn

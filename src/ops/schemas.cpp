@@ -34,6 +34,28 @@ TORCH_LIBRARY(fastattn, m) {
   m.def("elu_feature_map(Tensor x) -> Tensor");
   m.def("elu_feature_map_backward(Tensor grad_out, Tensor x) -> Tensor");
 
+  // ---- clustered attention ---------------------------------------------------
+  // Sign-of-random-projection codes: x (N,H,L,E), planes (B,E+1) with
+  // 1 <= B <= 64 (last column: biases) -> (N,H,L) int64, bit b = x·w_b + bias_b > 0.
+  m.def("hash_queries(Tensor x, Tensor planes) -> Tensor");
+  // Hamming K-means per (n, h): codes (N,H,L) int64, lengths (N,) of valid
+  // queries -> assignments (N,H,L) int64 (-1 for padding), counts (N,H,C) int64.
+  m.def(
+      "cluster_codes(Tensor codes, Tensor? lengths, int clusters, int iterations, int seed) "
+      "-> (Tensor, Tensor)");
+
+  // Per-query attention on each cluster's top-k keys (improved clustered,
+  // eq. 10): q (N,H,L,E), k (N,H,S,E), v (N,H,S,M), topk (N,H,C,K) int64,
+  // mass (N,H,C), assignments (N,H,L) int64 -> (N,H,L,M).
+  m.def(
+      "clustered_topk_attention(Tensor q, Tensor k, Tensor v, Tensor topk, Tensor mass, "
+      "Tensor assignments, Tensor? key_lengths, float softmax_temp) -> Tensor");
+  // Backward kernel: gradients of q, k, v and mass.
+  m.def(
+      "clustered_topk_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, "
+      "Tensor topk, Tensor mass, Tensor assignments, Tensor? key_lengths, float softmax_temp) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
+
   // ---- registry access (Python mirrors the C++ registry through these) -----
   // Any registered attention type by name; params_json is a JSON object of the
   // type's parameters.

@@ -1,0 +1,362 @@
+// Clustered (`clustered`) and improved clustered (`improved-clustered`)
+// attention, Vyas et al. 2020 sec. 3.2-3.3, and their registration.
+//
+// Pipeline: hash_queries -> cluster_codes (our kernels) -> centroids as the
+// mean of the members (index_add, differentiable) -> fused full attention of
+// the C centroids over the S keys -> broadcast to the members (index_select).
+// Improved: the centroid attention (N,H,C,S) is materialised (linear in S) to
+// take its top-k keys per cluster; each query's exact attention on its
+// cluster's k keys is the clustered_topk_attention op (reads the keys in
+// place, O(L·k·(E+M)) time). Only training with dropout > 0 takes an ATen
+// path that gathers (N,H,L,k,E) keys and (N,H,L,k,M) values.
+//
+// Cost: O(N·H·(L·B·E + iterations·L·C + C·S·(E+M) + L·k·(E+M))).
+// Tested by tests/cpp/test_clustered_attention.cpp; timed by
+// bench/bench_clustered_attention.cpp.
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <cmath>
+#include <limits>
+
+#include "attention/builtin_types.h"
+#include "fastattn/clustered.h"
+#include "fastattn/ops.h"
+#include "fastattn/registry.h"
+
+namespace fastattn {
+namespace {
+
+using torch::Tensor;
+
+double temp_or_default(const Tensor& q, std::optional<double> softmax_temp) {
+  return softmax_temp.value_or(1.0 / std::sqrt(static_cast<double>(q.size(3))));
+}
+
+// Row index of each query's cluster in a flat (N·H·C + 1) table; padded
+// queries point at the last row (a zero row / a sink). (N·H·L,) int64.
+Tensor flat_cluster_index(const QueryClusters& c) {
+  const auto& a = c.assignments;
+  const int64_t N = a.size(0), H = a.size(1), C = c.counts.size(2);
+  auto base = torch::arange(N * H, a.options()).view({N, H, 1}) * C;
+  return torch::where(a.ge(0), base + a, torch::full({}, N * H * C, a.options())).reshape({-1});
+}
+
+void check_clusters(const char* what, const Tensor& q, const QueryClusters& c) {
+  TORCH_CHECK(c.assignments.defined() && c.counts.defined(), what,
+              ": clusters must hold assignments and counts");
+  TORCH_CHECK(c.assignments.dim() == 3 && c.assignments.size(0) == q.size(0) &&
+                  c.assignments.size(1) == q.size(1) && c.assignments.size(2) == q.size(2),
+              what, ": clusters.assignments must have shape (N, H, L) = (", q.size(0), ", ",
+              q.size(1), ", ", q.size(2), "), got ", c.assignments.sizes());
+  TORCH_CHECK(c.counts.dim() == 3 && c.counts.size(0) == q.size(0) && c.counts.size(1) == q.size(1),
+              what, ": clusters.counts must have shape (N, H, C), got ", c.counts.sizes());
+}
+
+// (N, 1, 1, S) bool: keys before each length (std::nullopt: all kept).
+std::optional<Tensor> key_keep(const std::optional<Tensor>& key_lengths, int64_t N, int64_t S,
+                               const torch::Device& device) {
+  if (!key_lengths) return std::nullopt;
+  auto len = key_lengths->to(device, torch::kLong).view({N, 1, 1, 1});
+  return torch::arange(S, torch::TensorOptions().dtype(torch::kLong).device(device))
+      .view({1, 1, 1, S})
+      .lt(len);
+}
+
+// Softmax over the last dimension of scores where `keep` (broadcastable)
+// holds; a row that keeps nothing gives zeros (and zero gradients).
+Tensor masked_softmax(const Tensor& scores, const std::optional<Tensor>& keep) {
+  if (!keep) return torch::softmax(scores, -1);
+  auto s = scores.masked_fill(keep->logical_not(), -std::numeric_limits<double>::infinity());
+  auto dead = keep->logical_not().all(-1, /*keepdim=*/true);
+  s = s.masked_fill(dead, 0.0);
+  return torch::softmax(s, -1).masked_fill(dead, 0.0);
+}
+
+Tensor maybe_dropout(const Tensor& x, double p) {
+  return p > 0 ? torch::dropout(x, p, /*train=*/true) : x;
+}
+
+// Centroid values (N, H, C, M) -> per query (N, H, L, M), zeros for padding.
+Tensor broadcast_to_queries(const Tensor& centroid_values, const QueryClusters& c) {
+  const int64_t N = centroid_values.size(0), H = centroid_values.size(1),
+                C = centroid_values.size(2), M = centroid_values.size(3), L = c.assignments.size(2);
+  auto table = torch::cat(
+      {centroid_values.reshape({N * H * C, M}), torch::zeros({1, M}, centroid_values.options())});
+  return table.index_select(0, flat_cluster_index(c)).view({N, H, L, M});
+}
+
+// The per-query top-k part composed from ATen, for training with dropout on
+// the weights: gathers (N, H, L, k, E) keys and (N, H, L, k, M) values.
+Tensor top_part_with_dropout(const Tensor& queries, const Tensor& keys, const Tensor& values,
+                             const QueryClusters& clusters, const Tensor& top_idx,
+                             const Tensor& mass, const std::optional<Tensor>& key_lengths,
+                             double temp, double dropout) {
+  const int64_t N = queries.size(0), H = queries.size(1), L = queries.size(2), E = queries.size(3),
+                S = keys.size(2), M = values.size(3), k = top_idx.size(3);
+  auto a = clusters.assignments;
+  auto valid = a.ge(0);  // (N, H, L)
+  auto a_safe = a.clamp_min(0);
+  auto q_idx = top_idx.gather(2, a_safe.unsqueeze(-1).expand({N, H, L, k}));  // (N, H, L, k)
+  auto rows = (torch::arange(N * H, a.options()).view({N, H, 1, 1}) * S + q_idx).reshape({-1});
+  auto k_sel = keys.reshape({N * H * S, E}).index_select(0, rows).view({N, H, L, k, E});
+  auto v_sel = values.reshape({N * H * S, M}).index_select(0, rows).view({N, H, L, k, M});
+  // Batched (k, E) x (E, 1) products: measured faster here than elementwise
+  // products and sums over (N, H, L, k, E).
+  auto scores = torch::matmul(k_sel, queries.unsqueeze(-1)).squeeze(-1) * temp;  // (N,H,L,k)
+  std::optional<Tensor> q_keep;
+  if (key_lengths) {
+    q_keep = q_idx.lt(key_lengths->to(keys.device(), torch::kLong).view({N, 1, 1, 1}));
+  }
+  auto q_mass = mass.gather(2, a_safe).unsqueeze(-1);  // (N, H, L, 1)
+  auto weights = masked_softmax(scores, q_keep) * q_mass * valid.unsqueeze(-1);
+  auto top_values = torch::matmul(maybe_dropout(weights, dropout).unsqueeze(-2), v_sel).squeeze(-2);
+  return top_values;
+}
+
+}  // namespace
+
+QueryClusters cluster_queries(const Tensor& queries, const std::optional<Tensor>& query_lengths,
+                              int64_t clusters, int64_t iterations, int64_t bits, bool hash_bias,
+                              at::Generator gen) {
+  TORCH_CHECK(queries.dim() == 4, "cluster_queries: queries must have shape (N, H, L, E), got ",
+              queries.sizes());
+  TORCH_CHECK(bits >= 1 && bits <= 64, "cluster_queries: bits must be in [1, 64], got ", bits);
+  const int64_t E = queries.size(3);
+  Tensor planes;
+  int64_t seed = 0;
+  {
+    // Drawn on the CPU from the caller's generator, then moved.
+    torch::NoGradGuard no_grad;
+    planes = torch::randn({bits, E + 1}, gen, torch::TensorOptions().dtype(torch::kDouble));
+    if (!hash_bias) planes.select(1, E).zero_();
+    seed = torch::randint(0, int64_t(1) << 62, {1}, gen, torch::kLong).item<int64_t>();
+  }
+  auto codes = hash_queries(queries.detach(), planes.to(queries.device(), queries.scalar_type()));
+  auto [assignments, counts] = cluster_codes(codes, query_lengths, clusters, iterations, seed);
+  return {assignments, counts};
+}
+
+Tensor cluster_centroids(const Tensor& queries, const QueryClusters& clusters) {
+  check_clusters("cluster_centroids", queries, clusters);
+  const int64_t N = queries.size(0), H = queries.size(1), E = queries.size(3),
+                C = clusters.counts.size(2);
+  auto sums = torch::zeros({N * H * C + 1, E}, queries.options())
+                  .index_add(0, flat_cluster_index(clusters), queries.reshape({-1, E}));
+  auto counts = clusters.counts.clamp_min(1).to(queries.scalar_type()).unsqueeze(-1);
+  return sums.narrow(0, 0, N * H * C).view({N, H, C, E}) / counts;
+}
+
+Tensor clustered_attention(const Tensor& queries, const Tensor& keys, const Tensor& values,
+                           const QueryClusters& clusters, const std::optional<Tensor>& key_lengths,
+                           std::optional<double> softmax_temp, double dropout) {
+  auto centroids = cluster_centroids(queries, clusters);  // (N, H, C, E)
+  Tensor centroid_values;                                 // (N, H, C, M)
+  if (dropout > 0) {
+    // Dropout acts on the weights, which the fused op never forms: (N,H,C,S).
+    const double temp = temp_or_default(queries, softmax_temp);
+    auto scores = torch::matmul(centroids, keys.transpose(-1, -2)) * temp;
+    auto probs =
+        masked_softmax(scores, key_keep(key_lengths, keys.size(0), keys.size(2), keys.device()));
+    centroid_values = torch::matmul(maybe_dropout(probs, dropout), values);
+  } else {
+    centroid_values = full_attention(centroids, keys, values, std::nullopt, key_lengths,
+                                     /*causal=*/false, softmax_temp);
+  }
+  return broadcast_to_queries(centroid_values, clusters);
+}
+
+Tensor improved_clustered_attention(const Tensor& queries, const Tensor& keys, const Tensor& values,
+                                    const QueryClusters& clusters, int64_t topk,
+                                    const std::optional<Tensor>& key_lengths,
+                                    std::optional<double> softmax_temp, double dropout) {
+  TORCH_CHECK(topk >= 1, "improved_clustered_attention: topk must be >= 1, got ", topk);
+  const int64_t N = queries.size(0), H = queries.size(1), L = queries.size(2), S = keys.size(2),
+                M = values.size(3);
+  if (S == 0) return torch::zeros({N, H, L, M}, queries.options());
+  const int64_t k = std::min(topk, S);
+  const double temp = temp_or_default(queries, softmax_temp);
+  const auto keep = key_keep(key_lengths, N, S, keys.device());  // (N, 1, 1, S)
+
+  // Centroid attention A^c (N, H, C, S), its top-k keys and masses (eq. 9).
+  auto centroids = cluster_centroids(queries, clusters);
+  auto probs_c = masked_softmax(torch::matmul(centroids, keys.transpose(-1, -2)) * temp, keep);
+  auto [top_p, top_idx] = probs_c.topk(k, -1);  // (N, H, C, k)
+  auto mass = top_p.sum(-1);                    // (N, H, C): m̂_j
+  // The keys outside the top-k keep the centroid's weights.
+  auto rest = probs_c.scatter(-1, top_idx, 0.0);
+  auto rest_values = torch::matmul(maybe_dropout(rest, dropout), values);  // (N, H, C, M)
+
+  // Per query: exact scores on its cluster's k keys (eq. 10).
+  Tensor top_values;  // (N, H, L, M)
+  if (dropout == 0) {
+    top_values = clustered_topk_attention(queries, keys, values, top_idx, mass,
+                                          clusters.assignments, key_lengths, temp);
+  } else {
+    top_values = top_part_with_dropout(queries, keys, values, clusters, top_idx, mass, key_lengths,
+                                       temp, dropout);
+  }
+  return top_values + broadcast_to_queries(rest_values, clusters);
+}
+
+Tensor exact_topk_attention(const Tensor& queries, const Tensor& keys, const Tensor& values,
+                            int64_t topk, const std::optional<Tensor>& key_lengths,
+                            std::optional<double> softmax_temp) {
+  TORCH_CHECK(topk >= 1, "exact_topk_attention: topk must be >= 1, got ", topk);
+  const int64_t N = queries.size(0), H = queries.size(1), L = queries.size(2), S = keys.size(2),
+                M = values.size(3);
+  if (S == 0 || L == 0) return torch::zeros({N, H, L, M}, queries.options());
+  const int64_t k = std::min(topk, S);
+  const double temp = temp_or_default(queries, softmax_temp);
+  // Top-k key indices per query from exact scores, a chunk of queries at a
+  // time so that at most about 2^22 scores exist at once.
+  auto idx = torch::empty({N, H, L, k}, queries.options().dtype(torch::kLong));
+  {
+    torch::NoGradGuard no_grad;
+    const auto keep = key_keep(key_lengths, N, S, keys.device());  // (N, 1, 1, S)
+    const int64_t chunk =
+        std::max<int64_t>(1, (int64_t(1) << 22) / std::max<int64_t>(1, N * H * S));
+    auto kt = keys.detach().transpose(-1, -2);
+    for (int64_t l0 = 0; l0 < L; l0 += chunk) {
+      const int64_t n = std::min(chunk, L - l0);
+      auto scores = torch::matmul(queries.detach().narrow(2, l0, n), kt);  // (N, H, n, S)
+      if (keep) scores.masked_fill_(keep->logical_not(), -std::numeric_limits<double>::infinity());
+      idx.narrow(2, l0, n).copy_(std::get<1>(scores.topk(k, -1)));
+    }
+  }
+  // One cluster per query with mass 1: the sparse top-k kernel.
+  auto self = torch::arange(L, idx.options()).view({1, 1, L}).expand({N, H, L}).contiguous();
+  auto mass = torch::ones({N, H, L}, queries.options());
+  return clustered_topk_attention(queries, keys, values, idx, mass, self, key_lengths, temp);
+}
+
+ExactTopkAttention::ExactTopkAttention(int64_t topk, std::optional<double> softmax_temp)
+    : topk_(topk), softmax_temp_(softmax_temp) {
+  TORCH_CHECK(topk_ >= 1, "ExactTopkAttention: topk must be >= 1, got ", topk_);
+  TORCH_CHECK(!softmax_temp_ || (std::isfinite(*softmax_temp_) && *softmax_temp_ > 0),
+              "ExactTopkAttention: softmax_temp must be a finite number > 0, got ",
+              softmax_temp_.value_or(0.0));
+}
+
+Tensor ExactTopkAttention::forward(const Tensor& queries,  // (N, H, L, E)
+                                   const Tensor& keys,     // (N, H, S, E)
+                                   const Tensor& values,   // (N, H, S, M)
+                                   const Mask& mask) {
+  check_attention_inputs(queries, keys, values, mask);
+  TORCH_CHECK(!mask.is_causal(), "exact-topk: causal masking is not supported; got a causal mask");
+  TORCH_CHECK(!mask.attn_mask(),
+              "exact-topk: an attention mask is not supported (only key lengths); got one");
+  return exact_topk_attention(queries, keys, values, topk_, mask.key_lengths(), softmax_temp_);
+}
+
+// ---- the attention types ------------------------------------------------------
+
+ClusteredAttention::ClusteredAttention(ClusteredOptions options, bool improved)
+    : options_(std::move(options)), improved_(improved) {
+  const char* who = improved ? "ImprovedClusteredAttention" : "ClusteredAttention";
+  TORCH_CHECK(options_.clusters >= 1, who, ": clusters must be >= 1, got ", options_.clusters);
+  TORCH_CHECK(options_.iterations >= 0, who, ": iterations must be >= 0, got ",
+              options_.iterations);
+  TORCH_CHECK(options_.bits >= 1 && options_.bits <= 64, who, ": bits must be in [1, 64], got ",
+              options_.bits);
+  TORCH_CHECK(options_.topk >= 1, who, ": topk must be >= 1, got ", options_.topk);
+  TORCH_CHECK(!options_.softmax_temp ||
+                  (std::isfinite(*options_.softmax_temp) && *options_.softmax_temp > 0),
+              who, ": softmax_temp must be a finite number > 0, got ",
+              options_.softmax_temp.value_or(0.0));
+  TORCH_CHECK(options_.attention_dropout >= 0 && options_.attention_dropout < 1, who,
+              ": attention_dropout must be in [0, 1), got ", options_.attention_dropout);
+  gen_ = options_.seed
+             ? at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(*options_.seed))
+             : at::detail::getDefaultCPUGenerator();
+}
+
+Tensor ClusteredAttention::forward(const Tensor& queries,  // (N, H, L, E)
+                                   const Tensor& keys,     // (N, H, S, E)
+                                   const Tensor& values,   // (N, H, S, M)
+                                   const Mask& mask) {
+  check_attention_inputs(queries, keys, values, mask);
+  TORCH_CHECK(!mask.is_causal(), type_name(),
+              ": causal masking is not supported (clusters mix past and future queries); got a "
+              "causal mask");
+  TORCH_CHECK(!mask.attn_mask(), type_name(),
+              ": an attention mask is not supported (only key and query lengths); got one of "
+              "shape ",
+              mask.attn_mask() ? mask.attn_mask()->sizes() : torch::IntArrayRef{});
+  auto clusters = cluster_queries(queries, mask.query_lengths(), options_.clusters,
+                                  options_.iterations, options_.bits, options_.hash_bias, gen_);
+  const double dropout = is_training() ? options_.attention_dropout : 0.0;
+  if (improved_) {
+    return improved_clustered_attention(queries, keys, values, clusters, options_.topk,
+                                        mask.key_lengths(), options_.softmax_temp, dropout);
+  }
+  return clustered_attention(queries, keys, values, clusters, mask.key_lengths(),
+                             options_.softmax_temp, dropout);
+}
+
+// ---- registration ---------------------------------------------------------------
+
+namespace {
+
+std::vector<ParamSpec> clustered_specs(bool improved) {
+  std::vector<ParamSpec> specs = {
+      ParamSpec::integer("clusters", 100,
+                         "number of query clusters C (clamped to the valid queries)", 1),
+      ParamSpec::integer("iterations", 10, "Lloyd iterations of the Hamming K-means", 0),
+      ParamSpec::integer("bits", 63, "bits B of the query hash", 1, 64),
+      ParamSpec::boolean("hash_bias", true, "random bias in the hash planes"),
+      ParamSpec::real("softmax_temp", std::nullopt, "scale of the scores q·k; default 1/sqrt(E)",
+                      0.0)
+          .exclusive_min(),
+      ParamSpec::real("attention_dropout", 0.0, "dropout on the attention weights in training", 0.0,
+                      1.0)
+          .exclusive_max(),
+      ParamSpec::integer("seed", std::nullopt,
+                         "seed of the module's generator (planes, K-means initialisation); "
+                         "default: the global CPU generator")};
+  if (improved) {
+    specs.push_back(ParamSpec::integer(
+        "topk", 32, "keys per cluster whose weights are recomputed per query (clamped to S)", 1));
+  }
+  return specs;
+}
+
+AttentionPtr build_clustered(const Params& p, bool improved) {
+  ClusteredOptions o;
+  o.clusters = p.get_int("clusters");
+  o.iterations = p.get_int("iterations");
+  o.bits = p.get_int("bits");
+  o.hash_bias = p.get_bool("hash_bias");
+  o.softmax_temp = p.get_optional_float("softmax_temp");
+  o.attention_dropout = p.get_float("attention_dropout");
+  o.seed = p.get_optional_int("seed");
+  if (improved) o.topk = p.get_int("topk");
+  return std::make_shared<ClusteredAttention>(o, improved);
+}
+
+}  // namespace
+
+void register_clustered_attention_types(AttentionRegistry& registry) {
+  registry.add({"clustered",
+                "queries hashed and clustered (Hamming K-means); attention once per centroid, "
+                "broadcast to the members: O(L·C) (Vyas et al. 2020)",
+                clustered_specs(false),
+                [](const Params& p, const AttentionDims&) { return build_clustered(p, false); }});
+  registry.add({"improved-clustered",
+                "clustered attention with exact per-query weights on each cluster's top-k keys "
+                "(Vyas et al. 2020, eq. 9-10)",
+                clustered_specs(true),
+                [](const Params& p, const AttentionDims&) { return build_clustered(p, true); }});
+  registry.add({"exact-topk",
+                "each query attends to its own top-k keys by exact score (softmax over those k); "
+                "O(L·S) to select them, O(L·k) memory",
+                {ParamSpec::integer("topk", 32, "keys per query (clamped to S)", 1),
+                 ParamSpec::real("softmax_temp", std::nullopt,
+                                 "scale of the scores q·k; default 1/sqrt(E)", 0.0)
+                     .exclusive_min()},
+                [](const Params& p, const AttentionDims&) -> AttentionPtr {
+                  return std::make_shared<ExactTopkAttention>(p.get_int("topk"),
+                                                              p.get_optional_float("softmax_temp"));
+                }});
+}
+
+}  // namespace fastattn

@@ -1,0 +1,28 @@
+// Sign-of-random-projection hashing of queries (clustered attention, Vyas et
+// al. 2020, sec. 3.2.2): bit b of a query's code is 1 iff x·w_b + bias_b > 0,
+// B planes, 1 <= B <= 64 (bit 63 uses the full unsigned range; codes are
+// stored in int64 with the same bit pattern).
+//
+// Cost: N·H·L·B·E multiply-adds, O(B·E) extra memory.
+// Tested by tests/cpp/test_clustering.cpp (HashQueries.*); timed inside
+// bench/bench_clustered_attention.cpp.
+#pragma once
+
+#include <cstdint>
+
+namespace fastattn::kernels {
+
+template <typename T>
+struct HashParams {
+  const T* x = nullptr;       // (rows, E) contiguous: rows = N·H·L
+  const T* planes = nullptr;  // (B, E + 1) contiguous: w_b = planes[b, :E], bias_b = planes[b, E]
+  int64_t* codes = nullptr;   // (rows,), written
+  int64_t rows = 0, E = 0;
+  int B = 0;  // bits, in [1, 64]
+  int num_threads = 1;
+};
+
+template <typename T>
+void hash_queries_cpu(const HashParams<T>& p);
+
+}  // namespace fastattn::kernels

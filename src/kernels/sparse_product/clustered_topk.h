@@ -1,0 +1,54 @@
+// Per-query attention on each cluster's top-k keys, the sparse part of
+// improved clustered attention (Vyas et al. 2020, eq. 10-11, supplementary
+// eq. 16): for query l of cluster j = assignments[l],
+//   out_l = mass[j] · Σ_t softmax_t(scale · q_l·k_{idx[j,t]}) v_{idx[j,t]},
+// keys at idx >= key_lengths[n] dropped; padded queries (j = -1) and
+// queries that keep no key output zeros. Reads the keys and values in place
+// (no (L, k, E) gather).
+//
+// Cost: forward 2·N·H·L·K·(E + M) flops, backward about twice that; extra
+// memory O(K) per thread. Parallel over N·H (each item writes only its own
+// head's gradients, so no atomics).
+// Tested through improved_clustered_attention in
+// tests/cpp/test_clustered_attention.cpp (forward, autograd, finite
+// differences); timed by bench/bench_clustered_attention.cpp.
+#pragma once
+
+#include <cstdint>
+
+namespace fastattn::kernels {
+
+template <typename T>
+struct ClusteredTopkParams {
+  const T* q = nullptr;                  // (N, H, L, E) contiguous
+  const T* k = nullptr;                  // (N, H, S, E) contiguous
+  const T* v = nullptr;                  // (N, H, S, M) contiguous
+  const int64_t* topk = nullptr;         // (N, H, C, K) key indices in [0, S)
+  const T* mass = nullptr;               // (N, H, C): centroid mass on its top-k keys
+  const int64_t* assignments = nullptr;  // (N, H, L): cluster in [0, C) or -1
+  const int64_t* key_lengths = nullptr;  // (N,) or nullptr for S
+  int64_t N = 0, H = 0, L = 0, S = 0, E = 0, M = 0, C = 0, K = 0;
+  T scale = 1;
+  int num_threads = 1;
+};
+
+template <typename T>
+struct ClusteredTopkForwardArgs : ClusteredTopkParams<T> {
+  T* out = nullptr;  // (N, H, L, M), written
+};
+
+template <typename T>
+struct ClusteredTopkBackwardArgs : ClusteredTopkParams<T> {
+  const T* grad_out = nullptr;  // (N, H, L, M) contiguous
+  T* grad_q = nullptr;          // (N, H, L, E), written
+  T* grad_k = nullptr;          // (N, H, S, E), written
+  T* grad_v = nullptr;          // (N, H, S, M), written
+  T* grad_mass = nullptr;       // (N, H, C), written
+};
+
+template <typename T>
+void clustered_topk_forward_cpu(const ClusteredTopkForwardArgs<T>& a);
+template <typename T>
+void clustered_topk_backward_cpu(const ClusteredTopkBackwardArgs<T>& a);
+
+}  // namespace fastattn::kernels

@@ -1,0 +1,207 @@
+// The clustered_topk_attention operator (the per-query sparse part of
+// improved clustered attention): input checks, CPU implementations of the
+// forward/backward kernels (src/kernels/sparse_product/), the autograd
+// function, and the C++ entry point.
+//   q (N,H,L,E), k (N,H,S,E), v (N,H,S,M), topk (N,H,C,K) int64,
+//   mass (N,H,C), assignments (N,H,L) int64 -> (N,H,L,M)
+// Cost: O(N·H·L·K·(E + M)); gradients to q, k, v and mass.
+// Tested through improved_clustered_attention in
+// tests/cpp/test_clustered_attention.cpp.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include "fastattn/ops.h"
+#include "kernels/sparse_product/clustered_topk.h"
+#include "ops/mask_util.h"
+#include "ops/op_util.h"
+
+namespace fastattn {
+namespace {
+
+using torch::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+constexpr const char* kOp = "fastattn::clustered_topk_attention";
+
+void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& topk,
+                  const Tensor& mass, const Tensor& assignments,
+                  const c10::optional<Tensor>& key_lengths) {
+  ops::check_qkv(kOp, q, k, v);
+  ops::check_masks(kOp, q, k.size(2), std::nullopt, to_std(key_lengths));
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2);
+  TORCH_CHECK(topk.dim() == 4 && topk.size(0) == N && topk.size(1) == H, kOp,
+              ": topk must have shape (N, H, C, K) with (N, H) = (", N, ", ", H, "), got ",
+              topk.sizes());
+  TORCH_CHECK(topk.scalar_type() == torch::kLong, kOp, ": topk must be int64, got ",
+              topk.scalar_type());
+  TORCH_CHECK(
+      mass.dim() == 3 && mass.size(0) == N && mass.size(1) == H && mass.size(2) == topk.size(2),
+      kOp, ": mass must have shape (N, H, C) = (", N, ", ", H, ", ", topk.size(2), "), got ",
+      mass.sizes());
+  TORCH_CHECK(mass.scalar_type() == q.scalar_type(), kOp, ": mass must be ", q.scalar_type(),
+              " like q, got ", mass.scalar_type());
+  TORCH_CHECK(assignments.dim() == 3 && assignments.size(0) == N && assignments.size(1) == H &&
+                  assignments.size(2) == L,
+              kOp, ": assignments must have shape (N, H, L) = (", N, ", ", H, ", ", L, "), got ",
+              assignments.sizes());
+  TORCH_CHECK(assignments.scalar_type() == torch::kLong, kOp, ": assignments must be int64, got ",
+              assignments.scalar_type());
+  if (topk.numel() > 0) {
+    TORCH_CHECK(topk.min().item<int64_t>() >= 0 && topk.max().item<int64_t>() < k.size(2), kOp,
+                ": topk must hold key indices in [0, S) = [0, ", k.size(2), ")");
+  }
+  if (assignments.numel() > 0) {
+    TORCH_CHECK(
+        assignments.min().item<int64_t>() >= -1 && assignments.max().item<int64_t>() < topk.size(2),
+        kOp, ": assignments must be in [-1, C) = [-1, ", topk.size(2), ")");
+  }
+}
+
+struct Prepared {
+  Tensor q, k, v, topk, mass, assignments, lengths;
+};
+
+Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& topk,
+                 const Tensor& mass, const Tensor& assignments,
+                 const c10::optional<Tensor>& key_lengths) {
+  Prepared p{q.contiguous(),
+             k.contiguous(),
+             v.contiguous(),
+             topk.contiguous(),
+             mass.contiguous(),
+             assignments.contiguous(),
+             {}};
+  if (key_lengths) p.lengths = key_lengths->to(torch::kLong).contiguous();
+  return p;
+}
+
+template <typename T, typename Args>
+void fill_params(Args& a, const Prepared& p, double scale) {
+  a.q = p.q.data_ptr<T>();
+  a.k = p.k.data_ptr<T>();
+  a.v = p.v.data_ptr<T>();
+  a.topk = p.topk.data_ptr<int64_t>();
+  a.mass = p.mass.data_ptr<T>();
+  a.assignments = p.assignments.data_ptr<int64_t>();
+  a.key_lengths = p.lengths.defined() ? p.lengths.data_ptr<int64_t>() : nullptr;
+  a.N = p.q.size(0);
+  a.H = p.q.size(1);
+  a.L = p.q.size(2);
+  a.E = p.q.size(3);
+  a.S = p.k.size(2);
+  a.M = p.v.size(3);
+  a.C = p.topk.size(2);
+  a.K = p.topk.size(3);
+  a.scale = static_cast<T>(scale);
+  a.num_threads = at::get_num_threads();
+}
+
+Tensor clustered_topk_attention_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
+                                    const Tensor& topk, const Tensor& mass,
+                                    const Tensor& assignments,
+                                    const c10::optional<Tensor>& key_lengths, double softmax_temp) {
+  check_inputs(q, k, v, topk, mass, assignments, key_lengths);
+  const auto p = prepare(q, k, v, topk, mass, assignments, key_lengths);
+  auto out = torch::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "clustered_topk_attention_cpu", [&] {
+    kernels::ClusteredTopkForwardArgs<scalar_t> a;
+    fill_params<scalar_t>(a, p, softmax_temp);
+    a.out = out.data_ptr<scalar_t>();
+    kernels::clustered_topk_forward_cpu(a);
+  });
+  return out;
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> clustered_topk_attention_backward_cpu(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& topk,
+    const Tensor& mass, const Tensor& assignments, const c10::optional<Tensor>& key_lengths,
+    double softmax_temp) {
+  check_inputs(q, k, v, topk, mass, assignments, key_lengths);
+  TORCH_CHECK(grad_out.dim() == 4 && grad_out.size(0) == q.size(0) &&
+                  grad_out.size(1) == q.size(1) && grad_out.size(2) == q.size(2) &&
+                  grad_out.size(3) == v.size(3),
+              kOp, ": grad_out must have shape (N, H, L, M), got ", grad_out.sizes());
+  const auto p = prepare(q, k, v, topk, mass, assignments, key_lengths);
+  auto go = grad_out.to(q.scalar_type()).contiguous();
+  auto gq = torch::empty_like(p.q), gk = torch::empty_like(p.k), gv = torch::empty_like(p.v),
+       gm = torch::empty_like(p.mass);
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "clustered_topk_attention_backward_cpu", [&] {
+    kernels::ClusteredTopkBackwardArgs<scalar_t> a;
+    fill_params<scalar_t>(a, p, softmax_temp);
+    a.grad_out = go.data_ptr<scalar_t>();
+    a.grad_q = gq.data_ptr<scalar_t>();
+    a.grad_k = gk.data_ptr<scalar_t>();
+    a.grad_v = gv.data_ptr<scalar_t>();
+    a.grad_mass = gm.data_ptr<scalar_t>();
+    kernels::clustered_topk_backward_cpu(a);
+  });
+  return {gq, gk, gv, gm};
+}
+
+// Called below autograd (AutoDispatchBelowADInplaceOrView): reaches the
+// backend kernel through the dispatcher.
+Tensor call_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& topk,
+                    const Tensor& mass, const Tensor& assignments,
+                    const c10::optional<Tensor>& key_lengths, double temp) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastattn::clustered_topk_attention", "")
+                       .typed<decltype(clustered_topk_attention_cpu)>();
+  return op.call(q, k, v, topk, mass, assignments, key_lengths, temp);
+}
+
+class ClusteredTopkFunction : public torch::autograd::Function<ClusteredTopkFunction> {
+ public:
+  static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& topk, const Tensor& mass, const Tensor& assignments,
+                        const c10::optional<Tensor>& key_lengths, double temp) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto out = call_forward(q, k, v, topk, mass, assignments, key_lengths, temp);
+    ctx->save_for_backward({q, k, v, topk, mass, assignments});
+    ctx->saved_data["key_lengths"] = key_lengths ? *key_lengths : Tensor();
+    ctx->saved_data["temp"] = temp;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("fastattn::clustered_topk_attention_backward", "")
+                         .typed<decltype(clustered_topk_attention_backward_cpu)>();
+    const auto s = ctx->get_saved_variables();
+    const auto kl = ctx->saved_data["key_lengths"].toTensor();
+    auto [gq, gk, gv, gm] = op.call(grads[0], s[0], s[1], s[2], s[3], s[4], s[5],
+                                    kl.defined() ? c10::optional<Tensor>(kl) : c10::nullopt,
+                                    ctx->saved_data["temp"].toDouble());
+    return {gq, gk, gv, Tensor(), gm, Tensor(), Tensor(), Tensor()};
+  }
+};
+
+Tensor clustered_topk_attention_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                         const Tensor& topk, const Tensor& mass,
+                                         const Tensor& assignments,
+                                         const c10::optional<Tensor>& key_lengths,
+                                         double softmax_temp) {
+  return ClusteredTopkFunction::apply(q, k, v, topk, mass, assignments, key_lengths, softmax_temp);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
+  m.impl("clustered_topk_attention", clustered_topk_attention_cpu);
+  m.impl("clustered_topk_attention_backward", clustered_topk_attention_backward_cpu);
+}
+
+TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
+  m.impl("clustered_topk_attention", clustered_topk_attention_autograd);
+}
+
+Tensor clustered_topk_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                                const Tensor& topk, const Tensor& mass, const Tensor& assignments,
+                                const std::optional<Tensor>& key_lengths, double softmax_temp) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastattn::clustered_topk_attention", "")
+                       .typed<decltype(clustered_topk_attention_cpu)>();
+  return op.call(q, k, v, topk, mass, assignments, to_c10(key_lengths), softmax_temp);
+}
+
+}  // namespace fastattn

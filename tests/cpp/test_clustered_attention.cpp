@@ -1,0 +1,356 @@
+// clustered and improved-clustered attention: the attention rows are built
+// densely here on small shapes from the same clustering and compared with the
+// library (forward and gradients, through the op harness); improved with
+// topk = S equals full attention; Proposition 2 of Vyas et al. 2020; error
+// falls as clusters rise; clamping, padding, determinism, bad masks.
+//   build/fastattn_tests --gtest_filter='Clustered*:ImprovedClustered*'
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include "expect_error.h"
+#include "fastattn/clustered.h"
+#include "fastattn/ops.h"
+#include "fastattn/registry.h"
+#include "op_harness.h"
+
+namespace fastattn {
+namespace {
+
+using testing::Inputs;
+using testing::OpCase;
+
+at::Generator generator(uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }
+
+// Attention rows (N, H, L, S) of full, clustered and improved clustered
+// attention, written densely from the definitions (eq. 3-4, 9-10).
+struct Rows {
+  torch::Tensor full, clustered, improved;
+};
+
+Rows dense_rows(const torch::Tensor& q, const torch::Tensor& k, const QueryClusters& cl,
+                int64_t topk, const std::optional<torch::Tensor>& key_lengths) {
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), C = cl.counts.size(2);
+  const double temp = 1.0 / std::sqrt(double(q.size(3)));
+  auto keep = torch::ones({N, 1, 1, S}, torch::kBool);
+  if (key_lengths) keep = torch::arange(S).view({1, 1, 1, S}).lt(key_lengths->view({N, 1, 1, 1}));
+  auto softmax = [&](const torch::Tensor& s, const torch::Tensor& kp) {
+    auto dead = kp.logical_not().all(-1, true);
+    auto x = s.masked_fill(kp.logical_not(), -INFINITY).masked_fill(dead, 0.0);
+    return torch::softmax(x, -1).masked_fill(dead, 0.0);
+  };
+  auto valid = cl.assignments.ge(0).unsqueeze(-1).to(q.scalar_type());  // (N, H, L, 1)
+  auto a = cl.assignments.clamp_min(0);
+  auto member = torch::one_hot(a, C).to(q.scalar_type()) * valid;  // (N, H, L, C)
+  auto centroids = torch::matmul(member.transpose(-1, -2), q) /
+                   cl.counts.clamp_min(1).unsqueeze(-1).to(q.scalar_type());
+  Rows r;
+  r.full = softmax(torch::matmul(q, k.transpose(-1, -2)) * temp, keep);
+  auto probs_c = softmax(torch::matmul(centroids, k.transpose(-1, -2)) * temp, keep);  // (N,H,C,S)
+  auto per_query = [&](const torch::Tensor& x) {  // (N, H, C, S) -> (N, H, L, S)
+    return x.gather(2, a.unsqueeze(-1).expand({N, H, L, S}));
+  };
+  r.clustered = per_query(probs_c) * valid;
+  const int64_t kk = std::min(topk, S);
+  auto idx = std::get<1>(probs_c.detach().topk(kk, -1));
+  auto in_top = per_query(torch::zeros({N, H, C, S}, torch::kBool).scatter(-1, idx, true));
+  auto mass = (per_query(probs_c) * in_top).sum(-1, true);
+  auto exact = softmax(torch::matmul(q, k.transpose(-1, -2)) * temp, keep.logical_and(in_top));
+  r.improved = torch::where(in_top, exact * mass, per_query(probs_c)) * valid;
+  return r;
+}
+
+double row_l1_max_excess(const Rows& r) {
+  auto d_imp = (r.improved - r.full).abs().sum(-1);
+  auto d_clu = (r.clustered - r.full).abs().sum(-1);
+  return (d_imp - d_clu).max().item<double>();
+}
+
+struct Cfg {
+  std::string name;
+  int64_t N, H, L, S, E, M, C, topk;
+  std::vector<int64_t> key_lengths;    // empty: none
+  std::vector<int64_t> query_lengths;  // empty: none
+  bool improved = true;
+};
+
+OpCase make_case(const Cfg& c) {
+  OpCase oc;
+  oc.name = c.name;
+  oc.make_inputs = [c](uint64_t seed) -> Inputs {
+    torch::manual_seed(seed);
+    return {torch::randn({c.N, c.H, c.L, c.E}, torch::kDouble),
+            torch::randn({c.N, c.H, c.S, c.E}, torch::kDouble),
+            torch::randn({c.N, c.H, c.S, c.M}, torch::kDouble)};
+  };
+  std::optional<torch::Tensor> klen, qlen;
+  if (!c.key_lengths.empty()) klen = torch::tensor(c.key_lengths, torch::kLong);
+  if (!c.query_lengths.empty()) qlen = torch::tensor(c.query_lengths, torch::kLong);
+  // One clustering for every call (it is piecewise constant in the queries).
+  const auto cl = cluster_queries(oc.make_inputs(0)[0], qlen, c.C, 10, 63, true, generator(11));
+  oc.op = [c, cl, klen](const Inputs& x) {
+    return c.improved ? improved_clustered_attention(x[0], x[1], x[2], cl, c.topk, klen)
+                      : clustered_attention(x[0], x[1], x[2], cl, klen);
+  };
+  oc.reference = [c, cl, klen](const Inputs& x) {
+    auto r = dense_rows(x[0], x[1], cl, c.topk, klen);
+    return torch::matmul(c.improved ? r.improved : r.clustered, x[2]);
+  };
+  oc.f64_tol = 1e-12;
+  // float32: O(1) outputs from softmax-weighted sums of <= S terms, rounded
+  // inputs; the top-k sets are the float64 ones (same clustering, no near ties).
+  oc.f32_tol = 2e-5;
+  return oc;
+}
+
+class ClusteredCases : public ::testing::TestWithParam<Cfg> {};
+
+TEST_P(ClusteredCases, MatchesDenseRows) { testing::check_op(make_case(GetParam())); }
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, ClusteredCases,
+    ::testing::Values(Cfg{"clustered", 2, 2, 37, 29, 8, 5, 4, 3, {}, {}, false},
+                      Cfg{"clustered_lengths", 2, 2, 37, 29, 8, 5, 4, 3, {29, 11}, {37, 20}, false},
+                      Cfg{"improved", 2, 2, 37, 29, 8, 5, 4, 3},
+                      Cfg{"improved_lengths", 3, 1, 33, 40, 7, 6, 5, 6, {40, 3, 0}, {33, 9, 2}},
+                      Cfg{"improved_topk_gt_S", 1, 2, 20, 9, 4, 4, 3, 50}),
+    [](const ::testing::TestParamInfo<Cfg>& info) { return info.param.name; });
+
+TEST(ImprovedClustered, TopkSEqualsFull) {
+  torch::manual_seed(1);
+  auto q = torch::randn({2, 3, 50, 16}, torch::kDouble),
+       k = torch::randn({2, 3, 40, 16}, torch::kDouble),
+       v = torch::randn({2, 3, 40, 12}, torch::kDouble);
+  for (bool lengths : {false, true}) {
+    for (int64_t topk : {40, 1000}) {
+      auto mask = Mask();
+      std::optional<torch::Tensor> klen;
+      if (lengths) {
+        klen = torch::tensor({40, 17}, torch::kLong);
+        mask = mask.with_key_lengths(*klen);
+      }
+      auto attn = make_attention("improved-clustered",
+                                 {{"clusters", int64_t(5)}, {"topk", topk}, {"seed", int64_t(3)}});
+      auto ref = reference::full_attention(q, k, v, std::nullopt, klen);
+      EXPECT_LE(testing::max_abs_diff(attn->forward(q, k, v, mask), ref), 1e-12)
+          << "lengths=" << lengths << " topk=" << topk;
+      auto out32 =
+          attn->forward(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat), mask);
+      EXPECT_LE(testing::max_abs_diff(out32, ref), 2e-5);
+    }
+  }
+}
+
+TEST(ImprovedClustered, Proposition2RowsNeverFartherThanClustered) {
+  for (uint64_t seed : {1, 2, 3, 4}) {
+    torch::manual_seed(seed);
+    auto q = torch::randn({2, 2, 64, 8}, torch::kDouble) * 2;
+    auto k = torch::randn({2, 2, 48, 8}, torch::kDouble);
+    for (bool lengths : {false, true}) {
+      std::optional<torch::Tensor> klen;
+      if (lengths) klen = torch::tensor({48, 13}, torch::kLong);
+      for (int64_t C : {1, 3, 8}) {
+        for (int64_t topk : {1, 5, 16}) {
+          auto cl = cluster_queries(q, std::nullopt, C, 10, 31, true, generator(seed));
+          auto r = dense_rows(q, k, cl, topk, klen);
+          EXPECT_LE(row_l1_max_excess(r), 1e-12)
+              << "seed=" << seed << " C=" << C << " topk=" << topk << " lengths=" << lengths;
+          // And strictly better in total for topk > 1 (with topk = 1 the two
+          // rows are equally far: |m̂ - m| = |A^c_t - A_t| on the single key).
+          if (topk > 1) {
+            EXPECT_LT((r.improved - r.full).abs().sum().item<double>(),
+                      (r.clustered - r.full).abs().sum().item<double>() - 1e-6);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(Clustered, ErrorFallsAsClustersRise) {
+  torch::manual_seed(5);
+  auto q = torch::randn({1, 4, 256, 16}), k = torch::randn({1, 4, 256, 16}),
+       v = torch::randn({1, 4, 256, 16});
+  auto full = full_attention(q, k, v);
+  std::vector<double> errs;
+  for (int64_t C : {2, 16, 128, 256}) {
+    auto attn = make_attention("clustered", {{"clusters", C}, {"seed", int64_t(1)}});
+    errs.push_back((attn->forward(q, k, v, Mask()) - full).abs().mean().item<double>());
+  }
+  EXPECT_GT(errs[0], errs[1]);
+  EXPECT_GT(errs[1], errs[2]);
+  // As many clusters as queries: every query is its own centroid, exactly full.
+  EXPECT_LE(errs[3], 1e-6);
+}
+
+TEST(Clustered, SameSeedSameOutput) {
+  torch::manual_seed(2);
+  auto q = torch::randn({2, 2, 80, 8}), k = torch::randn({2, 2, 70, 8}),
+       v = torch::randn({2, 2, 70, 8});
+  for (const char* type : {"clustered", "improved-clustered"}) {
+    auto p = ParamMap{{"clusters", int64_t(6)}, {"topk", int64_t(4)}, {"seed", int64_t(9)}};
+    if (std::string(type) == "clustered") p.erase("topk");
+    auto a = make_attention(type, p)->forward(q, k, v, Mask());
+    auto b = make_attention(type, p)->forward(q, k, v, Mask());
+    p["seed"] = int64_t(10);
+    auto c = make_attention(type, p)->forward(q, k, v, Mask());
+    EXPECT_TRUE(torch::equal(a, b)) << type;
+    EXPECT_FALSE(torch::equal(a, c)) << type;
+  }
+}
+
+TEST(Clustered, PaddedQueriesJoinNoClusterAndOutputZeros) {
+  torch::manual_seed(3);
+  auto q = torch::randn({2, 2, 30, 8}, torch::kDouble).requires_grad_();
+  auto k = torch::randn({2, 2, 20, 8}, torch::kDouble),
+       v = torch::randn({2, 2, 20, 8}, torch::kDouble);
+  auto qlen = torch::tensor({30, 4}, torch::kLong);
+  auto mask = Mask().with_query_lengths(qlen).with_key_lengths(torch::tensor({20, 7}));
+  for (const char* type : {"clustered", "improved-clustered"}) {
+    // 50 clusters > 30 and > 4 valid queries: clamped, every valid query alone.
+    auto attn = make_attention(type, {{"clusters", int64_t(50)}, {"seed", int64_t(1)}});
+    auto out = attn->forward(q, k, v, mask);
+    using torch::indexing::Slice;
+    EXPECT_EQ(out.index({1, Slice(), Slice(4, 30)}).abs().max().item<double>(), 0.0) << type;
+    // One query per cluster: exact attention for the valid queries.
+    auto ref = reference::full_attention(q, k, v, std::nullopt, torch::tensor({20, 7}));
+    EXPECT_LE(testing::max_abs_diff(out.index({1, Slice(), Slice(0, 4)}),
+                                    ref.index({1, Slice(), Slice(0, 4)})),
+              1e-12)
+        << type;
+    auto g = torch::autograd::grad({out.sum()}, {q})[0];
+    EXPECT_EQ(g.index({1, Slice(), Slice(4, 30)}).abs().max().item<double>(), 0.0) << type;
+    EXPECT_GT(g.index({1, Slice(), Slice(0, 4)}).abs().max().item<double>(), 0.0) << type;
+  }
+}
+
+TEST(Clustered, DropoutOnlyInTraining) {
+  torch::manual_seed(4);
+  auto q = torch::randn({1, 2, 40, 8}), k = torch::randn({1, 2, 40, 8}),
+       v = torch::randn({1, 2, 40, 8});
+  for (const char* type : {"clustered", "improved-clustered"}) {
+    auto p = ParamMap{{"clusters", int64_t(5)}, {"attention_dropout", 0.5}, {"seed", int64_t(1)}};
+    auto train = make_attention(type, p), eval = make_attention(type, p),
+         plain = make_attention(type, {{"clusters", int64_t(5)}, {"seed", int64_t(1)}});
+    eval->eval();
+    auto a = train->forward(q, k, v, Mask()), b = eval->forward(q, k, v, Mask()),
+         c = plain->forward(q, k, v, Mask());
+    EXPECT_TRUE(torch::isfinite(a).all().item<bool>()) << type;
+    EXPECT_FALSE(torch::allclose(a, c)) << type;
+    EXPECT_LE(testing::max_abs_diff(b, c), 1e-5) << type;
+  }
+}
+
+TEST(Clustered, RegistryAndBadMasks) {
+  auto& reg = AttentionRegistry::global();
+  ASSERT_TRUE(reg.contains("clustered"));
+  ASSERT_TRUE(reg.contains("improved-clustered"));
+  auto p = reg.validate("improved-clustered", {});
+  EXPECT_EQ(p.get_int("clusters"), 100);
+  EXPECT_EQ(p.get_int("iterations"), 10);
+  EXPECT_EQ(p.get_int("bits"), 63);
+  EXPECT_TRUE(p.get_bool("hash_bias"));
+  EXPECT_EQ(p.get_int("topk"), 32);
+  EXPECT_FALSE(p.has("seed"));
+  EXPECT_ERROR_CONTAINS(make_attention("clustered", {{"bits", int64_t(65)}}), "bits");
+  EXPECT_ERROR_CONTAINS(make_attention("clustered", {{"topk", int64_t(3)}}), "topk");
+  auto q = torch::randn({1, 1, 5, 4});
+  auto attn = make_attention("clustered");
+  EXPECT_ERROR_CONTAINS(attn->forward(q, q, q, Mask::causal_mask()), "clustered",
+                        "causal masking is not supported");
+  EXPECT_ERROR_CONTAINS(
+      attn->forward(q, q, q, Mask().with_attn_mask(torch::ones({5, 5}, torch::kBool))),
+      "attention mask is not supported");
+  // conditional-full wraps it.
+  auto cond = make_attention("conditional-full:improved-clustered", {{"length_limit", int64_t(4)}});
+  EXPECT_EQ(cond->forward(q, q, q, Mask()).sizes(), q.sizes());
+}
+
+// exact-topk against its dense definition: softmax over each query's top-k
+// keys by exact score.
+torch::Tensor dense_exact_topk(const Inputs& x, int64_t topk,
+                               const std::optional<torch::Tensor>& key_lengths) {
+  const int64_t N = x[0].size(0), S = x[1].size(2);
+  auto scores = torch::matmul(x[0], x[1].transpose(-1, -2)) / std::sqrt(double(x[0].size(3)));
+  auto keep = torch::ones({N, 1, 1, S}, torch::kBool);
+  if (key_lengths) keep = torch::arange(S).view({1, 1, 1, S}).lt(key_lengths->view({N, 1, 1, 1}));
+  auto masked = scores.detach().masked_fill(keep.logical_not(), -INFINITY);
+  auto idx = std::get<1>(masked.topk(std::min(topk, S), -1));
+  auto in_top = torch::zeros_like(keep.expand_as(scores)).scatter(-1, idx, true).logical_and(keep);
+  auto dead = in_top.logical_not().all(-1, true);
+  auto p =
+      torch::softmax(scores.masked_fill(in_top.logical_not(), -INFINITY).masked_fill(dead, 0.0), -1)
+          .masked_fill(dead, 0.0);
+  return torch::matmul(p, x[2]);
+}
+
+TEST(ExactTopk, MatchesDenseDefinition) {
+  for (int64_t topk : {1, 5, 40}) {
+    for (bool lengths : {false, true}) {
+      OpCase oc;
+      oc.name = "exact_topk_" + std::to_string(topk) + (lengths ? "_lengths" : "");
+      oc.make_inputs = [](uint64_t seed) -> Inputs {
+        torch::manual_seed(seed);
+        return {torch::randn({2, 2, 23, 6}, torch::kDouble),
+                torch::randn({2, 2, 19, 6}, torch::kDouble),
+                torch::randn({2, 2, 19, 5}, torch::kDouble)};
+      };
+      std::optional<torch::Tensor> klen;
+      if (lengths) klen = torch::tensor({19, 4}, torch::kLong);
+      oc.op = [topk, klen](const Inputs& x) {
+        return exact_topk_attention(x[0], x[1], x[2], topk, klen);
+      };
+      oc.reference = [topk, klen](const Inputs& x) { return dense_exact_topk(x, topk, klen); };
+      oc.f64_tol = 1e-12;
+      oc.f32_tol = 2e-5;  // softmax-weighted sums of <= 19 O(1) terms in float32
+      testing::check_op(oc);
+    }
+  }
+}
+
+TEST(ExactTopk, TopkSEqualsFullAndRegistry) {
+  torch::manual_seed(6);
+  auto q = torch::randn({2, 2, 30, 8}, torch::kDouble),
+       k = torch::randn({2, 2, 25, 8}, torch::kDouble),
+       v = torch::randn({2, 2, 25, 4}, torch::kDouble);
+  auto klen = torch::tensor({25, 9}, torch::kLong);
+  auto attn = make_attention("exact-topk", {{"topk", int64_t(100)}});
+  EXPECT_LE(testing::max_abs_diff(attn->forward(q, k, v, Mask().with_key_lengths(klen)),
+                                  reference::full_attention(q, k, v, std::nullopt, klen)),
+            1e-12);
+  EXPECT_EQ(AttentionRegistry::global().validate("exact-topk", {}).get_int("topk"), 32);
+  EXPECT_ERROR_CONTAINS(attn->forward(q, q, q, Mask::causal_mask()), "exact-topk",
+                        "causal masking is not supported");
+}
+
+TEST(ClusteredTopkAttention, BadInputsNameTheArgument) {
+  auto q = torch::randn({1, 2, 5, 4}), k = torch::randn({1, 2, 6, 4}),
+       v = torch::randn({1, 2, 6, 3});
+  auto topk = torch::zeros({1, 2, 3, 2}, torch::kLong);
+  auto mass = torch::ones({1, 2, 3});
+  auto a = torch::zeros({1, 2, 5}, torch::kLong);
+  EXPECT_ERROR_CONTAINS(clustered_topk_attention(q, k, v, topk[0], mass, a, std::nullopt, 1.0),
+                        "topk must have shape");
+  EXPECT_ERROR_CONTAINS(clustered_topk_attention(q, k, v, topk + 6, mass, a, std::nullopt, 1.0),
+                        "[0, 6)");
+  EXPECT_ERROR_CONTAINS(
+      clustered_topk_attention(q, k, v, topk, mass.narrow(2, 0, 2), a, std::nullopt, 1.0),
+      "mass must have shape");
+  EXPECT_ERROR_CONTAINS(
+      clustered_topk_attention(q, k, v, topk, mass.to(torch::kDouble), a, std::nullopt, 1.0),
+      "mass must be");
+  EXPECT_ERROR_CONTAINS(clustered_topk_attention(q, k, v, topk, mass, a + 3, std::nullopt, 1.0),
+                        "[-1, 3)");
+  EXPECT_ERROR_CONTAINS(
+      clustered_topk_attention(q, k, v, topk, mass, a, torch::tensor({7}, torch::kLong), 1.0),
+      "key_lengths");
+  // Padded queries and a key length of 0 give zeros.
+  auto out = clustered_topk_attention(q, k, v, topk, mass, a - 1, std::nullopt, 1.0);
+  EXPECT_EQ(out.abs().max().item<double>(), 0.0);
+  out = clustered_topk_attention(q, k, v, topk, mass, a, torch::tensor({0}, torch::kLong), 1.0);
+  EXPECT_EQ(out.abs().max().item<double>(), 0.0);
+}
+
+}  // namespace
+}  // namespace fastattn

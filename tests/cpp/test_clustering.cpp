@@ -1,0 +1,253 @@
+// Hashing (fastattn::hash_queries) against its ATen reference, and Hamming
+// K-means (fastattn::cluster_codes): planted clusters, padding, clamping,
+// re-seeding, determinism and bad inputs.
+//   build/fastattn_tests --gtest_filter='HashQueries.*:ClusterCodes.*'
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <map>
+#include <random>
+#include <set>
+
+#include "expect_error.h"
+#include "fastattn/ops.h"
+
+namespace fastattn {
+namespace {
+
+// Bits where the op and the float64 reference disagree must have |x·w + b|
+// below `tol` (a sign that rounding may flip).
+void expect_codes_match(const torch::Tensor& x, const torch::Tensor& planes, double tol) {
+  auto codes = hash_queries(x, planes);
+  auto x64 = x.to(torch::kDouble), p64 = planes.to(torch::kDouble);
+  auto ref = reference::hash_queries(x64, p64);
+  const int64_t E = x.size(3), B = planes.size(0);
+  auto proj = torch::matmul(x64, p64.narrow(1, 0, E).t()) + p64.select(1, E);  // (N,H,L,B)
+  auto shifts = torch::arange(B, torch::kLong);
+  auto bits = codes.unsqueeze(-1).bitwise_right_shift(shifts).bitwise_and(1);
+  auto ref_bits = ref.unsqueeze(-1).bitwise_right_shift(shifts).bitwise_and(1);
+  auto wrong = bits.ne(ref_bits).logical_and(proj.abs() >= tol);
+  EXPECT_EQ(wrong.sum().item<int64_t>(), 0) << "B=" << B << " dtype=" << x.scalar_type();
+  // No bit above B is ever set.
+  if (B < 64) {
+    EXPECT_EQ(codes.bitwise_right_shift(B).abs().sum().item<int64_t>(), 0);
+  }
+}
+
+TEST(HashQueries, MatchesReference) {
+  torch::manual_seed(0);
+  for (int64_t B : {1, 7, 32, 63, 64}) {
+    for (bool bias : {true, false}) {
+      auto x = torch::randn({2, 3, 97, 17}, torch::kDouble);
+      auto planes = torch::randn({B, 18}, torch::kDouble);
+      if (!bias) planes.select(1, 17).zero_();
+      // float64: the kernel's fma order differs from matmul's by ~1e-15.
+      expect_codes_match(x, planes, 1e-12);
+      // float32: inputs and sums of 17 products rounded to float32.
+      expect_codes_match(x.to(torch::kFloat), planes.to(torch::kFloat), 1e-4);
+    }
+  }
+}
+
+TEST(HashQueries, SixtyFourBitsUseTheSignBit) {
+  torch::manual_seed(1);
+  auto x = torch::randn({1, 2, 500, 8});
+  auto codes = hash_queries(x, torch::randn({64, 9}));
+  const auto negative = codes.lt(0).sum().item<int64_t>();
+  EXPECT_GT(negative, 300);  // about half of 1000
+  EXPECT_LT(negative, 700);
+}
+
+TEST(HashQueries, BiasAloneDecidesForZeroQueries) {
+  auto planes = torch::randn({5, 4});
+  planes.select(1, 3).copy_(torch::tensor({1.0, -1.0, 2.0, -0.5, 0.25}));
+  auto codes = hash_queries(torch::zeros({1, 1, 3, 3}), planes);
+  EXPECT_TRUE(codes.eq(0b10101).all().item<bool>()) << codes;
+}
+
+TEST(HashQueries, NonContiguousAndEmpty) {
+  auto base = torch::randn({1, 40, 2, 8}, torch::kDouble);
+  auto x = base.transpose(1, 2);
+  auto planes = torch::randn({20, 9}, torch::kDouble);
+  EXPECT_TRUE(torch::equal(hash_queries(x, planes), hash_queries(x.contiguous(), planes)));
+  EXPECT_EQ(hash_queries(torch::randn({1, 2, 0, 8}), torch::randn({3, 9})).numel(), 0);
+}
+
+TEST(HashQueries, BadInputsNameTheArgument) {
+  auto x = torch::randn({1, 2, 5, 4});
+  EXPECT_ERROR_CONTAINS(hash_queries(x[0], torch::randn({3, 5})), "x must have shape");
+  EXPECT_ERROR_CONTAINS(hash_queries(x, torch::randn({3, 4})), "planes must have shape", "(B, 5)");
+  EXPECT_ERROR_CONTAINS(hash_queries(x, torch::randn({65, 5})), "1 to 64", "65");
+  EXPECT_ERROR_CONTAINS(hash_queries(x, torch::randn({3, 5}, torch::kDouble)), "planes must be");
+  EXPECT_ERROR_CONTAINS(hash_queries(x.to(torch::kInt), torch::randn({3, 5})),
+                        "float32 or float64");
+}
+
+// ---- clustering ---------------------------------------------------------------
+
+uint64_t random_code(std::mt19937_64& rng, int bits) {
+  return bits == 64 ? rng() : rng() & ((uint64_t(1) << bits) - 1);
+}
+
+// G planted centres of `bits` random bits; every query is a centre with up to
+// `flips` random bits flipped. Returns codes (N, H, L) and the planted groups.
+std::pair<torch::Tensor, torch::Tensor> planted(int64_t N, int64_t H, int64_t L, int G, int bits,
+                                                int flips, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  auto codes = torch::empty({N, H, L}, torch::kLong);
+  auto groups = torch::empty({N, H, L}, torch::kLong);
+  auto c = codes.accessor<int64_t, 3>();
+  auto g = groups.accessor<int64_t, 3>();
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t h = 0; h < H; ++h) {
+      std::vector<uint64_t> centres;
+      for (int i = 0; i < G; ++i) centres.push_back(random_code(rng, bits));
+      for (int64_t l = 0; l < L; ++l) {
+        const int grp = static_cast<int>(rng() % G);
+        uint64_t x = centres[grp];
+        for (int f = 0; f < flips; ++f) x ^= uint64_t(1) << (rng() % bits);
+        c[n][h][l] = static_cast<int64_t>(x);
+        g[n][h][l] = grp;
+      }
+    }
+  }
+  return {codes, groups};
+}
+
+// The assignment partitions the valid queries exactly as the planted groups.
+void expect_same_partition(const torch::Tensor& assignments, const torch::Tensor& groups,
+                           const torch::Tensor& lengths) {
+  auto a = assignments.accessor<int64_t, 3>();
+  auto g = groups.accessor<int64_t, 3>();
+  for (int64_t n = 0; n < assignments.size(0); ++n) {
+    for (int64_t h = 0; h < assignments.size(1); ++h) {
+      std::map<int64_t, int64_t> group_to_cluster, cluster_to_group;
+      for (int64_t l = 0; l < lengths[n].item<int64_t>(); ++l) {
+        auto [it1, new1] = group_to_cluster.emplace(g[n][h][l], a[n][h][l]);
+        auto [it2, new2] = cluster_to_group.emplace(a[n][h][l], g[n][h][l]);
+        ASSERT_EQ(it1->second, a[n][h][l]) << "group split, n=" << n << " h=" << h << " l=" << l;
+        ASSERT_EQ(it2->second, g[n][h][l]) << "groups merged, n=" << n << " h=" << h << " l=" << l;
+      }
+    }
+  }
+}
+
+TEST(ClusterCodes, RecoversPlantedClusters) {
+  for (int bits : {63, 64, 32}) {
+    for (uint64_t seed : {1, 2, 3}) {
+      auto [codes, groups] = planted(2, 3, 300, 8, bits, 2, seed * 100 + bits);
+      auto lengths = torch::tensor({300, 211}, torch::kLong);
+      auto [a, counts] = cluster_codes(codes, lengths, 8, 10, seed);
+      SCOPED_TRACE("bits=" + std::to_string(bits) + " seed=" + std::to_string(seed));
+      expect_same_partition(a, groups, lengths);
+    }
+  }
+}
+
+TEST(ClusterCodes, PaddingNeverAssignedAndClustersClamped) {
+  torch::manual_seed(0);
+  const int64_t L = 60, C = 10;
+  auto codes = torch::randint(0, 1 << 30, {4, 2, L}, torch::kLong);
+  auto lengths = torch::tensor({60, 7, 0, 23}, torch::kInt);
+  auto [a, counts] = cluster_codes(codes, lengths, C, 5, 42);
+  ASSERT_EQ(a.sizes(), (std::vector<int64_t>{4, 2, L}));
+  ASSERT_EQ(counts.sizes(), (std::vector<int64_t>{4, 2, C}));
+  for (int64_t n = 0; n < 4; ++n) {
+    const int64_t len = lengths[n].item<int64_t>(), ce = std::min(C, len);
+    using torch::indexing::Slice;
+    auto valid = a.index({n, Slice(), Slice(0, len)});
+    auto pad = a.index({n, Slice(), Slice(len, L)});
+    EXPECT_TRUE(pad.eq(-1).all().item<bool>()) << "n=" << n;
+    if (len > 0) {
+      EXPECT_GE(valid.min().item<int64_t>(), 0);
+      EXPECT_LT(valid.max().item<int64_t>(), ce);
+    }
+    // Every cluster below C_eff has members; the rest none; counts match.
+    auto cn = counts[n];
+    EXPECT_TRUE(cn.index({Slice(), Slice(0, ce)}).ge(1).all().item<bool>()) << "n=" << n;
+    EXPECT_TRUE(cn.index({Slice(), Slice(ce, C)}).eq(0).all().item<bool>()) << "n=" << n;
+    EXPECT_TRUE(cn.sum(-1).eq(len).all().item<bool>()) << "n=" << n;
+    for (int64_t h = 0; h < 2; ++h) {
+      auto recount = torch::bincount(valid[h], {}, C);
+      if (len > 0) {
+        EXPECT_TRUE(torch::equal(recount, cn[h])) << "n=" << n << " h=" << h;
+      }
+    }
+  }
+  // Clamped to 7 valid queries: 7 clusters of one member each.
+  EXPECT_TRUE(counts.index({1, torch::indexing::Slice(), torch::indexing::Slice(0, 7)})
+                  .eq(1)
+                  .all()
+                  .item<bool>());
+}
+
+TEST(ClusterCodes, EmptyClustersAreReseeded) {
+  // Only 3 distinct codes for 6 clusters: the extra clusters are re-seeded
+  // with duplicates, so every cluster still has a member.
+  auto codes = torch::tensor({5, 5, 5, 9, 9, 1 << 20, 5, 9}, torch::kLong).view({1, 1, 8});
+  for (int64_t iters : {0, 1, 10}) {
+    auto [a, counts] = cluster_codes(codes, std::nullopt, 6, iters, 3);
+    EXPECT_TRUE(counts.ge(1).all().item<bool>()) << counts;
+    EXPECT_EQ(counts.sum().item<int64_t>(), 8);
+  }
+}
+
+TEST(ClusterCodes, SameSeedSameResultAnyThreadCount) {
+  torch::manual_seed(5);
+  auto codes = torch::randint(-(int64_t(1) << 62), int64_t(1) << 62, {2, 4, 333}, torch::kLong);
+  const int saved = at::get_num_threads();
+  at::set_num_threads(1);
+  auto [a1, c1] = cluster_codes(codes, std::nullopt, 20, 10, 7);
+  at::set_num_threads(2);
+  auto [a2, c2] = cluster_codes(codes, std::nullopt, 20, 10, 7);
+  auto [a3, c3] = cluster_codes(codes, std::nullopt, 20, 10, 8);
+  at::set_num_threads(saved);
+  EXPECT_TRUE(torch::equal(a1, a2));
+  EXPECT_TRUE(torch::equal(c1, c2));
+  EXPECT_FALSE(torch::equal(a1, a3));  // another seed, another initialisation
+}
+
+TEST(ClusterCodes, IterationsLowerTheHammingCost) {
+  // Lloyd iterations never increase the within-cluster cost (members to the
+  // majority centroid) on random codes.
+  torch::manual_seed(9);
+  auto codes = torch::randint(0, int64_t(1) << 40, {1, 1, 500}, torch::kLong);
+  auto cost = [&](const torch::Tensor& a) {
+    int64_t total = 0;
+    auto ac = a.accessor<int64_t, 3>();
+    auto cc = codes.accessor<int64_t, 3>();
+    std::map<int64_t, std::vector<uint64_t>> members;
+    for (int64_t l = 0; l < 500; ++l) members[ac[0][0][l]].push_back(uint64_t(cc[0][0][l]));
+    for (auto& [c, m] : members) {
+      uint64_t centre = 0;
+      for (int b = 0; b < 64; ++b) {
+        size_t ones = 0;
+        for (auto x : m) ones += (x >> b) & 1;
+        if (2 * ones > m.size()) centre |= uint64_t(1) << b;
+      }
+      for (auto x : m) total += __builtin_popcountll(x ^ centre);
+    }
+    return total;
+  };
+  auto a0 = std::get<0>(cluster_codes(codes, std::nullopt, 16, 0, 1));
+  auto a10 = std::get<0>(cluster_codes(codes, std::nullopt, 16, 10, 1));
+  EXPECT_LT(cost(a10), cost(a0));
+}
+
+TEST(ClusterCodes, BadInputsNameTheArgument) {
+  auto codes = torch::zeros({2, 1, 5}, torch::kLong);
+  EXPECT_ERROR_CONTAINS(cluster_codes(codes[0], std::nullopt, 2, 1, 0), "codes must have shape");
+  EXPECT_ERROR_CONTAINS(cluster_codes(codes.to(torch::kInt), std::nullopt, 2, 1, 0),
+                        "codes must be int64");
+  EXPECT_ERROR_CONTAINS(cluster_codes(codes, std::nullopt, 0, 1, 0), "clusters must be >= 1");
+  EXPECT_ERROR_CONTAINS(cluster_codes(codes, std::nullopt, 2, -1, 0), "iterations must be >= 0");
+  EXPECT_ERROR_CONTAINS(cluster_codes(codes, torch::tensor({1, 6}), 2, 1, 0), "lengths must be in",
+                        "[0, 5]");
+  EXPECT_ERROR_CONTAINS(cluster_codes(codes, torch::tensor({1}), 2, 1, 0),
+                        "lengths must have shape");
+  EXPECT_ERROR_CONTAINS(cluster_codes(codes, torch::tensor({1.0, 2.0}), 2, 1, 0),
+                        "lengths must be an integer tensor");
+}
+
+}  // namespace
+}  // namespace fastattn
