@@ -17,29 +17,11 @@
 #include <thread>
 #include <vector>
 
+#include "bench_util.h"
 #include "fastattn/ops.h"
 #include "fastattn/registry.h"
 
-namespace {
-
-double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-template <typename F>
-double time_median(F f, int reps) {
-  f();
-  std::vector<double> t;
-  for (int r = 0; r < reps; ++r) {
-    const double t0 = now_s();
-    f();
-    t.push_back(now_s() - t0);
-  }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
-
-}  // namespace
+using fastattn::bench::time_median;
 
 int main(int argc, char** argv) {
   int threads = static_cast<int>(std::thread::hardware_concurrency());
