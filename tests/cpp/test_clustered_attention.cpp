@@ -352,5 +352,156 @@ TEST(ClusteredTopkAttention, BadInputsNameTheArgument) {
   EXPECT_EQ(out.abs().max().item<double>(), 0.0);
 }
 
+// ---- causal-improved-clustered ----------------------------------------------
+
+AttentionPtr make_causal(int64_t topk, int64_t local_context, int64_t clusters = 4,
+                         int64_t seed = 5) {
+  return make_attention(
+      "causal-improved-clustered",
+      {{"clusters", clusters}, {"topk", topk}, {"local_context", local_context}, {"seed", seed}});
+}
+
+// Changing keys and values after position t never changes the outputs at
+// positions <= t, with and without key-length padding and query padding.
+TEST(CausalImprovedClustered, FutureKeysNeverChangePastOutputs) {
+  using torch::indexing::Slice;
+  torch::manual_seed(7);
+  const int64_t L = 41;
+  auto q = torch::randn({2, 2, L, 6}, torch::kDouble),
+       k = torch::randn({2, 2, L, 6}, torch::kDouble),
+       v = torch::randn({2, 2, L, 5}, torch::kDouble);
+  for (bool padded : {false, true}) {
+    auto mask = Mask::causal_mask();
+    if (padded) {
+      mask = mask.with_key_lengths(torch::tensor({L, int64_t(23)}, torch::kLong))
+                 .with_query_lengths(torch::tensor({L, int64_t(30)}, torch::kLong));
+    }
+    for (int64_t topk : {1, 3, 8}) {
+      for (int64_t w : {1, 4, 7}) {
+        auto base = make_causal(topk, w)->forward(q, k, v, mask);
+        for (int64_t t : {0, 3, 9, 20, 33, 39}) {
+          auto k2 = k.clone(), v2 = v.clone();
+          // Future keys made very attractive to every centroid and query.
+          k2.index_put_({Slice(), Slice(), Slice(t + 1, L)},
+                        torch::randn({2, 2, L - t - 1, 6}, torch::kDouble) * 50);
+          v2.index_put_({Slice(), Slice(), Slice(t + 1, L)},
+                        torch::randn({2, 2, L - t - 1, 5}, torch::kDouble) * 50);
+          auto out = make_causal(topk, w)->forward(q, k2, v2, mask);
+          EXPECT_TRUE(torch::equal(out.index({Slice(), Slice(), Slice(0, t + 1)}),
+                                   base.index({Slice(), Slice(), Slice(0, t + 1)})))
+              << "padded=" << padded << " topk=" << topk << " w=" << w << " t=" << t;
+        }
+      }
+    }
+  }
+}
+
+// d out_t / d (k_j, v_j) is exactly zero for every j > t.
+TEST(CausalImprovedClustered, GradientOfPastOutputsIgnoresFutureKeys) {
+  using torch::indexing::Slice;
+  torch::manual_seed(8);
+  const int64_t L = 29;
+  auto q = torch::randn({2, 2, L, 6}, torch::kDouble).requires_grad_();
+  auto k = torch::randn({2, 2, L, 6}, torch::kDouble).requires_grad_();
+  auto v = torch::randn({2, 2, L, 4}, torch::kDouble).requires_grad_();
+  for (bool padded : {false, true}) {
+    auto mask = Mask::causal_mask();
+    if (padded) mask = mask.with_key_lengths(torch::tensor({L, int64_t(17)}, torch::kLong));
+    auto out = make_causal(3, 4)->forward(q, k, v, mask);
+    for (int64_t t : {0, 5, 12, 27}) {
+      auto g = torch::autograd::grad({out.index({Slice(), Slice(), t}).sum()}, {k, v},
+                                     /*grad_outputs=*/{}, /*retain_graph=*/true);
+      EXPECT_EQ(g[0].index({Slice(), Slice(), Slice(t + 1, L)}).abs().max().item<double>(), 0.0)
+          << "padded=" << padded << " t=" << t;
+      EXPECT_EQ(g[1].index({Slice(), Slice(), Slice(t + 1, L)}).abs().max().item<double>(), 0.0)
+          << "padded=" << padded << " t=" << t;
+      // The past does reach it.
+      EXPECT_GT(g[1].index({Slice(), Slice(), Slice(0, t + 1)}).abs().max().item<double>(), 0.0);
+    }
+  }
+}
+
+// topk >= S: every key j <= i is in the union, so it is full causal attention
+// (any window, any clustering, with key lengths too).
+TEST(CausalImprovedClustered, TopkSEqualsFullCausal) {
+  torch::manual_seed(9);
+  const int64_t L = 45;
+  auto q = torch::randn({2, 3, L, 8}, torch::kDouble),
+       k = torch::randn({2, 3, L, 8}, torch::kDouble),
+       v = torch::randn({2, 3, L, 7}, torch::kDouble);
+  for (bool lengths : {false, true}) {
+    std::optional<torch::Tensor> klen;
+    auto mask = Mask::causal_mask();
+    if (lengths) {
+      klen = torch::tensor({L, int64_t(19)}, torch::kLong);
+      mask = mask.with_key_lengths(*klen);
+    }
+    auto ref = reference::full_attention(q, k, v, std::nullopt, klen, /*causal=*/true);
+    for (int64_t topk : {L, int64_t(1000)}) {
+      for (int64_t w : {1, 6, 45, 100}) {
+        auto out = make_causal(topk, w)->forward(q, k, v, mask);
+        EXPECT_LE(testing::max_abs_diff(out, ref), 1e-12)
+            << "lengths=" << lengths << " topk=" << topk << " w=" << w;
+      }
+    }
+    auto out32 = make_causal(L, 6)->forward(q.to(torch::kFloat), k.to(torch::kFloat),
+                                            v.to(torch::kFloat), mask);
+    EXPECT_LE(testing::max_abs_diff(out32, ref), 2e-5);  // sums of <= 45 O(1) terms in float32
+  }
+  // Small topk and a small window: not full attention, but finite.
+  auto approx = make_causal(2, 3)->forward(q, k, v, Mask::causal_mask());
+  EXPECT_TRUE(torch::isfinite(approx).all().item<bool>());
+  EXPECT_GT(testing::max_abs_diff(
+                approx, reference::full_attention(q, k, v, std::nullopt, std::nullopt, true)),
+            1e-6);
+}
+
+TEST(CausalImprovedClustered, RegistryAndBadParams) {
+  auto& reg = AttentionRegistry::global();
+  ASSERT_TRUE(reg.contains("causal-improved-clustered"));
+  auto p = reg.validate("causal-improved-clustered", {});
+  EXPECT_EQ(p.get_int("clusters"), 100);
+  EXPECT_EQ(p.get_int("iterations"), 10);
+  EXPECT_EQ(p.get_int("bits"), 63);
+  EXPECT_TRUE(p.get_bool("hash_bias"));
+  EXPECT_EQ(p.get_int("topk"), 32);
+  EXPECT_EQ(p.get_int("local_context"), 32);
+  EXPECT_FALSE(p.has("seed"));
+  EXPECT_ERROR_CONTAINS(make_attention("causal-improved-clustered", {{"topk", int64_t(0)}}),
+                        "topk");
+  EXPECT_ERROR_CONTAINS(
+      make_attention("causal-improved-clustered", {{"local_context", int64_t(0)}}),
+      "local_context");
+  EXPECT_ERROR_CONTAINS(make_attention("causal-improved-clustered", {{"bits", int64_t(65)}}),
+                        "bits");
+  EXPECT_ERROR_CONTAINS(make_attention("causal-improved-clustered", {{"clusters", int64_t(0)}}),
+                        "clusters");
+  EXPECT_ERROR_CONTAINS(make_attention("causal-improved-clustered", {{"softmax_temp", -1.0}}),
+                        "softmax_temp");
+  EXPECT_ERROR_CONTAINS(make_attention("causal-improved-clustered", {{"attention_dropout", 0.1}}),
+                        "attention_dropout");
+  auto q = torch::randn({1, 1, 5, 4});
+  auto attn = make_attention("causal-improved-clustered");
+  EXPECT_ERROR_CONTAINS(attn->forward(q, q, q, Mask()), "causal-improved-clustered",
+                        "needs a causal mask");
+  EXPECT_ERROR_CONTAINS(
+      attn->forward(q, torch::randn({1, 1, 6, 4}), torch::randn({1, 1, 6, 4}), Mask::causal_mask()),
+      "S == L");
+  EXPECT_ERROR_CONTAINS(
+      attn->forward(q, q, q, Mask::causal_mask().with_attn_mask(torch::ones({5, 5}, torch::kBool))),
+      "attention mask is not supported");
+}
+
+TEST(CausalImprovedClustered, SameSeedSameOutput) {
+  torch::manual_seed(10);
+  auto q = torch::randn({2, 2, 80, 8}), k = torch::randn({2, 2, 80, 8}),
+       v = torch::randn({2, 2, 80, 8});
+  auto a = make_causal(4, 5, 6, 9)->forward(q, k, v, Mask::causal_mask());
+  auto b = make_causal(4, 5, 6, 9)->forward(q, k, v, Mask::causal_mask());
+  auto c = make_causal(4, 5, 6, 10)->forward(q, k, v, Mask::causal_mask());
+  EXPECT_TRUE(torch::equal(a, b));
+  EXPECT_FALSE(torch::equal(a, c));
+}
+
 }  // namespace
 }  // namespace fastattn
