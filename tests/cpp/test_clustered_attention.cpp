@@ -503,5 +503,75 @@ TEST(CausalImprovedClustered, SameSeedSameOutput) {
   EXPECT_FALSE(torch::equal(a, c));
 }
 
+// causal-improved-clustered from its definition, densely: per cluster c and
+// block b the top-k keys j < b·w by centroid score (a direct top-k, not the
+// running one), then per query a softmax over that set with j <= i - w and
+// the window i - w + 1 .. i, as an (N, H, L, S) keep mask.
+torch::Tensor dense_causal_improved(const Inputs& x, const QueryClusters& cl, int64_t topk,
+                                    int64_t w, const std::optional<torch::Tensor>& key_lengths) {
+  const int64_t N = x[0].size(0), H = x[0].size(1), L = x[0].size(2), S = x[1].size(2),
+                C = cl.counts.size(2);
+  auto keep_len = torch::ones({N, 1, 1, S}, torch::kBool);
+  if (key_lengths) {
+    keep_len = torch::arange(S).view({1, 1, 1, S}).lt(key_lengths->view({N, 1, 1, 1}));
+  }
+  auto centroids = cluster_centroids(x[0].detach(), cl);                // (N, H, C, E)
+  auto cs = torch::matmul(centroids, x[1].detach().transpose(-1, -2));  // (N, H, C, S)
+  cs = cs.masked_fill(keep_len.logical_not(), -INFINITY);
+  auto keep = torch::zeros({N, H, L, S}, torch::kBool);
+  auto a = cl.assignments.clamp_min(0);
+  for (int64_t i = 0; i < L; ++i) {
+    const int64_t b = i / w;
+    auto row = keep.select(2, i);  // (N, H, S)
+    for (int64_t j = std::max<int64_t>(0, i - w + 1); j <= i; ++j) row.select(2, j).fill_(true);
+    if (b * w == 0) continue;
+    auto prefix = cs.narrow(3, 0, b * w);  // (N, H, C, b·w)
+    auto idx = std::get<1>(prefix.topk(std::min(topk, b * w), -1));
+    auto in_set = torch::zeros({N, H, C, S}, torch::kBool).scatter(-1, idx, true);
+    in_set = in_set.logical_and(torch::arange(S).le(i - w));
+    auto mine = in_set.gather(2, a.select(2, i).view({N, H, 1, 1}).expand({N, H, 1, S}));
+    row.logical_or_(mine.squeeze(2));
+  }
+  keep = keep.logical_and(keep_len);
+  auto scores = torch::matmul(x[0], x[1].transpose(-1, -2)) / std::sqrt(double(x[0].size(3)));
+  auto dead = keep.logical_not().all(-1, true);
+  auto p =
+      torch::softmax(scores.masked_fill(keep.logical_not(), -INFINITY).masked_fill(dead, 0.0), -1)
+          .masked_fill(dead, 0.0) *
+      cl.assignments.ge(0).unsqueeze(-1);
+  return torch::matmul(p, x[2]);
+}
+
+TEST(CausalImprovedClustered, MatchesDenseDefinition) {
+  for (int64_t topk : {1, 4}) {
+    for (int64_t w : {1, 5}) {
+      for (bool lengths : {false, true}) {
+        OpCase oc;
+        oc.name = "causal_improved_topk" + std::to_string(topk) + "_w" + std::to_string(w) +
+                  (lengths ? "_lengths" : "");
+        oc.make_inputs = [](uint64_t seed) -> Inputs {
+          torch::manual_seed(seed);
+          return {torch::randn({2, 2, 23, 6}, torch::kDouble),
+                  torch::randn({2, 2, 23, 6}, torch::kDouble),
+                  torch::randn({2, 2, 23, 5}, torch::kDouble)};
+        };
+        std::optional<torch::Tensor> klen, qlen;
+        if (lengths) {
+          klen = torch::tensor({int64_t(23), int64_t(9)}, torch::kLong);
+          qlen = torch::tensor({int64_t(23), int64_t(15)}, torch::kLong);
+        }
+        const auto cl = cluster_queries(oc.make_inputs(0)[0], qlen, 3, 10, 63, true, generator(4));
+        oc.op = [=](const Inputs& x) {
+          return causal_improved_clustered_attention(x[0], x[1], x[2], cl, topk, w, klen);
+        };
+        oc.reference = [=](const Inputs& x) { return dense_causal_improved(x, cl, topk, w, klen); };
+        oc.f64_tol = 1e-12;
+        oc.f32_tol = 2e-5;  // softmax-weighted sums of <= 9 O(1) terms in float32
+        testing::check_op(oc);
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace fastattn
