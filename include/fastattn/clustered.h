@@ -75,6 +75,26 @@ torch::Tensor exact_topk_attention(const torch::Tensor& queries, const torch::Te
                                    const std::optional<torch::Tensor>& key_lengths = std::nullopt,
                                    std::optional<double> softmax_temp = std::nullopt);
 
+// causal-improved-clustered: exact softmax attention of query i over the
+// union of
+//   (a) the keys j <= i - local_context of its cluster's *prefix* top-k set
+//       for i's block: blocks of local_context positions; for block b (the
+//       positions [b·w, (b+1)·w), w = local_context) the set holds the topk
+//       keys j < b·w with the highest centroid score (centroid · k_j), and
+//   (b) the local causal window of keys i - w + 1 .. i.
+// The key selection for query i reads only keys j < b·w <= i and the keys
+// entering its softmax are all <= i, so keys and values after position i
+// never change out_i (and d out_i / d(k_j, v_j) = 0 for j > i). With
+// topk >= S the union is every key j <= i: exact causal attention. Needs
+// S == L. Key lengths: padded keys are never attended; padded queries (-1)
+// output zeros. Cost O(N·H·(C·S·E + (S/w)·C·(k + w) + L·(k + w)·(E + M)));
+// extra memory O(N·H·(C·S + C·(S/w)·k + L·(k + w)·(E + M))).
+torch::Tensor causal_improved_clustered_attention(
+    const torch::Tensor& queries, const torch::Tensor& keys, const torch::Tensor& values,
+    const QueryClusters& clusters, int64_t topk, int64_t local_context,
+    const std::optional<torch::Tensor>& key_lengths = std::nullopt,
+    std::optional<double> softmax_temp = std::nullopt);
+
 struct ClusteredOptions {
   int64_t clusters = 100;
   int64_t iterations = 10;
@@ -85,7 +105,8 @@ struct ClusteredOptions {
   // Seeds the module's own generator; without it the default CPU generator
   // (torch::manual_seed) is used. Each forward draws fresh planes.
   std::optional<int64_t> seed;
-  int64_t topk = 32;  // improved-clustered only
+  int64_t topk = 32;           // improved-clustered and causal-improved-clustered
+  int64_t local_context = 32;  // causal-improved-clustered only
 };
 
 // `clustered` (improved = false) and `improved-clustered` (improved = true).
@@ -102,6 +123,22 @@ class ClusteredAttention : public AttentionBase {
  private:
   ClusteredOptions options_;
   bool improved_;
+  at::Generator gen_;
+};
+
+// `causal-improved-clustered` (see causal_improved_clustered_attention).
+// Needs a causal mask and S == L; masks: key and query lengths; an attention
+// mask is an error. attention_dropout is not used.
+class CausalImprovedClusteredAttention : public AttentionBase {
+ public:
+  explicit CausalImprovedClusteredAttention(ClusteredOptions options = {});
+  torch::Tensor forward(const torch::Tensor& queries, const torch::Tensor& keys,
+                        const torch::Tensor& values, const Mask& mask) override;
+  std::string type_name() const override { return "causal-improved-clustered"; }
+  const ClusteredOptions& options() const { return options_; }
+
+ private:
+  ClusteredOptions options_;
   at::Generator gen_;
 };
 

@@ -1,5 +1,6 @@
-// Clustered (`clustered`) and improved clustered (`improved-clustered`)
-// attention, Vyas et al. 2020 sec. 3.2-3.3, and their registration.
+// Clustered (`clustered`), improved clustered (`improved-clustered`) and
+// causal improved clustered (`causal-improved-clustered`) attention, Vyas et
+// al. 2020 sec. 3.2-3.3, and their registration.
 //
 // Pipeline: hash_queries -> cluster_codes (our kernels) -> centroids as the
 // mean of the members (index_add, differentiable) -> fused full attention of
@@ -9,6 +10,10 @@
 // cluster's k keys is the clustered_topk_attention op (reads the keys in
 // place, O(L·k·(E+M)) time). Only training with dropout > 0 takes an ATen
 // path that gathers (N,H,L,k,E) keys and (N,H,L,k,M) values.
+// Causal improved: prefix top-k sets per cluster and block of local_context
+// positions (a running top-k over the blocks, selection only), then per query
+// an exact softmax over its set (keys <= i - w) and its window (i-w+1 .. i),
+// composed from ATen gathers of (N,H,L,k+w,E/M): no key after i is read.
 //
 // Cost: O(N·H·(L·B·E + iterations·L·C + C·S·(E+M) + L·k·(E+M))).
 // Tested by tests/cpp/test_clustered_attention.cpp; timed by
@@ -198,6 +203,77 @@ Tensor improved_clustered_attention(const Tensor& queries, const Tensor& keys, c
   return top_values + broadcast_to_queries(rest_values, clusters);
 }
 
+Tensor causal_improved_clustered_attention(const Tensor& queries,  // (N, H, L, E)
+                                           const Tensor& keys,     // (N, H, S, E)
+                                           const Tensor& values,   // (N, H, S, M)
+                                           const QueryClusters& clusters, int64_t topk,
+                                           int64_t local_context,
+                                           const std::optional<Tensor>& key_lengths,
+                                           std::optional<double> softmax_temp) {
+  const char* who = "causal_improved_clustered_attention";
+  TORCH_CHECK(topk >= 1, who, ": topk must be >= 1, got ", topk);
+  TORCH_CHECK(local_context >= 1, who, ": local_context must be >= 1, got ", local_context);
+  check_clusters(who, queries, clusters);
+  const int64_t N = queries.size(0), H = queries.size(1), L = queries.size(2), E = queries.size(3),
+                S = keys.size(2), M = values.size(3), C = clusters.counts.size(2);
+  TORCH_CHECK(S == L, who,
+              ": needs as many keys as queries (S == L) for causal masking, got L = ", L,
+              " and S = ", S);
+  if (L == 0) return torch::zeros({N, H, L, M}, queries.options());
+  const int64_t k = std::min(topk, S), w = std::min(local_context, S), nb = (S + w - 1) / w;
+  const double temp = temp_or_default(queries, softmax_temp);
+  const auto lopt = queries.options().dtype(torch::kLong);
+
+  // Prefix top-k per cluster and block: table[n, h, c, b] holds the k keys
+  // j < b·w with the highest centroid scores (-1 where the prefix has fewer
+  // than k keys). A running top-k over the blocks: block b's set is the top-k
+  // of block b-1's set and the keys of block b-1. Selection only, no gradient.
+  Tensor table = torch::full({N, H, C, nb, k}, -1, lopt);  // (N, H, C, nb, k)
+  {
+    torch::NoGradGuard no_grad;
+    auto centroids = cluster_centroids(queries.detach(), clusters);           // (N, H, C, E)
+    auto scores = torch::matmul(centroids, keys.detach().transpose(-1, -2));  // (N, H, C, S)
+    const auto keep = key_keep(key_lengths, N, S, keys.device());             // (N, 1, 1, S)
+    if (keep) scores.masked_fill_(keep->logical_not(), -std::numeric_limits<double>::infinity());
+    auto key_idx = torch::arange(S, lopt).view({1, 1, 1, S}).expand({N, H, C, S});
+    auto best_s =
+        torch::full({N, H, C, k}, -std::numeric_limits<double>::infinity(), scores.options());
+    auto best_i = torch::full({N, H, C, k}, -1, lopt);
+    for (int64_t b = 1; b < nb; ++b) {
+      auto cand_s = torch::cat({best_s, scores.narrow(3, (b - 1) * w, w)}, -1);  // (N,H,C,k+w)
+      auto cand_i = torch::cat({best_i, key_idx.narrow(3, (b - 1) * w, w)}, -1);
+      auto top = cand_s.topk(k, -1);
+      best_s = std::get<0>(top);
+      best_i = cand_i.gather(-1, std::get<1>(top));
+      table.select(3, b).copy_(best_i);
+    }
+  }
+
+  // Per query i (block i / w): its cluster's prefix set, keeping j <= i - w
+  // (the later keys are in the window), and the window i - w + 1 .. i.
+  auto a = clusters.assignments;  // (N, H, L)
+  auto valid = a.ge(0);
+  auto pos = torch::arange(L, lopt);  // (L,)
+  auto row = a.clamp_min(0) * nb + torch::div(pos, w, "floor").view({1, 1, L});
+  auto top = table.view({N, H, C * nb, k}).gather(2, row.unsqueeze(-1).expand({N, H, L, k}));
+  auto win = (pos.view({L, 1}) - (w - 1) + torch::arange(w, lopt).view({1, w}))
+                 .view({1, 1, L, w})
+                 .expand({N, H, L, w});
+  auto idx = torch::cat({top, win}, -1);  // (N, H, L, k + w)
+  auto ok = torch::cat({top.ge(0).logical_and(top.le((pos - w).view({1, 1, L, 1}))), win.ge(0)},
+                       -1);  // (N, H, L, k + w)
+  if (key_lengths) {
+    ok = ok.logical_and(idx.lt(key_lengths->to(keys.device(), torch::kLong).view({N, 1, 1, 1})));
+  }
+  // Every index is in [0, i]: no key after i is even read.
+  auto rows = (torch::arange(N * H, lopt).view({N, H, 1, 1}) * S + idx.clamp_min(0)).reshape({-1});
+  auto k_sel = keys.reshape({N * H * S, E}).index_select(0, rows).view({N, H, L, k + w, E});
+  auto v_sel = values.reshape({N * H * S, M}).index_select(0, rows).view({N, H, L, k + w, M});
+  auto scores = torch::matmul(k_sel, queries.unsqueeze(-1)).squeeze(-1) * temp;  // (N,H,L,k+w)
+  auto weights = masked_softmax(scores, ok) * valid.unsqueeze(-1);
+  return torch::matmul(weights.unsqueeze(-2), v_sel).squeeze(-2);  // (N, H, L, M)
+}
+
 Tensor exact_topk_attention(const Tensor& queries, const Tensor& keys, const Tensor& values,
                             int64_t topk, const std::optional<Tensor>& key_lengths,
                             std::optional<double> softmax_temp) {
@@ -276,8 +352,8 @@ Tensor ClusteredAttention::forward(const Tensor& queries,  // (N, H, L, E)
                                    const Mask& mask) {
   check_attention_inputs(queries, keys, values, mask);
   TORCH_CHECK(!mask.is_causal(), type_name(),
-              ": causal masking is not supported (clusters mix past and future queries); got a "
-              "causal mask");
+              ": causal masking is not supported (clusters mix past and future queries; use "
+              "causal-improved-clustered); got a causal mask");
   TORCH_CHECK(!mask.attn_mask(), type_name(),
               ": an attention mask is not supported (only key and query lengths); got one of "
               "shape ",
@@ -291,6 +367,49 @@ Tensor ClusteredAttention::forward(const Tensor& queries,  // (N, H, L, E)
   }
   return clustered_attention(queries, keys, values, clusters, mask.key_lengths(),
                              options_.softmax_temp, dropout);
+}
+
+CausalImprovedClusteredAttention::CausalImprovedClusteredAttention(ClusteredOptions options)
+    : options_(std::move(options)) {
+  const char* who = "CausalImprovedClusteredAttention";
+  TORCH_CHECK(options_.clusters >= 1, who, ": clusters must be >= 1, got ", options_.clusters);
+  TORCH_CHECK(options_.iterations >= 0, who, ": iterations must be >= 0, got ",
+              options_.iterations);
+  TORCH_CHECK(options_.bits >= 1 && options_.bits <= 64, who, ": bits must be in [1, 64], got ",
+              options_.bits);
+  TORCH_CHECK(options_.topk >= 1, who, ": topk must be >= 1, got ", options_.topk);
+  TORCH_CHECK(options_.local_context >= 1, who, ": local_context must be >= 1, got ",
+              options_.local_context);
+  TORCH_CHECK(!options_.softmax_temp ||
+                  (std::isfinite(*options_.softmax_temp) && *options_.softmax_temp > 0),
+              who, ": softmax_temp must be a finite number > 0, got ",
+              options_.softmax_temp.value_or(0.0));
+  gen_ = options_.seed
+             ? at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(*options_.seed))
+             : at::detail::getDefaultCPUGenerator();
+}
+
+Tensor CausalImprovedClusteredAttention::forward(const Tensor& queries,  // (N, H, L, E)
+                                                 const Tensor& keys,     // (N, H, S, E)
+                                                 const Tensor& values,   // (N, H, S, M)
+                                                 const Mask& mask) {
+  check_attention_inputs(queries, keys, values, mask);
+  TORCH_CHECK(mask.is_causal(),
+              "causal-improved-clustered: computes causal attention only and needs a causal mask "
+              "(Mask::causal_mask() or with_causal()), got ",
+              mask.to_string());
+  TORCH_CHECK(keys.size(2) == queries.size(2),
+              "causal-improved-clustered: needs as many keys as queries (S == L), got queries ",
+              queries.sizes(), " and keys ", keys.sizes());
+  TORCH_CHECK(!mask.attn_mask(),
+              "causal-improved-clustered: an attention mask is not supported (only the causal "
+              "mask and key and query lengths); got one of shape ",
+              mask.attn_mask() ? mask.attn_mask()->sizes() : torch::IntArrayRef{});
+  auto clusters = cluster_queries(queries, mask.query_lengths(), options_.clusters,
+                                  options_.iterations, options_.bits, options_.hash_bias, gen_);
+  return causal_improved_clustered_attention(queries, keys, values, clusters, options_.topk,
+                                             options_.local_context, mask.key_lengths(),
+                                             options_.softmax_temp);
 }
 
 // ---- registration ---------------------------------------------------------------
@@ -333,6 +452,41 @@ AttentionPtr build_clustered(const Params& p, bool improved) {
   return std::make_shared<ClusteredAttention>(o, improved);
 }
 
+AttentionPtr build_causal_improved_clustered(const Params& p) {
+  ClusteredOptions o;
+  o.clusters = p.get_int("clusters");
+  o.iterations = p.get_int("iterations");
+  o.bits = p.get_int("bits");
+  o.hash_bias = p.get_bool("hash_bias");
+  o.softmax_temp = p.get_optional_float("softmax_temp");
+  o.seed = p.get_optional_int("seed");
+  o.topk = p.get_int("topk");
+  o.local_context = p.get_int("local_context");
+  return std::make_shared<CausalImprovedClusteredAttention>(o);
+}
+
+std::vector<ParamSpec> causal_improved_clustered_specs() {
+  return {ParamSpec::integer("clusters", 100,
+                             "number of query clusters C (clamped to the valid queries)", 1),
+          ParamSpec::integer("iterations", 10, "Lloyd iterations of the Hamming K-means", 0),
+          ParamSpec::integer("bits", 63, "bits B of the query hash", 1, 64),
+          ParamSpec::boolean("hash_bias", true, "random bias in the hash planes"),
+          ParamSpec::integer("topk", 32,
+                             "keys per cluster and block, taken from the keys before the block "
+                             "(clamped to S)",
+                             1),
+          ParamSpec::integer("local_context", 32,
+                             "local causal window: every query also attends to its last "
+                             "local_context keys (also the block length of the top-k sets)",
+                             1),
+          ParamSpec::real("softmax_temp", std::nullopt,
+                          "scale of the scores q·k; default 1/sqrt(E)", 0.0)
+              .exclusive_min(),
+          ParamSpec::integer("seed", std::nullopt,
+                             "seed of the module's generator (planes, K-means initialisation); "
+                             "default: the global CPU generator")};
+}
+
 }  // namespace
 
 void register_clustered_attention_types(AttentionRegistry& registry) {
@@ -346,6 +500,13 @@ void register_clustered_attention_types(AttentionRegistry& registry) {
                 "(Vyas et al. 2020, eq. 9-10)",
                 clustered_specs(true),
                 [](const Params& p, const AttentionDims&) { return build_clustered(p, true); }});
+  registry.add({"causal-improved-clustered",
+                "causal improved clustered attention: exact softmax over the cluster's top-k "
+                "keys chosen before the query's block plus a local causal window; no key after "
+                "a query reaches its output",
+                causal_improved_clustered_specs(), [](const Params& p, const AttentionDims&) {
+                  return build_causal_improved_clustered(p);
+                }});
   registry.add({"exact-topk",
                 "each query attends to its own top-k keys by exact score (softmax over those k); "
                 "O(L·S) to select them, O(L·k) memory",

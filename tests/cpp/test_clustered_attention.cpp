@@ -352,5 +352,226 @@ TEST(ClusteredTopkAttention, BadInputsNameTheArgument) {
   EXPECT_EQ(out.abs().max().item<double>(), 0.0);
 }
 
+// ---- causal-improved-clustered ----------------------------------------------
+
+AttentionPtr make_causal(int64_t topk, int64_t local_context, int64_t clusters = 4,
+                         int64_t seed = 5) {
+  return make_attention(
+      "causal-improved-clustered",
+      {{"clusters", clusters}, {"topk", topk}, {"local_context", local_context}, {"seed", seed}});
+}
+
+// Changing keys and values after position t never changes the outputs at
+// positions <= t, with and without key-length padding and query padding.
+TEST(CausalImprovedClustered, FutureKeysNeverChangePastOutputs) {
+  using torch::indexing::Slice;
+  torch::manual_seed(7);
+  const int64_t L = 41;
+  auto q = torch::randn({2, 2, L, 6}, torch::kDouble),
+       k = torch::randn({2, 2, L, 6}, torch::kDouble),
+       v = torch::randn({2, 2, L, 5}, torch::kDouble);
+  for (bool padded : {false, true}) {
+    auto mask = Mask::causal_mask();
+    if (padded) {
+      mask = mask.with_key_lengths(torch::tensor({L, int64_t(23)}, torch::kLong))
+                 .with_query_lengths(torch::tensor({L, int64_t(30)}, torch::kLong));
+    }
+    for (int64_t topk : {1, 3, 8}) {
+      for (int64_t w : {1, 4, 7}) {
+        auto base = make_causal(topk, w)->forward(q, k, v, mask);
+        for (int64_t t : {0, 3, 9, 20, 33, 39}) {
+          auto k2 = k.clone(), v2 = v.clone();
+          // Future keys made very attractive to every centroid and query.
+          k2.index_put_({Slice(), Slice(), Slice(t + 1, L)},
+                        torch::randn({2, 2, L - t - 1, 6}, torch::kDouble) * 50);
+          v2.index_put_({Slice(), Slice(), Slice(t + 1, L)},
+                        torch::randn({2, 2, L - t - 1, 5}, torch::kDouble) * 50);
+          auto out = make_causal(topk, w)->forward(q, k2, v2, mask);
+          EXPECT_TRUE(torch::equal(out.index({Slice(), Slice(), Slice(0, t + 1)}),
+                                   base.index({Slice(), Slice(), Slice(0, t + 1)})))
+              << "padded=" << padded << " topk=" << topk << " w=" << w << " t=" << t;
+        }
+      }
+    }
+  }
+}
+
+// d out_t / d (k_j, v_j) is exactly zero for every j > t.
+TEST(CausalImprovedClustered, GradientOfPastOutputsIgnoresFutureKeys) {
+  using torch::indexing::Slice;
+  torch::manual_seed(8);
+  const int64_t L = 29;
+  auto q = torch::randn({2, 2, L, 6}, torch::kDouble).requires_grad_();
+  auto k = torch::randn({2, 2, L, 6}, torch::kDouble).requires_grad_();
+  auto v = torch::randn({2, 2, L, 4}, torch::kDouble).requires_grad_();
+  for (bool padded : {false, true}) {
+    auto mask = Mask::causal_mask();
+    if (padded) mask = mask.with_key_lengths(torch::tensor({L, int64_t(17)}, torch::kLong));
+    auto out = make_causal(3, 4)->forward(q, k, v, mask);
+    for (int64_t t : {0, 5, 12, 27}) {
+      auto g = torch::autograd::grad({out.index({Slice(), Slice(), t}).sum()}, {k, v},
+                                     /*grad_outputs=*/{}, /*retain_graph=*/true);
+      EXPECT_EQ(g[0].index({Slice(), Slice(), Slice(t + 1, L)}).abs().max().item<double>(), 0.0)
+          << "padded=" << padded << " t=" << t;
+      EXPECT_EQ(g[1].index({Slice(), Slice(), Slice(t + 1, L)}).abs().max().item<double>(), 0.0)
+          << "padded=" << padded << " t=" << t;
+      // The past does reach it.
+      EXPECT_GT(g[1].index({Slice(), Slice(), Slice(0, t + 1)}).abs().max().item<double>(), 0.0);
+    }
+  }
+}
+
+// topk >= S: every key j <= i is in the union, so it is full causal attention
+// (any window, any clustering, with key lengths too).
+TEST(CausalImprovedClustered, TopkSEqualsFullCausal) {
+  torch::manual_seed(9);
+  const int64_t L = 45;
+  auto q = torch::randn({2, 3, L, 8}, torch::kDouble),
+       k = torch::randn({2, 3, L, 8}, torch::kDouble),
+       v = torch::randn({2, 3, L, 7}, torch::kDouble);
+  for (bool lengths : {false, true}) {
+    std::optional<torch::Tensor> klen;
+    auto mask = Mask::causal_mask();
+    if (lengths) {
+      klen = torch::tensor({L, int64_t(19)}, torch::kLong);
+      mask = mask.with_key_lengths(*klen);
+    }
+    auto ref = reference::full_attention(q, k, v, std::nullopt, klen, /*causal=*/true);
+    for (int64_t topk : {L, int64_t(1000)}) {
+      for (int64_t w : {1, 6, 45, 100}) {
+        auto out = make_causal(topk, w)->forward(q, k, v, mask);
+        EXPECT_LE(testing::max_abs_diff(out, ref), 1e-12)
+            << "lengths=" << lengths << " topk=" << topk << " w=" << w;
+      }
+    }
+    auto out32 = make_causal(L, 6)->forward(q.to(torch::kFloat), k.to(torch::kFloat),
+                                            v.to(torch::kFloat), mask);
+    EXPECT_LE(testing::max_abs_diff(out32, ref), 2e-5);  // sums of <= 45 O(1) terms in float32
+  }
+  // Small topk and a small window: not full attention, but finite.
+  auto approx = make_causal(2, 3)->forward(q, k, v, Mask::causal_mask());
+  EXPECT_TRUE(torch::isfinite(approx).all().item<bool>());
+  EXPECT_GT(testing::max_abs_diff(
+                approx, reference::full_attention(q, k, v, std::nullopt, std::nullopt, true)),
+            1e-6);
+}
+
+TEST(CausalImprovedClustered, RegistryAndBadParams) {
+  auto& reg = AttentionRegistry::global();
+  ASSERT_TRUE(reg.contains("causal-improved-clustered"));
+  auto p = reg.validate("causal-improved-clustered", {});
+  EXPECT_EQ(p.get_int("clusters"), 100);
+  EXPECT_EQ(p.get_int("iterations"), 10);
+  EXPECT_EQ(p.get_int("bits"), 63);
+  EXPECT_TRUE(p.get_bool("hash_bias"));
+  EXPECT_EQ(p.get_int("topk"), 32);
+  EXPECT_EQ(p.get_int("local_context"), 32);
+  EXPECT_FALSE(p.has("seed"));
+  EXPECT_ERROR_CONTAINS(make_attention("causal-improved-clustered", {{"topk", int64_t(0)}}),
+                        "topk");
+  EXPECT_ERROR_CONTAINS(
+      make_attention("causal-improved-clustered", {{"local_context", int64_t(0)}}),
+      "local_context");
+  EXPECT_ERROR_CONTAINS(make_attention("causal-improved-clustered", {{"bits", int64_t(65)}}),
+                        "bits");
+  EXPECT_ERROR_CONTAINS(make_attention("causal-improved-clustered", {{"clusters", int64_t(0)}}),
+                        "clusters");
+  EXPECT_ERROR_CONTAINS(make_attention("causal-improved-clustered", {{"softmax_temp", -1.0}}),
+                        "softmax_temp");
+  EXPECT_ERROR_CONTAINS(make_attention("causal-improved-clustered", {{"attention_dropout", 0.1}}),
+                        "attention_dropout");
+  auto q = torch::randn({1, 1, 5, 4});
+  auto attn = make_attention("causal-improved-clustered");
+  EXPECT_ERROR_CONTAINS(attn->forward(q, q, q, Mask()), "causal-improved-clustered",
+                        "needs a causal mask");
+  EXPECT_ERROR_CONTAINS(
+      attn->forward(q, torch::randn({1, 1, 6, 4}), torch::randn({1, 1, 6, 4}), Mask::causal_mask()),
+      "S == L");
+  EXPECT_ERROR_CONTAINS(
+      attn->forward(q, q, q, Mask::causal_mask().with_attn_mask(torch::ones({5, 5}, torch::kBool))),
+      "attention mask is not supported");
+}
+
+TEST(CausalImprovedClustered, SameSeedSameOutput) {
+  torch::manual_seed(10);
+  auto q = torch::randn({2, 2, 80, 8}), k = torch::randn({2, 2, 80, 8}),
+       v = torch::randn({2, 2, 80, 8});
+  auto a = make_causal(4, 5, 6, 9)->forward(q, k, v, Mask::causal_mask());
+  auto b = make_causal(4, 5, 6, 9)->forward(q, k, v, Mask::causal_mask());
+  auto c = make_causal(4, 5, 6, 10)->forward(q, k, v, Mask::causal_mask());
+  EXPECT_TRUE(torch::equal(a, b));
+  EXPECT_FALSE(torch::equal(a, c));
+}
+
+// causal-improved-clustered from its definition, densely: per cluster c and
+// block b the top-k keys j < b·w by centroid score (a direct top-k, not the
+// running one), then per query a softmax over that set with j <= i - w and
+// the window i - w + 1 .. i, as an (N, H, L, S) keep mask.
+torch::Tensor dense_causal_improved(const Inputs& x, const QueryClusters& cl, int64_t topk,
+                                    int64_t w, const std::optional<torch::Tensor>& key_lengths) {
+  const int64_t N = x[0].size(0), H = x[0].size(1), L = x[0].size(2), S = x[1].size(2),
+                C = cl.counts.size(2);
+  auto keep_len = torch::ones({N, 1, 1, S}, torch::kBool);
+  if (key_lengths) {
+    keep_len = torch::arange(S).view({1, 1, 1, S}).lt(key_lengths->view({N, 1, 1, 1}));
+  }
+  auto centroids = cluster_centroids(x[0].detach(), cl);                // (N, H, C, E)
+  auto cs = torch::matmul(centroids, x[1].detach().transpose(-1, -2));  // (N, H, C, S)
+  cs = cs.masked_fill(keep_len.logical_not(), -INFINITY);
+  auto keep = torch::zeros({N, H, L, S}, torch::kBool);
+  auto a = cl.assignments.clamp_min(0);
+  for (int64_t i = 0; i < L; ++i) {
+    const int64_t b = i / w;
+    auto row = keep.select(2, i);  // (N, H, S)
+    for (int64_t j = std::max<int64_t>(0, i - w + 1); j <= i; ++j) row.select(2, j).fill_(true);
+    if (b * w == 0) continue;
+    auto prefix = cs.narrow(3, 0, b * w);  // (N, H, C, b·w)
+    auto idx = std::get<1>(prefix.topk(std::min(topk, b * w), -1));
+    auto in_set = torch::zeros({N, H, C, S}, torch::kBool).scatter(-1, idx, true);
+    in_set = in_set.logical_and(torch::arange(S).le(i - w));
+    auto mine = in_set.gather(2, a.select(2, i).view({N, H, 1, 1}).expand({N, H, 1, S}));
+    row.logical_or_(mine.squeeze(2));
+  }
+  keep = keep.logical_and(keep_len);
+  auto scores = torch::matmul(x[0], x[1].transpose(-1, -2)) / std::sqrt(double(x[0].size(3)));
+  auto dead = keep.logical_not().all(-1, true);
+  auto p =
+      torch::softmax(scores.masked_fill(keep.logical_not(), -INFINITY).masked_fill(dead, 0.0), -1)
+          .masked_fill(dead, 0.0) *
+      cl.assignments.ge(0).unsqueeze(-1);
+  return torch::matmul(p, x[2]);
+}
+
+TEST(CausalImprovedClustered, MatchesDenseDefinition) {
+  for (int64_t topk : {1, 4}) {
+    for (int64_t w : {1, 5}) {
+      for (bool lengths : {false, true}) {
+        OpCase oc;
+        oc.name = "causal_improved_topk" + std::to_string(topk) + "_w" + std::to_string(w) +
+                  (lengths ? "_lengths" : "");
+        oc.make_inputs = [](uint64_t seed) -> Inputs {
+          torch::manual_seed(seed);
+          return {torch::randn({2, 2, 23, 6}, torch::kDouble),
+                  torch::randn({2, 2, 23, 6}, torch::kDouble),
+                  torch::randn({2, 2, 23, 5}, torch::kDouble)};
+        };
+        std::optional<torch::Tensor> klen, qlen;
+        if (lengths) {
+          klen = torch::tensor({int64_t(23), int64_t(9)}, torch::kLong);
+          qlen = torch::tensor({int64_t(23), int64_t(15)}, torch::kLong);
+        }
+        const auto cl = cluster_queries(oc.make_inputs(0)[0], qlen, 3, 10, 63, true, generator(4));
+        oc.op = [=](const Inputs& x) {
+          return causal_improved_clustered_attention(x[0], x[1], x[2], cl, topk, w, klen);
+        };
+        oc.reference = [=](const Inputs& x) { return dense_causal_improved(x, cl, topk, w, klen); };
+        oc.f64_tol = 1e-12;
+        oc.f32_tol = 2e-5;  // softmax-weighted sums of <= 9 O(1) terms in float32
+        testing::check_op(oc);
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace fastattn
