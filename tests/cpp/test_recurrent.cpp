@@ -4,6 +4,9 @@
 // offset); the recurrent full form with a key/value cache equals batch full
 // attention under a causal mask; state shapes; the state is an input, not
 // modified; bad inputs and names give errors naming the argument.
+// RecurrentEncoder with a batch encoder's weights (copied by name) reproduces
+// the causal batch encoder at every position (full and causal-linear, pre-
+// and post-norm).
 //
 //   build/fastattn_tests --gtest_filter='*Recurrent*'
 #include <gtest/gtest.h>
@@ -15,6 +18,8 @@
 #include "fastattn/attention.h"
 #include "fastattn/feature_maps.h"
 #include "fastattn/recurrent.h"
+#include "fastattn/recurrent_transformer.h"
+#include "fastattn/transformer.h"
 #include "fastattn/registry.h"
 
 namespace fastattn {
@@ -199,6 +204,57 @@ TEST(RecurrentErrors, UnsupportedNameListsTheSupported) {
   // Parameters are validated against the batch type's specs.
   EXPECT_ERROR_CONTAINS(make_recurrent_attention("full", {{"bogus", 1.0}}), "bogus");
   EXPECT_ERROR_CONTAINS(make_recurrent_attention("causal-linear", {{"eps", -1.0}}), "eps");
+}
+
+// ---- RecurrentEncoder -------------------------------------------------------
+
+TEST(RecurrentEncoder, TokenByTokenEqualsCausalBatchEncoder) {
+  const int64_t N = 2, L = 7, D = 8;
+  for (const std::string type : {"full", "causal-linear"}) {
+    for (const bool norm_first : {false, true}) {
+      SCOPED_TRACE(type + (norm_first ? " pre-norm" : " post-norm"));
+      const auto builder = EncoderBuilder()
+                               .layers(2)
+                               .heads(2)
+                               .d_model(D)
+                               .feed_forward_dimensions(16)
+                               .dropout(0.0)
+                               .norm_first(norm_first)
+                               .attention(type);
+      torch::manual_seed(1);
+      auto batch = builder.build();
+      batch->to(torch::kDouble);
+      batch->eval();
+      auto rnn = make_recurrent_encoder(builder);
+      rnn->to(torch::kDouble);
+      rnn->eval();
+      // Same parameter names, so the batch weights load by name.
+      EXPECT_EQ(rnn->named_parameters().keys(), batch->named_parameters().keys());
+      copy_parameters(*rnn, *batch);
+
+      const auto x = torch::randn({N, L, D}, torch::kDouble);
+      const auto expected = batch->forward(x, Mask::causal_mask());  // (N, L, D)
+      std::vector<RecurrentState> state;
+      for (int64_t i = 0; i < L; ++i) {
+        auto [y, next] = rnn->step(x.select(1, i), state);
+        state = std::move(next);
+        const double err = (y - expected.select(1, i)).abs().max().item<double>();
+        EXPECT_LE(err, 1e-10) << "position " << i;
+      }
+      EXPECT_EQ(static_cast<int64_t>(state.size()), rnn->num_layers());
+    }
+  }
+}
+
+TEST(RecurrentEncoder, Errors) {
+  const auto builder = EncoderBuilder().layers(1).heads(2).d_model(8).attention("linear");
+  EXPECT_ERROR_CONTAINS(make_recurrent_encoder(builder), "causal-linear, full", "'linear'");
+  auto rnn = make_recurrent_encoder(EncoderBuilder().layers(2).heads(2).d_model(8));
+  EXPECT_ERROR_CONTAINS(rnn->step(torch::randn({2, 7}), {}), "x must have shape (N, 8)", "[2, 7]");
+  EXPECT_ERROR_CONTAINS(rnn->step(torch::randn({2, 8}), std::vector<RecurrentState>(1)),
+                        "one state per layer (2)", "got 1");
+  auto small = make_recurrent_encoder(EncoderBuilder().layers(1).heads(2).d_model(8));
+  EXPECT_ERROR_CONTAINS(copy_parameters(*small, *rnn), "copy_parameters");
 }
 
 }  // namespace
