@@ -1,0 +1,171 @@
+// Recurrent (token-by-token) attention: step forms of `causal-linear` (an RNN
+// with state S = sum_j phi(k_j) v_j^T, Z = sum_j phi(k_j): O(F·M) per step)
+// and `full` (a growing key/value cache: O(t·(E + M)) at step t), and
+// make_recurrent_attention. See include/fastattn/recurrent.h for the
+// contract and the FAVOR+ key-offset limitation.
+// Tested by tests/cpp/test_recurrent.cpp (each step against the batch type's
+// causal output).
+#include "fastattn/recurrent.h"
+
+#include <cmath>
+
+#include "fastattn/feature_maps.h"
+#include "fastattn/ops.h"
+
+namespace fastattn {
+
+using torch::Tensor;
+
+void check_step_inputs(const char* type, const Tensor& query, const Tensor& key,
+                       const Tensor& value) {
+  TORCH_CHECK(query.defined() && key.defined() && value.defined(), type,
+              ": query, key and value must be defined tensors");
+  TORCH_CHECK(query.dim() == 3, type, ": query must have shape (N, H, E), got ", query.sizes());
+  const int64_t N = query.size(0), H = query.size(1), E = query.size(2);
+  TORCH_CHECK(key.dim() == 3 && key.size(0) == N && key.size(1) == H && key.size(2) == E, type,
+              ": key must have shape (N, H, E) = (", N, ", ", H, ", ", E, ") like the query, got ",
+              key.sizes());
+  TORCH_CHECK(value.dim() == 3 && value.size(0) == N && value.size(1) == H, type,
+              ": value must have shape (N, H, M) = (", N, ", ", H, ", M), got ", value.sizes());
+  TORCH_CHECK(query.is_floating_point(), type, ": query must be floating, got ",
+              query.scalar_type());
+  TORCH_CHECK(key.scalar_type() == query.scalar_type(), type, ": key must be ", query.scalar_type(),
+              " like the query, got ", key.scalar_type());
+  TORCH_CHECK(value.scalar_type() == query.scalar_type(), type, ": value must be ",
+              query.scalar_type(), " like the query, got ", value.scalar_type());
+  TORCH_CHECK(key.device() == query.device(), type, ": key must be on ", query.device(),
+              " like the query, got ", key.device());
+  TORCH_CHECK(value.device() == query.device(), type, ": value must be on ", query.device(),
+              " like the query, got ", value.device());
+}
+
+namespace {
+
+// Checks state tensor `name` against the expected shape, dtype and device.
+void check_state_tensor(const char* type, const char* name, const Tensor& t,
+                        c10::IntArrayRef expected, const Tensor& like) {
+  TORCH_CHECK(t.defined() && t.sizes() == expected, type, ": state ", name, " must have shape ",
+              expected, ", got ", t.defined() ? t.sizes() : c10::IntArrayRef{});
+  TORCH_CHECK(t.scalar_type() == like.scalar_type(), type, ": state ", name, " must be ",
+              like.scalar_type(), " like the query, got ", t.scalar_type());
+  TORCH_CHECK(t.device() == like.device(), type, ": state ", name, " must be on ", like.device(),
+              " like the query, got ", t.device());
+}
+
+}  // namespace
+
+// ---- causal-linear ----------------------------------------------------------
+
+RecurrentLinearAttention::RecurrentLinearAttention(std::shared_ptr<FeatureMap> feature_map,
+                                                   double eps)
+    : feature_map_(std::move(feature_map)), eps_(eps) {
+  TORCH_CHECK(feature_map_,
+              "RecurrentLinearAttention: feature_map must be a feature map, got null");
+  TORCH_CHECK(std::isfinite(eps_) && eps_ > 0,
+              "RecurrentLinearAttention: eps must be a finite number > 0, got ", eps_);
+  register_module("feature_map", feature_map_);
+}
+
+std::pair<Tensor, RecurrentState> RecurrentLinearAttention::step(const Tensor& query,  // (N, H, E)
+                                                                 const Tensor& key,    // (N, H, E)
+                                                                 const Tensor& value,  // (N, H, M)
+                                                                 const RecurrentState& state) {
+  constexpr const char* type = "recurrent causal-linear";
+  check_step_inputs(type, query, key, value);
+  const int64_t N = query.size(0), H = query.size(1), M = value.size(2);
+  const int64_t F = feature_map_->output_dim();
+  auto qf = feature_map_->forward_queries(query.unsqueeze(2));  // (N, H, 1, F)
+  // Keys: the unstabilised map (offset 0), see the header's limitation.
+  auto kf = feature_map_->forward(key.unsqueeze(2));  // (N, H, 1, F)
+  TORCH_CHECK(qf.dim() == 4 && qf.size(3) == F && kf.sizes() == qf.sizes(), type, ": feature map '",
+              feature_map_->name(), "' must map (N, H, 1, E) to (N, H, 1, ", F, "), got ",
+              qf.sizes(), " for the query and ", kf.sizes(), " for the key");
+  Tensor S, Z;
+  if (state.empty()) {
+    S = torch::matmul(kf.transpose(-1, -2), value.unsqueeze(2));  // (N, H, F, M)
+    Z = kf.squeeze(2);                                            // (N, H, F)
+  } else {
+    TORCH_CHECK(state.tensors.size() == 2, type,
+                ": state must be empty or hold {S (N, H, F, M), Z (N, H, F)}, got ",
+                state.tensors.size(), " tensors");
+    check_state_tensor(type, "S", state.tensors[0], {N, H, F, M}, query);
+    check_state_tensor(type, "Z", state.tensors[1], {N, H, F}, query);
+    S = state.tensors[0] + torch::matmul(kf.transpose(-1, -2), value.unsqueeze(2));
+    Z = state.tensors[1] + kf.squeeze(2);
+  }
+  auto num = torch::matmul(qf, S).squeeze(2);                       // (N, H, M)
+  auto den = (qf.squeeze(2) * Z).sum(-1, /*keepdim=*/true) + eps_;  // (N, H, 1)
+  return {num / den, RecurrentState{{S, Z}}};
+}
+
+// ---- full -------------------------------------------------------------------
+
+RecurrentFullAttention::RecurrentFullAttention(std::optional<double> softmax_temp)
+    : softmax_temp_(softmax_temp) {
+  TORCH_CHECK(!softmax_temp || (std::isfinite(*softmax_temp) && *softmax_temp > 0),
+              "RecurrentFullAttention: softmax_temp must be a finite number > 0, got ",
+              softmax_temp.value_or(0.0));
+}
+
+std::pair<Tensor, RecurrentState> RecurrentFullAttention::step(const Tensor& query,  // (N, H, E)
+                                                               const Tensor& key,    // (N, H, E)
+                                                               const Tensor& value,  // (N, H, M)
+                                                               const RecurrentState& state) {
+  constexpr const char* type = "recurrent full";
+  check_step_inputs(type, query, key, value);
+  const int64_t N = query.size(0), H = query.size(1), E = query.size(2), M = value.size(2);
+  Tensor K, V;
+  if (state.empty()) {
+    K = key.unsqueeze(2);    // (N, H, 1, E)
+    V = value.unsqueeze(2);  // (N, H, 1, M)
+  } else {
+    TORCH_CHECK(state.tensors.size() == 2, type,
+                ": state must be empty or hold {K (N, H, t, E), V (N, H, t, M)}, got ",
+                state.tensors.size(), " tensors");
+    const auto& K0 = state.tensors[0];
+    const int64_t t = K0.defined() && K0.dim() == 4 ? K0.size(2) : -1;
+    check_state_tensor(type, "K", K0, {N, H, t, E}, query);
+    check_state_tensor(type, "V", state.tensors[1], {N, H, t, M}, query);
+    K = torch::cat({K0, key.unsqueeze(2)}, 2);                  // (N, H, t + 1, E)
+    V = torch::cat({state.tensors[1], value.unsqueeze(2)}, 2);  // (N, H, t + 1, M)
+  }
+  // The newest query sees every cached key: no mask needed.
+  auto out = full_attention(query.unsqueeze(2), K, V, std::nullopt, std::nullopt,
+                            /*causal=*/false, softmax_temp_);  // (N, H, 1, M)
+  return {out.squeeze(2), RecurrentState{{K, V}}};
+}
+
+// ---- construction by name ---------------------------------------------------
+
+const std::vector<std::string>& recurrent_attention_names() {
+  static const std::vector<std::string> names = {"causal-linear", "full"};
+  return names;
+}
+
+RecurrentAttentionPtr make_recurrent_attention(const std::string& name, const ParamMap& params,
+                                               const AttentionDims& dims) {
+  if (name == "causal-linear") {
+    // Build the batch type and take its feature map: the same parameters give
+    // the same map (and weights) as make_attention("causal-linear", ...).
+    auto batch =
+        std::dynamic_pointer_cast<CausalLinearAttention>(make_attention(name, params, dims));
+    TORCH_CHECK(batch,
+                "make_recurrent_attention: 'causal-linear' did not build a "
+                "CausalLinearAttention");
+    const auto p = AttentionRegistry::global().validate(name, params);
+    return std::make_shared<RecurrentLinearAttention>(batch->feature_map(), p.get_float("eps"));
+  }
+  if (name == "full") {
+    const auto p = AttentionRegistry::global().validate(name, params);
+    return std::make_shared<RecurrentFullAttention>(p.get_optional_float("softmax_temp"));
+  }
+  std::string supported;
+  for (const auto& n : recurrent_attention_names()) {
+    supported += (supported.empty() ? "" : ", ") + n;
+  }
+  TORCH_CHECK(false, "make_recurrent_attention: name must be a type with a recurrent form (",
+              supported, "), got '", name, "'");
+  return nullptr;
+}
+
+}  // namespace fastattn
