@@ -3,9 +3,11 @@
 #pragma once
 
 #include "fastattn/attention.h"
-#include "fastattn/feature_maps.h"
 #include "fastattn/clustered.h"
+#include "fastattn/feature_maps.h"
 #include "fastattn/mask.h"
 #include "fastattn/ops.h"
+#include "fastattn/recurrent.h"
+#include "fastattn/recurrent_transformer.h"
 #include "fastattn/registry.h"
 #include "fastattn/transformer.h"

@@ -326,24 +326,31 @@ Tensor ExactTopkAttention::forward(const Tensor& queries,  // (N, H, L, E)
 
 // ---- the attention types ------------------------------------------------------
 
+namespace {
+// Checks the options every clustered type shares; messages name `who`.
+void check_clustered_options(const char* who, const ClusteredOptions& o) {
+  TORCH_CHECK(o.clusters >= 1, who, ": clusters must be >= 1, got ", o.clusters);
+  TORCH_CHECK(o.iterations >= 0, who, ": iterations must be >= 0, got ", o.iterations);
+  TORCH_CHECK(o.bits >= 1 && o.bits <= 64, who, ": bits must be in [1, 64], got ", o.bits);
+  TORCH_CHECK(o.topk >= 1, who, ": topk must be >= 1, got ", o.topk);
+  TORCH_CHECK(!o.softmax_temp || (std::isfinite(*o.softmax_temp) && *o.softmax_temp > 0), who,
+              ": softmax_temp must be a finite number > 0, got ", o.softmax_temp.value_or(0.0));
+}
+
+// The seeded generator of a type, or the global one without a seed.
+at::Generator clustered_generator(const ClusteredOptions& o) {
+  return o.seed ? at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(*o.seed))
+                : at::detail::getDefaultCPUGenerator();
+}
+}  // namespace
+
 ClusteredAttention::ClusteredAttention(ClusteredOptions options, bool improved)
     : options_(std::move(options)), improved_(improved) {
   const char* who = improved ? "ImprovedClusteredAttention" : "ClusteredAttention";
-  TORCH_CHECK(options_.clusters >= 1, who, ": clusters must be >= 1, got ", options_.clusters);
-  TORCH_CHECK(options_.iterations >= 0, who, ": iterations must be >= 0, got ",
-              options_.iterations);
-  TORCH_CHECK(options_.bits >= 1 && options_.bits <= 64, who, ": bits must be in [1, 64], got ",
-              options_.bits);
-  TORCH_CHECK(options_.topk >= 1, who, ": topk must be >= 1, got ", options_.topk);
-  TORCH_CHECK(!options_.softmax_temp ||
-                  (std::isfinite(*options_.softmax_temp) && *options_.softmax_temp > 0),
-              who, ": softmax_temp must be a finite number > 0, got ",
-              options_.softmax_temp.value_or(0.0));
+  check_clustered_options(who, options_);
   TORCH_CHECK(options_.attention_dropout >= 0 && options_.attention_dropout < 1, who,
               ": attention_dropout must be in [0, 1), got ", options_.attention_dropout);
-  gen_ = options_.seed
-             ? at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(*options_.seed))
-             : at::detail::getDefaultCPUGenerator();
+  gen_ = clustered_generator(options_);
 }
 
 Tensor ClusteredAttention::forward(const Tensor& queries,  // (N, H, L, E)
@@ -372,21 +379,10 @@ Tensor ClusteredAttention::forward(const Tensor& queries,  // (N, H, L, E)
 CausalImprovedClusteredAttention::CausalImprovedClusteredAttention(ClusteredOptions options)
     : options_(std::move(options)) {
   const char* who = "CausalImprovedClusteredAttention";
-  TORCH_CHECK(options_.clusters >= 1, who, ": clusters must be >= 1, got ", options_.clusters);
-  TORCH_CHECK(options_.iterations >= 0, who, ": iterations must be >= 0, got ",
-              options_.iterations);
-  TORCH_CHECK(options_.bits >= 1 && options_.bits <= 64, who, ": bits must be in [1, 64], got ",
-              options_.bits);
-  TORCH_CHECK(options_.topk >= 1, who, ": topk must be >= 1, got ", options_.topk);
+  check_clustered_options(who, options_);
   TORCH_CHECK(options_.local_context >= 1, who, ": local_context must be >= 1, got ",
               options_.local_context);
-  TORCH_CHECK(!options_.softmax_temp ||
-                  (std::isfinite(*options_.softmax_temp) && *options_.softmax_temp > 0),
-              who, ": softmax_temp must be a finite number > 0, got ",
-              options_.softmax_temp.value_or(0.0));
-  gen_ = options_.seed
-             ? at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(*options_.seed))
-             : at::detail::getDefaultCPUGenerator();
+  gen_ = clustered_generator(options_);
 }
 
 Tensor CausalImprovedClusteredAttention::forward(const Tensor& queries,  // (N, H, L, E)
