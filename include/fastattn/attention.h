@@ -30,8 +30,18 @@ class AttentionBase : public torch::nn::Module {
                                 const torch::Tensor& values, const Mask& mask) = 0;
   // The registry name this instance was built as (e.g. "full").
   virtual std::string type_name() const = 0;
+  // Auxiliary training losses of the last forward call, already weighted and
+  // summed into one scalar (e.g. ClusterFormer's clustering and sorting
+  // losses); an undefined tensor for types that have none. Taking them clears
+  // them, so each is added to a loss once.
+  virtual torch::Tensor take_auxiliary_loss() { return {}; }
 };
 using AttentionPtr = std::shared_ptr<AttentionBase>;
+
+// The sum of take_auxiliary_loss() over every attention type in `model`
+// (itself included), or an undefined tensor when none has a loss. Training
+// adds it to the task loss after each forward.
+torch::Tensor take_auxiliary_losses(torch::nn::Module& model);
 
 // Checks the common shape contract (ranks, N/H/E agreement, S agreement,
 // dtype and device agreement) and the mask; throws naming the argument.

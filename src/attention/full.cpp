@@ -1,6 +1,7 @@
 // Full softmax attention as an attention type (`full`), the
 // `conditional-full:<type>` decorator's module, the common input checks of
-// every attention type, and the registration of `full`.
+// every attention type, the auxiliary-loss collection, and the registration
+// of `full`.
 //
 // FullAttention calls the fused operator fastattn::full_attention (O(L) extra
 // memory). Only in training with attention_dropout > 0 does it take a
@@ -47,6 +48,17 @@ void check_attention_inputs(const torch::Tensor& queries, const torch::Tensor& k
                 queries.device(), " like the queries, got ", mask.attn_mask()->device());
   }
   mask.check(N, H, L, S);
+}
+
+torch::Tensor take_auxiliary_losses(torch::nn::Module& model) {
+  torch::Tensor total;
+  for (const auto& module : model.modules(/*include_self=*/true)) {
+    auto* attention = dynamic_cast<AttentionBase*>(module.get());
+    if (attention == nullptr) continue;
+    auto loss = attention->take_auxiliary_loss();
+    if (loss.defined()) total = total.defined() ? total + loss : loss;
+  }
+  return total;
 }
 
 // ---- full ---------------------------------------------------------------

@@ -6,6 +6,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <utility>
+
 #include "expect_error.h"
 #include "fastattn/ops.h"
 #include "fastattn/transformer.h"
@@ -384,4 +386,53 @@ TEST(Builder, ValidationNamesTheSetting) {
       DecoderBuilder().cross_attention("full", {{"attention_dropout", 2.0}}).build(),
       "DecoderBuilder: cross_attention", "attention_dropout", "[0, 1)");
   EXPECT_ERROR_CONTAINS(DecoderBuilder().memory_dimensions(0).build(), "memory_dimensions");
+}
+
+// ---- auxiliary losses ---------------------------------------------------------------
+
+namespace {
+
+// Full attention that reports the mean of its output as an auxiliary loss.
+class LossyAttention : public FullAttention {
+ public:
+  torch::Tensor forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                        const Mask& mask) override {
+    auto out = FullAttention::forward(q, k, v, mask);
+    loss_ = out.mean();
+    return out;
+  }
+  torch::Tensor take_auxiliary_loss() override { return std::exchange(loss_, torch::Tensor()); }
+
+ private:
+  torch::Tensor loss_;
+};
+
+}  // namespace
+
+TEST(AuxiliaryLosses, SummedOverLayersAndTakenOnce) {
+  auto a = std::make_shared<LossyAttention>();
+  auto b = std::make_shared<LossyAttention>();
+  std::vector<TransformerEncoderLayer> layers{
+      TransformerEncoderLayer(AttentionLayer(a, AttentionLayerOptions(16, 2)),
+                              TransformerLayerOptions(16).dropout(0.0)),
+      TransformerEncoderLayer(AttentionLayer(b, AttentionLayerOptions(16, 2)),
+                              TransformerLayerOptions(16).dropout(0.0))};
+  TransformerEncoder encoder(layers);
+  EXPECT_FALSE(take_auxiliary_losses(*encoder).defined());  // no forward yet
+  encoder->forward(randn64({2, 5, 16}).to(torch::kFloat32));
+  // What each layer would report, read before taking: the sum of both.
+  auto x = randn64({2, 5, 16}).to(torch::kFloat32);
+  encoder->forward(x);
+  auto expected = a->take_auxiliary_loss() + b->take_auxiliary_loss();
+  EXPECT_FALSE(take_auxiliary_losses(*encoder).defined());  // taken above
+  encoder->forward(x);
+  auto total = take_auxiliary_losses(*encoder);
+  ASSERT_TRUE(total.defined());
+  EXPECT_NEAR(total.item<double>(), expected.item<double>(), 1e-6);
+  EXPECT_FALSE(take_auxiliary_losses(*encoder).defined());  // cleared
+
+  // Types without losses contribute nothing.
+  auto plain = EncoderBuilder().layers(1).heads(2).d_model(16).attention("full", {}).build();
+  plain->forward(x);
+  EXPECT_FALSE(take_auxiliary_losses(*plain).defined());
 }
