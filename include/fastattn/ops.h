@@ -35,6 +35,18 @@ torch::Tensor full_attention(const torch::Tensor& q, const torch::Tensor& k, con
 torch::Tensor causal_linear_product(const torch::Tensor& q, const torch::Tensor& k,
                                     const torch::Tensor& v);
 
+// Normalised linear attention with phi(x) = elu(x) + 1 (the default map of the
+// `linear` and `causal-linear` types), fused into one kernel per pass:
+//   out_i = phi(q_i)^T sum_j phi(k_j) v_j^T / (phi(q_i)^T sum_j phi(k_j) + eps)
+// over keys j < key_lengths[n] ((N,) integers in [0, S]), and j <= i when
+// causal (which needs S == L). q (N, H, L, E), k (N, H, S, E), v (N, H, S, M)
+// -> (N, H, L, M). O(N·H·(L+S)·E·M) time (plus L·C·(E+M) within chunks of
+// C = 64 when causal); no L×S or L×E×M tensor. Gradients flow to q, k and v.
+torch::Tensor elu_linear_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                   const torch::Tensor& v,
+                                   const std::optional<torch::Tensor>& key_lengths = std::nullopt,
+                                   bool causal = false, double eps = 1e-6);
+
 // elu(x) + 1 elementwise, the default feature map of linear attention
 // (vectorised CPU kernels; ATen's elu runs scalar in Debian's build).
 // float32 / float64, any shape; gradients flow to x.
@@ -83,6 +95,13 @@ torch::Tensor hash_queries(const torch::Tensor& x, const torch::Tensor& planes);
 
 // torch::elu(x) + 1: for tests and benchmarks only.
 torch::Tensor elu_feature_map(const torch::Tensor& x);
+
+// (elu(q) + 1)(elu(k) + 1)^T masked, times v, over its row sums + eps, in
+// plain ATen (O(L·S) memory): for tests and benchmarks only.
+torch::Tensor elu_linear_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                   const torch::Tensor& v,
+                                   const std::optional<torch::Tensor>& key_lengths = std::nullopt,
+                                   bool causal = false, double eps = 1e-6);
 
 // tril(q k^T) v in plain ATen (O(L²) memory): for tests and benchmarks only.
 torch::Tensor causal_linear_product(const torch::Tensor& q, const torch::Tensor& k,

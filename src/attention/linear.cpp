@@ -58,6 +58,13 @@ void check_eps(const char* type, double eps) {
   TORCH_CHECK(std::isfinite(eps) && eps > 0, type, ": eps must be a finite number > 0, got ", eps);
 }
 
+// The elu map on the CPU in float32/float64 runs as one fused operator
+// (elu_linear_attention): map, products and normaliser in one kernel.
+bool fused_elu(const FeatureMap& fm, const Tensor& q) {
+  return fm.name() == "elu" && q.device().is_cpu() &&
+         (q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kDouble);
+}
+
 // phi(Q) (N, H, L, F) and phi(K) (N, H, S, F) with padded keys zeroed.
 std::pair<Tensor, Tensor> feature_mapped(const char* type, FeatureMap& fm, bool training,
                                          const Tensor& q, const Tensor& k, const Mask& mask) {
@@ -141,6 +148,9 @@ Tensor LinearAttention::forward(const Tensor& queries,  // (N, H, L, E)
               mask.attn_mask()->sizes());
   TORCH_CHECK(!mask.is_causal(),
               "linear: a causal mask is not supported; use the attention type 'causal-linear'");
+  if (fused_elu(*feature_map_, queries)) {
+    return elu_linear_attention(queries, keys, values, mask.key_lengths(), /*causal=*/false, eps_);
+  }
   auto [qf, kf] = feature_mapped("linear", *feature_map_, is_training(), queries, keys, mask);
   // [phi(K)^T V | sum_j phi(K_j)] is small (F × (M + 1) per head): one product
   // with phi(Q) then gives numerator and normaliser together.
@@ -174,6 +184,9 @@ Tensor CausalLinearAttention::forward(const Tensor& queries,  // (N, H, L, E)
               "causal-linear: attn_mask is not supported (only the causal mask and key_lengths), "
               "got an attn_mask of shape ",
               mask.attn_mask()->sizes());
+  if (fused_elu(*feature_map_, queries)) {
+    return elu_linear_attention(queries, keys, values, mask.key_lengths(), /*causal=*/true, eps_);
+  }
   auto [qf, kf] =
       feature_mapped("causal-linear", *feature_map_, is_training(), queries, keys, mask);
   // One product for numerator and normaliser: v gets a column of ones, so

@@ -30,6 +30,21 @@ TORCH_LIBRARY(fastattn, m) {
       "causal_linear_product_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v) "
       "-> (Tensor, Tensor, Tensor)");
 
+  // Normalised linear attention with phi = elu + 1, fused (feature map,
+  // normaliser and causal masking inside the kernel): q (N,H,L,E), k (N,H,S,E),
+  // v (N,H,S,M) -> (N,H,L,M); causal needs S == L.
+  m.def(
+      "elu_linear_attention(Tensor q, Tensor k, Tensor v, Tensor? key_lengths=None, "
+      "bool causal=False, float eps=1e-6) -> Tensor");
+  // Forward kernel: output and the normaliser den (N,H,L) (eps included).
+  m.def(
+      "elu_linear_attention_forward(Tensor q, Tensor k, Tensor v, Tensor? key_lengths, "
+      "bool causal, float eps) -> (Tensor, Tensor)");
+  // Backward kernel: (grad_q, grad_k, grad_v) from the saved output and den.
+  m.def(
+      "elu_linear_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
+      "Tensor den, Tensor? key_lengths, bool causal, float eps) -> (Tensor, Tensor, Tensor)");
+
   // elu(x) + 1 elementwise (linear attention's default feature map), any shape.
   m.def("elu_feature_map(Tensor x) -> Tensor");
   m.def("elu_feature_map_backward(Tensor grad_out, Tensor x) -> Tensor");

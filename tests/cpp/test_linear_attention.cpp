@@ -1,13 +1,14 @@
 // Linear attention (Katharopoulos et al. 2020): the causal_linear_product
 // operator against tril(Q K^T) V in float64 (forward, gradients vs autograd of
 // the reference and by finite differences) over awkward shapes; the
-// elu_feature_map operator against torch::elu(x) + 1; the `linear`
+// elu_feature_map operator against torch::elu(x) + 1; the fused
+// elu_linear_attention operator against its dense reference; the `linear`
 // and `causal-linear` types against dense references, with key-length
 // padding; feature maps (FAVOR+ and RFF approximate their kernels better as
 // the number of features grows, seeds, redraw); registry parameters and
 // errors; large-norm inputs stay finite in float32.
 //
-//   build/fastattn_tests --gtest_filter='*CausalLinear*:*LinearAttention*:*FeatureMap*'
+//   build/fastattn_tests --gtest_filter='*CausalLinear*:*LinearAttention*:*FeatureMap*:*EluLinear*'
 #include <gtest/gtest.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
@@ -146,6 +147,102 @@ TEST(EluFeatureMap, MatchesReference) {
   EXPECT_LE(testing::max_abs_diff(y.narrow(0, 0, 6), ref.narrow(0, 0, 6)), 1e-15);
   EXPECT_TRUE(std::isnan(y[6].item<double>()));
   EXPECT_ERROR_CONTAINS(elu_feature_map(torch::ones({3}, torch::kInt)), "x must be float32");
+}
+
+// ---- elu_linear_attention (the fused elu map) ------------------------------------
+
+struct EluLinearCfg {
+  std::string name;
+  int64_t N, H, L, S, E, M;
+  bool causal;
+  std::vector<int64_t> lengths;  // empty: none
+};
+
+OpCase elu_linear_case(const EluLinearCfg& c) {
+  OpCase oc;
+  oc.name = c.name;
+  std::optional<Tensor> lengths;
+  if (!c.lengths.empty()) lengths = torch::tensor(c.lengths, torch::kLong);
+  oc.make_inputs = [c](uint64_t seed) -> Inputs {
+    torch::manual_seed(seed);
+    return {torch::randn({c.N, c.H, c.L, c.E}, torch::kDouble),
+            torch::randn({c.N, c.H, c.S, c.E}, torch::kDouble),
+            torch::randn({c.N, c.H, c.S, c.M}, torch::kDouble)};
+  };
+  oc.op = [c, lengths](const Inputs& x) {
+    return elu_linear_attention(x[0], x[1], x[2], lengths, c.causal, 1e-6);
+  };
+  oc.reference = [c, lengths](const Inputs& x) {
+    return reference::elu_linear_attention(x[0], x[1], x[2], lengths, c.causal, 1e-6);
+  };
+  // Outputs are weighted means of O(1) values with positive weights: float32
+  // keeps ~1e-7 relative per term, summed in another order than BLAS's.
+  oc.f64_tol = 1e-11;
+  oc.f32_tol = 2e-5;
+  return oc;
+}
+
+class EluLinearAttentionCases : public ::testing::TestWithParam<EluLinearCfg> {};
+
+TEST_P(EluLinearAttentionCases, MatchesReference) {
+  const auto oc = elu_linear_case(GetParam());
+  SCOPED_TRACE(oc.name);
+  testing::check_forward(oc);
+  testing::check_gradients_vs_reference(oc, 0, 1e-9);
+  testing::check_finite_differences(oc, 0, 3, 1e-6);
+}
+
+// Chunks are 64 rows: 97 and 1025 leave partial chunks; lengths end inside a
+// chunk (40), on a boundary (64), at 0 and at S.
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, EluLinearAttentionCases,
+    ::testing::Values(EluLinearCfg{"causal_L1", 1, 1, 1, 1, 3, 2, true},
+                      EluLinearCfg{"causal_97_E_ne_M", 2, 3, 97, 97, 16, 24, true},
+                      EluLinearCfg{"causal_130_64x64", 1, 2, 130, 130, 64, 64, true},
+                      EluLinearCfg{"causal_1025_odd", 1, 1, 1025, 1025, 7, 5, true},
+                      EluLinearCfg{"causal_lengths", 4, 2, 150, 150, 9, 11, true, {150, 64, 40, 0}},
+                      EluLinearCfg{"full_L1_S1", 1, 1, 1, 1, 3, 2, false},
+                      EluLinearCfg{"full_S_ne_L", 2, 2, 37, 200, 16, 24, false},
+                      EluLinearCfg{"full_1025_odd", 1, 2, 1025, 70, 33, 17, false},
+                      EluLinearCfg{"full_lengths", 4, 1, 90, 130, 8, 5, false, {130, 64, 1, 0}}),
+    [](const ::testing::TestParamInfo<EluLinearCfg>& info) { return info.param.name; });
+
+TEST(EluLinearAttentionOp, MatchesTheComposedProductPath) {
+  // The fused kernel computes what elu_feature_map + causal_linear_product on
+  // [V, 1] + the normalisation computed before it (float32, L = 1000).
+  auto q = torch::randn({1, 2, 1000, 32}), k = torch::randn({1, 2, 1000, 32}),
+       v = torch::randn({1, 2, 1000, 16});
+  auto prod = causal_linear_product(elu_feature_map(q), elu_feature_map(k),
+                                    torch::cat({v, torch::ones({1, 2, 1000, 1})}, -1));
+  auto composed = prod.narrow(-1, 0, 16) / (prod.narrow(-1, 16, 1) + 1e-6);
+  auto fused = elu_linear_attention(q, k, v, std::nullopt, /*causal=*/true, 1e-6);
+  EXPECT_LE(testing::max_abs_diff(fused, composed), 1e-5);
+}
+
+TEST(EluLinearAttentionOp, SameResultWithOneOrTwoThreads) {
+  auto q = torch::randn({1, 3, 300, 16}), k = torch::randn({1, 3, 300, 16}),
+       v = torch::randn({1, 3, 300, 8});
+  for (bool causal : {false, true}) {
+    const int saved = at::get_num_threads();
+    at::set_num_threads(1);
+    auto a = elu_linear_attention(q, k, v, std::nullopt, causal);
+    at::set_num_threads(2);
+    auto b = elu_linear_attention(q, k, v, std::nullopt, causal);
+    at::set_num_threads(saved);
+    EXPECT_TRUE(torch::equal(a, b));
+  }
+}
+
+TEST(EluLinearAttentionOp, BadInputsNameTheArgument) {
+  auto q = torch::randn({2, 2, 5, 4}), v = torch::randn({2, 2, 5, 3});
+  EXPECT_ERROR_CONTAINS(elu_linear_attention(q, torch::randn({2, 2, 6, 4}),
+                                             torch::randn({2, 2, 6, 3}), std::nullopt, true),
+                        "S == L");
+  EXPECT_ERROR_CONTAINS(elu_linear_attention(q, q, v, std::nullopt, false, 0.0), "eps must be");
+  EXPECT_ERROR_CONTAINS(elu_linear_attention(q, q, v, torch::tensor({5, 6}), false), "key_lengths");
+  EXPECT_ERROR_CONTAINS(elu_linear_attention(q, q, torch::randn({2, 2, 6, 3})),
+                        "v must agree with k");
+  EXPECT_ERROR_CONTAINS(elu_linear_attention(q, q.to(torch::kDouble), v), "one dtype");
 }
 
 // ---- dense references for the attention types -----------------------------------

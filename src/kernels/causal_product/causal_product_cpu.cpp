@@ -25,18 +25,6 @@
 namespace fastattn::kernels {
 namespace {
 
-// Zeroes the strictly upper triangle (col > row) of a rows×rows tile.
-template <typename T>
-void keep_lower(T* a, int64_t rows, int64_t lda) {
-  for (int64_t r = 0; r < rows; ++r) std::fill(a + r * lda + r + 1, a + r * lda + rows, T(0));
-}
-
-// Zeroes the strictly lower triangle (col < row) of a rows×rows tile.
-template <typename T>
-void keep_upper(T* a, int64_t rows, int64_t lda) {
-  for (int64_t r = 0; r < rows; ++r) std::fill(a + r * lda, a + r * lda + r, T(0));
-}
-
 template <typename T>
 struct ForwardScratch {
   std::vector<T> kt;  // K_c^T (F × C)
@@ -81,7 +69,7 @@ void causal_product_forward_cpu(const CausalProductForwardArgs<T>& a) {
           T* oc = out + i0 * M;
           transpose(kc, rows, F, F, w.kt.data(), C);
           gemm(rows, rows, F, qc, F, w.kt.data(), C, w.a.data(), C, false);
-          keep_lower(w.a.data(), rows, C);
+          keep_lower_triangle(w.a.data(), rows, C);
           if (i0 == 0) {
             gemm(rows, M, rows, w.a.data(), C, vc, M, oc, M, false);
           } else {
@@ -134,7 +122,7 @@ void causal_product_backward_cpu(const CausalProductBackwardArgs<T>& a) {
           T* gqc = gq + i0 * F;
           transpose(vc, rows, M, M, vt, C);
           gemm(rows, rows, M, goc, M, vt, C, w.a.data(), C, false);
-          keep_lower(w.a.data(), rows, C);
+          keep_lower_triangle(w.a.data(), rows, C);
           gemm(rows, F, M, goc, M, st, F, gqc, F, false);
           gemm(rows, F, rows, w.a.data(), C, kc, F, gqc, F, true);
           if (i0 + rows < L) gemm(M, F, rows, vt, C, kc, F, st, F, true);
@@ -160,12 +148,12 @@ void causal_product_backward_cpu(const CausalProductBackwardArgs<T>& a) {
           transpose(goc, rows, M, M, got, C);
           // dV_c = K_c R + (K_c Q_c^T masked) dO_c
           gemm(rows, rows, F, kc, F, qt, C, w.a.data(), C, false);
-          keep_upper(w.a.data(), rows, C);
+          keep_upper_triangle(w.a.data(), rows, C);
           if (!first) gemm(rows, M, F, kc, F, r, M, gvc, M, false);
           gemm(rows, M, rows, w.a.data(), C, goc, M, gvc, M, !first);
           // dK_c = V_c R^T + (V_c dO_c^T masked) Q_c
           gemm(rows, rows, M, vc, M, got, C, w.a.data(), C, false);
-          keep_upper(w.a.data(), rows, C);
+          keep_upper_triangle(w.a.data(), rows, C);
           if (!first) {
             transpose(r, F, M, M, rt, F);
             gemm(rows, F, M, vc, M, rt, F, gkc, F, false);

@@ -131,4 +131,16 @@ inline void transpose(const T* X, int64_t rows, int64_t cols, int64_t ldx, T* ou
         for (int64_t c = c0; c < std::min(cols, c0 + B); ++c) out[c * ldo + r] = X[r * ldx + c];
 }
 
+// Zeroes the strictly upper triangle (col > row) of a rows x rows tile.
+template <typename T>
+inline void keep_lower_triangle(T* a, int64_t rows, int64_t lda) {
+  for (int64_t r = 0; r < rows; ++r) std::fill(a + r * lda + r + 1, a + r * lda + rows, T(0));
+}
+
+// Zeroes the strictly lower triangle (col < row) of a rows x rows tile.
+template <typename T>
+inline void keep_upper_triangle(T* a, int64_t rows, int64_t lda) {
+  for (int64_t r = 0; r < rows; ++r) std::fill(a + r * lda, a + r * lda + r, T(0));
+}
+
 }  // namespace fastattn::kernels

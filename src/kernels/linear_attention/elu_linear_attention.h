@@ -1,0 +1,69 @@
+// Fused linear attention with the elu feature map (Katharopoulos et al. 2020,
+// eq. 4-6 and 9), the default map of the `linear` and `causal-linear` types:
+//   phi(x) = elu(x) + 1,
+//   out_i  = phi(q_i)^T sum_j phi(k_j) v_j^T / den_i,
+//   den_i  = phi(q_i)^T sum_j phi(k_j) + eps,
+// over the keys j < key_lengths[n] (and j <= i when causal). The feature map,
+// the normaliser and the causal masking happen on tiles inside one kernel, so
+// the only tensors it reads or writes are q, k, v, out and den (N, H, L); the
+// composite path (elu_feature_map twice, a [V, 1] copy, causal_linear_product
+// on M + 1 columns, a normalisation) made five extra passes over L×E data.
+//
+// Causal: chunks of C rows in order with a carried state S = sum phi(k_j) v_j^T
+// (E×M) and z = sum phi(k_j) (E) of the earlier chunks:
+//   A = phi(Q_c) phi(K_c)^T masked (j <= i);  num = phi(Q_c) S + A V_c;
+//   den = phi(Q_c) z + rowsum(A) + eps;       S += phi(K_c)^T V_c, z += ...
+// Non-causal: S, z over all valid keys first, then num = phi(Q) S per chunk.
+//
+// Backward (from out and den): with gn_i = g_i / den_i and gd_i = -(g_i·out_i)
+// / den_i the product is that of causal_linear_product on [V, 1] with output
+// gradient [gn, gd]; the kernels follow causal_product_cpu.cpp (a forward pass
+// for dQ with the prefix state, a reversed pass for dK, dV with the suffix
+// state R = sum phi(q_i) gn_i^T, r = sum phi(q_i) gd_i) and recompute phi on
+// each tile; dQ = dphi(Q) ∘ phi'(Q), likewise dK. Padded keys get zero
+// gradients.
+//
+// Extra memory: per thread a few C×max(E, M) tiles and E×M states; never
+// L×E×M, never L×S. Tested by tests/cpp/test_linear_attention.cpp; timed by
+// bench/bench_linear_attention.cpp.
+#pragma once
+
+#include <cstdint>
+
+namespace fastattn::kernels {
+
+template <typename T>
+struct EluLinearParams {
+  const T* q = nullptr;                  // (N, H, L, E) contiguous
+  const T* k = nullptr;                  // (N, H, S, E) contiguous
+  const T* v = nullptr;                  // (N, H, S, M) contiguous
+  const int64_t* key_lengths = nullptr;  // (N,) in [0, S], or null: all S keys
+  int64_t N = 0, H = 0, L = 0, S = 0, E = 0, M = 0;
+  bool causal = false;  // needs S == L
+  T eps = T(1e-6);
+  int64_t chunk = 64;  // rows per chunk C (>= 1)
+  int num_threads = 1;
+};
+
+template <typename T>
+struct EluLinearForwardArgs : EluLinearParams<T> {
+  T* out = nullptr;  // (N, H, L, M), written
+  T* den = nullptr;  // (N, H, L), written: the normaliser including eps
+};
+
+template <typename T>
+struct EluLinearBackwardArgs : EluLinearParams<T> {
+  const T* grad_out = nullptr;  // (N, H, L, M) contiguous
+  const T* out = nullptr;       // (N, H, L, M), from the forward
+  const T* den = nullptr;       // (N, H, L), from the forward
+  T* grad_q = nullptr;          // (N, H, L, E), written
+  T* grad_k = nullptr;          // (N, H, S, E), written
+  T* grad_v = nullptr;          // (N, H, S, M), written
+};
+
+template <typename T>
+void elu_linear_attention_forward_cpu(const EluLinearForwardArgs<T>& args);
+template <typename T>
+void elu_linear_attention_backward_cpu(const EluLinearBackwardArgs<T>& args);
+
+}  // namespace fastattn::kernels

@@ -1,0 +1,204 @@
+// The elu_linear_attention operator: normalised linear attention with the
+// feature map phi(x) = elu(x) + 1, causal or not, fused into one kernel per
+// pass (src/kernels/linear_attention/). Input checks, the CPU forward/backward,
+// the autograd function, the C++ entry point and the plain-ATen reference
+// (O(L·S) memory, tests and benchmarks only).
+// Tested by tests/cpp/test_linear_attention.cpp; timed by
+// bench/bench_linear_attention.cpp.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "fastattn/ops.h"
+#include "kernels/linear_attention/elu_linear_attention.h"
+#include "ops/mask_util.h"
+#include "ops/op_util.h"
+
+namespace fastattn {
+namespace {
+
+using torch::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+constexpr const char* kOp = "fastattn::elu_linear_attention";
+constexpr int64_t kChunk = 64;  // rows per chunk: C×C tiles stay in L1/L2
+
+void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
+                  const c10::optional<Tensor>& key_lengths, bool causal, double eps) {
+  ops::check_qkv(kOp, q, k, v);
+  ops::check_masks(kOp, q, k.size(2), std::nullopt, to_std(key_lengths));
+  TORCH_CHECK(!causal || k.size(2) == q.size(2), kOp,
+              ": causal attention needs as many keys as queries (S == L), got q ", q.sizes(),
+              " and k ", k.sizes());
+  TORCH_CHECK(std::isfinite(eps) && eps > 0, kOp, ": eps must be a finite number > 0, got ", eps);
+  TORCH_CHECK(q.device().is_cpu(), kOp, ": only CPU tensors are supported so far, got ",
+              q.device());
+}
+
+struct Prepared {
+  Tensor q, k, v, lengths;
+};
+
+Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v,
+                 const c10::optional<Tensor>& key_lengths) {
+  Prepared p{q.contiguous(), k.contiguous(), v.contiguous(), {}};
+  if (key_lengths) p.lengths = key_lengths->to(torch::kLong).contiguous();
+  return p;
+}
+
+template <typename T, typename Args>
+void fill_params(Args& a, const Prepared& p, bool causal, double eps) {
+  a.q = p.q.data_ptr<T>();
+  a.k = p.k.data_ptr<T>();
+  a.v = p.v.data_ptr<T>();
+  if (p.lengths.defined()) a.key_lengths = p.lengths.data_ptr<int64_t>();
+  a.N = p.q.size(0);
+  a.H = p.q.size(1);
+  a.L = p.q.size(2);
+  a.S = p.k.size(2);
+  a.E = p.q.size(3);
+  a.M = p.v.size(3);
+  a.causal = causal;
+  a.eps = static_cast<T>(eps);
+  a.chunk = kChunk;
+  a.num_threads = at::get_num_threads();
+}
+
+std::tuple<Tensor, Tensor> elu_linear_attention_forward_cpu(
+    const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
+    const c10::optional<Tensor>& key_lengths, bool causal, double eps) {
+  check_inputs(q_in, k_in, v_in, key_lengths, causal, eps);
+  const auto p = prepare(q_in, k_in, v_in, key_lengths);
+  const int64_t N = p.q.size(0), H = p.q.size(1), L = p.q.size(2);
+  auto out = torch::empty({N, H, L, p.v.size(3)}, p.q.options());
+  auto den = torch::empty({N, H, L}, p.q.options());
+  AT_DISPATCH_FLOATING_TYPES(p.q.scalar_type(), "elu_linear_attention_forward_cpu", [&] {
+    kernels::EluLinearForwardArgs<scalar_t> a;
+    fill_params<scalar_t>(a, p, causal, eps);
+    a.out = out.data_ptr<scalar_t>();
+    a.den = den.data_ptr<scalar_t>();
+    kernels::elu_linear_attention_forward_cpu(a);
+  });
+  return {out, den};
+}
+
+std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_backward_cpu(
+    const Tensor& grad_out, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
+    const Tensor& out_in, const Tensor& den_in, const c10::optional<Tensor>& key_lengths,
+    bool causal, double eps) {
+  check_inputs(q_in, k_in, v_in, key_lengths, causal, eps);
+  const std::vector<int64_t> out_shape{q_in.size(0), q_in.size(1), q_in.size(2), v_in.size(3)};
+  TORCH_CHECK(grad_out.sizes() == c10::IntArrayRef(out_shape), kOp,
+              ": grad_out must have the output's shape ", c10::IntArrayRef(out_shape), ", got ",
+              grad_out.sizes());
+  TORCH_CHECK(out_in.sizes() == c10::IntArrayRef(out_shape), kOp,
+              ": out must have the output's shape ", c10::IntArrayRef(out_shape), ", got ",
+              out_in.sizes());
+  TORCH_CHECK(den_in.sizes() == c10::IntArrayRef(out_shape).slice(0, 3), kOp,
+              ": den must have shape (N, H, L) = ", c10::IntArrayRef(out_shape).slice(0, 3),
+              ", got ", den_in.sizes());
+  const auto p = prepare(q_in, k_in, v_in, key_lengths);
+  const auto dtype = p.q.scalar_type();
+  const auto go = grad_out.to(dtype).contiguous();
+  const auto out = out_in.to(dtype).contiguous();
+  const auto den = den_in.to(dtype).contiguous();
+  auto gq = torch::empty_like(p.q), gk = torch::empty_like(p.k), gv = torch::empty_like(p.v);
+  AT_DISPATCH_FLOATING_TYPES(dtype, "elu_linear_attention_backward_cpu", [&] {
+    kernels::EluLinearBackwardArgs<scalar_t> a;
+    fill_params<scalar_t>(a, p, causal, eps);
+    a.grad_out = go.data_ptr<scalar_t>();
+    a.out = out.data_ptr<scalar_t>();
+    a.den = den.data_ptr<scalar_t>();
+    a.grad_q = gq.data_ptr<scalar_t>();
+    a.grad_k = gk.data_ptr<scalar_t>();
+    a.grad_v = gv.data_ptr<scalar_t>();
+    kernels::elu_linear_attention_backward_cpu(a);
+  });
+  return {gq, gk, gv};
+}
+
+std::tuple<Tensor, Tensor> call_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                        const c10::optional<Tensor>& key_lengths, bool causal,
+                                        double eps) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastattn::elu_linear_attention_forward", "")
+                       .typed<decltype(elu_linear_attention_forward_cpu)>();
+  return op.call(q, k, v, key_lengths, causal, eps);
+}
+
+Tensor elu_linear_attention_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
+                                const c10::optional<Tensor>& key_lengths, bool causal, double eps) {
+  return std::get<0>(call_forward(q, k, v, key_lengths, causal, eps));
+}
+
+class EluLinearAttentionFunction : public torch::autograd::Function<EluLinearAttentionFunction> {
+ public:
+  static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const c10::optional<Tensor>& key_lengths, bool causal, double eps) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, den] = call_forward(q, k, v, key_lengths, causal, eps);
+    ctx->save_for_backward({q, k, v, out, den});
+    if (key_lengths) ctx->saved_data["key_lengths"] = *key_lengths;
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["eps"] = eps;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("fastattn::elu_linear_attention_backward", "")
+                         .typed<decltype(elu_linear_attention_backward_cpu)>();
+    const auto s = ctx->get_saved_variables();
+    c10::optional<Tensor> key_lengths;
+    if (ctx->saved_data.count("key_lengths"))
+      key_lengths = ctx->saved_data["key_lengths"].toTensor();
+    auto [gq, gk, gv] =
+        op.call(grads[0], s[0], s[1], s[2], s[3], s[4], key_lengths,
+                ctx->saved_data["causal"].toBool(), ctx->saved_data["eps"].toDouble());
+    return {gq, gk, gv, Tensor(), Tensor(), Tensor()};
+  }
+};
+
+Tensor elu_linear_attention_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                     const c10::optional<Tensor>& key_lengths, bool causal,
+                                     double eps) {
+  return EluLinearAttentionFunction::apply(q, k, v, key_lengths, causal, eps);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
+  m.impl("elu_linear_attention", elu_linear_attention_cpu);
+  m.impl("elu_linear_attention_forward", elu_linear_attention_forward_cpu);
+  m.impl("elu_linear_attention_backward", elu_linear_attention_backward_cpu);
+}
+
+TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
+  m.impl("elu_linear_attention", elu_linear_attention_autograd);
+}
+
+Tensor elu_linear_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                            const std::optional<Tensor>& key_lengths, bool causal, double eps) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastattn::elu_linear_attention", "")
+                       .typed<decltype(elu_linear_attention_cpu)>();
+  return op.call(q, k, v, to_c10(key_lengths), causal, eps);
+}
+
+namespace reference {
+
+Tensor elu_linear_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                            const std::optional<Tensor>& key_lengths, bool causal, double eps) {
+  check_inputs(q, k, v, to_c10(key_lengths), causal, eps);
+  const int64_t N = q.size(0), L = q.size(2), S = k.size(2);
+  auto qf = torch::elu(q) + 1, kf = torch::elu(k) + 1;
+  auto w = torch::matmul(qf, kf.transpose(-1, -2));  // (N, H, L, S)
+  auto keep = ops::dense_keep(N, L, S, std::nullopt, key_lengths, causal, q.device());
+  w = w.masked_fill(keep.logical_not(), 0.0);
+  return torch::matmul(w, v) / (w.sum(-1, /*keepdim=*/true) + eps);
+}
+
+}  // namespace reference
+}  // namespace fastattn
