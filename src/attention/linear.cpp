@@ -10,6 +10,8 @@
 //                  the numerator's order and precision (a separate float32
 //                  cumulative sum over 65536 terms would drift from it); costs
 //                  one extra, scalar, column. S == L required.
+// With the elu map on the CPU both types call the fused operator
+// elu_linear_attention instead (map, products and normaliser in one kernel).
 // Padded keys (key_lengths) get phi(k) = 0, so they add nothing to either sum.
 // Tested by tests/cpp/test_linear_attention.cpp; timed by
 // bench/bench_linear_attention.cpp.
