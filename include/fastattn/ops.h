@@ -89,6 +89,28 @@ torch::Tensor clustered_topk_attention(const torch::Tensor& q, const torch::Tens
                                        const std::optional<torch::Tensor>& key_lengths,
                                        double softmax_temp);
 
+// Hard retrieval attention (Xu et al., "Learning Hard Retrieval Decoder
+// Attention for Transformers"): each query (per head) retrieves one value row.
+//   sample = false: index_i = argmax_j q_i·k_j over the kept keys, on the raw
+//     scores (no scale, no softmax); ties go to the lowest j.
+//   sample = true: index_i drawn from softmax_j(softmax_temp·q_i·k_j) over the
+//     kept keys; the draws are a pure function of `seed` (same seed, same
+//     indices, for any thread count).
+//   out_i = v_{index_i}: a gather, not a matmul. A query that keeps no key
+//   gets index -1, zeros and zero gradients.
+//   attn_mask: bool keep mask (L, S), (N, L, S) or (N, H, L, S) (additive masks
+//   are rejected); key_lengths (N,) and causal (j <= i + S - L) as for
+//   full_attention; softmax_temp default 1/sqrt(E).
+// Returns (out (N, H, L, M), index (N, H, L) int64). Gradients (straight-
+// through): v gets an index-add of grad_out; q and k get the softmax gradient
+// with dP_ij = grad_out_i·v_j (the gradient soft attention would get). Streams
+// over key tiles: no L×S matrix in forward or backward.
+std::tuple<torch::Tensor, torch::Tensor> hard_retrieval_attention(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+    const std::optional<torch::Tensor>& attn_mask = std::nullopt,
+    const std::optional<torch::Tensor>& key_lengths = std::nullopt, bool causal = false,
+    bool sample = false, std::optional<double> softmax_temp = std::nullopt, int64_t seed = 0);
+
 namespace reference {
 // Plain-ATen hashing: (x·W^T + b > 0) packed into int64.
 torch::Tensor hash_queries(const torch::Tensor& x, const torch::Tensor& planes);
@@ -114,6 +136,16 @@ torch::Tensor full_attention(const torch::Tensor& q, const torch::Tensor& k, con
                              const std::optional<torch::Tensor>& key_lengths = std::nullopt,
                              bool causal = false,
                              std::optional<double> softmax_temp = std::nullopt);
+
+// Dense oracle of hard_retrieval_attention's contract (materialises L×S).
+// Without `index`: the argmax indices (ties: lowest). With `index`: the given
+// indices (e.g. the op's sampled ones). out = A V with A = P + (onehot - P)
+// detached, so autograd through it gives the straight-through gradients.
+std::tuple<torch::Tensor, torch::Tensor> hard_retrieval_attention(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+    const std::optional<torch::Tensor>& attn_mask, const std::optional<torch::Tensor>& key_lengths,
+    bool causal, std::optional<double> softmax_temp,
+    const std::optional<torch::Tensor>& index = std::nullopt);
 }  // namespace reference
 
 }  // namespace fastattn

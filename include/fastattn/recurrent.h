@@ -19,6 +19,8 @@
 //   full           key/value cache (K (N, H, t, E), V (N, H, t, M)), growing
 //                  by one row per step; out = softmax(temp·q·K^T) V through
 //                  the fused full_attention operator. O(t·(E + M)) per step.
+//   hard-retrieval key/value cache as for full; out = V[argmax_j q·k_j], a
+//                  gather. O(t·E + M) per step.
 // With the same parameters (and so the same feature map weights), step i
 // equals row i of the batch type's output under a causal mask.
 //
@@ -107,7 +109,29 @@ class RecurrentFullAttention : public RecurrentAttentionBase {
   std::optional<double> softmax_temp_;
 };
 
-// The names make_recurrent_attention accepts ("causal-linear", "full").
+// hard-retrieval with a key/value cache (Xu et al.): each head of the new
+// query retrieves the cached value row at argmax_j q·k_j (raw scores, ties to
+// the lowest j), as the batch type does in evaluation; steps never sample.
+// O(t·E + M) per step and head: a dot product per cached key, then a gather.
+// Only the retrieved value rows are read: a caller that caches the layer's
+// inputs instead of projected values can call retrieve() and project just
+// those rows (H per step instead of t), as the paper suggests.
+class RecurrentHardRetrievalAttention : public RecurrentAttentionBase {
+ public:
+  RecurrentHardRetrievalAttention() = default;
+  // state: empty or {K (N, H, t, E), V (N, H, t, M)}; the new state has t + 1 rows.
+  std::pair<torch::Tensor, RecurrentState> step(const torch::Tensor& query,
+                                                const torch::Tensor& key,
+                                                const torch::Tensor& value,
+                                                const RecurrentState& state) override;
+  // The cached row each head retrieves: query (N, H, E), keys (N, H, t, E)
+  // -> (N, H) int64 in [0, t) (-1 when t == 0). Reads no values.
+  static torch::Tensor retrieve(const torch::Tensor& query, const torch::Tensor& keys);
+  std::string type_name() const override { return "hard-retrieval"; }
+};
+
+// The names make_recurrent_attention accepts ("causal-linear", "full",
+// "hard-retrieval").
 const std::vector<std::string>& recurrent_attention_names();
 
 // Builds the step form of a registered type from the same parameters as the

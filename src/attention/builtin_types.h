@@ -15,10 +15,14 @@ void register_linear_attention_types(AttentionRegistry& registry);
 // clustered, improved-clustered, exact-topk (src/attention/clustered.cpp).
 void register_clustered_attention_types(AttentionRegistry& registry);
 
+// hard-retrieval (src/attention/hard_retrieval.cpp).
+void register_hard_retrieval_attention_types(AttentionRegistry& registry);
+
 inline void register_builtin_types(AttentionRegistry& registry) {
   register_full_attention_types(registry);
   register_linear_attention_types(registry);
   register_clustered_attention_types(registry);
+  register_hard_retrieval_attention_types(registry);
 }
 
 }  // namespace fastattn

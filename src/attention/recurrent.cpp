@@ -135,10 +135,50 @@ std::pair<Tensor, RecurrentState> RecurrentFullAttention::step(const Tensor& que
   return {out.squeeze(2), RecurrentState{{K, V}}};
 }
 
+// ---- hard-retrieval -------------------------------------------------------------
+
+std::pair<Tensor, RecurrentState> RecurrentHardRetrievalAttention::step(
+    const Tensor& query,  // (N, H, E)
+    const Tensor& key,    // (N, H, E)
+    const Tensor& value,  // (N, H, M)
+    const RecurrentState& state) {
+  constexpr const char* type = "recurrent hard-retrieval";
+  check_step_inputs(type, query, key, value);
+  const int64_t N = query.size(0), H = query.size(1), E = query.size(2), M = value.size(2);
+  Tensor K, V;
+  if (state.empty()) {
+    K = key.unsqueeze(2);    // (N, H, 1, E)
+    V = value.unsqueeze(2);  // (N, H, 1, M)
+  } else {
+    TORCH_CHECK(state.tensors.size() == 2, type,
+                ": state must be empty or hold {K (N, H, t, E), V (N, H, t, M)}, got ",
+                state.tensors.size(), " tensors");
+    const auto& K0 = state.tensors[0];
+    const int64_t t = K0.defined() && K0.dim() == 4 ? K0.size(2) : -1;
+    check_state_tensor(type, "K", K0, {N, H, t, E}, query);
+    check_state_tensor(type, "V", state.tensors[1], {N, H, t, M}, query);
+    K = torch::cat({K0, key.unsqueeze(2)}, 2);                  // (N, H, t + 1, E)
+    V = torch::cat({state.tensors[1], value.unsqueeze(2)}, 2);  // (N, H, t + 1, M)
+  }
+  // The newest query sees every cached key: no mask; argmax, never a sample.
+  auto out = std::get<0>(hard_retrieval_attention(query.unsqueeze(2), K, V));  // (N, H, 1, M)
+  return {out.squeeze(2), RecurrentState{{K, V}}};
+}
+
+Tensor RecurrentHardRetrievalAttention::retrieve(const Tensor& query,   // (N, H, E)
+                                                 const Tensor& keys) {  // (N, H, t, E)
+  TORCH_CHECK(query.defined() && query.dim() == 3,
+              "recurrent hard-retrieval: query must have shape (N, H, E), got ",
+              query.defined() ? query.sizes() : c10::IntArrayRef{});
+  // Zero-width values: the op computes the indices and copies nothing.
+  auto none = torch::empty({keys.size(0), keys.size(1), keys.size(2), 0}, keys.options());
+  return std::get<1>(hard_retrieval_attention(query.unsqueeze(2), keys, none)).squeeze(2);
+}
+
 // ---- construction by name ---------------------------------------------------
 
 const std::vector<std::string>& recurrent_attention_names() {
-  static const std::vector<std::string> names = {"causal-linear", "full"};
+  static const std::vector<std::string> names = {"causal-linear", "full", "hard-retrieval"};
   return names;
 }
 
@@ -158,6 +198,10 @@ RecurrentAttentionPtr make_recurrent_attention(const std::string& name, const Pa
   if (name == "full") {
     const auto p = AttentionRegistry::global().validate(name, params);
     return std::make_shared<RecurrentFullAttention>(p.get_optional_float("softmax_temp"));
+  }
+  if (name == "hard-retrieval") {
+    AttentionRegistry::global().validate(name, params);  // same specs; steps take the argmax
+    return std::make_shared<RecurrentHardRetrievalAttention>();
   }
   std::string supported;
   for (const auto& n : recurrent_attention_names()) {

@@ -71,6 +71,26 @@ TORCH_LIBRARY(fastattn, m) {
       "Tensor topk, Tensor mass, Tensor assignments, Tensor? key_lengths, float softmax_temp) "
       "-> (Tensor, Tensor, Tensor, Tensor)");
 
+  // ---- hard retrieval attention (Xu et al.) -----------------------------------
+  // q (N,H,L,E), k (N,H,S,E), v (N,H,S,M) -> (out (N,H,L,M), index (N,H,L) int64):
+  // each query retrieves one value row, argmax of q·k (sample=False) or a draw
+  // from softmax(softmax_temp·q·k) keyed by seed (sample=True); attn_mask is a
+  // bool keep mask. Straight-through gradients to q, k and v.
+  m.def(
+      "hard_retrieval_attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, "
+      "Tensor? key_lengths=None, bool causal=False, bool sample=False, "
+      "float? softmax_temp=None, int seed=0) -> (Tensor, Tensor)");
+  // Forward kernel: (out, index, lse); lse (N,H,L) when sample or need_lse, else empty.
+  m.def(
+      "hard_retrieval_attention_forward(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, "
+      "Tensor? key_lengths, bool causal, bool sample, float softmax_temp, int seed, "
+      "bool need_lse) -> (Tensor, Tensor, Tensor)");
+  // Backward kernel (straight-through): (grad_q, grad_k, grad_v).
+  m.def(
+      "hard_retrieval_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, "
+      "Tensor index, Tensor lse, Tensor? attn_mask, Tensor? key_lengths, bool causal, "
+      "float softmax_temp) -> (Tensor, Tensor, Tensor)");
+
   // ---- registry access (Python mirrors the C++ registry through these) -----
   // Any registered attention type by name; params_json is a JSON object of the
   // type's parameters.

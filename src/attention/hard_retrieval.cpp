@@ -1,0 +1,87 @@
+// The `hard-retrieval` attention type (see include/fastattn/hard_retrieval.h)
+// and its registration. The module only chooses the mode and draws a seed
+// per training forward from its generator; the work is the operator
+// fastattn::hard_retrieval_attention (src/ops/hard_retrieval_attention.cpp).
+// Tested by tests/cpp/test_hard_retrieval.cpp.
+#include "fastattn/hard_retrieval.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <cmath>
+
+#include "attention/builtin_types.h"
+#include "fastattn/ops.h"
+#include "fastattn/registry.h"
+
+namespace fastattn {
+
+HardRetrievalAttention::HardRetrievalAttention(std::string train_mode,
+                                               std::optional<double> softmax_temp,
+                                               std::optional<int64_t> seed)
+    : train_mode_(std::move(train_mode)), softmax_temp_(softmax_temp) {
+  TORCH_CHECK(train_mode_ == "sample" || train_mode_ == "argmax",
+              "HardRetrievalAttention: train_mode must be 'sample' or 'argmax', got '", train_mode_,
+              "'");
+  TORCH_CHECK(!softmax_temp || (std::isfinite(*softmax_temp) && *softmax_temp > 0),
+              "HardRetrievalAttention: softmax_temp must be a finite number > 0, got ",
+              softmax_temp.value_or(0.0));
+  TORCH_CHECK(!seed || *seed >= 0, "HardRetrievalAttention: seed must be >= 0, got ",
+              seed.value_or(0));
+  gen_ = seed ? at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(*seed))
+              : at::detail::getDefaultCPUGenerator();
+}
+
+std::pair<torch::Tensor, torch::Tensor> HardRetrievalAttention::forward_with_indices(
+    const torch::Tensor& queries,  // (N, H, L, E)
+    const torch::Tensor& keys,     // (N, H, S, E)
+    const torch::Tensor& values,   // (N, H, S, M)
+    const Mask& mask) {
+  check_attention_inputs(queries, keys, values, mask);
+  TORCH_CHECK(!mask.attn_mask() || mask.attn_mask()->scalar_type() == torch::kBool,
+              "hard-retrieval: attn_mask must be a bool keep mask (true = keep), got ",
+              mask.attn_mask() ? mask.attn_mask()->scalar_type() : torch::kBool,
+              " (an additive mask has no meaning for an argmax of raw scores)");
+  const bool sample = is_training() && train_mode_ == "sample";
+  int64_t seed = 0;
+  if (sample) {
+    // One op seed per forward from the module's generator (drawn on the CPU;
+    // randint locks the generator itself).
+    seed = torch::randint(0, int64_t(1) << 62, {1}, gen_, torch::kLong).item<int64_t>();
+  }
+  auto [out, index] =
+      hard_retrieval_attention(queries, keys, values, mask.attn_mask(), mask.key_lengths(),
+                               mask.is_causal(), sample, softmax_temp_, seed);
+  return {out, index};
+}
+
+torch::Tensor HardRetrievalAttention::forward(const torch::Tensor& queries,
+                                              const torch::Tensor& keys,
+                                              const torch::Tensor& values, const Mask& mask) {
+  return forward_with_indices(queries, keys, values, mask).first;
+}
+
+void register_hard_retrieval_attention_types(AttentionRegistry& registry) {
+  registry.add(
+      {"hard-retrieval",
+       "each head attends to one key: argmax of q·k in evaluation (a gather of V), a sample "
+       "from the softmax in training, straight-through gradients (Xu et al.)",
+       {ParamSpec::choice("train_mode", "sample", {"sample", "argmax"},
+                          "training forward: sample from softmax(temp·q·k) (the paper) or take "
+                          "the argmax; evaluation always takes the argmax"),
+        ParamSpec::real("softmax_temp", std::nullopt,
+                        "scale of the scores in the training softmax (sampling and gradients); "
+                        "default 1/sqrt(E)",
+                        0.0)
+            .exclusive_min(),
+        ParamSpec::integer("seed", std::nullopt,
+                           "seed of the module's generator (training samples); default: the "
+                           "global CPU generator",
+                           0)},
+       [](const Params& p, const AttentionDims&) -> AttentionPtr {
+         return std::make_shared<HardRetrievalAttention>(p.get_string("train_mode"),
+                                                         p.get_optional_float("softmax_temp"),
+                                                         p.get_optional_int("seed"));
+       }});
+}
+
+}  // namespace fastattn

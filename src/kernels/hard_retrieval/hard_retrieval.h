@@ -1,0 +1,84 @@
+// Hard retrieval attention on the CPU (Xu et al., "Learning Hard Retrieval
+// Decoder Attention for Transformers"): every query (per head) retrieves
+// exactly one value row.
+//
+//   argmax mode:  index_i = argmax_j q_i·k_j over the kept keys (raw scores:
+//                 no scale, no softmax; ties go to the lowest j).
+//   sample mode:  index_i ~ softmax_j(scale·q_i·k_j) over the kept keys, one
+//                 draw per query from a counter-based generator keyed by
+//                 (seed, n, h, i): same seed, same indices, for any number of
+//                 threads.
+//   out_i = v_{index_i}, or zeros and index -1 when query i keeps no key.
+//
+// Both modes stream over tiles of keys and never hold more than one tile of
+// scores per query tile (no L×S matrix). Sampling is one pass: a weighted
+// reservoir over key tiles. After tiles 1..t the current choice is
+// distributed as softmax restricted to those tiles; tile t+1 (weight W_{t+1}
+// = sum of its exp(s - m), rescaled with the running max m like an online
+// softmax) replaces it with probability W_{t+1} / (W_1..t + W_{t+1}), and
+// the replacement is drawn inside the tile by inverse CDF. Two uniforms per
+// query and key tile; exact sampling from the softmax (up to rounding).
+//
+// The backward (straight-through, see src/ops/hard_retrieval_attention.cpp)
+// needs delta_i = sum_j P_ij (dout_i·v_j) = dout_i·(P V)_i, computed here by
+// recomputing P per tile from the saved log-sum-exp; the rest of the softmax
+// backward is the fused full-attention backward kernel.
+//
+// Cost: forward 2·N·H·L·S·E flops (+ the exp of every score in sample mode)
+// plus an O(M) copy per query; delta 2·N·H·L·S·(E+M).
+// Tested by tests/cpp/test_hard_retrieval.cpp; timed by bench/bench_hard_retrieval.cpp.
+#pragma once
+
+#include <cstdint>
+
+namespace fastattn::kernels {
+
+template <typename T>
+struct HardRetrievalParams {
+  const T* q = nullptr;  // (N, H, L, E) contiguous
+  const T* k = nullptr;  // (N, H, S, E) contiguous
+  const T* v = nullptr;  // (N, H, S, M) contiguous
+  // Boolean keep mask or nullptr: element (n, h, l, s) at
+  // keep[n·keep_sn + h·keep_sh + l·keep_sl + s] (stride 0 on broadcast dims).
+  const bool* keep = nullptr;
+  int64_t keep_sn = 0, keep_sh = 0, keep_sl = 0;
+  const int64_t* key_lengths = nullptr;  // (N,) in [0, S], or nullptr for S
+  int64_t N = 0, H = 0, L = 0, S = 0, E = 0, M = 0;
+  bool causal = false;  // query i keeps key j iff j <= i + (S - L)
+  T scale = 1;          // softmax temperature (sample mode and lse)
+  int num_threads = 1;
+};
+
+template <typename T>
+struct HardRetrievalForwardArgs : HardRetrievalParams<T> {
+  bool sample = false;       // true: sample from the softmax; false: argmax of raw scores
+  uint64_t seed = 0;         // sample mode: the draws are a pure function of (seed, n, h, i)
+  T* out = nullptr;          // (N, H, L, M): the retrieved value rows
+  int64_t* index = nullptr;  // (N, H, L): the retrieved key, -1 when none is kept
+  // (N, H, L) or nullptr: log-sum-exp of the kept scaled scores, -inf if none
+  // (what the backward needs; computed in either mode when given).
+  T* lse = nullptr;
+};
+
+template <typename T>
+struct HardRetrievalDeltaArgs : HardRetrievalParams<T> {
+  const T* lse = nullptr;       // (N, H, L) from the forward
+  const T* grad_out = nullptr;  // (N, H, L, M) contiguous
+  T* delta = nullptr;           // (N, H, L): sum_j P_ij (grad_out_i·v_j), 0 for empty rows
+};
+
+template <typename T>
+void hard_retrieval_forward_cpu(const HardRetrievalForwardArgs<T>& args);
+template <typename T>
+void hard_retrieval_delta_cpu(const HardRetrievalDeltaArgs<T>& args);
+// grad_v (N, H, S, M), overwritten: grad_v[n, h, index[n,h,i]] += grad_out[n, h, i] for every
+// i with index >= 0 (the straight-through gradient of V: an index-add).
+template <typename T>
+void hard_retrieval_grad_v_cpu(const T* grad_out, const int64_t* index, int64_t NH, int64_t L,
+                               int64_t S, int64_t M, T* grad_v, int num_threads);
+
+// The sampler's uniform in [0, 1) for (seed, query row, key tile, draw):
+// SplitMix64 mixing of the counters (exposed for tests).
+double hard_retrieval_uniform(uint64_t seed, uint64_t row, uint64_t tile, uint64_t draw);
+
+}  // namespace fastattn::kernels

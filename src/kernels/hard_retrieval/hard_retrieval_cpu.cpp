@@ -1,0 +1,334 @@
+// CPU kernels of hard retrieval attention (see hard_retrieval.h).
+//
+// Forward, per work item (n, h, tile of kBr queries): for each tile of kBc
+// keys, scores = Q·K^T (register-blocked with K packed in panels; for fewer
+// than kDirectRows queries, as in a decoding step, direct SIMD dot products
+// without packing), then per query row either a running argmax over the kept
+// raw scores or a reservoir step of the sampler (scale, mask, online max,
+// exp, tile weight). At the end the chosen value row is copied (a gather).
+//
+// Delta (for the backward), per work item (n, h, tile of queries): recompute
+// P = exp(scale·S - lse) per key tile, G = dO·V^T, delta += rowsum(P ∘ G).
+#include "kernels/hard_retrieval/hard_retrieval.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "kernels/common/gemm.h"
+#include "kernels/common/parallel.h"
+#include "kernels/common/simd.h"
+
+namespace fastattn::kernels {
+namespace {
+
+constexpr int64_t kBr = 48;         // queries per tile (a multiple of 6)
+constexpr int64_t kBc = 128;        // keys per tile (a multiple of every panel width)
+constexpr int64_t kDirectRows = 6;  // below this many queries, no packing of K
+constexpr int64_t kDeltaBr = 48;    // queries per delta tile
+constexpr int64_t kDeltaBc = 64;    // keys per delta tile
+
+template <typename T>
+constexpr T neg_inf() {
+  return -std::numeric_limits<T>::infinity();
+}
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// Number of keys query i may see within [j0, j0 + cols): causal cut-off.
+inline int64_t visible_cols(bool causal, int64_t i, int64_t offset, int64_t j0, int64_t cols) {
+  if (!causal) return cols;
+  return std::clamp<int64_t>(i + offset + 1 - j0, 0, cols);
+}
+
+// Packs X (per (n, h): rows x D) of every head into transposed panels for
+// gemm_packed: out is (NH, rows_pad / NR panels, D, NR).
+template <typename T>
+std::unique_ptr<T[]> pack_heads(const T* x, int64_t NH, int64_t rows, int64_t D, int64_t rows_pad,
+                                int num_threads) {
+  std::unique_ptr<T[]> out(new T[static_cast<size_t>(std::max<int64_t>(NH * rows_pad * D, 1))]);
+  T* o = out.get();
+  struct None {};
+  parallel_items<None>(
+      NH, num_threads, [](None&) {},
+      [&](int64_t nh, None&) {
+        pack_transposed_panels(x + nh * rows * D, rows, D, D, rows_pad, o + nh * rows_pad * D);
+      });
+  return out;
+}
+
+template <typename T>
+inline T dot(const T* a, const T* b, int64_t n) {
+  using S = Simd<T>;
+  auto acc = S::zero();
+  int64_t c = 0;
+  for (; c + S::W <= n; c += S::W) acc = S::fma(S::load(a + c), S::load(b + c), acc);
+  T s = S::hsum(acc);
+  for (; c < n; ++c) s += a[c] * b[c];
+  return s;
+}
+
+// row = exp(row - shift) in place; returns the sum. width: a multiple of W.
+template <typename T>
+inline T exp_shift_sum(T* row, int64_t width, T shift) {
+  using S = Simd<T>;
+  const auto sh = S::set1(shift);
+  auto sum = S::zero();
+  for (int64_t c = 0; c < width; c += S::W) {
+    const auto e = S::exp(S::sub(S::load(row + c), sh));
+    S::store(row + c, e);
+    sum = S::add(sum, e);
+  }
+  return S::hsum(sum);
+}
+
+template <typename T>
+inline T row_max(const T* row, int64_t width) {  // width: a multiple of W
+  using S = Simd<T>;
+  auto m = S::set1(neg_inf<T>());
+  for (int64_t c = 0; c < width; c += S::W) m = S::max(m, S::load(row + c));
+  return S::hmax(m);
+}
+
+// Scales a row of raw scores; dropped keys (past `limit`, or false in the keep
+// row) become -inf up to `width`.
+template <typename T>
+inline void scale_and_mask(T* row, const bool* keep_row, int64_t limit, int64_t width, T scale) {
+  for (int64_t c = 0; c < limit; ++c) {
+    row[c] = (keep_row == nullptr || keep_row[c]) ? row[c] * scale : neg_inf<T>();
+  }
+  for (int64_t c = limit; c < width; ++c) row[c] = neg_inf<T>();
+}
+
+// Per query row of a tile: the online-softmax state and the current choice.
+template <typename T>
+struct RowState {
+  T m;           // running max of the kept scaled scores
+  T w;           // running sum of exp(s - m)
+  int64_t best;  // current index (-1: none)
+  T best_score;  // argmax mode: its raw score
+};
+
+template <typename T>
+struct ForwardScratch {
+  std::vector<T> s;
+  std::vector<RowState<T>> rows;
+};
+
+// Scores of `rows` queries against keys [j0, j0 + cols) into s (row stride
+// kBc); columns up to `width` are written (garbage past cols is masked later).
+template <typename T>
+inline void tile_scores(const T* q, int64_t rows, int64_t E, const T* kh, const T* kph, int64_t j0,
+                        int64_t cols, int64_t width, T* s) {
+  if (kph != nullptr) {
+    gemm_packed(rows, width, E, q, E, kph + j0 * E, s, kBc, false);
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) s[r * kBc + c] = dot(q + r * E, kh + (j0 + c) * E, E);
+}
+
+}  // namespace
+
+double hard_retrieval_uniform(uint64_t seed, uint64_t row, uint64_t tile, uint64_t draw) {
+  const uint64_t h = splitmix64(splitmix64(splitmix64(seed) ^ row) ^ (tile * 2 + draw));
+  return static_cast<double>(h >> 11) * 0x1.0p-53;
+}
+
+template <typename T>
+void hard_retrieval_forward_cpu(const HardRetrievalForwardArgs<T>& a) {
+  const int64_t N = a.N, H = a.H, L = a.L, S = a.S, E = a.E, M = a.M;
+  const int64_t NH = N * H;
+  if (NH == 0 || L == 0) return;
+  constexpr int64_t NR = panel_width<T>();
+  const bool direct = L < kDirectRows;
+  const int64_t S_pad = round_up(std::max<int64_t>(S, 1), NR);
+  std::unique_ptr<T[]> kp;
+  if (!direct) kp = pack_heads(a.k, NH, S, E, S_pad, a.num_threads);
+  const int64_t q_tiles = (L + kBr - 1) / kBr;
+  const int64_t offset = S - L;
+  const bool need_softmax = a.sample || a.lse != nullptr;
+
+  parallel_items<ForwardScratch<T>>(
+      NH * q_tiles, a.num_threads,
+      [&](ForwardScratch<T>& w) {
+        w.s.resize(kBr * kBc);
+        w.rows.resize(kBr);
+      },
+      [&](int64_t item, ForwardScratch<T>& w) {
+        const int64_t nh = item / q_tiles, n = nh / H, h = nh % H;
+        const int64_t i0 = (item % q_tiles) * kBr;
+        const int64_t rows = std::min(kBr, L - i0);
+        const T* q = a.q + (nh * L + i0) * E;
+        const T* kh = a.k + nh * S * E;
+        const T* kph = direct ? nullptr : kp.get() + nh * S_pad * E;
+        int64_t kend = a.key_lengths ? a.key_lengths[n] : S;
+        if (a.causal) kend = std::min(kend, i0 + rows + offset);
+        for (int64_t r = 0; r < rows; ++r) w.rows[r] = {neg_inf<T>(), T(0), -1, neg_inf<T>()};
+        for (int64_t j0 = 0; j0 < kend; j0 += kBc) {
+          const int64_t cols = std::min(kBc, kend - j0);
+          const int64_t width = round_up(cols, NR);
+          const uint64_t tile = static_cast<uint64_t>(j0 / kBc);
+          tile_scores(q, rows, E, kh, kph, j0, cols, width, w.s.data());
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t i = i0 + r;
+            RowState<T>& st = w.rows[r];
+            T* row = w.s.data() + r * kBc;
+            const bool* krow =
+                a.keep ? a.keep + n * a.keep_sn + h * a.keep_sh + i * a.keep_sl + j0 : nullptr;
+            const int64_t limit = visible_cols(a.causal, i, offset, j0, cols);
+            if (!a.sample) {
+              // Strict > in increasing j: ties keep the lowest index; NaN never wins.
+              for (int64_t c = 0; c < limit; ++c) {
+                if (krow && !krow[c]) continue;
+                if (st.best < 0 || row[c] > st.best_score) {
+                  st.best_score = row[c];
+                  st.best = j0 + c;
+                }
+              }
+            }
+            if (!need_softmax) continue;
+            scale_and_mask(row, krow, limit, width, a.scale);
+            const T m_new = std::max(st.m, row_max(row, width));
+            if (m_new == neg_inf<T>()) continue;     // nothing kept so far
+            const T alpha = std::exp(st.m - m_new);  // 0 while m was -inf
+            const T wt = exp_shift_sum(row, width, m_new);
+            const T w_old = st.w * alpha;
+            st.w = w_old + wt;
+            st.m = m_new;
+            if (!a.sample || !(wt > T(0))) continue;
+            const uint64_t row_id = static_cast<uint64_t>(nh * L + i);
+            // Reservoir step: this tile takes over with probability wt / (w_old + wt).
+            const double u1 = hard_retrieval_uniform(a.seed, row_id, tile, 0);
+            if (!(u1 * static_cast<double>(st.w) < static_cast<double>(wt))) continue;
+            // Inverse CDF inside the tile; rounding falls back to the last kept key.
+            const double target = hard_retrieval_uniform(a.seed, row_id, tile, 1) * wt;
+            double cum = 0;
+            int64_t pick = -1;
+            for (int64_t c = 0; c < limit; ++c) {
+              if (!(row[c] > T(0))) continue;
+              pick = c;
+              cum += static_cast<double>(row[c]);
+              if (cum > target) break;
+            }
+            if (pick >= 0) st.best = j0 + pick;
+          }
+        }
+        T* out = a.out + (nh * L + i0) * M;
+        const T* vh = a.v + nh * S * M;
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t idx = w.rows[r].best;
+          a.index[nh * L + i0 + r] = idx;
+          if (idx >= 0) {
+            std::copy(vh + idx * M, vh + (idx + 1) * M, out + r * M);
+          } else {
+            std::fill(out + r * M, out + (r + 1) * M, T(0));
+          }
+          if (a.lse) {
+            const T wsum = w.rows[r].w;
+            a.lse[nh * L + i0 + r] = wsum > T(0) ? w.rows[r].m + std::log(wsum) : neg_inf<T>();
+          }
+        }
+      });
+}
+
+namespace {
+template <typename T>
+struct DeltaScratch {
+  std::vector<T> p, g, acc;
+};
+}  // namespace
+
+template <typename T>
+void hard_retrieval_delta_cpu(const HardRetrievalDeltaArgs<T>& a) {
+  const int64_t N = a.N, H = a.H, L = a.L, S = a.S, E = a.E, M = a.M;
+  const int64_t NH = N * H;
+  std::fill(a.delta, a.delta + NH * L, T(0));
+  if (NH == 0 || L == 0 || S == 0) return;
+  constexpr int64_t NR = panel_width<T>();
+  const int64_t S_pad = round_up(S, NR);
+  const auto kp = pack_heads(a.k, NH, S, E, S_pad, a.num_threads);
+  const auto vp = pack_heads(a.v, NH, S, M, S_pad, a.num_threads);
+  const int64_t q_tiles = (L + kDeltaBr - 1) / kDeltaBr;
+  const int64_t offset = S - L;
+
+  parallel_items<DeltaScratch<T>>(
+      NH * q_tiles, a.num_threads,
+      [&](DeltaScratch<T>& w) {
+        w.p.resize(kDeltaBr * kDeltaBc);
+        w.g.resize(kDeltaBr * kDeltaBc);
+        w.acc.resize(kDeltaBr);
+      },
+      [&](int64_t item, DeltaScratch<T>& w) {
+        const int64_t nh = item / q_tiles, n = nh / H, h = nh % H;
+        const int64_t i0 = (item % q_tiles) * kDeltaBr;
+        const int64_t rows = std::min(kDeltaBr, L - i0);
+        const T* q = a.q + (nh * L + i0) * E;
+        const T* dout = a.grad_out + (nh * L + i0) * M;
+        const T* lse = a.lse + nh * L + i0;
+        int64_t kend = a.key_lengths ? a.key_lengths[n] : S;
+        if (a.causal) kend = std::min(kend, i0 + rows + offset);
+        std::fill(w.acc.begin(), w.acc.end(), T(0));
+        for (int64_t j0 = 0; j0 < kend; j0 += kDeltaBc) {
+          const int64_t cols = std::min(kDeltaBc, kend - j0);
+          const int64_t width = round_up(cols, NR);
+          gemm_packed(rows, width, E, q, E, kp.get() + nh * S_pad * E + j0 * E, w.p.data(),
+                      kDeltaBc, false);
+          gemm_packed(rows, width, M, dout, M, vp.get() + nh * S_pad * M + j0 * M, w.g.data(),
+                      kDeltaBc, false);
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t i = i0 + r;
+            if (lse[r] == neg_inf<T>()) continue;
+            T* prow = w.p.data() + r * kDeltaBc;
+            const T* grow = w.g.data() + r * kDeltaBc;
+            const bool* krow =
+                a.keep ? a.keep + n * a.keep_sn + h * a.keep_sh + i * a.keep_sl + j0 : nullptr;
+            scale_and_mask(prow, krow, visible_cols(a.causal, i, offset, j0, cols), width, a.scale);
+            exp_shift_sum(prow, width, lse[r]);
+            T s = 0;
+            for (int64_t c = 0; c < cols; ++c) s += prow[c] * grow[c];
+            w.acc[r] += s;
+          }
+        }
+        std::copy(w.acc.begin(), w.acc.begin() + rows, a.delta + nh * L + i0);
+      });
+}
+
+template <typename T>
+void hard_retrieval_grad_v_cpu(const T* grad_out, const int64_t* index, int64_t NH, int64_t L,
+                               int64_t S, int64_t M, T* grad_v, int num_threads) {
+  std::fill(grad_v, grad_v + NH * S * M, T(0));
+  struct None {};
+  // One head per work item: no two items write the same rows.
+  parallel_items<None>(
+      NH, num_threads, [](None&) {},
+      [&](int64_t nh, None&) {
+        for (int64_t i = 0; i < L; ++i) {
+          const int64_t idx = index[nh * L + i];
+          if (idx < 0) continue;
+          const T* src = grad_out + (nh * L + i) * M;
+          T* dst = grad_v + (nh * S + idx) * M;
+          for (int64_t c = 0; c < M; ++c) dst[c] += src[c];
+        }
+      });
+}
+
+template void hard_retrieval_forward_cpu<float>(const HardRetrievalForwardArgs<float>&);
+template void hard_retrieval_forward_cpu<double>(const HardRetrievalForwardArgs<double>&);
+template void hard_retrieval_delta_cpu<float>(const HardRetrievalDeltaArgs<float>&);
+template void hard_retrieval_delta_cpu<double>(const HardRetrievalDeltaArgs<double>&);
+template void hard_retrieval_grad_v_cpu<float>(const float*, const int64_t*, int64_t, int64_t,
+                                               int64_t, int64_t, float*, int);
+template void hard_retrieval_grad_v_cpu<double>(const double*, const int64_t*, int64_t, int64_t,
+                                                int64_t, int64_t, double*, int);
+
+}  // namespace fastattn::kernels

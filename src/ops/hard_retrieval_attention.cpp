@@ -1,0 +1,347 @@
+// The hard_retrieval_attention operator (Xu et al., "Learning Hard Retrieval
+// Decoder Attention for Transformers"): input checks, CPU implementations of
+// the forward/backward kernels (src/kernels/hard_retrieval/), the autograd
+// function, the C++ entry point and the plain-ATen reference.
+//   q (N,H,L,E), k (N,H,S,E), v (N,H,S,M) -> out (N,H,L,M), index (N,H,L) int64
+//
+// Backward (straight-through, the paper's eqs. 8-10). The forward is
+// out = A V with A one-hot (row i has its 1 at index_i), A regarded as the
+// softmax P = softmax(temp·Q K^T + mask) plus noise. So
+//   dV     = A^T dout                      (an index-add of dout rows)
+//   dP     = dA = dout V^T                 (g_P[i,j] = dout_i·v_j)
+//   dS     = P ∘ (dP - delta) · temp,      delta_i = sum_j P_ij g_P[i,j] = dout_i·(P V)_i
+//   dQ     = dS K,  dK = dS^T Q.
+// dQ and dK are therefore exactly the gradients soft attention P V would get
+// for the same dout: after a delta pass (kernels/hard_retrieval) the fused
+// full-attention backward kernel computes them from the saved log-sum-exp
+// (its dV = P^T dout is discarded; dV comes from the index-add). Nothing
+// L×S is materialised. In argmax mode the same rule applies (P is the softmax
+// the argmax sharpens); the forward then computes the lse only when q or k
+// need a gradient.
+// Tested by tests/cpp/test_hard_retrieval.cpp.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+
+#include "fastattn/ops.h"
+#include "kernels/full/full_attention.h"
+#include "kernels/hard_retrieval/hard_retrieval.h"
+#include "ops/mask_util.h"
+#include "ops/op_util.h"
+
+namespace fastattn {
+namespace {
+
+using torch::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+constexpr const char* kOp = "fastattn::hard_retrieval_attention";
+
+double resolve_temp(const Tensor& q, c10::optional<double> softmax_temp) {
+  if (softmax_temp) {
+    TORCH_CHECK(std::isfinite(*softmax_temp) && *softmax_temp > 0, kOp,
+                ": softmax_temp must be a finite number > 0, got ", *softmax_temp);
+    return *softmax_temp;
+  }
+  return 1.0 / std::sqrt(static_cast<double>(q.size(3)));
+}
+
+void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
+                  const c10::optional<Tensor>& attn_mask,
+                  const c10::optional<Tensor>& key_lengths) {
+  ops::check_qkv(kOp, q, k, v);
+  TORCH_CHECK(!attn_mask || attn_mask->scalar_type() == torch::kBool, kOp,
+              ": attn_mask must be a bool keep mask (true = keep); additive (floating) masks "
+              "are not supported by hard retrieval, got ",
+              attn_mask->scalar_type());
+  ops::check_masks(kOp, q, k.size(2), to_std(attn_mask), to_std(key_lengths));
+}
+
+// Everything a kernel needs, made contiguous and of the kernel's types.
+struct Prepared {
+  Tensor q, k, v, keep, lengths;  // keep: bool (N,H,L,S) view; lengths: int64
+};
+
+Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v,
+                 const c10::optional<Tensor>& attn_mask, const c10::optional<Tensor>& key_lengths) {
+  Prepared p{q.contiguous(), k.contiguous(), v.contiguous(), {}, {}};
+  if (attn_mask) {
+    p.keep =
+        ops::broadcast_mask(attn_mask->contiguous(), q.size(0), q.size(1), q.size(2), k.size(2));
+  }
+  if (key_lengths) p.lengths = key_lengths->to(torch::kLong).contiguous();
+  return p;
+}
+
+template <typename T>
+void fill_params(kernels::HardRetrievalParams<T>& a, const Prepared& p, bool causal, double temp) {
+  a.q = p.q.data_ptr<T>();
+  a.k = p.k.data_ptr<T>();
+  a.v = p.v.data_ptr<T>();
+  a.N = p.q.size(0);
+  a.H = p.q.size(1);
+  a.L = p.q.size(2);
+  a.E = p.q.size(3);
+  a.S = p.k.size(2);
+  a.M = p.v.size(3);
+  if (p.keep.defined()) {
+    a.keep = p.keep.data_ptr<bool>();
+    a.keep_sn = p.keep.stride(0);
+    a.keep_sh = p.keep.stride(1);
+    a.keep_sl = p.keep.stride(2);
+  }
+  if (p.lengths.defined()) a.key_lengths = p.lengths.data_ptr<int64_t>();
+  a.causal = causal;
+  a.scale = static_cast<T>(temp);
+  a.num_threads = at::get_num_threads();
+}
+
+// (out, index, lse); lse is empty (numel 0) unless sample or need_lse.
+std::tuple<Tensor, Tensor, Tensor> hard_retrieval_attention_forward_cpu(
+    const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& attn_mask,
+    const c10::optional<Tensor>& key_lengths, bool causal, bool sample, double softmax_temp,
+    int64_t seed, bool need_lse) {
+  check_inputs(q, k, v, attn_mask, key_lengths);
+  resolve_temp(q, softmax_temp);
+  const auto p = prepare(q, k, v, attn_mask, key_lengths);
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2);
+  auto out = torch::empty({N, H, L, v.size(3)}, q.options());
+  auto index = torch::empty({N, H, L}, q.options().dtype(torch::kLong));
+  const bool with_lse = sample || need_lse;
+  auto lse = with_lse ? torch::empty({N, H, L}, q.options()) : torch::empty({0}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "hard_retrieval_attention_forward_cpu", [&] {
+    kernels::HardRetrievalForwardArgs<scalar_t> a;
+    fill_params<scalar_t>(a, p, causal, softmax_temp);
+    a.sample = sample;
+    a.seed = static_cast<uint64_t>(seed);
+    a.out = out.data_ptr<scalar_t>();
+    a.index = index.data_ptr<int64_t>();
+    a.lse = with_lse ? lse.data_ptr<scalar_t>() : nullptr;
+    kernels::hard_retrieval_forward_cpu(a);
+  });
+  return {out, index, lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor> hard_retrieval_attention_backward_cpu(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& index,
+    const Tensor& lse, const c10::optional<Tensor>& attn_mask,
+    const c10::optional<Tensor>& key_lengths, bool causal, double softmax_temp) {
+  check_inputs(q, k, v, attn_mask, key_lengths);
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), M = v.size(3);
+  TORCH_CHECK(grad_out.dim() == 4 && grad_out.size(0) == N && grad_out.size(1) == H &&
+                  grad_out.size(2) == L && grad_out.size(3) == M,
+              kOp, ": grad_out must have shape (N, H, L, M) = (", N, ", ", H, ", ", L, ", ", M,
+              "), got ", grad_out.sizes());
+  TORCH_CHECK(index.dim() == 3 && index.size(0) == N && index.size(1) == H && index.size(2) == L &&
+                  index.scalar_type() == torch::kLong,
+              kOp, ": index must be int64 of shape (N, H, L) = (", N, ", ", H, ", ", L, "), got ",
+              index.scalar_type(), " ", index.sizes());
+  TORCH_CHECK(
+      lse.dim() == 3 && lse.sizes() == index.sizes() && lse.scalar_type() == q.scalar_type(), kOp,
+      ": lse must be ", q.scalar_type(), " of shape (N, H, L) = (", N, ", ", H, ", ", L, "), got ",
+      lse.scalar_type(), " ", lse.sizes());
+  if (index.numel() > 0) {
+    TORCH_CHECK(index.min().item<int64_t>() >= -1 && index.max().item<int64_t>() < S, kOp,
+                ": index must be in [-1, S) = [-1, ", S, ")");
+  }
+  const auto p = prepare(q, k, v, attn_mask, key_lengths);
+  auto go = grad_out.to(q.scalar_type()).contiguous();
+  auto idx = index.contiguous();
+  auto lse_c = lse.contiguous();
+  auto delta = torch::empty({N, H, L}, q.options());
+  auto gq = torch::empty_like(p.q), gk = torch::empty_like(p.k), gv = torch::empty_like(p.v);
+  auto gv_soft = torch::empty_like(p.v);  // the full kernel's P^T dout, discarded
+  // The full-attention kernel takes an additive mask: 0 keeps, -inf drops.
+  Tensor additive;
+  if (attn_mask) {
+    additive = ops::broadcast_mask(ops::additive_mask(*attn_mask, q.scalar_type()).contiguous(), N,
+                                   H, L, S);
+  }
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "hard_retrieval_attention_backward_cpu", [&] {
+    using T = scalar_t;
+    kernels::HardRetrievalDeltaArgs<T> d;
+    fill_params<T>(d, p, causal, softmax_temp);
+    d.lse = lse_c.data_ptr<T>();
+    d.grad_out = go.data_ptr<T>();
+    d.delta = delta.data_ptr<T>();
+    kernels::hard_retrieval_delta_cpu(d);
+
+    kernels::FullAttentionBackwardArgs<T> f;
+    f.q = d.q;
+    f.k = d.k;
+    f.v = d.v;
+    if (additive.defined()) {
+      f.mask = additive.data_ptr<T>();
+      f.mask_sn = additive.stride(0);
+      f.mask_sh = additive.stride(1);
+      f.mask_sl = additive.stride(2);
+    }
+    f.key_lengths = d.key_lengths;
+    f.N = d.N;
+    f.H = d.H;
+    f.L = d.L;
+    f.S = d.S;
+    f.E = d.E;
+    f.M = d.M;
+    f.causal = causal;
+    f.scale = d.scale;
+    f.num_threads = d.num_threads;
+    f.grad_out = d.grad_out;
+    f.lse = d.lse;
+    f.delta = d.delta;
+    f.grad_q = gq.data_ptr<T>();
+    f.grad_k = gk.data_ptr<T>();
+    f.grad_v = gv_soft.data_ptr<T>();
+    kernels::full_attention_backward_cpu(f);
+
+    kernels::hard_retrieval_grad_v_cpu(go.data_ptr<T>(), idx.data_ptr<int64_t>(), N * H, L, S, M,
+                                       gv.data_ptr<T>(), d.num_threads);
+  });
+  return {gq, gk, gv};
+}
+
+// Calls below autograd go through the dispatcher so each backend's kernel runs.
+std::tuple<Tensor, Tensor, Tensor> call_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                const c10::optional<Tensor>& attn_mask,
+                                                const c10::optional<Tensor>& key_lengths,
+                                                bool causal, bool sample, double temp, int64_t seed,
+                                                bool need_lse) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastattn::hard_retrieval_attention_forward", "")
+                       .typed<decltype(hard_retrieval_attention_forward_cpu)>();
+  return op.call(q, k, v, attn_mask, key_lengths, causal, sample, temp, seed, need_lse);
+}
+
+std::tuple<Tensor, Tensor> hard_retrieval_attention_no_grad(
+    const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& attn_mask,
+    const c10::optional<Tensor>& key_lengths, bool causal, bool sample,
+    c10::optional<double> softmax_temp, int64_t seed) {
+  ops::check_qkv(kOp, q, k, v);
+  auto [out, index, lse] = call_forward(q, k, v, attn_mask, key_lengths, causal, sample,
+                                        resolve_temp(q, softmax_temp), seed, false);
+  return {out, index};
+}
+
+class HardRetrievalFunction : public torch::autograd::Function<HardRetrievalFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k,
+                               const Tensor& v, const c10::optional<Tensor>& attn_mask,
+                               const c10::optional<Tensor>& key_lengths, bool causal, bool sample,
+                               c10::optional<double> softmax_temp, int64_t seed) {
+    ops::check_qkv(kOp, q, k, v);
+    const bool need_lse = q.requires_grad() || k.requires_grad();
+    at::AutoDispatchBelowADInplaceOrView guard;
+    const double temp = resolve_temp(q, softmax_temp);
+    auto [out, index, lse] =
+        call_forward(q, k, v, attn_mask, key_lengths, causal, sample, temp, seed, need_lse);
+    ctx->save_for_backward({q, k, v, index, lse});
+    ctx->saved_data["attn_mask"] = attn_mask ? *attn_mask : Tensor();
+    ctx->saved_data["key_lengths"] = key_lengths ? *key_lengths : Tensor();
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["temp"] = temp;
+    ctx->saved_data["qk_grad"] = need_lse;
+    ctx->mark_non_differentiable({index});
+    return {out, index};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("fastattn::hard_retrieval_attention_backward", "")
+                         .typed<decltype(hard_retrieval_attention_backward_cpu)>();
+    const auto s = ctx->get_saved_variables();
+    const variable_list none(9);
+    if (!grads[0].defined()) return none;
+    auto opt = [](const c10::IValue& t) {
+      return t.toTensor().defined() ? c10::optional<Tensor>(t.toTensor()) : c10::nullopt;
+    };
+    const auto attn_mask = opt(ctx->saved_data["attn_mask"]);
+    const auto key_lengths = opt(ctx->saved_data["key_lengths"]);
+    const bool causal = ctx->saved_data["causal"].toBool();
+    const double temp = ctx->saved_data["temp"].toDouble();
+    if (!ctx->saved_data["qk_grad"].toBool()) {
+      // Only v needed a gradient: the index-add alone (no softmax backward).
+      const auto& index = s[3];
+      auto go = grads[0].to(s[2].scalar_type());
+      auto src = go * (index >= 0).unsqueeze(-1).to(go.scalar_type());
+      auto gv = torch::zeros_like(s[2]).scatter_add_(
+          2, index.clamp_min(0).unsqueeze(-1).expand_as(go), src);
+      return {Tensor(), Tensor(), gv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    }
+    const Tensor& lse = s[4];
+    auto [gq, gk, gv] =
+        op.call(grads[0], s[0], s[1], s[2], s[3], lse, attn_mask, key_lengths, causal, temp);
+    return {gq, gk, gv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+std::tuple<Tensor, Tensor> hard_retrieval_attention_autograd(
+    const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& attn_mask,
+    const c10::optional<Tensor>& key_lengths, bool causal, bool sample,
+    c10::optional<double> softmax_temp, int64_t seed) {
+  auto r = HardRetrievalFunction::apply(q, k, v, attn_mask, key_lengths, causal, sample,
+                                        softmax_temp, seed);
+  return {r[0], r[1]};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
+  m.impl("hard_retrieval_attention", hard_retrieval_attention_no_grad);
+  m.impl("hard_retrieval_attention_forward", hard_retrieval_attention_forward_cpu);
+  m.impl("hard_retrieval_attention_backward", hard_retrieval_attention_backward_cpu);
+}
+
+TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
+  m.impl("hard_retrieval_attention", hard_retrieval_attention_autograd);
+}
+
+std::tuple<Tensor, Tensor> hard_retrieval_attention(
+    const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& attn_mask,
+    const std::optional<Tensor>& key_lengths, bool causal, bool sample,
+    std::optional<double> softmax_temp, int64_t seed) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastattn::hard_retrieval_attention", "")
+                       .typed<decltype(hard_retrieval_attention_no_grad)>();
+  return op.call(q, k, v, to_c10(attn_mask), to_c10(key_lengths), causal, sample,
+                 to_c10(softmax_temp), seed);
+}
+
+// ---- reference ----------------------------------------------------------------
+
+namespace reference {
+
+std::tuple<Tensor, Tensor> hard_retrieval_attention(const Tensor& q, const Tensor& k,
+                                                    const Tensor& v,
+                                                    const std::optional<Tensor>& attn_mask,
+                                                    const std::optional<Tensor>& key_lengths,
+                                                    bool causal, std::optional<double> softmax_temp,
+                                                    const std::optional<Tensor>& index) {
+  const int64_t N = q.size(0), L = q.size(2), S = k.size(2), E = q.size(3);
+  const double temp = softmax_temp.value_or(1.0 / std::sqrt(static_cast<double>(E)));
+  const double inf = std::numeric_limits<double>::infinity();
+  auto keep = ops::dense_keep(N, L, S, attn_mask, key_lengths, causal, q.device());  // (N,1|H,L,S)
+  auto raw = torch::matmul(q, k.transpose(-1, -2));                                  // (N,H,L,S)
+  auto dead = keep.any(-1).logical_not();                                            // (N,1|H,L)
+  Tensor idx;
+  if (index) {
+    idx = *index;
+  } else {
+    torch::NoGradGuard no_grad;
+    // torch::argmax returns the first maximal index: ties go to the lowest j.
+    idx = raw.masked_fill(keep.logical_not(), -inf).argmax(-1).masked_fill(dead, -1);
+  }
+  auto scores = (raw * temp).masked_fill(keep.logical_not(), -inf);
+  scores = scores.masked_fill(dead.unsqueeze(-1), 0.0);  // finite rows: softmax stays NaN-free
+  auto probs = torch::softmax(scores, -1).masked_fill(dead.unsqueeze(-1), 0.0);
+  auto hard = torch::one_hot(idx.clamp_min(0), S).to(q.scalar_type()) *
+              (idx >= 0).unsqueeze(-1).to(q.scalar_type());
+  // Straight-through: forward is the one-hot, backward sees P.
+  auto a = probs + (hard - probs).detach();
+  return {torch::matmul(a, v), idx};
+}
+
+}  // namespace reference
+}  // namespace fastattn
