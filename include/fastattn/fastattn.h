@@ -5,6 +5,7 @@
 #include "fastattn/attention.h"
 #include "fastattn/clustered.h"
 #include "fastattn/feature_maps.h"
+#include "fastattn/generation.h"
 #include "fastattn/hard_retrieval.h"
 #include "fastattn/mask.h"
 #include "fastattn/ops.h"

@@ -17,10 +17,13 @@
 //                  S += phi(k) v^T, Z += phi(k), out = phi(q)·S / (phi(q)·Z + eps).
 //                  O(F·M) time and constant memory per step and head.
 //   full           key/value cache (K (N, H, t, E), V (N, H, t, M)), growing
-//                  by one row per step; out = softmax(temp·q·K^T) V through
-//                  the fused full_attention operator. O(t·(E + M)) per step.
-//   hard-retrieval key/value cache as for full; out = V[argmax_j q·k_j], a
-//                  gather. O(t·E + M) per step.
+//                  by one row per step into preallocated buffers whose
+//                  capacity doubles (amortised O(E + M) copy per step);
+//                  out = softmax(temp·q·K^T) V over the cached rows (two
+//                  BLAS matrix-vector products on views of the buffers, no
+//                  copy of the cache). O(t·(E + M)) per step.
+//   hard-retrieval key/value cache (K (N, H, t, E), V (N, H, t, M)); out =
+//                  V[argmax_j q·k_j], a gather. O(t·E + M) per step.
 // With the same parameters (and so the same feature map weights), step i
 // equals row i of the batch type's output under a causal mask.
 //
@@ -95,10 +98,22 @@ class RecurrentLinearAttention : public RecurrentAttentionBase {
 };
 
 // full (causal) softmax attention with a key/value cache.
+//
+// State: empty, or {K (N, H, t, E), V (N, H, t, M)} (a cache the caller
+// built, e.g. from a prefix: copied into new buffers at the next step), or
+// what step returns: {K, V, K buffer (N, H, capacity, E), V buffer
+// (N, H, capacity, M), filled (int64 scalar)}, where K and V are views of the
+// first t rows of the buffers and `filled` counts the buffer rows written by
+// any state. A step appends row t in place when the buffer has room and no
+// other state has written past t (filled == t); otherwise (a second step from
+// the same state, a full buffer) it copies the t rows into new buffers of
+// capacity 2·(t + 1). Rows a state sees are never overwritten, so the state
+// stays an input that is not modified (only the shared `filled` counter
+// moves).
 class RecurrentFullAttention : public RecurrentAttentionBase {
  public:
   explicit RecurrentFullAttention(std::optional<double> softmax_temp = std::nullopt);
-  // state: empty or {K (N, H, t, E), V (N, H, t, M)}; the new state has t + 1 rows.
+  // The new state has t + 1 rows in K and V.
   std::pair<torch::Tensor, RecurrentState> step(const torch::Tensor& query,
                                                 const torch::Tensor& key,
                                                 const torch::Tensor& value,
@@ -141,5 +156,97 @@ const std::vector<std::string>& recurrent_attention_names();
 // drop (steps are for inference).
 RecurrentAttentionPtr make_recurrent_attention(const std::string& name, const ParamMap& params = {},
                                                const AttentionDims& dims = {});
+
+// ---- cross-attention over a fixed memory ----------------------------------
+//
+// One query per step attends to a memory known in advance (a decoder's
+// encoder output): prepare the memory once, then step any number of queries.
+//
+//   auto cross = fastattn::make_recurrent_cross_attention("linear", {}, {H, E, M});
+//   auto memory = cross->prepare(keys, values, key_lengths);  // (N,H,S,E), (N,H,S,M), (N,)
+//   auto out = cross->step(query, memory);                    // (N, H, E) -> (N, H, M)
+//
+// Step i of a query sequence equals row i of the batch type on the whole
+// query sequence for types whose rows are independent of the other queries
+// (linear, full, exact-topk, hard-retrieval, ...). Types that group queries
+// (clustered, improved-clustered) give, per step, the batch type applied to
+// that single query (one cluster of one), which is what a decoder that sees
+// one query at a time can compute.
+//
+//   linear   memory state {S (N, H, F, M), Z (N, H, F)}: S = sum_j phi(k_j) v_j^T,
+//            Z = sum_j phi(k_j) over the kept (unpadded) keys, mapped with the
+//            batch type's key map (FAVOR+'s offset over the whole memory).
+//            prepare O(S·F·M), step O(F·M) per head.
+//   full     memory state {K, V[, key_lengths]}; step through the fused
+//            full_attention operator. O(S·(E + M)) per step and head.
+//   any other registered type (generic): memory state {K, V[, key_lengths]};
+//            step calls the batch type with L = 1 and a key-lengths mask.
+class RecurrentCrossAttentionBase : public torch::nn::Module {
+ public:
+  // keys (N, H, S, E), values (N, H, S, M), key_lengths (N,) integer in
+  // [0, S] or none -> the memory state.
+  virtual RecurrentState prepare(const torch::Tensor& keys, const torch::Tensor& values,
+                                 const std::optional<torch::Tensor>& key_lengths) = 0;
+  // query (N, H, E), memory state from prepare -> (N, H, M). The state is not modified.
+  virtual torch::Tensor step(const torch::Tensor& query, const RecurrentState& memory) = 0;
+  // The registry name of the batch type.
+  virtual std::string type_name() const = 0;
+};
+using RecurrentCrossAttentionPtr = std::shared_ptr<RecurrentCrossAttentionBase>;
+
+// linear over a memory. The feature map is a submodule named "feature_map",
+// as in LinearAttention.
+class RecurrentCrossLinearAttention : public RecurrentCrossAttentionBase {
+ public:
+  explicit RecurrentCrossLinearAttention(std::shared_ptr<FeatureMap> feature_map,
+                                         double eps = 1e-6);
+  RecurrentState prepare(const torch::Tensor& keys, const torch::Tensor& values,
+                         const std::optional<torch::Tensor>& key_lengths) override;
+  torch::Tensor step(const torch::Tensor& query, const RecurrentState& memory) override;
+  std::string type_name() const override { return "linear"; }
+
+ private:
+  std::shared_ptr<FeatureMap> feature_map_;
+  double eps_;
+};
+
+// full over a memory, through the fused operator.
+class RecurrentCrossFullAttention : public RecurrentCrossAttentionBase {
+ public:
+  explicit RecurrentCrossFullAttention(std::optional<double> softmax_temp = std::nullopt);
+  RecurrentState prepare(const torch::Tensor& keys, const torch::Tensor& values,
+                         const std::optional<torch::Tensor>& key_lengths) override;
+  torch::Tensor step(const torch::Tensor& query, const RecurrentState& memory) override;
+  std::string type_name() const override { return "full"; }
+
+ private:
+  std::optional<double> softmax_temp_;
+};
+
+// Any batch attention type over a memory: caches K and V and calls the batch
+// type with one query. The batch module's parameters, buffers and submodules
+// are registered under their own names (no extra prefix), so a wrapper
+// around make_attention(name, ...) has the parameter names of the batch type
+// and loads its weights by name. Its training flag follows the wrapper's.
+class RecurrentCrossGenericAttention : public RecurrentCrossAttentionBase {
+ public:
+  explicit RecurrentCrossGenericAttention(AttentionPtr attention);
+  RecurrentState prepare(const torch::Tensor& keys, const torch::Tensor& values,
+                         const std::optional<torch::Tensor>& key_lengths) override;
+  torch::Tensor step(const torch::Tensor& query, const RecurrentState& memory) override;
+  std::string type_name() const override { return attention_->type_name(); }
+  const AttentionPtr& attention() const { return attention_; }
+
+ private:
+  AttentionPtr attention_;
+};
+
+// Builds the cross-attention step form of any registered type (including
+// conditional-full:<type>) from the batch type's parameters: "linear" and
+// "full" get their dedicated forms, every other type the generic one. Causal
+// types (causal-linear, causal-*) cannot attend to a memory: an error says so.
+RecurrentCrossAttentionPtr make_recurrent_cross_attention(const std::string& name,
+                                                          const ParamMap& params = {},
+                                                          const AttentionDims& dims = {});
 
 }  // namespace fastattn

@@ -7,6 +7,7 @@
 // causal output).
 #include "fastattn/recurrent.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "fastattn/feature_maps.h"
@@ -107,6 +108,27 @@ RecurrentFullAttention::RecurrentFullAttention(std::optional<double> softmax_tem
               softmax_temp.value_or(0.0));
 }
 
+namespace {
+
+// Smallest buffer a cache starts with (rows).
+constexpr int64_t kMinCacheCapacity = 16;
+
+// New buffers of capacity max(16, 2·(t + 1)) holding the t rows of K and V:
+// {K view, V view, K buffer, V buffer, filled = t}.
+RecurrentState grow_cache(const Tensor& K, const Tensor& V, int64_t t) {
+  const int64_t cap = std::max(kMinCacheCapacity, 2 * (t + 1));
+  auto kb = torch::empty({K.size(0), K.size(1), cap, K.size(3)}, K.options());
+  auto vb = torch::empty({V.size(0), V.size(1), cap, V.size(3)}, V.options());
+  if (t > 0) {
+    kb.narrow(2, 0, t).copy_(K);
+    vb.narrow(2, 0, t).copy_(V);
+  }
+  auto filled = torch::full({}, t, torch::TensorOptions().dtype(torch::kLong));
+  return RecurrentState{{kb.narrow(2, 0, t), vb.narrow(2, 0, t), kb, vb, filled}};
+}
+
+}  // namespace
+
 std::pair<Tensor, RecurrentState> RecurrentFullAttention::step(const Tensor& query,  // (N, H, E)
                                                                const Tensor& key,    // (N, H, E)
                                                                const Tensor& value,  // (N, H, M)
@@ -114,25 +136,54 @@ std::pair<Tensor, RecurrentState> RecurrentFullAttention::step(const Tensor& que
   constexpr const char* type = "recurrent full";
   check_step_inputs(type, query, key, value);
   const int64_t N = query.size(0), H = query.size(1), E = query.size(2), M = value.size(2);
-  Tensor K, V;
+  RecurrentState cache;  // {K, V, K buffer, V buffer, filled} with room for row t
+  int64_t t = 0;
   if (state.empty()) {
-    K = key.unsqueeze(2);    // (N, H, 1, E)
-    V = value.unsqueeze(2);  // (N, H, 1, M)
+    cache = grow_cache(torch::empty({N, H, 0, E}, query.options()),
+                       torch::empty({N, H, 0, M}, query.options()), 0);
   } else {
-    TORCH_CHECK(state.tensors.size() == 2, type,
-                ": state must be empty or hold {K (N, H, t, E), V (N, H, t, M)}, got ",
+    TORCH_CHECK(state.tensors.size() == 2 || state.tensors.size() == 5, type,
+                ": state must be empty or hold {K (N, H, t, E), V (N, H, t, M)} (optionally "
+                "followed by the K buffer, V buffer and fill count a step returns), got ",
                 state.tensors.size(), " tensors");
     const auto& K0 = state.tensors[0];
-    const int64_t t = K0.defined() && K0.dim() == 4 ? K0.size(2) : -1;
+    t = K0.defined() && K0.dim() == 4 ? K0.size(2) : -1;
     check_state_tensor(type, "K", K0, {N, H, t, E}, query);
     check_state_tensor(type, "V", state.tensors[1], {N, H, t, M}, query);
-    K = torch::cat({K0, key.unsqueeze(2)}, 2);                  // (N, H, t + 1, E)
-    V = torch::cat({state.tensors[1], value.unsqueeze(2)}, 2);  // (N, H, t + 1, M)
+    bool in_place = false;
+    if (state.tensors.size() == 5) {
+      const auto &kb = state.tensors[2], &vb = state.tensors[3], &filled = state.tensors[4];
+      const int64_t cap = kb.defined() && kb.dim() == 4 ? kb.size(2) : -1;
+      TORCH_CHECK(cap >= t, type, ": state K buffer must have shape (", N, ", ", H, ", >= ", t,
+                  ", ", E, "), got ", kb.defined() ? kb.sizes() : c10::IntArrayRef{});
+      check_state_tensor(type, "K buffer", kb, {N, H, cap, E}, query);
+      check_state_tensor(type, "V buffer", vb, {N, H, cap, M}, query);
+      TORCH_CHECK(K0.data_ptr() == kb.data_ptr() && state.tensors[1].data_ptr() == vb.data_ptr(),
+                  type, ": state K and V must be views of the first t rows of the K and V buffers");
+      TORCH_CHECK(filled.defined() && filled.numel() == 1 && filled.scalar_type() == torch::kLong,
+                  type, ": state fill count must be one int64, got ",
+                  filled.defined() ? filled.sizes() : c10::IntArrayRef{});
+      // Append in place only where no other state has written row t yet.
+      in_place = t < cap && filled.item<int64_t>() == t;
+      if (in_place) cache = state;
+    }
+    if (!in_place) cache = grow_cache(K0, state.tensors[1], t);
   }
-  // The newest query sees every cached key: no mask needed.
-  auto out = full_attention(query.unsqueeze(2), K, V, std::nullopt, std::nullopt,
-                            /*causal=*/false, softmax_temp_);  // (N, H, 1, M)
-  return {out.squeeze(2), RecurrentState{{K, V}}};
+  auto &kb = cache.tensors[2], &vb = cache.tensors[3];
+  kb.select(2, t).copy_(key);
+  vb.select(2, t).copy_(value);
+  cache.tensors[4].fill_(t + 1);
+  auto K = kb.narrow(2, 0, t + 1);  // (N, H, t + 1, E), a view
+  auto V = vb.narrow(2, 0, t + 1);  // (N, H, t + 1, M), a view
+  // The newest query sees every cached key: softmax(temp·q·K^T) V as two
+  // matrix-vector products on the strided views (the fused operator would
+  // first copy the views into contiguous, packed panels: O(t) extra traffic
+  // per step for a single query).
+  const double temp = softmax_temp_.value_or(1.0 / std::sqrt(static_cast<double>(E)));
+  auto scores = torch::matmul(K, query.unsqueeze(-1)).squeeze(-1);  // (N, H, t + 1)
+  auto p = torch::softmax(scores * temp, -1);                       // (N, H, t + 1)
+  auto out = torch::matmul(p.unsqueeze(2), V).squeeze(2);           // (N, H, M)
+  return {out, RecurrentState{{K, V, kb, vb, cache.tensors[4]}}};
 }
 
 // ---- hard-retrieval -------------------------------------------------------------

@@ -30,7 +30,7 @@ expect() {
 expect 0 "commands:.*" -- --help
 expect 0 "bench +time attention types" -- --help
 expect 2 "no command given; valid commands: .*list" --
-expect 2 "unknown command 'frobnicate'; valid commands: bench, demo, list" -- frobnicate
+expect 2 "unknown command 'frobnicate'; valid commands: bench, demo, generate, list" -- frobnicate
 expect 2 "unknown flag '--nope'; valid flags: --json, --threads, --help" -- list --nope
 expect 2 "--threads must be an integer, got 'many'" -- --threads many list
 expect 2 "--threads must be >= 1" -- list --threads=0
@@ -64,6 +64,32 @@ fi
 if ! grep -o '"max_abs_error": [^,}]*' "$tmp/b.json" |
      awk '{ if ($2 + 0 > 1e-9) bad = 1 } END { exit bad }'; then
   echo "FAIL: a max_abs_error is above 1e-9"; grep '"max_abs_error"' "$tmp/b.json"
+  failures=$((failures + 1))
+fi
+
+# generate: a tiny model, greedy and sampled; --bench at small positions.
+small=(--layers 1 --d-model 16 --heads 2 --vocab 11)
+expect 0 "usage: fastattn generate" -- generate --help
+expect 0 "generated: ([0-9]+,){4}[0-9]+$" -- --threads 1 generate "${small[@]}" --prefix 1,2,3 \
+  --max-new-tokens 5 --greedy
+expect 0 "generated: ([0-9]+,){5}[0-9]+$" -- --threads 1 generate "${small[@]}" --attention full \
+  --max-new-tokens 6 --temperature 0.7 --top-k 3 --seed 4
+# Sampling with a seed is reproducible.
+g1="$("$bin" --threads 1 generate "${small[@]}" --max-new-tokens 8 --seed 9 | grep generated)"
+g2="$("$bin" --threads 1 generate "${small[@]}" --max-new-tokens 8 --seed 9 | grep generated)"
+if [ -n "$g1" ] && [ "$g1" = "$g2" ]; then echo "ok: generate --seed is reproducible"
+else echo "FAIL: generate --seed: '$g1' vs '$g2'"; failures=$((failures + 1)); fi
+expect 2 "--prefix tokens must be in \[0, --vocab = 11\), got 11" -- generate "${small[@]}" --prefix 11
+expect 2 "--top-k must be in \[1, --vocab = 11\]" -- generate "${small[@]}" --top-k 0
+expect 2 "--temperature must be a finite number > 0" -- generate "${small[@]}" --temperature 0
+expect 2 "recurrent form \(causal-linear, full\), got 'linear'" -- generate --attention linear
+expect 2 "--d-model \(10\) must be divisible by --heads \(4\)" -- generate --d-model 10 --heads 4
+expect 0 "full +40 +[0-9.]+ +[0-9.]+x" -- --threads 1 generate --bench "${small[@]}" \
+  --positions 8,40 --steps 2 --json "$tmp/g.json"
+if [ -f "$tmp/g.json" ] && [ "$(grep -c '"ms_per_token"' "$tmp/g.json")" -eq 4 ]; then
+  echo "ok: generate --bench --json wrote 4 records"
+else
+  echo "FAIL: generate --bench --json records"; head -40 "$tmp/g.json" 2>/dev/null
   failures=$((failures + 1))
 fi
 

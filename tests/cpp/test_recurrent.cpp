@@ -157,10 +157,51 @@ TEST_P(RecurrentFullCases, EveryStepEqualsBatchCausalFull) {
     RecurrentState state;
     const auto steps = run_steps(*rec, x, &state);
     expect_close_every_position(batch->forward(x.q, x.k, x.v, Mask::causal_mask()), steps, 1e-12);
-    ASSERT_EQ(state.tensors.size(), 2u);
+    // {K, V, K buffer, V buffer, filled}: K and V are views of the first L rows.
+    ASSERT_EQ(state.tensors.size(), 5u);
     EXPECT_EQ(state.tensors[0].sizes(), (std::vector<int64_t>{s.N, s.H, s.L, s.E}));  // K
     EXPECT_EQ(state.tensors[1].sizes(), (std::vector<int64_t>{s.N, s.H, s.L, s.M}));  // V
+    EXPECT_GE(state.tensors[2].size(2), s.L);
+    EXPECT_EQ(state.tensors[4].item<int64_t>(), s.L);
   }
+}
+
+TEST(RecurrentFull, CacheGrowsInPlaceAndBranchesCopy) {
+  const Shape s{2, 3, 40, 5, 4};
+  auto rec = make_recurrent_attention("full", {}, {s.H, s.E, s.M});
+  auto batch = make_attention("full", {}, {s.H, s.E, s.M});
+  const auto x = random_qkv(s, 9);
+  // 40 steps from an empty state: the buffer doubles (16, 34, 70 rows), the
+  // outputs are the batch causal rows.
+  RecurrentState state;
+  const auto steps = run_steps(*rec, x, &state);
+  expect_close_every_position(batch->forward(x.q, x.k, x.v, Mask::causal_mask()), steps, 1e-12);
+  EXPECT_EQ(state.tensors[2].size(2), 70);
+
+  // Branching: two different next tokens from the same state. The second
+  // must not overwrite the row the first appended.
+  auto step_at = [&](const RecurrentState& st, int64_t i) {
+    return rec->step(x.q.select(2, i), x.k.select(2, i), x.v.select(2, i), st);
+  };
+  RecurrentState s10;
+  for (int64_t i = 0; i < 10; ++i) s10 = step_at(s10, i).second;
+  auto [a11, sa] = step_at(s10, 10);  // appends row 10 in place
+  auto [b11, sb] = step_at(s10, 20);  // row 10 already taken: copies
+  EXPECT_NE(sa.tensors[2].data_ptr(), sb.tensors[2].data_ptr());
+  EXPECT_TRUE(torch::equal(sa.tensors[0].select(2, 10), x.k.select(2, 10)));
+  EXPECT_TRUE(torch::equal(sb.tensors[0].select(2, 10), x.k.select(2, 20)));
+  EXPECT_TRUE(torch::equal(s10.tensors[0], x.k.narrow(2, 0, 10)));
+  // Continuing the first branch still sees its own row 10.
+  auto [a12, sa2] = step_at(sa, 11);
+  auto ref = batch->forward(x.q.narrow(2, 0, 12), x.k.narrow(2, 0, 12), x.v.narrow(2, 0, 12),
+                            Mask::causal_mask());
+  EXPECT_LE((a12 - ref.select(2, 11)).abs().max().item<double>(), 1e-12);
+
+  // A cache the caller built ({K, V} only, e.g. a prefill) is copied once.
+  RecurrentState prefill{{x.k.narrow(2, 0, 30), x.v.narrow(2, 0, 30)}};
+  auto [o30, s31] = step_at(prefill, 30);
+  EXPECT_LE((o30 - steps.select(2, 30)).abs().max().item<double>(), 1e-12);
+  EXPECT_EQ(s31.tensors.size(), 5u);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, RecurrentFullCases, ::testing::ValuesIn(kShapes),

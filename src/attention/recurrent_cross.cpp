@@ -1,0 +1,223 @@
+// Recurrent cross-attention: one query per step over a fixed memory, prepared
+// once. `linear` precomputes S = sum_j phi(k_j) v_j^T and Z = sum_j phi(k_j)
+// (O(S·F·M) once, O(F·M) per step and head); `full` caches K, V and calls the
+// fused operator (O(S·(E + M)) per step); any other registered type caches
+// K, V and calls the batch type with L = 1 (the generic form). See
+// include/fastattn/recurrent.h.
+// Tested by tests/cpp/test_recurrent_decoder.cpp (each step against the batch
+// type's row for that query).
+#include <cmath>
+
+#include "fastattn/feature_maps.h"
+#include "fastattn/ops.h"
+#include "fastattn/recurrent.h"
+
+namespace fastattn {
+
+using torch::Tensor;
+
+namespace {
+
+// keys (N, H, S, E), values (N, H, S, M), key_lengths (N,) integer in [0, S].
+void check_memory(const char* type, const Tensor& keys, const Tensor& values,
+                  const std::optional<Tensor>& key_lengths) {
+  TORCH_CHECK(keys.defined() && keys.dim() == 4, type, ": keys must have shape (N, H, S, E), got ",
+              keys.defined() ? keys.sizes() : c10::IntArrayRef{});
+  const int64_t N = keys.size(0), H = keys.size(1), S = keys.size(2);
+  TORCH_CHECK(values.defined() && values.dim() == 4 && values.size(0) == N && values.size(1) == H &&
+                  values.size(2) == S,
+              type, ": values must have shape (N, H, S, M) = (", N, ", ", H, ", ", S,
+              ", M) like the keys, got ", values.defined() ? values.sizes() : c10::IntArrayRef{});
+  TORCH_CHECK(keys.is_floating_point(), type, ": keys must be floating, got ", keys.scalar_type());
+  TORCH_CHECK(values.scalar_type() == keys.scalar_type(), type, ": values must be ",
+              keys.scalar_type(), " like the keys, got ", values.scalar_type());
+  TORCH_CHECK(values.device() == keys.device(), type, ": values must be on ", keys.device(),
+              " like the keys, got ", values.device());
+  if (key_lengths) {
+    const auto& kl = *key_lengths;
+    TORCH_CHECK(kl.defined() && kl.dim() == 1 && kl.size(0) == N, type,
+                ": key_lengths must have shape (N,) = (", N, "), got ",
+                kl.defined() ? kl.sizes() : c10::IntArrayRef{});
+    TORCH_CHECK(!kl.is_floating_point() && kl.scalar_type() != torch::kBool, type,
+                ": key_lengths must be an integer tensor, got ", kl.scalar_type());
+    if (N > 0) {
+      const auto lo = kl.min().item<int64_t>(), hi = kl.max().item<int64_t>();
+      TORCH_CHECK(lo >= 0 && hi <= S, type, ": key_lengths must be in [0, S = ", S, "], got [", lo,
+                  ", ", hi, "]");
+    }
+  }
+}
+
+// query (N, H, E) against the memory's keys (N, H, S, E).
+void check_query(const char* type, const Tensor& query, const Tensor& keys) {
+  TORCH_CHECK(query.defined() && query.dim() == 3 && query.size(0) == keys.size(0) &&
+                  query.size(1) == keys.size(1) && query.size(2) == keys.size(3),
+              type, ": query must have shape (N, H, E) = (", keys.size(0), ", ", keys.size(1), ", ",
+              keys.size(3), ") like the memory's keys, got ",
+              query.defined() ? query.sizes() : c10::IntArrayRef{});
+  TORCH_CHECK(query.scalar_type() == keys.scalar_type(), type, ": query must be ",
+              keys.scalar_type(), " like the memory, got ", query.scalar_type());
+  TORCH_CHECK(query.device() == keys.device(), type, ": query must be on ", keys.device(),
+              " like the memory, got ", query.device());
+}
+
+// The {K, V[, key_lengths]} memory state of full and the generic form.
+RecurrentState cache_memory(const Tensor& keys, const Tensor& values,
+                            const std::optional<Tensor>& key_lengths) {
+  RecurrentState s{{keys, values}};
+  if (key_lengths) s.tensors.push_back(key_lengths->to(keys.device(), torch::kLong));
+  return s;
+}
+
+void check_cached(const char* type, const RecurrentState& memory) {
+  TORCH_CHECK(memory.tensors.size() == 2 || memory.tensors.size() == 3, type,
+              ": memory state must hold {K, V} or {K, V, key_lengths} from prepare, got ",
+              memory.tensors.size(), " tensors");
+}
+
+}  // namespace
+
+// ---- linear -----------------------------------------------------------------
+
+RecurrentCrossLinearAttention::RecurrentCrossLinearAttention(
+    std::shared_ptr<FeatureMap> feature_map, double eps)
+    : feature_map_(std::move(feature_map)), eps_(eps) {
+  TORCH_CHECK(feature_map_,
+              "RecurrentCrossLinearAttention: feature_map must be a feature map, got null");
+  TORCH_CHECK(std::isfinite(eps_) && eps_ > 0,
+              "RecurrentCrossLinearAttention: eps must be a finite number > 0, got ", eps_);
+  register_module("feature_map", feature_map_);
+}
+
+RecurrentState RecurrentCrossLinearAttention::prepare(const Tensor& keys,    // (N, H, S, E)
+                                                      const Tensor& values,  // (N, H, S, M)
+                                                      const std::optional<Tensor>& key_lengths) {
+  constexpr const char* type = "recurrent cross linear";
+  check_memory(type, keys, values, key_lengths);
+  const int64_t N = keys.size(0), S = keys.size(2);
+  // As LinearAttention: the key map sees the kept keys only, padded keys are 0.
+  std::optional<Tensor> keep;
+  if (key_lengths) {
+    keep = torch::arange(S, keys.options().dtype(torch::kLong)).unsqueeze(0) <
+           key_lengths->to(keys.device(), torch::kLong).unsqueeze(1);  // (N, S)
+  }
+  auto kf = feature_map_->forward_keys(keys, keep);  // (N, H, S, F)
+  TORCH_CHECK(kf.dim() == 4 && kf.size(2) == S, type, ": feature map '", feature_map_->name(),
+              "' must map (N, H, S, E) to (N, H, S, F), got ", kf.sizes());
+  if (keep) kf = kf.masked_fill(keep->reshape({N, 1, S, 1}).logical_not(), 0.0);
+  auto Sm = torch::matmul(kf.transpose(-1, -2), values);  // (N, H, F, M)
+  auto Z = kf.sum(2);                                     // (N, H, F)
+  return RecurrentState{{Sm, Z}};
+}
+
+Tensor RecurrentCrossLinearAttention::step(const Tensor& query,  // (N, H, E)
+                                           const RecurrentState& memory) {
+  constexpr const char* type = "recurrent cross linear";
+  TORCH_CHECK(memory.tensors.size() == 2, type,
+              ": memory state must hold {S (N, H, F, M), Z (N, H, F)} from prepare, got ",
+              memory.tensors.size(), " tensors");
+  const auto &Sm = memory.tensors[0], &Z = memory.tensors[1];
+  TORCH_CHECK(query.defined() && query.dim() == 3 && Sm.dim() == 4 && query.size(0) == Sm.size(0) &&
+                  query.size(1) == Sm.size(1),
+              type, ": query must have shape (N, H, E) with N, H = ", Sm.size(0), ", ", Sm.size(1),
+              " of the memory, got ", query.defined() ? query.sizes() : c10::IntArrayRef{});
+  TORCH_CHECK(query.scalar_type() == Sm.scalar_type(), type, ": query must be ", Sm.scalar_type(),
+              " like the memory, got ", query.scalar_type());
+  auto qf = feature_map_->forward_queries(query.unsqueeze(2));  // (N, H, 1, F)
+  TORCH_CHECK(qf.dim() == 4 && qf.size(3) == Sm.size(2), type, ": feature map '",
+              feature_map_->name(), "' gave query features ", qf.sizes(), " for a memory of ",
+              Sm.size(2), " features");
+  auto num = torch::matmul(qf, Sm).squeeze(2);                      // (N, H, M)
+  auto den = (qf.squeeze(2) * Z).sum(-1, /*keepdim=*/true) + eps_;  // (N, H, 1)
+  return num / den;
+}
+
+// ---- full -------------------------------------------------------------------
+
+RecurrentCrossFullAttention::RecurrentCrossFullAttention(std::optional<double> softmax_temp)
+    : softmax_temp_(softmax_temp) {
+  TORCH_CHECK(!softmax_temp || (std::isfinite(*softmax_temp) && *softmax_temp > 0),
+              "RecurrentCrossFullAttention: softmax_temp must be a finite number > 0, got ",
+              softmax_temp.value_or(0.0));
+}
+
+RecurrentState RecurrentCrossFullAttention::prepare(const Tensor& keys,    // (N, H, S, E)
+                                                    const Tensor& values,  // (N, H, S, M)
+                                                    const std::optional<Tensor>& key_lengths) {
+  check_memory("recurrent cross full", keys, values, key_lengths);
+  // Contiguous once here, so the operator does not copy them at every step.
+  return cache_memory(keys.contiguous(), values.contiguous(), key_lengths);
+}
+
+Tensor RecurrentCrossFullAttention::step(const Tensor& query,  // (N, H, E)
+                                         const RecurrentState& memory) {
+  constexpr const char* type = "recurrent cross full";
+  check_cached(type, memory);
+  check_query(type, query, memory.tensors[0]);
+  std::optional<Tensor> lengths;
+  if (memory.tensors.size() == 3) lengths = memory.tensors[2];
+  return full_attention(query.unsqueeze(2), memory.tensors[0], memory.tensors[1], std::nullopt,
+                        lengths, /*causal=*/false, softmax_temp_)
+      .squeeze(2);  // (N, H, M)
+}
+
+// ---- generic ----------------------------------------------------------------
+
+RecurrentCrossGenericAttention::RecurrentCrossGenericAttention(AttentionPtr attention)
+    : attention_(std::move(attention)) {
+  TORCH_CHECK(attention_,
+              "RecurrentCrossGenericAttention: attention must be an attention module, got null");
+  // The batch module's own names, without a prefix, so that weights load by name.
+  for (const auto& p : attention_->named_parameters(/*recurse=*/false)) {
+    register_parameter(p.key(), p.value(), p.value().requires_grad());
+  }
+  for (const auto& b : attention_->named_buffers(/*recurse=*/false)) {
+    register_buffer(b.key(), b.value());
+  }
+  for (const auto& c : attention_->named_children()) register_module(c.key(), c.value());
+}
+
+RecurrentState RecurrentCrossGenericAttention::prepare(const Tensor& keys,    // (N, H, S, E)
+                                                       const Tensor& values,  // (N, H, S, M)
+                                                       const std::optional<Tensor>& key_lengths) {
+  check_memory("recurrent cross attention", keys, values, key_lengths);
+  return cache_memory(keys, values, key_lengths);
+}
+
+Tensor RecurrentCrossGenericAttention::step(const Tensor& query,  // (N, H, E)
+                                            const RecurrentState& memory) {
+  const std::string type = "recurrent cross " + attention_->type_name();
+  check_cached(type.c_str(), memory);
+  check_query(type.c_str(), query, memory.tensors[0]);
+  Mask mask;
+  if (memory.tensors.size() == 3) mask = mask.with_key_lengths(memory.tensors[2]);
+  attention_->train(is_training());
+  return attention_->forward(query.unsqueeze(2), memory.tensors[0], memory.tensors[1], mask)
+      .squeeze(2);  // (N, H, M)
+}
+
+// ---- construction by name ---------------------------------------------------
+
+RecurrentCrossAttentionPtr make_recurrent_cross_attention(const std::string& name,
+                                                          const ParamMap& params,
+                                                          const AttentionDims& dims) {
+  TORCH_CHECK(name.rfind("causal-", 0) != 0,
+              "make_recurrent_cross_attention: name must be a type that attends to a whole "
+              "memory, got the causal type '",
+              name, "' (for linear cross-attention use 'linear')");
+  if (name == "linear") {
+    // The batch type's feature map: the same parameters give the same map.
+    auto batch = std::dynamic_pointer_cast<LinearAttention>(make_attention(name, params, dims));
+    TORCH_CHECK(batch, "make_recurrent_cross_attention: 'linear' did not build a LinearAttention");
+    const auto p = AttentionRegistry::global().validate(name, params);
+    return std::make_shared<RecurrentCrossLinearAttention>(batch->feature_map(),
+                                                           p.get_float("eps"));
+  }
+  if (name == "full") {
+    const auto p = AttentionRegistry::global().validate(name, params);
+    return std::make_shared<RecurrentCrossFullAttention>(p.get_optional_float("softmax_temp"));
+  }
+  return std::make_shared<RecurrentCrossGenericAttention>(make_attention(name, params, dims));
+}
+
+}  // namespace fastattn
