@@ -12,4 +12,5 @@
 #include "fastattn/recurrent.h"
 #include "fastattn/recurrent_transformer.h"
 #include "fastattn/registry.h"
+#include "fastattn/sparse.h"
 #include "fastattn/transformer.h"

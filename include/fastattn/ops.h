@@ -9,7 +9,9 @@
 #include <torch/torch.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
+#include <vector>
 
 namespace fastattn {
 
@@ -111,6 +113,29 @@ std::tuple<torch::Tensor, torch::Tensor> hard_retrieval_attention(
     const std::optional<torch::Tensor>& key_lengths = std::nullopt, bool causal = false,
     bool sample = false, std::optional<double> softmax_temp = std::nullopt, int64_t seed = 0);
 
+// Block-sparse softmax attention (local attention and the Sparse Transformer
+// patterns of Child et al. 2019), fused like full_attention (online softmax,
+// saved log-sum-exp, recomputation in backward). Query i sits at key position
+// p = i + (S - L); keys at positions >= key_lengths[n] are ignored.
+//   pattern "local",   params {window}: causal offsets j - p in [-(w-1), 0],
+//                      otherwise [-floor(w/2), w - 1 - floor(w/2)].
+//   pattern "strided", params {stride l, which}: A1 = {j : p - l <= j <= p}
+//                      (causal) or |j - p| <= l; A2 = {j : (p - j) mod l = 0}
+//                      (causal: j <= p).
+//   pattern "fixed",   params {stride l, summary c, which, per_head_summary}:
+//                      A1 = p's block of l (causal: j <= p); A2 = {j : j mod l
+//                      in [l - c, l)} (per_head_summary: head h uses
+//                      [l - c·(g+1), l - c·g), g = h mod (l / c)); causal: j <= p.
+//   which: 0 merged (A1 ∪ A2), 1 only A1, 2 only A2, 3 split (heads
+//   [0, ceil(H/2)) use A1, the others A2).
+// A query that keeps no key outputs zeros. Gradients flow to q, k and v.
+torch::Tensor block_sparse_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                     const torch::Tensor& v, const std::string& pattern,
+                                     const std::vector<int64_t>& params,
+                                     const std::optional<torch::Tensor>& key_lengths = std::nullopt,
+                                     bool causal = false,
+                                     std::optional<double> softmax_temp = std::nullopt);
+
 namespace reference {
 // Plain-ATen hashing: (x·W^T + b > 0) packed into int64.
 torch::Tensor hash_queries(const torch::Tensor& x, const torch::Tensor& planes);
@@ -146,6 +171,18 @@ std::tuple<torch::Tensor, torch::Tensor> hard_retrieval_attention(
     const std::optional<torch::Tensor>& attn_mask, const std::optional<torch::Tensor>& key_lengths,
     bool causal, std::optional<double> softmax_temp,
     const std::optional<torch::Tensor>& index = std::nullopt);
+
+// The block-sparse pattern as a dense (H, L, S) bool mask (true = keep), and
+// the plain-ATen oracle of block_sparse_attention built on it (O(L·S) memory):
+// for tests and benchmarks only.
+torch::Tensor block_sparse_mask(const std::string& pattern, const std::vector<int64_t>& params,
+                                bool causal, int64_t H, int64_t L, int64_t S);
+torch::Tensor block_sparse_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                     const torch::Tensor& v, const std::string& pattern,
+                                     const std::vector<int64_t>& params,
+                                     const std::optional<torch::Tensor>& key_lengths = std::nullopt,
+                                     bool causal = false,
+                                     std::optional<double> softmax_temp = std::nullopt);
 }  // namespace reference
 
 }  // namespace fastattn

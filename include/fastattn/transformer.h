@@ -216,7 +216,9 @@ class TransformerBuilderBase {
 }  // namespace detail
 
 // Builds a TransformerEncoder. Every setting is checked at build() with a
-// message naming it.
+// message naming it. For `sparse-strided` / `sparse-fixed` with mode
+// "interleaved" and no "part", layer r gets part r mod 2 + 1 (A1, A2, A1, ...;
+// both builders, every attention of the layer).
 class EncoderBuilder : public detail::TransformerBuilderBase<EncoderBuilder> {
  public:
   EncoderBuilder& attention(std::string type, ParamMap params = {});

@@ -14,6 +14,8 @@ void register_full_attention_types(AttentionRegistry& registry);
 void register_linear_attention_types(AttentionRegistry& registry);
 // clustered, improved-clustered, exact-topk (src/attention/clustered.cpp).
 void register_clustered_attention_types(AttentionRegistry& registry);
+// local, sparse-strided, sparse-fixed (src/attention/sparse.cpp).
+void register_sparse_attention_types(AttentionRegistry& registry);
 
 // hard-retrieval (src/attention/hard_retrieval.cpp).
 void register_hard_retrieval_attention_types(AttentionRegistry& registry);
@@ -23,6 +25,7 @@ inline void register_builtin_types(AttentionRegistry& registry) {
   register_linear_attention_types(registry);
   register_clustered_attention_types(registry);
   register_hard_retrieval_attention_types(registry);
+  register_sparse_attention_types(registry);
 }
 
 }  // namespace fastattn

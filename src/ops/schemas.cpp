@@ -91,6 +91,22 @@ TORCH_LIBRARY(fastattn, m) {
       "Tensor index, Tensor lse, Tensor? attn_mask, Tensor? key_lengths, bool causal, "
       "float softmax_temp) -> (Tensor, Tensor, Tensor)");
 
+  // ---- block-sparse attention (local, Sparse Transformer, Child et al. 2019) --
+  // pattern: "local" [window], "strided" [stride, which], "fixed" [stride,
+  // summary, which, per_head_summary]; which: 0 merged, 1 A1, 2 A2, 3 split.
+  m.def(
+      "block_sparse_attention(Tensor q, Tensor k, Tensor v, str pattern, int[] params, "
+      "Tensor? key_lengths=None, bool causal=False, float? softmax_temp=None) -> Tensor");
+  // Forward kernel: output and the row log-sum-exp (N,H,L) of the kept scaled scores.
+  m.def(
+      "block_sparse_attention_forward(Tensor q, Tensor k, Tensor v, str pattern, int[] params, "
+      "Tensor? key_lengths, bool causal, float softmax_temp) -> (Tensor, Tensor)");
+  // Backward kernel: recomputes P per tile from the saved lse.
+  m.def(
+      "block_sparse_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, "
+      "Tensor out, Tensor lse, str pattern, int[] params, Tensor? key_lengths, bool causal, "
+      "float softmax_temp) -> (Tensor, Tensor, Tensor)");
+
   // ---- registry access (Python mirrors the C++ registry through these) -----
   // Any registered attention type by name; params_json is a JSON object of the
   // type's parameters.

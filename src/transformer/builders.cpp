@@ -60,6 +60,20 @@ void check_attention(const char* who, const char* setting, const AttentionSpec& 
   }
 }
 
+// The spec of layer r: a Sparse Transformer type with mode interleaved and no
+// explicit part gets part r mod 2 + 1 (layer 0 A1, layer 1 A2, ...), the
+// paper's attend(X, A^(r mod p)) with p = 2.
+AttentionSpec layer_spec(const AttentionSpec& spec, int64_t r) {
+  if (spec.type != "sparse-strided" && spec.type != "sparse-fixed") return spec;
+  auto mode = spec.params.find("mode");
+  if (mode == spec.params.end() || spec.params.count("part")) return spec;
+  const auto* name = std::get_if<std::string>(&mode->second);
+  if (name == nullptr || *name != "interleaved") return spec;
+  AttentionSpec out = spec;
+  out.params["part"] = int64_t{r % 2 + 1};
+  return out;
+}
+
 AttentionLayer attention_layer(const AttentionSpec& spec, const TransformerConfig& c,
                                const ResolvedConfig& r, std::optional<int64_t> d_model_keys) {
   auto attention = AttentionRegistry::global().build(spec.type, spec.params, dims_of(c, r));
@@ -177,7 +191,7 @@ TransformerEncoder EncoderBuilder::build() const {
   check_attention(who, "attention", attention_);
   std::vector<TransformerEncoderLayer> layers;
   for (int64_t i = 0; i < config_.layers; ++i) {
-    layers.emplace_back(attention_layer(attention_, config_, r, std::nullopt),
+    layers.emplace_back(attention_layer(layer_spec(attention_, i), config_, r, std::nullopt),
                         layer_options(config_, r));
   }
   torch::nn::LayerNorm norm{nullptr};
@@ -230,9 +244,10 @@ TransformerDecoder DecoderBuilder::build() const {
   check_attention(who, "cross_attention", cross_attention_);
   std::vector<TransformerDecoderLayer> layers;
   for (int64_t i = 0; i < config_.layers; ++i) {
-    layers.emplace_back(attention_layer(self_attention_, config_, r, std::nullopt),
-                        attention_layer(cross_attention_, config_, r, memory_dimensions_),
-                        layer_options(config_, r));
+    layers.emplace_back(
+        attention_layer(layer_spec(self_attention_, i), config_, r, std::nullopt),
+        attention_layer(layer_spec(cross_attention_, i), config_, r, memory_dimensions_),
+        layer_options(config_, r));
   }
   torch::nn::LayerNorm norm{nullptr};
   if (config_.final_normalization)

@@ -1,0 +1,97 @@
+// Block-sparse softmax attention on the CPU: the kernel behind `local`,
+// `sparse-strided` and `sparse-fixed` (Child et al. 2019).
+//
+// Layout. A pattern is a union of at most two disjoint *parts*. Each part has
+// an order of the queries and an order of the keys (identity, residue-major
+// "all positions ≡ r mod l, ascending", or a gather of the summary positions)
+// chosen so that, in those orders, every query keeps the keys of one interval
+// [a, b] minus at most one interval [x, y]. A query block's key blocks are
+// therefore a contiguous range (the block CSR row, computed per tile), and the
+// element mask inside a tile is two column intervals per row, resolved once
+// per tile row (a tile fully inside the interval gets no mask at all). The
+// parts of one head share one online softmax: part 1 leaves its running
+// (max, sum, unnormalised output) per query, part 2 continues from it.
+//
+// Positions: query i sits at key position p = i + (S - L) (the last query
+// lines up with the last key). Keys at positions >= key_lengths[n] are
+// dropped in every part.
+//
+// Cost: forward 4·E·(kept-or-tile-padded keys) flops per query; backward
+// (a dQ pass per query tile and a dK/dV pass per key tile, both recomputing P
+// from the saved log-sum-exp) about 3.5× the forward. Extra memory: ordered
+// and packed copies of K and V (O(N·H·S·(E+M)) per part), O(N·H·L) state.
+// Tested by tests/cpp/test_sparse_attention.cpp; timed by
+// bench/bench_sparse_attention.cpp.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace fastattn::kernels {
+
+enum class SparsePartKind : int {
+  Band = 0,       // keys j with lo <= j - p <= hi (local, strided A1)
+  SameBlock = 1,  // keys in p's block of length `stride` (fixed A1); causal: j <= p
+  Residue = 2,    // keys j ≡ p (mod stride) (strided A2); causal: j <= p
+  Summary = 3,    // keys j with j mod stride in the summary window (fixed A2); causal: j <= p
+};
+
+struct SparsePart {
+  SparsePartKind kind = SparsePartKind::Band;
+  int64_t lo = 0, hi = 0;  // Band: kept offsets j - p
+  int64_t stride = 1;      // l (SameBlock, Residue, Summary)
+  int64_t summary = 1;     // c (Summary): the last c positions of every block
+  bool per_head = false;   // Summary: head h uses the group g = h mod (l / c) of c positions,
+                           // residues [l - c·(g+1), l - c·g)
+  bool causal = false;     // SameBlock, Residue, Summary: keep only j <= p
+  bool exclude = false;    // merged mode: Residue drops |p - j| <= l, Summary drops p's own
+                           // block (those keys belong to the A1 part)
+  int64_t head_begin = 0;  // the heads [head_begin, head_end) use this part
+  int64_t head_end = 0;
+};
+
+// The parts of a named pattern (parameters already validated by the op):
+//   "local":   {window}                          one Band part
+//   "strided": {stride, which}                   which: 0 merged, 1 A1, 2 A2, 3 split heads
+//   "fixed":   {stride, summary, which, per_head_summary}
+// Split: heads [0, ceil(H/2)) use A1, the others A2. Local offsets: causal
+// [-(w-1), 0]; otherwise [-floor(w/2), w - 1 - floor(w/2)] (w keys).
+std::vector<SparsePart> make_sparse_parts(int pattern, const std::vector<int64_t>& params,
+                                          bool causal, int64_t H);
+enum SparsePattern : int { kLocalPattern = 0, kStridedPattern = 1, kFixedPattern = 2 };
+
+template <typename T>
+struct BlockSparseParams {
+  const T* q = nullptr;                  // (N, H, L, E) contiguous
+  const T* k = nullptr;                  // (N, H, S, E) contiguous
+  const T* v = nullptr;                  // (N, H, S, M) contiguous
+  const int64_t* key_lengths = nullptr;  // (N,) in [0, S], or nullptr for S
+  int64_t N = 0, H = 0, L = 0, S = 0, E = 0, M = 0;
+  T scale = 1;  // softmax temperature applied to q·k
+  const SparsePart* parts = nullptr;
+  int num_parts = 0;
+  int num_threads = 1;
+};
+
+template <typename T>
+struct BlockSparseForwardArgs : BlockSparseParams<T> {
+  T* out = nullptr;  // (N, H, L, M)
+  T* lse = nullptr;  // (N, H, L): log-sum-exp of the kept scaled scores, -inf if none
+};
+
+template <typename T>
+struct BlockSparseBackwardArgs : BlockSparseParams<T> {
+  const T* grad_out = nullptr;  // (N, H, L, M) contiguous
+  const T* lse = nullptr;       // (N, H, L) from the forward
+  const T* delta = nullptr;     // (N, H, L): rowsum(grad_out ∘ out)
+  T* grad_q = nullptr;          // (N, H, L, E), written
+  T* grad_k = nullptr;          // (N, H, S, E), written
+  T* grad_v = nullptr;          // (N, H, S, M), written
+};
+
+template <typename T>
+void block_sparse_attention_forward_cpu(const BlockSparseForwardArgs<T>& args);
+template <typename T>
+void block_sparse_attention_backward_cpu(const BlockSparseBackwardArgs<T>& args);
+
+}  // namespace fastattn::kernels

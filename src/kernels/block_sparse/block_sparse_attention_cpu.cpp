@@ -1,0 +1,659 @@
+// CPU kernels of block-sparse softmax attention (see block_sparse_attention.h).
+//
+// Forward, per part, per work item (n, h, tile of kBq queries in the part's
+// query order): the rows' kept key intervals give the tile's key-block range;
+// for each key tile of kBk keys: S = Q·K^T (K ordered and packed in panels),
+// scale and cut each row to its intervals, online softmax update, O += P·V.
+// The first part of a head starts from nothing, the last one normalises and
+// writes lse; between them the state (O, max, sum) waits in out / lse / a
+// buffer.
+//
+// Backward, per part: a dQ pass (per query tile: P from the saved lse,
+// dP = dO·V^T, dS = P ∘ (dP - delta)·scale, dQ += dS·K) and a dK/dV pass (per
+// key tile over the query tiles that may see it: dV += P^T·dO, dK += dS^T·Q).
+// Each pass writes disjoint rows, so no thread keeps a private copy of dQ.
+#include "kernels/block_sparse/block_sparse_attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <vector>
+
+#include "kernels/common/gemm.h"
+#include "kernels/common/parallel.h"
+#include "kernels/common/simd.h"
+
+namespace fastattn::kernels {
+
+// ---- patterns -> parts --------------------------------------------------------
+
+std::vector<SparsePart> make_sparse_parts(int pattern, const std::vector<int64_t>& params,
+                                          bool causal, int64_t H) {
+  std::vector<SparsePart> parts;
+  if (pattern == kLocalPattern) {
+    const int64_t w = params.at(0);
+    SparsePart p;
+    p.kind = SparsePartKind::Band;
+    p.lo = causal ? -(w - 1) : -(w / 2);
+    p.hi = causal ? 0 : w - 1 - w / 2;
+    p.head_end = H;
+    parts.push_back(p);
+    return parts;
+  }
+  const int64_t l = params.at(0);
+  const bool fixed = pattern == kFixedPattern;
+  const int64_t which = fixed ? params.at(2) : params.at(1);
+  SparsePart a1, a2;
+  if (fixed) {
+    a1.kind = SparsePartKind::SameBlock;
+    a2.kind = SparsePartKind::Summary;
+    a2.summary = params.at(1);
+    a2.per_head = params.at(3) != 0;
+  } else {
+    a1.kind = SparsePartKind::Band;
+    a1.lo = -l;
+    a1.hi = causal ? 0 : l;
+    a2.kind = SparsePartKind::Residue;
+  }
+  a1.stride = a2.stride = l;
+  a1.causal = a2.causal = causal;
+  a1.head_end = a2.head_end = H;
+  if (which == 0) {  // merged: A1 ∪ A2, A2 without what A1 has
+    a2.exclude = true;
+    parts = {a1, a2};
+  } else if (which == 1) {
+    parts = {a1};
+  } else if (which == 2) {
+    parts = {a2};
+  } else {  // split heads
+    a1.head_end = (H + 1) / 2;
+    a2.head_begin = a1.head_end;
+    parts = {a1, a2};
+  }
+  return parts;
+}
+
+namespace {
+
+constexpr int64_t kBq = 64;  // queries per tile
+constexpr int64_t kBk = 64;  // keys per tile
+
+template <typename T>
+constexpr T neg_inf() {
+  return -std::numeric_limits<T>::infinity();
+}
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+int64_t floor_mod(int64_t a, int64_t b) { return a - floor_div(a, b) * b; }
+
+// Kept ordered keys of one query: [a, b] minus [x, y] (x > y: nothing removed).
+struct Range {
+  int64_t a = 0, b = -1, x = 0, y = -1;
+  bool empty() const { return a > b; }
+};
+
+// One part's orders for one head (heads share it unless per-head summaries).
+struct Geometry {
+  const SparsePart* part = nullptr;
+  int64_t L = 0, S = 0, off = 0;
+  int64_t Sp = 0;                     // keys in the part's order
+  std::vector<int64_t> q_order;       // ordered query -> query index; empty: identity
+  std::vector<int64_t> k_order;       // ordered key -> key index; empty: identity
+  std::vector<int64_t> kstart;        // Residue: first ordered key of class r, r <= min(l, S)
+  int64_t s_lo = 0, s_hi = 0;         // Summary: kept residues [s_lo, s_hi)
+  std::vector<int64_t> kt_ptr, kt_q;  // backward: query tiles that may see key tile t (CSR)
+
+  // Summary positions <= x (x < S).
+  int64_t summary_count(int64_t x) const {
+    if (x < 0) return 0;
+    const int64_t l = part->stride, blk = floor_div(x, l), rem = x - blk * l;
+    return blk * (s_hi - s_lo) + std::clamp<int64_t>(rem - s_lo + 1, 0, s_hi - s_lo);
+  }
+
+  Range row(int64_t i, int64_t len) const {
+    const SparsePart& pt = *part;
+    const int64_t p = i + off, l = pt.stride;
+    Range r;
+    switch (pt.kind) {
+      case SparsePartKind::Band:
+        r.a = std::max<int64_t>(0, p + pt.lo);
+        r.b = std::min(len - 1, p + pt.hi);
+        break;
+      case SparsePartKind::SameBlock: {
+        const int64_t start = floor_div(p, l) * l;
+        r.a = std::max<int64_t>(0, start);
+        r.b = std::min(len - 1, pt.causal ? p : start + l - 1);
+        break;
+      }
+      case SparsePartKind::Residue: {
+        const int64_t res = floor_mod(p, l), m = floor_div(p, l);
+        if (res >= S || res >= len) return r;
+        int64_t mhi = (len - 1 - res) / l;
+        if (pt.causal) mhi = std::min(mhi, m);
+        if (mhi < 0) return r;
+        r.a = kstart[res];
+        r.b = kstart[res] + mhi;
+        if (pt.exclude) {
+          r.x = std::max(r.a, kstart[res] + m - 1);
+          r.y = std::min(r.b, kstart[res] + m + 1);
+        }
+        break;
+      }
+      case SparsePartKind::Summary: {
+        r.a = 0;
+        r.b = summary_count(std::min(len - 1, pt.causal ? p : len - 1)) - 1;
+        if (pt.exclude) {
+          const int64_t c = s_hi - s_lo, blk = floor_div(p, l);
+          r.x = std::max(r.a, blk * c);
+          r.y = std::min(r.b, blk * c + c - 1);
+        }
+        break;
+      }
+    }
+    return r;
+  }
+};
+
+Geometry make_geometry(const SparsePart& part, int64_t h, int64_t L, int64_t S,
+                       bool with_transpose) {
+  Geometry g;
+  g.part = &part;
+  g.L = L;
+  g.S = S;
+  g.off = S - L;
+  g.Sp = S;
+  const int64_t l = part.stride;
+  if (part.kind == SparsePartKind::Residue) {
+    const int64_t classes = std::min(l, S);
+    g.kstart.assign(classes + 1, 0);
+    g.k_order.reserve(S);
+    for (int64_t r = 0; r < classes; ++r) {
+      g.kstart[r] = static_cast<int64_t>(g.k_order.size());
+      for (int64_t j = r; j < S; j += l) g.k_order.push_back(j);
+    }
+    g.kstart[classes] = S;
+    // Queries by the residue of p = i + off, ascending i within a class.
+    const int64_t off = g.off;
+    if (l <= L) {
+      g.q_order.reserve(L);
+      for (int64_t r = 0; r < l; ++r)
+        for (int64_t i = floor_mod(r - off, l); i < L; i += l) g.q_order.push_back(i);
+    } else {  // at most one query per class
+      g.q_order.resize(L);
+      std::iota(g.q_order.begin(), g.q_order.end(), int64_t{0});
+      std::stable_sort(g.q_order.begin(), g.q_order.end(), [&](int64_t a, int64_t b) {
+        return floor_mod(a + off, l) < floor_mod(b + off, l);
+      });
+    }
+  } else if (part.kind == SparsePartKind::Summary) {
+    const int64_t c = part.summary;
+    const int64_t grp = part.per_head ? h % std::max<int64_t>(1, l / c) : 0;
+    g.s_hi = l - c * grp;
+    g.s_lo = g.s_hi - c;
+    for (int64_t j = 0; j < S; ++j) {
+      const int64_t res = j % l;
+      if (res >= g.s_lo && res < g.s_hi) g.k_order.push_back(j);
+    }
+    g.Sp = static_cast<int64_t>(g.k_order.size());
+  }
+  if (with_transpose) {
+    const int64_t q_tiles = (L + kBq - 1) / kBq, k_tiles = (g.Sp + kBk - 1) / kBk;
+    std::vector<std::pair<int64_t, int64_t>> ranges(q_tiles, {0, -1});
+    g.kt_ptr.assign(k_tiles + 1, 0);
+    for (int64_t t = 0; t < q_tiles; ++t) {
+      int64_t lo = std::numeric_limits<int64_t>::max(), hi = -1;
+      for (int64_t r = t * kBq; r < std::min(L, t * kBq + kBq); ++r) {
+        const Range rr = g.row(g.q_order.empty() ? r : g.q_order[r], S);
+        if (rr.empty()) continue;
+        lo = std::min(lo, rr.a);
+        hi = std::max(hi, rr.b);
+      }
+      if (hi < 0) continue;
+      ranges[t] = {lo / kBk, hi / kBk};
+      for (int64_t kb = lo / kBk; kb <= hi / kBk; ++kb) ++g.kt_ptr[kb + 1];
+    }
+    for (int64_t kb = 0; kb < k_tiles; ++kb) g.kt_ptr[kb + 1] += g.kt_ptr[kb];
+    g.kt_q.resize(g.kt_ptr[k_tiles]);
+    std::vector<int64_t> fill(g.kt_ptr.begin(), g.kt_ptr.end() - 1);
+    for (int64_t t = 0; t < q_tiles; ++t)
+      for (int64_t kb = ranges[t].first; kb <= ranges[t].second; ++kb) g.kt_q[fill[kb]++] = t;
+  }
+  return g;
+}
+
+// The geometries of one part: one per distinct head group; index[h] or -1.
+struct PartGeometries {
+  std::vector<Geometry> geos;
+  std::vector<int64_t> index;
+  const Geometry* of(int64_t h) const { return index[h] < 0 ? nullptr : &geos[index[h]]; }
+};
+
+PartGeometries make_part_geometries(const SparsePart& part, int64_t H, int64_t L, int64_t S,
+                                    bool with_transpose) {
+  PartGeometries pg;
+  pg.index.assign(H, -1);
+  const bool per_head = part.kind == SparsePartKind::Summary && part.per_head;
+  const int64_t groups = per_head ? std::max<int64_t>(1, part.stride / part.summary) : 1;
+  std::vector<int64_t> made(groups, -1);
+  for (int64_t h = part.head_begin; h < part.head_end; ++h) {
+    const int64_t grp = per_head ? h % groups : 0;
+    if (made[grp] < 0) {
+      made[grp] = static_cast<int64_t>(pg.geos.size());
+      pg.geos.push_back(make_geometry(part, h, L, S, with_transpose));
+    }
+    pg.index[h] = made[grp];
+  }
+  for (auto& g : pg.geos) g.part = &part;
+  return pg;
+}
+
+// Keys of every covered (n, h) in the part's order: packed panels (for Q·K^T)
+// and, when the order is not the identity, row-major copies.
+template <typename T>
+struct OrderedKeys {
+  int64_t S_pad = 0;
+  std::unique_ptr<T[]> panels;  // (N·H, S_pad·D)
+  std::unique_ptr<T[]> rows;    // (N·H, Sp·D) or null (identity: use the input)
+};
+
+template <typename T>
+OrderedKeys<T> order_keys(const T* x, const PartGeometries& pg, int64_t N, int64_t H, int64_t S,
+                          int64_t D, bool want_panels, bool want_rows, int num_threads) {
+  constexpr int64_t NR = panel_width<T>();
+  int64_t Sp = 0;
+  bool identity = true;
+  for (const auto& g : pg.geos) {
+    Sp = std::max(Sp, g.Sp);
+    identity = identity && g.k_order.empty();
+  }
+  OrderedKeys<T> ok;
+  ok.S_pad = round_up(std::max<int64_t>(Sp, 1), NR);
+  if (want_panels) ok.panels.reset(new T[static_cast<size_t>(N * H * ok.S_pad * D)]);
+  if (want_rows && !identity) ok.rows.reset(new T[static_cast<size_t>(N * H * Sp * D)]);
+  struct Gather {
+    std::vector<T> buf;
+  };
+  parallel_items<Gather>(
+      N * H, num_threads, [](Gather&) {},
+      [&](int64_t nh, Gather& w) {
+        const Geometry* g = pg.of(nh % H);
+        if (g == nullptr) return;
+        const T* src = x + nh * S * D;
+        const T* ordered = src;
+        if (!g->k_order.empty()) {
+          T* dst = ok.rows ? ok.rows.get() + nh * Sp * D : nullptr;
+          if (dst == nullptr) {
+            w.buf.resize(g->Sp * D);
+            dst = w.buf.data();
+          }
+          for (int64_t t = 0; t < g->Sp; ++t)
+            std::copy(src + g->k_order[t] * D, src + g->k_order[t] * D + D, dst + t * D);
+          ordered = dst;
+        }
+        if (ok.panels)
+          pack_transposed_panels(ordered, g->Sp, D, D, ok.S_pad,
+                                 ok.panels.get() + nh * ok.S_pad * D);
+      });
+  return ok;
+}
+
+template <typename T>
+const T* ordered_rows(const OrderedKeys<T>& ok, const T* x, int64_t nh, int64_t S, int64_t Sp,
+                      int64_t D) {
+  return ok.rows ? ok.rows.get() + nh * Sp * D : x + nh * S * D;
+}
+
+int64_t max_sp(const PartGeometries& pg) {
+  int64_t Sp = 0;
+  for (const auto& g : pg.geos) Sp = std::max(Sp, g.Sp);
+  return Sp;
+}
+
+// Scales a row of scores and cuts it to the range (ordered key coordinates);
+// everything else up to `width` becomes -inf. Returns false if nothing is kept.
+template <typename T>
+inline bool prepare_row(T* row, const Range& rr, int64_t j0, int64_t cols, int64_t width, T scale) {
+  const int64_t c_lo = std::clamp<int64_t>(rr.a - j0, 0, cols);
+  const int64_t c_hi = std::clamp<int64_t>(rr.b - j0 + 1, c_lo, cols);
+  for (int64_t c = 0; c < c_lo; ++c) row[c] = neg_inf<T>();
+  for (int64_t c = c_lo; c < c_hi; ++c) row[c] *= scale;
+  for (int64_t c = c_hi; c < width; ++c) row[c] = neg_inf<T>();
+  int64_t kept = c_hi - c_lo;
+  if (rr.x <= rr.y) {
+    const int64_t e_lo = std::clamp<int64_t>(rr.x - j0, c_lo, c_hi);
+    const int64_t e_hi = std::clamp<int64_t>(rr.y - j0 + 1, e_lo, c_hi);
+    for (int64_t c = e_lo; c < e_hi; ++c) row[c] = neg_inf<T>();
+    kept -= e_hi - e_lo;
+  }
+  return kept > 0;
+}
+
+template <typename T>
+inline T row_max(const T* row, int64_t width) {  // width: a multiple of W
+  using V = Simd<T>;
+  auto m = V::set1(neg_inf<T>());
+  for (int64_t c = 0; c < width; c += V::W) m = V::max(m, V::load(row + c));
+  return V::hmax(m);
+}
+
+// row = exp(row - shift) in place; returns the sum. width: a multiple of W.
+template <typename T>
+inline T exp_shift_sum(T* row, int64_t width, T shift) {
+  using V = Simd<T>;
+  const auto sh = V::set1(shift);
+  auto sum = V::zero();
+  for (int64_t c = 0; c < width; c += V::W) {
+    const auto e = V::exp(V::sub(V::load(row + c), sh));
+    V::store(row + c, e);
+    sum = V::add(sum, e);
+  }
+  return V::hsum(sum);
+}
+
+// The rows of one query tile: their indices, ranges, and the key tiles
+// [kb_lo, kb_hi] they reach (kb_hi < kb_lo: none).
+struct TileRows {
+  std::vector<int64_t> qidx;
+  std::vector<Range> rr;
+  int64_t rows = 0, kb_lo = 0, kb_hi = -1;
+  bool identity = true;
+
+  void init(const Geometry& g, int64_t t, int64_t len) {
+    rows = std::min(kBq, g.L - t * kBq);
+    identity = g.q_order.empty();
+    qidx.resize(kBq);
+    rr.resize(kBq);
+    int64_t lo = std::numeric_limits<int64_t>::max(), hi = -1;
+    for (int64_t r = 0; r < rows; ++r) {
+      qidx[r] = identity ? t * kBq + r : g.q_order[t * kBq + r];
+      rr[r] = g.row(qidx[r], len);
+      if (rr[r].empty()) continue;
+      lo = std::min(lo, rr[r].a);
+      hi = std::max(hi, rr[r].b);
+    }
+    kb_lo = hi < 0 ? 0 : lo / kBk;
+    kb_hi = hi < 0 ? -1 : hi / kBk;
+  }
+
+  // Rows of x (nh's (L, D) block) for this tile: in place when the order is
+  // the identity, else gathered into buf.
+  template <typename T>
+  const T* gather(const T* x, int64_t D, std::vector<T>& buf) const {
+    if (identity) return x + qidx[0] * D;
+    buf.resize(kBq * D);
+    for (int64_t r = 0; r < rows; ++r)
+      std::copy(x + qidx[r] * D, x + qidx[r] * D + D, buf.data() + r * D);
+    return buf.data();
+  }
+
+  bool reaches(int64_t j0, int64_t cols) const {
+    for (int64_t r = 0; r < rows; ++r)
+      if (!rr[r].empty() && rr[r].a < j0 + cols && rr[r].b >= j0) return true;
+    return false;
+  }
+};
+
+// First / last part covering head h.
+bool first_for(const SparsePart* parts, int k, int64_t h) {
+  for (int j = 0; j < k; ++j)
+    if (h >= parts[j].head_begin && h < parts[j].head_end) return false;
+  return true;
+}
+bool last_for(const SparsePart* parts, int n, int k, int64_t h) {
+  for (int j = k + 1; j < n; ++j)
+    if (h >= parts[j].head_begin && h < parts[j].head_end) return false;
+  return true;
+}
+
+template <typename T>
+struct ForwardScratch {
+  std::vector<T> s, o, m, l, qbuf;
+  TileRows tile;
+};
+
+}  // namespace
+
+template <typename T>
+void block_sparse_attention_forward_cpu(const BlockSparseForwardArgs<T>& a) {
+  const int64_t N = a.N, H = a.H, L = a.L, S = a.S, E = a.E, M = a.M, NH = N * H;
+  if (NH == 0 || L == 0) return;
+  constexpr int64_t NR = panel_width<T>();
+  const int64_t q_tiles = (L + kBq - 1) / kBq;
+  // Heads that no part covers (none today) output zeros.
+  std::fill(a.out, a.out + NH * L * M, T(0));
+  std::fill(a.lse, a.lse + NH * L, neg_inf<T>());
+  std::vector<T> lsum(a.num_parts > 1 ? NH * L : 0);
+
+  for (int k = 0; k < a.num_parts; ++k) {
+    const SparsePart& part = a.parts[k];
+    const auto pg = make_part_geometries(part, H, L, S, false);
+    const int64_t Sp = max_sp(pg);
+    const auto kk = order_keys(a.k, pg, N, H, S, E, true, false, a.num_threads);
+    const auto vv = order_keys(a.v, pg, N, H, S, M, false, true, a.num_threads);
+    parallel_items<ForwardScratch<T>>(
+        NH * q_tiles, a.num_threads,
+        [&](ForwardScratch<T>& w) {
+          w.s.resize(kBq * kBk);
+          w.o.resize(kBq * M);
+          w.m.resize(kBq);
+          w.l.resize(kBq);
+        },
+        [&](int64_t item, ForwardScratch<T>& w) {
+          const int64_t nh = item / q_tiles, t = item % q_tiles, n = nh / H, h = nh % H;
+          const Geometry* g = pg.of(h);
+          if (g == nullptr) return;
+          const int64_t len = a.key_lengths ? a.key_lengths[n] : S;
+          auto& tile = w.tile;
+          tile.init(*g, t, len);
+          const int64_t rows = tile.rows;
+          const bool first = first_for(a.parts, k, h), last = last_for(a.parts, a.num_parts, k, h);
+          T* out = a.out + nh * L * M;
+          T* lse = a.lse + nh * L;
+          T* ls = lsum.empty() ? nullptr : lsum.data() + nh * L;
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t i = tile.qidx[r];
+            if (first) {
+              std::fill(w.o.begin() + r * M, w.o.begin() + r * M + M, T(0));
+              w.m[r] = neg_inf<T>();
+              w.l[r] = T(0);
+            } else {
+              std::copy(out + i * M, out + i * M + M, w.o.begin() + r * M);
+              w.m[r] = lse[i];
+              w.l[r] = ls[i];
+            }
+          }
+          if (tile.kb_hi >= tile.kb_lo) {
+            const T* q = tile.gather(a.q + nh * L * E, E, w.qbuf);
+            const T* kp = kk.panels.get() + nh * kk.S_pad * E;
+            const T* vo = ordered_rows(vv, a.v, nh, S, Sp, M);
+            for (int64_t kb = tile.kb_lo; kb <= tile.kb_hi; ++kb) {
+              const int64_t j0 = kb * kBk;
+              const int64_t cols = std::min(kBk, g->Sp - j0);
+              if (cols <= 0 || !tile.reaches(j0, cols)) continue;
+              const int64_t width = round_up(cols, NR);
+              gemm_packed(rows, width, E, q, E, kp + j0 * E, w.s.data(), kBk, false);
+              for (int64_t r = 0; r < rows; ++r) {
+                T* row = w.s.data() + r * kBk;
+                prepare_row(row, tile.rr[r], j0, cols, width, a.scale);
+                const T m_new = std::max(w.m[r], row_max(row, width));
+                if (m_new == neg_inf<T>()) {  // nothing kept so far in this row
+                  std::fill(row, row + width, T(0));
+                  continue;
+                }
+                const T alpha = std::exp(w.m[r] - m_new);  // 0 when m was -inf
+                const T sum = exp_shift_sum(row, width, m_new);
+                w.l[r] = w.l[r] * alpha + sum;
+                w.m[r] = m_new;
+                if (alpha != T(1)) {
+                  T* orow = w.o.data() + r * M;
+                  for (int64_t c = 0; c < M; ++c) orow[c] *= alpha;
+                }
+              }
+              gemm(rows, M, cols, w.s.data(), kBk, vo + j0 * M, M, w.o.data(), M, true);
+            }
+          }
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t i = tile.qidx[r];
+            if (last) {
+              const T l = w.l[r];
+              const T inv = l > T(0) ? T(1) / l : T(0);
+              for (int64_t c = 0; c < M; ++c) out[i * M + c] = w.o[r * M + c] * inv;
+              lse[i] = l > T(0) ? w.m[r] + std::log(l) : neg_inf<T>();
+            } else {
+              std::copy(w.o.begin() + r * M, w.o.begin() + r * M + M, out + i * M);
+              lse[i] = w.m[r];
+              ls[i] = w.l[r];
+            }
+          }
+        });
+  }
+}
+
+namespace {
+template <typename T>
+struct BackwardScratch {
+  std::vector<T> p, pt, dp, dst, acc1, acc2, qbuf, dobuf, lse, delta;
+  TileRows tile;
+};
+
+// P = exp(S·scale - lse) cut to the rows' ranges, for the tile's rows against
+// key tile [j0, j0 + cols); dS = P ∘ (dO·V^T - delta)·scale in w.dp.
+template <typename T>
+void tile_p_ds(const BlockSparseBackwardArgs<T>& a, BackwardScratch<T>& w, const T* q, const T* dO,
+               const T* kp, const T* vp, int64_t j0, int64_t cols) {
+  constexpr int64_t NR = panel_width<T>();
+  const int64_t rows = w.tile.rows, width = round_up(cols, NR);
+  gemm_packed(rows, width, a.E, q, a.E, kp + j0 * a.E, w.p.data(), kBk, false);
+  for (int64_t r = 0; r < rows; ++r) {
+    T* row = w.p.data() + r * kBk;
+    if (w.lse[r] == neg_inf<T>()) {
+      std::fill(row, row + width, T(0));
+      continue;
+    }
+    prepare_row(row, w.tile.rr[r], j0, cols, width, a.scale);
+    exp_shift_sum(row, width, w.lse[r]);
+  }
+  gemm_packed(rows, width, a.M, dO, a.M, vp + j0 * a.M, w.dp.data(), kBk, false);
+  for (int64_t r = 0; r < rows; ++r) {
+    const T d = w.delta[r];
+    const T* prow = w.p.data() + r * kBk;
+    T* dprow = w.dp.data() + r * kBk;
+    for (int64_t c = 0; c < cols; ++c) dprow[c] = prow[c] * (dprow[c] - d) * a.scale;
+  }
+}
+}  // namespace
+
+template <typename T>
+void block_sparse_attention_backward_cpu(const BlockSparseBackwardArgs<T>& a) {
+  const int64_t N = a.N, H = a.H, L = a.L, S = a.S, E = a.E, M = a.M, NH = N * H;
+  std::fill(a.grad_q, a.grad_q + NH * L * E, T(0));
+  std::fill(a.grad_k, a.grad_k + NH * S * E, T(0));
+  std::fill(a.grad_v, a.grad_v + NH * S * M, T(0));
+  if (NH == 0 || L == 0 || S == 0) return;
+  const int64_t q_tiles = (L + kBq - 1) / kBq;
+  auto init = [&](BackwardScratch<T>& w) {
+    w.p.resize(kBq * kBk);
+    w.pt.resize(kBk * kBq);
+    w.dp.resize(kBq * kBk);
+    w.dst.resize(kBk * kBq);
+    w.acc1.resize(std::max(kBq, kBk) * E);
+    w.acc2.resize(kBk * M);
+    w.lse.resize(kBq);
+    w.delta.resize(kBq);
+  };
+  auto load_rows = [&](BackwardScratch<T>& w, int64_t nh) {
+    for (int64_t r = 0; r < w.tile.rows; ++r) {
+      w.lse[r] = a.lse[nh * L + w.tile.qidx[r]];
+      w.delta[r] = a.delta[nh * L + w.tile.qidx[r]];
+    }
+  };
+
+  for (int k = 0; k < a.num_parts; ++k) {
+    const SparsePart& part = a.parts[k];
+    const auto pg = make_part_geometries(part, H, L, S, true);
+    const int64_t Sp = max_sp(pg);
+    const auto kk = order_keys(a.k, pg, N, H, S, E, true, true, a.num_threads);
+    const auto vv = order_keys(a.v, pg, N, H, S, M, true, false, a.num_threads);
+
+    // dQ: per query tile.
+    parallel_items<BackwardScratch<T>>(
+        NH * q_tiles, a.num_threads, init, [&](int64_t item, BackwardScratch<T>& w) {
+          const int64_t nh = item / q_tiles, t = item % q_tiles, n = nh / H, h = nh % H;
+          const Geometry* g = pg.of(h);
+          if (g == nullptr) return;
+          const int64_t len = a.key_lengths ? a.key_lengths[n] : S;
+          w.tile.init(*g, t, len);
+          if (w.tile.kb_hi < w.tile.kb_lo) return;
+          const int64_t rows = w.tile.rows;
+          load_rows(w, nh);
+          const T* q = w.tile.gather(a.q + nh * L * E, E, w.qbuf);
+          const T* dO = w.tile.gather(a.grad_out + nh * L * M, M, w.dobuf);
+          const T* kp = kk.panels.get() + nh * kk.S_pad * E;
+          const T* vp = vv.panels.get() + nh * vv.S_pad * M;
+          const T* ko = ordered_rows(kk, a.k, nh, S, Sp, E);
+          std::fill(w.acc1.begin(), w.acc1.end(), T(0));
+          for (int64_t kb = w.tile.kb_lo; kb <= w.tile.kb_hi; ++kb) {
+            const int64_t j0 = kb * kBk, cols = std::min(kBk, g->Sp - j0);
+            if (cols <= 0 || !w.tile.reaches(j0, cols)) continue;
+            tile_p_ds(a, w, q, dO, kp, vp, j0, cols);
+            gemm(rows, E, cols, w.dp.data(), kBk, ko + j0 * E, E, w.acc1.data(), E, true);
+          }
+          T* gq = a.grad_q + nh * L * E;
+          for (int64_t r = 0; r < rows; ++r) {
+            T* dst = gq + w.tile.qidx[r] * E;
+            const T* src = w.acc1.data() + r * E;
+            for (int64_t c = 0; c < E; ++c) dst[c] += src[c];
+          }
+        });
+
+    // dK, dV: per key tile, over the query tiles that may see it.
+    const int64_t k_tiles = (Sp + kBk - 1) / kBk;
+    if (k_tiles == 0) continue;
+    parallel_items<BackwardScratch<T>>(
+        NH * k_tiles, a.num_threads, init, [&](int64_t item, BackwardScratch<T>& w) {
+          const int64_t nh = item / k_tiles, kb = item % k_tiles, n = nh / H, h = nh % H;
+          const Geometry* g = pg.of(h);
+          if (g == nullptr) return;
+          const int64_t j0 = kb * kBk, cols = std::min(kBk, g->Sp - j0);
+          if (cols <= 0) return;
+          const int64_t len = a.key_lengths ? a.key_lengths[n] : S;
+          const T* kp = kk.panels.get() + nh * kk.S_pad * E;
+          const T* vp = vv.panels.get() + nh * vv.S_pad * M;
+          std::fill(w.acc1.begin(), w.acc1.end(), T(0));  // dK tile
+          std::fill(w.acc2.begin(), w.acc2.end(), T(0));  // dV tile
+          bool any = false;
+          for (int64_t e = g->kt_ptr[kb]; e < g->kt_ptr[kb + 1]; ++e) {
+            w.tile.init(*g, g->kt_q[e], len);
+            if (!w.tile.reaches(j0, cols)) continue;
+            any = true;
+            const int64_t rows = w.tile.rows;
+            load_rows(w, nh);
+            const T* q = w.tile.gather(a.q + nh * L * E, E, w.qbuf);
+            const T* dO = w.tile.gather(a.grad_out + nh * L * M, M, w.dobuf);
+            tile_p_ds(a, w, q, dO, kp, vp, j0, cols);
+            transpose(w.p.data(), rows, cols, kBk, w.pt.data(), kBq);
+            gemm(cols, M, rows, w.pt.data(), kBq, dO, M, w.acc2.data(), M, true);
+            transpose(w.dp.data(), rows, cols, kBk, w.dst.data(), kBq);
+            gemm(cols, E, rows, w.dst.data(), kBq, q, E, w.acc1.data(), E, true);
+          }
+          if (!any) return;
+          T* gk = a.grad_k + nh * S * E;
+          T* gv = a.grad_v + nh * S * M;
+          for (int64_t c = 0; c < cols; ++c) {
+            const int64_t j = g->k_order.empty() ? j0 + c : g->k_order[j0 + c];
+            for (int64_t x = 0; x < E; ++x) gk[j * E + x] += w.acc1[c * E + x];
+            for (int64_t x = 0; x < M; ++x) gv[j * M + x] += w.acc2[c * M + x];
+          }
+        });
+  }
+}
+
+template void block_sparse_attention_forward_cpu<float>(const BlockSparseForwardArgs<float>&);
+template void block_sparse_attention_forward_cpu<double>(const BlockSparseForwardArgs<double>&);
+template void block_sparse_attention_backward_cpu<float>(const BlockSparseBackwardArgs<float>&);
+template void block_sparse_attention_backward_cpu<double>(const BlockSparseBackwardArgs<double>&);
+
+}  // namespace fastattn::kernels

@@ -1,0 +1,232 @@
+// The block_sparse_attention operator (local attention and the Sparse
+// Transformer patterns of Child et al. 2019): pattern checks, CPU
+// implementations of the forward/backward kernels
+// (src/kernels/block_sparse/), the autograd function, and the C++ entry point.
+//   q (N,H,L,E), k (N,H,S,E), v (N,H,S,M) -> (N,H,L,M)
+// Tested by tests/cpp/test_sparse_attention.cpp against
+// reference::block_sparse_attention (a dense masked softmax).
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include "fastattn/ops.h"
+#include "kernels/block_sparse/block_sparse_attention.h"
+#include "ops/block_sparse_pattern.h"
+#include "ops/mask_util.h"
+#include "ops/op_util.h"
+
+namespace fastattn {
+
+namespace ops {
+
+int check_sparse_pattern(const char* op, const std::string& pattern,
+                         const std::vector<int64_t>& params, int64_t H) {
+  auto need = [&](size_t n, const char* names) {
+    TORCH_CHECK(params.size() == n, op, ": pattern '", pattern, "' takes params ", names, " (", n,
+                " integers), got ", params.size());
+  };
+  if (pattern == "local") {
+    need(1, "[window]");
+    TORCH_CHECK(params[0] >= 1, op, ": window must be >= 1, got ", params[0]);
+    return kernels::kLocalPattern;
+  }
+  const bool fixed = pattern == "fixed";
+  TORCH_CHECK(fixed || pattern == "strided", op,
+              ": pattern must be one of local, strided, fixed, got '", pattern, "'");
+  if (fixed)
+    need(4, "[stride, summary, which, per_head_summary]");
+  else
+    need(2, "[stride, which]");
+  TORCH_CHECK(params[0] >= 1, op, ": stride must be >= 1, got ", params[0]);
+  const int64_t which = fixed ? params[2] : params[1];
+  TORCH_CHECK(which >= 0 && which <= 3, op,
+              ": which must be 0 (merged), 1 (A1), 2 (A2) or 3 (split heads), got ", which);
+  TORCH_CHECK(which != 3 || H >= 2, op, ": mode split needs at least 2 heads, got ", H);
+  if (fixed) {
+    TORCH_CHECK(params[1] >= 1 && params[1] <= params[0], op,
+                ": summary must be in [1, stride] = [1, ", params[0], "], got ", params[1]);
+    TORCH_CHECK(params[3] == 0 || params[3] == 1, op, ": per_head_summary must be 0 or 1, got ",
+                params[3]);
+  }
+  return fixed ? kernels::kFixedPattern : kernels::kStridedPattern;
+}
+
+}  // namespace ops
+
+namespace {
+
+using torch::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+constexpr const char* kOp = "fastattn::block_sparse_attention";
+
+double default_temp(const Tensor& q, c10::optional<double> softmax_temp) {
+  if (softmax_temp) {
+    TORCH_CHECK(std::isfinite(*softmax_temp) && *softmax_temp > 0, kOp,
+                ": softmax_temp must be a finite number > 0, got ", *softmax_temp);
+    return *softmax_temp;
+  }
+  return 1.0 / std::sqrt(static_cast<double>(q.size(3)));
+}
+
+struct Prepared {
+  Tensor q, k, v, lengths;
+  std::vector<kernels::SparsePart> parts;
+};
+
+Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v, const std::string& pattern,
+                 c10::IntArrayRef params, const c10::optional<Tensor>& key_lengths, bool causal) {
+  ops::check_qkv(kOp, q, k, v);
+  ops::check_masks(kOp, q, k.size(2), std::nullopt, to_std(key_lengths));
+  const std::vector<int64_t> pv(params.begin(), params.end());
+  const int kind = ops::check_sparse_pattern(kOp, pattern, pv, q.size(1));
+  Prepared p{q.contiguous(), k.contiguous(), v.contiguous(), {}, {}};
+  if (key_lengths) p.lengths = key_lengths->to(torch::kLong).contiguous();
+  p.parts = kernels::make_sparse_parts(kind, pv, causal, q.size(1));
+  return p;
+}
+
+template <typename T, typename Args>
+void fill_params(Args& a, const Prepared& p, double temp) {
+  a.q = p.q.data_ptr<T>();
+  a.k = p.k.data_ptr<T>();
+  a.v = p.v.data_ptr<T>();
+  a.N = p.q.size(0);
+  a.H = p.q.size(1);
+  a.L = p.q.size(2);
+  a.E = p.q.size(3);
+  a.S = p.k.size(2);
+  a.M = p.v.size(3);
+  if (p.lengths.defined()) a.key_lengths = p.lengths.data_ptr<int64_t>();
+  a.scale = static_cast<T>(temp);
+  a.parts = p.parts.data();
+  a.num_parts = static_cast<int>(p.parts.size());
+  a.num_threads = at::get_num_threads();
+}
+
+std::tuple<Tensor, Tensor> forward_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
+                                       c10::string_view pattern, c10::IntArrayRef params,
+                                       const c10::optional<Tensor>& key_lengths, bool causal,
+                                       double softmax_temp) {
+  const auto p = prepare(q, k, v, std::string(pattern), params, key_lengths, causal);
+  auto out = torch::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+  auto lse = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "block_sparse_attention_forward_cpu", [&] {
+    kernels::BlockSparseForwardArgs<scalar_t> a;
+    fill_params<scalar_t>(a, p, softmax_temp);
+    a.out = out.data_ptr<scalar_t>();
+    a.lse = lse.data_ptr<scalar_t>();
+    kernels::block_sparse_attention_forward_cpu(a);
+  });
+  return {out, lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor> backward_cpu(const Tensor& grad_out, const Tensor& q,
+                                                const Tensor& k, const Tensor& v, const Tensor& out,
+                                                const Tensor& lse, c10::string_view pattern,
+                                                c10::IntArrayRef params,
+                                                const c10::optional<Tensor>& key_lengths,
+                                                bool causal, double softmax_temp) {
+  const auto p = prepare(q, k, v, std::string(pattern), params, key_lengths, causal);
+  TORCH_CHECK(grad_out.sizes() == out.sizes(), kOp, ": grad_out must have shape ", out.sizes(),
+              ", got ", grad_out.sizes());
+  TORCH_CHECK(lse.sizes() == out.sizes().slice(0, 3), kOp,
+              ": lse must have shape (N, H, L) = ", out.sizes().slice(0, 3), ", got ", lse.sizes());
+  auto go = grad_out.to(q.scalar_type()).contiguous();
+  auto delta = (go * out).sum(-1).contiguous();  // (N, H, L)
+  auto lse_c = lse.contiguous();
+  auto gq = torch::empty_like(p.q), gk = torch::empty_like(p.k), gv = torch::empty_like(p.v);
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "block_sparse_attention_backward_cpu", [&] {
+    kernels::BlockSparseBackwardArgs<scalar_t> a;
+    fill_params<scalar_t>(a, p, softmax_temp);
+    a.grad_out = go.data_ptr<scalar_t>();
+    a.lse = lse_c.data_ptr<scalar_t>();
+    a.delta = delta.data_ptr<scalar_t>();
+    a.grad_q = gq.data_ptr<scalar_t>();
+    a.grad_k = gk.data_ptr<scalar_t>();
+    a.grad_v = gv.data_ptr<scalar_t>();
+    kernels::block_sparse_attention_backward_cpu(a);
+  });
+  return {gq, gk, gv};
+}
+
+std::tuple<Tensor, Tensor> call_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                        c10::string_view pattern, c10::IntArrayRef params,
+                                        const c10::optional<Tensor>& key_lengths, bool causal,
+                                        double temp) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastattn::block_sparse_attention_forward", "")
+                       .typed<decltype(forward_cpu)>();
+  return op.call(q, k, v, pattern, params, key_lengths, causal, temp);
+}
+
+Tensor no_grad_impl(const Tensor& q, const Tensor& k, const Tensor& v, c10::string_view pattern,
+                    c10::IntArrayRef params, const c10::optional<Tensor>& key_lengths, bool causal,
+                    c10::optional<double> softmax_temp) {
+  ops::check_qkv(kOp, q, k, v);
+  return std::get<0>(
+      call_forward(q, k, v, pattern, params, key_lengths, causal, default_temp(q, softmax_temp)));
+}
+
+class BlockSparseFunction : public torch::autograd::Function<BlockSparseFunction> {
+ public:
+  static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                        c10::string_view pattern, c10::IntArrayRef params,
+                        const c10::optional<Tensor>& key_lengths, bool causal,
+                        c10::optional<double> softmax_temp) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    ops::check_qkv(kOp, q, k, v);
+    const double temp = default_temp(q, softmax_temp);
+    auto [out, lse] = call_forward(q, k, v, pattern, params, key_lengths, causal, temp);
+    ctx->save_for_backward({q, k, v, out, lse});
+    ctx->saved_data["pattern"] = std::string(pattern);
+    ctx->saved_data["params"] = params.vec();
+    ctx->saved_data["key_lengths"] = key_lengths ? *key_lengths : Tensor();
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["temp"] = temp;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("fastattn::block_sparse_attention_backward", "")
+                         .typed<decltype(backward_cpu)>();
+    const auto saved = ctx->get_saved_variables();
+    const auto kl = ctx->saved_data["key_lengths"].toTensor();
+    const auto pattern = ctx->saved_data["pattern"].toStringRef();
+    const auto params = ctx->saved_data["params"].toIntVector();
+    auto [gq, gk, gv] =
+        op.call(grads[0], saved[0], saved[1], saved[2], saved[3], saved[4], pattern, params,
+                kl.defined() ? c10::optional<Tensor>(kl) : c10::nullopt,
+                ctx->saved_data["causal"].toBool(), ctx->saved_data["temp"].toDouble());
+    return {gq, gk, gv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+Tensor autograd_impl(const Tensor& q, const Tensor& k, const Tensor& v, c10::string_view pattern,
+                     c10::IntArrayRef params, const c10::optional<Tensor>& key_lengths, bool causal,
+                     c10::optional<double> softmax_temp) {
+  return BlockSparseFunction::apply(q, k, v, pattern, params, key_lengths, causal, softmax_temp);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
+  m.impl("block_sparse_attention", no_grad_impl);
+  m.impl("block_sparse_attention_forward", forward_cpu);
+  m.impl("block_sparse_attention_backward", backward_cpu);
+}
+
+TORCH_LIBRARY_IMPL(fastattn, Autograd, m) { m.impl("block_sparse_attention", autograd_impl); }
+
+Tensor block_sparse_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                              const std::string& pattern, const std::vector<int64_t>& params,
+                              const std::optional<Tensor>& key_lengths, bool causal,
+                              std::optional<double> softmax_temp) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastattn::block_sparse_attention", "")
+                       .typed<decltype(no_grad_impl)>();
+  return op.call(q, k, v, pattern, params, to_c10(key_lengths), causal, to_c10(softmax_temp));
+}
+
+}  // namespace fastattn
