@@ -10,6 +10,7 @@
 #include "fastattn/mask.h"
 #include "fastattn/ops.h"
 #include "fastattn/recurrent.h"
+#include "fastattn/reformer.h"
 #include "fastattn/recurrent_transformer.h"
 #include "fastattn/registry.h"
 #include "fastattn/sparse.h"

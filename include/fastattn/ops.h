@@ -136,6 +136,34 @@ torch::Tensor block_sparse_attention(const torch::Tensor& q, const torch::Tensor
                                      bool causal = false,
                                      std::optional<double> softmax_temp = std::nullopt);
 
+// Reformer (Kitaev et al. 2020), step 1: LSH buckets by random rotations.
+// Bucket of x in round r = argmax over the 2·B2 values [x·R_r ; -x·R_r].
+//   x:         (N, H, L, E) float32 or float64
+//   rotations: (R, E, B2), x's dtype; draw them from a seeded generator.
+//              B2 = 0 gives one bucket (all 0).
+// Returns (N, H, R, L) int64 in [0, max(1, 2·B2)). Not differentiable.
+torch::Tensor lsh_hash(const torch::Tensor& x, const torch::Tensor& rotations);
+
+// Reformer LSH attention over given buckets (shared QK). The keys are the
+// queries L2-normalised, k_j = q_j / max(|q_j|, 1e-12). Per round r the valid
+// positions are sorted by (buckets[r], position) and cut into chunks of
+// chunk_size (the last one partial); chunk c's queries attend to the keys of
+// chunks c-1 and c with scores softmax_temp·q_i·k_j (default temp
+// 1/sqrt(E)). mask_self: the self score becomes -1e5 (a position attends to
+// itself only when it sees nothing else). causal: keys j > i are dropped.
+// The rounds are combined with weights softmax_r(lse_r(i)).
+//   q (N, H, L, E), v (N, H, L, M), buckets (N, H, R, L) int64 >= 0
+//   key_lengths (N,): positions >= length are padding: they join no chunk,
+//   output zeros and get zero gradients.
+// O(N·H·R·L·chunk·(E + M)) time, O(N·H·L·(E + M + R)) memory, never L x L.
+// Gradients flow to q (both roles) and v.
+torch::Tensor reformer_attention(const torch::Tensor& q, const torch::Tensor& v,
+                                 const torch::Tensor& buckets,
+                                 const std::optional<torch::Tensor>& key_lengths = std::nullopt,
+                                 int64_t chunk_size = 32, bool causal = false,
+                                 bool mask_self = true,
+                                 std::optional<double> softmax_temp = std::nullopt);
+
 namespace reference {
 // Plain-ATen hashing: (x·W^T + b > 0) packed into int64.
 torch::Tensor hash_queries(const torch::Tensor& x, const torch::Tensor& planes);
@@ -183,6 +211,17 @@ torch::Tensor block_sparse_attention(const torch::Tensor& q, const torch::Tensor
                                      const std::optional<torch::Tensor>& key_lengths = std::nullopt,
                                      bool causal = false,
                                      std::optional<double> softmax_temp = std::nullopt);
+
+// Plain-ATen LSH hashing (matmul, cat, argmax): for tests only.
+torch::Tensor lsh_hash(const torch::Tensor& x, const torch::Tensor& rotations);
+
+// Plain-ATen Reformer oracle: materialises (N, H, R, L, L) chunk visibility
+// and one softmax over scores + log(rounds in which i sees j): for tests only.
+torch::Tensor reformer_attention(const torch::Tensor& q, const torch::Tensor& v,
+                                 const torch::Tensor& buckets,
+                                 const std::optional<torch::Tensor>& key_lengths,
+                                 int64_t chunk_size, bool causal, bool mask_self,
+                                 std::optional<double> softmax_temp);
 }  // namespace reference
 
 }  // namespace fastattn

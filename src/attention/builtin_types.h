@@ -20,12 +20,16 @@ void register_sparse_attention_types(AttentionRegistry& registry);
 // hard-retrieval (src/attention/hard_retrieval.cpp).
 void register_hard_retrieval_attention_types(AttentionRegistry& registry);
 
+// reformer (src/attention/reformer.cpp).
+void register_reformer_attention_types(AttentionRegistry& registry);
+
 inline void register_builtin_types(AttentionRegistry& registry) {
   register_full_attention_types(registry);
   register_linear_attention_types(registry);
   register_clustered_attention_types(registry);
   register_hard_retrieval_attention_types(registry);
   register_sparse_attention_types(registry);
+  register_reformer_attention_types(registry);
 }
 
 }  // namespace fastattn

@@ -107,6 +107,29 @@ TORCH_LIBRARY(fastattn, m) {
       "Tensor out, Tensor lse, str pattern, int[] params, Tensor? key_lengths, bool causal, "
       "float softmax_temp) -> (Tensor, Tensor, Tensor)");
 
+  // ---- Reformer LSH attention (Kitaev et al. 2020) ---------------------------
+  // Buckets by argmax over [x·R_r ; -x·R_r]: x (N,H,L,E), rotations (R,E,B2)
+  // -> (N,H,R,L) int64 in [0, 2·B2) (B2 = 0: one bucket, all 0).
+  m.def("lsh_hash(Tensor x, Tensor rotations) -> Tensor");
+  // Shared-QK attention within chunks of the (bucket, position) order of each
+  // round, one chunk of look-back, rounds combined by their lse: q (N,H,L,E)
+  // (also the keys, L2-normalised), v (N,H,L,M), buckets (N,H,R,L) int64
+  // -> (N,H,L,M).
+  m.def(
+      "reformer_attention(Tensor q, Tensor v, Tensor buckets, Tensor? key_lengths=None, "
+      "int chunk_size=32, bool causal=False, bool mask_self=True, float? softmax_temp=None) "
+      "-> Tensor");
+  // Forward kernel: output and float64 stats (N,H,L,2) = [max score, log of the
+  // sum of exp(score - max)] over rounds and keys.
+  m.def(
+      "reformer_attention_forward(Tensor q, Tensor v, Tensor buckets, Tensor? key_lengths, "
+      "int chunk_size, bool causal, bool mask_self, float softmax_temp) -> (Tensor, Tensor)");
+  // Backward kernel: (grad_q, grad_v), recomputing the chunk scores from the stats.
+  m.def(
+      "reformer_attention_backward(Tensor grad_out, Tensor q, Tensor v, Tensor buckets, "
+      "Tensor out, Tensor stats, Tensor? key_lengths, int chunk_size, bool causal, bool mask_self, "
+      "float softmax_temp) -> (Tensor, Tensor)");
+
   // ---- registry access (Python mirrors the C++ registry through these) -----
   // Any registered attention type by name; params_json is a JSON object of the
   // type's parameters.

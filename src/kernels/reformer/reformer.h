@@ -1,0 +1,88 @@
+// Reformer LSH attention kernels (Kitaev et al. 2020) on the CPU.
+//
+//  - lsh_hash: bucket of every position and round, argmax over the 2·B2
+//    values [x·R_r ; -x·R_r] (R_r: E x B2 random rotation of round r). B2 = 0
+//    means one bucket (every bucket is 0). O(N·H·L·R·E·B2).
+//  - reformer forward/backward: shared-QK attention. Keys are the queries
+//    L2-normalised (k_j = q_j / max(|q_j|, 1e-12)). Per round the valid
+//    positions (before the length) are stably sorted by bucket (counting sort:
+//    (bucket, position) order), cut into chunks of `chunk` sorted positions
+//    (the last one partial), and the queries of chunk c attend to the keys of
+//    chunks c-1 and c (chunk 0: itself only). Scores are scale·q_i·k_j; the
+//    self score is replaced by -1e5 when mask_self; with causal, keys at
+//    later positions are dropped. Rounds are combined by their log-sum-exp
+//    (a softmax over the rounds' lse), i.e. a softmax over the multiset of
+//    (round, key) pairs. Padded positions (>= length) output 0.
+//    Cost per round: O(N·H·L·2·chunk·(E + M)) flops; memory O(N·H·L·(E + R))
+//    extra (normalised keys, the sort permutations), never L x L.
+//
+// Forward work items: (n, h, chunk) per round, rounds in sequence, each item
+// merging its queries' results into the running (max, sum, unnormalised
+// out) of the rounds before (a query is in exactly one chunk per round: no two items write the
+// same row). Backward: the FlashAttention-2 recomputation from the final lse;
+// per round two passes (even chunks, odd chunks) so that no two items of a
+// pass touch the same key rows (chunk c writes key rows of c-1 and c).
+//
+// Tested by tests/cpp/test_reformer_attention.cpp; timed by
+// bench/bench_reformer_attention.cpp.
+#pragma once
+
+#include <cstdint>
+
+namespace fastattn::kernels {
+
+template <typename T>
+struct LshHashArgs {
+  const T* x = nullptr;          // (N, H, L, E) contiguous
+  const T* rotations = nullptr;  // (R, E, B2) contiguous
+  int64_t* buckets = nullptr;    // (N, H, R, L), written: values in [0, max(1, 2·B2))
+  int64_t N = 0, H = 0, L = 0, E = 0, R = 0, B2 = 0;
+  int num_threads = 1;
+};
+
+template <typename T>
+void lsh_hash_cpu(const LshHashArgs<T>& args);
+
+template <typename T>
+struct ReformerParams {
+  const T* q = nullptr;              // (N, H, L, E) contiguous: queries and (normalised) keys
+  const T* v = nullptr;              // (N, H, L, M) contiguous
+  const int64_t* buckets = nullptr;  // (N, H, R, L) in [0, n_buckets)
+  const int64_t* lengths = nullptr;  // (N,) in [0, L], or nullptr for L
+  int64_t N = 0, H = 0, L = 0, E = 0, M = 0, R = 0;
+  int64_t n_buckets = 1;  // bound of the bucket values (counting sort)
+  int64_t chunk = 32;     // chunk size in sorted positions, >= 1
+  bool causal = false;    // drop keys j > i
+  bool mask_self = true;  // self score -> -1e5
+  T scale = 1;            // softmax temperature
+  int num_threads = 1;
+};
+
+template <typename T>
+struct ReformerForwardArgs : ReformerParams<T> {
+  T* out = nullptr;  // (N, H, L, M), written (0 at padded positions)
+  // (N, H, L, 2), written: the log-sum-exp over rounds and keys as two parts,
+  // [max score, log(sum of exp(score - max))] ([-inf, 0] at padding). Kept
+  // apart because a position that sees only itself has a max of -1e5, where
+  // max + log(sum) would lose the sum's precision.
+  double* stats = nullptr;
+};
+
+template <typename T>
+struct ReformerBackwardArgs : ReformerParams<T> {
+  const T* grad_out = nullptr;    // (N, H, L, M) contiguous
+  const double* stats = nullptr;  // (N, H, L, 2) from the forward
+  const T* delta = nullptr;       // (N, H, L): rowsum(grad_out ∘ out)
+  T* grad_q = nullptr;            // (N, H, L, E), written (both roles of q)
+  T* grad_v = nullptr;            // (N, H, L, M), written
+};
+
+template <typename T>
+void reformer_forward_cpu(const ReformerForwardArgs<T>& args);
+template <typename T>
+void reformer_backward_cpu(const ReformerBackwardArgs<T>& args);
+
+// The score a position gives itself when mask_self (as in Reformer).
+constexpr double kReformerSelfScore = -1e5;
+
+}  // namespace fastattn::kernels

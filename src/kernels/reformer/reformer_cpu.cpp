@@ -1,0 +1,408 @@
+// CPU kernels of Reformer LSH attention (see reformer.h).
+//
+// Per chunk work item, with C = chunk and up to 2C keys (chunks c-1 and c of
+// the sorted order): gather the chunk's query rows and the window's key and
+// value rows by the round's permutation, pack K^T in panels, S = Q·K^T by the
+// register-blocked micro-kernel (kernels/common/gemm.h), scale and mask,
+// softmax with the AVX2 exp, O = P·V, then merge into the running output of
+// the earlier rounds as an online softmax over rounds: running max m and
+// sum l per position (float64), out' = out·exp(m - m') + O·exp(m_r - m')
+// (O unnormalised, m_r its row max), normalised by l after the last round.
+// Backward recomputes P = exp((S - m) - log l) per chunk with the final
+// stats, dS = P ∘ (dO·V^T - delta)·scale, and scatters dQ = dS·K, dK = dS^T·Q,
+// dV = P^T·dO into the original positions; dK reaches q through the
+// normalisation at the end: dq += (dk - k (k·dk)) / |q|.
+#include "kernels/reformer/reformer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "kernels/common/gemm.h"
+#include "kernels/common/parallel.h"
+#include "kernels/common/simd.h"
+
+namespace fastattn::kernels {
+namespace {
+
+constexpr double kNormEps = 1e-12;  // keys: q / max(|q|, eps)
+
+template <typename T>
+constexpr T neg_inf() {
+  return -std::numeric_limits<T>::infinity();
+}
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+template <typename T>
+inline T row_max(const T* row, int64_t width) {  // width: a multiple of W
+  using S = Simd<T>;
+  auto m = S::set1(neg_inf<T>());
+  for (int64_t c = 0; c < width; c += S::W) m = S::max(m, S::load(row + c));
+  return S::hmax(m);
+}
+
+// row = exp(row - shift) in place; returns the sum. width: a multiple of W.
+template <typename T>
+inline T exp_shift_sum(T* row, int64_t width, T shift) {
+  using S = Simd<T>;
+  const auto sh = S::set1(shift);
+  auto sum = S::zero();
+  for (int64_t c = 0; c < width; c += S::W) {
+    const auto e = S::exp(S::sub(S::load(row + c), sh));
+    S::store(row + c, e);
+    sum = S::add(sum, e);
+  }
+  return S::hsum(sum);
+}
+
+// row = exp((row - hi) - lo) in place (hi: the max score, exact in T; lo:
+// the log of the sum, small). width: a multiple of W.
+template <typename T>
+inline void exp_shift2(T* row, int64_t width, T hi, T lo) {
+  using S = Simd<T>;
+  const auto h = S::set1(hi), l = S::set1(lo);
+  for (int64_t c = 0; c < width; c += S::W)
+    S::store(row + c, S::exp(S::sub(S::sub(S::load(row + c), h), l)));
+}
+
+// What forward and backward share: the normalised keys and, per (n, h, r),
+// the valid positions sorted by (bucket, position).
+template <typename T>
+struct Prepared {
+  std::unique_ptr<T[]> keys;        // (N·H, L, E): q / max(|q|, eps)
+  std::unique_ptr<int64_t[]> perm;  // (N·H, R, L): the first len entries are used
+  int64_t NH = 0, max_chunks = 0;
+};
+
+template <typename T>
+int64_t valid_length(const ReformerParams<T>& a, int64_t nh) {
+  return a.lengths ? a.lengths[nh / a.H] : a.L;
+}
+
+template <typename T>
+Prepared<T> prepare(const ReformerParams<T>& a) {
+  Prepared<T> p;
+  const int64_t NH = a.N * a.H, L = a.L, E = a.E, R = a.R;
+  p.NH = NH;
+  p.keys.reset(new T[static_cast<size_t>(NH * L * E)]);
+  p.perm.reset(new int64_t[static_cast<size_t>(NH * R * L)]);
+  struct None {};
+  parallel_items<None>(
+      NH, a.num_threads, [](None&) {},
+      [&](int64_t nh, None&) {
+        const T* q = a.q + nh * L * E;
+        T* k = p.keys.get() + nh * L * E;
+        for (int64_t i = 0; i < L; ++i) {
+          T ss = 0;
+          for (int64_t e = 0; e < E; ++e) ss += q[i * E + e] * q[i * E + e];
+          const T inv = T(1) / std::max<T>(std::sqrt(ss), T(kNormEps));
+          for (int64_t e = 0; e < E; ++e) k[i * E + e] = q[i * E + e] * inv;
+        }
+      });
+  // Counting sort per (n, h, r): stable, so ties in the bucket keep position order.
+  parallel_items<std::vector<int64_t>>(
+      NH * R, a.num_threads, [&](std::vector<int64_t>& count) { count.resize(a.n_buckets + 1); },
+      [&](int64_t item, std::vector<int64_t>& count) {
+        const int64_t len = valid_length(a, item / R);
+        const int64_t* b = a.buckets + item * L;
+        int64_t* out = p.perm.get() + item * L;
+        std::fill(count.begin(), count.end(), 0);
+        for (int64_t i = 0; i < len; ++i) ++count[b[i] + 1];
+        for (int64_t x = 1; x <= a.n_buckets; ++x) count[x] += count[x - 1];
+        for (int64_t i = 0; i < len; ++i) out[count[b[i]]++] = i;
+      });
+  int64_t max_len = 0;
+  for (int64_t n = 0; n < a.N; ++n) max_len = std::max(max_len, a.lengths ? a.lengths[n] : L);
+  p.max_chunks = (max_len + a.chunk - 1) / a.chunk;
+  return p;
+}
+
+// The window of chunk c: queries at sorted positions [t0, t0 + rows), keys
+// at [k0, k0 + cols).
+struct Window {
+  int64_t t0, rows, k0, cols;
+};
+inline Window window(int64_t c, int64_t chunk, int64_t len) {
+  Window w;
+  w.t0 = c * chunk;
+  w.rows = std::min(chunk, len - w.t0);
+  w.k0 = c > 0 ? w.t0 - chunk : 0;
+  w.cols = w.t0 + w.rows - w.k0;
+  return w;
+}
+
+// Scaled, masked scores of one query row (width a multiple of W; the
+// columns past `cols` become -inf). self: the column of the query itself.
+template <typename T>
+inline void prepare_row(T* row, const int64_t* kpos, int64_t cols, int64_t width, int64_t i,
+                        int64_t self, const ReformerParams<T>& a) {
+  if (a.causal) {
+    for (int64_t b = 0; b < cols; ++b) row[b] = kpos[b] > i ? neg_inf<T>() : row[b] * a.scale;
+  } else {
+    for (int64_t b = 0; b < cols; ++b) row[b] *= a.scale;
+  }
+  if (a.mask_self) row[self] = T(kReformerSelfScore);
+  for (int64_t b = cols; b < width; ++b) row[b] = neg_inf<T>();
+}
+
+template <typename T>
+struct Scratch {
+  std::vector<T> qb, kb, kp, vb, vp, s, o, m, lr, dob, dp, t, dqb, dkb, dvb;
+};
+
+// Gathers rows idx[0..n) of x (rows of D values) into out (n x D).
+template <typename T>
+inline void gather_rows(const T* x, const int64_t* idx, int64_t n, int64_t D, T* out) {
+  for (int64_t r = 0; r < n; ++r) std::copy(x + idx[r] * D, x + idx[r] * D + D, out + r * D);
+}
+
+template <typename T>
+inline void scatter_add_rows(const T* x, const int64_t* idx, int64_t n, int64_t D, T* out) {
+  for (int64_t r = 0; r < n; ++r) {
+    T* dst = out + idx[r] * D;
+    const T* src = x + r * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] += src[d];
+  }
+}
+
+}  // namespace
+
+template <typename T>
+void lsh_hash_cpu(const LshHashArgs<T>& a) {
+  const int64_t NH = a.N * a.H, L = a.L, E = a.E, R = a.R, B2 = a.B2;
+  if (NH == 0 || L == 0 || R == 0) return;
+  if (B2 == 0) {  // one bucket
+    std::fill(a.buckets, a.buckets + NH * R * L, int64_t(0));
+    return;
+  }
+  constexpr int64_t kRows = 96;
+  const int64_t blocks = (L + kRows - 1) / kRows;
+  parallel_items<std::vector<T>>(
+      NH * blocks, a.num_threads, [&](std::vector<T>& w) { w.resize(kRows * B2); },
+      [&](int64_t item, std::vector<T>& w) {
+        const int64_t nh = item / blocks, l0 = (item % blocks) * kRows;
+        const int64_t rows = std::min(kRows, L - l0);
+        const T* x = a.x + (nh * L + l0) * E;
+        for (int64_t r = 0; r < R; ++r) {
+          gemm(rows, B2, E, x, E, a.rotations + r * E * B2, B2, w.data(), B2, false);
+          int64_t* out = a.buckets + (nh * R + r) * L + l0;
+          for (int64_t i = 0; i < rows; ++i) {
+            const T* p = w.data() + i * B2;
+            int64_t imax = 0, imin = 0;
+            for (int64_t b = 1; b < B2; ++b) {
+              if (p[b] > p[imax]) imax = b;
+              if (p[b] < p[imin]) imin = b;
+            }
+            // argmax over [p ; -p], the first maximum as torch.argmax.
+            out[i] = p[imax] >= -p[imin] ? imax : B2 + imin;
+          }
+        }
+      });
+}
+
+template <typename T>
+void reformer_forward_cpu(const ReformerForwardArgs<T>& a) {
+  const int64_t NH = a.N * a.H, L = a.L, E = a.E, M = a.M, R = a.R, C = a.chunk;
+  std::fill(a.out, a.out + NH * L * M, T(0));
+  for (int64_t x = 0; x < NH * L; ++x) {
+    a.stats[2 * x] = neg_inf<double>();
+    a.stats[2 * x + 1] = 0;
+  }
+  if (NH == 0 || L == 0) return;
+  const auto p = prepare(a);
+  constexpr int64_t NR = panel_width<T>();
+  const int64_t Wd = round_up(2 * C, NR);  // score row stride
+  for (int64_t r = 0; r < R; ++r) {
+    parallel_items<Scratch<T>>(
+        NH * p.max_chunks, a.num_threads,
+        [&](Scratch<T>& w) {
+          w.qb.resize(C * E);
+          w.kb.resize(2 * C * E);
+          w.kp.resize(Wd * E);
+          w.vb.resize(2 * C * M);
+          w.s.resize(C * Wd);
+          w.o.resize(C * M);
+          w.m.resize(C);
+          w.lr.resize(C);
+        },
+        [&](int64_t item, Scratch<T>& w) {
+          const int64_t nh = item / p.max_chunks, c = item % p.max_chunks;
+          const int64_t len = valid_length(a, nh);
+          if (c * C >= len) return;
+          const Window win = window(c, C, len);
+          const int64_t width = round_up(win.cols, NR);
+          const int64_t* perm = p.perm.get() + (nh * R + r) * L;
+          const int64_t* qpos = perm + win.t0;
+          const int64_t* kpos = perm + win.k0;
+          gather_rows(a.q + nh * L * E, qpos, win.rows, E, w.qb.data());
+          gather_rows(p.keys.get() + nh * L * E, kpos, win.cols, E, w.kb.data());
+          gather_rows(a.v + nh * L * M, kpos, win.cols, M, w.vb.data());
+          pack_transposed_panels(w.kb.data(), win.cols, E, E, width, w.kp.data());
+          gemm_packed(win.rows, width, E, w.qb.data(), E, w.kp.data(), w.s.data(), Wd, false);
+          T* m_row = w.m.data();     // row max of this round's scores
+          T* sum_row = w.lr.data();  // sum of exp(score - max)
+          for (int64_t i = 0; i < win.rows; ++i) {
+            T* row = w.s.data() + i * Wd;
+            prepare_row(row, kpos, win.cols, width, qpos[i], win.t0 - win.k0 + i, a);
+            m_row[i] = row_max(row, width);  // finite: the query itself is kept
+            sum_row[i] = exp_shift_sum(row, width, m_row[i]);
+          }
+          gemm(win.rows, M, win.cols, w.s.data(), Wd, w.vb.data(), M, w.o.data(), M, false);
+          // Online softmax across rounds: stats hold the running max and sum,
+          // out the unnormalised sum (normalised after the last round).
+          for (int64_t i = 0; i < win.rows; ++i) {
+            const int64_t pos = nh * L + qpos[i];
+            T* out = a.out + pos * M;
+            double* st = a.stats + 2 * pos;
+            const T* o = w.o.data() + i * M;
+            const double m = m_row[i];
+            if (st[0] == neg_inf<double>()) {
+              st[0] = m;
+              st[1] = sum_row[i];
+              std::copy(o, o + M, out);
+            } else if (m <= st[0]) {
+              const double f = std::exp(m - st[0]);
+              st[1] += f * sum_row[i];
+              const T ft = static_cast<T>(f);
+              for (int64_t d = 0; d < M; ++d) out[d] += o[d] * ft;
+            } else {
+              const double f = std::exp(st[0] - m);
+              st[0] = m;
+              st[1] = st[1] * f + sum_row[i];
+              const T ft = static_cast<T>(f);
+              for (int64_t d = 0; d < M; ++d) out[d] = out[d] * ft + o[d];
+            }
+          }
+        });
+  }
+  struct None {};
+  parallel_items<None>(
+      NH, a.num_threads, [](None&) {},
+      [&](int64_t nh, None&) {
+        for (int64_t i = 0; i < L; ++i) {
+          double* st = a.stats + 2 * (nh * L + i);
+          if (st[0] == neg_inf<double>()) continue;  // padding
+          const T inv = static_cast<T>(1.0 / st[1]);
+          T* out = a.out + (nh * L + i) * M;
+          for (int64_t d = 0; d < M; ++d) out[d] *= inv;
+          st[1] = std::log(st[1]);
+        }
+      });
+}
+
+template <typename T>
+void reformer_backward_cpu(const ReformerBackwardArgs<T>& a) {
+  const int64_t NH = a.N * a.H, L = a.L, E = a.E, M = a.M, R = a.R, C = a.chunk;
+  std::fill(a.grad_q, a.grad_q + NH * L * E, T(0));
+  std::fill(a.grad_v, a.grad_v + NH * L * M, T(0));
+  if (NH == 0 || L == 0) return;
+  const auto p = prepare(a);
+  std::unique_ptr<T[]> grad_k(new T[static_cast<size_t>(NH * L * E)]());  // d loss / d keys
+  constexpr int64_t NR = panel_width<T>();
+  const int64_t Wd = round_up(2 * C, NR);
+  const int64_t half = (p.max_chunks + 1) / 2;
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t parity = 0; parity < 2; ++parity) {
+      parallel_items<Scratch<T>>(
+          NH * half, a.num_threads,
+          [&](Scratch<T>& w) {
+            w.qb.resize(C * E);
+            w.kb.resize(2 * C * E);
+            w.kp.resize(Wd * E);
+            w.vb.resize(2 * C * M);
+            w.vp.resize(Wd * M);
+            w.s.resize(C * Wd);
+            w.dp.resize(C * Wd);
+            w.dob.resize(C * M);
+            w.t.resize(Wd * C);
+            w.dqb.resize(C * E);
+            w.dkb.resize(2 * C * E);
+            w.dvb.resize(2 * C * M);
+          },
+          [&](int64_t item, Scratch<T>& w) {
+            const int64_t nh = item / half, c = 2 * (item % half) + parity;
+            const int64_t len = valid_length(a, nh);
+            if (c * C >= len) return;
+            const Window win = window(c, C, len);
+            const int64_t width = round_up(win.cols, NR);
+            const int64_t* perm = p.perm.get() + (nh * R + r) * L;
+            const int64_t* qpos = perm + win.t0;
+            const int64_t* kpos = perm + win.k0;
+            gather_rows(a.q + nh * L * E, qpos, win.rows, E, w.qb.data());
+            gather_rows(a.grad_out + nh * L * M, qpos, win.rows, M, w.dob.data());
+            gather_rows(p.keys.get() + nh * L * E, kpos, win.cols, E, w.kb.data());
+            gather_rows(a.v + nh * L * M, kpos, win.cols, M, w.vb.data());
+            pack_transposed_panels(w.kb.data(), win.cols, E, E, width, w.kp.data());
+            pack_transposed_panels(w.vb.data(), win.cols, M, M, width, w.vp.data());
+            // P = exp(S - lse) with the final (all-round) lse.
+            gemm_packed(win.rows, width, E, w.qb.data(), E, w.kp.data(), w.s.data(), Wd, false);
+            for (int64_t i = 0; i < win.rows; ++i) {
+              T* row = w.s.data() + i * Wd;
+              prepare_row(row, kpos, win.cols, width, qpos[i], win.t0 - win.k0 + i, a);
+              const double* st = a.stats + 2 * (nh * L + qpos[i]);
+              exp_shift2(row, width, static_cast<T>(st[0]), static_cast<T>(st[1]));
+            }
+            // dS = P ∘ (dO·V^T - delta)·scale; the replaced self score is a
+            // constant and passes no gradient.
+            gemm_packed(win.rows, width, M, w.dob.data(), M, w.vp.data(), w.dp.data(), Wd, false);
+            for (int64_t i = 0; i < win.rows; ++i) {
+              const T d = a.delta[nh * L + qpos[i]];
+              const T* prow = w.s.data() + i * Wd;
+              T* drow = w.dp.data() + i * Wd;
+              for (int64_t b = 0; b < win.cols; ++b) drow[b] = prow[b] * (drow[b] - d) * a.scale;
+              if (a.mask_self) drow[win.t0 - win.k0 + i] = T(0);
+            }
+            // dV = P^T dO
+            transpose(w.s.data(), win.rows, win.cols, Wd, w.t.data(), C);
+            gemm(win.cols, M, win.rows, w.t.data(), C, w.dob.data(), M, w.dvb.data(), M, false);
+            scatter_add_rows(w.dvb.data(), kpos, win.cols, M, a.grad_v + nh * L * M);
+            // dQ = dS K (as queries)
+            gemm(win.rows, E, win.cols, w.dp.data(), Wd, w.kb.data(), E, w.dqb.data(), E, false);
+            scatter_add_rows(w.dqb.data(), qpos, win.rows, E, a.grad_q + nh * L * E);
+            // dK = dS^T Q (as normalised keys)
+            transpose(w.dp.data(), win.rows, win.cols, Wd, w.t.data(), C);
+            gemm(win.cols, E, win.rows, w.t.data(), C, w.qb.data(), E, w.dkb.data(), E, false);
+            scatter_add_rows(w.dkb.data(), kpos, win.cols, E, grad_k.get() + nh * L * E);
+          });
+    }
+  }
+  // Through k = q / max(|q|, eps): dq += (dk - k (k·dk)) / |q|, or dk / eps
+  // where the norm is clamped.
+  struct None {};
+  parallel_items<None>(
+      NH, a.num_threads, [](None&) {},
+      [&](int64_t nh, None&) {
+        const int64_t len = valid_length(a, nh);
+        for (int64_t i = 0; i < len; ++i) {
+          const T* q = a.q + (nh * L + i) * E;
+          const T* k = p.keys.get() + (nh * L + i) * E;
+          const T* g = grad_k.get() + (nh * L + i) * E;
+          T* dq = a.grad_q + (nh * L + i) * E;
+          T ss = 0, dot = 0;
+          for (int64_t e = 0; e < E; ++e) {
+            ss += q[e] * q[e];
+            dot += k[e] * g[e];
+          }
+          const T norm = std::sqrt(ss);
+          if (norm > T(kNormEps)) {
+            const T inv = T(1) / norm;
+            for (int64_t e = 0; e < E; ++e) dq[e] += (g[e] - k[e] * dot) * inv;
+          } else {
+            const T inv = T(1) / T(kNormEps);
+            for (int64_t e = 0; e < E; ++e) dq[e] += g[e] * inv;
+          }
+        }
+      });
+}
+
+template void lsh_hash_cpu<float>(const LshHashArgs<float>&);
+template void lsh_hash_cpu<double>(const LshHashArgs<double>&);
+template void reformer_forward_cpu<float>(const ReformerForwardArgs<float>&);
+template void reformer_forward_cpu<double>(const ReformerForwardArgs<double>&);
+template void reformer_backward_cpu<float>(const ReformerBackwardArgs<float>&);
+template void reformer_backward_cpu<double>(const ReformerBackwardArgs<double>&);
+
+}  // namespace fastattn::kernels

@@ -1,0 +1,353 @@
+// The Reformer LSH operators (Kitaev et al. 2020):
+//   lsh_hash(x (N,H,L,E), rotations (R,E,B2)) -> buckets (N,H,R,L) int64
+//   reformer_attention(q (N,H,L,E), v (N,H,L,M), buckets (N,H,R,L), key_lengths?,
+//                      chunk_size, causal, mask_self, softmax_temp?) -> (N,H,L,M)
+// Input checks, CPU implementations over src/kernels/reformer/, the autograd
+// function (gradients to q, through both its query and its normalised-key
+// role, and to v; the buckets are integer), the C++ entry points, and the
+// plain-ATen references used as test oracles.
+// Cost: hashing N·H·L·R·E·B2; attention O(N·H·R·L·2·chunk·(E + M)), memory
+// O(N·H·L·(E + M + R)), never L x L.
+// Tested by tests/cpp/test_reformer_attention.cpp.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+
+#include "fastattn/ops.h"
+#include "kernels/reformer/reformer.h"
+#include "ops/mask_util.h"
+#include "ops/op_util.h"
+
+namespace fastattn {
+namespace {
+
+using torch::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+constexpr const char* kHashOp = "fastattn::lsh_hash";
+constexpr const char* kOp = "fastattn::reformer_attention";
+// Bound on bucket values (the counting sort keeps a table of this many).
+constexpr int64_t kMaxBuckets = int64_t(1) << 24;
+
+void check_hash_inputs(const Tensor& x, const Tensor& rotations) {
+  TORCH_CHECK(x.defined() && rotations.defined(), kHashOp,
+              ": x and rotations must be defined tensors");
+  TORCH_CHECK(x.dim() == 4, kHashOp, ": x must have shape (N, H, L, E), got ", x.dim(),
+              " dimensions ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kDouble, kHashOp,
+              ": x must be float32 or float64, got ", x.scalar_type());
+  TORCH_CHECK(rotations.dim() == 3 && rotations.size(1) == x.size(3), kHashOp,
+              ": rotations must have shape (R, E, n_buckets / 2) with E = ", x.size(3), ", got ",
+              rotations.sizes());
+  TORCH_CHECK(rotations.size(0) >= 1, kHashOp, ": rotations must hold >= 1 round, got ",
+              rotations.sizes());
+  TORCH_CHECK(2 * rotations.size(2) <= kMaxBuckets, kHashOp, ": at most ", kMaxBuckets,
+              " buckets (rotations.size(2) <= ", kMaxBuckets / 2, "), got ", rotations.size(2));
+  TORCH_CHECK(rotations.scalar_type() == x.scalar_type(), kHashOp, ": rotations must be ",
+              x.scalar_type(), " like x, got ", rotations.scalar_type());
+  TORCH_CHECK(rotations.device() == x.device(), kHashOp, ": rotations must be on ", x.device(),
+              " like x, got ", rotations.device());
+}
+
+Tensor lsh_hash_cpu(const Tensor& x, const Tensor& rotations) {
+  check_hash_inputs(x, rotations);
+  auto xc = x.contiguous();
+  auto rc = rotations.contiguous();
+  const int64_t R = rotations.size(0);
+  auto buckets =
+      torch::empty({x.size(0), x.size(1), R, x.size(2)}, x.options().dtype(torch::kLong));
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "lsh_hash_cpu", [&] {
+    kernels::LshHashArgs<scalar_t> a;
+    a.x = xc.data_ptr<scalar_t>();
+    a.rotations = rc.data_ptr<scalar_t>();
+    a.buckets = buckets.data_ptr<int64_t>();
+    a.N = x.size(0);
+    a.H = x.size(1);
+    a.L = x.size(2);
+    a.E = x.size(3);
+    a.R = R;
+    a.B2 = rotations.size(2);
+    a.num_threads = at::get_num_threads();
+    kernels::lsh_hash_cpu(a);
+  });
+  return buckets;
+}
+
+double default_temp(const Tensor& q, c10::optional<double> softmax_temp) {
+  if (softmax_temp) {
+    TORCH_CHECK(std::isfinite(*softmax_temp) && *softmax_temp > 0, kOp,
+                ": softmax_temp must be a finite number > 0, got ", *softmax_temp);
+    return *softmax_temp;
+  }
+  return 1.0 / std::sqrt(static_cast<double>(q.size(3)));
+}
+
+// Checks q, v, buckets, key_lengths and chunk_size; returns the bucket bound
+// (max bucket + 1) for the counting sort.
+int64_t check_inputs(const Tensor& q, const Tensor& v, const Tensor& buckets,
+                     const c10::optional<Tensor>& key_lengths, int64_t chunk_size) {
+  TORCH_CHECK(q.defined() && v.defined() && buckets.defined(), kOp,
+              ": q, v and buckets must be defined tensors");
+  TORCH_CHECK(q.dim() == 4, kOp, ": q must have shape (N, H, L, E), got ", q.dim(), " dimensions ",
+              q.sizes());
+  TORCH_CHECK(q.size(3) >= 1, kOp, ": q's head dimension E must be >= 1, got ", q.size(3));
+  TORCH_CHECK(q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kDouble, kOp,
+              ": q must be float32 or float64, got ", q.scalar_type());
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2);
+  TORCH_CHECK(v.dim() == 4 && v.size(0) == N && v.size(1) == H && v.size(2) == L, kOp,
+              ": v must have shape (N, H, L, M) = (", N, ", ", H, ", ", L,
+              ", M) (shared-QK attention: one length for queries, keys and values), got ",
+              v.sizes());
+  TORCH_CHECK(v.scalar_type() == q.scalar_type(), kOp, ": v must be ", q.scalar_type(),
+              " like q, got ", v.scalar_type());
+  TORCH_CHECK(v.device() == q.device() && buckets.device() == q.device(), kOp,
+              ": q, v and buckets must be on one device, got ", q.device(), ", ", v.device(), ", ",
+              buckets.device());
+  TORCH_CHECK(buckets.dim() == 4 && buckets.size(0) == N && buckets.size(1) == H &&
+                  buckets.size(2) >= 1 && buckets.size(3) == L,
+              kOp, ": buckets must have shape (N, H, R, L) = (", N, ", ", H, ", R >= 1, ", L,
+              "), got ", buckets.sizes());
+  TORCH_CHECK(buckets.scalar_type() == torch::kLong, kOp, ": buckets must be int64, got ",
+              buckets.scalar_type());
+  TORCH_CHECK(chunk_size >= 1, kOp, ": chunk_size must be >= 1, got ", chunk_size);
+  ops::check_masks(kOp, q, L, std::nullopt, to_std(key_lengths));
+  if (buckets.numel() == 0) return 1;
+  const int64_t lo = buckets.min().item<int64_t>(), hi = buckets.max().item<int64_t>();
+  TORCH_CHECK(lo >= 0 && hi < kMaxBuckets, kOp, ": buckets must be in [0, ", kMaxBuckets,
+              "), got values in [", lo, ", ", hi, "]");
+  return hi + 1;
+}
+
+struct Prepared {
+  Tensor q, v, buckets, lengths;
+  int64_t n_buckets = 1;
+};
+
+Prepared prepare(const Tensor& q, const Tensor& v, const Tensor& buckets,
+                 const c10::optional<Tensor>& key_lengths, int64_t chunk_size) {
+  Prepared p{q.contiguous(), v.contiguous(), buckets.contiguous(), {}, 1};
+  p.n_buckets = check_inputs(q, v, buckets, key_lengths, chunk_size);
+  if (key_lengths) p.lengths = key_lengths->to(torch::kLong).contiguous();
+  return p;
+}
+
+template <typename T, typename Args>
+void fill_params(Args& a, const Prepared& p, int64_t chunk_size, bool causal, bool mask_self,
+                 double temp) {
+  a.q = p.q.data_ptr<T>();
+  a.v = p.v.data_ptr<T>();
+  a.buckets = p.buckets.data_ptr<int64_t>();
+  a.lengths = p.lengths.defined() ? p.lengths.data_ptr<int64_t>() : nullptr;
+  a.N = p.q.size(0);
+  a.H = p.q.size(1);
+  a.L = p.q.size(2);
+  a.E = p.q.size(3);
+  a.M = p.v.size(3);
+  a.R = p.buckets.size(2);
+  a.n_buckets = p.n_buckets;
+  a.chunk = chunk_size;
+  a.causal = causal;
+  a.mask_self = mask_self;
+  a.scale = static_cast<T>(temp);
+  a.num_threads = at::get_num_threads();
+}
+
+std::tuple<Tensor, Tensor> reformer_attention_forward_cpu(const Tensor& q, const Tensor& v,
+                                                          const Tensor& buckets,
+                                                          const c10::optional<Tensor>& key_lengths,
+                                                          int64_t chunk_size, bool causal,
+                                                          bool mask_self, double softmax_temp) {
+  const auto p = prepare(q, v, buckets, key_lengths, chunk_size);
+  auto out = torch::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+  auto stats =
+      torch::empty({q.size(0), q.size(1), q.size(2), 2}, q.options().dtype(torch::kDouble));
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "reformer_attention_forward_cpu", [&] {
+    kernels::ReformerForwardArgs<scalar_t> a;
+    fill_params<scalar_t>(a, p, chunk_size, causal, mask_self, softmax_temp);
+    a.out = out.data_ptr<scalar_t>();
+    a.stats = stats.data_ptr<double>();
+    kernels::reformer_forward_cpu(a);
+  });
+  return {out, stats};
+}
+
+std::tuple<Tensor, Tensor> reformer_attention_backward_cpu(const Tensor& grad_out, const Tensor& q,
+                                                           const Tensor& v, const Tensor& buckets,
+                                                           const Tensor& out, const Tensor& stats,
+                                                           const c10::optional<Tensor>& key_lengths,
+                                                           int64_t chunk_size, bool causal,
+                                                           bool mask_self, double softmax_temp) {
+  const auto p = prepare(q, v, buckets, key_lengths, chunk_size);
+  const std::vector<int64_t> out_shape{q.size(0), q.size(1), q.size(2), v.size(3)};
+  TORCH_CHECK(grad_out.sizes() == out_shape && out.sizes() == out_shape, kOp,
+              ": grad_out and out must have shape ", c10::IntArrayRef(out_shape), ", got ",
+              grad_out.sizes(), " and ", out.sizes());
+  TORCH_CHECK(stats.dim() == 4 && stats.size(0) == q.size(0) && stats.size(1) == q.size(1) &&
+                  stats.size(2) == q.size(2) && stats.size(3) == 2,
+              kOp, ": stats must have shape (N, H, L, 2), got ", stats.sizes());
+  auto go = grad_out.to(q.scalar_type()).contiguous();
+  auto delta = (go * out).sum(-1).contiguous();  // (N, H, L)
+  auto stats_c = stats.to(torch::kDouble).contiguous();
+  auto gq = torch::empty_like(p.q), gv = torch::empty_like(p.v);
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "reformer_attention_backward_cpu", [&] {
+    kernels::ReformerBackwardArgs<scalar_t> a;
+    fill_params<scalar_t>(a, p, chunk_size, causal, mask_self, softmax_temp);
+    a.grad_out = go.data_ptr<scalar_t>();
+    a.stats = stats_c.data_ptr<double>();
+    a.delta = delta.data_ptr<scalar_t>();
+    a.grad_q = gq.data_ptr<scalar_t>();
+    a.grad_v = gv.data_ptr<scalar_t>();
+    kernels::reformer_backward_cpu(a);
+  });
+  return {gq, gv};
+}
+
+std::tuple<Tensor, Tensor> call_forward(const Tensor& q, const Tensor& v, const Tensor& buckets,
+                                        const c10::optional<Tensor>& key_lengths,
+                                        int64_t chunk_size, bool causal, bool mask_self,
+                                        double temp) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastattn::reformer_attention_forward", "")
+                       .typed<decltype(reformer_attention_forward_cpu)>();
+  return op.call(q, v, buckets, key_lengths, chunk_size, causal, mask_self, temp);
+}
+
+Tensor reformer_attention_no_grad(const Tensor& q, const Tensor& v, const Tensor& buckets,
+                                  const c10::optional<Tensor>& key_lengths, int64_t chunk_size,
+                                  bool causal, bool mask_self, c10::optional<double> softmax_temp) {
+  TORCH_CHECK(q.defined() && q.dim() == 4, kOp, ": q must have shape (N, H, L, E), got ",
+              q.defined() ? q.sizes() : c10::IntArrayRef{});
+  return std::get<0>(call_forward(q, v, buckets, key_lengths, chunk_size, causal, mask_self,
+                                  default_temp(q, softmax_temp)));
+}
+
+class ReformerFunction : public torch::autograd::Function<ReformerFunction> {
+ public:
+  static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& v,
+                        const Tensor& buckets, const c10::optional<Tensor>& key_lengths,
+                        int64_t chunk_size, bool causal, bool mask_self,
+                        c10::optional<double> softmax_temp) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    TORCH_CHECK(q.defined() && q.dim() == 4, kOp, ": q must have shape (N, H, L, E), got ",
+                q.defined() ? q.sizes() : c10::IntArrayRef{});
+    const double temp = default_temp(q, softmax_temp);
+    auto [out, stats] =
+        call_forward(q, v, buckets, key_lengths, chunk_size, causal, mask_self, temp);
+    ctx->save_for_backward({q, v, buckets, out, stats});
+    ctx->saved_data["key_lengths"] = key_lengths ? *key_lengths : Tensor();
+    ctx->saved_data["chunk_size"] = chunk_size;
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["mask_self"] = mask_self;
+    ctx->saved_data["temp"] = temp;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("fastattn::reformer_attention_backward", "")
+                         .typed<decltype(reformer_attention_backward_cpu)>();
+    const auto s = ctx->get_saved_variables();
+    const auto kl = ctx->saved_data["key_lengths"].toTensor();
+    auto [gq, gv] =
+        op.call(grads[0], s[0], s[1], s[2], s[3], s[4],
+                kl.defined() ? c10::optional<Tensor>(kl) : c10::nullopt,
+                ctx->saved_data["chunk_size"].toInt(), ctx->saved_data["causal"].toBool(),
+                ctx->saved_data["mask_self"].toBool(), ctx->saved_data["temp"].toDouble());
+    return {gq, gv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+Tensor reformer_attention_autograd(const Tensor& q, const Tensor& v, const Tensor& buckets,
+                                   const c10::optional<Tensor>& key_lengths, int64_t chunk_size,
+                                   bool causal, bool mask_self,
+                                   c10::optional<double> softmax_temp) {
+  return ReformerFunction::apply(q, v, buckets, key_lengths, chunk_size, causal, mask_self,
+                                 softmax_temp);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
+  m.impl("lsh_hash", lsh_hash_cpu);
+  m.impl("reformer_attention", reformer_attention_no_grad);
+  m.impl("reformer_attention_forward", reformer_attention_forward_cpu);
+  m.impl("reformer_attention_backward", reformer_attention_backward_cpu);
+}
+
+TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
+  m.impl("reformer_attention", reformer_attention_autograd);
+}
+
+Tensor lsh_hash(const Tensor& x, const Tensor& rotations) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastattn::lsh_hash", "")
+                       .typed<decltype(lsh_hash_cpu)>();
+  return op.call(x, rotations);
+}
+
+Tensor reformer_attention(const Tensor& q, const Tensor& v, const Tensor& buckets,
+                          const std::optional<Tensor>& key_lengths, int64_t chunk_size, bool causal,
+                          bool mask_self, std::optional<double> softmax_temp) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastattn::reformer_attention", "")
+                       .typed<decltype(reformer_attention_no_grad)>();
+  return op.call(q, v, buckets, to_c10(key_lengths), chunk_size, causal, mask_self,
+                 to_c10(softmax_temp));
+}
+
+// ---- plain-ATen references (tests and benchmarks only) ----------------------------
+
+namespace reference {
+
+Tensor lsh_hash(const Tensor& x, const Tensor& rotations) {
+  const int64_t R = rotations.size(0);
+  if (rotations.size(2) == 0) {
+    return torch::zeros({x.size(0), x.size(1), R, x.size(2)}, x.options().dtype(torch::kLong));
+  }
+  // (N, H, 1, L, E) x (R, E, B2) -> (N, H, R, L, B2)
+  auto proj = torch::matmul(x.unsqueeze(2), rotations);
+  return torch::cat({proj, -proj}, -1).argmax(-1);
+}
+
+// Materialises (N, H, L, L): how many rounds let query i see key j, then one
+// softmax over scores + log(count). That equals the kernels' per-round
+// softmax combined with the rounds' lse weights.
+Tensor reformer_attention(const Tensor& q, const Tensor& v, const Tensor& buckets,
+                          const std::optional<Tensor>& key_lengths, int64_t chunk_size, bool causal,
+                          bool mask_self, std::optional<double> softmax_temp) {
+  const int64_t N = q.size(0), L = q.size(2), E = q.size(3);
+  const double temp = softmax_temp.value_or(1.0 / std::sqrt(static_cast<double>(E)));
+  const auto lopt = buckets.options();
+  auto pos = torch::arange(L, lopt);
+  auto valid = torch::ones({N, L}, lopt.dtype(torch::kBool));
+  if (key_lengths) valid = pos.view({1, L}).lt(key_lengths->to(torch::kLong).view({N, 1}));
+  auto valid4 = valid.view({N, 1, 1, L});
+  // Sort key: bucket, then position; padding last.
+  auto key = torch::where(valid4, buckets * L + pos, torch::full({}, L * (int64_t(1) << 40), lopt));
+  auto order = key.argsort(int64_t(-1));                                           // (N, H, R, L)
+  auto rank = torch::empty_like(order).scatter_(-1, order, pos.expand_as(order));  // sorted pos
+  auto chunk = torch::div(rank, chunk_size, "floor");                              // (N, H, R, L)
+  auto dc = chunk.unsqueeze(-1) - chunk.unsqueeze(-2);  // (N, H, R, Lq, Lk)
+  auto seen = dc.eq(0).logical_or(dc.eq(1));
+  auto both = valid.view({N, 1, 1, L, 1}).logical_and(valid.view({N, 1, 1, 1, L}));
+  seen = seen.logical_and(both);
+  if (causal) seen = seen.logical_and(pos.view({L, 1}).ge(pos.view({1, L})));
+  auto count = seen.sum(2).to(q.scalar_type());  // (N, H, L, L)
+  auto keys = q / q.norm(2, -1, true).clamp_min(1e-12);
+  auto scores = torch::matmul(q, keys.transpose(-1, -2)) * temp;
+  if (mask_self) {
+    scores =
+        scores.masked_fill(torch::eye(L, lopt.dtype(torch::kBool)), kernels::kReformerSelfScore);
+  }
+  scores = scores + count.log();
+  auto any = count.gt(0).any(-1, /*keepdim=*/true);
+  scores = scores.masked_fill(any.logical_not(), 0.0);
+  auto probs = torch::softmax(scores, -1).masked_fill(any.logical_not(), 0.0);
+  return torch::matmul(probs, v);
+}
+
+}  // namespace reference
+}  // namespace fastattn
