@@ -4,6 +4,7 @@
 
 #include "fastattn/attention.h"
 #include "fastattn/clustered.h"
+#include "fastattn/clusterformer.h"
 #include "fastattn/feature_maps.h"
 #include "fastattn/mask.h"
 #include "fastattn/ops.h"

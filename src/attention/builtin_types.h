@@ -14,11 +14,14 @@ void register_full_attention_types(AttentionRegistry& registry);
 void register_linear_attention_types(AttentionRegistry& registry);
 // clustered, improved-clustered, exact-topk (src/attention/clustered.cpp).
 void register_clustered_attention_types(AttentionRegistry& registry);
+// clusterformer (src/attention/clusterformer.cpp).
+void register_clusterformer_attention_types(AttentionRegistry& registry);
 
 inline void register_builtin_types(AttentionRegistry& registry) {
   register_full_attention_types(registry);
   register_linear_attention_types(registry);
   register_clustered_attention_types(registry);
+  register_clusterformer_attention_types(registry);
 }
 
 }  // namespace fastattn
