@@ -4,6 +4,7 @@
 
 #include "fastattn/attention.h"
 #include "fastattn/clustered.h"
+#include "fastattn/clusterformer.h"
 #include "fastattn/feature_maps.h"
 #include "fastattn/generation.h"
 #include "fastattn/hard_retrieval.h"

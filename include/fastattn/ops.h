@@ -224,4 +224,17 @@ torch::Tensor reformer_attention(const torch::Tensor& q, const torch::Tensor& v,
                                  std::optional<double> softmax_temp);
 }  // namespace reference
 
+// ClusterFormer's sort / unsort: every (n, h) slice of x takes its rows in the
+// order of a per-batch index shared by the heads.
+//   x: (N, H, L, E) float32 / float64; index: (N, T) int64 in [-1, L)
+// Returns (N, H, T, E): out[n, h, t] = x[n, h, index[n, t]], zero rows where
+// index = -1. Indices may repeat; the gradient to x is a scatter-add.
+// O(N·H·T·E).
+torch::Tensor gather_tokens(const torch::Tensor& x, const torch::Tensor& index);
+
+namespace reference {
+// Plain-ATen gather_tokens (torch::gather): for tests only.
+torch::Tensor gather_tokens(const torch::Tensor& x, const torch::Tensor& index);
+}  // namespace reference
+
 }  // namespace fastattn

@@ -23,6 +23,9 @@ void register_hard_retrieval_attention_types(AttentionRegistry& registry);
 // reformer (src/attention/reformer.cpp).
 void register_reformer_attention_types(AttentionRegistry& registry);
 
+// clusterformer (src/attention/clusterformer.cpp).
+void register_clusterformer_attention_types(AttentionRegistry& registry);
+
 inline void register_builtin_types(AttentionRegistry& registry) {
   register_full_attention_types(registry);
   register_linear_attention_types(registry);
@@ -30,6 +33,7 @@ inline void register_builtin_types(AttentionRegistry& registry) {
   register_hard_retrieval_attention_types(registry);
   register_sparse_attention_types(registry);
   register_reformer_attention_types(registry);
+  register_clusterformer_attention_types(registry);
 }
 
 }  // namespace fastattn

@@ -130,6 +130,13 @@ TORCH_LIBRARY(fastattn, m) {
       "Tensor out, Tensor stats, Tensor? key_lengths, int chunk_size, bool causal, bool mask_self, "
       "float softmax_temp) -> (Tensor, Tensor)");
 
+  // ---- ClusterFormer (Wang et al. 2022) ---------------------------------------
+  // Token gather (sort / unsort by cluster): x (N,H,L,E), index (N,T) int64 in
+  // [-1, L) -> (N,H,T,E), out[n,h,t] = x[n,h,index[n,t]], zeros where index = -1.
+  m.def("gather_tokens(Tensor x, Tensor index) -> Tensor");
+  // Backward kernel: scatter-add of grad_out (N,H,T,E) into (N,H,length,E).
+  m.def("gather_tokens_backward(Tensor grad_out, Tensor index, int length) -> Tensor");
+
   // ---- registry access (Python mirrors the C++ registry through these) -----
   // Any registered attention type by name; params_json is a JSON object of the
   // type's parameters.

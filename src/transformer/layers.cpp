@@ -3,6 +3,7 @@
 // Cost per layer: the attention type's, plus O(N·L·D·(D + d_ff)) for the
 // projections and the feed-forward block.
 #include "fastattn/transformer.h"
+#include "fastattn/clusterformer.h"
 
 namespace fastattn {
 
@@ -134,6 +135,7 @@ TransformerEncoderImpl::TransformerEncoderImpl(std::vector<TransformerEncoderLay
   }
   register_module("layers", list);
   if (!norm.is_empty()) norm_ = register_module("norm", norm);
+  link_clusterformer_centroids(*this);  // "handed" ClusterFormer centroids, layer to layer
 }
 
 torch::Tensor TransformerEncoderImpl::forward(const torch::Tensor& x,  // (N, L, D)
@@ -199,6 +201,7 @@ TransformerDecoderImpl::TransformerDecoderImpl(std::vector<TransformerDecoderLay
   }
   register_module("layers", list);
   if (!norm.is_empty()) norm_ = register_module("norm", norm);
+  link_clusterformer_centroids(*this);  // "handed" ClusterFormer centroids, layer to layer
 }
 
 torch::Tensor TransformerDecoderImpl::forward(const torch::Tensor& x,       // (N, L, D)

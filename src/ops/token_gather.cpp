@@ -1,0 +1,142 @@
+// The gather_tokens operator (ClusterFormer's sort / unsort): input checks,
+// CPU implementations of the gather and its scatter-add adjoint
+// (src/kernels/token_gather/), the autograd function, the C++ entry point
+// and the plain-ATen reference.
+//   x (N,H,L,E), index (N,T) int64 in [-1, L) -> (N,H,T,E), zero rows for -1.
+// O(N·H·T·E); gradients flow to x. Tested by tests/cpp/test_clusterformer.cpp.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include "fastattn/ops.h"
+#include "kernels/token_gather/token_gather.h"
+
+namespace fastattn {
+namespace {
+
+using torch::Tensor;
+
+constexpr const char* kOp = "fastattn::gather_tokens";
+
+void check_index(const Tensor& index, int64_t N, int64_t L) {
+  TORCH_CHECK(index.defined() && index.dim() == 2 && index.size(0) == N, kOp,
+              ": index must have shape (N, T) with N = ", N, ", got ",
+              index.defined() ? index.sizes() : torch::IntArrayRef{});
+  TORCH_CHECK(index.scalar_type() == torch::kLong, kOp, ": index must be int64, got ",
+              index.scalar_type());
+  if (index.numel() > 0) {
+    const int64_t lo = index.min().item<int64_t>(), hi = index.max().item<int64_t>();
+    TORCH_CHECK(lo >= -1 && hi < L, kOp, ": index must hold token positions in [-1, L) = [-1, ", L,
+                "), got values in [", lo, ", ", hi, "]");
+  }
+}
+
+void check_x(const char* name, const Tensor& x) {
+  TORCH_CHECK(x.defined() && x.dim() == 4, kOp, ": ", name, " must have shape (N, H, L, E), got ",
+              x.defined() ? x.sizes() : torch::IntArrayRef{});
+  TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kDouble, kOp, ": ",
+              name, " must be float32 or float64, got ", x.scalar_type());
+  TORCH_CHECK(x.device().is_cpu(), kOp, ": ", name, " must be a CPU tensor, got ", x.device());
+}
+
+Tensor gather_tokens_cpu(const Tensor& x_in, const Tensor& index_in) {
+  check_x("x", x_in);
+  check_index(index_in, x_in.size(0), x_in.size(2));
+  const auto x = x_in.contiguous();
+  const auto index = index_in.contiguous();
+  auto out = torch::empty({x.size(0), x.size(1), index.size(1), x.size(3)}, x.options());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "gather_tokens_cpu", [&] {
+    kernels::TokenGatherArgs<scalar_t> a;
+    a.x = x.data_ptr<scalar_t>();
+    a.index = index.data_ptr<int64_t>();
+    a.out = out.data_ptr<scalar_t>();
+    a.N = x.size(0);
+    a.H = x.size(1);
+    a.L = x.size(2);
+    a.T_ = index.size(1);
+    a.E = x.size(3);
+    a.num_threads = at::get_num_threads();
+    kernels::token_gather_forward_cpu(a);
+  });
+  return out;
+}
+
+Tensor gather_tokens_backward_cpu(const Tensor& grad_out_in, const Tensor& index_in,
+                                  int64_t length) {
+  check_x("grad_out", grad_out_in);
+  TORCH_CHECK(length >= 0, kOp, ": length must be >= 0, got ", length);
+  check_index(index_in, grad_out_in.size(0), length);
+  TORCH_CHECK(grad_out_in.size(2) == index_in.size(1), kOp,
+              ": grad_out must have T = index.size(1) = ", index_in.size(1), " rows, got ",
+              grad_out_in.sizes());
+  const auto g = grad_out_in.contiguous();
+  const auto index = index_in.contiguous();
+  auto out = torch::empty({g.size(0), g.size(1), length, g.size(3)}, g.options());
+  AT_DISPATCH_FLOATING_TYPES(g.scalar_type(), "gather_tokens_backward_cpu", [&] {
+    kernels::TokenGatherArgs<scalar_t> a;
+    a.grad_out = g.data_ptr<scalar_t>();
+    a.index = index.data_ptr<int64_t>();
+    a.out = out.data_ptr<scalar_t>();
+    a.N = g.size(0);
+    a.H = g.size(1);
+    a.L = length;
+    a.T_ = index.size(1);
+    a.E = g.size(3);
+    a.num_threads = at::get_num_threads();
+    kernels::token_gather_backward_cpu(a);
+  });
+  return out;
+}
+
+Tensor call_forward(const Tensor& x, const Tensor& index) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastattn::gather_tokens", "")
+                       .typed<Tensor(const Tensor&, const Tensor&)>();
+  return op.call(x, index);
+}
+
+class GatherTokensFunction : public torch::autograd::Function<GatherTokensFunction> {
+ public:
+  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& x,
+                        const Tensor& index) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    ctx->save_for_backward({index});
+    ctx->saved_data["length"] = x.size(2);
+    return call_forward(x, index);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("fastattn::gather_tokens_backward", "")
+                         .typed<Tensor(const Tensor&, const Tensor&, int64_t)>();
+    return {op.call(grads[0], ctx->get_saved_variables()[0], ctx->saved_data["length"].toInt()),
+            Tensor()};
+  }
+};
+
+Tensor gather_tokens_autograd(const Tensor& x, const Tensor& index) {
+  return GatherTokensFunction::apply(x, index);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
+  m.impl("gather_tokens", gather_tokens_cpu);
+  m.impl("gather_tokens_backward", gather_tokens_backward_cpu);
+}
+
+TORCH_LIBRARY_IMPL(fastattn, Autograd, m) { m.impl("gather_tokens", gather_tokens_autograd); }
+
+Tensor gather_tokens(const Tensor& x, const Tensor& index) { return call_forward(x, index); }
+
+namespace reference {
+Tensor gather_tokens(const Tensor& x, const Tensor& index) {
+  // Append a zero row per (n, h) for index -1, then index_select per batch.
+  const int64_t N = x.size(0), H = x.size(1), L = x.size(2), E = x.size(3), T = index.size(1);
+  auto padded = torch::cat({x, torch::zeros({N, H, 1, E}, x.options())}, 2);  // (N, H, L+1, E)
+  auto idx = torch::where(index.ge(0), index, torch::full({}, L, index.options()));
+  auto gather_idx = idx.view({N, 1, T, 1}).expand({N, H, T, E});
+  return padded.gather(2, gather_idx);
+}
+}  // namespace reference
+
+}  // namespace fastattn
