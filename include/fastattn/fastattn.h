@@ -11,3 +11,5 @@
 #include "fastattn/recurrent_transformer.h"
 #include "fastattn/registry.h"
 #include "fastattn/transformer.h"
+#include "fastattn/safetensors.h"
+#include "fastattn/train.h"
