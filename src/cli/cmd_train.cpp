@@ -286,6 +286,7 @@ class TrainCommand : public Command {
     double loss_sum = 0;
     int64_t loss_n = 0;
     nlohmann::json last_eval;
+    bool bar_open = false;  // a progress bar line without its newline yet
     auto on_step = [&](const train::StepRecord& r) {
       loss_sum += r.loss;
       ++loss_n;
@@ -317,11 +318,12 @@ class TrainCommand : public Command {
                   << " it/s ETA " << duration_text(eta)
                   << (last_eval.empty() ? "" : " | " + metrics_text(last_eval)) << "\x1b[K"
                   << std::flush;
+        bar_open = !r.eval;
         if (r.eval) std::cerr << "\n";
       }
     };
     trainer->run(dir, on_step, [] { return g_interrupted != 0; });
-    if (tty) std::cerr << "\n";
+    if (bar_open) std::cerr << "\n";
     std::signal(SIGINT, SIG_DFL);
     std::signal(SIGTERM, SIG_DFL);
     if (g_interrupted) {
