@@ -16,3 +16,5 @@
 #include "fastattn/registry.h"
 #include "fastattn/sparse.h"
 #include "fastattn/transformer.h"
+#include "fastattn/safetensors.h"
+#include "fastattn/train.h"

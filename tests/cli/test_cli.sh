@@ -93,5 +93,43 @@ else
   failures=$((failures + 1))
 fi
 
+# ---- train -----------------------------------------------------------------------
+expect 0 "usage: fastattn train" -- train --help
+expect 2 "--task must be copy or transduction, got 'nope'" -- train --task nope
+expect 2 "--resume needs --checkpoint DIR" -- train --resume
+expect 2 "--optimizer must be adam, adamw or radam" -- train --optimizer sgd --steps 1
+expect 2 "unknown attention type 'nope'" -- train --attention nope
+expect 2 "--mode applies to --task transduction" -- train --mode sort
+expect 2 "--layers and --config both set the model" -- train --config x.json --layers 2
+expect 2 "mask_fraction" -- train --mask-fraction 0.9 --steps 1
+tiny=(--task copy --length 6 --vocab 4 --layers 1 --heads 2 --d-model 16 --d-ff 32 --batch 8
+      --eval-every 10 --eval-batches 2 --log-every 5)
+expect 0 "step 30: accuracy" -- --threads 1 train "${tiny[@]}" --steps 30 \
+  --checkpoint "$tmp/a" --metrics "$tmp/a.jsonl"
+if [ "$(grep -c '"eval"' "$tmp/a.jsonl")" -eq 4 ] && grep -q '"event":"start"' "$tmp/a.jsonl" &&
+   [ -f "$tmp/a/checkpoint.safetensors" ] && [ -f "$tmp/a/model.safetensors" ] &&
+   ! ls "$tmp/a" | grep -q tmp; then
+  echo "ok: train --metrics and --checkpoint files"
+else
+  echo "FAIL: train metrics/checkpoint files"; cat "$tmp/a.jsonl"; ls -la "$tmp/a"
+  failures=$((failures + 1))
+fi
+# Stopped at 15 steps and resumed to 30 = 30 steps uninterrupted, bit for bit.
+expect 0 "step 15: accuracy" -- --threads 1 train "${tiny[@]}" --steps 15 --checkpoint "$tmp/b"
+expect 0 "step 20/30 loss" -- --threads 1 train --checkpoint "$tmp/b" --resume --steps 30
+if cmp -s "$tmp/a/model.safetensors" "$tmp/b/model.safetensors" &&
+   cmp -s "$tmp/a/checkpoint.safetensors" "$tmp/b/checkpoint.safetensors"; then
+  echo "ok: train --resume equals the uninterrupted run (byte-identical checkpoints)"
+else
+  echo "FAIL: resumed checkpoint differs from the uninterrupted one"
+  failures=$((failures + 1))
+fi
+expect 1 "optimizer: checkpoint .*\"lr\":0.001" -- --threads 1 train --checkpoint "$tmp/b" --resume --lr 0.5
+head -c 1000 "$tmp/b/checkpoint.safetensors" > "$tmp/b/cut" && mv "$tmp/b/cut" "$tmp/b/checkpoint.safetensors"
+expect 1 "checkpoint.safetensors.*truncated" -- train --checkpoint "$tmp/b" --resume
+expect 0 "step 4: exact_match" -- --threads 1 train --task transduction --mode sort --vocab 4 \
+  --min-length 2 --max-length 5 --layers 1 --heads 2 --d-model 16 --steps 4 --batch 4 \
+  --eval-every 2 --eval-batches 1 --attention full --cross-attention full:softmax_temp=0.5
+
 echo "$failures failure(s)"
 [ "$failures" -eq 0 ]

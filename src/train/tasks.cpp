@@ -1,0 +1,337 @@
+// Synthetic training tasks and their models: the masked copy task (clustered
+// attention paper, appendix C.2) over an encoder with a token head, and
+// sequence transduction (reverse / sort) over an encoder-decoder with greedy
+// decoding. Sampling draws only from the generator it is given.
+#include <cmath>
+#include <nlohmann/json.hpp>
+
+#include "fastattn/train.h"
+
+namespace fastattn::train {
+
+namespace {
+
+// Checks that `j` is an object whose keys are all in `valid`.
+void check_keys(const char* who, const nlohmann::json& j, const std::vector<std::string>& valid) {
+  TORCH_CHECK(j.is_object(), who, ": expected a JSON object, got ", j.dump());
+  for (const auto& [key, value] : j.items()) {
+    if (std::find(valid.begin(), valid.end(), key) == valid.end()) {
+      std::string list;
+      for (const auto& v : valid) list += (list.empty() ? "" : ", ") + v;
+      TORCH_CHECK(false, who, ": unknown key '", key, "'; valid keys: ", list);
+    }
+  }
+}
+
+int64_t get_int(const char* who, const nlohmann::json& j, const char* key, int64_t def) {
+  if (!j.contains(key)) return def;
+  TORCH_CHECK(j[key].is_number_integer(), who, ": '", key, "' must be an integer, got ",
+              j[key].dump());
+  return j[key].get<int64_t>();
+}
+
+double get_double(const char* who, const nlohmann::json& j, const char* key, double def) {
+  if (!j.contains(key)) return def;
+  TORCH_CHECK(j[key].is_number(), who, ": '", key, "' must be a number, got ", j[key].dump());
+  return j[key].get<double>();
+}
+
+std::string get_string(const char* who, const nlohmann::json& j, const char* key,
+                       const std::string& def) {
+  if (!j.contains(key)) return def;
+  TORCH_CHECK(j[key].is_string(), who, ": '", key, "' must be a string, got ", j[key].dump());
+  return j[key].get<std::string>();
+}
+
+torch::Tensor embed(torch::nn::Embedding& embedding, const torch::Tensor& tokens, int64_t d_model) {
+  // nn::Embedding starts at N(0, 1) per coordinate, the scale of the positions:
+  // no sqrt(D) factor, which would drown the positions.
+  auto x = embedding(tokens);  // (N, L, D)
+  return x + sinusoidal_positions(tokens.size(1), d_model, x.scalar_type()).unsqueeze(0);
+}
+
+}  // namespace
+
+torch::Tensor sinusoidal_positions(int64_t length, int64_t d_model, torch::ScalarType dtype) {
+  auto pos = torch::arange(length, torch::kDouble).unsqueeze(1);  // (L, 1)
+  auto i = torch::arange(d_model, torch::kLong);                  // (D,)
+  auto freq = torch::exp(-(i.div(2, "floor") * 2).to(torch::kDouble) *
+                         (std::log(10000.0) / static_cast<double>(d_model)));  // (D,)
+  auto angle = pos * freq.unsqueeze(0);                                        // (L, D)
+  auto even = (i.remainder(2) == 0).unsqueeze(0);
+  return torch::where(even, angle.sin(), angle.cos()).to(dtype);
+}
+
+// ---- models -------------------------------------------------------------------------
+
+EncoderClassifierImpl::EncoderClassifierImpl(int64_t vocab, const nlohmann::json& encoder_config) {
+  TORCH_CHECK(vocab >= 1, "EncoderClassifier: vocab must be >= 1, got ", vocab);
+  auto builder = EncoderBuilder::from_json(encoder_config);
+  encoder_ = register_module("encoder", builder.build());
+  d_model_ = encoder_->layers().front()->options().d_model();
+  embedding_ = register_module("embedding", torch::nn::Embedding(vocab, d_model_));
+  head_ = register_module("head", torch::nn::Linear(d_model_, vocab));
+}
+
+torch::Tensor EncoderClassifierImpl::forward(const torch::Tensor& tokens,  // (N, L)
+                                             const Mask& mask) {
+  return head_(encoder_(embed(embedding_, tokens, d_model_), mask));  // (N, L, vocab)
+}
+
+Seq2SeqImpl::Seq2SeqImpl(int64_t vocab, const nlohmann::json& config) {
+  TORCH_CHECK(vocab >= 1, "Seq2Seq: vocab must be >= 1, got ", vocab);
+  check_keys("Seq2Seq config", config, {"encoder", "decoder"});
+  const auto enc = config.value("encoder", nlohmann::json::object());
+  const auto dec = config.value("decoder", nlohmann::json::object());
+  encoder_ = register_module("encoder", EncoderBuilder::from_json(enc).build());
+  decoder_ = register_module("decoder", DecoderBuilder::from_json(dec).build());
+  d_model_ = encoder_->layers().front()->options().d_model();
+  const int64_t dd = decoder_->layers().front()->options().d_model();
+  TORCH_CHECK(dd == d_model_, "Seq2Seq: the decoder's d_model (", dd,
+              ") must equal the encoder's (", d_model_, ")");
+  embedding_ = register_module("embedding", torch::nn::Embedding(vocab, d_model_));
+  head_ = register_module("head", torch::nn::Linear(d_model_, vocab));
+}
+
+torch::Tensor Seq2SeqImpl::encode(const torch::Tensor& source,  // (N, S)
+                                  const torch::Tensor& source_lengths) {
+  return encoder_(embed(embedding_, source, d_model_),
+                  Mask().with_key_lengths(source_lengths));  // (N, S, D)
+}
+
+torch::Tensor Seq2SeqImpl::decode(const torch::Tensor& target_in,  // (N, T)
+                                  const torch::Tensor& memory,     // (N, S, D)
+                                  const torch::Tensor& source_lengths) {
+  auto y = decoder_(embed(embedding_, target_in, d_model_), memory, Mask(),
+                    Mask().with_key_lengths(source_lengths));
+  return head_(y);  // (N, T, vocab)
+}
+
+// ---- masked copy ----------------------------------------------------------------------
+
+CopyTask::CopyTask(CopyTaskOptions o) : options_(std::move(o)) {
+  TORCH_CHECK(options_.length >= 1, "copy task: length must be >= 1, got ", options_.length);
+  TORCH_CHECK(options_.vocab >= 2, "copy task: vocab must be >= 2, got ", options_.vocab);
+  TORCH_CHECK(options_.mask_fraction > 0 && options_.mask_fraction <= 0.5,
+              "copy task: mask_fraction must be in (0, 0.5], got ", options_.mask_fraction);
+  TORCH_CHECK(options_.loss == "masked" || options_.loss == "all",
+              "copy task: loss must be one of masked, all, got '", options_.loss, "'");
+  const int64_t k = std::llround(options_.mask_fraction * options_.length);
+  TORCH_CHECK(k >= 1, "copy task: mask_fraction ", options_.mask_fraction, " of length ",
+              options_.length, " masks no position; use a larger length or fraction");
+}
+
+nlohmann::json CopyTask::config() const {
+  return {{"name", "copy"},
+          {"length", options_.length},
+          {"vocab", options_.vocab},
+          {"mask_fraction", options_.mask_fraction},
+          {"loss", options_.loss}};
+}
+
+std::shared_ptr<torch::nn::Module> CopyTask::make_model(const nlohmann::json& model_config) const {
+  return EncoderClassifier(options_.vocab + 2, model_config).ptr();
+}
+
+Batch CopyTask::sample(int64_t B, at::Generator& gen) const {
+  TORCH_CHECK(B >= 1, "copy task: batch size must be >= 1, got ", B);
+  const int64_t n = options_.length, V = options_.vocab;
+  const int64_t k = std::llround(options_.mask_fraction * n);
+  auto x = torch::randint(1, V + 1, {B, n}, gen, torch::kLong);  // (B, n) symbols
+  // A random permutation per row: its first k positions are masked in the
+  // first copy, the next k in the second.
+  auto order =
+      torch::rand({B, n}, gen, torch::kDouble).argsort(/*dim=*/1, /*descending=*/false);  // (B, n)
+  auto rank = torch::empty_like(order).scatter_(1, order, torch::arange(n).expand({B, n}));
+  auto mask1 = rank < k, mask2 = (rank >= k) & (rank < 2 * k);  // (B, n)
+  auto sep = torch::zeros({B, 1}, torch::kLong);
+  auto target = torch::cat({sep, x, sep, x}, 1);  // (B, 2n+2)
+  auto no = torch::zeros({B, 1}, torch::kBool);
+  auto masked = torch::cat({no, mask1, no, mask2}, 1);  // (B, 2n+2)
+  auto input = target.masked_fill(masked, V + 1);
+  return {{"input", input}, {"target", target}, {"masked", masked}};
+}
+
+torch::Tensor CopyTask::loss(torch::nn::Module& model, const Batch& b) const {
+  auto& m = dynamic_cast<EncoderClassifierImpl&>(model);
+  auto logits = m.forward(b.at("input"));  // (B, L, V+2)
+  auto flat = logits.reshape({-1, logits.size(-1)});
+  auto target = b.at("target").reshape({-1});
+  if (options_.loss == "all") return torch::nn::functional::cross_entropy(flat, target);
+  auto sel = b.at("masked").reshape({-1}).nonzero().squeeze(1);
+  return torch::nn::functional::cross_entropy(flat.index_select(0, sel),
+                                              target.index_select(0, sel));
+}
+
+nlohmann::json CopyTask::evaluate(torch::nn::Module& model,
+                                  const std::vector<Batch>& batches) const {
+  auto& m = dynamic_cast<EncoderClassifierImpl&>(model);
+  double correct = 0, total = 0, seq_correct = 0, seqs = 0, loss_sum = 0;
+  for (const auto& b : batches) {
+    auto logits = m.forward(b.at("input"));
+    auto masked = b.at("masked");
+    auto target = b.at("target");
+    auto right = logits.argmax(-1) == target;  // (B, L)
+    correct += (right & masked).sum().item<double>();
+    total += masked.sum().item<double>();
+    seq_correct += (right | ~masked).all(1).sum().item<double>();
+    seqs += static_cast<double>(target.size(0));
+    auto sel = masked.reshape({-1}).nonzero().squeeze(1);
+    auto flat = logits.reshape({-1, logits.size(-1)}).index_select(0, sel);
+    loss_sum += torch::nn::functional::cross_entropy(
+                    flat, target.reshape({-1}).index_select(0, sel),
+                    torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
+                    .item<double>();
+  }
+  return {{"accuracy", correct / total},
+          {"sequence_accuracy", seq_correct / seqs},
+          {"loss", loss_sum / total},
+          {"masked_positions", total}};
+}
+
+// ---- transduction ---------------------------------------------------------------------
+
+namespace {
+constexpr int64_t kPad = 0, kBegin = 1, kEnd = 2, kFirstSymbol = 3;
+}
+
+TransductionTask::TransductionTask(TransductionTaskOptions o) : options_(std::move(o)) {
+  TORCH_CHECK(options_.mode == "reverse" || options_.mode == "sort",
+              "transduction task: mode must be one of reverse, sort, got '", options_.mode, "'");
+  TORCH_CHECK(options_.vocab >= 2, "transduction task: vocab must be >= 2, got ", options_.vocab);
+  TORCH_CHECK(options_.min_length >= 1, "transduction task: min_length must be >= 1, got ",
+              options_.min_length);
+  TORCH_CHECK(options_.max_length >= options_.min_length,
+              "transduction task: max_length must be >= min_length (", options_.min_length,
+              "), got ", options_.max_length);
+}
+
+nlohmann::json TransductionTask::config() const {
+  return {{"name", "transduction"},
+          {"mode", options_.mode},
+          {"vocab", options_.vocab},
+          {"min_length", options_.min_length},
+          {"max_length", options_.max_length}};
+}
+
+std::shared_ptr<torch::nn::Module> TransductionTask::make_model(
+    const nlohmann::json& model_config) const {
+  return Seq2Seq(options_.vocab + kFirstSymbol, model_config).ptr();
+}
+
+Batch TransductionTask::sample(int64_t B, at::Generator& gen) const {
+  TORCH_CHECK(B >= 1, "transduction task: batch size must be >= 1, got ", B);
+  const int64_t S = options_.max_length, V = options_.vocab;
+  auto lengths = torch::randint(options_.min_length, options_.max_length + 1, {B}, gen,
+                                torch::kLong);                                         // (B,)
+  auto x = torch::randint(kFirstSymbol, kFirstSymbol + V, {B, S}, gen, torch::kLong);  // (B, S)
+  auto pos = torch::arange(S).unsqueeze(0);                                            // (1, S)
+  auto valid = pos < lengths.unsqueeze(1);                                             // (B, S)
+  auto source = x.masked_fill(~valid, kPad);
+  torch::Tensor y;
+  if (options_.mode == "reverse") {
+    // y_i = x_{len-1-i} for i < len.
+    auto idx = (lengths.unsqueeze(1) - 1 - pos).clamp_min(0);
+    y = source.gather(1, idx).masked_fill(~valid, kPad);
+  } else {
+    // Sort with the padding (as a large value) last.
+    y = std::get<0>(source.masked_fill(~valid, kFirstSymbol + V).sort(1)).masked_fill(~valid, kPad);
+  }
+  auto end_col = torch::full({B, 1}, kPad, torch::kLong);
+  auto target_out = torch::cat({y, end_col}, 1);       // (B, S+1)
+  target_out.scatter_(1, lengths.unsqueeze(1), kEnd);  // end token at len
+  auto target_in = torch::cat({torch::full({B, 1}, kBegin, torch::kLong), y}, 1);  // (B, S+1)
+  return {{"source", source},
+          {"source_lengths", lengths},
+          {"target_in", target_in},
+          {"target_out", target_out},
+          {"target_lengths", lengths + 1}};
+}
+
+torch::Tensor TransductionTask::loss(torch::nn::Module& model, const Batch& b) const {
+  auto& m = dynamic_cast<Seq2SeqImpl&>(model);
+  auto memory = m.encode(b.at("source"), b.at("source_lengths"));
+  auto logits = m.decode(b.at("target_in"), memory, b.at("source_lengths"));  // (B, T, V)
+  return torch::nn::functional::cross_entropy(
+      logits.reshape({-1, logits.size(-1)}), b.at("target_out").reshape({-1}),
+      torch::nn::functional::CrossEntropyFuncOptions().ignore_index(kPad));
+}
+
+torch::Tensor TransductionTask::greedy_decode(Seq2SeqImpl& model, const torch::Tensor& source,
+                                              const torch::Tensor& source_lengths,
+                                              int64_t max_steps) const {
+  const int64_t B = source.size(0);
+  auto memory = model.encode(source, source_lengths);
+  auto prefix = torch::full({B, 1}, kBegin, torch::kLong);
+  auto done = torch::zeros({B}, torch::kBool);
+  std::vector<torch::Tensor> out;
+  for (int64_t t = 0; t < max_steps; ++t) {
+    auto logits = model.decode(prefix, memory, source_lengths);  // (B, t+1, V)
+    auto next = logits.select(1, t).argmax(-1);                  // (B,)
+    next = next.masked_fill(done, kPad);
+    out.push_back(next);
+    done = done | (next == kEnd);
+    if (done.all().item<bool>()) break;
+    prefix = torch::cat({prefix, next.unsqueeze(1)}, 1);
+  }
+  auto tokens = torch::stack(out, 1);  // (B, steps)
+  if (tokens.size(1) < max_steps) {
+    tokens = torch::cat({tokens, torch::zeros({B, max_steps - tokens.size(1)}, torch::kLong)}, 1);
+  }
+  return tokens;
+}
+
+nlohmann::json TransductionTask::evaluate(torch::nn::Module& model,
+                                          const std::vector<Batch>& batches) const {
+  auto& m = dynamic_cast<Seq2SeqImpl&>(model);
+  double exact = 0, seqs = 0, tok_right = 0, toks = 0, loss_sum = 0;
+  for (const auto& b : batches) {
+    auto memory = m.encode(b.at("source"), b.at("source_lengths"));
+    auto logits = m.decode(b.at("target_in"), memory, b.at("source_lengths"));
+    auto target = b.at("target_out");
+    auto real = target != kPad;
+    tok_right += ((logits.argmax(-1) == target) & real).sum().item<double>();
+    toks += real.sum().item<double>();
+    loss_sum += torch::nn::functional::cross_entropy(
+                    logits.reshape({-1, logits.size(-1)}), target.reshape({-1}),
+                    torch::nn::functional::CrossEntropyFuncOptions().ignore_index(kPad).reduction(
+                        torch::kSum))
+                    .item<double>();
+    auto decoded = greedy_decode(m, b.at("source"), b.at("source_lengths"), target.size(1));
+    // Both are 0 after the end token, so equal rows are exact matches.
+    exact += (decoded == target).all(1).sum().item<double>();
+    seqs += static_cast<double>(target.size(0));
+  }
+  return {{"exact_match", exact / seqs},
+          {"token_accuracy", tok_right / toks},
+          {"loss", loss_sum / toks}};
+}
+
+// ---- factory ------------------------------------------------------------------------
+
+std::unique_ptr<Task> make_task(const nlohmann::json& j) {
+  TORCH_CHECK(j.is_object() && j.contains("name") && j["name"].is_string(),
+              "task: expected {\"name\": \"copy\" | \"transduction\", ...}, got ", j.dump());
+  const auto name = j["name"].get<std::string>();
+  if (name == "copy") {
+    check_keys("copy task", j, {"name", "length", "vocab", "mask_fraction", "loss"});
+    CopyTaskOptions o;
+    o.length = get_int("copy task", j, "length", o.length);
+    o.vocab = get_int("copy task", j, "vocab", o.vocab);
+    o.mask_fraction = get_double("copy task", j, "mask_fraction", o.mask_fraction);
+    o.loss = get_string("copy task", j, "loss", o.loss);
+    return std::make_unique<CopyTask>(o);
+  }
+  if (name == "transduction") {
+    check_keys("transduction task", j, {"name", "mode", "vocab", "min_length", "max_length"});
+    TransductionTaskOptions o;
+    o.mode = get_string("transduction task", j, "mode", o.mode);
+    o.vocab = get_int("transduction task", j, "vocab", o.vocab);
+    o.min_length = get_int("transduction task", j, "min_length", o.min_length);
+    o.max_length = get_int("transduction task", j, "max_length", o.max_length);
+    return std::make_unique<TransductionTask>(o);
+  }
+  TORCH_CHECK(false, "task: name must be one of copy, transduction, got '", name, "'");
+}
+
+}  // namespace fastattn::train

@@ -1,0 +1,393 @@
+// The Trainer: config, optimisation loop, evaluation, and checkpoints that
+// resume to bit-identical results (one atomic safetensors file with a
+// checksum; format in docs/training.md).
+#include <ATen/CPUGeneratorImpl.h>
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "fastattn/attention.h"
+#include "fastattn/safetensors.h"
+#include "fastattn/train.h"
+
+namespace fastattn::train {
+
+namespace {
+
+constexpr const char* kFormat = "fastattn-checkpoint";
+constexpr const char* kVersion = "1";
+// Config keys that may differ between a checkpoint and the run resuming it.
+const std::vector<std::string> kResumableKeys = {"steps", "eval_every", "checkpoint_every"};
+
+// Seeds of the trainer's independent streams, derived from the run's seed.
+uint64_t stream_seed(int64_t seed, uint64_t stream) {
+  // splitmix64 of seed + stream·golden ratio: well-separated streams.
+  uint64_t z = static_cast<uint64_t>(seed) + stream * 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+at::Generator seeded_generator(uint64_t seed) {
+  return at::make_generator<at::CPUGeneratorImpl>(seed);
+}
+
+// FNV-1a over names, dtypes, shapes and bytes of the tensors in name order.
+std::string checksum(const std::map<std::string, torch::Tensor>& tensors) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  auto mix = [&](const void* data, size_t n) {
+    const auto* p = static_cast<const unsigned char*>(data);
+    for (size_t i = 0; i < n; ++i) {
+      h ^= p[i];
+      h *= 0x100000001b3ull;
+    }
+  };
+  for (const auto& [name, tensor] : tensors) {
+    auto t = tensor.detach().to(torch::kCPU).contiguous();
+    mix(name.data(), name.size() + 1);
+    const auto dtype = safetensors_dtype_name(t.scalar_type());
+    mix(dtype.data(), dtype.size());
+    for (int64_t d : t.sizes()) mix(&d, sizeof d);
+    mix(t.data_ptr(), static_cast<size_t>(t.numel()) * t.element_size());
+  }
+  std::ostringstream os;
+  os << std::hex << h;
+  return os.str();
+}
+
+nlohmann::json comparable(const TrainConfig& c) {
+  auto j = c.to_json();
+  for (const auto& k : kResumableKeys) j.erase(k);
+  return j;
+}
+
+void make_dir(const std::string& dir) {
+  std::string partial;
+  for (const auto& part : [&] {
+         std::vector<std::string> parts;
+         std::string cur;
+         for (char ch : dir) {
+           if (ch == '/') {
+             parts.push_back(cur + "/");
+             cur.clear();
+           } else {
+             cur += ch;
+           }
+         }
+         if (!cur.empty()) parts.push_back(cur);
+         return parts;
+       }()) {
+    partial += part;
+    if (::mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST) {
+      TORCH_CHECK(false, "checkpoint: cannot create directory '", partial,
+                  "': ", std::strerror(errno));
+    }
+  }
+}
+
+// Reads and verifies <dir>/checkpoint.safetensors.
+SafetensorsFile read_checkpoint(const std::string& dir) {
+  const std::string path = dir + "/" + kCheckpointFile;
+  struct stat st;
+  TORCH_CHECK(::stat(path.c_str(), &st) == 0, "checkpoint: no checkpoint at '", path, "' (",
+              std::strerror(errno), ")");
+  auto file = load_safetensors(path);
+  auto meta = [&](const char* key) {
+    auto it = file.metadata.find(key);
+    TORCH_CHECK(it != file.metadata.end(), "checkpoint '", path, "' is incomplete: no '", key,
+                "' in its metadata");
+    return it->second;
+  };
+  TORCH_CHECK(meta("format") == kFormat, "checkpoint '", path, "': format is '", meta("format"),
+              "', expected '", kFormat, "'");
+  TORCH_CHECK(meta("version") == kVersion, "checkpoint '", path, "': version ", meta("version"),
+              " is not supported (expected ", kVersion, ")");
+  TORCH_CHECK(std::to_string(file.tensors.size()) == meta("tensors"), "checkpoint '", path,
+              "' is incomplete: it holds ", file.tensors.size(), " tensors, its metadata says ",
+              meta("tensors"));
+  const auto sum = checksum(file.tensors);
+  TORCH_CHECK(sum == meta("checksum"), "checkpoint '", path,
+              "' is corrupt: checksum of its tensors is ", sum, ", its metadata says ",
+              meta("checksum"));
+  return file;
+}
+
+}  // namespace
+
+// ---- config -------------------------------------------------------------------------
+
+nlohmann::json TrainConfig::to_json() const {
+  return {{"task", task},
+          {"model", model},
+          {"optimizer",
+           {{"name", optimizer.name},
+            {"lr", optimizer.lr},
+            {"beta1", optimizer.beta1},
+            {"beta2", optimizer.beta2},
+            {"eps", optimizer.eps},
+            {"weight_decay", optimizer.weight_decay}}},
+          {"schedule",
+           {{"warmup", schedule.warmup},
+            {"decay", schedule.decay},
+            {"min_lr_ratio", schedule.min_lr_ratio}}},
+          {"clip", clip},
+          {"steps", steps},
+          {"batch_size", batch_size},
+          {"eval_every", eval_every},
+          {"eval_batches", eval_batches},
+          {"checkpoint_every", checkpoint_every},
+          {"seed", seed}};
+}
+
+namespace {
+
+void check_only(const char* who, const nlohmann::json& j, const std::vector<std::string>& valid) {
+  TORCH_CHECK(j.is_object(), who, ": expected a JSON object, got ", j.dump());
+  for (const auto& [key, value] : j.items()) {
+    if (std::find(valid.begin(), valid.end(), key) == valid.end()) {
+      std::string list;
+      for (const auto& v : valid) list += (list.empty() ? "" : ", ") + v;
+      TORCH_CHECK(false, who, ": unknown key '", key, "'; valid keys: ", list);
+    }
+  }
+}
+
+template <class T>
+void read(const char* who, const nlohmann::json& j, const char* key, T& out) {
+  if (!j.contains(key)) return;
+  const auto& v = j[key];
+  if constexpr (std::is_same_v<T, std::string>) {
+    TORCH_CHECK(v.is_string(), who, ": '", key, "' must be a string, got ", v.dump());
+  } else if constexpr (std::is_integral_v<T>) {
+    TORCH_CHECK(v.is_number_integer(), who, ": '", key, "' must be an integer, got ", v.dump());
+  } else {
+    TORCH_CHECK(v.is_number(), who, ": '", key, "' must be a number, got ", v.dump());
+  }
+  out = v.get<T>();
+}
+
+}  // namespace
+
+TrainConfig TrainConfig::from_json(const nlohmann::json& j) {
+  const char* who = "train config";
+  check_only(who, j,
+             {"task", "model", "optimizer", "schedule", "clip", "steps", "batch_size", "eval_every",
+              "eval_batches", "checkpoint_every", "seed"});
+  TrainConfig c;
+  if (j.contains("task")) c.task = j["task"];
+  if (j.contains("model")) c.model = j["model"];
+  if (j.contains("optimizer")) {
+    const auto& o = j["optimizer"];
+    check_only("train config: optimizer", o,
+               {"name", "lr", "beta1", "beta2", "eps", "weight_decay"});
+    read(who, o, "name", c.optimizer.name);
+    read(who, o, "lr", c.optimizer.lr);
+    read(who, o, "beta1", c.optimizer.beta1);
+    read(who, o, "beta2", c.optimizer.beta2);
+    read(who, o, "eps", c.optimizer.eps);
+    read(who, o, "weight_decay", c.optimizer.weight_decay);
+  }
+  if (j.contains("schedule")) {
+    const auto& s = j["schedule"];
+    check_only("train config: schedule", s, {"warmup", "decay", "min_lr_ratio"});
+    read(who, s, "warmup", c.schedule.warmup);
+    read(who, s, "decay", c.schedule.decay);
+    read(who, s, "min_lr_ratio", c.schedule.min_lr_ratio);
+  }
+  read(who, j, "clip", c.clip);
+  read(who, j, "steps", c.steps);
+  read(who, j, "batch_size", c.batch_size);
+  read(who, j, "eval_every", c.eval_every);
+  read(who, j, "eval_batches", c.eval_batches);
+  read(who, j, "checkpoint_every", c.checkpoint_every);
+  read(who, j, "seed", c.seed);
+  return c;
+}
+
+// ---- trainer ------------------------------------------------------------------------
+
+namespace {
+
+// Puts the trainer's stream into the global CPU generator for its lifetime
+// and takes it out again (restoring the caller's state), exceptions included.
+class GlobalRngScope {
+ public:
+  GlobalRngScope(torch::Tensor& stream) : stream_(stream) {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    saved_ = gen.get_state();
+    gen.set_state(stream_);
+  }
+  ~GlobalRngScope() {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    stream_ = gen.get_state();
+    gen.set_state(saved_);
+  }
+
+ private:
+  torch::Tensor& stream_;
+  torch::Tensor saved_;
+};
+
+}  // namespace
+
+Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
+  const auto& c = config_;
+  TORCH_CHECK(c.steps >= 0, "train: steps must be >= 0, got ", c.steps);
+  TORCH_CHECK(c.batch_size >= 1, "train: batch_size must be >= 1, got ", c.batch_size);
+  TORCH_CHECK(c.eval_every >= 0, "train: eval_every must be >= 0, got ", c.eval_every);
+  TORCH_CHECK(c.eval_batches >= 1, "train: eval_batches must be >= 1, got ", c.eval_batches);
+  TORCH_CHECK(c.checkpoint_every >= 0, "train: checkpoint_every must be >= 0, got ",
+              c.checkpoint_every);
+  TORCH_CHECK(std::isfinite(c.clip) && c.clip >= 0, "train: clip must be >= 0 (0 = off), got ",
+              c.clip);
+  TORCH_CHECK(c.seed >= 0, "train: seed must be >= 0, got ", c.seed);
+  scheduled_lr(c.schedule, c.optimizer.lr, 0, c.steps);  // validates the schedule
+  task_ = make_task(c.task);
+  config_.task = task_->config();  // defaults filled in, so checkpoints compare exactly
+  global_rng_state_ = seeded_generator(stream_seed(c.seed, 0)).get_state();
+  data_gen_ = seeded_generator(stream_seed(c.seed, 1));
+  {
+    GlobalRngScope scope(global_rng_state_);
+    model_ = task_->make_model(c.model);
+  }
+  optimizer_ = make_optimizer(c.optimizer, model_->parameters());
+  auto eval_gen = seeded_generator(stream_seed(c.seed, 2));
+  for (int64_t i = 0; i < c.eval_batches; ++i) {
+    eval_set_.push_back(task_->sample(c.batch_size, eval_gen));
+  }
+}
+
+StepRecord Trainer::train_step() {
+  GlobalRngScope scope(global_rng_state_);
+  model_->train();
+  StepRecord r;
+  r.lr = scheduled_lr(config_.schedule, config_.optimizer.lr, step_, config_.steps);
+  for (auto& group : optimizer_->param_groups()) group.options().set_lr(r.lr);
+  auto batch = task_->sample(config_.batch_size, data_gen_);
+  optimizer_->zero_grad();
+  auto loss = task_->loss(*model_, batch);
+  auto aux = take_auxiliary_losses(*model_);
+  auto total = aux.defined() ? loss + aux : loss;
+  r.loss = loss.item<double>();
+  r.aux_loss = aux.defined() ? aux.item<double>() : 0.0;
+  TORCH_CHECK(std::isfinite(r.loss) && std::isfinite(r.aux_loss), "train: the loss is ", r.loss,
+              " (auxiliary ", r.aux_loss, ") at step ", step_ + 1,
+              "; lower the learning rate or set --clip");
+  total.backward();
+  r.grad_norm = torch::nn::utils::clip_grad_norm_(
+      model_->parameters(),
+      config_.clip > 0 ? config_.clip : std::numeric_limits<double>::infinity());
+  optimizer_->step();
+  r.step = ++step_;
+  return r;
+}
+
+nlohmann::json Trainer::evaluate() {
+  // Evaluation draws (e.g. attention types without a seed) from a stream of
+  // its own, the same at every evaluation: it never disturbs training.
+  auto eval_stream = seeded_generator(stream_seed(config_.seed, 3)).get_state();
+  GlobalRngScope scope(eval_stream);
+  torch::NoGradGuard no_grad;
+  model_->eval();
+  auto metrics = task_->evaluate(*model_, eval_set_);
+  model_->train();
+  (void)take_auxiliary_losses(*model_);  // drop losses of the evaluation forwards
+  return metrics;
+}
+
+void Trainer::run(const std::string& checkpoint_dir,
+                  const std::function<void(const StepRecord&)>& on_step,
+                  const std::function<bool()>& stop) {
+  while (step_ < config_.steps) {
+    if (stop && stop()) break;
+    auto r = train_step();
+    if (config_.eval_every > 0 && (step_ % config_.eval_every == 0 || step_ == config_.steps)) {
+      r.eval = evaluate();
+    }
+    if (!checkpoint_dir.empty() && config_.checkpoint_every > 0 &&
+        step_ % config_.checkpoint_every == 0 && step_ < config_.steps) {
+      save_checkpoint(checkpoint_dir);
+    }
+    if (on_step) on_step(r);
+  }
+  if (!checkpoint_dir.empty()) save_checkpoint(checkpoint_dir);
+}
+
+void Trainer::save_checkpoint(const std::string& dir) {
+  TORCH_CHECK(!dir.empty(), "checkpoint: directory must not be empty");
+  make_dir(dir);
+  std::map<std::string, torch::Tensor> tensors;
+  const auto weights = state_tensors(*model_);
+  for (const auto& [name, t] : weights) tensors["model." + name] = t;
+  for (const auto& [name, t] : optimizer_state_tensors(*optimizer_, "optimizer.")) {
+    tensors[name] = t;
+  }
+  tensors["rng.global"] = global_rng_state_;
+  tensors["rng.data"] = data_gen_.get_state();
+  std::map<std::string, std::string> meta = {
+      {"format", kFormat},
+      {"version", kVersion},
+      {"step", std::to_string(step_)},
+      {"config", config_.to_json().dump()},
+      {"tensors", std::to_string(tensors.size())},
+      {"checksum", checksum(tensors)},
+      {"threads", std::to_string(at::get_num_threads())},
+  };
+  // The full checkpoint first, then the weights-only file: a crash between
+  // the two leaves a complete checkpoint and an older model file.
+  save_safetensors(dir + "/" + kCheckpointFile, tensors, meta);
+  save_safetensors(dir + "/" + kModelFile, weights,
+                   {{"format", "fastattn-model"},
+                    {"step", std::to_string(step_)},
+                    {"config", config_.to_json().dump()}});
+}
+
+TrainConfig Trainer::checkpoint_config(const std::string& dir) {
+  const auto file = read_checkpoint(dir);
+  try {
+    return TrainConfig::from_json(nlohmann::json::parse(file.metadata.at("config")));
+  } catch (const nlohmann::json::exception& e) {
+    TORCH_CHECK(false, "checkpoint in '", dir, "': its config is not valid JSON: ", e.what());
+  }
+}
+
+void Trainer::load_checkpoint(const std::string& dir) {
+  const auto file = read_checkpoint(dir);
+  const auto stored = TrainConfig::from_json(nlohmann::json::parse(file.metadata.at("config")));
+  const auto a = comparable(stored), b = comparable(config_);
+  if (a != b) {
+    std::string diffs;
+    for (const auto& [key, value] : b.items()) {
+      if (!a.contains(key) || a[key] != value) {
+        diffs += "\n  " + key + ": checkpoint " + (a.contains(key) ? a[key].dump() : "(none)") +
+                 ", this run " + value.dump();
+      }
+    }
+    TORCH_CHECK(false, "checkpoint in '", dir,
+                "' was made with a different config (only steps, eval_every and "
+                "checkpoint_every may change):",
+                diffs);
+  }
+  std::map<std::string, torch::Tensor> model, optim;
+  for (const auto& [name, t] : file.tensors) {
+    if (name.rfind("model.", 0) == 0) model[name.substr(6)] = t;
+    if (name.rfind("optimizer.", 0) == 0) optim[name] = t;
+  }
+  TORCH_CHECK(file.tensors.count("rng.global") && file.tensors.count("rng.data"), "checkpoint in '",
+              dir, "' is incomplete: no generator states");
+  load_state(*model_, model, /*strict=*/true);
+  load_optimizer_state_tensors(*optimizer_, optim, "optimizer.");
+  global_rng_state_ = file.tensors.at("rng.global").clone();
+  data_gen_.set_state(file.tensors.at("rng.data"));
+  step_ = std::stoll(file.metadata.at("step"));
+}
+
+}  // namespace fastattn::train
