@@ -24,6 +24,7 @@
 #include "kernels/common/gemm.h"
 #include "kernels/common/parallel.h"
 #include "kernels/common/simd.h"
+#include "kernels/common/softmax_rows.h"
 
 namespace fastattn::kernels {
 
@@ -80,12 +81,6 @@ namespace {
 constexpr int64_t kBq = 64;  // queries per tile
 constexpr int64_t kBk = 64;  // keys per tile
 
-template <typename T>
-constexpr T neg_inf() {
-  return -std::numeric_limits<T>::infinity();
-}
-
-int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
 int64_t floor_mod(int64_t a, int64_t b) { return a - floor_div(a, b) * b; }
 
@@ -329,28 +324,6 @@ inline bool prepare_row(T* row, const Range& rr, int64_t j0, int64_t cols, int64
     kept -= e_hi - e_lo;
   }
   return kept > 0;
-}
-
-template <typename T>
-inline T row_max(const T* row, int64_t width) {  // width: a multiple of W
-  using V = Simd<T>;
-  auto m = V::set1(neg_inf<T>());
-  for (int64_t c = 0; c < width; c += V::W) m = V::max(m, V::load(row + c));
-  return V::hmax(m);
-}
-
-// row = exp(row - shift) in place; returns the sum. width: a multiple of W.
-template <typename T>
-inline T exp_shift_sum(T* row, int64_t width, T shift) {
-  using V = Simd<T>;
-  const auto sh = V::set1(shift);
-  auto sum = V::zero();
-  for (int64_t c = 0; c < width; c += V::W) {
-    const auto e = V::exp(V::sub(V::load(row + c), sh));
-    V::store(row + c, e);
-    sum = V::add(sum, e);
-  }
-  return V::hsum(sum);
 }
 
 // The rows of one query tile: their indices, ranges, and the key tiles

@@ -22,6 +22,7 @@
 #include "kernels/common/gemm.h"
 #include "kernels/common/parallel.h"
 #include "kernels/common/simd.h"
+#include "kernels/common/softmax_rows.h"
 
 namespace fastattn::kernels {
 namespace {
@@ -30,13 +31,6 @@ constexpr int64_t kFwdBr = 96;   // queries per forward tile (a multiple of 6)
 constexpr int64_t kFwdBc = 128;  // keys per forward tile
 constexpr int64_t kBwdBr = 48;   // queries per backward tile
 constexpr int64_t kBwdBc = 64;   // keys per backward tile
-
-template <typename T>
-constexpr T neg_inf() {
-  return -std::numeric_limits<T>::infinity();
-}
-
-int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // Number of keys query i may see within [j0, j0 + cols): causal cut-off.
 inline int64_t visible_cols(bool causal, int64_t i, int64_t offset, int64_t j0, int64_t cols) {
@@ -70,28 +64,6 @@ inline void prepare_scores(T* row, const T* mask_row, int64_t limit, int64_t wid
     for (int64_t c = 0; c < limit; ++c) row[c] = row[c] * scale;
   }
   for (int64_t c = limit; c < width; ++c) row[c] = neg_inf<T>();
-}
-
-template <typename T>
-inline T row_max(const T* row, int64_t width) {  // width: a multiple of W
-  using S = Simd<T>;
-  auto m = S::set1(neg_inf<T>());
-  for (int64_t c = 0; c < width; c += S::W) m = S::max(m, S::load(row + c));
-  return S::hmax(m);
-}
-
-// row = exp(row - shift) in place; returns the sum. width: a multiple of W.
-template <typename T>
-inline T exp_shift_sum(T* row, int64_t width, T shift) {
-  using S = Simd<T>;
-  const auto sh = S::set1(shift);
-  auto sum = S::zero();
-  for (int64_t c = 0; c < width; c += S::W) {
-    const auto e = S::exp(S::sub(S::load(row + c), sh));
-    S::store(row + c, e);
-    sum = S::add(sum, e);
-  }
-  return S::hsum(sum);
 }
 
 template <typename T>

@@ -20,6 +20,7 @@
 #include "kernels/common/gemm.h"
 #include "kernels/common/parallel.h"
 #include "kernels/common/simd.h"
+#include "kernels/common/softmax_rows.h"
 
 namespace fastattn::kernels {
 namespace {
@@ -29,13 +30,6 @@ constexpr int64_t kBc = 128;        // keys per tile (a multiple of every panel 
 constexpr int64_t kDirectRows = 6;  // below this many queries, no packing of K
 constexpr int64_t kDeltaBr = 48;    // queries per delta tile
 constexpr int64_t kDeltaBc = 64;    // keys per delta tile
-
-template <typename T>
-constexpr T neg_inf() {
-  return -std::numeric_limits<T>::infinity();
-}
-
-int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 uint64_t splitmix64(uint64_t x) {
   x += 0x9E3779B97F4A7C15ull;
@@ -75,28 +69,6 @@ inline T dot(const T* a, const T* b, int64_t n) {
   T s = S::hsum(acc);
   for (; c < n; ++c) s += a[c] * b[c];
   return s;
-}
-
-// row = exp(row - shift) in place; returns the sum. width: a multiple of W.
-template <typename T>
-inline T exp_shift_sum(T* row, int64_t width, T shift) {
-  using S = Simd<T>;
-  const auto sh = S::set1(shift);
-  auto sum = S::zero();
-  for (int64_t c = 0; c < width; c += S::W) {
-    const auto e = S::exp(S::sub(S::load(row + c), sh));
-    S::store(row + c, e);
-    sum = S::add(sum, e);
-  }
-  return S::hsum(sum);
-}
-
-template <typename T>
-inline T row_max(const T* row, int64_t width) {  // width: a multiple of W
-  using S = Simd<T>;
-  auto m = S::set1(neg_inf<T>());
-  for (int64_t c = 0; c < width; c += S::W) m = S::max(m, S::load(row + c));
-  return S::hmax(m);
 }
 
 // Scales a row of raw scores; dropped keys (past `limit`, or false in the keep

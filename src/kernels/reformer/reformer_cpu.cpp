@@ -23,40 +23,12 @@
 #include "kernels/common/gemm.h"
 #include "kernels/common/parallel.h"
 #include "kernels/common/simd.h"
+#include "kernels/common/softmax_rows.h"
 
 namespace fastattn::kernels {
 namespace {
 
 constexpr double kNormEps = 1e-12;  // keys: q / max(|q|, eps)
-
-template <typename T>
-constexpr T neg_inf() {
-  return -std::numeric_limits<T>::infinity();
-}
-
-int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
-template <typename T>
-inline T row_max(const T* row, int64_t width) {  // width: a multiple of W
-  using S = Simd<T>;
-  auto m = S::set1(neg_inf<T>());
-  for (int64_t c = 0; c < width; c += S::W) m = S::max(m, S::load(row + c));
-  return S::hmax(m);
-}
-
-// row = exp(row - shift) in place; returns the sum. width: a multiple of W.
-template <typename T>
-inline T exp_shift_sum(T* row, int64_t width, T shift) {
-  using S = Simd<T>;
-  const auto sh = S::set1(shift);
-  auto sum = S::zero();
-  for (int64_t c = 0; c < width; c += S::W) {
-    const auto e = S::exp(S::sub(S::load(row + c), sh));
-    S::store(row + c, e);
-    sum = S::add(sum, e);
-  }
-  return S::hsum(sum);
-}
 
 // row = exp((row - hi) - lo) in place (hi: the max score, exact in T; lo:
 // the log of the sum, small). width: a multiple of W.
