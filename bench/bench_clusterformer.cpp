@@ -1,5 +1,5 @@
 // Benchmark of ClusterFormer (Wang et al. 2022) against the fused full
-// attention and improved-clustered attention.
+// attention, reformer (4 rounds, chunk 32) and improved-clustered attention.
 //
 //   build/bench_clusterformer [--threads T] [--max-len L] [--full-max-len L] [--reps R]
 //
@@ -83,13 +83,14 @@ int main(int argc, char** argv) {
     auto q = torch::randn({1, H, L, E}), k = torch::randn({1, H, L, E}),
          v = torch::randn({1, H, L, E}), go = torch::randn({1, H, L, E});
     const int64_t kc = std::llround(std::sqrt(static_cast<double>(L)));
-    for (const char* type : {"clusterformer", "full", "improved-clustered"}) {
+    for (const char* type : {"clusterformer", "full", "reformer", "improved-clustered"}) {
       const std::string t = type;
       if (t == "full" && L > full_max_len) continue;
       fastattn::ParamMap p;
       if (t == "clusterformer") p = {{"clusters", kc}, {"seed", int64_t(0)}};
       if (t == "improved-clustered")
         p = {{"clusters", int64_t(100)}, {"topk", int64_t(32)}, {"seed", int64_t(0)}};
+      if (t == "reformer") p = {{"rounds", int64_t(4)}, {"seed", int64_t(0)}};
       auto attn = fastattn::make_attention(type, p, dims);
       const double tf = time_median(
           [&] {
