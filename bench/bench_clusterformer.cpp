@@ -7,9 +7,8 @@
 // 16384): `clusterformer` with k = round(sqrt(L)) clusters (its clustering
 // losses included in the backward), `full` (fused; up to full-max-len,
 // default 16384), `reformer` (rounds=4) and `improved-clustered` (clusters=100,
-// topk=32): median
-// forward and forward+backward time, and the peak resident memory added by a
-// forward+backward (VmHWM after the case minus VmRSS before it; the peak is
+// topk=32): median forward and forward+backward time, and the peak resident
+// memory added by a forward+backward (VmHWM after the case minus VmRSS before it; the peak is
 // reset per case through /proc/self/clear_refs).
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
