@@ -12,6 +12,12 @@
 //   smoothed-rff   rff plus one constant feature sqrt(smoothing): the kernel
 //                  plus `smoothing`, which keeps the attention normaliser away
 //                  from 0 (plain RFF products can be negative)            F = m + 1
+//   generalized    Performer's generalized random features with a chosen
+//                  kernel function f (kernel_fn: relu, exp, abs, softplus,
+//                  elu = elu+1): phi(x)_i = (f(w_i·x') + 1e-3) / sqrt(m),
+//                  x' = sqrt(temp)·x; phi(q)·phi(k) estimates
+//                  E_w[f(w·q') f(w·k')] (plus a small positive floor that
+//                  keeps the normaliser away from 0)                      F = m
 //
 // Random maps draw their matrix (a buffer "omega", E × m or E × m/2, saved
 // with the model) from their own torch::Generator seeded by `seed`, in
@@ -84,7 +90,7 @@ class FeatureMap : public torch::nn::Module {
 using FeatureMapPtr = std::shared_ptr<FeatureMap>;
 
 struct FeatureMapOptions {
-  std::string kind = "elu";  // elu, relu, favor, rff, smoothed-rff
+  std::string kind = "elu";  // elu, relu, favor, rff, smoothed-rff, generalized
   int64_t query_dim = 64;    // E
   // Random maps: m (favor: features; rff: cos + sin features, even).
   // Default: query_dim (rounded up to even for rff).
@@ -92,12 +98,15 @@ struct FeatureMapOptions {
   std::optional<double> softmax_temp;  // favor / rff scale; default 1/sqrt(E)
   bool orthogonal = true;              // favor / rff: orthogonal blocks
   double smoothing = 1.0;              // smoothed-rff: the constant feature squared
+  std::string kernel_fn = "relu";      // generalized: f (kernel_function_names())
   uint64_t seed = 0;
   int64_t redraw = 1;  // 0: never; n: every n-th forward in training
 };
 
 // The map names make_feature_map accepts.
 const std::vector<std::string>& feature_map_names();
+// The kernel functions of the generalized map: relu, exp, abs, softplus, elu.
+const std::vector<std::string>& kernel_function_names();
 // Builds a map; an unknown kind or a bad option gives an error naming it.
 FeatureMapPtr make_feature_map(const FeatureMapOptions& options);
 

@@ -10,6 +10,8 @@
 
 #include <cmath>
 #include <limits>
+#include <string>
+#include <utility>
 
 namespace fastattn {
 
@@ -157,6 +159,37 @@ class RffFeatureMap : public RandomFeatureMap {
   std::optional<double> smoothing_;
 };
 
+// Generalized random features: (f(x' omega) + floor) / sqrt(m).
+class GeneralizedFeatureMap : public RandomFeatureMap {
+ public:
+  GeneralizedFeatureMap(int64_t E, int64_t m, double temp, bool orthogonal, uint64_t seed,
+                        std::string kernel_fn)
+      : RandomFeatureMap("generalized", E, m, temp, orthogonal, seed),
+        kernel_fn_(std::move(kernel_fn)) {}
+  int64_t output_dim() const override { return cols_; }
+
+  Tensor forward(const Tensor& x) override {
+    auto u = project(x).second;
+    Tensor f;
+    if (kernel_fn_ == "relu") {
+      f = torch::relu(u);
+    } else if (kernel_fn_ == "exp") {
+      f = torch::exp(u);
+    } else if (kernel_fn_ == "abs") {
+      f = torch::abs(u);
+    } else if (kernel_fn_ == "softplus") {
+      f = torch::softplus(u);
+    } else {  // elu (validated in make_feature_map)
+      f = torch::elu(u) + 1;
+    }
+    return (f + kFloor) * (1.0 / std::sqrt(static_cast<double>(cols_)));
+  }
+
+ private:
+  static constexpr double kFloor = 1e-3;
+  std::string kernel_fn_;
+};
+
 }  // namespace
 
 FeatureMap::FeatureMap(uint64_t seed) : generator_(at::detail::createCPUGenerator(seed)) {}
@@ -168,7 +201,13 @@ void FeatureMap::maybe_redraw(bool training) {
 }
 
 const std::vector<std::string>& feature_map_names() {
-  static const std::vector<std::string> names{"elu", "relu", "favor", "rff", "smoothed-rff"};
+  static const std::vector<std::string> names{"elu", "relu",         "favor",
+                                              "rff", "smoothed-rff", "generalized"};
+  return names;
+}
+
+const std::vector<std::string>& kernel_function_names() {
+  static const std::vector<std::string> names{"relu", "exp", "abs", "softplus", "elu"};
   return names;
 }
 
@@ -179,7 +218,12 @@ torch::Tensor random_projection(int64_t m, int64_t E, bool orthogonal, at::Gener
   if (!orthogonal) return torch::randn({m, E}, generator, opts);
   // One batched QR over ceil(m / E) Gaussian blocks; rows of each Q are orthonormal.
   const int64_t blocks = (m + E - 1) / E;
-  auto q = std::get<0>(torch::linalg_qr(torch::randn({blocks, E, E}, generator, opts)));
+  auto [q, r] = torch::linalg_qr(torch::randn({blocks, E, E}, generator, opts));
+  // Householder QR fixes the signs of R's diagonal by convention, which
+  // biases Q's directions (its first column always points against e_1);
+  // scaling Q's columns by sign(diag R) makes Q Haar-distributed, so every
+  // row is a uniformly random direction and the feature estimates unbiased.
+  q = q * torch::sign(torch::diagonal(r, 0, -2, -1)).unsqueeze(-2);
   auto rows = q.reshape({blocks * E, E}).narrow(0, 0, m);
   // Rows with the norms of Gaussian vectors: each row is then marginally
   // N(0, I) like the unstructured draw, but rows in a block stay orthogonal.
@@ -195,7 +239,7 @@ FeatureMapPtr make_feature_map(const FeatureMapOptions& o) {
   TORCH_CHECK(o.redraw >= 0, "feature_map: redraw must be >= 0 (0: never), got ", o.redraw);
   const bool random = o.kind != "elu" && o.kind != "relu";
   TORCH_CHECK(random || !o.n_features, "n_features applies to random feature maps (favor, rff, ",
-              "smoothed-rff) only, got n_features = ", o.n_features.value_or(0),
+              "smoothed-rff, generalized) only, got n_features = ", o.n_features.value_or(0),
               " with feature_map '", o.kind, "'");
   FeatureMapPtr map;
   if (o.kind == "elu") {
@@ -210,6 +254,13 @@ FeatureMapPtr make_feature_map(const FeatureMapOptions& o) {
     TORCH_CHECK(m >= 1, "feature_map '", o.kind, "': n_features must be >= 1, got ", m);
     if (o.kind == "favor") {
       map = std::make_shared<FavorFeatureMap>(o.query_dim, m, temp, o.orthogonal, o.seed);
+    } else if (o.kind == "generalized") {
+      const auto& fns = kernel_function_names();
+      TORCH_CHECK(std::find(fns.begin(), fns.end(), o.kernel_fn) != fns.end(),
+                  "feature_map 'generalized': unknown kernel_fn '", o.kernel_fn,
+                  "'; valid: ", join_names(fns));
+      map = std::make_shared<GeneralizedFeatureMap>(o.query_dim, m, temp, o.orthogonal, o.seed,
+                                                    o.kernel_fn);
     } else {
       if (!o.n_features && m % 2) ++m;
       TORCH_CHECK(m % 2 == 0, "feature_map '", o.kind,

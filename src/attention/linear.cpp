@@ -97,6 +97,7 @@ LinearOptions linear_options(const Params& p, const AttentionDims& dims) {
   o.map.softmax_temp = p.get_optional_float("softmax_temp");
   o.map.orthogonal = p.get_bool("orthogonal");
   o.map.smoothing = p.get_float("smoothing");
+  o.map.kernel_fn = p.get_string("kernel_fn");
   o.map.seed = static_cast<uint64_t>(p.get_int("seed"));
   o.map.redraw = p.get_int("redraw");
   o.eps = p.get_float("eps");
@@ -107,7 +108,8 @@ std::vector<ParamSpec> linear_params() {
   return {
       ParamSpec::choice("feature_map", "elu", feature_map_names(),
                         "phi: elu (elu+1), relu, favor (Performer FAVOR+), rff (random Fourier "
-                        "features), smoothed-rff (rff plus a constant feature)"),
+                        "features), smoothed-rff (rff plus a constant feature), generalized "
+                        "(Performer's generalized random features f(W x))"),
       ParamSpec::integer("n_features", std::nullopt,
                          "random maps: number of features m (rff: even); default query_dim", 1),
       ParamSpec::real("softmax_temp", std::nullopt,
@@ -118,6 +120,8 @@ std::vector<ParamSpec> linear_params() {
       ParamSpec::boolean("orthogonal", true, "favor / rff: orthogonal random blocks"),
       ParamSpec::real("smoothing", 1.0, "smoothed-rff: constant added to the kernel", 0.0)
           .exclusive_min(),
+      ParamSpec::choice("kernel_fn", "relu", kernel_function_names(),
+                        "generalized: the kernel function f of the random features"),
       ParamSpec::real("eps", 1e-6, "added to the normaliser phi(q)·sum phi(k)", 0.0)
           .exclusive_min(),
       ParamSpec::integer("seed", 0, "seed of the random feature map's generator", 0),
