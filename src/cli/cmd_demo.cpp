@@ -4,8 +4,10 @@
 //       float32 outputs, masks, gradients)
 //   (c) fused vs reference time and peak memory at a few lengths, and the
 //       memory the reference's L×S scores need
-//   (d) a small encoder from EncoderBuilder: forward and backward
-//   (e) where to go next
+//   (d) every registered type at one length: forward and forward+backward
+//       time, each against full attention
+//   (e) a small encoder from EncoderBuilder: forward and backward
+//   (f) where to go next
 // Every computing step runs in a forked child (see measure.h): the parent
 // never starts LibTorch's OpenMP threads, which do not survive fork.
 // A few minutes on 2 cores; `--quick` shortens (c).
@@ -114,7 +116,48 @@ nlohmann::json time_one_length(int64_t L, int64_t repeat, bool with_reference) {
   return out;
 }
 
-// (d): a 2-layer encoder on random data with padding, forward and backward.
+// (d): every registered type with its default parameters at one length
+// (causal for the causal-* types): median forward and forward+backward times.
+nlohmann::json time_every_type(int64_t L, int64_t repeat) {
+  torch::manual_seed(0);
+  const int64_t N = 1, H = 8, E = 64;
+  AttentionDims dims;
+  dims.heads = H;
+  dims.query_dim = E;
+  dims.value_dim = E;
+  const auto q = torch::randn({N, H, L, E}), k = torch::randn({N, H, L, E}),
+             v = torch::randn({N, H, L, E});
+  std::vector<std::pair<std::string, bool>> cases;  // (type, causal)
+  for (const auto& name : AttentionRegistry::global().names()) {
+    cases.emplace_back(name, name.rfind("causal-", 0) == 0);
+    if (name == "full") cases.emplace_back(name, true);  // the causal types' yardstick
+  }
+  nlohmann::json rows = nlohmann::json::array();
+  for (const auto& [name, causal] : cases) {
+    const Mask mask = Mask().with_causal(causal);
+    auto attn = make_attention(name, {}, dims);
+    auto forward = [&] {
+      torch::NoGradGuard no_grad;
+      attn->forward(q, k, v, mask);
+      attn->take_auxiliary_loss();
+    };
+    auto qg = q.clone().requires_grad_(), kg = k.clone().requires_grad_(),
+         vg = v.clone().requires_grad_();
+    auto forward_backward = [&] {
+      auto loss = attn->forward(qg, kg, vg, mask).sum();
+      auto aux = attn->take_auxiliary_loss();
+      if (aux.defined()) loss = loss + aux;
+      loss.backward();
+    };
+    rows.push_back({{"type", name},
+                    {"causal", causal},
+                    {"forward_ms", median(time_ms(forward, repeat))},
+                    {"backward_ms", median(time_ms(forward_backward, repeat))}});
+  }
+  return rows;
+}
+
+// (e): a 2-layer encoder on random data with padding, forward and backward.
 nlohmann::json encoder_step() {
   torch::manual_seed(0);
   auto encoder =
@@ -159,8 +202,9 @@ class DemoCommand : public Command {
   std::string usage() const override {
     return "Lists the attention types, checks the fused full attention against the\n"
            "plain-ATen reference, times both at a few lengths with their peak memory,\n"
-           "builds a small encoder and runs forward and backward. A few minutes on 2\n"
-           "cores. Every step runs in a forked child process.\n\n"
+           "times every attention type at one length, builds a small encoder and runs\n"
+           "forward and backward. A few minutes on 2 cores. Every step runs in a\n"
+           "forked child process.\n\n"
            "examples:\n"
            "  fastattn demo\n"
            "  fastattn demo --quick --threads 1\n";
@@ -246,7 +290,38 @@ class DemoCommand : public Command {
     }
 
     // (d)
-    std::cout << "\n(d) EncoderBuilder: 2 layers, 4 heads, d_model 128, full attention, dropout "
+    const int64_t types_L = quick ? 1024 : 4096;
+    std::cout << "\n(d) Every attention type with its default parameters, N=1 H=8 E=M=64 float32,\n"
+              << "    L = S = " << types_L << " (causal for causal-*), median of " << repeat
+              << "; x full = full attention's time\n    (same causality) / the type's\n"
+              << std::flush;
+    const auto every = run_in_child([&] { return time_every_type(types_L, repeat); });
+    if (every.is_object() && every.contains("error")) {
+      std::cout << "  failed: " << every["error"].get<std::string>() << "\n";
+      ++problems;
+    } else {
+      double full_ms[2] = {0, 0}, full_fb[2] = {0, 0};  // [causal]
+      for (const auto& r : every) {
+        if (r["type"] != "full") continue;
+        const int c = r["causal"].get<bool>() ? 1 : 0;
+        full_ms[c] = r["forward_ms"].get<double>();
+        full_fb[c] = r["backward_ms"].get<double>();
+      }
+      std::vector<std::vector<std::string>> rows;
+      for (const auto& r : every) {
+        const int c = r["causal"].get<bool>() ? 1 : 0;
+        const double f = r["forward_ms"].get<double>(), b = r["backward_ms"].get<double>();
+        const std::string label =
+            r["type"].get<std::string>() + (c && r["type"] == "full" ? " (causal)" : "");
+        rows.push_back({label, format_fixed(f, 1), format_fixed(full_ms[c] / f, 1) + "x",
+                        format_fixed(b, 1), format_fixed(full_fb[c] / b, 1) + "x"});
+      }
+      std::cout << indent(format_table({"type", "forward ms", "x full", "fwd+bwd ms", "x full"},
+                                       rows, {false, true, true, true, true}));
+    }
+
+    // (e)
+    std::cout << "\n(e) EncoderBuilder: 2 layers, 4 heads, d_model 128, full attention, dropout "
                  "0.1;\n    x (4, 256, 128) with key lengths 256, 200, 128, 64; loss = mean((y - "
                  "t)^2), t random\n"
               << std::flush;
@@ -266,8 +341,8 @@ class DemoCommand : public Command {
                 << " parameter tensors got a gradient" << (ok ? "" : "  <-- PROBLEM") << "\n";
     }
 
-    // (e)
-    std::cout << "\n(e) Next\n"
+    // (f)
+    std::cout << "\n(f) Next\n"
               << "  fastattn list                      every type, its parameters and ranges\n"
               << "  fastattn bench --help              time any type: --attention "
                  "full,full:softmax_temp=0.1\n"

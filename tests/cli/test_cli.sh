@@ -30,7 +30,7 @@ expect() {
 expect 0 "commands:.*" -- --help
 expect 0 "bench +time attention types" -- --help
 expect 2 "no command given; valid commands: .*list" --
-expect 2 "unknown command 'frobnicate'; valid commands: bench, demo, generate, list" -- frobnicate
+expect 2 "unknown command 'frobnicate'; valid commands: bench, demo, generate, list, train" -- frobnicate
 expect 2 "unknown flag '--nope'; valid flags: --json, --threads, --help" -- list --nope
 expect 2 "--threads must be an integer, got 'many'" -- --threads many list
 expect 2 "--threads must be >= 1" -- list --threads=0
