@@ -60,15 +60,6 @@ using torch::autograd::variable_list;
 
 constexpr const char* kOp = "fastattn::block_sparse_attention";
 
-double default_temp(const Tensor& q, c10::optional<double> softmax_temp) {
-  if (softmax_temp) {
-    TORCH_CHECK(std::isfinite(*softmax_temp) && *softmax_temp > 0, kOp,
-                ": softmax_temp must be a finite number > 0, got ", *softmax_temp);
-    return *softmax_temp;
-  }
-  return 1.0 / std::sqrt(static_cast<double>(q.size(3)));
-}
-
 struct Prepared {
   Tensor q, k, v, lengths;
   std::vector<kernels::SparsePart> parts;
@@ -164,8 +155,8 @@ Tensor no_grad_impl(const Tensor& q, const Tensor& k, const Tensor& v, c10::stri
                     c10::IntArrayRef params, const c10::optional<Tensor>& key_lengths, bool causal,
                     c10::optional<double> softmax_temp) {
   ops::check_qkv(kOp, q, k, v);
-  return std::get<0>(
-      call_forward(q, k, v, pattern, params, key_lengths, causal, default_temp(q, softmax_temp)));
+  return std::get<0>(call_forward(q, k, v, pattern, params, key_lengths, causal,
+                                  ops::resolve_softmax_temp(kOp, q, softmax_temp)));
 }
 
 class BlockSparseFunction : public torch::autograd::Function<BlockSparseFunction> {
@@ -176,7 +167,7 @@ class BlockSparseFunction : public torch::autograd::Function<BlockSparseFunction
                         c10::optional<double> softmax_temp) {
     at::AutoDispatchBelowADInplaceOrView guard;
     ops::check_qkv(kOp, q, k, v);
-    const double temp = default_temp(q, softmax_temp);
+    const double temp = ops::resolve_softmax_temp(kOp, q, softmax_temp);
     auto [out, lse] = call_forward(q, k, v, pattern, params, key_lengths, causal, temp);
     ctx->save_for_backward({q, k, v, out, lse});
     ctx->saved_data["pattern"] = std::string(pattern);

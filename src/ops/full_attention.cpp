@@ -17,15 +17,6 @@ using torch::autograd::variable_list;
 
 constexpr const char* kOp = "fastattn::full_attention";
 
-double default_temp(const Tensor& q, c10::optional<double> softmax_temp) {
-  if (softmax_temp) {
-    TORCH_CHECK(std::isfinite(*softmax_temp) && *softmax_temp > 0, kOp,
-                ": softmax_temp must be a finite number > 0, got ", *softmax_temp);
-    return *softmax_temp;
-  }
-  return 1.0 / std::sqrt(static_cast<double>(q.size(3)));
-}
-
 void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
                   const c10::optional<Tensor>& attn_mask,
                   const c10::optional<Tensor>& key_lengths) {
@@ -134,8 +125,8 @@ Tensor full_attention_no_grad(const Tensor& q, const Tensor& k, const Tensor& v,
                               const c10::optional<Tensor>& key_lengths, bool causal,
                               c10::optional<double> softmax_temp) {
   ops::check_qkv(kOp, q, k, v);
-  return std::get<0>(
-      call_forward(q, k, v, attn_mask, key_lengths, causal, default_temp(q, softmax_temp)));
+  return std::get<0>(call_forward(q, k, v, attn_mask, key_lengths, causal,
+                                  ops::resolve_softmax_temp(kOp, q, softmax_temp)));
 }
 
 class FullAttentionFunction : public torch::autograd::Function<FullAttentionFunction> {
@@ -146,7 +137,7 @@ class FullAttentionFunction : public torch::autograd::Function<FullAttentionFunc
                         c10::optional<double> softmax_temp) {
     at::AutoDispatchBelowADInplaceOrView guard;
     ops::check_qkv(kOp, q, k, v);
-    const double temp = default_temp(q, softmax_temp);
+    const double temp = ops::resolve_softmax_temp(kOp, q, softmax_temp);
     auto [out, lse] = call_forward(q, k, v, attn_mask, key_lengths, causal, temp);
     ctx->save_for_backward({q, k, v, out, lse});
     ctx->saved_data["attn_mask"] = attn_mask ? *attn_mask : Tensor();

@@ -40,15 +40,6 @@ using torch::autograd::variable_list;
 
 constexpr const char* kOp = "fastattn::hard_retrieval_attention";
 
-double resolve_temp(const Tensor& q, c10::optional<double> softmax_temp) {
-  if (softmax_temp) {
-    TORCH_CHECK(std::isfinite(*softmax_temp) && *softmax_temp > 0, kOp,
-                ": softmax_temp must be a finite number > 0, got ", *softmax_temp);
-    return *softmax_temp;
-  }
-  return 1.0 / std::sqrt(static_cast<double>(q.size(3)));
-}
-
 void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
                   const c10::optional<Tensor>& attn_mask,
                   const c10::optional<Tensor>& key_lengths) {
@@ -105,7 +96,7 @@ std::tuple<Tensor, Tensor, Tensor> hard_retrieval_attention_forward_cpu(
     const c10::optional<Tensor>& key_lengths, bool causal, bool sample, double softmax_temp,
     int64_t seed, bool need_lse) {
   check_inputs(q, k, v, attn_mask, key_lengths);
-  resolve_temp(q, softmax_temp);
+  ops::resolve_softmax_temp(kOp, q, softmax_temp);
   const auto p = prepare(q, k, v, attn_mask, key_lengths);
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2);
   auto out = torch::empty({N, H, L, v.size(3)}, q.options());
@@ -220,8 +211,9 @@ std::tuple<Tensor, Tensor> hard_retrieval_attention_no_grad(
     const c10::optional<Tensor>& key_lengths, bool causal, bool sample,
     c10::optional<double> softmax_temp, int64_t seed) {
   ops::check_qkv(kOp, q, k, v);
-  auto [out, index, lse] = call_forward(q, k, v, attn_mask, key_lengths, causal, sample,
-                                        resolve_temp(q, softmax_temp), seed, false);
+  auto [out, index, lse] =
+      call_forward(q, k, v, attn_mask, key_lengths, causal, sample,
+                   ops::resolve_softmax_temp(kOp, q, softmax_temp), seed, false);
   return {out, index};
 }
 
@@ -234,7 +226,7 @@ class HardRetrievalFunction : public torch::autograd::Function<HardRetrievalFunc
     ops::check_qkv(kOp, q, k, v);
     const bool need_lse = q.requires_grad() || k.requires_grad();
     at::AutoDispatchBelowADInplaceOrView guard;
-    const double temp = resolve_temp(q, softmax_temp);
+    const double temp = ops::resolve_softmax_temp(kOp, q, softmax_temp);
     auto [out, index, lse] =
         call_forward(q, k, v, attn_mask, key_lengths, causal, sample, temp, seed, need_lse);
     ctx->save_for_backward({q, k, v, index, lse});

@@ -1,6 +1,8 @@
 // Shared input checks of the operators (see op_util.h).
 #include "ops/op_util.h"
 
+#include <cmath>
+
 namespace fastattn::ops {
 
 void check_qkv(const char* op, const torch::Tensor& q, const torch::Tensor& k,
@@ -28,6 +30,16 @@ void check_qkv(const char* op, const torch::Tensor& q, const torch::Tensor& k,
   TORCH_CHECK(k.device() == q.device() && v.device() == q.device(), op,
               ": q, k and v must be on one device, got ", q.device(), ", ", k.device(), ", ",
               v.device());
+}
+
+double resolve_softmax_temp(const char* op, const torch::Tensor& q,
+                            c10::optional<double> softmax_temp) {
+  if (softmax_temp) {
+    TORCH_CHECK(std::isfinite(*softmax_temp) && *softmax_temp > 0, op,
+                ": softmax_temp must be a finite number > 0, got ", *softmax_temp);
+    return *softmax_temp;
+  }
+  return 1.0 / std::sqrt(static_cast<double>(q.size(3)));
 }
 
 torch::Tensor additive_mask(const torch::Tensor& attn_mask, torch::ScalarType dtype) {

@@ -24,6 +24,11 @@ namespace ops {
 void check_qkv(const char* op, const torch::Tensor& q, const torch::Tensor& k,
                const torch::Tensor& v);
 
+// The score scale of an op: softmax_temp when given (checked finite and > 0,
+// the message naming `op`), otherwise 1/sqrt(E) for q (N, H, L, E).
+double resolve_softmax_temp(const char* op, const torch::Tensor& q,
+                            c10::optional<double> softmax_temp);
+
 // A bool mask (true = keep) as 0 / -inf of `dtype`; a floating mask cast.
 torch::Tensor additive_mask(const torch::Tensor& attn_mask, torch::ScalarType dtype);
 

@@ -76,15 +76,6 @@ Tensor lsh_hash_cpu(const Tensor& x, const Tensor& rotations) {
   return buckets;
 }
 
-double default_temp(const Tensor& q, c10::optional<double> softmax_temp) {
-  if (softmax_temp) {
-    TORCH_CHECK(std::isfinite(*softmax_temp) && *softmax_temp > 0, kOp,
-                ": softmax_temp must be a finite number > 0, got ", *softmax_temp);
-    return *softmax_temp;
-  }
-  return 1.0 / std::sqrt(static_cast<double>(q.size(3)));
-}
-
 // Checks q, v, buckets, key_lengths and chunk_size; returns the bucket bound
 // (max bucket + 1) for the counting sort.
 int64_t check_inputs(const Tensor& q, const Tensor& v, const Tensor& buckets,
@@ -221,7 +212,7 @@ Tensor reformer_attention_no_grad(const Tensor& q, const Tensor& v, const Tensor
   TORCH_CHECK(q.defined() && q.dim() == 4, kOp, ": q must have shape (N, H, L, E), got ",
               q.defined() ? q.sizes() : c10::IntArrayRef{});
   return std::get<0>(call_forward(q, v, buckets, key_lengths, chunk_size, causal, mask_self,
-                                  default_temp(q, softmax_temp)));
+                                  ops::resolve_softmax_temp(kOp, q, softmax_temp)));
 }
 
 class ReformerFunction : public torch::autograd::Function<ReformerFunction> {
@@ -233,7 +224,7 @@ class ReformerFunction : public torch::autograd::Function<ReformerFunction> {
     at::AutoDispatchBelowADInplaceOrView guard;
     TORCH_CHECK(q.defined() && q.dim() == 4, kOp, ": q must have shape (N, H, L, E), got ",
                 q.defined() ? q.sizes() : c10::IntArrayRef{});
-    const double temp = default_temp(q, softmax_temp);
+    const double temp = ops::resolve_softmax_temp(kOp, q, softmax_temp);
     auto [out, stats] =
         call_forward(q, v, buckets, key_lengths, chunk_size, causal, mask_self, temp);
     ctx->save_for_backward({q, v, buckets, out, stats});
