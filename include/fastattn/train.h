@@ -25,6 +25,8 @@
 #include <vector>
 
 #include "fastattn/mask.h"
+#include "fastattn/recurrent_transformer.h"
+#include "fastattn/safetensors.h"
 #include "fastattn/transformer.h"
 
 namespace fastattn::train {
@@ -146,7 +148,20 @@ class Seq2SeqImpl : public torch::nn::Module {
   torch::Tensor decode(const torch::Tensor& target_in, const torch::Tensor& memory,
                        const torch::Tensor& source_lengths);
 
+  // ---- token-by-token decoding (inference) ----
+  // Whether the decoder's self-attention type has a step form
+  // (recurrent_attention_names(): full, causal-linear, hard-retrieval).
+  bool has_step_decoder() const;
+  // The decoder's recurrent twin holding the current weights, in eval mode
+  // (an error when has_step_decoder() is false).
+  RecurrentDecoder make_step_decoder() const;
+  // Token embedding plus position `position` of tokens (N,) -> (N, D).
+  torch::Tensor embed_step(const torch::Tensor& tokens, int64_t position);
+  // Decoder output (N, D) -> logits (N, vocab).
+  torch::Tensor logits(const torch::Tensor& decoder_output) { return head_(decoder_output); }
+
  private:
+  DecoderBuilder decoder_builder_;
   int64_t d_model_;
   torch::nn::Embedding embedding_{nullptr};
   TransformerEncoder encoder_{nullptr};
@@ -237,10 +252,14 @@ class TransductionTask : public Task {
   torch::Tensor loss(torch::nn::Module& model, const Batch& batch) const override;
   nlohmann::json evaluate(torch::nn::Module& model,
                           const std::vector<Batch>& batches) const override;
-  // Greedy decoding (re-runs the decoder over the prefix each step):
-  // (N, max_steps) tokens, 0 after each row's end token.
+  // Greedy decoding: (N, max_steps) tokens, 0 after each row's end token.
+  // "step": token by token through the decoder's recurrent twin (cached
+  // self-attention state, memory prepared once; O(T) decoder work);
+  // "rerun": the batch decoder over the whole prefix at every step (O(T²));
+  // "auto": step when the self-attention type has a step form, else rerun.
   torch::Tensor greedy_decode(Seq2SeqImpl& model, const torch::Tensor& source,
-                              const torch::Tensor& source_lengths, int64_t max_steps) const;
+                              const torch::Tensor& source_lengths, int64_t max_steps,
+                              const std::string& method = "auto") const;
   const TransductionTaskOptions& options() const { return options_; }
 
  private:
@@ -291,6 +310,8 @@ class Trainer {
   torch::nn::Module& model() { return *model_; }
   torch::optim::Optimizer& optimizer() { return *optimizer_; }
   int64_t step() const { return step_; }
+  // The fixed evaluation batches (drawn from the seed at construction).
+  const std::vector<Batch>& eval_set() const { return eval_set_; }
 
   // One optimiser step (forward, task + auxiliary loss, backward, clip, step).
   StepRecord train_step();
@@ -312,6 +333,14 @@ class Trainer {
   void load_checkpoint(const std::string& dir);
   // The config stored in a checkpoint (verifies the file).
   static TrainConfig checkpoint_config(const std::string& dir);
+  // Loads only the model weights of the checkpoint in `dir` (verified), to
+  // evaluate them under another model config (other attention types: the
+  // clustered paper's cross-evaluation, train soft / decode hard). Every
+  // parameter of this model must be in the checkpoint with its shape; a
+  // buffer it lacks keeps its own value (e.g. the random projections of a
+  // feature map the weights were not trained with). Returns the names that
+  // did not match (missing buffers, checkpoint tensors this model has not).
+  LoadStateReport load_weights(const std::string& dir);
 
  private:
   void swap_rng_in();

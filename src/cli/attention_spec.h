@@ -7,7 +7,9 @@
 // type or parameter is a UsageError naming it and listing what is valid.
 #pragma once
 
+#include <nlohmann/json.hpp>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "cli/command.h"
@@ -77,6 +79,16 @@ inline AttentionSpec parse_attention_spec(const std::string& text) {
   }
   registry_call([&] { return reg.validate(spec.type, spec.params); });
   return spec;
+}
+
+// The builder JSON of a spec: {"type": TYPE, PARAM: VALUE, ...}.
+inline nlohmann::json attention_json(const std::string& text) {
+  const auto spec = parse_attention_spec(text);
+  nlohmann::json j = {{"type", spec.type}};
+  for (const auto& [name, value] : spec.params) {
+    std::visit([&, n = name](const auto& v) { j[n] = v; }, value);
+  }
+  return j;
 }
 
 }  // namespace fastattn::cli

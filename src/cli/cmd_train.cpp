@@ -22,15 +22,6 @@ namespace {
 volatile std::sig_atomic_t g_interrupted = 0;
 void on_signal(int) { g_interrupted = 1; }
 
-nlohmann::json attention_json(const std::string& text) {
-  const auto spec = parse_attention_spec(text);
-  nlohmann::json j = {{"type", spec.type}};
-  for (const auto& [name, value] : spec.params) {
-    std::visit([&, n = name](const auto& v) { j[n] = v; }, value);
-  }
-  return j;
-}
-
 std::string duration_text(double seconds) {
   if (!(seconds >= 0) || seconds > 1e7) return "?";
   const int64_t s = static_cast<int64_t>(seconds + 0.5);

@@ -83,8 +83,9 @@ Seq2SeqImpl::Seq2SeqImpl(int64_t vocab, const nlohmann::json& config) {
   check_keys("Seq2Seq config", config, {"encoder", "decoder"});
   const auto enc = config.value("encoder", nlohmann::json::object());
   const auto dec = config.value("decoder", nlohmann::json::object());
+  decoder_builder_ = DecoderBuilder::from_json(dec);
   encoder_ = register_module("encoder", EncoderBuilder::from_json(enc).build());
-  decoder_ = register_module("decoder", DecoderBuilder::from_json(dec).build());
+  decoder_ = register_module("decoder", decoder_builder_.build());
   d_model_ = encoder_->layers().front()->options().d_model();
   const int64_t dd = decoder_->layers().front()->options().d_model();
   TORCH_CHECK(dd == d_model_, "Seq2Seq: the decoder's d_model (", dd,
@@ -105,6 +106,26 @@ torch::Tensor Seq2SeqImpl::decode(const torch::Tensor& target_in,  // (N, T)
   auto y = decoder_(embed(embedding_, target_in, d_model_), memory, Mask(),
                     Mask().with_key_lengths(source_lengths));
   return head_(y);  // (N, T, vocab)
+}
+
+bool Seq2SeqImpl::has_step_decoder() const {
+  const auto& names = recurrent_attention_names();
+  return std::find(names.begin(), names.end(), decoder_builder_.self_attention_spec().type) !=
+         names.end();
+}
+
+RecurrentDecoder Seq2SeqImpl::make_step_decoder() const {
+  TORCH_CHECK(has_step_decoder(), "Seq2Seq: the decoder's self-attention '",
+              decoder_builder_.self_attention_spec().type, "' has no step form");
+  auto twin = make_recurrent_decoder(decoder_builder_);
+  copy_parameters(*twin, *decoder_);
+  twin->eval();
+  return twin;
+}
+
+torch::Tensor Seq2SeqImpl::embed_step(const torch::Tensor& tokens, int64_t position) {
+  auto x = embedding_(tokens);  // (N, D)
+  return x + sinusoidal_positions(position + 1, d_model_, x.scalar_type())[position];
 }
 
 // ---- masked copy ----------------------------------------------------------------------
@@ -259,20 +280,36 @@ torch::Tensor TransductionTask::loss(torch::nn::Module& model, const Batch& b) c
 
 torch::Tensor TransductionTask::greedy_decode(Seq2SeqImpl& model, const torch::Tensor& source,
                                               const torch::Tensor& source_lengths,
-                                              int64_t max_steps) const {
+                                              int64_t max_steps, const std::string& method) const {
+  TORCH_CHECK(method == "auto" || method == "step" || method == "rerun",
+              "greedy_decode: method must be one of auto, step, rerun, got '", method, "'");
+  const bool step = method == "step" || (method == "auto" && model.has_step_decoder());
   const int64_t B = source.size(0);
   auto memory = model.encode(source, source_lengths);
-  auto prefix = torch::full({B, 1}, kBegin, torch::kLong);
   auto done = torch::zeros({B}, torch::kBool);
+  auto next = torch::full({B}, kBegin, torch::kLong);
   std::vector<torch::Tensor> out;
-  for (int64_t t = 0; t < max_steps; ++t) {
-    auto logits = model.decode(prefix, memory, source_lengths);  // (B, t+1, V)
-    auto next = logits.select(1, t).argmax(-1);                  // (B,)
-    next = next.masked_fill(done, kPad);
-    out.push_back(next);
-    done = done | (next == kEnd);
-    if (done.all().item<bool>()) break;
-    prefix = torch::cat({prefix, next.unsqueeze(1)}, 1);
+  if (step) {
+    auto decoder = model.make_step_decoder();
+    auto state = decoder->prepare(memory, Mask().with_key_lengths(source_lengths));
+    for (int64_t t = 0; t < max_steps; ++t) {
+      auto [y, s] = decoder->step(model.embed_step(next, t), state);
+      state = std::move(s);
+      next = model.logits(y).argmax(-1).masked_fill(done, kPad);  // (B,)
+      out.push_back(next);
+      done = done | (next == kEnd);
+      if (done.all().item<bool>()) break;
+    }
+  } else {
+    auto prefix = next.unsqueeze(1);  // (B, 1)
+    for (int64_t t = 0; t < max_steps; ++t) {
+      auto logits = model.decode(prefix, memory, source_lengths);  // (B, t+1, V)
+      next = logits.select(1, t).argmax(-1).masked_fill(done, kPad);
+      out.push_back(next);
+      done = done | (next == kEnd);
+      if (done.all().item<bool>()) break;
+      prefix = torch::cat({prefix, next.unsqueeze(1)}, 1);
+    }
   }
   auto tokens = torch::stack(out, 1);  // (B, steps)
   if (tokens.size(1) < max_steps) {

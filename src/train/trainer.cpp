@@ -390,4 +390,21 @@ void Trainer::load_checkpoint(const std::string& dir) {
   step_ = std::stoll(file.metadata.at("step"));
 }
 
+LoadStateReport Trainer::load_weights(const std::string& dir) {
+  const auto file = read_checkpoint(dir);
+  std::map<std::string, torch::Tensor> model;
+  for (const auto& [name, t] : file.tensors) {
+    if (name.rfind("model.", 0) == 0) model[name.substr(6)] = t;
+  }
+  std::string missing;
+  for (const auto& p : model_->named_parameters()) {
+    if (!model.count(p.key())) missing += (missing.empty() ? "" : ", ") + p.key();
+  }
+  TORCH_CHECK(missing.empty(), "checkpoint in '", dir,
+              "' lacks parameters this model needs (was it trained with another size or an "
+              "attention type without learned parameters?): ",
+              missing);
+  return load_state(*model_, model, /*strict=*/false);
+}
+
 }  // namespace fastattn::train

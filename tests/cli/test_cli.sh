@@ -30,7 +30,7 @@ expect() {
 expect 0 "commands:.*" -- --help
 expect 0 "bench +time attention types" -- --help
 expect 2 "no command given; valid commands: .*list" --
-expect 2 "unknown command 'frobnicate'; valid commands: bench, demo, generate, list, train" -- frobnicate
+expect 2 "unknown command 'frobnicate'; valid commands: bench, demo, eval, generate, list, train" -- frobnicate
 expect 2 "unknown flag '--nope'; valid flags: --json, --threads, --help" -- list --nope
 expect 2 "--threads must be an integer, got 'many'" -- --threads many list
 expect 2 "--threads must be >= 1" -- list --threads=0
@@ -130,6 +130,25 @@ expect 1 "checkpoint.safetensors.*truncated" -- train --checkpoint "$tmp/b" --re
 expect 0 "step 4: exact_match" -- --threads 1 train --task transduction --mode sort --vocab 4 \
   --min-length 2 --max-length 5 --layers 1 --heads 2 --d-model 16 --steps 4 --batch 4 \
   --eval-every 2 --eval-batches 1 --attention full --cross-attention full:softmax_temp=0.5
+
+# ---- eval ------------------------------------------------------------------------
+expect 0 "usage: fastattn eval" -- eval --help
+expect 2 "--checkpoint DIR is required" -- eval
+expect 0 "step 4: exact_match" -- --threads 1 train --task transduction --vocab 4 \
+  --min-length 2 --max-length 5 --layers 1 --heads 2 --d-model 16 --steps 4 --batch 4 \
+  --eval-every 4 --eval-batches 1 --checkpoint "$tmp/t"
+expect 0 "decode \(step, batch 4\)" -- --threads 1 eval --checkpoint "$tmp/t" \
+  --decoder-attention hard-retrieval --cross-attention hard-retrieval --json "$tmp/t.json"
+if grep -q '"ms_per_step"' "$tmp/t.json" && grep -q '"exact_match"' "$tmp/t.json"; then
+  echo "ok: eval --json"
+else
+  echo "FAIL: eval --json"; cat "$tmp/t.json"; failures=$((failures + 1))
+fi
+expect 0 "decode \(rerun, batch 4\)" -- --threads 1 eval --checkpoint "$tmp/t" --decode rerun
+expect 1 "lacks parameters" -- --threads 1 eval --checkpoint "$tmp/t" --attention clusterformer
+expect 2 "--cross-attention applies to transduction" -- --threads 1 eval --checkpoint "$tmp/a" \
+  --cross-attention full
+expect 0 "accuracy" -- --threads 1 eval --checkpoint "$tmp/a" --attention exact-topk:topk=4
 
 echo "$failures failure(s)"
 [ "$failures" -eq 0 ]
