@@ -134,7 +134,9 @@ class RecurrentFullAttention : public RecurrentAttentionBase {
 class RecurrentHardRetrievalAttention : public RecurrentAttentionBase {
  public:
   RecurrentHardRetrievalAttention() = default;
-  // state: empty or {K (N, H, t, E), V (N, H, t, M)}; the new state has t + 1 rows.
+  // state: empty or the cache of RecurrentFullAttention ({K (N, H, t, E),
+  // V (N, H, t, M)}, optionally with the buffers a step returns); the new
+  // state has t + 1 rows, appended in amortised O(1) as for full.
   std::pair<torch::Tensor, RecurrentState> step(const torch::Tensor& query,
                                                 const torch::Tensor& key,
                                                 const torch::Tensor& value,

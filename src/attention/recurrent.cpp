@@ -127,13 +127,12 @@ RecurrentState grow_cache(const Tensor& K, const Tensor& V, int64_t t) {
   return RecurrentState{{kb.narrow(2, 0, t), vb.narrow(2, 0, t), kb, vb, filled}};
 }
 
-}  // namespace
-
-std::pair<Tensor, RecurrentState> RecurrentFullAttention::step(const Tensor& query,  // (N, H, E)
-                                                               const Tensor& key,    // (N, H, E)
-                                                               const Tensor& value,  // (N, H, M)
-                                                               const RecurrentState& state) {
-  constexpr const char* type = "recurrent full";
+// Appends (key, value) to a key/value cache state (empty, {K, V}, or the
+// {K, V, K buffer, V buffer, filled} a step returns): in place where the
+// buffer has room and no other state has written row t yet, else into grown
+// buffers. Returns the new 5-tensor state; its K and V views hold t + 1 rows.
+RecurrentState append_to_cache(const char* type, const Tensor& query, const Tensor& key,
+                               const Tensor& value, const RecurrentState& state) {
   check_step_inputs(type, query, key, value);
   const int64_t N = query.size(0), H = query.size(1), E = query.size(2), M = value.size(2);
   RecurrentState cache;  // {K, V, K buffer, V buffer, filled} with room for row t
@@ -173,8 +172,18 @@ std::pair<Tensor, RecurrentState> RecurrentFullAttention::step(const Tensor& que
   kb.select(2, t).copy_(key);
   vb.select(2, t).copy_(value);
   cache.tensors[4].fill_(t + 1);
-  auto K = kb.narrow(2, 0, t + 1);  // (N, H, t + 1, E), a view
-  auto V = vb.narrow(2, 0, t + 1);  // (N, H, t + 1, M), a view
+  return RecurrentState{{kb.narrow(2, 0, t + 1), vb.narrow(2, 0, t + 1), kb, vb, cache.tensors[4]}};
+}
+
+}  // namespace
+
+std::pair<Tensor, RecurrentState> RecurrentFullAttention::step(const Tensor& query,  // (N, H, E)
+                                                               const Tensor& key,    // (N, H, E)
+                                                               const Tensor& value,  // (N, H, M)
+                                                               const RecurrentState& state) {
+  auto next = append_to_cache("recurrent full", query, key, value, state);
+  const auto &K = next.tensors[0], &V = next.tensors[1];  // (N, H, t + 1, E|M), views
+  const int64_t E = query.size(2);
   // The newest query sees every cached key: softmax(temp·q·K^T) V as two
   // matrix-vector products on the strided views (the fused operator would
   // first copy the views into contiguous, packed panels: O(t) extra traffic
@@ -183,7 +192,7 @@ std::pair<Tensor, RecurrentState> RecurrentFullAttention::step(const Tensor& que
   auto scores = torch::matmul(K, query.unsqueeze(-1)).squeeze(-1);  // (N, H, t + 1)
   auto p = torch::softmax(scores * temp, -1);                       // (N, H, t + 1)
   auto out = torch::matmul(p.unsqueeze(2), V).squeeze(2);           // (N, H, M)
-  return {out, RecurrentState{{K, V, kb, vb, cache.tensors[4]}}};
+  return {out, std::move(next)};
 }
 
 // ---- hard-retrieval -------------------------------------------------------------
@@ -193,27 +202,15 @@ std::pair<Tensor, RecurrentState> RecurrentHardRetrievalAttention::step(
     const Tensor& key,    // (N, H, E)
     const Tensor& value,  // (N, H, M)
     const RecurrentState& state) {
-  constexpr const char* type = "recurrent hard-retrieval";
-  check_step_inputs(type, query, key, value);
-  const int64_t N = query.size(0), H = query.size(1), E = query.size(2), M = value.size(2);
-  Tensor K, V;
-  if (state.empty()) {
-    K = key.unsqueeze(2);    // (N, H, 1, E)
-    V = value.unsqueeze(2);  // (N, H, 1, M)
-  } else {
-    TORCH_CHECK(state.tensors.size() == 2, type,
-                ": state must be empty or hold {K (N, H, t, E), V (N, H, t, M)}, got ",
-                state.tensors.size(), " tensors");
-    const auto& K0 = state.tensors[0];
-    const int64_t t = K0.defined() && K0.dim() == 4 ? K0.size(2) : -1;
-    check_state_tensor(type, "K", K0, {N, H, t, E}, query);
-    check_state_tensor(type, "V", state.tensors[1], {N, H, t, M}, query);
-    K = torch::cat({K0, key.unsqueeze(2)}, 2);                  // (N, H, t + 1, E)
-    V = torch::cat({state.tensors[1], value.unsqueeze(2)}, 2);  // (N, H, t + 1, M)
-  }
-  // The newest query sees every cached key: no mask; argmax, never a sample.
-  auto out = std::get<0>(hard_retrieval_attention(query.unsqueeze(2), K, V));  // (N, H, 1, M)
-  return {out.squeeze(2), RecurrentState{{K, V}}};
+  auto next = append_to_cache("recurrent hard-retrieval", query, key, value, state);
+  const auto &K = next.tensors[0], &V = next.tensors[1];  // (N, H, t + 1, E|M), views
+  // The newest query sees every cached key: no mask; the argmax of the raw
+  // scores (first of equal maxima, as the operator), never a sample. A
+  // matrix-vector product on the strided view, then a gather of one value
+  // row per head: no value is read but the retrieved ones, nothing copied.
+  auto idx = torch::matmul(K, query.unsqueeze(-1)).argmax(2, /*keepdim=*/true);  // (N, H, 1, 1)
+  auto out = V.gather(2, idx.expand({-1, -1, 1, V.size(3)}));                    // (N, H, 1, M)
+  return {out.squeeze(2), std::move(next)};
 }
 
 Tensor RecurrentHardRetrievalAttention::retrieve(const Tensor& query,   // (N, H, E)
