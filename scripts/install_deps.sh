@@ -7,6 +7,7 @@ packages=(
   build-essential cmake make git
   libtorch-dev          # LibTorch 1.13 (CPU); set Torch_DIR for a LibTorch 2.x instead
   libopenblas0-openmp   # optimised BLAS for LibTorch (the OpenMP build; pthread fights OpenMP)
+  libgloo-dev           # Gloo headers for c10d data-parallel training (the code is in libtorch_cpu)
   libgtest-dev          # unit tests
   libbenchmark-dev      # micro-benchmarks
   nlohmann-json3-dev    # JSON configs and bench output

@@ -268,6 +268,8 @@ class TransductionTask : public Task {
 
 // ---- trainer ------------------------------------------------------------------------
 
+class DataParallel;  // fastattn/distributed.h
+
 struct TrainConfig {
   nlohmann::json task = {{"name", "copy"}};
   nlohmann::json model = nlohmann::json::object();  // builder JSON (see the task)
@@ -301,9 +303,19 @@ struct StepRecord {
 // from a fixed set and a generator seeded per evaluation; the global
 // generator's state is swapped in around each step and swapped out after, so
 // several trainers in one process do not disturb each other.
+//
+// With a DataParallel (fastattn/distributed.h, docs/distributed.md) the
+// trainer is one rank of W: batch_size is per rank, every rank draws the same
+// batch of W·batch_size from the data generator and keeps its slice, so W
+// ranks see exactly the batch one process with batch W·batch_size sees;
+// rank 0's parameters are broadcast at start; gradients are averaged over the
+// ranks before clipping; ranks r > 0 draw dropout from streams of their own;
+// only rank 0 writes checkpoints (with every rank's generator state and the
+// world size, which a resume must match). Every rank must call run(),
+// save_checkpoint() and load_checkpoint() together.
 class Trainer {
  public:
-  explicit Trainer(TrainConfig config);
+  explicit Trainer(TrainConfig config, std::shared_ptr<DataParallel> data_parallel = nullptr);
 
   const TrainConfig& config() const { return config_; }
   const Task& task() const { return *task_; }
@@ -355,6 +367,7 @@ class Trainer {
   torch::Tensor saved_global_state_;
   std::vector<Batch> eval_set_;
   int64_t step_ = 0;
+  std::shared_ptr<DataParallel> dp_;  // null: one process
 };
 
 // Name of the checkpoint file in a checkpoint directory.

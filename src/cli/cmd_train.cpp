@@ -14,6 +14,8 @@
 
 #include "cli/attention_spec.h"
 #include "cli/command.h"
+#include "cli/dist_launch.h"
+#include "fastattn/distributed.h"
 #include "fastattn/train.h"
 
 namespace fastattn::cli {
@@ -51,6 +53,12 @@ std::string metrics_text(const nlohmann::json& m) {
   return out;
 }
 
+// Output of ranks other than 0 goes nowhere.
+std::ostream& null_stream() {
+  static std::ostream sink(nullptr);
+  return sink;
+}
+
 class TrainCommand : public Command {
  public:
   std::string name() const override { return "train"; }
@@ -80,7 +88,12 @@ class TrainCommand : public Command {
            "  fastattn train --task copy --attention improved-clustered:clusters=15 \\\n"
            "      --checkpoint runs/ic --metrics runs/ic/metrics.jsonl\n"
            "  fastattn train --checkpoint runs/ic --resume --steps 4000\n"
-           "  fastattn train --task transduction --mode sort --min-length 20 --max-length 60\n";
+           "  fastattn train --task transduction --mode sort --min-length 20 --max-length 60\n"
+           "\n"
+           "Data parallel (docs/distributed.md): --nproc N starts N local processes; or start\n"
+           "one process per rank with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set (as\n"
+           "torchrun does). --batch is per process; rank 0 alone writes checkpoints and logs.\n"
+           "  fastattn train --task copy --nproc 2 --batch 16 --checkpoint runs/dp\n";
   }
   std::vector<FlagSpec> flags() const override {
     return {
@@ -120,10 +133,20 @@ class TrainCommand : public Command {
         FlagSpec::boolean("resume", "continue from the checkpoint in --checkpoint DIR"),
         FlagSpec::value("metrics", "FILE", "append JSON lines: step records and evaluations"),
         FlagSpec::value("log-every", "N", "log / metrics line every N steps", "10"),
+        FlagSpec::value("nproc", "N", "data parallel: start N local worker processes"),
+        FlagSpec::value("dist-timeout", "S",
+                        "data parallel: seconds before a missing or dead rank is an error", "60"),
+        FlagSpec::value("dist-bucket-mb", "M", "data parallel: gradient all-reduce bucket (MiB)",
+                        "4"),
+        FlagSpec::boolean("dist-no-overlap",
+                          "data parallel: all-reduce after backward instead of during it"),
     };
   }
 
   int run(const Args& args) override {
+    if (args.has("nproc") && args.get_int("nproc", 1) != 1) {
+      return launch_local_workers(args.get_int("nproc", 1));
+    }
     const bool resume = args.get_bool("resume");
     const std::string dir = args.get("checkpoint");
     if (resume && dir.empty()) throw UsageError("--resume needs --checkpoint DIR");
@@ -242,24 +265,36 @@ class TrainCommand : public Command {
                        "'");
     }
 
+    // Data parallel when started with WORLD_SIZE > 1 (by --nproc or torchrun).
+    train::DistOptions dist;
+    dist.timeout_s = args.get_double("dist-timeout", 60);
+    dist.bucket_mb = args.get_double("dist-bucket-mb", 4);
+    dist.overlap = !args.get_bool("dist-no-overlap");
+    if (!(dist.timeout_s > 0)) throw UsageError("--dist-timeout must be > 0");
+    if (!(dist.bucket_mb > 0)) throw UsageError("--dist-bucket-mb must be > 0");
+    const auto dp = train::DataParallel::from_env(dist);
+    const bool lead = !dp || dp->rank() == 0;  // only rank 0 logs and writes
+
     // A bad setting (a size, a task parameter) is a usage error naming it.
-    auto trainer = registry_call([&] { return std::make_unique<train::Trainer>(c); });
+    auto trainer = registry_call([&] { return std::make_unique<train::Trainer>(c, dp); });
     if (resume) trainer->load_checkpoint(dir);
 
     std::ofstream metrics;
-    if (args.has("metrics")) {
+    if (lead && args.has("metrics")) {
       metrics.open(args.get("metrics"), std::ios::app);
       if (!metrics)
         throw std::runtime_error("cannot open --metrics file '" + args.get("metrics") + "'");
     }
     int64_t params = 0;
     for (const auto& p : trainer->model().parameters()) params += p.numel();
-    const bool tty = ::isatty(STDERR_FILENO) == 1;
-    std::cerr << "train: task " << trainer->task().config().dump() << ", " << params
-              << " parameters, " << c.steps << " steps of " << c.batch_size << ", "
-              << c.optimizer.name << " lr " << c.optimizer.lr << ", " << args.get("threads")
-              << " threads"
-              << (resume ? ", resumed at step " + std::to_string(trainer->step()) : "") << "\n";
+    const bool tty = lead && ::isatty(STDERR_FILENO) == 1;
+    std::ostream& log = lead ? std::cerr : null_stream();
+    log << "train: task " << trainer->task().config().dump() << ", " << params << " parameters, "
+        << c.steps << " steps of "
+        << (dp ? std::to_string(dp->world_size()) + " processes x " : std::string()) << c.batch_size
+        << ", " << c.optimizer.name << " lr " << c.optimizer.lr << ", " << args.get("threads")
+        << " threads" << (resume ? ", resumed at step " + std::to_string(trainer->step()) : "")
+        << "\n";
     if (metrics) {
       metrics << nlohmann::json{{"event", "start"},
                                 {"step", trainer->step()},
@@ -292,10 +327,10 @@ class TrainCommand : public Command {
         if (r.eval) rec["eval"] = *r.eval;
         if (metrics) metrics << rec.dump() << "\n" << std::flush;
         if (!tty) {
-          std::cerr << "step " << r.step << "/" << c.steps << " loss " << fmt(loss_sum / loss_n)
-                    << " lr " << fmt(r.lr, "%.3g") << " " << fmt(rate, "%.1f") << " steps/s";
-          if (r.eval) std::cerr << " | eval " << metrics_text(*r.eval);
-          std::cerr << "\n";
+          log << "step " << r.step << "/" << c.steps << " loss " << fmt(loss_sum / loss_n) << " lr "
+              << fmt(r.lr, "%.3g") << " " << fmt(rate, "%.1f") << " steps/s";
+          if (r.eval) log << " | eval " << metrics_text(*r.eval);
+          log << "\n";
         }
         loss_sum = 0;
         loss_n = 0;
@@ -317,16 +352,17 @@ class TrainCommand : public Command {
     if (bar_open) std::cerr << "\n";
     std::signal(SIGINT, SIG_DFL);
     std::signal(SIGTERM, SIG_DFL);
-    if (g_interrupted) {
-      std::cerr << "train: interrupted at step " << trainer->step()
-                << (dir.empty() ? " (no --checkpoint: nothing saved)"
-                                : "; checkpoint saved in " + dir + " (continue with --resume)")
-                << "\n";
+    if (g_interrupted || (dp && trainer->step() < c.steps)) {
+      log << "train: interrupted at step " << trainer->step()
+          << (dir.empty() ? " (no --checkpoint: nothing saved)"
+                          : "; checkpoint saved in " + dir + " (continue with --resume)")
+          << "\n";
       return 130;
     }
     const auto final_eval = trainer->evaluate();
     nlohmann::json result = {{"event", "end"}, {"step", trainer->step()}, {"eval", final_eval}};
     if (metrics) metrics << result.dump() << "\n" << std::flush;
+    if (!lead) return 0;
     std::cout << "step " << trainer->step() << ": " << metrics_text(final_eval) << "\n";
     if (!dir.empty()) std::cout << "checkpoint: " << dir << "/" << train::kCheckpointFile << "\n";
     return 0;

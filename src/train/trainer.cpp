@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "fastattn/attention.h"
+#include "fastattn/distributed.h"
 #include "fastattn/safetensors.h"
 #include "fastattn/train.h"
 
@@ -238,7 +239,8 @@ class GlobalRngScope {
 
 }  // namespace
 
-Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
+Trainer::Trainer(TrainConfig config, std::shared_ptr<DataParallel> data_parallel)
+    : config_(std::move(config)), dp_(std::move(data_parallel)) {
   const auto& c = config_;
   TORCH_CHECK(c.steps >= 0, "train: steps must be >= 0, got ", c.steps);
   TORCH_CHECK(c.batch_size >= 1, "train: batch_size must be >= 1, got ", c.batch_size);
@@ -259,9 +261,23 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
     model_ = task_->make_model(c.model);
   }
   optimizer_ = make_optimizer(c.optimizer, model_->parameters());
+  const int64_t world = dp_ ? dp_->world_size() : 1;
+  if (dp_) {
+    dp_->broadcast_module(*model_);
+    dp_->attach(*model_);
+    // Rank 0 goes on with the single-process stream; other ranks draw dropout
+    // from streams of their own (docs/distributed.md).
+    if (dp_->rank() > 0) {
+      global_rng_state_ =
+          seeded_generator(stream_seed(c.seed, 1000 + static_cast<uint64_t>(dp_->rank())))
+              .get_state();
+    }
+  }
+  // Evaluation batches of the global batch size: W ranks evaluate the set
+  // one process with batch W·batch_size evaluates.
   auto eval_gen = seeded_generator(stream_seed(c.seed, 2));
   for (int64_t i = 0; i < c.eval_batches; ++i) {
-    eval_set_.push_back(task_->sample(c.batch_size, eval_gen));
+    eval_set_.push_back(task_->sample(c.batch_size * world, eval_gen));
   }
 }
 
@@ -271,17 +287,26 @@ StepRecord Trainer::train_step() {
   StepRecord r;
   r.lr = scheduled_lr(config_.schedule, config_.optimizer.lr, step_, config_.steps);
   for (auto& group : optimizer_->param_groups()) group.options().set_lr(r.lr);
-  auto batch = task_->sample(config_.batch_size, data_gen_);
+  // Data parallel: every rank draws the global batch, keeps its rows.
+  auto batch = task_->sample(config_.batch_size * (dp_ ? dp_->world_size() : 1), data_gen_);
+  if (dp_) batch = dp_->shard(batch);
   optimizer_->zero_grad();
   auto loss = task_->loss(*model_, batch);
   auto aux = take_auxiliary_losses(*model_);
   auto total = aux.defined() ? loss + aux : loss;
   r.loss = loss.item<double>();
   r.aux_loss = aux.defined() ? aux.item<double>() : 0.0;
+  if (dp_) {  // the mean over ranks, so every rank takes the same decision below
+    auto m = dp_->allreduce_mean(torch::tensor({r.loss, r.aux_loss}, torch::kFloat64));
+    r.loss = m[0].item<double>();
+    r.aux_loss = m[1].item<double>();
+  }
   TORCH_CHECK(std::isfinite(r.loss) && std::isfinite(r.aux_loss), "train: the loss is ", r.loss,
               " (auxiliary ", r.aux_loss, ") at step ", step_ + 1,
               "; lower the learning rate or set --clip");
+  if (dp_) dp_->begin_backward();
   total.backward();
+  if (dp_) dp_->finish_backward();  // averaged gradients: clipping sees the global norm
   r.grad_norm = torch::nn::utils::clip_grad_norm_(
       model_->parameters(),
       config_.clip > 0 ? config_.clip : std::numeric_limits<double>::infinity());
@@ -307,7 +332,9 @@ void Trainer::run(const std::string& checkpoint_dir,
                   const std::function<void(const StepRecord&)>& on_step,
                   const std::function<bool()>& stop) {
   while (step_ < config_.steps) {
-    if (stop && stop()) break;
+    bool halt = stop && stop();
+    if (dp_) halt = dp_->any(halt);  // every rank stops at the same step
+    if (halt) break;
     auto r = train_step();
     if (config_.eval_every > 0 && (step_ % config_.eval_every == 0 || step_ == config_.steps)) {
       r.eval = evaluate();
@@ -323,6 +350,10 @@ void Trainer::run(const std::string& checkpoint_dir,
 
 void Trainer::save_checkpoint(const std::string& dir) {
   TORCH_CHECK(!dir.empty(), "checkpoint: directory must not be empty");
+  // Data parallel: every rank hands its generator state to rank 0, which writes.
+  std::vector<torch::Tensor> rank_rng;
+  if (dp_) rank_rng = dp_->allgather(global_rng_state_);
+  if (dp_ && dp_->rank() != 0) return;
   make_dir(dir);
   std::map<std::string, torch::Tensor> tensors;
   const auto weights = state_tensors(*model_);
@@ -332,7 +363,11 @@ void Trainer::save_checkpoint(const std::string& dir) {
   }
   tensors["rng.global"] = global_rng_state_;
   tensors["rng.data"] = data_gen_.get_state();
+  for (size_t r = 1; r < rank_rng.size(); ++r) {
+    tensors["rng.global.rank" + std::to_string(r)] = rank_rng[r];
+  }
   std::map<std::string, std::string> meta = {
+      {"world_size", std::to_string(dp_ ? dp_->world_size() : 1)},
       {"format", kFormat},
       {"version", kVersion},
       {"step", std::to_string(step_)},
@@ -381,11 +416,19 @@ void Trainer::load_checkpoint(const std::string& dir) {
     if (name.rfind("model.", 0) == 0) model[name.substr(6)] = t;
     if (name.rfind("optimizer.", 0) == 0) optim[name] = t;
   }
-  TORCH_CHECK(file.tensors.count("rng.global") && file.tensors.count("rng.data"), "checkpoint in '",
-              dir, "' is incomplete: no generator states");
+  const int64_t world = dp_ ? dp_->world_size() : 1, rank = dp_ ? dp_->rank() : 0;
+  const auto ws = file.metadata.find("world_size");
+  const std::string stored_world = ws == file.metadata.end() ? "1" : ws->second;
+  TORCH_CHECK(stored_world == std::to_string(world), "checkpoint in '", dir, "' was made by ",
+              stored_world, " process(es) and this run has ", world,
+              ": resume with the same number of processes (--nproc / WORLD_SIZE), since the "
+              "batch per process, the data slices and the dropout streams depend on it");
+  const std::string rng_key = rank == 0 ? "rng.global" : "rng.global.rank" + std::to_string(rank);
+  TORCH_CHECK(file.tensors.count(rng_key) && file.tensors.count("rng.data"), "checkpoint in '", dir,
+              "' is incomplete: no generator states ('", rng_key, "', 'rng.data')");
   load_state(*model_, model, /*strict=*/true);
   load_optimizer_state_tensors(*optimizer_, optim, "optimizer.");
-  global_rng_state_ = file.tensors.at("rng.global").clone();
+  global_rng_state_ = file.tensors.at(rng_key).clone();
   data_gen_.set_state(file.tensors.at("rng.data"));
   step_ = std::stoll(file.metadata.at("step"));
 }
