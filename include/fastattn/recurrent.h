@@ -225,6 +225,19 @@ class RecurrentCrossFullAttention : public RecurrentCrossAttentionBase {
   std::optional<double> softmax_temp_;
 };
 
+// hard-retrieval over a memory: memory state {K, V[, key_lengths]}; each
+// head of a step returns the value row of its argmax raw score q·k over the
+// kept keys (zeros when none is kept), as the batch type in eval mode. A step
+// is one matrix-vector product and a gather: no softmax, no value read but
+// the retrieved ones. Steps never sample (they are for inference).
+class RecurrentCrossHardRetrievalAttention : public RecurrentCrossAttentionBase {
+ public:
+  RecurrentState prepare(const torch::Tensor& keys, const torch::Tensor& values,
+                         const std::optional<torch::Tensor>& key_lengths) override;
+  torch::Tensor step(const torch::Tensor& query, const RecurrentState& memory) override;
+  std::string type_name() const override { return "hard-retrieval"; }
+};
+
 // Any batch attention type over a memory: caches K and V and calls the batch
 // type with one query. The batch module's parameters, buffers and submodules
 // are registered under their own names (no extra prefix), so a wrapper
@@ -244,9 +257,9 @@ class RecurrentCrossGenericAttention : public RecurrentCrossAttentionBase {
 };
 
 // Builds the cross-attention step form of any registered type (including
-// conditional-full:<type>) from the batch type's parameters: "linear" and
-// "full" get their dedicated forms, every other type the generic one. Causal
-// types (causal-linear, causal-*) cannot attend to a memory: an error says so.
+// conditional-full:<type>) from the batch type's parameters: "linear",
+// "full" and "hard-retrieval" get their dedicated forms, every other type the
+// generic one. Causal types (causal-linear, causal-*) cannot attend to a memory: an error says so.
 RecurrentCrossAttentionPtr make_recurrent_cross_attention(const std::string& name,
                                                           const ParamMap& params = {},
                                                           const AttentionDims& dims = {});

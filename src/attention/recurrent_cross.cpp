@@ -7,6 +7,7 @@
 // Tested by tests/cpp/test_recurrent_decoder.cpp (each step against the batch
 // type's row for that query).
 #include <cmath>
+#include <limits>
 
 #include "fastattn/feature_maps.h"
 #include "fastattn/ops.h"
@@ -161,6 +162,39 @@ Tensor RecurrentCrossFullAttention::step(const Tensor& query,  // (N, H, E)
       .squeeze(2);  // (N, H, M)
 }
 
+// ---- hard-retrieval ---------------------------------------------------------
+
+RecurrentState RecurrentCrossHardRetrievalAttention::prepare(
+    const Tensor& keys,    // (N, H, S, E)
+    const Tensor& values,  // (N, H, S, M)
+    const std::optional<Tensor>& key_lengths) {
+  check_memory("recurrent cross hard-retrieval", keys, values, key_lengths);
+  return cache_memory(keys.contiguous(), values.contiguous(), key_lengths);
+}
+
+Tensor RecurrentCrossHardRetrievalAttention::step(const Tensor& query,  // (N, H, E)
+                                                  const RecurrentState& memory) {
+  constexpr const char* type = "recurrent cross hard-retrieval";
+  check_cached(type, memory);
+  const auto &K = memory.tensors[0], &V = memory.tensors[1];
+  check_query(type, query, K);
+  // Raw scores, padding never retrieved, the first of equal maxima (as the
+  // operator); then one value row per head, nothing else read.
+  auto scores = torch::matmul(K, query.unsqueeze(-1));  // (N, H, S, 1)
+  std::optional<Tensor> empty;
+  if (memory.tensors.size() == 3) {
+    const auto& lengths = memory.tensors[2];  // (N,)
+    auto pad = torch::arange(K.size(2), lengths.options()).view({1, 1, -1, 1}) >=
+               lengths.view({-1, 1, 1, 1});
+    scores.masked_fill_(pad, -std::numeric_limits<double>::infinity());
+    empty = (lengths == 0).view({-1, 1, 1});
+  }
+  auto idx = scores.argmax(2, /*keepdim=*/true);                          // (N, H, 1, 1)
+  auto out = V.gather(2, idx.expand({-1, -1, 1, V.size(3)})).squeeze(2);  // (N, H, M)
+  // A memory of no kept keys retrieves nothing: zeros, as the operator.
+  return empty ? out.masked_fill(*empty, 0) : out;
+}
+
 // ---- generic ----------------------------------------------------------------
 
 RecurrentCrossGenericAttention::RecurrentCrossGenericAttention(AttentionPtr attention)
@@ -216,6 +250,10 @@ RecurrentCrossAttentionPtr make_recurrent_cross_attention(const std::string& nam
   if (name == "full") {
     const auto p = AttentionRegistry::global().validate(name, params);
     return std::make_shared<RecurrentCrossFullAttention>(p.get_optional_float("softmax_temp"));
+  }
+  if (name == "hard-retrieval") {
+    AttentionRegistry::global().validate(name, params);  // same specs; steps take the argmax
+    return std::make_shared<RecurrentCrossHardRetrievalAttention>();
   }
   return std::make_shared<RecurrentCrossGenericAttention>(make_attention(name, params, dims));
 }

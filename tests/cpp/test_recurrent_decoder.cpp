@@ -40,6 +40,7 @@ std::vector<CrossCase> cross_cases() {
       {"full", "full", {}},
       {"full_temp", "full", {{"softmax_temp", 0.4}}},
       {"exact_topk", "exact-topk", {{"topk", int64_t{3}}}},
+      {"hard_retrieval", "hard-retrieval", {}},
       {"clustered",
        "clustered",
        {{"clusters", int64_t{2}}, {"bits", int64_t{16}}, {"seed", int64_t{1}}},
@@ -85,6 +86,23 @@ TEST_P(RecurrentCrossCases, EveryStepEqualsTheBatchRow) {
 
 INSTANTIATE_TEST_SUITE_P(Types, RecurrentCrossCases, ::testing::ValuesIn(cross_cases()),
                          [](const auto& info) { return info.param.label; });
+
+// A memory without kept keys retrieves nothing (zeros, as the batch type).
+TEST(RecurrentCross, HardRetrievalOverAnEmptyMemoryGivesZeros) {
+  const int64_t N = 2, H = 2, S = 5, E = 3, M = 4;
+  torch::manual_seed(8);
+  const auto q = torch::randn({N, H, 1, E}), k = torch::randn({N, H, S, E}),
+             v = torch::randn({N, H, S, M});
+  const auto lengths = torch::tensor({int64_t{0}, int64_t{2}});
+  auto batch = make_attention("hard-retrieval", {}, {H, E, M});
+  batch->eval();
+  const auto expected = batch->forward(q, k, v, Mask().with_key_lengths(lengths)).squeeze(2);
+  auto rec = make_recurrent_cross_attention("hard-retrieval", {}, {H, E, M});
+  const auto out = rec->step(q.squeeze(2), rec->prepare(k, v, lengths));
+  EXPECT_TRUE(torch::equal(out, expected));
+  EXPECT_TRUE(torch::equal(out[0], torch::zeros({H, M})));
+  EXPECT_FALSE(torch::equal(out[1], torch::zeros({H, M})));
+}
 
 TEST(RecurrentCross, LinearStateShapesAndMemoryNotModified) {
   const int64_t N = 2, H = 3, S = 9, E = 4, M = 6;
