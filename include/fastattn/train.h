@@ -176,6 +176,11 @@ class Task {
   // Metrics over evaluation batches (model in eval mode, no grad).
   virtual nlohmann::json evaluate(torch::nn::Module& model,
                                   const std::vector<Batch>& batches) const = 0;
+  // The fixed evaluation set of a run: by default `count` batches of
+  // `batch_size` drawn with sample(). Tasks with held-out data override it
+  // (digits: the whole test split; charlm: windows of the validation split).
+  virtual std::vector<Batch> evaluation_batches(int64_t batch_size, int64_t count,
+                                                at::Generator& gen) const;
 };
 
 // {"name": "copy", ...} or {"name": "transduction", ...}; unknown names or
@@ -261,6 +266,12 @@ struct TrainConfig {
   int64_t eval_batches = 4;      // of batch_size sequences, fixed for the run
   int64_t checkpoint_every = 0;  // 0 = only at the end of run()
   int64_t seed = 0;
+  // Stop run() once the training time (seconds spent in train_step, summed
+  // over resumed runs) reaches this; 0 = no limit. `steps` still caps the run
+  // and sets the schedule's length. Checkpoints store the training time only
+  // when a budget is set (it varies from run to run; without a budget a
+  // resumed run's checkpoint stays byte-identical to an uninterrupted one's).
+  double time_budget = 0.0;
 
   nlohmann::json to_json() const;
   // Missing keys keep their defaults; unknown keys are errors.
@@ -291,12 +302,16 @@ class Trainer {
   torch::nn::Module& model() { return *model_; }
   torch::optim::Optimizer& optimizer() { return *optimizer_; }
   int64_t step() const { return step_; }
+  // Seconds spent in train_step so far, including runs before a resume
+  // when the checkpoint was written with a time budget.
+  double train_seconds() const { return train_seconds_; }
 
   // One optimiser step (forward, task + auxiliary loss, backward, clip, step).
   StepRecord train_step();
   // Metrics on the fixed evaluation set.
   nlohmann::json evaluate();
-  // Steps until config().steps (or `stop()` returns true), evaluating every
+  // Steps until config().steps (or the time budget is spent, or `stop()`
+  // returns true), evaluating every
   // eval_every steps and checkpointing into `checkpoint_dir` (if not empty)
   // every checkpoint_every steps and at the end.
   void run(const std::string& checkpoint_dir = "",
@@ -326,6 +341,7 @@ class Trainer {
   torch::Tensor saved_global_state_;
   std::vector<Batch> eval_set_;
   int64_t step_ = 0;
+  double train_seconds_ = 0.0;
 };
 
 // Name of the checkpoint file in a checkpoint directory.
