@@ -137,8 +137,10 @@ TEST(DigitsLoader, RejectsCorruptFilesWithClearErrors) {
 
   std::string row;
   for (int i = 0; i < 64; ++i) row += std::to_string(i % 17) + ",";
-  write_gzip(p, row + "3\n" + row + "\n");  // line 2: 64 columns
+  write_gzip(p, row + "3\n" + row.substr(0, row.size() - 1) + "\n");  // line 2: 64 columns
   EXPECT_ERROR_CONTAINS(load_digits(p), "line 2", "expected 65 columns", "got 64");
+  write_gzip(p, row + "\n");  // an empty 65th field
+  EXPECT_ERROR_CONTAINS(load_digits(p), "line 1 column 65", "expected an integer, got ''");
 
   write_gzip(p, row + "3,4\n");
   EXPECT_ERROR_CONTAINS(load_digits(p), "line 1", "more than 65 columns");
