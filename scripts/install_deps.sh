@@ -11,6 +11,8 @@ packages=(
   libgtest-dev          # unit tests
   libbenchmark-dev      # micro-benchmarks
   nlohmann-json3-dev    # JSON configs and bench output
+  zlib1g-dev            # reads the digits data set (gzip CSV)
+  fortunes              # text corpus of the charlm task (/usr/share/games/fortunes, 2.6 MB)
   python3-torch         # Python access (same build as libtorch-dev)
   python3-pytest        # Python tests
 )
@@ -22,12 +24,32 @@ for p in "${packages[@]}"; do
   fi
 done
 
-if [ ${#missing[@]} -eq 0 ]; then
-  exit 0
-fi
-
-echo "fastattn: installing Debian packages: ${missing[*]}"
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
-$SUDO apt-get update -qq
-DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+updated=0
+
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "fastattn: installing Debian packages: ${missing[*]}"
+  $SUDO apt-get update -qq
+  updated=1
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# The digits task's data: scikit-learn's digits.csv.gz (1,797 8x8 images),
+# shipped by Debian's python3-sklearn. Installing that package pulls scipy and
+# more (~100 MB), so unless it is installed we download its .deb (2 MB) and
+# extract only this file to $digits_dir (one of the places the task looks:
+# src/train/lm_tasks.cpp, digits_search_path()).
+sklearn_digits=/usr/lib/python3/dist-packages/sklearn/datasets/data/digits.csv.gz
+digits_dir=/usr/local/share/fastattn/data
+if [ ! -f "$sklearn_digits" ] && [ ! -f "$digits_dir/digits.csv.gz" ]; then
+  echo "fastattn: extracting digits.csv.gz from Debian's python3-sklearn into $digits_dir"
+  [ "$updated" -eq 1 ] || $SUDO apt-get update -qq
+  tmp="$(mktemp -d)"
+  chmod 777 "$tmp"  # apt downloads as the _apt user
+  (cd "$tmp" && apt-get download python3-sklearn >/dev/null)
+  dpkg-deb -x "$tmp"/python3-sklearn_*.deb "$tmp/x"
+  $SUDO mkdir -p "$digits_dir"
+  $SUDO cp "$tmp/x$sklearn_digits" "$digits_dir/digits.csv.gz"
+  rm -rf "$tmp"
+fi

@@ -191,6 +191,11 @@ class Task {
   // Metrics over evaluation batches (model in eval mode, no grad).
   virtual nlohmann::json evaluate(torch::nn::Module& model,
                                   const std::vector<Batch>& batches) const = 0;
+  // The fixed evaluation set of a run: by default `count` batches of
+  // `batch_size` drawn with sample(). Tasks with held-out data override it
+  // (digits: the whole test split; charlm: windows of the validation split).
+  virtual std::vector<Batch> evaluation_batches(int64_t batch_size, int64_t count,
+                                                at::Generator& gen) const;
 };
 
 // {"name": "copy", ...} or {"name": "transduction", ...}; unknown names or
@@ -282,6 +287,12 @@ struct TrainConfig {
   int64_t eval_batches = 4;      // of batch_size sequences, fixed for the run
   int64_t checkpoint_every = 0;  // 0 = only at the end of run()
   int64_t seed = 0;
+  // Stop run() once the training time (seconds spent in train_step, summed
+  // over resumed runs) reaches this; 0 = no limit. `steps` still caps the run
+  // and sets the schedule's length. Checkpoints store the training time only
+  // when a budget is set (it varies from run to run; without a budget a
+  // resumed run's checkpoint stays byte-identical to an uninterrupted one's).
+  double time_budget = 0.0;
 
   nlohmann::json to_json() const;
   // Missing keys keep their defaults; unknown keys are errors.
@@ -324,12 +335,16 @@ class Trainer {
   int64_t step() const { return step_; }
   // The fixed evaluation batches (drawn from the seed at construction).
   const std::vector<Batch>& eval_set() const { return eval_set_; }
+  // Seconds spent in train_step so far, including runs before a resume
+  // when the checkpoint was written with a time budget.
+  double train_seconds() const { return train_seconds_; }
 
   // One optimiser step (forward, task + auxiliary loss, backward, clip, step).
   StepRecord train_step();
   // Metrics on the fixed evaluation set.
   nlohmann::json evaluate();
-  // Steps until config().steps (or `stop()` returns true), evaluating every
+  // Steps until config().steps (or the time budget is spent, or `stop()`
+  // returns true), evaluating every
   // eval_every steps and checkpointing into `checkpoint_dir` (if not empty)
   // every checkpoint_every steps and at the end.
   void run(const std::string& checkpoint_dir = "",
@@ -368,6 +383,7 @@ class Trainer {
   std::vector<Batch> eval_set_;
   int64_t step_ = 0;
   std::shared_ptr<DataParallel> dp_;  // null: one process
+  double train_seconds_ = 0.0;
 };
 
 // Name of the checkpoint file in a checkpoint directory.

@@ -1,8 +1,9 @@
 // `fastattn generate`: autoregressive generation with a decoder-only language
 // model (fastattn::CausalLanguageModel, randomly initialised) in its recurrent
-// form, and with --bench the time per token at given positions for the
-// attention type against a baseline (default: causal-linear against full
-// attention with a key/value cache).
+// form; with --checkpoint DIR from a model trained by `fastattn train` on the
+// digits or charlm task (lm_tasks.h: images as ASCII / PGM, or text); with --bench the time per
+// token at given positions for the attention type against a baseline (default: causal-linear
+// against full attention with a key/value cache).
 //
 //   fastattn generate --prefix 1,2,3 --max-new-tokens 20 --temperature 0.8 --top-k 40
 //   fastattn generate --bench --positions 1024,4096,16384,65536
@@ -32,6 +33,7 @@
 #include "cli/command.h"
 #include "cli/measure.h"
 #include "fastattn/generation.h"
+#include "fastattn/lm_tasks.h"
 #include "fastattn/recurrent.h"
 
 namespace fastattn::cli {
@@ -174,7 +176,16 @@ class GenerateCommand : public Command {
            "examples:\n"
            "  fastattn generate --prefix 1,2,3 --max-new-tokens 20 --greedy\n"
            "  fastattn generate --attention full --temperature 0.8 --top-k 40 --seed 3\n"
-           "  fastattn generate --bench --positions 1024,4096,16384,65536 --json gen.json\n";
+           "  fastattn generate --bench --positions 1024,4096,16384,65536 --json gen.json\n\n"
+           "--checkpoint DIR: loads DIR/model.safetensors written by `fastattn train` for\n"
+           "--task digits or charlm and samples from it in the recurrent form (the batch\n"
+           "model re-run over the prefix for types without one, or with --batch-form).\n"
+           "digits: --samples images (default 16), printed as ASCII, --pgm FILE writes them\n"
+           "as a PGM picture, --label D picks the digit of a conditional model; charlm:\n"
+           "--prompt TEXT continued by --max-new-tokens bytes, --samples times (default 1).\n"
+           "Prints the samples per second; --json FILE writes it with the settings.\n"
+           "  fastattn generate --checkpoint runs/digits --samples 8 --pgm digits.pgm\n"
+           "  fastattn generate --checkpoint runs/charlm --prompt 'The ' --max-new-tokens 200\n";
   }
   std::vector<FlagSpec> flags() const override {
     return {
@@ -200,11 +211,22 @@ class GenerateCommand : public Command {
         FlagSpec::value("positions", "LIST", "--bench: positions t, comma-separated",
                         "1024,4096,16384,65536"),
         FlagSpec::value("steps", "N", "--bench: timed steps per case (median reported)", "16"),
-        FlagSpec::value("json", "FILE", "--bench: also write the records as a JSON array"),
+        FlagSpec::value("json", "FILE", "--bench, --checkpoint: also write the results as JSON"),
+        FlagSpec::value("checkpoint", "DIR", "sample from a model trained on digits or charlm"),
+        FlagSpec::value("samples", "N", "--checkpoint: images (16) or texts (1) to sample"),
+        FlagSpec::value("prompt", "TEXT", "--checkpoint, charlm: text to continue", "\\n"),
+        FlagSpec::value("label", "D", "--checkpoint, conditional digits: the digit to draw"),
+        FlagSpec::value("pgm", "FILE", "--checkpoint, digits: write the images as a PGM picture"),
+        FlagSpec::boolean("batch-form",
+                          "--checkpoint: re-run the batch model per token, not the recurrent form"),
     };
   }
 
   int run(const Args& args) override {
+    if (args.has("checkpoint")) return run_checkpoint(args);
+    for (const char* f : {"samples", "prompt", "label", "pgm", "batch-form"}) {
+      if (args.has(f)) throw UsageError(std::string("--") + f + " needs --checkpoint DIR");
+    }
     ModelConfig m;
     m.layers = args.get_int("layers", 1);
     m.d_model = args.get_int("d-model", 512);
@@ -236,6 +258,106 @@ class GenerateCommand : public Command {
   }
 
  private:
+  int run_checkpoint(const Args& args) {
+    for (const char* f :
+         {"attention", "layers", "d-model", "heads", "d-ff", "vocab", "dtype", "prefix", "top-k",
+          "stop-token", "bench", "baseline", "positions", "steps"}) {
+      if (args.has(f)) {
+        throw UsageError(std::string("--") + f +
+                         " does not apply to --checkpoint (the model comes from the checkpoint)");
+      }
+    }
+    auto trained = train::load_trained_model(args.get("checkpoint"));
+    const std::string task = trained.task->name();
+    if (task != "digits" && task != "charlm") {
+      throw UsageError("--checkpoint: the model was trained on --task " + task +
+                       "; generate samples from digits and charlm models only");
+    }
+    train::SampleOptions o;
+    o.count = args.get_int("samples", task == "digits" ? 16 : 1);
+    if (o.count < 1) throw UsageError("--samples must be >= 1, got " + std::to_string(o.count));
+    o.greedy = args.get_bool("greedy");
+    o.temperature = args.get_double("temperature", 1.0);
+    if (!(o.temperature > 0) || !std::isfinite(o.temperature)) {
+      throw UsageError("--temperature must be a finite number > 0, got " + args.get("temperature"));
+    }
+    o.seed = static_cast<uint64_t>(args.get_int("seed", 0));
+    o.recurrent = !args.get_bool("batch-form");
+    const auto attention = trained.config.model.value("attention", nlohmann::json("full"));
+    nlohmann::json rec = {{"checkpoint", args.get("checkpoint")},
+                          {"task", trained.task->config()},
+                          {"model", trained.config.model},
+                          {"step", trained.step},
+                          {"samples", o.count},
+                          {"threads", at::get_num_threads()}};
+    std::string what;
+    if (task == "digits") {
+      for (const char* f : {"prompt", "max-new-tokens"}) {
+        if (args.has(f)) throw UsageError(std::string("--") + f + " applies to charlm models");
+      }
+      if (args.has("label")) o.label = args.get_int("label", 0);
+      const auto r = registry_call([&] { return train::sample_digits(trained, o); });
+      // ASCII, up to 8 images side by side.
+      for (int64_t first = 0; first < o.count; first += 8) {
+        std::vector<std::vector<std::string>> lines;
+        const int64_t last = std::min<int64_t>(o.count, first + 8);
+        for (int64_t i = first; i < last; ++i) {
+          lines.push_back(split(train::digit_ascii(r.tokens[i]), '\n'));
+        }
+        for (int y = 0; y < 8; ++y) {
+          std::string row;
+          for (const auto& l : lines) row += l[static_cast<size_t>(y)] + "  ";
+          std::cout << row << "\n";
+        }
+        std::cout << "\n";
+      }
+      if (r.labels.defined()) {
+        std::cout << "labels: " << join_tokens(r.labels) << "\n";
+        rec["labels"] = std::vector<int64_t>(r.labels.data_ptr<int64_t>(),
+                                             r.labels.data_ptr<int64_t>() + r.labels.numel());
+      }
+      if (args.has("pgm")) {
+        std::ofstream f(args.get("pgm"), std::ios::binary);
+        if (!f) throw std::runtime_error("cannot write --pgm file '" + args.get("pgm") + "'");
+        f << train::digits_pgm(r.tokens);
+        std::cout << "wrote " << args.get("pgm") << "\n";
+      }
+      rec["seconds"] = r.seconds;
+      rec["images_per_second"] = static_cast<double>(o.count) / std::max(r.seconds, 1e-12);
+      rec["recurrent"] = r.recurrent;
+      what = "images";
+    } else {
+      if (args.has("label")) throw UsageError("--label applies to digits models");
+      const int64_t n = args.get_int("max-new-tokens", 32);
+      if (n < 0) throw UsageError("--max-new-tokens must be >= 0, got " + std::to_string(n));
+      const std::string prompt = args.get("prompt", "\n");
+      const auto r = registry_call([&] { return train::sample_text(trained, prompt, n, o); });
+      const auto& lm = dynamic_cast<const train::CharLMTask&>(*trained.task);
+      for (int64_t i = 0; i < o.count; ++i) {
+        std::cout << (o.count > 1 ? "---- sample " + std::to_string(i + 1) + "\n" : "")
+                  << lm.decode(r.tokens[i]) << "\n";
+      }
+      rec["seconds"] = r.seconds;
+      rec["new_tokens"] = n;
+      rec["tokens_per_second"] = static_cast<double>(o.count * n) / std::max(r.seconds, 1e-12);
+      rec["recurrent"] = r.recurrent;
+      what = "sequences";
+    }
+    std::cout << "generate: " << o.count << " " << what << " in " << format_fixed(r_seconds(rec), 3)
+              << " s ("
+              << format_fixed(static_cast<double>(o.count) / std::max(r_seconds(rec), 1e-12), 2)
+              << " " << what << "/s), " << attention.dump() << ", "
+              << (rec["recurrent"].get<bool>() ? "recurrent form" : "batch model re-run per token")
+              << ", step " << trained.step << "\n";
+    if (args.has("json")) {
+      std::ofstream f(args.get("json"));
+      if (!f) throw std::runtime_error("cannot write --json file '" + args.get("json") + "'");
+      f << rec.dump(2) << "\n";
+    }
+    return 0;
+  }
+  static double r_seconds(const nlohmann::json& rec) { return rec["seconds"].get<double>(); }
+
   static AttentionSpec parse_recurrent_spec(const std::string& text, const std::string& flag) {
     auto spec = parse_attention_spec(text);
     registry_call([&] {

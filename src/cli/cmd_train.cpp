@@ -1,6 +1,7 @@
-// `fastattn train`: trains a model on a synthetic task (masked copy or
-// sequence transduction) with the Trainer (include/fastattn/train.h):
-// checkpoints, exact resume, JSON-lines metrics, a progress bar on a terminal.
+// `fastattn train`: trains a model on a built-in task (masked copy, sequence
+// transduction, digits generation, character-level language modelling) with
+// the Trainer (include/fastattn/train.h, lm_tasks.h): checkpoints, exact
+// resume, a time budget, JSON-lines metrics, a progress bar on a terminal.
 //   fastattn train --task copy --attention improved-clustered:clusters=15 --steps 2000
 #include <unistd.h>
 
@@ -16,6 +17,7 @@
 #include "cli/command.h"
 #include "cli/dist_launch.h"
 #include "fastattn/distributed.h"
+#include "fastattn/lm_tasks.h"
 #include "fastattn/train.h"
 
 namespace fastattn::cli {
@@ -63,7 +65,8 @@ class TrainCommand : public Command {
  public:
   std::string name() const override { return "train"; }
   std::string help() const override {
-    return "train a model on a synthetic task (masked copy, reverse/sort), with checkpoints";
+    return "train a model on a built-in task (copy, reverse/sort, digits, charlm), with "
+           "checkpoints";
   }
   std::string usage() const override {
     return "Trains a transformer on a synthetic task and reports evaluation metrics.\n\n"
@@ -74,7 +77,16 @@ class TrainCommand : public Command {
            "                symbols. Metric: accuracy on the masked positions.\n"
            "  transduction  encoder-decoder: the output is the reverse (--mode reverse) or\n"
            "                the sorted copy (--mode sort) of a sequence of --min-length to\n"
-           "                --max-length symbols. Metric: exact match under greedy decoding.\n\n"
+           "                --max-length symbols. Metric: exact match under greedy decoding.\n"
+           "  digits        decoder-only: the 8x8 digits of scikit-learn (Debian's\n"
+           "                python3-sklearn; scripts/install_deps.sh extracts the file), pixel\n"
+           "                by pixel over 17 grey levels; --conditional makes the label the\n"
+           "                first token. Metric: bits per dimension on the last 297 images.\n"
+           "  charlm        decoder-only: bytes of a text corpus (--data, default the\n"
+           "                `fortunes` package), random windows of --length. Metric: bits per\n"
+           "                character on the held-out split (every 10th 10 kB block).\n"
+           "  (decoder-only tasks need a causal attention type: full, causal-linear,\n"
+           "  causal-improved-clustered, ...; sample with `fastattn generate --checkpoint`.)\n\n"
            "The model comes from the size flags, or from --config FILE: builder JSON\n"
            "(docs/training.md; for transduction {\"encoder\": {...}, \"decoder\": {...}}).\n"
            "Attention specs are TYPE[:PARAM=VALUE...] as in `fastattn bench`.\n\n"
@@ -82,13 +94,21 @@ class TrainCommand : public Command {
            "and DIR/model.safetensors (weights) atomically every --checkpoint-every steps,\n"
            "at the end, and on Ctrl-C / SIGTERM. --resume continues from DIR with the\n"
            "stored config (flags may change only --steps, --eval-every, --checkpoint-every)\n"
-           "and gives the same result as an uninterrupted run with the same --threads.\n\n"
+           "and gives the same result as an uninterrupted run with the same --threads.\n"
+           "--time-budget S stops once the training time (time inside optimiser steps, not\n"
+           "evaluation or checkpoints) reaches S seconds; the time is stored in the\n"
+           "checkpoint, so a resumed run continues the same budget (a new --time-budget\n"
+           "replaces the stored one). --steps still caps the run and sets the schedule.\n"
+           "--result FILE writes the final evaluation, step and training time as JSON.\n\n"
            "examples:\n"
            "  fastattn train --task copy --length 32 --steps 2000 --eval-every 200\n"
            "  fastattn train --task copy --attention improved-clustered:clusters=15 \\\n"
            "      --checkpoint runs/ic --metrics runs/ic/metrics.jsonl\n"
            "  fastattn train --checkpoint runs/ic --resume --steps 4000\n"
            "  fastattn train --task transduction --mode sort --min-length 20 --max-length 60\n"
+           "  fastattn train --task digits --attention causal-linear --time-budget 600 \\\n"
+           "      --checkpoint runs/digits-linear --result runs/digits-linear/result.json\n"
+           "  fastattn train --task charlm --length 128 --attention causal-linear\n"
            "\n"
            "Data parallel (docs/distributed.md): --nproc N starts N local processes; or start\n"
            "one process per rank with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set (as\n"
@@ -97,14 +117,19 @@ class TrainCommand : public Command {
   }
   std::vector<FlagSpec> flags() const override {
     return {
-        FlagSpec::value("task", "NAME", "copy or transduction", "copy"),
-        FlagSpec::value("length", "N", "copy: symbols per half", "32"),
+        FlagSpec::value("task", "NAME", "copy, transduction, digits or charlm", "copy"),
+        FlagSpec::value("length", "N", "copy: symbols per half (32); charlm: window (256)"),
         FlagSpec::value("vocab", "V", "number of symbols", "10"),
         FlagSpec::value("mask-fraction", "F", "copy: fraction masked in each half, (0, 0.5]",
                         "0.2"),
         FlagSpec::value("mode", "M", "transduction: reverse or sort", "reverse"),
         FlagSpec::value("min-length", "N", "transduction: shortest sequence", "20"),
         FlagSpec::value("max-length", "N", "transduction: longest sequence", "60"),
+        FlagSpec::value("data", "PATH",
+                        "digits: the digits.csv.gz file (default: searched); charlm: a text "
+                        "file or directory",
+                        "/usr/share/games/fortunes"),
+        FlagSpec::boolean("conditional", "digits: the first token is the image's label"),
         FlagSpec::value("attention", "SPEC", "encoder self-attention", "full"),
         FlagSpec::value("decoder-attention", "SPEC",
                         "transduction: decoder self-attention (causal)", "full"),
@@ -140,6 +165,9 @@ class TrainCommand : public Command {
                         "4"),
         FlagSpec::boolean("dist-no-overlap",
                           "data parallel: all-reduce after backward instead of during it"),
+        FlagSpec::value("time-budget", "S",
+                        "stop after S seconds of training (summed over resumes; 0: no limit)", "0"),
+        FlagSpec::value("result", "FILE", "write the final evaluation as JSON"),
     };
   }
 
@@ -158,29 +186,41 @@ class TrainCommand : public Command {
     // ---- task
     const std::string task =
         resume && !args.has("task") ? c.task.value("name", "copy") : args.get("task", "copy");
-    if (task != "copy" && task != "transduction") {
-      throw UsageError("--task must be copy or transduction, got '" + task + "'");
+    if (task != "copy" && task != "transduction" && task != "digits" && task != "charlm") {
+      throw UsageError("--task must be copy, transduction, digits or charlm, got '" + task + "'");
     }
     nlohmann::json t =
         resume && c.task.value("name", "") == task ? c.task : nlohmann::json{{"name", task}};
     auto task_int = [&](const char* flag, const char* key, int64_t def) {
       if (given(flag)) t[key] = int_flag(flag, def);
     };
-    task_int("vocab", "vocab", 10);
-    if (task == "copy") {
+    // Flags that belong to other tasks are errors, not silently ignored.
+    const std::map<std::string, std::vector<std::string>> task_flags = {
+        {"vocab", {"copy", "transduction"}}, {"length", {"copy", "charlm"}},
+        {"mask-fraction", {"copy"}},         {"mode", {"transduction"}},
+        {"min-length", {"transduction"}},    {"max-length", {"transduction"}},
+        {"data", {"digits", "charlm"}},      {"conditional", {"digits"}}};
+    for (const auto& [flag, tasks] : task_flags) {
+      if (args.has(flag) && std::find(tasks.begin(), tasks.end(), task) == tasks.end()) {
+        std::string list;
+        for (const auto& x : tasks) list += (list.empty() ? "" : " or ") + x;
+        throw UsageError("--" + flag + " applies to --task " + list);
+      }
+    }
+    if (task == "copy" || task == "transduction") task_int("vocab", "vocab", 10);
+    if (task == "digits") {
+      if (args.has("data")) t["path"] = args.get("data");
+      if (args.has("conditional")) t["conditional"] = args.get_bool("conditional");
+    } else if (task == "charlm") {
+      task_int("length", "length", 256);
+      if (args.has("data")) t["path"] = args.get("data");
+    } else if (task == "copy") {
       task_int("length", "length", 32);
       if (given("mask-fraction")) t["mask_fraction"] = args.get_double("mask-fraction", 0.2);
-      for (const char* f : {"mode", "min-length", "max-length"}) {
-        if (args.has(f))
-          throw UsageError(std::string("--") + f + " applies to --task transduction");
-      }
     } else {
       if (given("mode")) t["mode"] = args.get("mode", "reverse");
       task_int("min-length", "min_length", 20);
       task_int("max-length", "max_length", 60);
-      for (const char* f : {"length", "mask-fraction"}) {
-        if (args.has(f)) throw UsageError(std::string("--") + f + " applies to --task copy");
-      }
     }
     c.task = t;
 
@@ -253,6 +293,7 @@ class TrainCommand : public Command {
     if (given("eval-batches")) c.eval_batches = int_flag("eval-batches", 4);
     if (given("seed")) c.seed = int_flag("seed", 0);
     if (given("checkpoint-every")) c.checkpoint_every = int_flag("checkpoint-every", 500);
+    if (given("time-budget")) c.time_budget = args.get_double("time-budget", 0);
     const int64_t log_every = int_flag("log-every", 10);
     if (log_every < 1)
       throw UsageError("--log-every must be >= 1, got " + std::to_string(log_every));
@@ -352,7 +393,10 @@ class TrainCommand : public Command {
     if (bar_open) std::cerr << "\n";
     std::signal(SIGINT, SIG_DFL);
     std::signal(SIGTERM, SIG_DFL);
-    if (g_interrupted || (dp && trainer->step() < c.steps)) {
+    // A rank stopped early by another rank's interrupt reports it too (a
+    // time budget also stops runs early: that is their end, not an interrupt).
+    const bool stopped_early = trainer->step() < c.steps && !(c.time_budget > 0);
+    if (g_interrupted || (dp && stopped_early)) {
       log << "train: interrupted at step " << trainer->step()
           << (dir.empty() ? " (no --checkpoint: nothing saved)"
                           : "; checkpoint saved in " + dir + " (continue with --resume)")
@@ -361,8 +405,20 @@ class TrainCommand : public Command {
     }
     const auto final_eval = trainer->evaluate();
     nlohmann::json result = {{"event", "end"}, {"step", trainer->step()}, {"eval", final_eval}};
+    result["train_seconds"] = trainer->train_seconds();
     if (metrics) metrics << result.dump() << "\n" << std::flush;
     if (!lead) return 0;
+    if (args.has("result")) {
+      nlohmann::json out = {{"step", trainer->step()},
+                            {"train_seconds", trainer->train_seconds()},
+                            {"eval", final_eval},
+                            {"parameters", params},
+                            {"threads", at::get_num_threads()},
+                            {"config", trainer->config().to_json()}};
+      std::ofstream f(args.get("result"));
+      if (!f) throw std::runtime_error("cannot write --result file '" + args.get("result") + "'");
+      f << out.dump(2) << "\n";
+    }
     std::cout << "step " << trainer->step() << ": " << metrics_text(final_eval) << "\n";
     if (!dir.empty()) std::cout << "checkpoint: " << dir << "/" << train::kCheckpointFile << "\n";
     return 0;

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <nlohmann/json.hpp>
 
+#include "fastattn/lm_tasks.h"
 #include "fastattn/train.h"
 
 namespace fastattn::train {
@@ -344,11 +345,20 @@ nlohmann::json TransductionTask::evaluate(torch::nn::Module& model,
           {"loss", loss_sum / toks}};
 }
 
+std::vector<Batch> Task::evaluation_batches(int64_t batch_size, int64_t count,
+                                            at::Generator& gen) const {
+  std::vector<Batch> out;
+  for (int64_t i = 0; i < count; ++i) out.push_back(sample(batch_size, gen));
+  return out;
+}
+
 // ---- factory ------------------------------------------------------------------------
 
 std::unique_ptr<Task> make_task(const nlohmann::json& j) {
   TORCH_CHECK(j.is_object() && j.contains("name") && j["name"].is_string(),
-              "task: expected {\"name\": \"copy\" | \"transduction\", ...}, got ", j.dump());
+              "task: expected {\"name\": \"copy\" | \"transduction\" | \"digits\" | "
+              "\"charlm\", ...}, got ",
+              j.dump());
   const auto name = j["name"].get<std::string>();
   if (name == "copy") {
     check_keys("copy task", j, {"name", "length", "vocab", "mask_fraction", "loss"});
@@ -368,7 +378,28 @@ std::unique_ptr<Task> make_task(const nlohmann::json& j) {
     o.max_length = get_int("transduction task", j, "max_length", o.max_length);
     return std::make_unique<TransductionTask>(o);
   }
-  TORCH_CHECK(false, "task: name must be one of copy, transduction, got '", name, "'");
+  if (name == "digits") {
+    check_keys("digits task", j, {"name", "path", "conditional", "test_size"});
+    DigitsTaskOptions o;
+    o.path = get_string("digits task", j, "path", o.path);
+    if (j.contains("conditional")) {
+      TORCH_CHECK(j["conditional"].is_boolean(),
+                  "digits task: 'conditional' must be true or false, got ",
+                  j["conditional"].dump());
+      o.conditional = j["conditional"].get<bool>();
+    }
+    o.test_size = get_int("digits task", j, "test_size", o.test_size);
+    return std::make_unique<DigitsTask>(o);
+  }
+  if (name == "charlm") {
+    check_keys("charlm task", j, {"name", "path", "length"});
+    CharLMTaskOptions o;
+    o.path = get_string("charlm task", j, "path", o.path);
+    o.length = get_int("charlm task", j, "length", o.length);
+    return std::make_unique<CharLMTask>(o);
+  }
+  TORCH_CHECK(false, "task: name must be one of copy, transduction, digits, charlm, got '", name,
+              "'");
 }
 
 }  // namespace fastattn::train

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -24,7 +25,8 @@ namespace {
 constexpr const char* kFormat = "fastattn-checkpoint";
 constexpr const char* kVersion = "1";
 // Config keys that may differ between a checkpoint and the run resuming it.
-const std::vector<std::string> kResumableKeys = {"steps", "eval_every", "checkpoint_every"};
+const std::vector<std::string> kResumableKeys = {"steps", "eval_every", "checkpoint_every",
+                                                 "time_budget"};
 
 // Seeds of the trainer's independent streams, derived from the run's seed.
 uint64_t stream_seed(int64_t seed, uint64_t stream) {
@@ -143,7 +145,8 @@ nlohmann::json TrainConfig::to_json() const {
           {"eval_every", eval_every},
           {"eval_batches", eval_batches},
           {"checkpoint_every", checkpoint_every},
-          {"seed", seed}};
+          {"seed", seed},
+          {"time_budget", time_budget}};
 }
 
 namespace {
@@ -179,7 +182,7 @@ TrainConfig TrainConfig::from_json(const nlohmann::json& j) {
   const char* who = "train config";
   check_only(who, j,
              {"task", "model", "optimizer", "schedule", "clip", "steps", "batch_size", "eval_every",
-              "eval_batches", "checkpoint_every", "seed"});
+              "eval_batches", "checkpoint_every", "seed", "time_budget"});
   TrainConfig c;
   if (j.contains("task")) c.task = j["task"];
   if (j.contains("model")) c.model = j["model"];
@@ -208,6 +211,7 @@ TrainConfig TrainConfig::from_json(const nlohmann::json& j) {
   read(who, j, "eval_batches", c.eval_batches);
   read(who, j, "checkpoint_every", c.checkpoint_every);
   read(who, j, "seed", c.seed);
+  read(who, j, "time_budget", c.time_budget);
   return c;
 }
 
@@ -251,6 +255,8 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<DataParallel> data_parallel
   TORCH_CHECK(std::isfinite(c.clip) && c.clip >= 0, "train: clip must be >= 0 (0 = off), got ",
               c.clip);
   TORCH_CHECK(c.seed >= 0, "train: seed must be >= 0, got ", c.seed);
+  TORCH_CHECK(std::isfinite(c.time_budget) && c.time_budget >= 0,
+              "train: time_budget must be >= 0 seconds (0 = no limit), got ", c.time_budget);
   scheduled_lr(c.schedule, c.optimizer.lr, 0, c.steps);  // validates the schedule
   task_ = make_task(c.task);
   config_.task = task_->config();  // defaults filled in, so checkpoints compare exactly
@@ -276,12 +282,18 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<DataParallel> data_parallel
   // Evaluation batches of the global batch size: W ranks evaluate the set
   // one process with batch W·batch_size evaluates.
   auto eval_gen = seeded_generator(stream_seed(c.seed, 2));
-  for (int64_t i = 0; i < c.eval_batches; ++i) {
-    eval_set_.push_back(task_->sample(c.batch_size * world, eval_gen));
-  }
+  eval_set_ = task_->evaluation_batches(c.batch_size * world, c.eval_batches, eval_gen);
 }
 
 StepRecord Trainer::train_step() {
+  const auto t0 = std::chrono::steady_clock::now();
+  struct AddTime {  // counts the step's time, exceptions included
+    double& total;
+    std::chrono::steady_clock::time_point t0;
+    ~AddTime() {
+      total += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+  } add_time{train_seconds_, t0};
   GlobalRngScope scope(global_rng_state_);
   model_->train();
   StepRecord r;
@@ -333,6 +345,7 @@ void Trainer::run(const std::string& checkpoint_dir,
                   const std::function<bool()>& stop) {
   while (step_ < config_.steps) {
     bool halt = stop && stop();
+    if (config_.time_budget > 0 && train_seconds_ >= config_.time_budget) halt = true;
     if (dp_) halt = dp_->any(halt);  // every rank stops at the same step
     if (halt) break;
     auto r = train_step();
@@ -376,6 +389,10 @@ void Trainer::save_checkpoint(const std::string& dir) {
       {"checksum", checksum(tensors)},
       {"threads", std::to_string(at::get_num_threads())},
   };
+  // The training time only where a time budget needs it: it differs between
+  // runs, and checkpoints of runs without a budget stay byte-identical
+  // between a resumed and an uninterrupted run.
+  if (config_.time_budget > 0) meta["train_seconds"] = std::to_string(train_seconds_);
   // The full checkpoint first, then the weights-only file: a crash between
   // the two leaves a complete checkpoint and an older model file.
   save_safetensors(dir + "/" + kCheckpointFile, tensors, meta);
@@ -431,6 +448,9 @@ void Trainer::load_checkpoint(const std::string& dir) {
   global_rng_state_ = file.tensors.at(rng_key).clone();
   data_gen_.set_state(file.tensors.at("rng.data"));
   step_ = std::stoll(file.metadata.at("step"));
+  // Checkpoints of runs without a time budget do not store the training time.
+  auto secs = file.metadata.find("train_seconds");
+  train_seconds_ = secs == file.metadata.end() ? 0.0 : std::stod(secs->second);
 }
 
 LoadStateReport Trainer::load_weights(const std::string& dir) {

@@ -95,7 +95,7 @@ fi
 
 # ---- train -----------------------------------------------------------------------
 expect 0 "usage: fastattn train" -- train --help
-expect 2 "--task must be copy or transduction, got 'nope'" -- train --task nope
+expect 2 "--task must be copy, transduction, digits or charlm, got 'nope'" -- train --task nope
 expect 2 "--resume needs --checkpoint DIR" -- train --resume
 expect 2 "--optimizer must be adam, adamw or radam" -- train --optimizer sgd --steps 1
 expect 2 "unknown attention type 'nope'" -- train --attention nope
@@ -149,6 +149,42 @@ expect 1 "lacks parameters" -- --threads 1 eval --checkpoint "$tmp/t" --attentio
 expect 2 "--cross-attention applies to transduction" -- --threads 1 eval --checkpoint "$tmp/a" \
   --cross-attention full
 expect 0 "accuracy" -- --threads 1 eval --checkpoint "$tmp/a" --attention exact-topk:topk=4
+# ---- decoder-only tasks and generation from their checkpoints ---------------------
+expect 2 "--conditional applies to --task digits" -- train --task copy --conditional
+expect 2 "--vocab applies to --task copy or transduction" -- train --task charlm --vocab 3
+expect 2 "--length applies to --task copy or charlm" -- train --task digits --length 3
+expect 2 "--samples needs --checkpoint DIR" -- generate --samples 3
+awk 'BEGIN { srand(1); for (i = 0; i < 16000; i++) printf "%s ", (rand() < 0.5 ? "the cat" : "a dog.") }' \
+  > "$tmp/corpus.txt"
+lm=(--layers 1 --heads 2 --d-model 16 --d-ff 32 --batch 4 --eval-every 0 --eval-batches 1)
+expect 0 "step 3: bits_per_char" -- --threads 1 train --task charlm --data "$tmp/corpus.txt" \
+  --length 16 "${lm[@]}" --attention causal-linear --steps 3 --checkpoint "$tmp/lm" \
+  --result "$tmp/lm.json"
+if grep -q '"bits_per_char"' "$tmp/lm.json" && grep -q '"train_seconds"' "$tmp/lm.json"; then
+  echo "ok: train --result"
+else
+  echo "FAIL: train --result"; cat "$tmp/lm.json"; failures=$((failures + 1))
+fi
+expect 0 "generate: 2 sequences in .*recurrent form" -- --threads 1 generate \
+  --checkpoint "$tmp/lm" --prompt "the cat" --max-new-tokens 10 --samples 2 --seed 3
+expect 0 "^the cat" -- --threads 1 generate --checkpoint "$tmp/lm" --prompt "the cat" \
+  --max-new-tokens 10 --greedy
+expect 2 "--label applies to digits models" -- generate --checkpoint "$tmp/lm" --label 3
+expect 2 "does not occur in the corpus" -- generate --checkpoint "$tmp/lm" --prompt "zebra"
+expect 2 "--top-k does not apply to --checkpoint" -- generate --checkpoint "$tmp/lm" --top-k 3
+expect 2 "trained on --task copy" -- generate --checkpoint "$tmp/a"
+if [ -f "${FASTATTN_DIGITS:-/nonexistent}" ] ||
+   [ -f /usr/lib/python3/dist-packages/sklearn/datasets/data/digits.csv.gz ] ||
+   [ -f /usr/local/share/fastattn/data/digits.csv.gz ]; then
+  expect 0 "step 2: bits_per_dim" -- --threads 1 train --task digits --conditional "${lm[@]}" \
+    --attention causal-linear --steps 2 --checkpoint "$tmp/dg"
+  expect 0 "generate: 3 images in .*recurrent form" -- --threads 1 generate --checkpoint "$tmp/dg" \
+    --samples 3 --label 7 --pgm "$tmp/dg.pgm"
+  if head -c 2 "$tmp/dg.pgm" | grep -q P5; then echo "ok: generate --pgm"
+  else echo "FAIL: generate --pgm"; failures=$((failures + 1)); fi
+else
+  echo "skipped: digits (no digits.csv.gz; scripts/install_deps.sh extracts it)"
+fi
 
 echo "$failures failure(s)"
 [ "$failures" -eq 0 ]
