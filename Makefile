@@ -1,7 +1,8 @@
 # fastattn — the two commands of a fresh machine:
 #   make demo   install what is missing, build, run the demo
 #   make test   install what is missing, build, run every test (C++ and Python)
-# Also: make bench, make build, make test-asan, make format, make install, make clean.
+# Also: make bench, make build, make test-asan, make format, make install, make clean,
+#       make approx (pretrained MiniLM approximated by other attention types; docs/approx.md).
 
 BUILD      ?= build
 BUILD_TYPE ?= Release
@@ -11,7 +12,7 @@ PREFIX     ?= /usr/local
 # Threads for the tests (the machine's cores by default).
 export OMP_NUM_THREADS ?= $(shell nproc)
 
-.PHONY: all deps configure build demo test bench test-asan format install check-install clean
+.PHONY: all deps configure build demo test bench approx test-asan format install check-install clean
 
 all: build
 
@@ -34,6 +35,16 @@ test: build
 
 bench: build
 	$(BUILD)/bench_full_attention
+
+# all-MiniLM-L6-v2 with full attention and with approximations, no fine-tuning
+# (docs/approx.md): fetches the model and the Debian descriptions, writes
+# $(BUILD)/approx.json and the plot $(BUILD)/approx.png.
+APPROX_PASSAGES ?= 300
+approx: build
+	bash scripts/fetch_minilm.sh
+	$(BUILD)/fastattn approx --passages $(APPROX_PASSAGES) --json $(BUILD)/approx.json
+	@/usr/bin/python3 -c 'import matplotlib' 2>/dev/null || apt-get install -y python3-matplotlib
+	/usr/bin/python3 scripts/plot_approx.py $(BUILD)/approx.json $(BUILD)/approx.png
 
 # AddressSanitizer + UndefinedBehaviorSanitizer debug build of the C++ suite.
 test-asan: deps

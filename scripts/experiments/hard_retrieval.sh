@@ -19,13 +19,13 @@
 # three models at once with one thread each (accuracy is then identical to
 # --threads 1 runs; time the decoding separately on a quiet machine with
 # --eval-only). Environment: FASTATTN (the program, default build/fastattn),
-# STEPS (default 4000).
+# STEPS (default 3000).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 bin="${FASTATTN:-build/fastattn}"
 out=runs/hard-retrieval
 threads=2
-steps="${STEPS:-4000}"
+steps="${STEPS:-3000}"
 parallel=0
 train=1
 while [ $# -gt 0 ]; do
@@ -43,7 +43,8 @@ done
 mkdir -p "$out"
 
 common=(--task transduction --mode reverse --vocab 10 --min-length 20 --max-length 60
-        --layers 2 --heads 4 --d-model 64 --dropout 0 --batch 32 --optimizer adam --lr 0.001
+        --layers 2 --heads 4 --d-model 64 --dropout 0 --batch 32 --optimizer adam --lr 0.001 --warmup 200
+        --decay cosine --min-lr-ratio 0.1 --clip 1
         --steps "$steps" --eval-every 500 --eval-batches 8 --log-every 100)
 hard=hard-retrieval
 declare -A model_flags=(

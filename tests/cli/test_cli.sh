@@ -30,7 +30,7 @@ expect() {
 expect 0 "commands:.*" -- --help
 expect 0 "bench +time attention types" -- --help
 expect 2 "no command given; valid commands: .*list" --
-expect 2 "unknown command 'frobnicate'; valid commands: bench, demo, eval, generate, list, train" -- frobnicate
+expect 2 "unknown command 'frobnicate'; valid commands: approx, bench, demo, eval, generate, list, train" -- frobnicate
 expect 2 "unknown flag '--nope'; valid flags: --json, --threads, --help" -- list --nope
 expect 2 "--threads must be an integer, got 'many'" -- --threads many list
 expect 2 "--threads must be >= 1" -- list --threads=0
@@ -185,6 +185,16 @@ if [ -f "${FASTATTN_DIGITS:-/nonexistent}" ] ||
 else
   echo "skipped: digits (no digits.csv.gz; scripts/install_deps.sh extracts it)"
 fi
+# approx: usage errors and a clear message without the model (the real run is
+# MiniLMTest.* in the C++ suite and docs/approx.md).
+expect 0 "usage: fastattn approx" -- approx --help
+expect 2 "unknown attention type 'nope'" -- approx --attention nope
+expect 2 "--passages must be >= 2" -- approx --passages 1
+printf 'Package: a\nDescription-en: A\n one two three\n' > "$tmp/corpus"
+expect 1 "only 1 passages .* qualify" -- approx --corpus "$tmp/corpus" --min-words 1 --model "$tmp/none"
+printf '\nPackage: b\nDescription-en: B\n four five\n' >> "$tmp/corpus"
+expect 1 "$tmp/none/vocab.txt.*cannot open" -- approx --corpus "$tmp/corpus" --min-words 1 \
+  --neighbours 1 --model "$tmp/none"
 
 echo "$failures failure(s)"
 [ "$failures" -eq 0 ]
