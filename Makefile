@@ -1,7 +1,7 @@
 # fastattn — the two commands of a fresh machine:
 #   make demo   install what is missing, build, run the demo
 #   make test   install what is missing, build, run every test (C++ and Python)
-# Also: make bench, make build, make test-asan, make format, make install, make clean,
+# Also: make bench, make build, make test-asan, make fuzz, make format, make install, make clean,
 #       make approx (pretrained MiniLM approximated by other attention types; docs/approx.md).
 
 BUILD      ?= build
@@ -12,7 +12,7 @@ PREFIX     ?= /usr/local
 # Threads for the tests (the machine's cores by default).
 export OMP_NUM_THREADS ?= $(shell nproc)
 
-.PHONY: all deps configure build demo test bench approx test-asan format install check-install clean
+.PHONY: all deps configure build demo test bench approx test-asan fuzz fuzz-merge format install check-install clean
 
 all: build
 
@@ -46,12 +46,39 @@ approx: build
 	@/usr/bin/python3 -c 'import matplotlib' 2>/dev/null || apt-get install -y python3-matplotlib
 	/usr/bin/python3 scripts/plot_approx.py $(BUILD)/approx.json $(BUILD)/approx.png
 
-# AddressSanitizer + UndefinedBehaviorSanitizer debug build of the C++ suite.
+# AddressSanitizer + UndefinedBehaviorSanitizer debug build of the C++ suite
+# (every test; ASAN_GTEST_FILTER narrows it). UBSan halts on the first report.
+# Leak checks stay off: LibTorch's and OpenMP's process-lifetime allocations
+# would drown ours.
+ASAN_GTEST_FILTER ?= *
 test-asan: deps
 	cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DFASTATTN_SANITIZE=ON -DFASTATTN_BUILD_BENCH=OFF $(CMAKE_ARGS)
 	cmake --build build-asan -j $(JOBS) --target fastattn_tests
 	cd build-asan && ASAN_OPTIONS=detect_leaks=0:new_delete_type_mismatch=0 \
-	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 ./fastattn_tests
+	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	  ./fastattn_tests --gtest_filter='$(ASAN_GTEST_FILTER)'
+
+# libFuzzer over every operator (fuzz/, docs/reliability.md): clang build of the
+# library with ASan + UBSan and coverage, then FUZZ_TIME seconds of fuzzing
+# starting from the committed corpus fuzz/corpus (new inputs go to
+# build-fuzz/corpus; `make fuzz-merge` adds the ones with new coverage to
+# fuzz/corpus, which the replay test FuzzCorpus.* runs in `make test`).
+FUZZ_TIME ?= 300
+FUZZ_ARGS ?=
+FUZZ_ENV = ASAN_OPTIONS=detect_leaks=0:new_delete_type_mismatch=0 \
+  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 OMP_NUM_THREADS=1
+build-fuzz/fuzz_ops: FORCE
+	@bash scripts/install_deps.sh --fuzz
+	CC=clang-14 CXX=clang++-14 cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DFASTATTN_FUZZ=ON -DFASTATTN_BUILD_TESTS=OFF -DFASTATTN_BUILD_BENCH=OFF
+	cmake --build build-fuzz -j $(JOBS) --target fuzz_ops
+fuzz: build-fuzz/fuzz_ops
+	mkdir -p build-fuzz/corpus
+	$(FUZZ_ENV) build-fuzz/fuzz_ops -max_total_time=$(FUZZ_TIME) -max_len=1024 -timeout=30 \
+	  -rss_limit_mb=4096 $(FUZZ_ARGS) build-fuzz/corpus fuzz/corpus
+fuzz-merge: build-fuzz/fuzz_ops
+	$(FUZZ_ENV) build-fuzz/fuzz_ops -merge=1 fuzz/corpus build-fuzz/corpus
+FORCE:
 
 format:
 	git ls-files '*.cpp' '*.h' '*.cu' '*.cuh' | xargs clang-format -i
@@ -70,4 +97,4 @@ check-install: build
 	LD_LIBRARY_PATH=$(CURDIR)/$(BUILD)/check-install/prefix/lib $(BUILD)/check-install/build/readme_example
 
 clean:
-	rm -rf $(BUILD) build-asan
+	rm -rf $(BUILD) build-asan build-fuzz

@@ -16,6 +16,10 @@ packages=(
   python3-torch         # Python access (same build as libtorch-dev)
   python3-pytest        # Python tests
 )
+# `make fuzz` (scripts/install_deps.sh --fuzz): clang with libFuzzer and its OpenMP.
+if [ "${1:-}" = "--fuzz" ]; then
+  packages+=(clang-14 libclang-rt-14-dev libomp-14-dev)
+fi
 
 missing=()
 for p in "${packages[@]}"; do

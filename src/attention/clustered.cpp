@@ -319,8 +319,9 @@ Tensor ExactTopkAttention::forward(const Tensor& queries,  // (N, H, L, E)
                                    const Mask& mask) {
   check_attention_inputs(queries, keys, values, mask);
   TORCH_CHECK(!mask.is_causal(), "exact-topk: causal masking is not supported; got a causal mask");
-  TORCH_CHECK(!mask.attn_mask(),
-              "exact-topk: an attention mask is not supported (only key lengths); got one");
+  TORCH_CHECK(
+      !mask.attn_mask(),
+      "exact-topk: attn_mask: an attention mask is not supported (only key lengths); got one");
   return exact_topk_attention(queries, keys, values, topk_, mask.key_lengths(), softmax_temp_);
 }
 
@@ -361,10 +362,11 @@ Tensor ClusteredAttention::forward(const Tensor& queries,  // (N, H, L, E)
   TORCH_CHECK(!mask.is_causal(), type_name(),
               ": causal masking is not supported (clusters mix past and future queries; use "
               "causal-improved-clustered); got a causal mask");
-  TORCH_CHECK(!mask.attn_mask(), type_name(),
-              ": an attention mask is not supported (only key and query lengths); got one of "
-              "shape ",
-              mask.attn_mask() ? mask.attn_mask()->sizes() : torch::IntArrayRef{});
+  TORCH_CHECK(
+      !mask.attn_mask(), type_name(),
+      ": attn_mask: an attention mask is not supported (only key and query lengths); got one of "
+      "shape ",
+      mask.attn_mask() ? mask.attn_mask()->sizes() : torch::IntArrayRef{});
   auto clusters = cluster_queries(queries, mask.query_lengths(), options_.clusters,
                                   options_.iterations, options_.bits, options_.hash_bias, gen_);
   const double dropout = is_training() ? options_.attention_dropout : 0.0;
@@ -397,10 +399,11 @@ Tensor CausalImprovedClusteredAttention::forward(const Tensor& queries,  // (N, 
   TORCH_CHECK(keys.size(2) == queries.size(2),
               "causal-improved-clustered: needs as many keys as queries (S == L), got queries ",
               queries.sizes(), " and keys ", keys.sizes());
-  TORCH_CHECK(!mask.attn_mask(),
-              "causal-improved-clustered: an attention mask is not supported (only the causal "
-              "mask and key and query lengths); got one of shape ",
-              mask.attn_mask() ? mask.attn_mask()->sizes() : torch::IntArrayRef{});
+  TORCH_CHECK(
+      !mask.attn_mask(),
+      "causal-improved-clustered: attn_mask: an attention mask is not supported (only the causal "
+      "mask and key and query lengths); got one of shape ",
+      mask.attn_mask() ? mask.attn_mask()->sizes() : torch::IntArrayRef{});
   auto clusters = cluster_queries(queries, mask.query_lengths(), options_.clusters,
                                   options_.iterations, options_.bits, options_.hash_bias, gen_);
   return causal_improved_clustered_attention(queries, keys, values, clusters, options_.topk,

@@ -227,10 +227,11 @@ Tensor ClusterFormerAttention::forward(const Tensor& queries,  // (N, H, L, E)
                                        const Tensor& values,   // (N, H, S, M)
                                        const Mask& mask) {
   check_attention_inputs(queries, keys, values, mask);
-  TORCH_CHECK(!mask.attn_mask(),
-              "clusterformer: an attention mask is not supported (only causal and key / query "
-              "lengths); got one of shape ",
-              mask.attn_mask() ? mask.attn_mask()->sizes() : torch::IntArrayRef{});
+  TORCH_CHECK(
+      !mask.attn_mask(),
+      "clusterformer: attn_mask: an attention mask is not supported (only causal and key / query "
+      "lengths); got one of shape ",
+      mask.attn_mask() ? mask.attn_mask()->sizes() : torch::IntArrayRef{});
   const int64_t N = queries.size(0), H = queries.size(1), L = queries.size(2), E = queries.size(3);
   TORCH_CHECK(keys.size(2) == L,
               "clusterformer: is self-attention and needs as many keys as queries (S == L), got "
@@ -238,6 +239,9 @@ Tensor ClusterFormerAttention::forward(const Tensor& queries,  // (N, H, L, E)
               queries.sizes(), " and keys ", keys.sizes());
   TORCH_CHECK(H * E == dim_, "clusterformer: queries must have H·E = ", dim_,
               " (the heads and query_dim it was built for), got H = ", H, ", E = ", E);
+  if (N == 0 || L == 0) {  // nothing to cluster: the empty result
+    return torch::zeros({N, H, L, values.size(3)}, values.options());
+  }
   // Tokens past a key or query length are padding for the clustering.
   std::optional<Tensor> lengths;
   if (mask.key_lengths()) lengths = mask.key_lengths()->to(torch::kLong);

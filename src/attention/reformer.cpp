@@ -56,7 +56,8 @@ torch::Tensor ReformerAttention::forward(const torch::Tensor& queries,  // (N, H
               "the normalised queries), got queries ",
               queries.sizes(), " and keys ", keys.sizes());
   TORCH_CHECK(!mask.attn_mask(),
-              "reformer: an attention mask is not supported (only key/query lengths and causal); "
+              "reformer: attn_mask: an attention mask is not supported (only key/query lengths "
+              "and causal); "
               "got one of shape ",
               mask.attn_mask() ? mask.attn_mask()->sizes() : torch::IntArrayRef{});
   // Every position is a query and a key: the padding is the shorter length.

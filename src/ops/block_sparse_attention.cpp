@@ -214,6 +214,7 @@ Tensor block_sparse_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                               const std::string& pattern, const std::vector<int64_t>& params,
                               const std::optional<Tensor>& key_lengths, bool causal,
                               std::optional<double> softmax_temp) {
+  ops::check_defined("fastattn::block_sparse_attention", {"q", "k", "v"}, {q, k, v});
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fastattn::block_sparse_attention", "")
                        .typed<decltype(no_grad_impl)>();

@@ -126,6 +126,7 @@ TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
 }
 
 Tensor causal_linear_product(const Tensor& q, const Tensor& k, const Tensor& v) {
+  ops::check_defined("fastattn::causal_linear_product", {"q", "k", "v"}, {q, k, v});
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fastattn::causal_linear_product", "")
                        .typed<Tensor(const Tensor&, const Tensor&, const Tensor&)>();

@@ -102,6 +102,7 @@ Tensor clustered_topk_attention_cpu(const Tensor& q, const Tensor& k, const Tens
                                     const Tensor& assignments,
                                     const c10::optional<Tensor>& key_lengths, double softmax_temp) {
   check_inputs(q, k, v, topk, mass, assignments, key_lengths);
+  ops::resolve_softmax_temp(kOp, q, softmax_temp);  // checks it is finite and > 0
   const auto p = prepare(q, k, v, topk, mass, assignments, key_lengths);
   auto out = torch::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "clustered_topk_attention_cpu", [&] {
@@ -198,6 +199,8 @@ TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
 Tensor clustered_topk_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                 const Tensor& topk, const Tensor& mass, const Tensor& assignments,
                                 const std::optional<Tensor>& key_lengths, double softmax_temp) {
+  ops::check_defined(kOp, {"q", "k", "v", "topk", "mass", "assignments"},
+                     {q, k, v, topk, mass, assignments});
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fastattn::clustered_topk_attention", "")
                        .typed<decltype(clustered_topk_attention_cpu)>();

@@ -111,6 +111,7 @@ TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
 }
 
 Tensor hash_queries(const Tensor& x, const Tensor& planes) {
+  ops::check_defined("fastattn::hash_queries", {"x", "planes"}, {x, planes});
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fastattn::hash_queries", "")
                        .typed<decltype(hash_queries_cpu)>();
@@ -119,6 +120,7 @@ Tensor hash_queries(const Tensor& x, const Tensor& planes) {
 
 std::tuple<Tensor, Tensor> cluster_codes(const Tensor& codes, const std::optional<Tensor>& lengths,
                                          int64_t clusters, int64_t iterations, int64_t seed) {
+  ops::check_defined("fastattn::cluster_codes", {"codes"}, {codes});
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fastattn::cluster_codes", "")
                        .typed<decltype(cluster_codes_cpu)>();

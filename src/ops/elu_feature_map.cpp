@@ -8,6 +8,7 @@
 
 #include "fastattn/ops.h"
 #include "kernels/feature_maps/elu_feature_map.h"
+#include "ops/op_util.h"
 
 namespace fastattn {
 namespace {
@@ -90,7 +91,10 @@ TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
 
 TORCH_LIBRARY_IMPL(fastattn, Autograd, m) { m.impl("elu_feature_map", elu_feature_map_autograd); }
 
-Tensor elu_feature_map(const Tensor& x) { return call_forward(x); }
+Tensor elu_feature_map(const Tensor& x) {
+  ops::check_defined(kOp, {"x"}, {x});
+  return call_forward(x);
+}
 
 namespace reference {
 Tensor elu_feature_map(const Tensor& x) { return torch::elu(x) + 1; }

@@ -181,6 +181,7 @@ TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
 
 Tensor elu_linear_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                             const std::optional<Tensor>& key_lengths, bool causal, double eps) {
+  ops::check_defined("fastattn::elu_linear_attention", {"q", "k", "v"}, {q, k, v});
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fastattn::elu_linear_attention", "")
                        .typed<decltype(elu_linear_attention_cpu)>();

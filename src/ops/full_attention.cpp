@@ -184,6 +184,7 @@ Tensor full_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                       const std::optional<Tensor>& attn_mask,
                       const std::optional<Tensor>& key_lengths, bool causal,
                       std::optional<double> softmax_temp) {
+  ops::check_defined("fastattn::full_attention", {"q", "k", "v"}, {q, k, v});
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fastattn::full_attention", "")
                        .typed<decltype(full_attention_no_grad)>();

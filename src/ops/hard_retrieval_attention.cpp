@@ -294,6 +294,7 @@ std::tuple<Tensor, Tensor> hard_retrieval_attention(
     const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& attn_mask,
     const std::optional<Tensor>& key_lengths, bool causal, bool sample,
     std::optional<double> softmax_temp, int64_t seed) {
+  ops::check_defined("fastattn::hard_retrieval_attention", {"q", "k", "v"}, {q, k, v});
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fastattn::hard_retrieval_attention", "")
                        .typed<decltype(hard_retrieval_attention_no_grad)>();

@@ -24,12 +24,26 @@ void check_qkv(const char* op, const torch::Tensor& q, const torch::Tensor& k,
   TORCH_CHECK(q.size(3) >= 1, op, ": q's head dimension E must be >= 1, got ", q.size(3));
   TORCH_CHECK(q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kDouble, op,
               ": q must be float32 or float64, got ", q.scalar_type());
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), op,
-              ": q, k and v must have one dtype, got ", q.scalar_type(), ", ", k.scalar_type(),
-              ", ", v.scalar_type());
-  TORCH_CHECK(k.device() == q.device() && v.device() == q.device(), op,
-              ": q, k and v must be on one device, got ", q.device(), ", ", k.device(), ", ",
+  TORCH_CHECK(k.scalar_type() == q.scalar_type(), op,
+              ": k must have q's dtype (one dtype for q, k and v) ", q.scalar_type(), ", got ",
+              k.scalar_type());
+  TORCH_CHECK(v.scalar_type() == q.scalar_type(), op,
+              ": v must have q's dtype (one dtype for q, k and v) ", q.scalar_type(), ", got ",
+              v.scalar_type());
+  TORCH_CHECK(k.device() == q.device(), op, ": k must be on q's device ", q.device(), ", got ",
+              k.device());
+  TORCH_CHECK(v.device() == q.device(), op, ": v must be on q's device ", q.device(), ", got ",
               v.device());
+}
+
+void check_defined(const char* op, std::initializer_list<const char*> names,
+                   std::initializer_list<std::reference_wrapper<const torch::Tensor>> tensors) {
+  auto name = names.begin();
+  for (const auto& t : tensors) {
+    TORCH_CHECK(t.get().defined(), op, ": ", *name,
+                " must be a defined tensor, got an undefined one");
+    ++name;
+  }
 }
 
 double resolve_softmax_temp(const char* op, const torch::Tensor& q,

@@ -3,6 +3,8 @@
 
 #include <torch/torch.h>
 
+#include <functional>
+#include <initializer_list>
 #include <optional>
 
 namespace fastattn {
@@ -23,6 +25,12 @@ namespace ops {
 // and S, floating dtype (one for all three), device; messages name `op`.
 void check_qkv(const char* op, const torch::Tensor& q, const torch::Tensor& k,
                const torch::Tensor& v);
+
+// Checks that every tensor argument of a public entry point is defined (the
+// dispatcher would otherwise fail with "tensor does not have a device");
+// names[i] is the argument name of tensors[i].
+void check_defined(const char* op, std::initializer_list<const char*> names,
+                   std::initializer_list<std::reference_wrapper<const torch::Tensor>> tensors);
 
 // The score scale of an op: softmax_temp when given (checked finite and > 0,
 // the message naming `op`), otherwise 1/sqrt(E) for q (N, H, L, E).

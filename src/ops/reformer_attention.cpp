@@ -273,6 +273,7 @@ TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
 }
 
 Tensor lsh_hash(const Tensor& x, const Tensor& rotations) {
+  ops::check_defined(kHashOp, {"x", "rotations"}, {x, rotations});
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fastattn::lsh_hash", "")
                        .typed<decltype(lsh_hash_cpu)>();
@@ -282,6 +283,7 @@ Tensor lsh_hash(const Tensor& x, const Tensor& rotations) {
 Tensor reformer_attention(const Tensor& q, const Tensor& v, const Tensor& buckets,
                           const std::optional<Tensor>& key_lengths, int64_t chunk_size, bool causal,
                           bool mask_self, std::optional<double> softmax_temp) {
+  ops::check_defined(kOp, {"q", "v", "buckets"}, {q, v, buckets});
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fastattn::reformer_attention", "")
                        .typed<decltype(reformer_attention_no_grad)>();

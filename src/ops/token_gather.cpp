@@ -9,6 +9,7 @@
 
 #include "fastattn/ops.h"
 #include "kernels/token_gather/token_gather.h"
+#include "ops/op_util.h"
 
 namespace fastattn {
 namespace {
@@ -126,7 +127,10 @@ TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
 
 TORCH_LIBRARY_IMPL(fastattn, Autograd, m) { m.impl("gather_tokens", gather_tokens_autograd); }
 
-Tensor gather_tokens(const Tensor& x, const Tensor& index) { return call_forward(x, index); }
+Tensor gather_tokens(const Tensor& x, const Tensor& index) {
+  ops::check_defined(kOp, {"x", "index"}, {x, index});
+  return call_forward(x, index);
+}
 
 namespace reference {
 Tensor gather_tokens(const Tensor& x, const Tensor& index) {

@@ -1,0 +1,613 @@
+// Decoding and checking of the operator fuzzer (see fuzz_ops.h).
+#include "fuzz_ops.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <optional>
+#include <sstream>
+#include <vector>
+
+#include "fastattn/ops.h"
+#include "fastattn/registry.h"
+
+namespace fastattn::fuzz {
+namespace {
+
+using torch::Tensor;
+
+// Bytes as a stream of small choices; reads past the end give zeros.
+class Bytes {
+ public:
+  Bytes(const uint8_t* data, size_t size) : data_(data), size_(size) {}
+  uint8_t byte() { return pos_ < size_ ? data_[pos_++] : 0; }
+  // An integer in [lo, hi] (hi - lo < 256).
+  int64_t range(int64_t lo, int64_t hi) { return lo + byte() % (hi - lo + 1); }
+  bool flag() { return byte() & 1; }
+
+ private:
+  const uint8_t* data_;
+  size_t size_;
+  size_t pos_ = 0;
+};
+
+// A check that failed: unwinds to check_fuzz_input with a description.
+struct Failure {
+  std::string what;
+};
+
+// A valid input that raised, as opposed to a corrupted one.
+struct Rejected {
+  std::string what;
+};
+
+#define FUZZ_CHECK(cond, ...)                           \
+  do {                                                  \
+    if (!(cond)) {                                      \
+      std::ostringstream os_;                           \
+      os_ << "check failed: " #cond " " << __VA_ARGS__; \
+      throw Failure{os_.str()};                         \
+    }                                                   \
+  } while (0)
+
+// Decoded common shapes and options.
+struct Setup {
+  int64_t N, H, L, S, E, M;
+  torch::ScalarType dtype;
+  double scale;
+  bool strided;  // hand the operator non-contiguous views
+};
+
+Setup decode_setup(Bytes& b) {
+  Setup s;
+  s.N = b.range(0, 2);
+  s.H = b.range(1, 3);
+  s.L = b.range(0, 9);
+  s.S = b.range(0, 9);
+  s.E = b.range(1, 5);
+  s.M = b.range(1, 4);
+  s.dtype = b.flag() ? torch::kDouble : torch::kFloat;
+  static const double kScales[] = {1.0, 0.01, 4.0, 30.0, 1e3};
+  s.scale = kScales[b.range(0, 4)];
+  s.strided = b.flag();
+  return s;
+}
+
+// A tensor of `shape` whose values come from the bytes: (b - 128) / 32 · scale
+// (integers and halves: ties happen on purpose).
+Tensor values(Bytes& b, std::vector<int64_t> shape, torch::ScalarType dtype, double scale,
+              bool strided) {
+  int64_t n = 1;
+  for (auto d : shape) n *= d;
+  std::vector<double> data(n);
+  for (auto& x : data) x = (static_cast<int>(b.byte()) - 128) / 32.0 * scale;
+  auto t = torch::tensor(data, torch::kDouble).view(shape).to(dtype);
+  if (strided && shape.size() >= 2) {
+    // Same values, transposed storage of the last two dimensions.
+    t = t.transpose(-1, -2).contiguous().transpose(-1, -2);
+  }
+  return t;
+}
+
+// (N,) key lengths in [0, S], or none.
+std::optional<Tensor> key_lengths(Bytes& b, int64_t N, int64_t S) {
+  if (!b.flag()) return std::nullopt;
+  std::vector<int64_t> kl(N);
+  for (auto& x : kl) x = b.range(0, S);
+  return torch::tensor(kl, torch::kLong);
+}
+
+// A bool keep mask of shape (L, S), (N, L, S) or (N, H, L, S), or an additive
+// one (0 / -inf / small finite values), or none.
+std::optional<Tensor> attn_mask(Bytes& b, const Setup& s, bool allow_additive) {
+  const int kind = b.range(0, 3);
+  if (kind == 0) return std::nullopt;
+  std::vector<int64_t> shape = kind == 1   ? std::vector<int64_t>{s.L, s.S}
+                               : kind == 2 ? std::vector<int64_t>{s.N, s.L, s.S}
+                                           : std::vector<int64_t>{s.N, s.H, s.L, s.S};
+  const uint8_t density = b.byte();
+  int64_t n = 1;
+  for (auto d : shape) n *= d;
+  std::vector<uint8_t> keep(n);
+  for (auto& x : keep) x = b.byte() >= density / 2;
+  auto mask = torch::tensor(std::vector<int64_t>(keep.begin(), keep.end()), torch::kLong)
+                  .view(shape)
+                  .to(torch::kBool);
+  if (allow_additive && b.flag()) {
+    auto add = torch::zeros(shape, s.dtype).masked_fill(mask.logical_not(), -INFINITY);
+    return add +
+           torch::where(mask, values(b, shape, s.dtype, 0.5, false), torch::zeros(shape, s.dtype));
+  }
+  return mask;
+}
+
+std::optional<double> softmax_temp(Bytes& b) {
+  const int k = b.range(0, 3);
+  if (k == 0) return std::nullopt;
+  return k == 1 ? 0.125 : k == 2 ? 1.0 : 3.0;
+}
+
+bool finite(const Tensor& t) { return torch::isfinite(t).all().item<bool>(); }
+
+void check_shape(const Tensor& t, std::vector<int64_t> shape, const char* what) {
+  FUZZ_CHECK(t.sizes() == c10::IntArrayRef(shape),
+             what << " has shape " << t.sizes() << ", expected " << c10::IntArrayRef(shape));
+}
+
+void check_close(const Tensor& got, const Tensor& want, const char* what) {
+  check_shape(got, want.sizes().vec(), what);
+  if (got.scalar_type() != torch::kDouble || got.numel() == 0) return;  // float32: finiteness only
+  const double tol = 1e-7 * (1.0 + want.abs().max().item<double>());
+  const double err = (got - want).abs().max().item<double>();
+  FUZZ_CHECK(err <= tol, what << ": max |op - reference| = " << err << " > " << tol);
+}
+
+// Backward through `out` with a fixed weight; every defined grad finite.
+void check_backward(const Tensor& out, std::vector<Tensor> leaves, const char* what) {
+  if (!out.requires_grad() || out.numel() == 0) return;
+  (out * torch::linspace(-1, 1, out.numel(), out.options()).view(out.sizes())).sum().backward();
+  for (auto& t : leaves) {
+    if (t.grad().defined()) FUZZ_CHECK(finite(t.grad()), what << ": gradient not finite");
+  }
+}
+
+// Runs `call`, which must raise (corrupted input) or not (valid input).
+// Returns false when it raised (the caller stops there).
+bool run_expecting(bool corrupt, const std::string& corruption, const std::function<void()>& call) {
+  try {
+    call();
+  } catch (const c10::Error& e) {
+    if (corrupt) return false;
+    throw Rejected{e.what_without_backtrace()};
+  }
+  FUZZ_CHECK(!corrupt, "a corrupted input was accepted: " << corruption);
+  return true;
+}
+
+struct Qkv {
+  Tensor q, k, v;
+};
+
+Qkv make_qkv(Bytes& b, const Setup& s, bool grad) {
+  Qkv t{values(b, {s.N, s.H, s.L, s.E}, s.dtype, s.scale, s.strided),
+        values(b, {s.N, s.H, s.S, s.E}, s.dtype, s.scale, s.strided),
+        values(b, {s.N, s.H, s.S, s.M}, s.dtype, 1.0, s.strided)};
+  if (grad) {
+    for (auto* x : {&t.q, &t.k, &t.v}) *x = x->detach().requires_grad_(s.dtype == torch::kDouble);
+  }
+  return t;
+}
+
+// One corruption of q / k / v / key_lengths (index `which`), described.
+std::string corrupt_qkv(int which, Qkv& t, std::optional<Tensor>& kl, const Setup& s) {
+  switch (which) {
+    case 0:
+      t.k = torch::cat({t.k, t.k}, 3);
+      return "k with E doubled";
+    case 1:
+      t.v = torch::zeros({s.N, s.H, s.S + 1, s.M}, t.v.options());
+      return "v with S + 1 rows";
+    case 2:
+      t.q = t.q.select(0, 0 * 0).unsqueeze(0).expand({s.N + 1, s.H, s.L, s.E});
+      return "q with N + 1";
+    case 3:
+      t.v = t.v.to(s.dtype == torch::kDouble ? torch::kFloat : torch::kDouble);
+      return "v of the other dtype";
+    case 4:
+      kl = torch::full({s.N}, s.S + 1, torch::kLong);
+      return "key_lengths > S";
+    default:
+      t.q = t.q.flatten(0, 1);
+      return "q of rank 3";
+  }
+}
+
+// ---- the operators -----------------------------------------------------------
+
+void fuzz_full(Bytes& b, Setup s) {
+  auto t = make_qkv(b, s, true);
+  auto kl = key_lengths(b, s.N, s.S);
+  auto mask = attn_mask(b, s, true);
+  const bool causal = b.flag();
+  const auto temp = softmax_temp(b);
+  const int c = b.range(0, 15);
+  const bool corrupt = c < 6 && s.N > 0;
+  std::string what;
+  if (corrupt) what = corrupt_qkv(c, t, kl, s);
+  Tensor out;
+  if (!run_expecting(corrupt, what,
+                     [&] { out = full_attention(t.q, t.k, t.v, mask, kl, causal, temp); }))
+    return;
+  check_shape(out, {s.N, s.H, s.L, s.M}, "full_attention");
+  FUZZ_CHECK(finite(out), "full_attention output not finite");
+  check_close(out, reference::full_attention(t.q, t.k, t.v, mask, kl, causal, temp),
+              "full_attention");
+  check_backward(out, {t.q, t.k, t.v}, "full_attention");
+}
+
+void fuzz_elu_linear(Bytes& b, Setup s) {
+  const bool causal = b.flag();
+  if (causal) s.S = s.L;
+  auto t = make_qkv(b, s, true);
+  auto kl = key_lengths(b, s.N, s.S);
+  static const double kEps[] = {1e-6, 1e-3, 1.0};
+  const double eps = kEps[b.range(0, 2)];
+  const int c = b.range(0, 15);
+  const bool corrupt = c < 6 && s.N > 0;
+  std::string what;
+  if (corrupt) what = corrupt_qkv(c, t, kl, s);
+  Tensor out;
+  if (!run_expecting(corrupt, what,
+                     [&] { out = elu_linear_attention(t.q, t.k, t.v, kl, causal, eps); }))
+    return;
+  check_shape(out, {s.N, s.H, s.L, s.M}, "elu_linear_attention");
+  FUZZ_CHECK(finite(out), "elu_linear_attention output not finite");
+  check_close(out, reference::elu_linear_attention(t.q, t.k, t.v, kl, causal, eps),
+              "elu_linear_attention");
+  check_backward(out, {t.q, t.k, t.v}, "elu_linear_attention");
+}
+
+void fuzz_causal_linear_product(Bytes& b, Setup s) {
+  s.S = s.L;
+  s.scale = std::min(s.scale, 4.0);  // unnormalised: keep the products moderate
+  auto t = make_qkv(b, s, true);
+  const int c = b.range(0, 15);
+  const bool corrupt = c < 4 && s.N > 0;
+  std::optional<Tensor> unused;
+  std::string what;
+  if (corrupt) what = corrupt_qkv(c, t, unused, s);
+  Tensor out;
+  if (!run_expecting(corrupt, what, [&] { out = causal_linear_product(t.q, t.k, t.v); })) return;
+  check_shape(out, {s.N, s.H, s.L, s.M}, "causal_linear_product");
+  FUZZ_CHECK(finite(out), "causal_linear_product output not finite");
+  check_close(out, reference::causal_linear_product(t.q, t.k, t.v), "causal_linear_product");
+  check_backward(out, {t.q, t.k, t.v}, "causal_linear_product");
+}
+
+void fuzz_hard_retrieval(Bytes& b, Setup s) {
+  auto t = make_qkv(b, s, true);
+  auto kl = key_lengths(b, s.N, s.S);
+  auto mask = attn_mask(b, s, false);
+  const bool causal = b.flag();
+  const bool sample = b.flag();
+  const auto temp = softmax_temp(b);
+  const int64_t seed = b.byte();
+  const int c = b.range(0, 15);
+  const bool corrupt = c < 6 && s.N > 0;
+  std::string what;
+  if (corrupt) what = corrupt_qkv(c, t, kl, s);
+  Tensor out, index;
+  if (!run_expecting(corrupt, what, [&] {
+        std::tie(out, index) =
+            hard_retrieval_attention(t.q, t.k, t.v, mask, kl, causal, sample, temp, seed);
+      }))
+    return;
+  check_shape(out, {s.N, s.H, s.L, s.M}, "hard_retrieval_attention");
+  check_shape(index, {s.N, s.H, s.L}, "hard_retrieval_attention index");
+  FUZZ_CHECK(finite(out), "hard_retrieval_attention output not finite");
+  // The chosen key is kept (or -1 when none is), and out is its value row.
+  Mask m = Mask().with_causal(causal);
+  if (mask) m = m.with_attn_mask(*mask);
+  if (kl) m = m.with_key_lengths(*kl);
+  auto keep = m.dense_bool(s.N, s.H, s.L, s.S);
+  auto any = keep.any(-1);
+  FUZZ_CHECK(torch::equal(index.ge(0), any), "hard_retrieval_attention: index -1 iff no key kept");
+  auto safe = index.clamp_min(0);
+  if (s.S > 0) {
+    auto chosen_kept = keep.gather(-1, safe.unsqueeze(-1)).squeeze(-1) | index.lt(0);
+    FUZZ_CHECK(chosen_kept.all().item<bool>(), "hard_retrieval_attention chose a masked key");
+    auto rows = t.v.detach()
+                    .unsqueeze(2)
+                    .expand({s.N, s.H, s.L, s.S, s.M})
+                    .gather(3, safe.view({s.N, s.H, s.L, 1, 1}).expand({s.N, s.H, s.L, 1, s.M}))
+                    .squeeze(3)
+                    .masked_fill(index.lt(0).unsqueeze(-1), 0);
+    check_close(out.detach(), rows, "hard_retrieval_attention gather");
+    if (!sample && s.dtype == torch::kDouble && index.numel() > 0) {
+      // argmax of the raw scores over the kept keys (up to rounding on ties).
+      auto scores = torch::matmul(t.q.detach(), t.k.detach().transpose(-1, -2))
+                        .masked_fill(keep.logical_not(), -INFINITY);
+      auto best = std::get<0>(scores.max(-1));
+      auto got = scores.gather(-1, safe.unsqueeze(-1)).squeeze(-1);
+      auto gap = (best - got).masked_fill(index.lt(0), 0);
+      const double tol = 1e-9 * (1.0 + best.masked_fill(index.lt(0), 0).abs().max().item<double>());
+      FUZZ_CHECK(gap.max().item<double>() <= tol, "hard_retrieval_attention: not the argmax");
+    }
+  }
+  check_backward(out, {t.q, t.k, t.v}, "hard_retrieval_attention");
+}
+
+void fuzz_block_sparse(Bytes& b, Setup s) {
+  auto t = make_qkv(b, s, true);
+  auto kl = key_lengths(b, s.N, s.S);
+  const bool causal = b.flag();
+  const auto temp = softmax_temp(b);
+  const int p = b.range(0, 2);
+  std::string pattern = p == 0 ? "local" : p == 1 ? "strided" : "fixed";
+  std::vector<int64_t> params;
+  const int64_t which = b.range(0, s.H >= 2 ? 3 : 2);
+  if (p == 0) params = {b.range(1, 10)};
+  if (p == 1) params = {b.range(1, 6), which};
+  if (p == 2) {
+    const int64_t stride = b.range(1, 6);
+    params = {stride, b.range(1, stride), which, 0};
+    params[3] = stride % params[1] == 0 ? b.range(0, 1) : 0;
+  }
+  const int c = b.range(0, 15);
+  bool corrupt = c < 7 && s.N > 0;
+  std::string what;
+  if (corrupt && c == 6) {
+    params[0] = 0;
+    what = "first pattern parameter 0";
+  } else if (corrupt) {
+    what = corrupt_qkv(c, t, kl, s);
+  }
+  Tensor out;
+  if (!run_expecting(corrupt, what, [&] {
+        out = block_sparse_attention(t.q, t.k, t.v, pattern, params, kl, causal, temp);
+      }))
+    return;
+  check_shape(out, {s.N, s.H, s.L, s.M}, "block_sparse_attention");
+  FUZZ_CHECK(finite(out), "block_sparse_attention output not finite");
+  check_close(out,
+              reference::block_sparse_attention(t.q, t.k, t.v, pattern, params, kl, causal, temp),
+              "block_sparse_attention");
+  check_backward(out, {t.q, t.k, t.v}, "block_sparse_attention");
+}
+
+void fuzz_clustered_topk(Bytes& b, Setup s) {
+  auto t = make_qkv(b, s, true);
+  auto kl = key_lengths(b, s.N, s.S);
+  const int64_t C = b.range(1, 4), K = s.S > 0 ? b.range(1, s.S) : 0;
+  std::vector<int64_t> tk(s.N * s.H * C * K), asg(s.N * s.H * s.L);
+  for (auto& x : tk) x = b.range(0, std::max<int64_t>(s.S - 1, 0));
+  for (auto& x : asg) x = b.range(-1, C - 1);
+  auto topk = torch::tensor(tk, torch::kLong).view({s.N, s.H, C, K});
+  auto assignments = torch::tensor(asg, torch::kLong).view({s.N, s.H, s.L});
+  auto mass = values(b, {s.N, s.H, C}, s.dtype, 0.01, false)
+                  .abs()
+                  .detach()
+                  .requires_grad_(s.dtype == torch::kDouble);
+  const double temp = softmax_temp(b).value_or(0.5);
+  const int c = b.range(0, 15);
+  bool corrupt = c < 8 && s.N > 0;
+  std::string what;
+  if (corrupt && c == 6) {
+    topk = topk + s.S;
+    what = "topk index >= S";
+    corrupt = topk.numel() > 0;
+  } else if (corrupt && c == 7) {
+    assignments = assignments - 2;
+    what = "assignments < -1";
+    corrupt = assignments.numel() > 0;
+  } else if (corrupt) {
+    what = corrupt_qkv(c, t, kl, s);
+  }
+  Tensor out;
+  if (!run_expecting(corrupt, what, [&] {
+        out = clustered_topk_attention(t.q, t.k, t.v, topk, mass, assignments, kl, temp);
+      }))
+    return;
+  check_shape(out, {s.N, s.H, s.L, s.M}, "clustered_topk_attention");
+  FUZZ_CHECK(finite(out), "clustered_topk_attention output not finite");
+  // Padded queries (-1) output zeros.
+  FUZZ_CHECK(out.detach().masked_select(assignments.lt(0).unsqueeze(-1)).eq(0).all().item<bool>(),
+             "clustered_topk_attention: a padded query has a nonzero output");
+  check_backward(out, {t.q, t.k, t.v, mass}, "clustered_topk_attention");
+}
+
+void fuzz_clustering(Bytes& b, Setup s) {
+  auto x = values(b, {s.N, s.H, s.L, s.E}, s.dtype, s.scale, s.strided);
+  const int64_t B = b.range(1, 64);
+  auto planes = values(b, {B, s.E + 1}, s.dtype, 1.0, s.strided);
+  auto lengths = key_lengths(b, s.N, s.L);
+  const int64_t C = b.range(1, 6), iters = b.range(0, 4), seed = b.byte();
+  const int c = b.range(0, 15);
+  const bool corrupt = c < 3;
+  std::string what;
+  int64_t clusters = C;
+  if (c == 0) {
+    planes = torch::zeros({65, s.E + 1}, planes.options());
+    what = "65 planes";
+  } else if (c == 1) {
+    clusters = 0;
+    what = "clusters 0";
+  } else if (c == 2) {
+    planes = planes.narrow(1, 0, s.E);
+    what = "planes without the bias column";
+  }
+  Tensor codes, asg, counts;
+  if (!run_expecting(corrupt, what, [&] {
+        codes = hash_queries(x, planes);
+        std::tie(asg, counts) = cluster_codes(codes, lengths, clusters, iters, seed);
+      }))
+    return;
+  check_shape(codes, {s.N, s.H, s.L}, "hash_queries");
+  // Codes agree with the reference wherever no projection is within rounding of 0.
+  auto proj = torch::matmul(x.to(torch::kDouble), planes.to(torch::kDouble).narrow(1, 0, s.E).t()) +
+              planes.to(torch::kDouble).select(1, s.E);
+  auto clear = (proj.abs() > 1e-4 * (1.0 + proj.abs())).all(-1);
+  auto ref = reference::hash_queries(x, planes);
+  FUZZ_CHECK(torch::equal(codes.masked_select(clear), ref.masked_select(clear)),
+             "hash_queries disagrees with the reference");
+  check_shape(asg, {s.N, s.H, s.L}, "cluster_codes assignments");
+  check_shape(counts, {s.N, s.H, C}, "cluster_codes counts");
+  auto valid = lengths ? torch::arange(s.L).view({1, 1, s.L}) < lengths->view({s.N, 1, 1})
+                       : torch::ones({s.N, 1, s.L}, torch::kBool);
+  valid = valid.expand({s.N, s.H, s.L});
+  FUZZ_CHECK(torch::equal(asg.ge(0), valid), "cluster_codes: -1 iff padding");
+  FUZZ_CHECK(asg.lt(C).all().item<bool>(), "cluster_codes: assignment >= clusters");
+  auto onehot = torch::zeros({s.N, s.H, C + 1}, torch::kLong)
+                    .scatter_add_(2, (asg + 1).clamp_min(0), torch::ones_like(asg));
+  FUZZ_CHECK(torch::equal(onehot.narrow(2, 1, C), counts), "cluster_codes: counts disagree");
+}
+
+void fuzz_reformer(Bytes& b, Setup s) {
+  s.S = s.L;
+  auto q = values(b, {s.N, s.H, s.L, s.E}, s.dtype, s.scale, s.strided);
+  auto v = values(b, {s.N, s.H, s.L, s.M}, s.dtype, 1.0, s.strided);
+  const int64_t R = b.range(1, 3), B2 = b.range(0, 4);
+  auto rot = values(b, {R, s.E, B2}, s.dtype, 1.0, false);
+  auto kl = key_lengths(b, s.N, s.L);
+  const int64_t chunk = b.range(1, 5);
+  const bool causal = b.flag(), mask_self = b.flag();
+  const auto temp = softmax_temp(b);
+  const int c = b.range(0, 15);
+  const bool corrupt = c < 3 && s.N > 0;
+  std::string what;
+  int64_t chunk_size = chunk;
+  if (!corrupt) {
+  } else if (c == 0) {
+    chunk_size = 0;
+    what = "chunk_size 0";
+  } else if (c == 1) {
+    v = torch::zeros({s.N, s.H, s.L + 1, s.M}, v.options());
+    what = "v of length L + 1";
+  } else if (c == 2) {
+    kl = torch::full({s.N}, s.L + 1, torch::kLong);
+    what = "key_lengths > L";
+  }
+  if (s.dtype == torch::kDouble) {
+    q = q.detach().requires_grad_(true);
+    v = v.detach().requires_grad_(true);
+  }
+  Tensor buckets, out;
+  if (!run_expecting(corrupt, what, [&] {
+        buckets = lsh_hash(q.detach(), rot);
+        out = reformer_attention(q, v, buckets, kl, chunk_size, causal, mask_self, temp);
+      }))
+    return;
+  check_shape(buckets, {s.N, s.H, R, s.L}, "lsh_hash");
+  FUZZ_CHECK(buckets.ge(0).all().item<bool>() &&
+                 buckets.lt(std::max<int64_t>(1, 2 * B2)).all().item<bool>(),
+             "lsh_hash: bucket out of range");
+  check_shape(out, {s.N, s.H, s.L, s.M}, "reformer_attention");
+  FUZZ_CHECK(finite(out), "reformer_attention output not finite");
+  check_close(out,
+              reference::reformer_attention(q, v, buckets, kl, chunk_size, causal, mask_self, temp),
+              "reformer_attention");
+  check_backward(out, {q, v}, "reformer_attention");
+}
+
+void fuzz_gather(Bytes& b, Setup s) {
+  auto x = values(b, {s.N, s.H, s.L, s.E}, s.dtype, s.scale, s.strided);
+  if (s.dtype == torch::kDouble) x = x.detach().requires_grad_(true);
+  const int64_t T = b.range(0, 9);
+  std::vector<int64_t> idx(s.N * T);
+  for (auto& i : idx) i = b.range(-1, s.L - 1);
+  auto index = torch::tensor(idx, torch::kLong).view({s.N, T});
+  const int c = b.range(0, 15);
+  const bool corrupt = c < 2 && index.numel() > 0;
+  std::string what;
+  if (corrupt && c == 0) {
+    index = index + s.L + 1;
+    what = "index >= L";
+  } else if (corrupt) {
+    index = index - s.L - 2;
+    what = "index < -1";
+  }
+  Tensor out, fm;
+  if (!run_expecting(corrupt, what, [&] {
+        out = gather_tokens(x, index);
+        fm = elu_feature_map(x);
+      }))
+    return;
+  check_close(out, reference::gather_tokens(x, index), "gather_tokens");
+  check_close(fm, reference::elu_feature_map(x), "elu_feature_map");
+  check_backward(out, {x}, "gather_tokens");
+}
+
+// Any registered attention type with its default parameters (seeded).
+void fuzz_type(Bytes& b, Setup s) {
+  std::vector<std::string> names;  // without other tests' throwaway "test-*" types
+  for (const auto& n : AttentionRegistry::global().names()) {
+    if (n.rfind("test-", 0) != 0) names.push_back(n);
+  }
+  const auto& name = names[b.range(0, static_cast<int64_t>(names.size()) - 1)];
+  const bool causal = b.flag();
+  if (causal || b.flag()) s.S = s.L;
+  auto t = make_qkv(b, s, true);
+  auto kl = key_lengths(b, s.N, s.S);
+  ParamMap params;
+  for (const auto& spec : AttentionRegistry::global().get(name).params) {
+    if (spec.name == "seed") params["seed"] = int64_t{b.byte()};
+  }
+  AttentionDims dims;
+  dims.heads = s.H;
+  dims.query_dim = s.E;
+  dims.value_dim = s.M;
+  torch::manual_seed(b.byte());
+  auto attention = make_attention(name, params, dims);
+  attention->eval();
+  Mask mask = Mask().with_causal(causal);
+  if (kl) mask = mask.with_key_lengths(*kl);
+  Tensor out;
+  try {
+    out = attention->forward(t.q, t.k, t.v, mask);
+  } catch (const c10::Error& e) {
+    // Types refuse masks they do not support (causal / non-causal, S != L):
+    // the refusal must name the type.
+    const std::string msg = e.what_without_backtrace();
+    FUZZ_CHECK(msg.find(name) != std::string::npos || msg.find("attention") != std::string::npos,
+               "type " << name << " raised without naming itself: " << msg);
+    return;
+  }
+  check_shape(out, {s.N, s.H, s.L, s.M}, name.c_str());
+  FUZZ_CHECK(finite(out), "type " << name << ": output not finite");
+  if (kl && s.N > 0) {
+    auto dead = kl->eq(0);
+    FUZZ_CHECK(out.detach().masked_select(dead.view({s.N, 1, 1, 1})).eq(0).all().item<bool>(),
+               "type " << name << ": a batch element without keys has nonzero output");
+  }
+  if (name == "full" && s.dtype == torch::kDouble) {
+    check_close(out, reference::full_attention(t.q, t.k, t.v, std::nullopt, kl, causal), "full");
+  }
+  check_backward(out, {t.q, t.k, t.v}, name.c_str());
+}
+
+struct OpEntry {
+  const char* name;
+  void (*fn)(Bytes&, Setup);
+};
+
+const OpEntry kOps[] = {
+    {"full_attention", fuzz_full},
+    {"elu_linear_attention", fuzz_elu_linear},
+    {"causal_linear_product", fuzz_causal_linear_product},
+    {"hard_retrieval_attention", fuzz_hard_retrieval},
+    {"block_sparse_attention", fuzz_block_sparse},
+    {"clustered_topk_attention", fuzz_clustered_topk},
+    {"hash_queries+cluster_codes", fuzz_clustering},
+    {"lsh_hash+reformer_attention", fuzz_reformer},
+    {"gather_tokens+elu_feature_map", fuzz_gather},
+    {"attention types (registry)", fuzz_type},
+};
+constexpr int kOpCount = sizeof(kOps) / sizeof(kOps[0]);
+
+}  // namespace
+
+int fuzz_op_count() { return kOpCount; }
+const char* fuzz_op_name(int op) { return kOps[op % kOpCount].name; }
+
+std::string check_fuzz_input(const uint8_t* data, size_t size) {
+  Bytes b(data, size);
+  const int op = b.byte() % kOpCount;
+  try {
+    Setup s = decode_setup(b);
+    kOps[op].fn(b, s);
+  } catch (const Failure& f) {
+    return std::string(kOps[op].name) + ": " + f.what;
+  } catch (const Rejected& r) {
+    return std::string(kOps[op].name) + ": a valid input was rejected: " + r.what;
+  } catch (const c10::Error& e) {
+    return std::string(kOps[op].name) +
+           ": unexpected c10::Error in the checks: " + e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return std::string(kOps[op].name) + ": unexpected exception: " + e.what();
+  }
+  return "";
+}
+
+}  // namespace fastattn::fuzz

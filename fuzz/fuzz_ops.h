@@ -1,0 +1,36 @@
+// The fastattn operator fuzzer's decoding and checking, shared by the libFuzzer
+// harness (fuzz/fuzz_main.cpp, clang, FASTATTN_FUZZ=ON) and the corpus replay
+// test (tests/cpp/test_fuzz_corpus.cpp, the normal build).
+//
+// check_fuzz_input decodes bytes into an operator, small shapes (N <= 2,
+// H <= 3, L, S <= 9, E <= 5, M <= 4, empty sizes included), parameters,
+// masks, values (finite, magnitudes up to ~1e3 so that |q·k| reaches ~1e6),
+// layouts (contiguous or not) and, sometimes, one deliberate corruption
+// (a shape, dtype, range or parameter that the operator must reject).
+// It calls the operator and checks:
+//   - a corrupted input raises a c10::Error; a valid one raises nothing;
+//   - the output of a valid input is finite and has the promised shape;
+//   - float64 outputs agree with the operator's plain-ATen reference
+//     (fastattn::reference::*), or with the operator's invariants where it
+//     has no reference (cluster_codes, clustered_topk_attention);
+//   - gradients (where the operator has them) are finite.
+// Crashes and memory errors are the sanitizers' to report.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace fastattn::fuzz {
+
+// Number of operator choices the first byte selects among.
+int fuzz_op_count();
+// The name of choice `op` (for reports and docs).
+const char* fuzz_op_name(int op);
+
+// Decodes and checks one input; returns "" when every check passes, otherwise
+// a description of the failure (the fuzzer aborts on it, the replay test
+// reports it).
+std::string check_fuzz_input(const uint8_t* data, size_t size);
+
+}  // namespace fastattn::fuzz
