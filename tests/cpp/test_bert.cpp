@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "expect_error.h"
+#include "temp_files.h"
 #include "fastattn/approx.h"
 #include "fastattn/bert.h"
 #include "fastattn/safetensors.h"
@@ -24,14 +25,7 @@ using namespace fastattn;
 
 namespace {
 
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char buf[] = "/tmp/fastattn_bert_XXXXXX";
-    path = ::mkdtemp(buf);
-  }
-  ~TempDir() { std::system(("rm -rf '" + path + "'").c_str()); }
-};
+using fastattn::testing::TempDir;
 
 bool file_exists(const std::string& p) {
   struct stat st;

@@ -16,6 +16,7 @@
 #include <sstream>
 
 #include "expect_error.h"
+#include "temp_files.h"
 #include "fastattn/lm_tasks.h"
 #include "fastattn/safetensors.h"
 
@@ -24,26 +25,9 @@ using namespace fastattn::train;
 
 namespace {
 
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char buf[] = "/tmp/fastattn_lm_XXXXXX";
-    path = ::mkdtemp(buf);
-  }
-  ~TempDir() { std::system(("rm -rf '" + path + "'").c_str()); }
-};
-
-std::string read_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-void write_bytes(const std::string& path, const std::string& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-}
+using fastattn::testing::read_bytes;
+using fastattn::testing::TempDir;
+using fastattn::testing::write_bytes;
 
 void write_gzip(const std::string& path, const std::string& text) {
   gzFile f = gzopen(path.c_str(), "wb");

@@ -16,6 +16,7 @@
 #include <utility>
 
 #include "expect_error.h"
+#include "temp_files.h"
 #include "fastattn/registry.h"
 #include "fastattn/safetensors.h"
 #include "fastattn/train.h"
@@ -25,27 +26,9 @@ using namespace fastattn::train;
 
 namespace {
 
-// A fresh directory under /tmp, removed at the end of the test.
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char buf[] = "/tmp/fastattn_train_XXXXXX";
-    path = ::mkdtemp(buf);
-  }
-  ~TempDir() { std::system(("rm -rf '" + path + "'").c_str()); }
-};
-
-std::string read_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-void write_bytes(const std::string& path, const std::string& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-}
+using fastattn::testing::read_bytes;
+using fastattn::testing::TempDir;
+using fastattn::testing::write_bytes;
 
 // A file made by hand: 8-byte length, the header text as given, the data.
 std::string raw_file(const std::string& header, const std::string& data) {
@@ -642,14 +625,18 @@ TEST(TrainerTest, AddsAuxiliaryLosses) {
   EXPECT_NE(rz.grad_norm, rf.grad_norm);  // the auxiliary loss reached the gradients
 }
 
-TEST(TrainerTest, LearnsToReverseWithGreedyDecoding) {
+namespace {
+
+// Reversal of min..max symbols over `vocab`, encoder and decoder of `layers`
+// layers (2 heads, d_model 32, no dropout), Adam at 3e-3.
+TrainConfig reverse_config(int64_t vocab, int64_t min_length, int64_t max_length, int64_t layers) {
   TrainConfig c;
   c.task = {{"name", "transduction"},
             {"mode", "reverse"},
-            {"vocab", 4},
-            {"min_length", 2},
-            {"max_length", 6}};
-  nlohmann::json layer = {{"layers", 1},
+            {"vocab", vocab},
+            {"min_length", min_length},
+            {"max_length", max_length}};
+  nlohmann::json layer = {{"layers", layers},
                           {"heads", 2},
                           {"d_model", 32},
                           {"feed_forward_dimensions", 64},
@@ -657,6 +644,13 @@ TEST(TrainerTest, LearnsToReverseWithGreedyDecoding) {
   c.model = {{"encoder", layer}, {"decoder", layer}};
   c.optimizer.name = "adam";
   c.optimizer.lr = 3e-3;
+  return c;
+}
+
+}  // namespace
+
+TEST(TrainerTest, LearnsToReverseWithGreedyDecoding) {
+  auto c = reverse_config(/*vocab=*/4, /*min_length=*/2, /*max_length=*/6, /*layers=*/1);
   c.batch_size = 32;
   c.steps = 600;
   c.seed = 3;
@@ -676,20 +670,7 @@ TEST(TrainerTest, LearnsToReverseWithGreedyDecoding) {
 // checkpoint lacks is refused by name.
 TEST(TrainerTest, StepDecodingEqualsRerunAndWeightsLoadUnderOtherTypes) {
   TempDir dir;
-  TrainConfig c;
-  c.task = {{"name", "transduction"},
-            {"mode", "reverse"},
-            {"vocab", 5},
-            {"min_length", 3},
-            {"max_length", 9}};
-  nlohmann::json layer = {{"layers", 2},
-                          {"heads", 2},
-                          {"d_model", 32},
-                          {"feed_forward_dimensions", 64},
-                          {"dropout", 0.0}};
-  c.model = {{"encoder", layer}, {"decoder", layer}};
-  c.optimizer.name = "adam";
-  c.optimizer.lr = 3e-3;
+  auto c = reverse_config(/*vocab=*/5, /*min_length=*/3, /*max_length=*/9, /*layers=*/2);
   c.batch_size = 16;
   c.steps = 120;
   c.eval_batches = 2;
