@@ -29,6 +29,18 @@ torch::Tensor full_attention(const torch::Tensor& q, const torch::Tensor& k, con
                              bool causal = false,
                              std::optional<double> softmax_temp = std::nullopt);
 
+// full_attention (key lengths only, not causal) that also returns the row
+// log-sum-exp of the scaled scores, lse (N, H, L) (-inf for a row that sees no
+// key), and each row's topk key indices by descending score,
+// top_idx (N, H, L, topk) int64 (ties: lower index first; a row with fewer
+// than topk kept keys is completed with the lowest indices not in it).
+// 0 <= topk <= S. Gradients flow to q, k and v from out and from lse; top_idx
+// is not differentiable. The centroid step of improved clustered attention.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> full_attention_lse_topk(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+    const std::optional<torch::Tensor>& key_lengths = std::nullopt,
+    std::optional<double> softmax_temp = std::nullopt, int64_t topk = 0);
+
 // Causal linear product (unnormalised causal linear attention, Katharopoulos
 // et al. 2020): q, k already feature-mapped (N, H, L, F), v (N, H, L, M) ->
 // (N, H, L, M) with out_i = sum_{j<=i} (q_i·k_j) v_j. Chunked kernels with a

@@ -5,11 +5,14 @@
 // Pipeline: hash_queries -> cluster_codes (our kernels) -> centroids as the
 // mean of the members (index_add, differentiable) -> fused full attention of
 // the C centroids over the S keys -> broadcast to the members (index_select).
-// Improved: the centroid attention (N,H,C,S) is materialised (linear in S) to
-// take its top-k keys per cluster; each query's exact attention on its
-// cluster's k keys is the clustered_topk_attention op (reads the keys in
-// place, O(L·k·(E+M)) time). Only training with dropout > 0 takes an ATen
-// path that gathers (N,H,L,k,E) keys and (N,H,L,k,M) values.
+// Improved: one fused pass of the centroids over the keys
+// (full_attention_lse_topk) gives each centroid's full output, log-sum-exp and
+// top-k keys; the top-k weights are exp(score - lse), the rest of the keys
+// keep the centroid weights (full output minus the top-k share); each query's
+// exact attention on its cluster's k keys is the clustered_topk_attention op
+// (per cluster, small dense products, O(L·k·(E+M)) time). Only training with
+// dropout > 0 materialises the centroid weights (N,H,C,S) and gathers
+// (N,H,L,k,E) keys and (N,H,L,k,M) values through ATen.
 // Causal improved: prefix top-k sets per cluster and block of local_context
 // positions (a running top-k over the blocks, selection only), then per query
 // an exact softmax over its set (keys <= i - w) and its window (i-w+1 .. i),
@@ -180,26 +183,43 @@ Tensor improved_clustered_attention(const Tensor& queries, const Tensor& keys, c
   if (S == 0) return torch::zeros({N, H, L, M}, queries.options());
   const int64_t k = std::min(topk, S);
   const double temp = temp_or_default(queries, softmax_temp);
-  const auto keep = key_keep(key_lengths, N, S, keys.device());  // (N, 1, 1, S)
-
-  // Centroid attention A^c (N, H, C, S), its top-k keys and masses (eq. 9).
-  auto centroids = cluster_centroids(queries, clusters);
-  auto probs_c = masked_softmax(torch::matmul(centroids, keys.transpose(-1, -2)) * temp, keep);
-  auto [top_p, top_idx] = probs_c.topk(k, -1);  // (N, H, C, k)
-  auto mass = top_p.sum(-1);                    // (N, H, C): m̂_j
-  // The keys outside the top-k keep the centroid's weights.
-  auto rest = probs_c.scatter(-1, top_idx, 0.0);
-  auto rest_values = torch::matmul(maybe_dropout(rest, dropout), values);  // (N, H, C, M)
-
-  // Per query: exact scores on its cluster's k keys (eq. 10).
-  Tensor top_values;  // (N, H, L, M)
-  if (dropout == 0) {
-    top_values = clustered_topk_attention(queries, keys, values, top_idx, mass,
-                                          clusters.assignments, key_lengths, temp);
-  } else {
-    top_values = top_part_with_dropout(queries, keys, values, clusters, top_idx, mass, key_lengths,
-                                       temp, dropout);
+  auto centroids = cluster_centroids(queries, clusters);  // (N, H, C, E)
+  if (dropout > 0) {
+    // Dropout acts on the centroid weights, so they are materialised:
+    // A^c (N, H, C, S), its top-k keys and masses (eq. 9); the keys outside
+    // the top-k keep the centroid's weights.
+    const auto keep = key_keep(key_lengths, N, S, keys.device());  // (N, 1, 1, S)
+    auto probs_c = masked_softmax(torch::matmul(centroids, keys.transpose(-1, -2)) * temp, keep);
+    auto [top_p, top_idx] = probs_c.topk(k, -1);  // (N, H, C, k)
+    auto mass = top_p.sum(-1);                    // (N, H, C): m̂_j
+    auto rest = probs_c.scatter(-1, top_idx, 0.0);
+    auto rest_values = torch::matmul(maybe_dropout(rest, dropout), values);  // (N, H, C, M)
+    return top_part_with_dropout(queries, keys, values, clusters, top_idx, mass, key_lengths, temp,
+                                 dropout) +
+           broadcast_to_queries(rest_values, clusters);
   }
+  // Fused centroid attention: the full output o^c, the log-sum-exp and the
+  // top-k keys of every centroid in one pass, never (N, H, C, S). The top-k
+  // weights are exp(score - lse); the rest is o^c minus their share.
+  auto [out_c, lse_c, top_idx] =
+      full_attention_lse_topk(centroids, keys, values, key_lengths, temp, k);
+  const int64_t C = centroids.size(2), E = queries.size(3);
+  auto rows =
+      (torch::arange(N * H, top_idx.options()).view({N, H, 1, 1}) * S + top_idx).reshape({-1});
+  auto k_top = keys.reshape({N * H * S, E}).index_select(0, rows).view({N, H, C, k, E});
+  auto v_top = values.reshape({N * H * S, M}).index_select(0, rows).view({N, H, C, k, M});
+  auto s_top = torch::matmul(k_top, centroids.unsqueeze(-1)).squeeze(-1) * temp;  // (N, H, C, k)
+  auto kept = key_lengths
+                  ? top_idx.lt(key_lengths->to(keys.device(), torch::kLong).view({N, 1, 1, 1}))
+                  : torch::ones_like(top_idx, top_idx.options().dtype(torch::kBool));
+  auto p_top = torch::exp(
+      torch::where(kept, s_top - lse_c.unsqueeze(-1),
+                   torch::full({}, -std::numeric_limits<double>::infinity(), s_top.options())));
+  auto mass = p_top.sum(-1);  // (N, H, C): m̂_j
+  auto rest_values = out_c - torch::matmul(p_top.unsqueeze(-2), v_top).squeeze(-2);  // (N,H,C,M)
+  // Per query: exact scores on its cluster's k keys (eq. 10).
+  auto top_values = clustered_topk_attention(queries, keys, values, top_idx, mass,
+                                             clusters.assignments, key_lengths, temp);
   return top_values + broadcast_to_queries(rest_values, clusters);
 }
 

@@ -86,13 +86,19 @@ std::tuple<Tensor, Tensor> full_attention_forward_cpu(const Tensor& q, const Ten
 std::tuple<Tensor, Tensor, Tensor> full_attention_backward_cpu(
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
     const Tensor& lse, const c10::optional<Tensor>& attn_mask,
-    const c10::optional<Tensor>& key_lengths, bool causal, double softmax_temp) {
+    const c10::optional<Tensor>& key_lengths, bool causal, double softmax_temp,
+    const c10::optional<Tensor>& grad_lse) {
   check_inputs(q, k, v, attn_mask, key_lengths);
   const auto p = prepare(q, k, v, attn_mask, key_lengths);
   TORCH_CHECK(grad_out.sizes() == out.sizes(), kOp, ": grad_out must have shape ", out.sizes(),
               ", got ", grad_out.sizes());
+  TORCH_CHECK(!grad_lse || grad_lse->sizes() == lse.sizes(), kOp, ": grad_lse must have shape ",
+              lse.sizes(), ", got ", grad_lse ? grad_lse->sizes() : torch::IntArrayRef{});
   auto go = grad_out.to(q.scalar_type()).contiguous();
-  auto delta = (go * out).sum(-1).contiguous();  // (N, H, L)
+  // d lse / d score_j = P_j: a gradient on lse enters as -grad_lse in delta.
+  auto delta = (go * out).sum(-1);  // (N, H, L)
+  if (grad_lse) delta = delta - grad_lse->to(q.scalar_type());
+  delta = delta.contiguous();
   auto lse_c = lse.contiguous();
   auto gq = torch::empty_like(p.q), gk = torch::empty_like(p.k), gv = torch::empty_like(p.v);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "full_attention_backward_cpu", [&] {
@@ -155,13 +161,99 @@ class FullAttentionFunction : public torch::autograd::Function<FullAttentionFunc
     auto opt = [](const c10::IValue& t) {
       return t.toTensor().defined() ? c10::optional<Tensor>(t.toTensor()) : c10::nullopt;
     };
-    auto [gq, gk, gv] =
-        op.call(grads[0], saved[0], saved[1], saved[2], saved[3], saved[4],
-                opt(ctx->saved_data["attn_mask"]), opt(ctx->saved_data["key_lengths"]),
-                ctx->saved_data["causal"].toBool(), ctx->saved_data["temp"].toDouble());
+    auto [gq, gk, gv] = op.call(
+        grads[0], saved[0], saved[1], saved[2], saved[3], saved[4],
+        opt(ctx->saved_data["attn_mask"]), opt(ctx->saved_data["key_lengths"]),
+        ctx->saved_data["causal"].toBool(), ctx->saved_data["temp"].toDouble(), c10::nullopt);
     return {gq, gk, gv, Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
+
+// ---- full_attention_lse_topk ------------------------------------------------------
+
+constexpr const char* kLseTopkOp = "fastattn::full_attention_lse_topk";
+
+std::tuple<Tensor, Tensor, Tensor> full_attention_lse_topk_forward_cpu(
+    const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& key_lengths,
+    double softmax_temp, int64_t topk) {
+  ops::check_qkv(kLseTopkOp, q, k, v);
+  ops::check_masks(kLseTopkOp, q, k.size(2), std::nullopt, to_std(key_lengths));
+  TORCH_CHECK(topk >= 0 && topk <= k.size(2), kLseTopkOp, ": topk must be in [0, S] = [0, ",
+              k.size(2), "], got ", topk);
+  const auto p = prepare(q, k, v, c10::nullopt, key_lengths);
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2);
+  auto out = torch::empty({N, H, L, v.size(3)}, q.options());
+  auto lse = torch::empty({N, H, L}, q.options());
+  auto idx = torch::empty({N, H, L, topk}, q.options().dtype(torch::kLong));
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "full_attention_lse_topk_forward_cpu", [&] {
+    kernels::FullAttentionForwardArgs<scalar_t> a;
+    fill_params<scalar_t>(a, p, /*causal=*/false, softmax_temp);
+    a.out = out.data_ptr<scalar_t>();
+    a.lse = lse.data_ptr<scalar_t>();
+    a.topk = topk;
+    a.top_idx = idx.data_ptr<int64_t>();
+    kernels::full_attention_forward_cpu(a);
+  });
+  return {out, lse, idx};
+}
+
+std::tuple<Tensor, Tensor, Tensor> call_lse_topk_forward(const Tensor& q, const Tensor& k,
+                                                         const Tensor& v,
+                                                         const c10::optional<Tensor>& key_lengths,
+                                                         double temp, int64_t topk) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastattn::full_attention_lse_topk_forward", "")
+                       .typed<decltype(full_attention_lse_topk_forward_cpu)>();
+  return op.call(q, k, v, key_lengths, temp, topk);
+}
+
+std::tuple<Tensor, Tensor, Tensor> full_attention_lse_topk_no_grad(
+    const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& key_lengths,
+    c10::optional<double> softmax_temp, int64_t topk) {
+  ops::check_qkv(kLseTopkOp, q, k, v);
+  return call_lse_topk_forward(q, k, v, key_lengths,
+                               ops::resolve_softmax_temp(kLseTopkOp, q, softmax_temp), topk);
+}
+
+class FullAttentionLseTopkFunction
+    : public torch::autograd::Function<FullAttentionLseTopkFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k,
+                               const Tensor& v, const c10::optional<Tensor>& key_lengths,
+                               c10::optional<double> softmax_temp, int64_t topk) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    ops::check_qkv(kLseTopkOp, q, k, v);
+    const double temp = ops::resolve_softmax_temp(kLseTopkOp, q, softmax_temp);
+    auto [out, lse, idx] = call_lse_topk_forward(q, k, v, key_lengths, temp, topk);
+    ctx->save_for_backward({q, k, v, out, lse});
+    ctx->saved_data["key_lengths"] = key_lengths ? *key_lengths : Tensor();
+    ctx->saved_data["temp"] = temp;
+    ctx->mark_non_differentiable({idx});
+    return {out, lse, idx};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("fastattn::full_attention_backward", "")
+                         .typed<decltype(full_attention_backward_cpu)>();
+    const auto saved = ctx->get_saved_variables();
+    const Tensor& klen = ctx->saved_data["key_lengths"].toTensor();
+    auto grad_out = grads[0].defined() ? grads[0] : torch::zeros_like(saved[3]);
+    auto [gq, gk, gv] =
+        op.call(grad_out, saved[0], saved[1], saved[2], saved[3], saved[4], c10::nullopt,
+                klen.defined() ? c10::optional<Tensor>(klen) : c10::nullopt,
+                /*causal=*/false, ctx->saved_data["temp"].toDouble(),
+                grads[1].defined() ? c10::optional<Tensor>(grads[1]) : c10::nullopt);
+    return {gq, gk, gv, Tensor(), Tensor(), Tensor()};
+  }
+};
+
+std::tuple<Tensor, Tensor, Tensor> full_attention_lse_topk_autograd(
+    const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& key_lengths,
+    c10::optional<double> softmax_temp, int64_t topk) {
+  auto r = FullAttentionLseTopkFunction::apply(q, k, v, key_lengths, softmax_temp, topk);
+  return {r[0], r[1], r[2]};
+}
 
 Tensor full_attention_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
                                const c10::optional<Tensor>& attn_mask,
@@ -176,9 +268,14 @@ TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
   m.impl("full_attention", full_attention_no_grad);
   m.impl("full_attention_forward", full_attention_forward_cpu);
   m.impl("full_attention_backward", full_attention_backward_cpu);
+  m.impl("full_attention_lse_topk", full_attention_lse_topk_no_grad);
+  m.impl("full_attention_lse_topk_forward", full_attention_lse_topk_forward_cpu);
 }
 
-TORCH_LIBRARY_IMPL(fastattn, Autograd, m) { m.impl("full_attention", full_attention_autograd); }
+TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
+  m.impl("full_attention", full_attention_autograd);
+  m.impl("full_attention_lse_topk", full_attention_lse_topk_autograd);
+}
 
 Tensor full_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                       const std::optional<Tensor>& attn_mask,
@@ -189,6 +286,18 @@ Tensor full_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                        .findSchemaOrThrow("fastattn::full_attention", "")
                        .typed<decltype(full_attention_no_grad)>();
   return op.call(q, k, v, to_c10(attn_mask), to_c10(key_lengths), causal, to_c10(softmax_temp));
+}
+
+std::tuple<Tensor, Tensor, Tensor> full_attention_lse_topk(const Tensor& q, const Tensor& k,
+                                                           const Tensor& v,
+                                                           const std::optional<Tensor>& key_lengths,
+                                                           std::optional<double> softmax_temp,
+                                                           int64_t topk) {
+  ops::check_defined(kLseTopkOp, {"q", "k", "v"}, {q, k, v});
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastattn::full_attention_lse_topk", "")
+                       .typed<decltype(full_attention_lse_topk_no_grad)>();
+  return op.call(q, k, v, to_c10(key_lengths), to_c10(softmax_temp), topk);
 }
 
 }  // namespace fastattn

@@ -14,10 +14,20 @@ TORCH_LIBRARY(fastattn, m) {
       "full_attention_forward(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, "
       "Tensor? key_lengths, bool causal, float softmax_temp) -> (Tensor, Tensor)");
   // Backward kernel: recomputes the scores per tile from the saved lse.
+  // grad_lse: the gradient with respect to lse where lse is an output too.
   m.def(
       "full_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
-      "Tensor lse, Tensor? attn_mask, Tensor? key_lengths, bool causal, float softmax_temp) "
-      "-> (Tensor, Tensor, Tensor)");
+      "Tensor lse, Tensor? attn_mask, Tensor? key_lengths, bool causal, float softmax_temp, "
+      "Tensor? grad_lse=None) -> (Tensor, Tensor, Tensor)");
+  // Fused attention that also returns the row log-sum-exp (differentiable)
+  // and each row's topk key indices by score (the centroid step of improved
+  // clustered attention): -> (out (N,H,L,M), lse (N,H,L), top_idx (N,H,L,topk)).
+  m.def(
+      "full_attention_lse_topk(Tensor q, Tensor k, Tensor v, Tensor? key_lengths=None, "
+      "float? softmax_temp=None, int topk=0) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "full_attention_lse_topk_forward(Tensor q, Tensor k, Tensor v, Tensor? key_lengths, "
+      "float softmax_temp, int topk) -> (Tensor, Tensor, Tensor)");
 
   // ---- causal linear attention (Katharopoulos et al. 2020) -----------------
   // q, k feature-mapped (N,H,L,F), v (N,H,L,M) -> (N,H,L,M):

@@ -114,7 +114,9 @@ INSTANTIATE_TEST_SUITE_P(
                       Cfg{"clustered_lengths", 2, 2, 37, 29, 8, 5, 4, 3, {29, 11}, {37, 20}, false},
                       Cfg{"improved", 2, 2, 37, 29, 8, 5, 4, 3},
                       Cfg{"improved_lengths", 3, 1, 33, 40, 7, 6, 5, 6, {40, 3, 0}, {33, 9, 2}},
-                      Cfg{"improved_topk_gt_S", 1, 2, 20, 9, 4, 4, 3, 50}),
+                      Cfg{"improved_topk_gt_S", 1, 2, 20, 9, 4, 4, 3, 50},
+                      // Clusters of > 96 members: several blocks of queries per cluster.
+                      Cfg{"improved_large_clusters", 1, 1, 230, 50, 8, 6, 2, 7, {45}, {}}),
     [](const ::testing::TestParamInfo<Cfg>& info) { return info.param.name; });
 
 TEST(ImprovedClustered, TopkSEqualsFull) {

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <array>
 #include <map>
 #include <random>
 #include <set>
@@ -140,6 +141,51 @@ TEST(ClusterCodes, RecoversPlantedClusters) {
       auto [a, counts] = cluster_codes(codes, lengths, 8, 10, seed);
       SCOPED_TRACE("bits=" + std::to_string(bits) + " seed=" + std::to_string(seed));
       expect_same_partition(a, groups, lengths);
+    }
+  }
+}
+
+// Long sequences (>= 1024 valid queries) take the byte-table assignment.
+// At a fixed point (enough iterations) every valid query's cluster is the
+// lowest-index nearest centroid, each centroid the majority of its members.
+TEST(ClusterCodes, LongSequencesEndAtANearestCentroidFixedPoint) {
+  for (int bits : {63, 64}) {
+    for (int64_t C : {40, 70}) {
+      SCOPED_TRACE("bits=" + std::to_string(bits) + " C=" + std::to_string(C));
+      auto [codes, groups] = planted(2, 2, 2500, 60, bits, 4, 17 + bits + C);
+      auto lengths = torch::tensor({2500, 1100}, torch::kLong);
+      auto [a, counts] = cluster_codes(codes, lengths, C, 100, 5);
+      auto ac = a.accessor<int64_t, 3>();
+      auto cc = codes.accessor<int64_t, 3>();
+      for (int64_t n = 0; n < 2; ++n) {
+        for (int64_t h = 0; h < 2; ++h) {
+          const int64_t len = lengths[n].item<int64_t>();
+          std::vector<std::array<int64_t, 64>> ones(C);
+          std::vector<int64_t> members(C, 0);
+          for (auto& o : ones) o.fill(0);
+          for (int64_t l = 0; l < len; ++l) {
+            ASSERT_GE(ac[n][h][l], 0);
+            ASSERT_LT(ac[n][h][l], C);
+            ++members[ac[n][h][l]];
+            for (int b = 0; b < 64; ++b) ones[ac[n][h][l]][b] += (uint64_t(cc[n][h][l]) >> b) & 1;
+          }
+          std::vector<uint64_t> centre(C, 0);
+          for (int64_t c = 0; c < C; ++c) {
+            ASSERT_GE(members[c], 1) << "empty cluster " << c;
+            for (int b = 0; b < 64; ++b)
+              if (2 * ones[c][b] > members[c]) centre[c] |= uint64_t(1) << b;
+          }
+          for (int64_t l = 0; l < len; ++l) {
+            const uint64_t x = cc[n][h][l];
+            int64_t best_c = 0;
+            for (int64_t c = 1; c < C; ++c) {
+              if (__builtin_popcountll(x ^ centre[c]) < __builtin_popcountll(x ^ centre[best_c]))
+                best_c = c;
+            }
+            ASSERT_EQ(ac[n][h][l], best_c) << "n=" << n << " h=" << h << " l=" << l;
+          }
+        }
+      }
     }
   }
 }

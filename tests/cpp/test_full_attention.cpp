@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <set>
+
 #include "fastattn/ops.h"
 #include "op_harness.h"
 
@@ -196,6 +198,99 @@ TEST(FullAttention, EmptyInputs) {
   auto out2 = full_attention(torch::randn({1, 2, 5, 4}), torch::randn({1, 2, 0, 4}),
                              torch::randn({1, 2, 0, 3}));
   EXPECT_EQ(out2.abs().sum().item<double>(), 0.0);
+}
+
+// ---- full_attention_lse_topk --------------------------------------------------
+
+// Reference lse of the kept scaled scores (-inf for a row without keys).
+torch::Tensor reference_lse(const torch::Tensor& q, const torch::Tensor& k,
+                            const std::optional<torch::Tensor>& lengths, double temp) {
+  auto s = torch::matmul(q, k.transpose(-1, -2)) * temp;
+  if (lengths) {
+    auto drop = torch::arange(k.size(2)).view({1, 1, 1, -1}).ge(lengths->view({-1, 1, 1, 1}));
+    s = s.masked_fill(drop, -INFINITY);
+  }
+  return torch::logsumexp(s, -1);
+}
+
+// out and lse both carry gradients: the case checks out + w·lse for a fixed
+// random weight w, so a missing or wrong lse gradient shows.
+TEST(FullAttentionLseTopk, OutAndLseMatchReferenceWithGradients) {
+  for (bool with_lengths : {false, true}) {
+    SCOPED_TRACE(with_lengths ? "key lengths" : "no key lengths");
+    std::optional<torch::Tensor> lengths;
+    if (with_lengths) lengths = torch::tensor({23, 9}, torch::kLong);
+    torch::manual_seed(7);
+    const auto w = torch::randn({2, 3, 19, 1}, torch::kDouble);
+    OpCase oc;
+    oc.name = "lse_topk";
+    oc.make_inputs = [](uint64_t seed) -> Inputs {
+      torch::manual_seed(seed);
+      return {torch::randn({2, 3, 19, 8}, torch::kDouble),
+              torch::randn({2, 3, 23, 8}, torch::kDouble),
+              torch::randn({2, 3, 23, 5}, torch::kDouble)};
+    };
+    oc.op = [lengths, w](const Inputs& x) {
+      auto [out, lse, idx] = full_attention_lse_topk(x[0], x[1], x[2], lengths, 0.4, 4);
+      return out + w.to(out.scalar_type()) * lse.unsqueeze(-1);
+    };
+    oc.reference = [lengths, w](const Inputs& x) {
+      auto out = reference::full_attention(x[0], x[1], x[2], std::nullopt, lengths, false, 0.4);
+      return out + w * reference_lse(x[0], x[1], lengths, 0.4).unsqueeze(-1);
+    };
+    oc.f64_tol = 1e-12;
+    oc.f32_tol = 2e-5;  // as full attention; lse is O(1) here
+    testing::check_op(oc);
+  }
+}
+
+TEST(FullAttentionLseTopk, TopIndicesAreTheBestKeptKeysInOrder) {
+  torch::manual_seed(3);
+  // S = 300 spans several key tiles of the kernel.
+  auto q = torch::randn({2, 2, 11, 16}), k = torch::randn({2, 2, 300, 16}),
+       v = torch::randn({2, 2, 300, 4});
+  auto lengths = torch::tensor({300, 150}, torch::kLong);
+  auto [out, lse, idx] = full_attention_lse_topk(q, k, v, lengths, std::nullopt, 7);
+  ASSERT_EQ(idx.sizes(), (std::vector<int64_t>{2, 2, 11, 7}));
+  auto s = torch::matmul(q.to(torch::kDouble), k.to(torch::kDouble).transpose(-1, -2));
+  s = s.masked_fill(torch::arange(300).view({1, 1, 1, -1}).ge(lengths.view({-1, 1, 1, 1})),
+                    -INFINITY);
+  auto expected = std::get<1>(s.topk(7, -1));  // sorted, descending
+  EXPECT_TRUE(torch::equal(idx, expected));
+  // The same output as full_attention.
+  EXPECT_LT((out - full_attention(q, k, v, std::nullopt, lengths)).abs().max().item<double>(),
+            1e-6);
+}
+
+TEST(FullAttentionLseTopk, RowsWithFewerKeysAreCompletedAndLseIsMinusInfinity) {
+  auto q = torch::randn({2, 1, 3, 4}), k = torch::randn({2, 1, 6, 4}),
+       v = torch::randn({2, 1, 6, 2});
+  auto lengths = torch::tensor({2, 0}, torch::kLong);
+  auto [out, lse, idx] = full_attention_lse_topk(q, k, v, lengths, std::nullopt, 4);
+  for (int64_t l = 0; l < 3; ++l) {
+    // Element 0: its 2 kept keys first (in score order), then 2 and 3.
+    auto row = idx[0][0][l];
+    std::set<int64_t> first{row[0].item<int64_t>(), row[1].item<int64_t>()};
+    EXPECT_EQ(first, (std::set<int64_t>{0, 1}));
+    EXPECT_EQ(row[2].item<int64_t>(), 2);
+    EXPECT_EQ(row[3].item<int64_t>(), 3);
+    // Element 1 keeps no key: indices 0..3, lse -inf, zeros out.
+    EXPECT_TRUE(torch::equal(idx[1][0][l], torch::arange(4)));
+  }
+  EXPECT_TRUE(torch::isinf(lse[1]).all().item<bool>());
+  EXPECT_EQ(out[1].abs().sum().item<double>(), 0.0);
+}
+
+TEST(FullAttentionLseTopk, BadInputsNameTheArgument) {
+  auto q = torch::randn({1, 2, 5, 4}), k = torch::randn({1, 2, 6, 4}),
+       v = torch::randn({1, 2, 6, 3});
+  expect_error([&] { full_attention_lse_topk(q, k, v, std::nullopt, std::nullopt, 7); },
+               "topk must be in [0, S] = [0, 6], got 7");
+  expect_error([&] { full_attention_lse_topk(q, k, v, std::nullopt, std::nullopt, -1); }, "topk");
+  expect_error([&] { full_attention_lse_topk(q, k.narrow(3, 0, 3), v); }, "k must agree with q");
+  expect_error(
+      [&] { full_attention_lse_topk(q, k, v, torch::tensor({7}, torch::kLong), std::nullopt, 1); },
+      "key_lengths");
 }
 
 }  // namespace

@@ -25,8 +25,10 @@
 //    the empty cluster and its code becomes the centroid. Since C_eff <= valid
 //    queries, every cluster c < C_eff ends with >= 1 member.
 //
-// Cost per (n, h): O(L·C_eff) per assignment (popcount distances), O(L·B)
-// per centroid update; (iterations + 2)·L·C_eff popcounts in all (seeding counts as one pass).
+// Cost per (n, h): O(L·C_eff) per assignment (8 byte-table rows of C_eff
+// bytes per query from 1024 valid queries on, popcounts below), O(L) per
+// centroid update (64 byte counters per cluster), O(L·C_eff) popcounts for
+// the seeding.
 // Memory O(L + 64·C) per thread. Parallel over N·H. Tested by tests/cpp/test_clustering.cpp
 // (ClusterCodes.*).
 #pragma once

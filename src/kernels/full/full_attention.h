@@ -1,7 +1,8 @@
 // Fused softmax attention on the CPU: FlashAttention-style tiling with an
 // online softmax (forward) and per-tile recomputation from the saved row
 // log-sum-exp (backward). Never materialises the L×S matrix: extra memory is
-// one packed copy of K (and V in backward) plus per-thread tiles.
+// per-thread tiles (each key tile is packed where it is used), plus per-split
+// dQ copies in backward when there are fewer heads than threads.
 //
 // Cost: forward 4·N·H·L·S·E flops (E = M), backward 2.5× that.
 // Tested by tests/cpp/test_full_attention.cpp; timed by bench/bench_full_attention.cpp.
@@ -31,16 +32,24 @@ template <typename T>
 struct FullAttentionForwardArgs : FullAttentionParams<T> {
   T* out = nullptr;  // (N, H, L, M)
   T* lse = nullptr;  // (N, H, L): log-sum-exp of the kept scaled scores, -inf if none
+  // Optional: the topk (>= 1, <= S) keys of each row with the highest kept
+  // scores, by descending score (ties: lower index first), into
+  // top_idx (N, H, L, topk); a row with fewer kept keys is completed with the
+  // lowest indices not yet in it. Without a mask and not causal.
+  int64_t topk = 0;
+  int64_t* top_idx = nullptr;
 };
 
 template <typename T>
 struct FullAttentionBackwardArgs : FullAttentionParams<T> {
   const T* grad_out = nullptr;  // (N, H, L, M) contiguous
   const T* lse = nullptr;       // (N, H, L) from the forward
-  const T* delta = nullptr;     // (N, H, L): rowsum(grad_out ∘ out)
-  T* grad_q = nullptr;          // (N, H, L, E), written
-  T* grad_k = nullptr;          // (N, H, S, E), written
-  T* grad_v = nullptr;          // (N, H, S, M), written
+  // (N, H, L): rowsum(grad_out ∘ out), minus the gradient of the loss with
+  // respect to the forward's lse where that is an output too.
+  const T* delta = nullptr;
+  T* grad_q = nullptr;  // (N, H, L, E), written
+  T* grad_k = nullptr;  // (N, H, S, E), written
+  T* grad_v = nullptr;  // (N, H, S, M), written
 };
 
 template <typename T>

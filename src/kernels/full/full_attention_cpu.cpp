@@ -17,6 +17,7 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "kernels/common/gemm.h"
@@ -38,22 +39,6 @@ inline int64_t visible_cols(bool causal, int64_t i, int64_t offset, int64_t j0, 
   return std::clamp<int64_t>(i + offset + 1 - j0, 0, cols);
 }
 
-// Packs K (and V) of every (n, h) into transposed panels for gemm_packed:
-// out is (N·H, S_pad / NR panels, D, NR).
-template <typename T>
-std::unique_ptr<T[]> pack_all(const T* x, int64_t NH, int64_t S, int64_t D, int64_t S_pad,
-                              int num_threads) {
-  std::unique_ptr<T[]> out(new T[static_cast<size_t>(NH * S_pad * D)]);
-  T* o = out.get();
-  struct None {};
-  parallel_items<None>(
-      NH, num_threads, [](None&) {},
-      [&](int64_t nh, None&) {
-        pack_transposed_panels(x + nh * S * D, S, D, D, S_pad, o + nh * S_pad * D);
-      });
-  return out;
-}
-
 // Scales a row of scores, adds the mask row and cuts it at `limit` (the rest
 // up to `width` becomes -inf).
 template <typename T>
@@ -68,8 +53,50 @@ inline void prepare_scores(T* row, const T* mask_row, int64_t limit, int64_t wid
 
 template <typename T>
 struct ForwardScratch {
-  std::vector<T> s, o, m, l;
+  std::vector<T> kp, s, o, m, l;  // kp: the key tile packed for gemm_packed
+  // Top-k tracking: per row a min-heap of (score, -index) pairs.
+  std::vector<std::vector<std::pair<T, int64_t>>> heaps;
 };
+
+// Heap order for the top-k: the root is the worst kept entry, i.e. the lowest
+// score, and among equal scores the highest index (entries hold -index).
+template <typename T>
+inline bool worse_first(const std::pair<T, int64_t>& a, const std::pair<T, int64_t>& b) {
+  return a > b;
+}
+
+// Offers the scaled, masked scores row[0, cols) of keys j0.. to a top-k heap.
+template <typename T>
+inline void offer_topk(const T* row, int64_t cols, int64_t j0, int64_t topk,
+                       std::vector<std::pair<T, int64_t>>& heap) {
+  for (int64_t c = 0; c < cols; ++c) {
+    const T x = row[c];
+    if (!(x > neg_inf<T>())) continue;  // dropped key (or NaN)
+    if (static_cast<int64_t>(heap.size()) < topk) {
+      heap.emplace_back(x, -(j0 + c));
+      std::push_heap(heap.begin(), heap.end(), worse_first<T>);
+    } else if (x > heap.front().first) {
+      std::pop_heap(heap.begin(), heap.end(), worse_first<T>);
+      heap.back() = {x, -(j0 + c)};
+      std::push_heap(heap.begin(), heap.end(), worse_first<T>);
+    }
+  }
+}
+
+// Writes a row's top-k indices by descending score, completed with the
+// lowest indices not in it; empties the heap.
+template <typename T>
+void write_topk(std::vector<std::pair<T, int64_t>>& heap, int64_t topk, int64_t* out) {
+  std::sort_heap(heap.begin(), heap.end(), worse_first<T>);  // best first
+  int64_t n = 0;
+  for (const auto& e : heap) out[n++] = -e.second;
+  std::vector<int64_t> taken(out, out + n);
+  std::sort(taken.begin(), taken.end());
+  for (int64_t j = 0; n < topk; ++j) {
+    if (!std::binary_search(taken.begin(), taken.end(), j)) out[n++] = j;
+  }
+  heap.clear();
+}
 
 }  // namespace
 
@@ -79,25 +106,28 @@ void full_attention_forward_cpu(const FullAttentionForwardArgs<T>& a) {
   const int64_t NH = N * H;
   if (NH == 0 || L == 0) return;
   constexpr int64_t NR = panel_width<T>();
-  const int64_t S_pad = round_up(std::max<int64_t>(S, 1), NR);
-  const auto kp = pack_all(a.k, NH, S, E, S_pad, a.num_threads);
   const int64_t q_tiles = (L + kFwdBr - 1) / kFwdBr;
   const int64_t offset = S - L;
 
   parallel_items<ForwardScratch<T>>(
       NH * q_tiles, a.num_threads,
       [&](ForwardScratch<T>& w) {
+        w.kp.resize(kFwdBc * E);
         w.s.resize(kFwdBr * kFwdBc);
         w.o.resize(kFwdBr * M);
         w.m.resize(kFwdBr);
         w.l.resize(kFwdBr);
+        if (a.topk > 0) {
+          w.heaps.resize(kFwdBr);
+          for (auto& h : w.heaps) h.reserve(a.topk);
+        }
       },
       [&](int64_t item, ForwardScratch<T>& w) {
         const int64_t nh = item / q_tiles, n = nh / H, h = nh % H;
         const int64_t i0 = (item % q_tiles) * kFwdBr;
         const int64_t rows = std::min(kFwdBr, L - i0);
         const T* q = a.q + (nh * L + i0) * E;
-        const T* kph = kp.get() + nh * S_pad * E;
+        const T* kh = a.k + nh * S * E;
         const T* vh = a.v + nh * S * M;
         int64_t kend = a.key_lengths ? a.key_lengths[n] : S;
         if (a.causal) kend = std::min(kend, i0 + rows + offset);
@@ -107,13 +137,17 @@ void full_attention_forward_cpu(const FullAttentionForwardArgs<T>& a) {
         for (int64_t j0 = 0; j0 < kend; j0 += kFwdBc) {
           const int64_t cols = std::min(kFwdBc, kend - j0);
           const int64_t width = round_up(cols, NR);
-          gemm_packed(rows, width, E, q, E, kph + j0 * E, w.s.data(), kFwdBc, false);
+          // Packed per tile (32 KiB, cheap next to the tile's products) rather
+          // than once per call: no S·E buffer to allocate and fault in.
+          pack_transposed_panels(kh + j0 * E, cols, E, E, width, w.kp.data());
+          gemm_packed(rows, width, E, q, E, w.kp.data(), w.s.data(), kFwdBc, false);
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t i = i0 + r;
             T* row = w.s.data() + r * kFwdBc;
             const T* mrow =
                 a.mask ? a.mask + n * a.mask_sn + h * a.mask_sh + i * a.mask_sl + j0 : nullptr;
             prepare_scores(row, mrow, visible_cols(a.causal, i, offset, j0, cols), width, a.scale);
+            if (a.topk > 0) offer_topk(row, cols, j0, a.topk, w.heaps[r]);
             const T m_new = std::max(w.m[r], row_max(row, width));
             if (m_new == neg_inf<T>()) {  // nothing kept so far in this row
               std::fill(row, row + width, T(0));
@@ -137,6 +171,7 @@ void full_attention_forward_cpu(const FullAttentionForwardArgs<T>& a) {
           const T inv = l > T(0) ? T(1) / l : T(0);
           for (int64_t c = 0; c < M; ++c) out[r * M + c] = w.o[r * M + c] * inv;
           lse[r] = l > T(0) ? w.m[r] + std::log(l) : neg_inf<T>();
+          if (a.topk > 0) write_topk(w.heaps[r], a.topk, a.top_idx + (nh * L + i0 + r) * a.topk);
         }
       });
 }
@@ -144,7 +179,7 @@ void full_attention_forward_cpu(const FullAttentionForwardArgs<T>& a) {
 namespace {
 template <typename T>
 struct BackwardScratch {
-  std::vector<T> p, pt, dp, dst, dk, dv;
+  std::vector<T> kp, vp, p, pt, dp, dst, dk, dv;  // kp, vp: the key tile's K and V packed
 };
 }  // namespace
 
@@ -157,9 +192,6 @@ void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& a) {
   std::fill(a.grad_v, a.grad_v + NH * S * M, T(0));
   if (NH == 0 || L == 0 || S == 0) return;
   constexpr int64_t NR = panel_width<T>();
-  const int64_t S_pad = round_up(S, NR);
-  const auto kp = pack_all(a.k, NH, S, E, S_pad, a.num_threads);
-  const auto vp = pack_all(a.v, NH, S, M, S_pad, a.num_threads);
   const int64_t k_tiles = (S + kBwdBc - 1) / kBwdBc;
   const int64_t offset = S - L;
   // Split each head's key tiles when there are fewer heads than threads.
@@ -173,6 +205,8 @@ void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& a) {
   parallel_items<BackwardScratch<T>>(
       NH * splits, a.num_threads,
       [&](BackwardScratch<T>& w) {
+        w.kp.resize(kBwdBc * E);
+        w.vp.resize(kBwdBc * M);
         w.p.resize(kBwdBr * kBwdBc);
         w.pt.resize(kBwdBc * kBwdBr);
         w.dp.resize(kBwdBr * kBwdBc);
@@ -195,6 +229,8 @@ void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& a) {
           const int64_t width = round_up(cols, NR);
           std::fill(w.dk.begin(), w.dk.end(), T(0));
           std::fill(w.dv.begin(), w.dv.end(), T(0));
+          pack_transposed_panels(kh + j0 * E, cols, E, E, width, w.kp.data());
+          pack_transposed_panels(a.v + (nh * S + j0) * M, cols, M, M, width, w.vp.data());
           // Queries that may see this tile: i >= j0 - offset when causal.
           int64_t i_start = a.causal ? std::max<int64_t>(0, j0 - offset) : 0;
           i_start = i_start / kBwdBr * kBwdBr;
@@ -203,8 +239,7 @@ void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& a) {
             const T* qi = qh + i0 * E;
             const T* doi = doh + i0 * M;
             // P = exp(S·scale + mask - lse), zero where dropped.
-            gemm_packed(rows, width, E, qi, E, kp.get() + nh * S_pad * E + j0 * E, w.p.data(),
-                        kBwdBc, false);
+            gemm_packed(rows, width, E, qi, E, w.kp.data(), w.p.data(), kBwdBc, false);
             for (int64_t r = 0; r < rows; ++r) {
               const int64_t i = i0 + r;
               T* row = w.p.data() + r * kBwdBc;
@@ -222,8 +257,7 @@ void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& a) {
             transpose(w.p.data(), rows, cols, kBwdBc, w.pt.data(), kBwdBr);
             gemm(cols, M, rows, w.pt.data(), kBwdBr, doi, M, w.dv.data(), M, true);
             // dP = dO_i V_j^T, then dS = P ∘ (dP - delta) · scale (in w.dp)
-            gemm_packed(rows, width, M, doi, M, vp.get() + nh * S_pad * M + j0 * M, w.dp.data(),
-                        kBwdBc, false);
+            gemm_packed(rows, width, M, doi, M, w.vp.data(), w.dp.data(), kBwdBc, false);
             for (int64_t r = 0; r < rows; ++r) {
               const T d = delta[i0 + r];
               const T* prow = w.p.data() + r * kBwdBc;

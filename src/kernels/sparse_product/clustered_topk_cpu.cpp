@@ -1,91 +1,148 @@
 // CPU kernels of the per-query top-k attention of improved clustered
-// attention (see clustered_topk.h). Per (n, h), per query: K dot products
-// with the cluster's keys, a softmax over the kept ones, a weighted sum of
-// the values; the backward recomputes the softmax.
+// attention (see clustered_topk.h).
+//
+// All queries of a cluster share its K keys, so the work is done per cluster:
+// the queries of each (n, h) are sorted by cluster (counting sort), the
+// cluster's keys and values are gathered once (keys packed for the
+// register-blocked products of kernels/common/gemm.h), and its members are
+// processed in blocks of up to kRows queries as small dense products:
+//   forward   S = Q·Kᵀ (rows x K), softmax per row, out = mass · P·V;
+//   backward  recompute P; dV += mass · Pᵀ·G; dP = mass · G·Vᵀ;
+//             dS = P ∘ (dP - rowsum(P ∘ dP)) · scale; dQ = dS·K; dK += dSᵀ·Q;
+//             d mass += Σ P ∘ (G·Vᵀ).
+// Keys at index >= key length are dropped (score -inf); K is padded to the
+// panel width with dropped columns.
 #include "kernels/sparse_product/clustered_topk.h"
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <vector>
 
+#include "kernels/common/gemm.h"
 #include "kernels/common/parallel.h"
 #include "kernels/common/simd.h"
+#include "kernels/common/softmax_rows.h"
 
 namespace fastattn::kernels {
 namespace {
 
-template <typename T>
-inline T dot(const T* a, const T* b, int64_t n) {
-  using S = Simd<T>;
-  auto acc = S::zero();
-  int64_t i = 0;
-  for (; i + S::W <= n; i += S::W) acc = S::fma(S::load(a + i), S::load(b + i), acc);
-  T r = S::hsum(acc);
-  for (; i < n; ++i) r += a[i] * b[i];
-  return r;
-}
+constexpr int64_t kRows = 96;  // queries per block (a multiple of the micro-kernel's 6)
 
-// y += alpha · x
-template <typename T>
-inline void axpy(T alpha, const T* x, T* y, int64_t n) {
-  using S = Simd<T>;
-  const auto al = S::set1(alpha);
-  int64_t i = 0;
-  for (; i + S::W <= n; i += S::W) S::store(y + i, S::fma(al, S::load(x + i), S::load(y + i)));
-  for (; i < n; ++i) y[i] += alpha * x[i];
-}
-
-// Normalised softmax weights p[0, K) of query `q` over the keys idx[0, K);
-// keys at index >= len get 0. Returns false when no key is kept.
-template <typename T>
-bool topk_softmax(const T* q, const T* k, const int64_t* idx, int64_t K, int64_t E, int64_t len,
-                  T scale, T* p) {
-  T mx = -std::numeric_limits<T>::infinity();
-  for (int64_t t = 0; t < K; ++t) {
-    if (idx[t] < len) {
-      p[t] = scale * dot(q, k + idx[t] * E, E);
-      mx = std::max(mx, p[t]);
-    }
+// Valid queries of one (n, h) sorted by cluster: members of cluster c are
+// order[start[c] .. start[c + 1]).
+struct ClusterOrder {
+  std::vector<int64_t> start, order;
+  void build(const int64_t* assignments, int64_t L, int64_t C) {
+    start.assign(C + 1, 0);
+    for (int64_t l = 0; l < L; ++l)
+      if (assignments[l] >= 0) ++start[assignments[l] + 1];
+    for (int64_t c = 0; c < C; ++c) start[c + 1] += start[c];
+    order.resize(start[C]);
+    std::vector<int64_t> next(start.begin(), start.end() - 1);
+    for (int64_t l = 0; l < L; ++l)
+      if (assignments[l] >= 0) order[next[assignments[l]]++] = l;
   }
-  if (mx == -std::numeric_limits<T>::infinity()) return false;
-  T sum = 0;
-  for (int64_t t = 0; t < K; ++t) {
-    p[t] = idx[t] < len ? std::exp(p[t] - mx) : T(0);
-    sum += p[t];
-  }
-  const T inv = T(1) / sum;
-  for (int64_t t = 0; t < K; ++t) p[t] *= inv;
-  return true;
-}
+};
 
 template <typename T>
 struct Scratch {
-  std::vector<T> p, dp, o;
+  ClusterOrder groups;
+  std::vector<T> kp;       // (Kp, E) keys of the cluster, packed panels of Kᵀ
+  std::vector<T> ks;       // (Kp, E) keys, row-major (backward: dQ = dS·K)
+  std::vector<T> vs;       // (Kp, M) values, row-major
+  std::vector<T> vp;       // (Kp, M) values, packed panels of Vᵀ (backward)
+  std::vector<char> keep;  // (Kp) key kept
+  std::vector<T> q, s, o;  // (kRows, E), (kRows, Kp), (kRows, M)
+  std::vector<T> g, dq, pt, dk,
+      dv;  // backward: (kRows, M), (kRows, E), (Kp, kRows), (Kp, E), (Kp, M)
 };
+
+// Gathers the cluster's keys (and values) into the scratch; returns the
+// padded K. Dropped and padding columns have zero rows and keep = 0.
+template <typename T>
+int64_t gather_cluster(const int64_t* idx, int64_t K, int64_t len, const T* k, const T* v,
+                       int64_t E, int64_t M, bool want_v_packed, Scratch<T>& w) {
+  constexpr int64_t NR = panel_width<T>();
+  const int64_t Kp = round_up(K, NR);
+  w.ks.assign(Kp * E, T(0));
+  w.vs.assign(Kp * M, T(0));
+  w.keep.assign(Kp, 0);
+  for (int64_t t = 0; t < K; ++t) {
+    if (idx[t] < 0 || idx[t] >= len) continue;
+    w.keep[t] = 1;
+    std::copy(k + idx[t] * E, k + idx[t] * E + E, w.ks.data() + t * E);
+    std::copy(v + idx[t] * M, v + idx[t] * M + M, w.vs.data() + t * M);
+  }
+  w.kp.resize(Kp * E);
+  pack_transposed_panels(w.ks.data(), Kp, E, E, Kp, w.kp.data());
+  if (want_v_packed) {
+    w.vp.resize(Kp * M);
+    pack_transposed_panels(w.vs.data(), Kp, M, M, Kp, w.vp.data());
+  }
+  return Kp;
+}
+
+// P = softmax(scale · Q·Kᵀ) over the kept columns for `rows` queries whose
+// rows are gathered in w.q; P in w.s (row stride Kp). A row keeping no key is
+// all zeros.
+template <typename T>
+void block_softmax(int64_t rows, int64_t Kp, int64_t E, T scale, Scratch<T>& w) {
+  gemm_packed(rows, Kp, E, w.q.data(), E, w.kp.data(), w.s.data(), Kp, false);
+  for (int64_t r = 0; r < rows; ++r) {
+    T* row = w.s.data() + r * Kp;
+    for (int64_t t = 0; t < Kp; ++t) row[t] = w.keep[t] ? row[t] * scale : neg_inf<T>();
+    const T mx = row_max(row, Kp);
+    if (mx == neg_inf<T>()) {
+      std::fill(row, row + Kp, T(0));
+      continue;
+    }
+    const T inv = T(1) / exp_shift_sum(row, Kp, mx);
+    for (int64_t t = 0; t < Kp; ++t) row[t] *= inv;
+  }
+}
+
+template <typename T>
+void gather_rows(const T* src, int64_t D, const int64_t* rows, int64_t n, T* dst) {
+  for (int64_t r = 0; r < n; ++r) std::copy(src + rows[r] * D, src + rows[r] * D + D, dst + r * D);
+}
 
 }  // namespace
 
 template <typename T>
 void clustered_topk_forward_cpu(const ClusteredTopkForwardArgs<T>& a) {
   const int64_t H = a.H, L = a.L, S = a.S, E = a.E, M = a.M, C = a.C, K = a.K;
+  constexpr int64_t NR = panel_width<T>();
+  const int64_t Kp_max = round_up(K, NR);
   parallel_items<Scratch<T>>(
-      a.N * H, a.num_threads, [&](Scratch<T>& w) { w.p.resize(K); },
+      a.N * H, a.num_threads,
+      [&](Scratch<T>& w) {
+        w.q.resize(kRows * E);
+        w.s.resize(kRows * Kp_max);
+        w.o.resize(kRows * M);
+      },
       [&](int64_t nh, Scratch<T>& w) {
         const int64_t len = a.key_lengths ? a.key_lengths[nh / H] : S;
-        const T* k = a.k + nh * S * E;
-        const T* v = a.v + nh * S * M;
-        for (int64_t l = 0; l < L; ++l) {
-          T* out = a.out + (nh * L + l) * M;
-          std::fill(out, out + M, T(0));
-          const int64_t j = a.assignments[nh * L + l];
-          if (j < 0) continue;
-          const int64_t* idx = a.topk + (nh * C + j) * K;
-          if (!topk_softmax(a.q + (nh * L + l) * E, k, idx, K, E, len, a.scale, w.p.data()))
-            continue;
-          const T m = a.mass[nh * C + j];
-          for (int64_t t = 0; t < K; ++t) {
-            if (w.p[t] != T(0)) axpy(m * w.p[t], v + idx[t] * M, out, M);
+        const T* q = a.q + nh * L * E;
+        T* out = a.out + nh * L * M;
+        std::fill(out, out + L * M, T(0));  // padded queries stay zero
+        w.groups.build(a.assignments + nh * L, L, C);
+        for (int64_t c = 0; c < C; ++c) {
+          const int64_t b = w.groups.start[c], e = w.groups.start[c + 1];
+          if (b == e) continue;
+          const int64_t Kp = gather_cluster(a.topk + (nh * C + c) * K, K, len, a.k + nh * S * E,
+                                            a.v + nh * S * M, E, M, false, w);
+          const T m = a.mass[nh * C + c];
+          for (int64_t r0 = b; r0 < e; r0 += kRows) {
+            const int64_t rows = std::min(kRows, e - r0);
+            const int64_t* members = w.groups.order.data() + r0;
+            gather_rows(q, E, members, rows, w.q.data());
+            block_softmax(rows, Kp, E, a.scale, w);
+            gemm(rows, M, Kp, w.s.data(), Kp, w.vs.data(), M, w.o.data(), M, false);
+            for (int64_t r = 0; r < rows; ++r) {
+              T* dst = out + members[r] * M;
+              const T* src = w.o.data() + r * M;
+              for (int64_t x = 0; x < M; ++x) dst[x] = m * src[x];
+            }
           }
         }
       });
@@ -94,52 +151,80 @@ void clustered_topk_forward_cpu(const ClusteredTopkForwardArgs<T>& a) {
 template <typename T>
 void clustered_topk_backward_cpu(const ClusteredTopkBackwardArgs<T>& a) {
   const int64_t H = a.H, L = a.L, S = a.S, E = a.E, M = a.M, C = a.C, K = a.K;
+  constexpr int64_t NR = panel_width<T>();
+  const int64_t Kp_max = round_up(K, NR);
   parallel_items<Scratch<T>>(
       a.N * H, a.num_threads,
       [&](Scratch<T>& w) {
-        w.p.resize(K);
-        w.dp.resize(K);
-        w.o.resize(M);
+        w.q.resize(kRows * E);
+        w.s.resize(kRows * Kp_max);
+        w.o.resize(kRows * Kp_max);  // G·Vᵀ
+        w.g.resize(kRows * M);
+        w.dq.resize(kRows * E);
+        w.pt.resize(Kp_max * kRows);
+        w.dk.resize(Kp_max * E);
+        w.dv.resize(Kp_max * M);
       },
       [&](int64_t nh, Scratch<T>& w) {
         const int64_t len = a.key_lengths ? a.key_lengths[nh / H] : S;
-        const T* k = a.k + nh * S * E;
-        const T* v = a.v + nh * S * M;
+        const T* q = a.q + nh * L * E;
+        const T* g = a.grad_out + nh * L * M;
+        T* gq = a.grad_q + nh * L * E;
         T* gk = a.grad_k + nh * S * E;
         T* gv = a.grad_v + nh * S * M;
         T* gm = a.grad_mass + nh * C;
+        std::fill(gq, gq + L * E, T(0));
         std::fill(gk, gk + S * E, T(0));
         std::fill(gv, gv + S * M, T(0));
         std::fill(gm, gm + C, T(0));
-        for (int64_t l = 0; l < L; ++l) {
-          const T* q = a.q + (nh * L + l) * E;
-          const T* g = a.grad_out + (nh * L + l) * M;
-          T* gq = a.grad_q + (nh * L + l) * E;
-          std::fill(gq, gq + E, T(0));
-          const int64_t j = a.assignments[nh * L + l];
-          if (j < 0) continue;
-          const int64_t* idx = a.topk + (nh * C + j) * K;
-          if (!topk_softmax(q, k, idx, K, E, len, a.scale, w.p.data())) continue;
-          const T m = a.mass[nh * C + j];
-          // out = m · o with o = Σ p_t v_t: d mass = g·o; d p_t = m · g·v_t.
-          T g_dot_o = 0, p_dot_dp = 0;
-          for (int64_t t = 0; t < K; ++t) {
-            if (w.p[t] == T(0)) {
-              w.dp[t] = 0;
-              continue;
+        w.groups.build(a.assignments + nh * L, L, C);
+        for (int64_t c = 0; c < C; ++c) {
+          const int64_t b = w.groups.start[c], e = w.groups.start[c + 1];
+          if (b == e) continue;
+          const int64_t* idx = a.topk + (nh * C + c) * K;
+          const int64_t Kp =
+              gather_cluster(idx, K, len, a.k + nh * S * E, a.v + nh * S * M, E, M, true, w);
+          const T m = a.mass[nh * C + c];
+          std::fill(w.dk.begin(), w.dk.begin() + Kp * E, T(0));
+          std::fill(w.dv.begin(), w.dv.begin() + Kp * M, T(0));
+          T g_mass = 0;
+          for (int64_t r0 = b; r0 < e; r0 += kRows) {
+            const int64_t rows = std::min(kRows, e - r0);
+            const int64_t* members = w.groups.order.data() + r0;
+            gather_rows(q, E, members, rows, w.q.data());
+            gather_rows(g, M, members, rows, w.g.data());
+            block_softmax(rows, Kp, E, a.scale, w);
+            // gv_t = G·Vᵀ; d mass = Σ P ∘ gv; dP = m · gv.
+            gemm_packed(rows, Kp, M, w.g.data(), M, w.vp.data(), w.o.data(), Kp, false);
+            for (int64_t r = 0; r < rows; ++r) {
+              T* p = w.s.data() + r * Kp;
+              T* dp = w.o.data() + r * Kp;
+              T row_dot = 0;
+              for (int64_t t = 0; t < Kp; ++t) row_dot += p[t] * dp[t];
+              g_mass += row_dot;
+              // dS = P ∘ (m·gv - m·row_dot) · scale, written over gv.
+              const T f = m * a.scale;
+              for (int64_t t = 0; t < Kp; ++t) dp[t] = p[t] * (dp[t] - row_dot) * f;
             }
-            const T gv_t = dot(g, v + idx[t] * M, M);
-            g_dot_o += w.p[t] * gv_t;
-            w.dp[t] = m * gv_t;
-            p_dot_dp += w.p[t] * w.dp[t];
-            axpy(m * w.p[t], g, gv + idx[t] * M, M);
+            // dV += m · Pᵀ·G (m applied to G's copy below via Pᵀ scaling).
+            transpose(w.s.data(), rows, Kp, Kp, w.pt.data(), rows);
+            for (int64_t x = 0; x < Kp * rows; ++x) w.pt[x] *= m;
+            gemm(Kp, M, rows, w.pt.data(), rows, w.g.data(), M, w.dv.data(), M, true);
+            // dQ = dS·K, scattered to the members.
+            gemm(rows, E, Kp, w.o.data(), Kp, w.ks.data(), E, w.dq.data(), E, false);
+            for (int64_t r = 0; r < rows; ++r)
+              std::copy(w.dq.data() + r * E, w.dq.data() + r * E + E, gq + members[r] * E);
+            // dK += dSᵀ·Q.
+            transpose(w.o.data(), rows, Kp, Kp, w.pt.data(), rows);
+            gemm(Kp, E, rows, w.pt.data(), rows, w.q.data(), E, w.dk.data(), E, true);
           }
-          gm[j] += g_dot_o;
+          gm[c] = g_mass;
           for (int64_t t = 0; t < K; ++t) {
-            if (w.p[t] == T(0)) continue;
-            const T ds = w.p[t] * (w.dp[t] - p_dot_dp) * a.scale;
-            axpy(ds, k + idx[t] * E, gq, E);
-            axpy(ds, q, gk + idx[t] * E, E);
+            if (!w.keep[t]) continue;
+            T* dk_row = gk + idx[t] * E;
+            T* dv_row = gv + idx[t] * M;
+            for (int64_t x = 0; x < E; ++x) dk_row[x] += w.dk[t * E + x];
+            for (int64_t x = 0; x < M; ++x) dv_row[x] += w.dv[t * M + x];
           }
         }
       });
