@@ -23,7 +23,7 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 constexpr const char* kOp = "fastattn::elu_linear_attention";
-constexpr int64_t kChunk = 64;  // rows per chunk: C×C tiles stay in L1/L2
+constexpr int64_t kChunk = 32;  // rows per chunk: C×C tiles stay in L1/L2
 
 void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
                   const c10::optional<Tensor>& key_lengths, bool causal, double eps) {
