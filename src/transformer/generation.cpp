@@ -14,6 +14,8 @@
 #include <limits>
 #include <vector>
 
+#include "transformer/step_linear.h"
+
 namespace fastattn {
 
 using torch::Tensor;
@@ -125,7 +127,7 @@ std::pair<Tensor, LanguageModelState> RecurrentCausalLanguageModelImpl::step(
   LanguageModelState next;
   next.layers = std::move(layers);
   next.position = state.position + 1;
-  return {output_(y), std::move(next)};  // (N, V)
+  return {detail::step_linear(output_, y), std::move(next)};  // (N, V)
 }
 
 // ---- generation -------------------------------------------------------------

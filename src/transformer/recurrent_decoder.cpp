@@ -7,6 +7,7 @@
 // Tested by tests/cpp/test_recurrent_decoder.cpp (token by token against a
 // batch decoder with the same weights).
 #include "fastattn/recurrent_transformer.h"
+#include "transformer/step_linear.h"
 
 namespace fastattn {
 
@@ -49,8 +50,9 @@ Tensor RecurrentCrossAttentionLayerImpl::step(const Tensor& x,  // (N, D)
               "RecurrentCrossAttentionLayer: x must have shape (N, ", D, "), got ",
               x.defined() ? x.sizes() : c10::IntArrayRef{});
   const int64_t N = x.size(0), H = dims_.heads, E = dims_.query_dim, M = dims_.value_dim;
-  auto out = inner_attention_->step(query_projection_(x).view({N, H, E}), memory);  // (N, H, M)
-  return out_projection_(out.reshape({N, H * M}));
+  auto out = inner_attention_->step(detail::step_linear(query_projection_, x).view({N, H, E}),
+                                    memory);  // (N, H, M)
+  return detail::step_linear(out_projection_, out.reshape({N, H * M}));
 }
 
 // ---- decoder layer ----------------------------------------------------------
@@ -88,9 +90,9 @@ std::pair<Tensor, RecurrentState> RecurrentDecoderLayerImpl::step(
     const RecurrentState& memory, const RecurrentState& self_state) {
   // As TransformerDecoderLayer::forward on one position.
   auto ff = [&](const Tensor& y) {
-    auto h = linear1_(y);
+    auto h = detail::step_linear(linear1_, y);
     h = options_.activation() == "gelu" ? torch::gelu(h) : torch::relu(h);
-    return dropout_(linear2_(dropout_(h)));
+    return dropout_(detail::step_linear(linear2_, dropout_(h)));
   };
   if (options_.norm_first()) {
     auto [a, next] = self_attention_->step(norm1_(x), self_state);

@@ -5,6 +5,7 @@
 // Tested by tests/cpp/test_recurrent.cpp (token by token against a causal
 // batch encoder with the same weights).
 #include "fastattn/recurrent_transformer.h"
+#include "transformer/step_linear.h"
 
 namespace fastattn {
 
@@ -36,11 +37,11 @@ std::pair<Tensor, RecurrentState> RecurrentAttentionLayerImpl::step(const Tensor
               "RecurrentAttentionLayer: x must have shape (N, ", D, "), got ",
               x.defined() ? x.sizes() : c10::IntArrayRef{});
   const int64_t N = x.size(0), H = dims_.heads, E = dims_.query_dim, M = dims_.value_dim;
-  auto q = query_projection_(x).view({N, H, E});
-  auto k = key_projection_(x).view({N, H, E});
-  auto v = value_projection_(x).view({N, H, M});
+  auto q = detail::step_linear(query_projection_, x).view({N, H, E});
+  auto k = detail::step_linear(key_projection_, x).view({N, H, E});
+  auto v = detail::step_linear(value_projection_, x).view({N, H, M});
   auto [out, next] = inner_attention_->step(q, k, v, state);  // (N, H, M)
-  return {out_projection_(out.reshape({N, H * M})), std::move(next)};
+  return {detail::step_linear(out_projection_, out.reshape({N, H * M})), std::move(next)};
 }
 
 // ---- encoder layer ----------------------------------------------------------
@@ -67,9 +68,9 @@ std::pair<Tensor, RecurrentState> RecurrentEncoderLayerImpl::step(const Tensor& 
                                                                   const RecurrentState& state) {
   // As TransformerEncoderLayer::forward on one position.
   auto ff = [&](const Tensor& y) {
-    auto h = linear1_(y);
+    auto h = detail::step_linear(linear1_, y);
     h = options_.activation() == "gelu" ? torch::gelu(h) : torch::relu(h);
-    return dropout_(linear2_(dropout_(h)));
+    return dropout_(detail::step_linear(linear2_, dropout_(h)));
   };
   if (options_.norm_first()) {
     auto [a, next] = attention_->step(norm1_(x), state);

@@ -250,39 +250,42 @@ TEST(RecurrentErrors, UnsupportedNameListsTheSupported) {
 // ---- RecurrentEncoder -------------------------------------------------------
 
 TEST(RecurrentEncoder, TokenByTokenEqualsCausalBatchEncoder) {
-  const int64_t N = 2, L = 7, D = 8;
-  for (const std::string type : {"full", "causal-linear"}) {
-    for (const bool norm_first : {false, true}) {
-      SCOPED_TRACE(type + (norm_first ? " pre-norm" : " post-norm"));
-      const auto builder = EncoderBuilder()
-                               .layers(2)
-                               .heads(2)
-                               .d_model(D)
-                               .feed_forward_dimensions(16)
-                               .dropout(0.0)
-                               .norm_first(norm_first)
-                               .attention(type);
-      torch::manual_seed(1);
-      auto batch = builder.build();
-      batch->to(torch::kDouble);
-      batch->eval();
-      auto rnn = make_recurrent_encoder(builder);
-      rnn->to(torch::kDouble);
-      rnn->eval();
-      // Same parameter names, so the batch weights load by name.
-      EXPECT_EQ(rnn->named_parameters().keys(), batch->named_parameters().keys());
-      copy_parameters(*rnn, *batch);
+  const int64_t L = 7, D = 8;
+  // N = 1 takes the matrix-vector path of the step's linear layers.
+  for (const int64_t N : {int64_t{1}, int64_t{2}}) {
+    for (const std::string type : {"full", "causal-linear"}) {
+      for (const bool norm_first : {false, true}) {
+        SCOPED_TRACE(type + (norm_first ? " pre-norm" : " post-norm") + " N=" + std::to_string(N));
+        const auto builder = EncoderBuilder()
+                                 .layers(2)
+                                 .heads(2)
+                                 .d_model(D)
+                                 .feed_forward_dimensions(16)
+                                 .dropout(0.0)
+                                 .norm_first(norm_first)
+                                 .attention(type);
+        torch::manual_seed(1);
+        auto batch = builder.build();
+        batch->to(torch::kDouble);
+        batch->eval();
+        auto rnn = make_recurrent_encoder(builder);
+        rnn->to(torch::kDouble);
+        rnn->eval();
+        // Same parameter names, so the batch weights load by name.
+        EXPECT_EQ(rnn->named_parameters().keys(), batch->named_parameters().keys());
+        copy_parameters(*rnn, *batch);
 
-      const auto x = torch::randn({N, L, D}, torch::kDouble);
-      const auto expected = batch->forward(x, Mask::causal_mask());  // (N, L, D)
-      std::vector<RecurrentState> state;
-      for (int64_t i = 0; i < L; ++i) {
-        auto [y, next] = rnn->step(x.select(1, i), state);
-        state = std::move(next);
-        const double err = (y - expected.select(1, i)).abs().max().item<double>();
-        EXPECT_LE(err, 1e-10) << "position " << i;
+        const auto x = torch::randn({N, L, D}, torch::kDouble);
+        const auto expected = batch->forward(x, Mask::causal_mask());  // (N, L, D)
+        std::vector<RecurrentState> state;
+        for (int64_t i = 0; i < L; ++i) {
+          auto [y, next] = rnn->step(x.select(1, i), state);
+          state = std::move(next);
+          const double err = (y - expected.select(1, i)).abs().max().item<double>();
+          EXPECT_LE(err, 1e-10) << "position " << i;
+        }
+        EXPECT_EQ(static_cast<int64_t>(state.size()), rnn->num_layers());
       }
-      EXPECT_EQ(static_cast<int64_t>(state.size()), rnn->num_layers());
     }
   }
 }

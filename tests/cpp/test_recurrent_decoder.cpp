@@ -214,6 +214,15 @@ TEST_P(RecurrentDecoderCases, TokenByTokenEqualsBatchDecoder) {
       }
       EXPECT_EQ(static_cast<int64_t>(state.self.size()), rnn->num_layers());
     }
+    // One sequence (N = 1: the matrix-vector path of the step's linear layers).
+    const auto expected1 = batch->forward(x.narrow(0, 1, 1), memory.narrow(0, 1, 1));
+    auto state1 = rnn->prepare(memory.narrow(0, 1, 1), Mask());
+    for (int64_t i = 0; i < L; ++i) {
+      auto [y, next] = rnn->step(x.narrow(0, 1, 1).select(1, i), state1);
+      state1 = std::move(next);
+      EXPECT_LE((y - expected1.select(1, i)).abs().max().item<double>(), 1e-10)
+          << "N = 1, position " << i;
+    }
   }
 }
 
