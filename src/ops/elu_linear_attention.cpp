@@ -23,7 +23,11 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 constexpr const char* kOp = "fastattn::elu_linear_attention";
-constexpr int64_t kChunk = 32;  // rows per chunk: C×C tiles stay in L1/L2
+// Rows per chunk. Small chunks keep every tile in L1 and cut the intra-chunk
+// (C×C) work of the causal form; measured at L=16384, 2 threads (dev-2c):
+// forward fastest at 8 (32 ms non-causal vs 44 at 64), backward at 16.
+constexpr int64_t kForwardChunk = 8;
+constexpr int64_t kBackwardChunk = 16;
 
 void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
                   const c10::optional<Tensor>& key_lengths, bool causal, double eps) {
@@ -49,7 +53,7 @@ Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v,
 }
 
 template <typename T, typename Args>
-void fill_params(Args& a, const Prepared& p, bool causal, double eps) {
+void fill_params(Args& a, const Prepared& p, bool causal, double eps, int64_t chunk) {
   a.q = p.q.data_ptr<T>();
   a.k = p.k.data_ptr<T>();
   a.v = p.v.data_ptr<T>();
@@ -62,7 +66,7 @@ void fill_params(Args& a, const Prepared& p, bool causal, double eps) {
   a.M = p.v.size(3);
   a.causal = causal;
   a.eps = static_cast<T>(eps);
-  a.chunk = kChunk;
+  a.chunk = chunk;
   a.num_threads = at::get_num_threads();
 }
 
@@ -76,7 +80,7 @@ std::tuple<Tensor, Tensor> elu_linear_attention_forward_cpu(
   auto den = torch::empty({N, H, L}, p.q.options());
   AT_DISPATCH_FLOATING_TYPES(p.q.scalar_type(), "elu_linear_attention_forward_cpu", [&] {
     kernels::EluLinearForwardArgs<scalar_t> a;
-    fill_params<scalar_t>(a, p, causal, eps);
+    fill_params<scalar_t>(a, p, causal, eps, kForwardChunk);
     a.out = out.data_ptr<scalar_t>();
     a.den = den.data_ptr<scalar_t>();
     kernels::elu_linear_attention_forward_cpu(a);
@@ -107,7 +111,7 @@ std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_backward_cpu(
   auto gq = torch::empty_like(p.q), gk = torch::empty_like(p.k), gv = torch::empty_like(p.v);
   AT_DISPATCH_FLOATING_TYPES(dtype, "elu_linear_attention_backward_cpu", [&] {
     kernels::EluLinearBackwardArgs<scalar_t> a;
-    fill_params<scalar_t>(a, p, causal, eps);
+    fill_params<scalar_t>(a, p, causal, eps, kBackwardChunk);
     a.grad_out = go.data_ptr<scalar_t>();
     a.out = out.data_ptr<scalar_t>();
     a.den = den.data_ptr<scalar_t>();
