@@ -22,6 +22,7 @@
 // Tested by tests/cpp/test_clustered_attention.cpp; timed by
 // bench/bench_clustered_attention.cpp.
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <cmath>
 #include <limits>
@@ -183,8 +184,8 @@ Tensor improved_clustered_attention(const Tensor& queries, const Tensor& keys, c
   if (S == 0) return torch::zeros({N, H, L, M}, queries.options());
   const int64_t k = std::min(topk, S);
   const double temp = temp_or_default(queries, softmax_temp);
-  auto centroids = cluster_centroids(queries, clusters);  // (N, H, C, E)
   if (dropout > 0) {
+    auto centroids = cluster_centroids(queries, clusters);  // (N, H, C, E)
     // Dropout acts on the centroid weights, so they are materialised:
     // A^c (N, H, C, S), its top-k keys and masses (eq. 9); the keys outside
     // the top-k keep the centroid's weights.
@@ -198,29 +199,17 @@ Tensor improved_clustered_attention(const Tensor& queries, const Tensor& keys, c
                                  dropout) +
            broadcast_to_queries(rest_values, clusters);
   }
-  // Fused centroid attention: the full output o^c, the log-sum-exp and the
-  // top-k keys of every centroid in one pass, never (N, H, C, S). The top-k
-  // weights are exp(score - lse); the rest is o^c minus their share.
-  auto [out_c, lse_c, top_idx] =
-      full_attention_lse_topk(centroids, keys, values, key_lengths, temp, k);
-  const int64_t C = centroids.size(2), E = queries.size(3);
-  auto rows =
-      (torch::arange(N * H, top_idx.options()).view({N, H, 1, 1}) * S + top_idx).reshape({-1});
-  auto k_top = keys.reshape({N * H * S, E}).index_select(0, rows).view({N, H, C, k, E});
-  auto v_top = values.reshape({N * H * S, M}).index_select(0, rows).view({N, H, C, k, M});
-  auto s_top = torch::matmul(k_top, centroids.unsqueeze(-1)).squeeze(-1) * temp;  // (N, H, C, k)
-  auto kept = key_lengths
-                  ? top_idx.lt(key_lengths->to(keys.device(), torch::kLong).view({N, 1, 1, 1}))
-                  : torch::ones_like(top_idx, top_idx.options().dtype(torch::kBool));
-  auto p_top = torch::exp(
-      torch::where(kept, s_top - lse_c.unsqueeze(-1),
-                   torch::full({}, -std::numeric_limits<double>::infinity(), s_top.options())));
-  auto mass = p_top.sum(-1);  // (N, H, C): m̂_j
-  auto rest_values = out_c - torch::matmul(p_top.unsqueeze(-2), v_top).squeeze(-2);  // (N,H,C,M)
-  // Per query: exact scores on its cluster's k keys (eq. 10).
-  auto top_values = clustered_topk_attention(queries, keys, values, top_idx, mass,
-                                             clusters.assignments, key_lengths, temp);
-  return top_values + broadcast_to_queries(rest_values, clusters);
+  // The fused operator: one pass of the centroids over the keys (output,
+  // log-sum-exp and top-k keys of each, never (N, H, C, S)), then per cluster
+  // the members' exact top-k part plus the centroid's rest, one output and
+  // one gradient buffer per input.
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("fastattn::improved_clustered_attention", "")
+          .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                        int64_t, const c10::optional<Tensor>&, c10::optional<double>)>();
+  return op.call(queries, keys, values, clusters.assignments, clusters.counts, k,
+                 key_lengths ? c10::optional<Tensor>(*key_lengths) : c10::nullopt, temp);
 }
 
 Tensor causal_improved_clustered_attention(const Tensor& queries,  // (N, H, L, E)

@@ -12,6 +12,7 @@
 
 #include "fastattn/ops.h"
 #include "kernels/sparse_product/clustered_topk.h"
+#include "ops/full_attention_internal.h"
 #include "ops/mask_util.h"
 #include "ops/op_util.h"
 
@@ -185,15 +186,205 @@ Tensor clustered_topk_attention_autograd(const Tensor& q, const Tensor& k, const
   return ClusteredTopkFunction::apply(q, k, v, topk, mass, assignments, key_lengths, softmax_temp);
 }
 
+// ---- improved_clustered_attention (fused) ------------------------------------------
+
+constexpr const char* kImprovedOp = "fastattn::improved_clustered_attention";
+
+void check_clusters(const Tensor& q, const Tensor& assignments, const Tensor& counts) {
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2);
+  TORCH_CHECK(assignments.dim() == 3 && assignments.size(0) == N && assignments.size(1) == H &&
+                  assignments.size(2) == L,
+              kImprovedOp, ": assignments must have shape (N, H, L) = (", N, ", ", H, ", ", L,
+              "), got ", assignments.sizes());
+  TORCH_CHECK(assignments.scalar_type() == torch::kLong, kImprovedOp,
+              ": assignments must be int64, got ", assignments.scalar_type());
+  TORCH_CHECK(counts.dim() == 3 && counts.size(0) == N && counts.size(1) == H, kImprovedOp,
+              ": counts must have shape (N, H, C) with (N, H) = (", N, ", ", H, "), got ",
+              counts.sizes());
+  TORCH_CHECK(counts.scalar_type() == torch::kLong, kImprovedOp, ": counts must be int64, got ",
+              counts.scalar_type());
+  if (assignments.numel() > 0) {
+    TORCH_CHECK(assignments.min().item<int64_t>() >= -1 &&
+                    assignments.max().item<int64_t>() < counts.size(2),
+                kImprovedOp, ": assignments must be in [-1, C) = [-1, ", counts.size(2), ")");
+  }
+}
+
+// Kernel parameters of the fused form: the top-k kernel's, with the
+// centroid pass's results in place of the masses.
+template <typename T, typename Args>
+void fill_improved(Args& a, const Tensor& q, const Tensor& k, const Tensor& v,
+                   const Tensor& assignments, const Tensor& top_idx, const Tensor& centroids,
+                   const Tensor& lse, const Tensor& out_c, const Tensor& lengths, double temp) {
+  a.q = q.data_ptr<T>();
+  a.k = k.data_ptr<T>();
+  a.v = v.data_ptr<T>();
+  a.topk = top_idx.data_ptr<int64_t>();
+  a.assignments = assignments.data_ptr<int64_t>();
+  a.key_lengths = lengths.defined() ? lengths.data_ptr<int64_t>() : nullptr;
+  a.N = q.size(0);
+  a.H = q.size(1);
+  a.L = q.size(2);
+  a.E = q.size(3);
+  a.S = k.size(2);
+  a.M = v.size(3);
+  a.C = top_idx.size(2);
+  a.K = top_idx.size(3);
+  a.scale = static_cast<T>(temp);
+  a.num_threads = at::get_num_threads();
+  a.centroids = centroids.data_ptr<T>();
+  a.lse = lse.data_ptr<T>();
+  a.out_c = out_c.data_ptr<T>();
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> improved_clustered_forward_cpu(
+    const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, const Tensor& assignments_in,
+    const Tensor& counts_in, int64_t topk, const c10::optional<Tensor>& key_lengths,
+    double softmax_temp) {
+  ops::check_qkv(kImprovedOp, q_in, k_in, v_in);
+  ops::check_masks(kImprovedOp, q_in, k_in.size(2), std::nullopt, to_std(key_lengths));
+  check_clusters(q_in, assignments_in, counts_in);
+  TORCH_CHECK(topk >= 1 && topk <= k_in.size(2), kImprovedOp, ": topk must be in [1, S] = [1, ",
+              k_in.size(2), "], got ", topk);
+  auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+  auto assignments = assignments_in.contiguous(), counts = counts_in.contiguous();
+  Tensor lengths;
+  if (key_lengths) lengths = key_lengths->to(torch::kLong).contiguous();
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), E = q.size(3), C = counts.size(2);
+  auto centroids = torch::empty({N, H, C, E}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "improved_clustered_centroids", [&] {
+    kernels::cluster_means_cpu(q.data_ptr<scalar_t>(), assignments.data_ptr<int64_t>(),
+                               counts.data_ptr<int64_t>(), centroids.data_ptr<scalar_t>(), N * H, L,
+                               C, E, at::get_num_threads());
+  });
+  static auto lse_topk = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fastattn::full_attention_lse_topk_forward", "")
+                             .typed<std::tuple<Tensor, Tensor, Tensor>(
+                                 const Tensor&, const Tensor&, const Tensor&,
+                                 const c10::optional<Tensor>&, double, int64_t)>();
+  auto [out_c, lse, top_idx] = lse_topk.call(centroids, k, v, key_lengths, softmax_temp, topk);
+  auto out = torch::empty({N, H, L, v.size(3)}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "improved_clustered_forward_cpu", [&] {
+    kernels::ClusteredTopkForwardArgs<scalar_t> a;
+    fill_improved<scalar_t>(a, q, k, v, assignments, top_idx, centroids, lse, out_c, lengths,
+                            softmax_temp);
+    a.out = out.data_ptr<scalar_t>();
+    kernels::clustered_topk_forward_cpu(a);
+  });
+  return {out, centroids, lse, out_c, top_idx};
+}
+
+std::tuple<Tensor, Tensor, Tensor> improved_clustered_backward_cpu(
+    const Tensor& grad_out, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
+    const Tensor& assignments_in, const Tensor& counts_in, const Tensor& centroids,
+    const Tensor& lse, const Tensor& out_c, const Tensor& top_idx,
+    const c10::optional<Tensor>& key_lengths, double softmax_temp) {
+  ops::check_qkv(kImprovedOp, q_in, k_in, v_in);
+  check_clusters(q_in, assignments_in, counts_in);
+  auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+  auto assignments = assignments_in.contiguous(), counts = counts_in.contiguous();
+  auto go = grad_out.to(q.scalar_type()).contiguous();
+  Tensor lengths;
+  if (key_lengths) lengths = key_lengths->to(torch::kLong).contiguous();
+  auto gq = torch::empty_like(q), gk = torch::empty_like(k), gv = torch::empty_like(v);
+  auto g_cen = torch::empty_like(centroids), g_lse = torch::empty_like(lse),
+       g_out_c = torch::empty_like(out_c);
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "improved_clustered_backward_cpu", [&] {
+    kernels::ClusteredTopkBackwardArgs<scalar_t> a;
+    fill_improved<scalar_t>(a, q, k, v, assignments, top_idx, centroids, lse, out_c, lengths,
+                            softmax_temp);
+    a.grad_out = go.data_ptr<scalar_t>();
+    a.grad_q = gq.data_ptr<scalar_t>();
+    a.grad_k = gk.data_ptr<scalar_t>();
+    a.grad_v = gv.data_ptr<scalar_t>();
+    a.grad_centroids = g_cen.data_ptr<scalar_t>();
+    a.grad_lse = g_lse.data_ptr<scalar_t>();
+    a.grad_out_c = g_out_c.data_ptr<scalar_t>();
+    kernels::clustered_topk_backward_cpu(a);
+  });
+  // The centroid pass: its gradients to k and v add to the top-k ones; to the
+  // centroids, then to every member query (centroid = mean of the members).
+  ops::full_attention_backward_accumulate(g_out_c, g_lse, centroids, k, v, out_c, lse,
+                                          to_std(key_lengths), softmax_temp, g_cen, gk, gv);
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "improved_clustered_centroid_grads", [&] {
+    kernels::add_centroid_grads_cpu(gq.data_ptr<scalar_t>(), g_cen.data_ptr<scalar_t>(),
+                                    assignments.data_ptr<int64_t>(), counts.data_ptr<int64_t>(),
+                                    q.size(0) * q.size(1), q.size(2), counts.size(2), q.size(3),
+                                    at::get_num_threads());
+  });
+  return {gq, gk, gv};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> call_improved_forward(
+    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& assignments,
+    const Tensor& counts, int64_t topk, const c10::optional<Tensor>& key_lengths, double temp) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastattn::improved_clustered_attention_forward", "")
+                       .typed<decltype(improved_clustered_forward_cpu)>();
+  return op.call(q, k, v, assignments, counts, topk, key_lengths, temp);
+}
+
+Tensor improved_clustered_no_grad(const Tensor& q, const Tensor& k, const Tensor& v,
+                                  const Tensor& assignments, const Tensor& counts, int64_t topk,
+                                  const c10::optional<Tensor>& key_lengths,
+                                  c10::optional<double> softmax_temp) {
+  ops::check_qkv(kImprovedOp, q, k, v);
+  return std::get<0>(
+      call_improved_forward(q, k, v, assignments, counts, topk, key_lengths,
+                            ops::resolve_softmax_temp(kImprovedOp, q, softmax_temp)));
+}
+
+class ImprovedClusteredFunction : public torch::autograd::Function<ImprovedClusteredFunction> {
+ public:
+  static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& assignments, const Tensor& counts, int64_t topk,
+                        const c10::optional<Tensor>& key_lengths,
+                        c10::optional<double> softmax_temp) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    ops::check_qkv(kImprovedOp, q, k, v);
+    const double temp = ops::resolve_softmax_temp(kImprovedOp, q, softmax_temp);
+    auto [out, centroids, lse, out_c, top_idx] =
+        call_improved_forward(q, k, v, assignments, counts, topk, key_lengths, temp);
+    ctx->save_for_backward({q, k, v, assignments, counts, centroids, lse, out_c, top_idx});
+    ctx->saved_data["key_lengths"] = key_lengths ? *key_lengths : Tensor();
+    ctx->saved_data["temp"] = temp;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("fastattn::improved_clustered_attention_backward", "")
+                         .typed<decltype(improved_clustered_backward_cpu)>();
+    const auto s = ctx->get_saved_variables();
+    const auto kl = ctx->saved_data["key_lengths"].toTensor();
+    auto [gq, gk, gv] = op.call(grads[0], s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8],
+                                kl.defined() ? c10::optional<Tensor>(kl) : c10::nullopt,
+                                ctx->saved_data["temp"].toDouble());
+    return {gq, gk, gv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+Tensor improved_clustered_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                   const Tensor& assignments, const Tensor& counts, int64_t topk,
+                                   const c10::optional<Tensor>& key_lengths,
+                                   c10::optional<double> softmax_temp) {
+  return ImprovedClusteredFunction::apply(q, k, v, assignments, counts, topk, key_lengths,
+                                          softmax_temp);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
   m.impl("clustered_topk_attention", clustered_topk_attention_cpu);
   m.impl("clustered_topk_attention_backward", clustered_topk_attention_backward_cpu);
+  m.impl("improved_clustered_attention", improved_clustered_no_grad);
+  m.impl("improved_clustered_attention_forward", improved_clustered_forward_cpu);
+  m.impl("improved_clustered_attention_backward", improved_clustered_backward_cpu);
 }
 
 TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
   m.impl("clustered_topk_attention", clustered_topk_attention_autograd);
+  m.impl("improved_clustered_attention", improved_clustered_autograd);
 }
 
 Tensor clustered_topk_attention(const Tensor& q, const Tensor& k, const Tensor& v,

@@ -5,6 +5,7 @@
 
 #include "fastattn/ops.h"
 #include "kernels/full/full_attention.h"
+#include "ops/full_attention_internal.h"
 #include "ops/mask_util.h"
 #include "ops/op_util.h"
 
@@ -299,5 +300,35 @@ std::tuple<Tensor, Tensor, Tensor> full_attention_lse_topk(const Tensor& q, cons
                        .typed<decltype(full_attention_lse_topk_no_grad)>();
   return op.call(q, k, v, to_c10(key_lengths), to_c10(softmax_temp), topk);
 }
+
+namespace ops {
+
+void full_attention_backward_accumulate(const Tensor& grad_out, const Tensor& grad_lse,
+                                        const Tensor& q, const Tensor& k, const Tensor& v,
+                                        const Tensor& out, const Tensor& lse,
+                                        const std::optional<Tensor>& key_lengths,
+                                        double softmax_temp, Tensor& grad_q, Tensor& grad_k,
+                                        Tensor& grad_v) {
+  const auto p = prepare(q, k, v, c10::nullopt, to_c10(key_lengths));
+  TORCH_CHECK(grad_q.is_contiguous() && grad_k.is_contiguous() && grad_v.is_contiguous(),
+              "full_attention_backward_accumulate: gradient buffers must be contiguous");
+  auto go = grad_out.to(q.scalar_type()).contiguous();
+  auto delta = ((go * out).sum(-1) - grad_lse.to(q.scalar_type())).contiguous();
+  auto lse_c = lse.contiguous();
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "full_attention_backward_accumulate", [&] {
+    kernels::FullAttentionBackwardArgs<scalar_t> a;
+    fill_params<scalar_t>(a, p, /*causal=*/false, softmax_temp);
+    a.grad_out = go.data_ptr<scalar_t>();
+    a.lse = lse_c.data_ptr<scalar_t>();
+    a.delta = delta.data_ptr<scalar_t>();
+    a.grad_q = grad_q.data_ptr<scalar_t>();
+    a.grad_k = grad_k.data_ptr<scalar_t>();
+    a.grad_v = grad_v.data_ptr<scalar_t>();
+    a.accumulate = true;
+    kernels::full_attention_backward_cpu(a);
+  });
+}
+
+}  // namespace ops
 
 }  // namespace fastattn

@@ -80,6 +80,25 @@ TORCH_LIBRARY(fastattn, m) {
       "clustered_topk_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, "
       "Tensor topk, Tensor mass, Tensor assignments, Tensor? key_lengths, float softmax_temp) "
       "-> (Tensor, Tensor, Tensor, Tensor)");
+  // Improved clustered attention given the clusters, fused (Vyas et al.
+  // eq. 9-11): centroids = mean of the members (assignments (N,H,L) in
+  // [-1, C), counts (N,H,C)), one pass of the centroids over the keys
+  // (full_attention_lse_topk), then per cluster its members' exact attention
+  // on the topk keys scaled by the centroid's mass there, plus the centroid's
+  // weights on the other keys. 1 <= topk <= S. Gradients to q (also through
+  // the centroids), k and v.
+  m.def(
+      "improved_clustered_attention(Tensor q, Tensor k, Tensor v, Tensor assignments, "
+      "Tensor counts, int topk, Tensor? key_lengths=None, float? softmax_temp=None) -> Tensor");
+  // Forward kernel: (out, centroids, lse, centroid outputs, top_idx) for the backward.
+  m.def(
+      "improved_clustered_attention_forward(Tensor q, Tensor k, Tensor v, Tensor assignments, "
+      "Tensor counts, int topk, Tensor? key_lengths, float softmax_temp) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "improved_clustered_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, "
+      "Tensor assignments, Tensor counts, Tensor centroids, Tensor lse, Tensor out_c, "
+      "Tensor top_idx, Tensor? key_lengths, float softmax_temp) -> (Tensor, Tensor, Tensor)");
 
   // ---- hard retrieval attention (Xu et al.) -----------------------------------
   // q (N,H,L,E), k (N,H,S,E), v (N,H,S,M) -> (out (N,H,L,M), index (N,H,L) int64):

@@ -47,9 +47,10 @@ struct FullAttentionBackwardArgs : FullAttentionParams<T> {
   // (N, H, L): rowsum(grad_out ∘ out), minus the gradient of the loss with
   // respect to the forward's lse where that is an output too.
   const T* delta = nullptr;
-  T* grad_q = nullptr;  // (N, H, L, E), written
-  T* grad_k = nullptr;  // (N, H, S, E), written
-  T* grad_v = nullptr;  // (N, H, S, M), written
+  T* grad_q = nullptr;      // (N, H, L, E), written
+  T* grad_k = nullptr;      // (N, H, S, E), written
+  T* grad_v = nullptr;      // (N, H, S, M), written
+  bool accumulate = false;  // add to grad_q, grad_k and grad_v instead of overwriting them
 };
 
 template <typename T>

@@ -187,9 +187,11 @@ template <typename T>
 void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& a) {
   const int64_t N = a.N, H = a.H, L = a.L, S = a.S, E = a.E, M = a.M;
   const int64_t NH = N * H;
-  std::fill(a.grad_q, a.grad_q + NH * L * E, T(0));
-  std::fill(a.grad_k, a.grad_k + NH * S * E, T(0));
-  std::fill(a.grad_v, a.grad_v + NH * S * M, T(0));
+  if (!a.accumulate) {
+    std::fill(a.grad_q, a.grad_q + NH * L * E, T(0));
+    std::fill(a.grad_k, a.grad_k + NH * S * E, T(0));
+    std::fill(a.grad_v, a.grad_v + NH * S * M, T(0));
+  }
   if (NH == 0 || L == 0 || S == 0) return;
   constexpr int64_t NR = panel_width<T>();
   const int64_t k_tiles = (S + kBwdBc - 1) / kBwdBc;
@@ -269,8 +271,15 @@ void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& a) {
             transpose(w.dp.data(), rows, cols, kBwdBc, w.dst.data(), kBwdBr);
             gemm(cols, E, rows, w.dst.data(), kBwdBr, qi, E, w.dk.data(), E, true);
           }
-          std::copy(w.dk.begin(), w.dk.begin() + cols * E, a.grad_k + (nh * S + j0) * E);
-          std::copy(w.dv.begin(), w.dv.begin() + cols * M, a.grad_v + (nh * S + j0) * M);
+          T* gk = a.grad_k + (nh * S + j0) * E;
+          T* gv = a.grad_v + (nh * S + j0) * M;
+          if (a.accumulate) {
+            for (int64_t x = 0; x < cols * E; ++x) gk[x] += w.dk[x];
+            for (int64_t x = 0; x < cols * M; ++x) gv[x] += w.dv[x];
+          } else {
+            std::copy(w.dk.begin(), w.dk.begin() + cols * E, gk);
+            std::copy(w.dv.begin(), w.dv.begin() + cols * M, gv);
+          }
         }
       });
 

@@ -30,6 +30,14 @@ struct ClusteredTopkParams {
   int64_t N = 0, H = 0, L = 0, S = 0, E = 0, M = 0, C = 0, K = 0;
   T scale = 1;
   int num_threads = 1;
+  // Improved-clustered form (centroids set; mass then unused): the centroid
+  // weights of the cluster's top keys are p_t = exp(scale·c·k_t - lse_c) on
+  // the kept keys, mass = Σ p_t, and every member's output also gets the rest
+  // of the centroid's output, out_c - Σ p_t v_t (Vyas et al. eq. 9-11 in
+  // one pass).
+  const T* centroids = nullptr;  // (N, H, C, E)
+  const T* lse = nullptr;        // (N, H, C): log-sum-exp of the centroid's scaled scores
+  const T* out_c = nullptr;      // (N, H, C, M): the centroid's full attention output
 };
 
 template <typename T>
@@ -43,8 +51,25 @@ struct ClusteredTopkBackwardArgs : ClusteredTopkParams<T> {
   T* grad_q = nullptr;          // (N, H, L, E), written
   T* grad_k = nullptr;          // (N, H, S, E), written
   T* grad_v = nullptr;          // (N, H, S, M), written
-  T* grad_mass = nullptr;       // (N, H, C), written
+  T* grad_mass = nullptr;       // (N, H, C), written (plain form)
+  // Improved form: written instead of grad_mass.
+  T* grad_centroids = nullptr;  // (N, H, C, E)
+  T* grad_lse = nullptr;        // (N, H, C)
+  T* grad_out_c = nullptr;      // (N, H, C, M)
 };
+
+// centroids (N, H, C, E) = the mean of each cluster's queries (zeros for an
+// empty cluster); assignments a_l in [-1, C), -1 for padding.
+template <typename T>
+void cluster_means_cpu(const T* q, const int64_t* assignments, const int64_t* counts, T* centroids,
+                       int64_t NH, int64_t L, int64_t C, int64_t E, int num_threads);
+
+// grad_q (N, H, L, E) += table[n, h, a_l] / counts[n, h, a_l] for every query
+// l with a cluster a_l >= 0: the gradient of centroid = mean of its members.
+template <typename T>
+void add_centroid_grads_cpu(T* grad_q, const T* table, const int64_t* assignments,
+                            const int64_t* counts, int64_t NH, int64_t L, int64_t C, int64_t E,
+                            int num_threads);
 
 template <typename T>
 void clustered_topk_forward_cpu(const ClusteredTopkForwardArgs<T>& a);

@@ -53,8 +53,10 @@ struct Scratch {
   std::vector<T> vp;       // (Kp, M) values, packed panels of Vᵀ (backward)
   std::vector<char> keep;  // (Kp) key kept
   std::vector<T> q, s, o;  // (kRows, E), (kRows, Kp), (kRows, M)
-  std::vector<T> g, dq, pt, dk,
-      dv;  // backward: (kRows, M), (kRows, E), (Kp, kRows), (Kp, E), (Kp, M)
+  // Backward: (kRows, M), (kRows, E), (Kp, kRows), (Kp, E), (Kp, M).
+  std::vector<T> g, dq, pt, dk, dv;
+  // Improved form: centroid weights (Kp), the rest and its gradient (M).
+  std::vector<T> pc, rest, grest;
 };
 
 // Gathers the cluster's keys (and values) into the scratch; returns the
@@ -101,6 +103,35 @@ void block_softmax(int64_t rows, int64_t Kp, int64_t E, T scale, Scratch<T>& w) 
   }
 }
 
+// Improved form: the centroid's weights on the cluster's gathered keys,
+// w.pc[t] = exp(scale·c·k_t - lse) (0 for dropped keys); returns their sum,
+// the mass. With want_rest, w.rest = out_c - Σ_t pc[t]·v_t.
+template <typename T>
+T centroid_weights(const ClusteredTopkParams<T>& a, int64_t nh, int64_t c, int64_t Kp,
+                   bool want_rest, Scratch<T>& w) {
+  const int64_t E = a.E, M = a.M;
+  const T* cen = a.centroids + (nh * a.C + c) * E;
+  const T lse = a.lse[nh * a.C + c];
+  w.pc.assign(Kp, T(0));
+  T mass = 0;
+  for (int64_t t = 0; t < Kp; ++t) {
+    if (!w.keep[t]) continue;  // also every key when lse = -inf (no kept key)
+    T s = 0;
+    for (int64_t x = 0; x < E; ++x) s += cen[x] * w.ks[t * E + x];
+    w.pc[t] = std::exp(a.scale * s - lse);
+    mass += w.pc[t];
+  }
+  if (want_rest) {
+    const T* oc = a.out_c + (nh * a.C + c) * M;
+    w.rest.assign(oc, oc + M);
+    for (int64_t t = 0; t < Kp; ++t) {
+      if (w.pc[t] == T(0)) continue;
+      for (int64_t x = 0; x < M; ++x) w.rest[x] -= w.pc[t] * w.vs[t * M + x];
+    }
+  }
+  return mass;
+}
+
 template <typename T>
 void gather_rows(const T* src, int64_t D, const int64_t* rows, int64_t n, T* dst) {
   for (int64_t r = 0; r < n; ++r) std::copy(src + rows[r] * D, src + rows[r] * D + D, dst + r * D);
@@ -131,7 +162,8 @@ void clustered_topk_forward_cpu(const ClusteredTopkForwardArgs<T>& a) {
           if (b == e) continue;
           const int64_t Kp = gather_cluster(a.topk + (nh * C + c) * K, K, len, a.k + nh * S * E,
                                             a.v + nh * S * M, E, M, false, w);
-          const T m = a.mass[nh * C + c];
+          const bool improved = a.centroids != nullptr;
+          const T m = improved ? centroid_weights(a, nh, c, Kp, true, w) : a.mass[nh * C + c];
           for (int64_t r0 = b; r0 < e; r0 += kRows) {
             const int64_t rows = std::min(kRows, e - r0);
             const int64_t* members = w.groups.order.data() + r0;
@@ -141,7 +173,11 @@ void clustered_topk_forward_cpu(const ClusteredTopkForwardArgs<T>& a) {
             for (int64_t r = 0; r < rows; ++r) {
               T* dst = out + members[r] * M;
               const T* src = w.o.data() + r * M;
-              for (int64_t x = 0; x < M; ++x) dst[x] = m * src[x];
+              if (improved) {
+                for (int64_t x = 0; x < M; ++x) dst[x] = m * src[x] + w.rest[x];
+              } else {
+                for (int64_t x = 0; x < M; ++x) dst[x] = m * src[x];
+              }
             }
           }
         }
@@ -172,11 +208,17 @@ void clustered_topk_backward_cpu(const ClusteredTopkBackwardArgs<T>& a) {
         T* gq = a.grad_q + nh * L * E;
         T* gk = a.grad_k + nh * S * E;
         T* gv = a.grad_v + nh * S * M;
-        T* gm = a.grad_mass + nh * C;
+        const bool improved = a.centroids != nullptr;
         std::fill(gq, gq + L * E, T(0));
         std::fill(gk, gk + S * E, T(0));
         std::fill(gv, gv + S * M, T(0));
-        std::fill(gm, gm + C, T(0));
+        if (improved) {
+          std::fill(a.grad_centroids + nh * C * E, a.grad_centroids + (nh + 1) * C * E, T(0));
+          std::fill(a.grad_lse + nh * C, a.grad_lse + (nh + 1) * C, T(0));
+          std::fill(a.grad_out_c + nh * C * M, a.grad_out_c + (nh + 1) * C * M, T(0));
+        } else {
+          std::fill(a.grad_mass + nh * C, a.grad_mass + (nh + 1) * C, T(0));
+        }
         w.groups.build(a.assignments + nh * L, L, C);
         for (int64_t c = 0; c < C; ++c) {
           const int64_t b = w.groups.start[c], e = w.groups.start[c + 1];
@@ -184,15 +226,20 @@ void clustered_topk_backward_cpu(const ClusteredTopkBackwardArgs<T>& a) {
           const int64_t* idx = a.topk + (nh * C + c) * K;
           const int64_t Kp =
               gather_cluster(idx, K, len, a.k + nh * S * E, a.v + nh * S * M, E, M, true, w);
-          const T m = a.mass[nh * C + c];
+          const T m = improved ? centroid_weights(a, nh, c, Kp, false, w) : a.mass[nh * C + c];
           std::fill(w.dk.begin(), w.dk.begin() + Kp * E, T(0));
           std::fill(w.dv.begin(), w.dv.begin() + Kp * M, T(0));
+          if (improved) w.grest.assign(M, T(0));
           T g_mass = 0;
           for (int64_t r0 = b; r0 < e; r0 += kRows) {
             const int64_t rows = std::min(kRows, e - r0);
             const int64_t* members = w.groups.order.data() + r0;
             gather_rows(q, E, members, rows, w.q.data());
             gather_rows(g, M, members, rows, w.g.data());
+            if (improved) {  // the rest reaches every member: its gradient sums theirs
+              for (int64_t r = 0; r < rows; ++r)
+                for (int64_t x = 0; x < M; ++x) w.grest[x] += w.g[r * M + x];
+            }
             block_softmax(rows, Kp, E, a.scale, w);
             // gv_t = G·Vᵀ; d mass = Σ P ∘ gv; dP = m · gv.
             gemm_packed(rows, Kp, M, w.g.data(), M, w.vp.data(), w.o.data(), Kp, false);
@@ -218,7 +265,33 @@ void clustered_topk_backward_cpu(const ClusteredTopkBackwardArgs<T>& a) {
             transpose(w.o.data(), rows, Kp, Kp, w.pt.data(), rows);
             gemm(Kp, E, rows, w.pt.data(), rows, w.q.data(), E, w.dk.data(), E, true);
           }
-          gm[c] = g_mass;
+          if (improved) {
+            // rest = out_c - Σ p_t v_t, mass = Σ p_t, p_t = exp(scale·c·k_t - lse):
+            // d p_t = g_mass - g_rest·v_t; d s_t = p_t · d p_t; d lse = -Σ d s_t;
+            // d c = scale Σ d s_t k_t; d k_t += scale · d s_t · c; d v_t -= p_t g_rest.
+            const T* cen = a.centroids + (nh * C + c) * E;
+            T* gcen = a.grad_centroids + (nh * C + c) * E;
+            std::copy(w.grest.begin(), w.grest.end(), a.grad_out_c + (nh * C + c) * M);
+            T g_lse = 0;
+            for (int64_t t = 0; t < Kp; ++t) {
+              if (w.pc[t] == T(0)) continue;
+              const T* vt = w.vs.data() + t * M;
+              T gp = g_mass;
+              for (int64_t x = 0; x < M; ++x) {
+                gp -= w.grest[x] * vt[x];
+                w.dv[t * M + x] -= w.pc[t] * w.grest[x];
+              }
+              const T gs = gp * w.pc[t];
+              g_lse -= gs;
+              for (int64_t x = 0; x < E; ++x) {
+                gcen[x] += a.scale * gs * w.ks[t * E + x];
+                w.dk[t * E + x] += a.scale * gs * cen[x];
+              }
+            }
+            a.grad_lse[nh * C + c] = g_lse;
+          } else {
+            a.grad_mass[nh * C + c] = g_mass;
+          }
           for (int64_t t = 0; t < K; ++t) {
             if (!w.keep[t]) continue;
             T* dk_row = gk + idx[t] * E;
@@ -230,6 +303,55 @@ void clustered_topk_backward_cpu(const ClusteredTopkBackwardArgs<T>& a) {
       });
 }
 
+template <typename T>
+void cluster_means_cpu(const T* q, const int64_t* assignments, const int64_t* counts, T* centroids,
+                       int64_t NH, int64_t L, int64_t C, int64_t E, int num_threads) {
+  struct None {};
+  parallel_items<None>(
+      NH, num_threads, [](None&) {},
+      [&](int64_t nh, None&) {
+        T* cen = centroids + nh * C * E;
+        std::fill(cen, cen + C * E, T(0));
+        for (int64_t l = 0; l < L; ++l) {
+          const int64_t c = assignments[nh * L + l];
+          if (c < 0) continue;
+          const T* src = q + (nh * L + l) * E;
+          for (int64_t x = 0; x < E; ++x) cen[c * E + x] += src[x];
+        }
+        for (int64_t c = 0; c < C; ++c) {
+          const T inv = T(1) / static_cast<T>(std::max<int64_t>(1, counts[nh * C + c]));
+          for (int64_t x = 0; x < E; ++x) cen[c * E + x] *= inv;
+        }
+      });
+}
+
+template <typename T>
+void add_centroid_grads_cpu(T* grad_q, const T* table, const int64_t* assignments,
+                            const int64_t* counts, int64_t NH, int64_t L, int64_t C, int64_t E,
+                            int num_threads) {
+  struct None {};
+  parallel_items<None>(
+      NH, num_threads, [](None&) {},
+      [&](int64_t nh, None&) {
+        for (int64_t l = 0; l < L; ++l) {
+          const int64_t c = assignments[nh * L + l];
+          if (c < 0) continue;
+          const T inv = T(1) / static_cast<T>(std::max<int64_t>(1, counts[nh * C + c]));
+          const T* src = table + (nh * C + c) * E;
+          T* dst = grad_q + (nh * L + l) * E;
+          for (int64_t x = 0; x < E; ++x) dst[x] += inv * src[x];
+        }
+      });
+}
+
+template void cluster_means_cpu<float>(const float*, const int64_t*, const int64_t*, float*,
+                                       int64_t, int64_t, int64_t, int64_t, int);
+template void cluster_means_cpu<double>(const double*, const int64_t*, const int64_t*, double*,
+                                        int64_t, int64_t, int64_t, int64_t, int);
+template void add_centroid_grads_cpu<float>(float*, const float*, const int64_t*, const int64_t*,
+                                            int64_t, int64_t, int64_t, int64_t, int);
+template void add_centroid_grads_cpu<double>(double*, const double*, const int64_t*, const int64_t*,
+                                             int64_t, int64_t, int64_t, int64_t, int);
 template void clustered_topk_forward_cpu<float>(const ClusteredTopkForwardArgs<float>&);
 template void clustered_topk_forward_cpu<double>(const ClusteredTopkForwardArgs<double>&);
 template void clustered_topk_backward_cpu<float>(const ClusteredTopkBackwardArgs<float>&);
