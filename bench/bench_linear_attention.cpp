@@ -4,11 +4,11 @@
 //   build/bench_linear_attention [--threads T] [--max-len L] [--reps R]
 //
 // N=1, H=8, E=M=64, float32, elu feature map. For L = 1024, 2048, ..., max-len
-// (65536 by default) prints the median wall time (one run from L = 16384) of:
+// (65536 by default) prints the median wall time (one run above L = 16384) of:
 // `linear` forward, `causal-linear` forward, `causal-linear` forward+backward,
 // and the bare causal_linear_product operator forward and forward+backward
 // with their GFLOP/s (flops as computed, per head 2·L·(2·F·M + C·(F+M)) forward and
-// 2·L·(5·F·M + 3·C·(F+M)) backward, chunks of C = 64), each also in ms per
+// 2·L·(5·F·M + 3·C·(F+M)) backward, chunks of C = 64 there), each also in ms per
 // 1k tokens: a flat column shows linear scaling. Then a finiteness check of
 // causal-linear in float32 at the longest length with unnormalised inputs
 // (|x| ~ 100·sqrt(E)), and the process's peak resident memory (an L×L matrix
@@ -74,7 +74,7 @@ int main(int argc, char** argv) {
     auto q = torch::randn({N, H, L, E}), k = torch::randn({N, H, L, E}),
          v = torch::randn({N, H, L, E});
     auto w = torch::randn({N, H, L, E});
-    const int r = L >= 16384 ? 1 : reps;
+    const int r = L > 16384 ? 1 : reps;
     const double fwd_flops = 2.0 * N * H * L * (2.0 * E * E + C * (E + E));
     const double bwd_flops = 2.0 * N * H * L * (5.0 * E * E + 3 * C * (E + E));
     {
@@ -90,7 +90,7 @@ int main(int argc, char** argv) {
            time_median(
                [&] {
                  auto out = causal->forward(qg, kg, vg, causal_mask);
-                 torch::autograd::grad({(out * w).sum()}, {qg, kg, vg});
+                 torch::autograd::grad({out}, {qg, kg, vg}, {w});  // w: the output gradient
                },
                r),
            0);

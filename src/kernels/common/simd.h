@@ -136,4 +136,17 @@ struct Simd<double> : ScalarSimd<double> {};
 
 #endif
 
+// a·b over n values: one vector accumulator and a scalar tail (summation
+// order differs from a sequential loop by rounding only).
+template <typename T>
+inline T simd_dot(const T* a, const T* b, int64_t n) {
+  using S = Simd<T>;
+  auto acc = S::zero();
+  int64_t i = 0;
+  for (; i + S::W <= n; i += S::W) acc = S::fma(S::load(a + i), S::load(b + i), acc);
+  T s = S::hsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
 }  // namespace fastattn::kernels

@@ -60,17 +60,6 @@ std::unique_ptr<T[]> pack_heads(const T* x, int64_t NH, int64_t rows, int64_t D,
   return out;
 }
 
-template <typename T>
-inline T dot(const T* a, const T* b, int64_t n) {
-  using S = Simd<T>;
-  auto acc = S::zero();
-  int64_t c = 0;
-  for (; c + S::W <= n; c += S::W) acc = S::fma(S::load(a + c), S::load(b + c), acc);
-  T s = S::hsum(acc);
-  for (; c < n; ++c) s += a[c] * b[c];
-  return s;
-}
-
 // Scales a row of raw scores; dropped keys (past `limit`, or false in the keep
 // row) become -inf up to `width`.
 template <typename T>
@@ -106,7 +95,7 @@ inline void tile_scores(const T* q, int64_t rows, int64_t E, const T* kh, const 
     return;
   }
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) s[r * kBc + c] = dot(q + r * E, kh + (j0 + c) * E, E);
+    for (int64_t c = 0; c < cols; ++c) s[r * kBc + c] = simd_dot(q + r * E, kh + (j0 + c) * E, E);
 }
 
 }  // namespace

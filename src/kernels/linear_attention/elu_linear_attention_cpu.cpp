@@ -10,6 +10,7 @@
 
 #include "kernels/common/gemm.h"
 #include "kernels/common/parallel.h"
+#include "kernels/common/simd.h"
 #include "kernels/feature_maps/elu.h"
 
 namespace fastattn::kernels {
@@ -66,13 +67,6 @@ void add_weighted_row_sum(const T* x, const T* w, int64_t rows, int64_t E, T* z)
     for (int64_t e = 0; e < E; ++e) z[e] += w[r] * x[r * E + e];
 }
 
-template <typename T>
-T dot(const T* a, const T* b, int64_t n) {
-  T s = T(0);
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
 // out (rows × E) += w[r] · z for every row r (w null: weight 1).
 template <typename T>
 void add_outer(const T* w, const T* z, int64_t rows, int64_t E, T* out) {
@@ -88,7 +82,7 @@ void scaled_grads(const T* g, const T* out, const T* den, int64_t rows, int64_t 
   for (int64_t r = 0; r < rows; ++r) {
     const T inv = T(1) / den[r];
     for (int64_t m = 0; m < M; ++m) gn[r * M + m] = g[r * M + m] * inv;
-    gd[r] = -dot(g + r * M, out + r * M, M) * inv;
+    gd[r] = -simd_dot(g + r * M, out + r * M, M) * inv;
   }
 }
 
@@ -143,7 +137,7 @@ void forward_causal(const EluLinearForwardArgs<T>& p, int64_t nh, Scratch<T>& w)
     if (!first) gemm(rows, M, E, w.qf.data(), E, w.s.data(), M, oc, M, false);
     gemm(rows, M, rows, w.a.data(), C, v + i0 * M, M, oc, M, !first);
     for (int64_t r = 0; r < rows; ++r) {
-      T d = p.eps + dot(w.qf.data() + r * E, w.z.data(), E);
+      T d = p.eps + simd_dot(w.qf.data() + r * E, w.z.data(), E);
       for (int64_t j = 0; j <= r; ++j) d += w.a[r * C + j];
       den[i0 + r] = d;
       const T inv = T(1) / d;
@@ -169,7 +163,7 @@ void forward_full(const EluLinearForwardArgs<T>& p, int64_t nh, Scratch<T>& w) {
     phi_rows(q + i0 * E, rows, rows, E, w.qf.data());
     gemm(rows, M, E, w.qf.data(), E, w.s.data(), M, oc, M, false);
     for (int64_t r = 0; r < rows; ++r) {
-      const T d = p.eps + dot(w.qf.data() + r * E, w.z.data(), E);
+      const T d = p.eps + simd_dot(w.qf.data() + r * E, w.z.data(), E);
       den[i0 + r] = d;
       const T inv = T(1) / d;
       for (int64_t m = 0; m < M; ++m) oc[r * M + m] *= inv;

@@ -116,9 +116,7 @@ T centroid_weights(const ClusteredTopkParams<T>& a, int64_t nh, int64_t c, int64
   T mass = 0;
   for (int64_t t = 0; t < Kp; ++t) {
     if (!w.keep[t]) continue;  // also every key when lse = -inf (no kept key)
-    T s = 0;
-    for (int64_t x = 0; x < E; ++x) s += cen[x] * w.ks[t * E + x];
-    w.pc[t] = std::exp(a.scale * s - lse);
+    w.pc[t] = std::exp(a.scale * simd_dot(cen, w.ks.data() + t * E, E) - lse);
     mass += w.pc[t];
   }
   if (want_rest) {
