@@ -92,6 +92,13 @@ void times_phi_prime(const T* pre, int64_t rows, int64_t E, T* x) {
   elu_plus_one_backward(pre, x, x, rows * E);
 }
 
+// The same from phi(pre) instead: phi'(x) = min(phi(x), 1) (x + 1 > 1 for
+// x > 0, exp(x) <= 1 otherwise; NaN stays NaN), no exp.
+template <typename T>
+void times_phi_prime_from_phi(const T* phi, int64_t rows, int64_t E, T* x) {
+  for (int64_t i = 0; i < rows * E; ++i) x[i] *= std::min(phi[i], T(1));
+}
+
 template <typename T>
 int64_t valid_keys(const EluLinearParams<T>& p, int64_t nh) {
   return p.key_lengths ? std::clamp<int64_t>(p.key_lengths[nh / p.H], 0, p.S) : p.S;
@@ -255,7 +262,7 @@ void backward_causal(const EluLinearBackwardArgs<T>& p, int64_t nh, Scratch<T>& 
       }
       gemm(valid, E, rows, a, C, w.qf.data(), E, gkc, E, !first);
       if (!first) add_outer<T>(nullptr, r, valid, E, gkc);
-      times_phi_prime(k + i0 * E, valid, E, gkc);
+      times_phi_prime_from_phi(w.kf.data(), valid, E, gkc);
     }
     std::fill(gkc + valid * E, gkc + rows * E, T(0));
     std::fill(gvc + valid * M, gvc + rows * M, T(0));
@@ -294,7 +301,7 @@ void backward_full(const EluLinearBackwardArgs<T>& p, int64_t nh, Scratch<T>& w)
     scaled_grads(g + i0 * M, out + i0 * M, den + i0, rows, M, w.gn.data(), w.gd.data());
     gemm(rows, E, M, w.gn.data(), M, w.st.data(), E, gqc, E, false);
     add_outer(w.gd.data(), w.z.data(), rows, E, gqc);
-    times_phi_prime(q + i0 * E, rows, E, gqc);
+    times_phi_prime_from_phi(w.qf.data(), rows, E, gqc);
     transpose(w.qf.data(), rows, E, E, w.xt.data(), C);
     gemm(E, M, rows, w.xt.data(), C, w.gn.data(), M, ds, M, true);
     add_weighted_row_sum(w.qf.data(), w.gd.data(), rows, E, dz);
@@ -311,7 +318,7 @@ void backward_full(const EluLinearBackwardArgs<T>& p, int64_t nh, Scratch<T>& w)
       gemm(valid, M, E, w.kf.data(), E, ds, M, gvc, M, false);
       gemm(valid, E, M, v + j0 * M, M, w.st.data(), E, gkc, E, false);
       add_outer<T>(nullptr, dz, valid, E, gkc);
-      times_phi_prime(k + j0 * E, valid, E, gkc);
+      times_phi_prime_from_phi(w.kf.data(), valid, E, gkc);
     }
     std::fill(gkc + valid * E, gkc + rows * E, T(0));
     std::fill(gvc + valid * M, gvc + rows * M, T(0));
