@@ -90,10 +90,15 @@ def digits(data, base):
     recs = data["records"]
     names = [r["method"] for r in recs]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    a.bar(names, [r["bits_per_dim"] for r in recs], color="tab:blue")
+    x = range(len(recs))
+    best = [r.get("best_bits_per_dim", r["bits_per_dim"]) for r in recs]
+    a.bar([i - 0.2 for i in x], best, width=0.4, color="tab:blue", label="best evaluation")
+    a.bar([i + 0.2 for i in x], [r["bits_per_dim"] for r in recs], width=0.4,
+          color="tab:gray", label="end of the budget")
+    a.set_xticks(list(x), names)
+    a.legend(fontsize=8)
     a.set_ylabel("bits / dim (held-out, lower is better)")
     a.set_title(f"after {data['time_budget']:.0f} s of training each")
-    x = range(len(recs))
     b.bar([i - 0.2 for i in x], [r["images_per_second"] for r in recs], width=0.4,
           label="recurrent form (where available)")
     b.bar([i + 0.2 for i in x], [r["images_per_second_batch_form"] for r in recs], width=0.4,
@@ -115,10 +120,13 @@ def digits(data, base):
     fig.savefig(base + "_samples.png", dpi=100, bbox_inches="tight")
 
     md = [f"# Digits generation{' (--quick run)' if data.get('quick') else ''}", "",
-          "| attention | bits/dim | steps in the budget | images/s | form | images/s, batch re-run |",
-          "|---|---|---|---|---|---|"]
+          "| attention | bits/dim, best (at step) | bits/dim, end | steps in the budget | "
+          "images/s | form | images/s, batch re-run |",
+          "|---|---|---|---|---|---|---|"]
     for r in recs:
-        md.append(f"| {r['method']} | {r['bits_per_dim']:.3f} | {r['steps']} | "
+        best = r.get("best_bits_per_dim", r["bits_per_dim"])
+        md.append(f"| {r['method']} | {best:.3f} ({r.get('best_step', r['steps'])}) | "
+                  f"{r['bits_per_dim']:.3f} | {r['steps']} | "
                   f"{r['images_per_second']:.1f} | "
                   f"{'recurrent' if r['recurrent'] else 'batch re-run'} | "
                   f"{r['images_per_second_batch_form']:.1f} |")
