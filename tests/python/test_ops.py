@@ -278,3 +278,50 @@ def test_library_search_reports_missing_library():
     assert r.returncode != 0
     assert "ImportError" in r.stderr
     assert "/nonexistent/libfastattn.so" in r.stderr
+
+
+def test_full_attention_lse_topk_reference_and_gradients():
+    # out and lse against the reference, top_idx against torch.topk, and
+    # gradients (through out and lse) by torch.autograd.gradcheck in float64.
+    torch.manual_seed(4)
+    q = torch.randn(1, 2, 5, 4, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, 7, 4, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, 7, 3, dtype=torch.float64, requires_grad=True)
+    lengths = torch.tensor([6])
+    out, lse, idx = fastattn.ops.full_attention_lse_topk(q, k, v, lengths, 0.5, 3)
+    scores = (q @ k.transpose(-1, -2) * 0.5).masked_fill(torch.arange(7) >= 6, -math.inf)
+    assert torch.allclose(out, reference(q, k, v, key_lengths=lengths, softmax_temp=0.5),
+                          atol=F64_TOL)
+    assert torch.allclose(lse, torch.logsumexp(scores, -1), atol=F64_TOL)
+    assert torch.equal(idx, scores.topk(3, -1).indices)
+    w = torch.randn(1, 2, 5, 1, dtype=torch.float64)
+
+    def f(q, k, v):
+        o, l, _ = fastattn.ops.full_attention_lse_topk(q, k, v, lengths, 0.5, 3)
+        return o + w * l.unsqueeze(-1)
+
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+def test_improved_clustered_attention_op_gradients():
+    # The fused operator given clusters: gradcheck in float64 (the clusters
+    # and top-k sets are piecewise constant, so small perturbations keep them).
+    torch.manual_seed(5)
+    q = torch.randn(2, 2, 9, 4, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, 11, 4, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, 11, 3, dtype=torch.float64, requires_grad=True)
+    assignments = torch.randint(0, 3, (2, 2, 9))
+    assignments[1, :, 7:] = -1  # padded queries
+    counts = torch.stack([(assignments == c).sum(-1) for c in range(3)], -1)
+    lengths = torch.tensor([11, 8])
+
+    def f(q, k, v):
+        return fastattn.ops.improved_clustered_attention(q, k, v, assignments, counts, 4,
+                                                         lengths)
+
+    out = f(q, k, v)
+    assert out.shape == (2, 2, 9, 3)
+    assert torch.all(out[1, :, 7:] == 0)
+    assert torch.autograd.gradcheck(f, (q, k, v))
+    with pytest.raises(RuntimeError, match="topk must be in"):
+        fastattn.ops.improved_clustered_attention(q, k, v, assignments, counts, 12)
