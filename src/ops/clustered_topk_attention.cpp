@@ -1,12 +1,17 @@
-// The clustered_topk_attention operator (the per-query sparse part of
-// improved clustered attention): input checks, CPU implementations of the
-// forward/backward kernels (src/kernels/sparse_product/), the autograd
-// function, and the C++ entry point.
-//   q (N,H,L,E), k (N,H,S,E), v (N,H,S,M), topk (N,H,C,K) int64,
-//   mass (N,H,C), assignments (N,H,L) int64 -> (N,H,L,M)
-// Cost: O(N·H·L·K·(E + M)); gradients to q, k, v and mass.
-// Tested through improved_clustered_attention in
-// tests/cpp/test_clustered_attention.cpp.
+// The clustered top-k operators, with input checks, CPU implementations of
+// the forward/backward kernels (src/kernels/sparse_product/) and autograd:
+//  - clustered_topk_attention (the per-query sparse part of improved
+//    clustered attention, given masses; exact-topk uses it):
+//      q (N,H,L,E), k (N,H,S,E), v (N,H,S,M), topk (N,H,C,K) int64,
+//      mass (N,H,C), assignments (N,H,L) int64 -> (N,H,L,M)
+//    Cost: O(N·H·L·K·(E + M)); gradients to q, k, v and mass.
+//  - improved_clustered_attention (the whole method given the clusters):
+//    centroids, the centroid pass (full_attention_lse_topk), then the top-k
+//    kernel in its improved form; the backward writes one buffer per input
+//    (the centroid pass's backward accumulates into the top-k kernel's k and
+//    v gradients). Cost O(N·H·(C·S·(E + M) + L·K·(E + M))).
+// Tested through improved_clustered_attention and exact-topk in
+// tests/cpp/test_clustered_attention.cpp and in tests/python/test_ops.py.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 

@@ -11,7 +11,10 @@
 //             dS = P ∘ (dP - rowsum(P ∘ dP)) · scale; dQ = dS·K; dK += dSᵀ·Q;
 //             d mass += Σ P ∘ (G·Vᵀ).
 // Keys at index >= key length are dropped (score -inf); K is padded to the
-// panel width with dropped columns.
+// panel width with dropped columns. In the improved form each cluster first
+// computes its centroid's weights on the gathered keys, its mass and its rest
+// (centroid_weights); the backward then adds the rest's and the masses'
+// gradients to the keys, values, centroids, lse and centroid outputs.
 #include "kernels/sparse_product/clustered_topk.h"
 
 #include <algorithm>
