@@ -142,6 +142,11 @@ TextCorpus load_text_corpus(const std::string& path);
 struct CharLMTaskOptions {
   std::string path = "/usr/share/games/fortunes";
   int64_t length = 256;
+  // The byte vocabulary a model was trained with (config key "vocabulary",
+  // two hex digits per byte, as config() writes it): when set, the corpus
+  // must still have exactly this vocabulary, otherwise token ids would name
+  // other characters; construction fails with both listed.
+  std::optional<std::string> vocabulary;
 };
 
 class CharLMTask : public Task {

@@ -278,9 +278,30 @@ TextCorpus load_text_corpus(const std::string& path) {
   return c;
 }
 
+namespace {
+// Two lowercase hex digits per byte.
+std::string hex_bytes(const std::vector<uint8_t>& bytes) {
+  static const char* digits = "0123456789abcdef";
+  std::string s;
+  for (uint8_t b : bytes) {
+    s += digits[b >> 4];
+    s += digits[b & 15];
+  }
+  return s;
+}
+}  // namespace
+
 CharLMTask::CharLMTask(CharLMTaskOptions o) : options_(std::move(o)) {
   TORCH_CHECK(options_.length >= 1, "charlm task: length must be >= 1, got ", options_.length);
   corpus_ = load_text_corpus(options_.path);
+  if (options_.vocabulary) {
+    const std::string now = hex_bytes(corpus_.vocabulary);
+    TORCH_CHECK(*options_.vocabulary == now, "charlm task: the corpus '", options_.path,
+                "' now has a vocabulary of ", corpus_.vocabulary.size(), " bytes (hex ", now,
+                ") but the model was trained with ", options_.vocabulary->size() / 2,
+                " bytes (hex ", *options_.vocabulary,
+                "); its token ids would name other characters. Use the corpus it was trained on");
+  }
   const auto need = static_cast<size_t>(options_.length + 1);
   TORCH_CHECK(corpus_.train.size() >= need && corpus_.valid.size() >= need, "charlm task: corpus '",
               options_.path, "' splits into ", corpus_.train.size(), " training and ",
@@ -289,7 +310,10 @@ CharLMTask::CharLMTask(CharLMTaskOptions o) : options_(std::move(o)) {
 }
 
 nlohmann::json CharLMTask::config() const {
-  return {{"name", "charlm"}, {"path", options_.path}, {"length", options_.length}};
+  return {{"name", "charlm"},
+          {"path", options_.path},
+          {"length", options_.length},
+          {"vocabulary", hex_bytes(corpus_.vocabulary)}};
 }
 
 std::shared_ptr<torch::nn::Module> CharLMTask::make_model(

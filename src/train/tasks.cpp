@@ -392,10 +392,11 @@ std::unique_ptr<Task> make_task(const nlohmann::json& j) {
     return std::make_unique<DigitsTask>(o);
   }
   if (name == "charlm") {
-    check_keys("charlm task", j, {"name", "path", "length"});
+    check_keys("charlm task", j, {"name", "path", "length", "vocabulary"});
     CharLMTaskOptions o;
     o.path = get_string("charlm task", j, "path", o.path);
     o.length = get_int("charlm task", j, "length", o.length);
+    if (j.contains("vocabulary")) o.vocabulary = get_string("charlm task", j, "vocabulary", "");
     return std::make_unique<CharLMTask>(o);
   }
   TORCH_CHECK(false, "task: name must be one of copy, transduction, digits, charlm, got '", name,

@@ -248,6 +248,24 @@ TEST(CharLMTask, WindowsComeFromTheirSplit) {
   EXPECT_ERROR_CONTAINS(CharLMTask({dir.path + "/none", 8}), "does not exist");
 }
 
+TEST(CharLMTask, StoredVocabularyMustMatchTheCorpus) {
+  TempDir dir;
+  const std::string file = dir.path + "/corpus.txt";
+  write_bytes(file, make_text(105000));
+  const auto config = CharLMTask({file, 32}).config();
+  ASSERT_TRUE(config.contains("vocabulary"));
+  // Rebuilt from its config (as from a checkpoint): same vocabulary, fine.
+  EXPECT_EQ(make_task(config)->config(), config);
+  // The corpus changed: one more distinct byte shifts the token ids.
+  write_bytes(file, make_text(105000) + "~");
+  EXPECT_ERROR_CONTAINS(make_task(config), "now has a vocabulary of",
+                        "token ids would name other characters");
+  // A config without it (older checkpoints) still loads.
+  auto old = config;
+  old.erase("vocabulary");
+  EXPECT_NO_THROW(make_task(old));
+}
+
 // ---- trained models -------------------------------------------------------------------
 
 TEST(TrainedModel, DigitsRoundTripAndRecurrentEqualsBatch) {
