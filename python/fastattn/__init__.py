@@ -29,7 +29,7 @@ import os
 
 import torch
 
-__all__ = ["attention", "full_attention", "attention_types", "ops", "library_path"]
+__all__ = ["attention", "attention_step", "full_attention", "attention_types", "ops", "library_path"]
 
 
 def _candidates():
@@ -130,6 +130,35 @@ def attention(type, q, k, v, *, causal=False, key_lengths=None, attn_mask=None, 
     from torch's default generator (seed with ``torch.manual_seed``).
     """
     return ops.attention(type, q, k, v, causal, key_lengths, attn_mask, _params_json(params))
+
+
+def attention_step(type, q, k, v, state=None, **params):
+    """One token-by-token step of a type's recurrent form (inference).
+
+    Types with a step form: ``"causal-linear"`` (a constant (S, Z) state per
+    head), ``"full"`` (a key/value cache) and ``"hard-retrieval"`` (a key
+    cache, one value row per head). Step i over positions 0..i gives row i of
+    the causal batch type with the same parameters.
+
+    Args:
+        type: the type's name.
+        q, k: the new position's query and key ``(N, H, E)``.
+        v: its value ``(N, H, M)``.
+        state: the state returned by the previous step; ``None`` (or ``[]``)
+            at the first position. Opaque: pass it back unchanged.
+        **params: the type's parameters, as for :func:`attention`.
+
+    Returns:
+        ``(out (N, H, M), state)``.
+
+    Example::
+
+        state = None
+        for t in range(T):
+            out, state = fastattn.attention_step("causal-linear", q[:, :, t], k[:, :, t],
+                                                 v[:, :, t], state)
+    """
+    return ops.attention_step(type, q, k, v, list(state or []), _params_json(params))
 
 
 def full_attention(q, k, v, attn_mask=None, key_lengths=None, causal=False, softmax_temp=None):

@@ -4,6 +4,8 @@
 //             attn_mask?, params_json) -> (N,H,L,M)
 //     builds `type` from AttentionRegistry::global() with the JSON parameters
 //     and the dims of the tensors, and runs its forward once;
+//   attention_step(type, q (N,H,E), k (N,H,E), v (N,H,M), state, params_json)
+//     -> (out (N,H,M), state): one step of make_recurrent_attention(type);
 //   attention_types() -> str
 //     the registry's describe() JSON.
 //
@@ -19,6 +21,7 @@
 
 #include "fastattn/attention.h"
 #include "fastattn/mask.h"
+#include "fastattn/recurrent.h"
 #include "fastattn/registry.h"
 
 namespace fastattn::ops {
@@ -70,6 +73,31 @@ at::Tensor attention(std::string type, const at::Tensor& q, const at::Tensor& k,
   return attn->forward(q, k, v, mask);
 }
 
+// One step of make_recurrent_attention(type): a fresh instance per call, like
+// `attention`; the state round-trips as its tensors.
+std::tuple<at::Tensor, std::vector<at::Tensor>> attention_step(std::string type,
+                                                               const at::Tensor& q,
+                                                               const at::Tensor& k,
+                                                               const at::Tensor& v,
+                                                               at::TensorList state,
+                                                               std::string params_json) {
+  TORCH_CHECK(q.dim() == 3, "fastattn::attention_step: q must have shape (N, H, E), got ", q.dim(),
+              " dimensions ", q.sizes());
+  TORCH_CHECK(v.dim() == 3, "fastattn::attention_step: v must have shape (N, H, M), got ", v.dim(),
+              " dimensions ", v.sizes());
+  AttentionDims dims;
+  dims.heads = q.size(1);
+  dims.query_dim = q.size(2);
+  dims.value_dim = v.size(2);
+  auto attn = make_recurrent_attention(type, parse_params(type, params_json), dims);
+  attn->eval();
+  if (!q.device().is_cpu()) attn->to(q.device());
+  RecurrentState in;
+  in.tensors.assign(state.begin(), state.end());
+  auto [out, next] = attn->step(q, k, v, in);
+  return {out, next.tensors};
+}
+
 std::string attention_types() { return AttentionRegistry::global().describe().dump(); }
 
 }  // namespace
@@ -77,6 +105,7 @@ std::string attention_types() { return AttentionRegistry::global().describe().du
 
 TORCH_LIBRARY_IMPL(fastattn, CompositeImplicitAutograd, m) {
   m.impl("attention", &fastattn::ops::attention);
+  m.impl("attention_step", &fastattn::ops::attention_step);
   // attention_types has no tensor argument, so the dispatcher computes an
   // empty key set and looks up the Undefined key; a CompositeImplicitAutograd
   // kernel is also installed there (checked on LibTorch 1.13 by

@@ -172,6 +172,13 @@ TORCH_LIBRARY(fastattn, m) {
   m.def(
       "attention(str type, Tensor q, Tensor k, Tensor v, bool causal=False, "
       "Tensor? key_lengths=None, Tensor? attn_mask=None, str params_json='{}') -> Tensor");
+  // One recurrent step of a type with a step form (causal-linear, full,
+  // hard-retrieval): q, k (N,H,E), v (N,H,M) of the new position and the
+  // state from the previous step (empty list at the start) -> (out (N,H,M),
+  // the new state). The state is opaque: pass it back unchanged.
+  m.def(
+      "attention_step(str type, Tensor q, Tensor k, Tensor v, Tensor[] state, "
+      "str params_json='{}') -> (Tensor, Tensor[])");
   // JSON description of every registered type and its parameters.
   m.def("attention_types() -> str");
 }

@@ -325,3 +325,31 @@ def test_improved_clustered_attention_op_gradients():
     assert torch.autograd.gradcheck(f, (q, k, v))
     with pytest.raises(RuntimeError, match="topk must be in"):
         fastattn.ops.improved_clustered_attention(q, k, v, assignments, counts, 12)
+
+
+@pytest.mark.parametrize("type,params", [("causal-linear", {}), ("full", {"softmax_temp": 0.3}),
+                                         ("hard-retrieval", {})])
+def test_attention_step_equals_causal_batch_rows(type, params):
+    # Token by token through attention_step == the causal batch type, row by row.
+    torch.manual_seed(6)
+    q = torch.randn(2, 3, 9, 4, dtype=torch.float64)
+    k = torch.randn(2, 3, 9, 4, dtype=torch.float64)
+    v = torch.randn(2, 3, 9, 5, dtype=torch.float64)
+    batch = fastattn.attention(type, q, k, v, causal=True, **params)
+    state = None
+    for t in range(9):
+        out, state = fastattn.attention_step(type, q[:, :, t], k[:, :, t], v[:, :, t], state,
+                                             **params)
+        assert out.shape == (2, 3, 5)
+        assert torch.allclose(out, batch[:, :, t], atol=1e-10), f"{type} position {t}"
+    assert all(isinstance(s, torch.Tensor) for s in state)
+
+
+def test_attention_step_errors_name_the_problem():
+    q = torch.randn(1, 2, 4)
+    with pytest.raises(RuntimeError, match="causal-linear, full"):
+        fastattn.attention_step("linear", q, q, q)
+    with pytest.raises(RuntimeError, match="q must have shape"):
+        fastattn.attention_step("full", q[0], q, q)
+    with pytest.raises(RuntimeError, match="bogus"):
+        fastattn.attention_step("full", q, q, q, bogus=1)
