@@ -353,3 +353,11 @@ def test_attention_step_errors_name_the_problem():
         fastattn.attention_step("full", q[0], q, q)
     with pytest.raises(RuntimeError, match="bogus"):
         fastattn.attention_step("full", q, q, q, bogus=1)
+
+
+def test_readme_python_example_runs():
+    # The README's Python block, run as written (keeps the README true).
+    readme = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+    text = open(readme).read()
+    block = text.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(block, "README.md", "exec"), {})
