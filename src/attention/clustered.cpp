@@ -5,12 +5,12 @@
 // Pipeline: hash_queries -> cluster_codes (our kernels) -> centroids as the
 // mean of the members (index_add, differentiable) -> fused full attention of
 // the C centroids over the S keys -> broadcast to the members (index_select).
-// Improved: one fused pass of the centroids over the keys
-// (full_attention_lse_topk) gives each centroid's full output, log-sum-exp and
-// top-k keys; the top-k weights are exp(score - lse), the rest of the keys
-// keep the centroid weights (full output minus the top-k share); each query's
-// exact attention on its cluster's k keys is the clustered_topk_attention op
-// (per cluster, small dense products, O(L·k·(E+M)) time). Only training with
+// Improved: the fused improved_clustered_attention operator given the
+// clusters (src/ops/clustered_topk_attention.cpp): one pass of the centroids
+// over the keys gives each centroid's full output, log-sum-exp and top-k keys
+// (never (N,H,C,S)); per cluster, its members' exact attention on those k
+// keys scaled by the centroid's mass there, plus the centroid's weights on the
+// other keys (its full output minus the top-k share). Only training with
 // dropout > 0 materialises the centroid weights (N,H,C,S) and gathers
 // (N,H,L,k,E) keys and (N,H,L,k,M) values through ATen.
 // Causal improved: prefix top-k sets per cluster and block of local_context
