@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/common/simd.h"
 
@@ -122,13 +123,45 @@ inline void pack_transposed_panels(const T* X, int64_t rows, int64_t cols, int64
 }
 
 // out (cols x rows, row stride ldo) = X^T for X rows x cols (row stride ldx).
+#if FASTATTN_SIMD_AVX2
+// out (8 x 8, row stride ldo) = X^T for an 8 x 8 float block (row stride ldx).
+inline void transpose_8x8(const float* X, int64_t ldx, float* out, int64_t ldo) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(X + i * ldx);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(out + i * ldo, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+    _mm256_storeu_ps(out + (i + 4) * ldo, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+  }
+}
+#endif
+
 template <typename T>
 inline void transpose(const T* X, int64_t rows, int64_t cols, int64_t ldx, T* out, int64_t ldo) {
   constexpr int64_t B = 8;
-  for (int64_t r0 = 0; r0 < rows; r0 += B)
-    for (int64_t c0 = 0; c0 < cols; c0 += B)
+  for (int64_t r0 = 0; r0 < rows; r0 += B) {
+    for (int64_t c0 = 0; c0 < cols; c0 += B) {
+#if FASTATTN_SIMD_AVX2
+      if constexpr (std::is_same_v<T, float>) {
+        if (r0 + B <= rows && c0 + B <= cols) {
+          transpose_8x8(X + r0 * ldx + c0, ldx, out + c0 * ldo + r0, ldo);
+          continue;
+        }
+      }
+#endif
       for (int64_t r = r0; r < std::min(rows, r0 + B); ++r)
         for (int64_t c = c0; c < std::min(cols, c0 + B); ++c) out[c * ldo + r] = X[r * ldx + c];
+    }
+  }
 }
 
 // Zeroes the strictly upper triangle (col > row) of a rows x rows tile.
