@@ -380,7 +380,8 @@ void fuzz_clustered_topk(Bytes& b, Setup s) {
     what = "topk index >= S";
     corrupt = topk.numel() > 0;
   } else if (corrupt && c == 7) {
-    assignments = assignments - 2;
+    // Every entry below -1 (a shift of 2 would leave entries >= 1 valid).
+    assignments = assignments - (C + 1);
     what = "assignments < -1";
     corrupt = assignments.numel() > 0;
   } else if (corrupt) {
