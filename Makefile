@@ -1,7 +1,7 @@
 # fastattn — the two commands of a fresh machine:
 #   make demo   install what is missing, build, run the demo
 #   make test   install what is missing, build, run every test (C++ and Python)
-# Also: make bench, make build, make test-asan, make fuzz, make format, make install, make clean,
+# Also: make bench, make build, make test-asan, make test-asan-ci, make fuzz, make format, make install, make clean,
 #       make approx (pretrained MiniLM approximated by other attention types; docs/approx.md).
 
 BUILD      ?= build
@@ -12,7 +12,7 @@ PREFIX     ?= /usr/local
 # Threads for the tests (the machine's cores by default).
 export OMP_NUM_THREADS ?= $(shell nproc)
 
-.PHONY: all deps configure build demo test bench approx test-asan fuzz fuzz-merge format install check-install clean
+.PHONY: all deps configure build demo test bench approx test-asan test-asan-ci fuzz fuzz-merge format install check-install clean
 
 all: build
 
@@ -57,6 +57,15 @@ test-asan: deps
 	cd build-asan && ASAN_OPTIONS=detect_leaks=0:new_delete_type_mismatch=0 \
 	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	  ./fastattn_tests --gtest_filter='$(ASAN_GTEST_FILTER)'
+
+# A quick sanitizer subset (~2 min of CPU after the build; CI runs the whole
+# suite, which fits): the robustness tests (bad-input table, edge numerics,
+# fuzz corpus replay and seeded fuzz inputs) and every operator's own suite
+# (harness: float64 references, gradients, finite differences, awkward
+# shapes), plus masks and the registry.
+ASAN_CI_FILTER ?= Validation*:EdgeNumerics*:FuzzCorpus*:*FullAttention*:*CausalLinearProduct*:*EluLinearAttention*:EluFeatureMap*:*HardRetrievalOp*:ClusteredTopkAttention*:ClusterCodes*:HashQueries*:GatherTokens*:*ReformerOp*:ReformerHash*:*SparseAttention*:SparsePatterns*:Mask*:Registry*:AttentionInputs*
+test-asan-ci:
+	$(MAKE) test-asan ASAN_GTEST_FILTER='$(ASAN_CI_FILTER)'
 
 # libFuzzer over every operator (fuzz/, docs/reliability.md): clang build of the
 # library with ASan + UBSan and coverage, then FUZZ_TIME seconds of fuzzing

@@ -10,6 +10,7 @@
 #include <sstream>
 #include <vector>
 
+#include "../tests/cpp/attention_cases.h"
 #include "fastattn/ops.h"
 #include "fastattn/registry.h"
 
@@ -379,7 +380,8 @@ void fuzz_clustered_topk(Bytes& b, Setup s) {
     what = "topk index >= S";
     corrupt = topk.numel() > 0;
   } else if (corrupt && c == 7) {
-    assignments = assignments - 2;
+    // Every entry below -1 (a shift of 2 would leave entries >= 1 valid).
+    assignments = assignments - (C + 1);
     what = "assignments < -1";
     corrupt = assignments.numel() > 0;
   } else if (corrupt) {
@@ -521,26 +523,16 @@ void fuzz_gather(Bytes& b, Setup s) {
 
 // Any registered attention type with its default parameters (seeded).
 void fuzz_type(Bytes& b, Setup s) {
-  std::vector<std::string> names;  // without other tests' throwaway "test-*" types
-  for (const auto& n : AttentionRegistry::global().names()) {
-    if (n.rfind("test-", 0) != 0) names.push_back(n);
-  }
+  const auto names = cases::registered_types();
   const auto& name = names[b.range(0, static_cast<int64_t>(names.size()) - 1)];
   const bool causal = b.flag();
   if (causal || b.flag()) s.S = s.L;
   auto t = make_qkv(b, s, true);
   auto kl = key_lengths(b, s.N, s.S);
-  ParamMap params;
-  for (const auto& spec : AttentionRegistry::global().get(name).params) {
-    if (spec.name == "seed") params["seed"] = int64_t{b.byte()};
-  }
-  AttentionDims dims;
-  dims.heads = s.H;
-  dims.query_dim = s.E;
-  dims.value_dim = s.M;
-  torch::manual_seed(b.byte());
-  auto attention = make_attention(name, params, dims);
-  attention->eval();
+  // The seed parameter's byte (types that take one), then the init seed's.
+  const int64_t seed = cases::has_param(name, "seed") ? int64_t{b.byte()} : 0;
+  const uint64_t init_seed = b.byte();
+  auto attention = cases::build_type(name, cases::dims(s.H, s.E, s.M), {}, seed, init_seed);
   Mask mask = Mask().with_causal(causal);
   if (kl) mask = mask.with_key_lengths(*kl);
   Tensor out;
@@ -567,6 +559,137 @@ void fuzz_type(Bytes& b, Setup s) {
   check_backward(out, {t.q, t.k, t.v}, name.c_str());
 }
 
+// full_attention_lse_topk: out as full attention (key lengths, not causal), lse
+// the log-sum-exp of the kept scaled scores (-inf without keys), top_idx each
+// row's topk kept keys by descending score, completed by the lowest unused
+// indices.
+void fuzz_full_lse_topk(Bytes& b, Setup s) {
+  auto t = make_qkv(b, s, true);
+  auto kl = key_lengths(b, s.N, s.S);
+  const auto temp = softmax_temp(b);
+  int64_t topk = b.range(0, s.S);
+  const int c = b.range(0, 15);
+  bool corrupt = c < 8 && s.N > 0;
+  std::string what;
+  if (corrupt && c == 6) {
+    topk = s.S + 1;
+    what = "topk > S";
+  } else if (corrupt && c == 7) {
+    topk = -1;
+    what = "topk < 0";
+  } else if (corrupt) {
+    what = corrupt_qkv(c, t, kl, s);
+  }
+  Tensor out, lse, idx;
+  if (!run_expecting(corrupt, what, [&] {
+        std::tie(out, lse, idx) = full_attention_lse_topk(t.q, t.k, t.v, kl, temp, topk);
+      }))
+    return;
+  const char* op = "full_attention_lse_topk";
+  check_shape(out, {s.N, s.H, s.L, s.M}, op);
+  check_shape(lse, {s.N, s.H, s.L}, "full_attention_lse_topk lse");
+  check_shape(idx, {s.N, s.H, s.L, topk}, "full_attention_lse_topk top_idx");
+  FUZZ_CHECK(idx.scalar_type() == torch::kLong, "top_idx is not int64");
+  FUZZ_CHECK(finite(out), "full_attention_lse_topk output not finite");
+  // Kept keys per row (the same for every query and head of a batch element).
+  std::vector<int64_t> kept(s.N, s.S);
+  if (kl) {
+    for (int64_t n = 0; n < s.N; ++n) kept[n] = (*kl)[n].item<int64_t>();
+  }
+  // lse: -inf exactly for the elements without keys, finite elsewhere.
+  for (int64_t n = 0; n < s.N; ++n) {
+    auto row = lse.detach()[n];
+    if (kept[n] == 0) {
+      FUZZ_CHECK(row.numel() == 0 || (torch::isinf(row) & row.lt(0)).all().item<bool>(),
+                 "lse of an element without keys is not -inf");
+    } else {
+      FUZZ_CHECK(finite(row), "lse not finite for an element with keys");
+    }
+  }
+  // top_idx: distinct indices in [0, S); the first min(topk, kept) are kept
+  // keys, the rest the lowest indices not already chosen (kept, kept + 1, ...).
+  const auto ia = idx.accessor<int64_t, 4>();
+  for (int64_t n = 0; n < s.N; ++n) {
+    for (int64_t h = 0; h < s.H; ++h) {
+      for (int64_t l = 0; l < s.L; ++l) {
+        std::vector<bool> used(s.S, false);
+        const int64_t first = std::min(topk, kept[n]);
+        for (int64_t j = 0; j < topk; ++j) {
+          const int64_t i = ia[n][h][l][j];
+          FUZZ_CHECK(i >= 0 && i < s.S, "top_idx " << i << " outside [0, " << s.S << ")");
+          FUZZ_CHECK(!used[i], "top_idx repeats " << i);
+          used[i] = true;
+          if (j < first) {
+            FUZZ_CHECK(i < kept[n], "top_idx " << i << " is a masked key (" << kept[n] << " kept)");
+          } else {
+            // All kept keys came first, so the lowest unused index is j.
+            FUZZ_CHECK(i == j, "top_idx completion at " << j << " is " << i);
+          }
+        }
+      }
+    }
+  }
+  if (s.dtype == torch::kDouble) {
+    const double tmp = temp.value_or(1.0 / std::sqrt(static_cast<double>(s.E)));
+    check_close(out, reference::full_attention(t.q, t.k, t.v, std::nullopt, kl, false, tmp), op);
+    auto scores = torch::matmul(t.q.detach(), t.k.detach().transpose(-1, -2)) * tmp;
+    if (kl) {
+      auto drop = torch::arange(s.S).view({1, 1, 1, s.S}).ge(kl->view({s.N, 1, 1, 1}));
+      scores = scores.masked_fill(drop, -INFINITY);
+    }
+    if (s.S > 0) {
+      auto ref_lse = torch::logsumexp(scores, -1);
+      auto dead = torch::isinf(ref_lse);
+      FUZZ_CHECK(torch::equal(dead, torch::isinf(lse.detach())), "lse -inf at the wrong rows");
+      check_close(lse.detach().masked_fill(dead, 0), ref_lse.masked_fill(dead, 0),
+                  "full_attention_lse_topk lse");
+    }
+    // top_idx against the float64 top-k: the chosen kept keys' scores are the
+    // top scores (ties in any order), and the indices are exactly torch's
+    // top-k on rows without near-ties among the first topk + 1 scores.
+    const auto sa = scores.accessor<double, 4>();
+    for (int64_t n = 0; n < s.N; ++n) {
+      const int64_t first = std::min(topk, kept[n]);
+      if (first == 0) continue;
+      for (int64_t h = 0; h < s.H; ++h) {
+        for (int64_t l = 0; l < s.L; ++l) {
+          std::vector<std::pair<double, int64_t>> order;
+          for (int64_t j = 0; j < kept[n]; ++j) order.push_back({sa[n][h][l][j], j});
+          std::stable_sort(order.begin(), order.end(),
+                           [](const auto& a, const auto& b) { return a.first > b.first; });
+          const double tol = 1e-9 * (1.0 + std::abs(order[0].first));
+          bool near_tie = false;
+          for (int64_t j = 0; j < first; ++j) {
+            const double got = sa[n][h][l][ia[n][h][l][j]];
+            FUZZ_CHECK(std::abs(got - order[j].first) <= tol,
+                       "top_idx rank " << j << " has score " << got << ", the top-k has "
+                                       << order[j].first);
+            if (j + 1 < static_cast<int64_t>(order.size()) &&
+                order[j].first - order[j + 1].first <= tol)
+              near_tie = true;
+          }
+          if (near_tie) continue;
+          for (int64_t j = 0; j < first; ++j) {
+            FUZZ_CHECK(ia[n][h][l][j] == order[j].second, "top_idx rank "
+                                                              << j << " is " << ia[n][h][l][j]
+                                                              << ", expected " << order[j].second);
+          }
+        }
+      }
+    }
+  }
+  // Backward through out and lse together (lse's gradient on rows without
+  // keys is ignored: zero weight there would hide nothing, so use nonzero).
+  if (out.requires_grad() && out.numel() > 0) {
+    auto w_out = torch::linspace(-1, 1, out.numel(), out.options()).view(out.sizes());
+    auto w_lse = torch::linspace(0.5, 1.5, lse.numel(), lse.options()).view(lse.sizes());
+    torch::autograd::backward({out, lse}, {w_out, w_lse});
+    for (auto* x : {&t.q, &t.k, &t.v}) {
+      if (x->grad().defined()) FUZZ_CHECK(finite(x->grad()), op << ": gradient not finite");
+    }
+  }
+}
+
 struct OpEntry {
   const char* name;
   void (*fn)(Bytes&, Setup);
@@ -583,6 +706,8 @@ const OpEntry kOps[] = {
     {"lsh_hash+reformer_attention", fuzz_reformer},
     {"gather_tokens+elu_feature_map", fuzz_gather},
     {"attention types (registry)", fuzz_type},
+    // Appended: earlier corpus files keep their first byte's operator.
+    {"full_attention_lse_topk", fuzz_full_lse_topk},
 };
 constexpr int kOpCount = sizeof(kOps) / sizeof(kOps[0]);
 

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "attention_cases.h"
 #include "fastattn/ops.h"
 #include "fastattn/registry.h"
 
@@ -22,31 +23,13 @@ using torch::Tensor;
 
 constexpr int64_t kN = 2, kH = 2, kL = 6, kE = 4, kM = 3;
 
-AttentionDims dims() {
-  AttentionDims d;
-  d.heads = kH;
-  d.query_dim = kE;
-  d.value_dim = kM;
-  return d;
-}
-
-AttentionPtr build_type(const std::string& name, ParamMap params = {}) {
-  const auto type = AttentionRegistry::global().get(name);
-  for (const auto& s : type.params) {
-    if (s.name == "seed" && !params.count("seed")) params["seed"] = int64_t{1};
-  }
-  torch::manual_seed(5);
-  auto a = make_attention(name, params, dims());
-  a->eval();
-  return a;
-}
+const AttentionDims kDims = cases::dims(kH, kE, kM);
 
 // Every registered type, the decorator, and the linear types with each of
 // their feature maps.
 std::vector<std::pair<std::string, ParamMap>> configurations() {
   std::vector<std::pair<std::string, ParamMap>> out;
-  for (const auto& name : AttentionRegistry::global().names()) {
-    if (name.rfind("test-", 0) == 0) continue;  // other tests' throwaway types
+  for (const auto& name : cases::registered_types()) {
     out.push_back({name, {}});
     for (const auto& s : AttentionRegistry::global().get(name).params) {
       if (s.name != "feature_map") continue;
@@ -91,7 +74,7 @@ bool finite(const Tensor& t) { return !t.defined() || torch::isfinite(t).all().i
 
 TEST(EdgeNumerics, AllKeysMaskedByKeyLengthsGivesZerosAndZeroGradients) {
   for (const auto& c : configurations()) {
-    auto a = build_type(c.first, c.second);
+    auto a = cases::build_type(c.first, kDims, c.second);
     const Mask mask = base_mask(*a).with_key_lengths(torch::tensor({int64_t{0}, kL}));
     auto l = leaves(1.0, 1);
     Tensor out;
@@ -115,7 +98,7 @@ TEST(EdgeNumerics, AllKeysMaskedByKeyLengthsGivesZerosAndZeroGradients) {
 TEST(EdgeNumerics, AllFalseAttnMaskRowGivesZerosAndFiniteGradients) {
   int covered = 0;
   for (const auto& c : configurations()) {
-    auto a = build_type(c.first, c.second);
+    auto a = cases::build_type(c.first, kDims, c.second);
     const Mask base = base_mask(*a);
     auto keep = torch::ones({kL, kL}, torch::kBool);
     keep[kL - 1] = false;  // the last query keeps no key (causal keeps the rest nonempty)
@@ -143,7 +126,7 @@ TEST(EdgeNumerics, AllFalseAttnMaskRowGivesZerosAndFiniteGradients) {
 TEST(EdgeNumerics, LargeScoresStayFinite) {
   // Entries ~ 70: |q·k| ~ 70² · sqrt(E) ~ 1e4.
   for (const auto& c : configurations()) {
-    auto a = build_type(c.first, c.second);
+    auto a = cases::build_type(c.first, kDims, c.second);
     const Mask mask = base_mask(*a).with_key_lengths(torch::tensor({int64_t{3}, kL}));
     auto l = leaves(70.0, 3);
     Tensor out;
@@ -162,7 +145,7 @@ TEST(EdgeNumerics, LargeScoresStayFinite) {
 // float32 too: the kernels' float accumulation must not overflow either.
 TEST(EdgeNumerics, LargeScoresStayFiniteInFloat32) {
   for (const auto& c : configurations()) {
-    auto a = build_type(c.first, c.second);
+    auto a = cases::build_type(c.first, kDims, c.second);
     const Mask mask = base_mask(*a).with_key_lengths(torch::tensor({int64_t{3}, kL}));
     torch::manual_seed(4);
     auto q = torch::randn({kN, kH, kL, kE}) * 70, k = torch::randn({kN, kH, kL, kE}) * 70,
@@ -194,6 +177,8 @@ TEST(EdgeNumerics, OperatorsAllMaskedAndLargeScores) {
     const std::vector<std::pair<std::string, std::function<Tensor()>>> calls = {
         {"full_attention", [&] { return full_attention(q, k, v, std::nullopt, kl); }},
         {"full_attention causal", [&] { return full_attention(q, k, v, std::nullopt, kl, true); }},
+        {"full_attention_lse_topk",
+         [&] { return std::get<0>(full_attention_lse_topk(q, k, v, kl, std::nullopt, 3)); }},
         {"elu_linear_attention", [&] { return elu_linear_attention(q, k, v, kl); }},
         {"elu_linear_attention causal", [&] { return elu_linear_attention(q, k, v, kl, true); }},
         {"hard_retrieval_attention",
@@ -220,6 +205,35 @@ TEST(EdgeNumerics, OperatorsAllMaskedAndLargeScores) {
       (out * torch::randn_like(out)).sum().backward();
       for (auto* t : {&q, &k, &v, &mass}) {
         if (!t->grad().defined()) continue;
+        EXPECT_TRUE(finite(t->grad())) << where;
+        EXPECT_TRUE(torch::all(t->grad()[0] == 0).item<bool>()) << where;
+      }
+    }
+  }
+}
+
+// full_attention_lse_topk's lse: -inf for the element without keys, finite
+// elsewhere even for huge scores; gradients through lse (nonzero weight on the
+// -inf rows too) stay finite and are zero for the element without keys.
+TEST(EdgeNumerics, LseTopkLseAllMaskedAndLargeScores) {
+  auto o = torch::TensorOptions().dtype(torch::kDouble);
+  const auto kl = torch::tensor({int64_t{0}, kL});
+  for (double scale : {1.0, 70.0}) {
+    for (auto dtype : {torch::kDouble, torch::kFloat}) {
+      const std::string where =
+          "scale " + std::to_string(scale) + (dtype == torch::kDouble ? " float64" : " float32");
+      torch::manual_seed(8);
+      auto q = (torch::randn({kN, kH, kL, kE}, o) * scale).to(dtype).requires_grad_(true);
+      auto k = (torch::randn({kN, kH, kL, kE}, o) * scale).to(dtype).requires_grad_(true);
+      auto v = torch::randn({kN, kH, kL, kM}, o).to(dtype).requires_grad_(true);
+      auto [out, lse, idx] = full_attention_lse_topk(q, k, v, kl, std::nullopt, 2);
+      EXPECT_TRUE(finite(out)) << where;
+      EXPECT_TRUE(torch::all(out[0] == 0).item<bool>()) << where;
+      EXPECT_TRUE(torch::all(lse[0].isinf() & lse[0].lt(0)).item<bool>()) << where;
+      EXPECT_TRUE(finite(lse[1])) << where;
+      EXPECT_TRUE(torch::all(idx.ge(0) & idx.lt(kL)).item<bool>()) << where;
+      torch::autograd::backward({out, lse}, {torch::randn_like(out), torch::ones_like(lse)});
+      for (auto* t : {&q, &k, &v}) {
         EXPECT_TRUE(finite(t->grad())) << where;
         EXPECT_TRUE(torch::all(t->grad()[0] == 0).item<bool>()) << where;
       }

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "attention_cases.h"
 #include "expect_error.h"
 #include "fastattn/ops.h"
 #include "fastattn/registry.h"
@@ -99,6 +100,13 @@ Tensor clustered_topk_call(const Inputs& in) {
   return clustered_topk_attention(in.q, in.k, in.v, topk, mass, assignments, in.key_lengths, 0.5);
 }
 
+// full_attention_lse_topk's out, with topk = min(3, S) where k is well formed.
+Tensor lse_topk_call(const Inputs& in) {
+  const int64_t S = in.k.defined() && in.k.dim() == 4 ? in.k.size(2) : kS;
+  return std::get<0>(full_attention_lse_topk(in.q, in.k, in.v, in.key_lengths, std::nullopt,
+                                             std::min<int64_t>(3, S)));
+}
+
 std::vector<QkvOp> qkv_ops() {
   return {
       {"full_attention",
@@ -150,6 +158,7 @@ std::vector<QkvOp> qkv_ops() {
          return block_sparse_attention(in.q, in.k, in.v, "fixed", {3, 1, 0, 0}, in.key_lengths);
        },
        false, true, false},
+      {"full_attention_lse_topk", lse_topk_call, false, true, false},
   };
 }
 
@@ -309,6 +318,17 @@ std::vector<Case> op_parameter_cases() {
        [=] { full_attention(q, k, v, std::nullopt, std::nullopt, false, -1.0); }},
       {"full softmax_temp nan", "softmax_temp",
        [=] { full_attention(q, k, v, std::nullopt, std::nullopt, false, nan); }},
+      // full_attention_lse_topk
+      {"lse_topk topk -1", "topk",
+       [=] { full_attention_lse_topk(q, k, v, std::nullopt, std::nullopt, -1); }},
+      {"lse_topk topk S+1", "topk",
+       [=] { full_attention_lse_topk(q, k, v, std::nullopt, std::nullopt, kS + 1); }},
+      {"lse_topk softmax_temp 0", "softmax_temp",
+       [=] { full_attention_lse_topk(q, k, v, std::nullopt, 0.0, 1); }},
+      {"lse_topk softmax_temp nan", "softmax_temp",
+       [=] { full_attention_lse_topk(q, k, v, std::nullopt, nan, 1); }},
+      {"lse_topk k undefined", "k",
+       [=] { full_attention_lse_topk(q, Tensor(), v, std::nullopt, std::nullopt, 1); }},
       // causal_linear_product
       {"causal_linear_product S != L", "k", [=] { causal_linear_product(q, k, v); }},
       // elu_linear_attention
@@ -574,6 +594,32 @@ TEST(Validation, NonContiguousInputsOfTheOtherOps) {
   EXPECT_TRUE(torch::equal(gather_tokens(xn, idx_nc), gather_tokens(x, idx)));
 }
 
+// full_attention_lse_topk's other outputs (the table above checks out):
+// lse and top_idx for strided inputs and key lengths, and their gradients.
+TEST(Validation, LseTopkNonContiguousLseAndIndices) {
+  auto in = make_inputs(kN, kH, kL, kS, torch::kDouble, 4);
+  auto kl = torch::tensor({int64_t{2}, kS});
+  auto kl_nc = torch::stack({kl, kl}, 1).select(1, 1);
+  ASSERT_FALSE(kl_nc.is_contiguous());
+  Inputs nc;
+  nc.q = strided_copy(in.q);
+  nc.k = strided_copy(in.k);
+  nc.v = strided_copy(in.v);
+  for (auto* t : {&in.q, &in.k, &in.v, &nc.q, &nc.k, &nc.v}) {
+    *t = t->detach().requires_grad_(true);
+  }
+  auto [o1, l1, i1] = full_attention_lse_topk(in.q, in.k, in.v, kl, 0.7, 4);
+  auto [o2, l2, i2] = full_attention_lse_topk(nc.q, nc.k, nc.v, kl_nc, 0.7, 4);
+  EXPECT_TRUE(torch::allclose(o1, o2, 1e-12, 1e-12));
+  EXPECT_TRUE(torch::allclose(l1, l2, 1e-12, 1e-12));
+  EXPECT_TRUE(torch::equal(i1, i2));
+  (o1.sum() + l1.sum()).backward();
+  (o2.sum() + l2.sum()).backward();
+  for (auto [a, b] : {std::pair{&in.q, &nc.q}, {&in.k, &nc.k}, {&in.v, &nc.v}}) {
+    EXPECT_TRUE(torch::allclose(a->grad(), b->grad(), 1e-12, 1e-12));
+  }
+}
+
 // ---- empty inputs ------------------------------------------------------------
 // Promise: N = 0 or L = 0 gives an empty (N, H, L, M) result; S = 0 (no key at
 // all) gives zeros, like a query whose keys are all masked. Gradients exist and
@@ -615,6 +661,25 @@ TEST(Validation, EmptyInputsGiveEmptyOrZeroResults) {
   }
 }
 
+// lse of an empty row set is -inf (S = 0); top_idx has topk = 0 columns there.
+TEST(Validation, LseTopkEmptyInputs) {
+  struct Shape {
+    int64_t N, L, S;
+  };
+  for (Shape s : {Shape{0, kL, kS}, Shape{kN, 0, kS}, Shape{kN, kL, 0}, Shape{kN, 0, 0}}) {
+    auto in = make_inputs(s.N, kH, s.L, s.S, torch::kDouble);
+    const int64_t topk = std::min<int64_t>(2, s.S);
+    auto [out, lse, idx] =
+        full_attention_lse_topk(in.q, in.k, in.v, std::nullopt, std::nullopt, topk);
+    EXPECT_EQ(out.sizes(), (std::vector<int64_t>{s.N, kH, s.L, kM}));
+    EXPECT_EQ(lse.sizes(), (std::vector<int64_t>{s.N, kH, s.L}));
+    EXPECT_EQ(idx.sizes(), (std::vector<int64_t>{s.N, kH, s.L, topk}));
+    if (s.S == 0) {
+      EXPECT_TRUE(torch::all(lse.isinf() & lse.lt(0)).item<bool>());
+    }
+  }
+}
+
 TEST(Validation, EmptyInputsOfTheOtherOps) {
   auto d = torch::TensorOptions().dtype(torch::kDouble);
   for (int64_t N : {int64_t{0}, kN}) {
@@ -642,30 +707,12 @@ TEST(Validation, EmptyInputsOfTheOtherOps) {
 
 // ---- attention types (every registered one) ----------------------------------
 
-AttentionDims dims() {
-  AttentionDims d;
-  d.heads = kH;
-  d.query_dim = kE;
-  d.value_dim = kM;
-  return d;
-}
-
-// Builds `name` with its defaults (and seed 1 where the type takes a seed).
-AttentionPtr build_type(const std::string& name, ParamMap params = {}) {
-  const auto type = AttentionRegistry::global().get(name);
-  for (const auto& s : type.params) {
-    if (s.name == "seed" && !params.count("seed")) params["seed"] = int64_t{1};
-  }
-  torch::manual_seed(5);
-  auto a = make_attention(name, params, dims());
-  a->eval();
-  return a;
-}
+const AttentionDims kDims = cases::dims(kH, kE, kM);
 
 // The mask a type accepts with no padding: none, or causal for types that
 // only compute causal attention. S == L keeps every type happy.
 Mask base_mask(const std::string& name) {
-  auto a = build_type(name);
+  auto a = cases::build_type(name, kDims);
   auto in = make_inputs(kN, kH, kL, kL, torch::kDouble);
   try {
     a->forward(in.q, in.k, in.v, Mask());
@@ -676,11 +723,8 @@ Mask base_mask(const std::string& name) {
 }
 
 std::vector<std::string> type_names() {
-  // Built-in and library types; other tests register throwaway "test-*" types.
-  std::vector<std::string> names;
-  for (const auto& n : AttentionRegistry::global().names()) {
-    if (n.rfind("test-", 0) != 0) names.push_back(n);
-  }
+  // Built-in and library types (without other tests' throwaway types).
+  std::vector<std::string> names = cases::registered_types();
   names.push_back("conditional-full:linear");
   return names;
 }
@@ -730,7 +774,7 @@ TEST(Validation, EveryAttentionTypeRejectsBadInputsNamingTheArgument) {
   for (const auto& name : type_names()) {
     const Mask base = base_mask(name);
     for (const auto& mut : mutations) {
-      auto a = build_type(name);
+      auto a = cases::build_type(name, kDims);
       auto in = make_inputs(kN, kH, kL, kL, torch::kDouble);
       ASSERT_NO_THROW(a->forward(in.q, in.k, in.v, base)) << name;
       Mask m = base;
@@ -773,7 +817,7 @@ TEST(Validation, EveryAttentionTypeChecksItsParameterRanges) {
       for (const auto& value : bad) {
         EXPECT_TRUE(raises_naming(
             [&] {
-              make_attention(name, {{s.name, value}}, dims());
+              make_attention(name, {{s.name, value}}, kDims);
             },
             s.name))
             << name << "." << s.name << " = " << param_value_to_string(value);
@@ -798,10 +842,11 @@ TEST(Validation, EveryAttentionTypeTakesNonContiguousInputs) {
     const Mask m = base.with_key_lengths(
         torch::stack({torch::tensor({int64_t{3}, kL}), torch::tensor({int64_t{3}, kL})}, 1)
             .select(1, 0));
-    auto expected = build_type(name)->forward(
-        in.q, in.k, in.v, base.with_key_lengths(torch::tensor({int64_t{3}, kL})));
-    auto got =
-        build_type(name)->forward(strided_copy(in.q), strided_copy(in.k), strided_copy(in.v), m);
+    auto expected =
+        cases::build_type(name, kDims)
+            ->forward(in.q, in.k, in.v, base.with_key_lengths(torch::tensor({int64_t{3}, kL})));
+    auto got = cases::build_type(name, kDims)
+                   ->forward(strided_copy(in.q), strided_copy(in.k), strided_copy(in.v), m);
     EXPECT_TRUE(torch::allclose(got, expected, 1e-10, 1e-10)) << name;
   }
 }
@@ -816,7 +861,7 @@ TEST(Validation, EveryAttentionTypeHandlesEmptyInputs) {
   for (const auto& name : type_names()) {
     const Mask base = base_mask(name);
     for (Shape s : {Shape{0, kL, kL}, Shape{kN, 0, 0}, Shape{kN, kL, 0}}) {
-      auto a = build_type(name);
+      auto a = cases::build_type(name, kDims);
       auto in = make_inputs(s.N, kH, s.L, s.S, torch::kDouble);
       for (auto* t : {&in.q, &in.k, &in.v}) t->requires_grad_(true);
       const std::string where = name + " N=" + std::to_string(s.N) + " L=" + std::to_string(s.L) +
