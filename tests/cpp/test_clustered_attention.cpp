@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include "expect_error.h"
 #include "fastattn/clustered.h"
@@ -324,6 +325,33 @@ TEST(ExactTopk, TopkSEqualsFullAndRegistry) {
   EXPECT_EQ(AttentionRegistry::global().validate("exact-topk", {}).get_int("topk"), 32);
   EXPECT_ERROR_CONTAINS(attn->forward(q, q, q, Mask::causal_mask()), "exact-topk",
                         "causal masking is not supported");
+}
+
+TEST(ImprovedClusteredOp, BadInputsNameTheArgument) {
+  // The fused operator behind improved-clustered, called directly.
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("fastattn::improved_clustered_attention", "")
+          .typed<torch::Tensor(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                               const torch::Tensor&, const torch::Tensor&, int64_t,
+                               const c10::optional<torch::Tensor>&, c10::optional<double>)>();
+  auto q = torch::randn({1, 2, 5, 4}), k = torch::randn({1, 2, 6, 4}),
+       v = torch::randn({1, 2, 6, 3});
+  auto a = torch::zeros({1, 2, 5}, torch::kLong);
+  auto counts = torch::zeros({1, 2, 3}, torch::kLong);
+  counts.select(2, 0).fill_(5);
+  EXPECT_EQ(op.call(q, k, v, a, counts, 2, c10::nullopt, c10::nullopt).sizes(),
+            (std::vector<int64_t>{1, 2, 5, 3}));
+  EXPECT_ERROR_CONTAINS(op.call(q, k, v, a, counts, 7, c10::nullopt, c10::nullopt),
+                        "topk must be in [1, S] = [1, 6], got 7");
+  EXPECT_ERROR_CONTAINS(op.call(q, k, v, a[0], counts, 2, c10::nullopt, c10::nullopt),
+                        "assignments must have shape (N, H, L)");
+  EXPECT_ERROR_CONTAINS(op.call(q, k, v, a + 3, counts, 2, c10::nullopt, c10::nullopt),
+                        "assignments must be in [-1, C) = [-1, 3)");
+  EXPECT_ERROR_CONTAINS(op.call(q, k, v, a, counts.to(torch::kInt), 2, c10::nullopt, c10::nullopt),
+                        "counts must be int64");
+  EXPECT_ERROR_CONTAINS(op.call(q, k.narrow(3, 0, 3), v, a, counts, 2, c10::nullopt, c10::nullopt),
+                        "k must agree with q");
 }
 
 TEST(ClusteredTopkAttention, BadInputsNameTheArgument) {
