@@ -75,12 +75,9 @@ at::Tensor attention(std::string type, const at::Tensor& q, const at::Tensor& k,
 
 // One step of make_recurrent_attention(type): a fresh instance per call, like
 // `attention`; the state round-trips as its tensors.
-std::tuple<at::Tensor, std::vector<at::Tensor>> attention_step(std::string type,
-                                                               const at::Tensor& q,
-                                                               const at::Tensor& k,
-                                                               const at::Tensor& v,
-                                                               at::TensorList state,
-                                                               std::string params_json) {
+std::tuple<at::Tensor, std::vector<at::Tensor>> attention_step(
+    std::string type, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    at::TensorList state, std::string params_json) {
   TORCH_CHECK(q.dim() == 3, "fastattn::attention_step: q must have shape (N, H, E), got ", q.dim(),
               " dimensions ", q.sizes());
   TORCH_CHECK(v.dim() == 3, "fastattn::attention_step: v must have shape (N, H, M), got ", v.dim(),
