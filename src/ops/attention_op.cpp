@@ -40,6 +40,23 @@ ParamMap parse_params(const std::string& type, const std::string& params_json) {
   return params_from_json(j);
 }
 
+// The dims a type is built with: heads and the query and value widths.
+AttentionDims dims_of(const at::Tensor& q, const at::Tensor& v) {
+  AttentionDims dims;
+  dims.heads = q.size(1);
+  dims.query_dim = q.size(-1);
+  dims.value_dim = v.size(-1);
+  return dims;
+}
+
+// A fresh instance, in evaluation mode, on q's device. It holds its
+// parameters and buffers on the CPU; only the device changes, since
+// Module::to(dtype) would also convert integer buffers.
+void prepare_instance(torch::nn::Module& m, const at::Tensor& q) {
+  m.eval();
+  if (!q.device().is_cpu()) m.to(q.device());
+}
+
 // `str` arguments as std::string: accepted by the dispatcher on LibTorch 1.13
 // and 2.x alike.
 at::Tensor attention(std::string type, const at::Tensor& q, const at::Tensor& k,
@@ -53,18 +70,11 @@ at::Tensor attention(std::string type, const at::Tensor& q, const at::Tensor& k,
   TORCH_CHECK(v.dim() == 4, "fastattn::attention: v must have shape (N, H, S, M), got ", v.dim(),
               " dimensions ", v.sizes());
 
-  AttentionDims dims;
-  dims.heads = q.size(1);
-  dims.query_dim = q.size(3);
-  dims.value_dim = v.size(3);
   // The registry names the type or parameter in its errors (unknown type,
   // unknown parameter, wrong kind, out of range).
   AttentionPtr attn =
-      AttentionRegistry::global().build(type, parse_params(type, params_json), dims);
-  attn->eval();
-  // A fresh instance holds its parameters and buffers on the CPU. Only the
-  // device is changed: Module::to(dtype) would also convert integer buffers.
-  if (!q.device().is_cpu()) attn->to(q.device());
+      AttentionRegistry::global().build(type, parse_params(type, params_json), dims_of(q, v));
+  prepare_instance(*attn, q);
 
   Mask mask;
   if (causal) mask = mask.with_causal(true);
@@ -82,13 +92,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> attention_step(
               " dimensions ", q.sizes());
   TORCH_CHECK(v.dim() == 3, "fastattn::attention_step: v must have shape (N, H, M), got ", v.dim(),
               " dimensions ", v.sizes());
-  AttentionDims dims;
-  dims.heads = q.size(1);
-  dims.query_dim = q.size(2);
-  dims.value_dim = v.size(2);
-  auto attn = make_recurrent_attention(type, parse_params(type, params_json), dims);
-  attn->eval();
-  if (!q.device().is_cpu()) attn->to(q.device());
+  auto attn = make_recurrent_attention(type, parse_params(type, params_json), dims_of(q, v));
+  prepare_instance(*attn, q);
   RecurrentState in;
   in.tensors.assign(state.begin(), state.end());
   auto [out, next] = attn->step(q, k, v, in);
