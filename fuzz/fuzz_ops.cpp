@@ -1,6 +1,7 @@
 // Decoding and checking of the operator fuzzer (see fuzz_ops.h).
 #include "fuzz_ops.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -12,6 +13,7 @@
 
 #include "../tests/cpp/attention_cases.h"
 #include "fastattn/ops.h"
+#include "fastattn/recurrent.h"
 #include "fastattn/registry.h"
 
 namespace fastattn::fuzz {
@@ -690,6 +692,198 @@ void fuzz_full_lse_topk(Bytes& b, Setup s) {
   }
 }
 
+// improved_clustered_attention (the fused op, given the clusters): random
+// assignments in [-1, C) with their counts. Output against the dense
+// definition (attention_cases.h) wherever the top-k set is unambiguous (no
+// near-tie between the k-th and (k+1)-th kept centroid weights), and against
+// full attention when topk = S; padded queries output zeros.
+void fuzz_improved_clustered(Bytes& b, Setup s) {
+  auto t = make_qkv(b, s, true);
+  auto kl = key_lengths(b, s.N, s.S);
+  const int64_t C = b.range(1, 4);
+  std::vector<int64_t> asg(s.N * s.H * s.L);
+  for (auto& x : asg) x = b.range(-1, C - 1);
+  auto assignments = torch::tensor(asg, torch::kLong).view({s.N, s.H, s.L});
+  auto counts = torch::zeros({s.N, s.H, C + 1}, torch::kLong)
+                    .scatter_add_(2, assignments + 1, torch::ones_like(assignments))
+                    .narrow(2, 1, C)
+                    .contiguous();
+  int64_t topk = s.S > 0 ? b.range(1, s.S) : 1;
+  const auto temp = softmax_temp(b);
+  const int c = b.range(0, 15);
+  // S = 0 leaves no valid topk: the op must refuse it.
+  bool corrupt = (c < 10 && s.N > 0) || s.S == 0;
+  std::string what = s.S == 0 ? "S = 0 (topk must be in [1, S])" : "";
+  if (s.S == 0 || !corrupt) {
+  } else if (c == 6) {
+    topk = s.S + 1;
+    what = "topk > S";
+  } else if (c == 7) {
+    assignments = assignments - (C + 1);
+    what = "assignments < -1";
+    corrupt = assignments.numel() > 0;
+  } else if (c == 8) {
+    counts = counts.narrow(1, 0, s.H - 1);
+    what = "counts with H - 1 heads";
+  } else if (c == 9) {
+    // One member moved into the counts of another cluster.
+    counts = counts.clone();
+    counts.view(-1)[0] += 1;
+    what = "counts that disagree with the assignments";
+  } else {
+    what = corrupt_qkv(c, t, kl, s);
+  }
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("fastattn::improved_clustered_attention", "")
+          .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                        int64_t, const c10::optional<Tensor>&, c10::optional<double>)>();
+  Tensor out;
+  const c10::optional<Tensor> klc = kl ? c10::optional<Tensor>(*kl) : c10::nullopt;
+  const c10::optional<double> tempc = temp ? c10::optional<double>(*temp) : c10::nullopt;
+  if (!run_expecting(corrupt, what,
+                     [&] { out = op.call(t.q, t.k, t.v, assignments, counts, topk, klc, tempc); }))
+    return;
+  const char* name = "improved_clustered_attention";
+  check_shape(out, {s.N, s.H, s.L, s.M}, name);
+  FUZZ_CHECK(finite(out), name << " output not finite");
+  FUZZ_CHECK(out.detach().masked_select(assignments.lt(0).unsqueeze(-1)).eq(0).all().item<bool>(),
+             name << ": a padded query has a nonzero output");
+  if (s.dtype == torch::kDouble) {
+    auto q = t.q.detach(), k = t.k.detach(), v = t.v.detach();
+    if (topk == s.S) {
+      auto full = reference::full_attention(q, k, v, std::nullopt, kl, false, temp) *
+                  assignments.ge(0).unsqueeze(-1);
+      check_close(out.detach(), full, "improved_clustered_attention (topk = S)");
+    }
+    auto rows = cases::clustered_rows(q, k, assignments, counts, topk, kl, temp);
+    // The centroids' weights (N, H, C, S) again, to find near-ties at the k-th key.
+    auto member = torch::one_hot(assignments.clamp_min(0), C).to(torch::kDouble) *
+                  assignments.ge(0).unsqueeze(-1);
+    auto centroids = torch::matmul(member.transpose(-1, -2), q) / counts.clamp_min(1).unsqueeze(-1);
+    const double tmp = temp.value_or(1.0 / std::sqrt(static_cast<double>(s.E)));
+    auto scores = torch::matmul(centroids, k.transpose(-1, -2)) * tmp;
+    bool ambiguous = false;
+    for (int64_t n = 0; n < s.N && !ambiguous; ++n) {
+      const int64_t kept = kl ? (*kl)[n].item<int64_t>() : s.S;
+      if (topk >= kept) continue;  // every kept key is in the set
+      auto sorted = std::get<0>(scores[n].narrow(-1, 0, kept).sort(-1, /*descending=*/true));
+      auto gap = sorted.select(-1, topk - 1) - sorted.select(-1, topk);
+      const double tol = 1e-9 * (1.0 + sorted.abs().max().item<double>());
+      // Empty clusters (zero centroid, all scores tied) have no members to compare.
+      ambiguous = (gap.le(tol) & counts[n].gt(0)).any().item<bool>();
+    }
+    if (!ambiguous) {
+      check_close(out.detach(), torch::matmul(rows.improved, v), "improved_clustered_attention");
+    }
+  }
+  check_backward(out, {t.q, t.k, t.v}, name);
+}
+
+// attention_step (the dispatcher op behind Python's fastattn.attention_step):
+// a type with a recurrent form stepped through L tokens, sometimes stepping
+// twice from the same state (a state is an input that a step must not
+// change), against the batch type under a causal mask (fastattn::attention);
+// hard-retrieval against the argmax of the raw scores (near-ties may pick
+// either key). Corruptions: a bad type, bad parameters, q of rank 2, v of
+// another N, a state with a tensor too many or of another dtype.
+void fuzz_attention_step(Bytes& b, Setup s) {
+  const auto& names = recurrent_attention_names();
+  const std::string type = names[b.range(0, static_cast<int64_t>(names.size()) - 1)];
+  s.S = s.L;
+  auto t = make_qkv(b, s, false);
+  std::string params = "{}";
+  if (type == "full" && b.flag()) params = R"({"softmax_temp": 0.25})";
+  if (type == "causal-linear") {
+    params = b.flag() ? R"({"feature_map": "relu", "eps": 0.001})" : R"({"feature_map": "elu"})";
+  }
+  const bool branch = b.flag();
+  const int c = b.range(0, 15);
+  const bool corrupt = c < 6 && s.N > 0 && s.L > 0;
+  const int64_t bad_step = s.L > 0 ? b.range(0, s.L - 1) : 0;
+  static auto step = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("fastattn::attention_step", "")
+                         .typed<std::tuple<Tensor, std::vector<Tensor>>(
+                             std::string, const Tensor&, const Tensor&, const Tensor&,
+                             at::TensorList, std::string)>();
+  static auto batch =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("fastattn::attention", "")
+          .typed<Tensor(std::string, const Tensor&, const Tensor&, const Tensor&, bool,
+                        const c10::optional<Tensor>&, const c10::optional<Tensor>&, std::string)>();
+  std::vector<Tensor> state, outs;
+  for (int64_t i = 0; i < s.L; ++i) {
+    Tensor q = t.q.select(2, i), k = t.k.select(2, i), v = t.v.select(2, i);
+    std::string ty = type, pj = params, what;
+    std::vector<Tensor> st = state;
+    const bool bad = corrupt && i == bad_step;
+    if (bad) {
+      switch (c) {
+        case 0:
+          ty = "no-such-type";
+          what = "an unknown type";
+          break;
+        case 1:
+          pj = R"({"no_such_param": 1})";
+          what = "an unknown parameter";
+          break;
+        case 2:
+          q = q.select(0, 0);
+          what = "q of rank 2";
+          break;
+        case 3:
+          v = torch::cat({v, v}, 0);
+          what = "v with 2N";
+          break;
+        case 4:
+          st.push_back(q);
+          what = "a state with a tensor too many";
+          break;
+        default:
+          if (st.empty()) {
+            st.push_back(q);
+            what = "a first state with one tensor";
+          } else {
+            st[0] = st[0].to(s.dtype == torch::kDouble ? torch::kFloat : torch::kDouble);
+            what = "a state tensor of the other dtype";
+          }
+      }
+    }
+    Tensor out;
+    std::vector<Tensor> next;
+    if (!run_expecting(bad, what, [&] { std::tie(out, next) = step.call(ty, q, k, v, st, pj); }))
+      return;
+    check_shape(out, {s.N, s.H, s.M}, "attention_step output");
+    FUZZ_CHECK(finite(out), "attention_step(" << type << ") output not finite");
+    if (branch) {
+      // A second step from the same state: the same output.
+      auto again = std::get<0>(step.call(ty, q, k, v, st, pj));
+      FUZZ_CHECK(torch::equal(again, out),
+                 "attention_step(" << type << "): a second step from the same state differs");
+    }
+    outs.push_back(out);
+    state = next;
+  }
+  if (s.L == 0 || s.dtype != torch::kDouble) return;
+  auto got = torch::stack(outs, 2);  // (N, H, L, M)
+  if (type != "hard-retrieval") {
+    auto want = batch.call(type, t.q, t.k, t.v, true, c10::nullopt, c10::nullopt, params);
+    check_close(got, want, "attention_step vs the causal batch type");
+    return;
+  }
+  // hard-retrieval: the value row of a key j <= i whose raw score is the
+  // maximum (up to rounding).
+  auto scores = torch::matmul(t.q, t.k.transpose(-1, -2))
+                    .masked_fill(torch::ones({s.L, s.L}, torch::kBool).triu(1), -INFINITY);
+  auto best = std::get<0>(scores.max(-1, /*keepdim=*/true));
+  const double tol = 1e-9 * (1.0 + (best.numel() ? best.abs().max().item<double>() : 0.0));
+  auto near = scores.ge(best - tol);  // (N, H, L, L): candidates
+  // got row i equals v_j for some candidate j.
+  auto eq = (got.unsqueeze(3) - t.v.unsqueeze(2)).abs().amax(-1).eq(0);  // (N, H, L, S)
+  FUZZ_CHECK((eq & near).any(-1).all().item<bool>(),
+             "attention_step(hard-retrieval): an output is not the value of a best key");
+}
+
 struct OpEntry {
   const char* name;
   void (*fn)(Bytes&, Setup);
@@ -706,8 +900,12 @@ const OpEntry kOps[] = {
     {"lsh_hash+reformer_attention", fuzz_reformer},
     {"gather_tokens+elu_feature_map", fuzz_gather},
     {"attention types (registry)", fuzz_type},
-    // Appended: earlier corpus files keep their first byte's operator.
+    // Appended: corpus files whose first byte is below an earlier count keep
+    // their operator (the others now decode to another one, still a valid
+    // regression input).
     {"full_attention_lse_topk", fuzz_full_lse_topk},
+    {"improved_clustered_attention", fuzz_improved_clustered},
+    {"attention_step", fuzz_attention_step},
 };
 constexpr int kOpCount = sizeof(kOps) / sizeof(kOps[0]);
 

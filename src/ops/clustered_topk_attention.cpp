@@ -213,6 +213,14 @@ void check_clusters(const Tensor& q, const Tensor& assignments, const Tensor& co
                     assignments.max().item<int64_t>() < counts.size(2),
                 kImprovedOp, ": assignments must be in [-1, C) = [-1, ", counts.size(2), ")");
   }
+  // The centroids divide by the counts: they must be the assignments' histogram.
+  const int64_t C = counts.size(2);
+  auto histogram = torch::zeros({N, H, C + 1}, counts.options().device(assignments.device()))
+                       .scatter_add_(2, assignments + 1, torch::ones_like(assignments))
+                       .narrow(2, 1, C);
+  TORCH_CHECK(histogram.equal(counts.to(histogram.device())), kImprovedOp,
+              ": counts must be the number of queries assigned to each cluster (counts[n, h, c] "
+              "= |{l : assignments[n, h, l] = c}|); they disagree with the assignments");
 }
 
 // Kernel parameters of the fused form: the top-k kernel's, with the
@@ -267,7 +275,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> improved_clustered_forward_cp
                              .typed<std::tuple<Tensor, Tensor, Tensor>(
                                  const Tensor&, const Tensor&, const Tensor&,
                                  const c10::optional<Tensor>&, double, int64_t)>();
-  auto [out_c, lse, top_idx] = lse_topk.call(centroids, k, v, key_lengths, softmax_temp, topk);
+  // Named tensors, not structured bindings: lambdas cannot capture those before C++20 (clang).
+  Tensor out_c, lse, top_idx;
+  std::tie(out_c, lse, top_idx) = lse_topk.call(centroids, k, v, key_lengths, softmax_temp, topk);
   auto out = torch::empty({N, H, L, v.size(3)}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "improved_clustered_forward_cpu", [&] {
     kernels::ClusteredTopkForwardArgs<scalar_t> a;

@@ -2,13 +2,16 @@
 // test_edge_numerics.cpp) and the operator fuzzer (fuzz/fuzz_ops.cpp, which
 // includes this header from both the fuzzer and the test build): the
 // registered types without the throwaway "test-*" types that other tests
-// register, their dimensions, and a type built with seeded defaults.
+// register, their dimensions, a type built with seeded defaults, and the dense
+// attention rows of clustered and improved clustered attention.
 // No GoogleTest here: the libFuzzer build has none.
 #pragma once
 
 #include <torch/torch.h>
 
+#include <cmath>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -55,6 +58,53 @@ inline AttentionPtr build_type(const std::string& name, const AttentionDims& d,
   auto a = make_attention(name, params, d);
   a->eval();
   return a;
+}
+
+// Attention rows (N, H, L, S) of full, clustered and improved clustered
+// attention, written densely from the definitions (Vyas et al. 2020, eq. 3-4,
+// 9-10) for the clusters `assignments` (N, H, L) in [-1, C) with `counts`
+// (N, H, C): centroids are member means, each cluster's top-k keys are those
+// of its centroid's highest scores (ties broken by torch::topk, so callers
+// compare with an operator only where the k-th and (k+1)-th kept weights
+// differ), padded queries (-1) and queries without kept keys get zero rows.
+struct ClusteredRows {
+  torch::Tensor full, clustered, improved;
+};
+
+inline ClusteredRows clustered_rows(const torch::Tensor& q, const torch::Tensor& k,
+                                    const torch::Tensor& assignments, const torch::Tensor& counts,
+                                    int64_t topk, const std::optional<torch::Tensor>& key_lengths,
+                                    std::optional<double> softmax_temp = std::nullopt) {
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), C = counts.size(2);
+  const double temp = softmax_temp.value_or(1.0 / std::sqrt(double(q.size(3))));
+  auto keep = torch::ones({N, 1, 1, S}, torch::kBool);
+  if (key_lengths) keep = torch::arange(S).view({1, 1, 1, S}).lt(key_lengths->view({N, 1, 1, 1}));
+  auto softmax = [&](const torch::Tensor& s, const torch::Tensor& kp) {
+    auto dead = kp.logical_not().all(-1, true);
+    auto x = s.masked_fill(kp.logical_not(), -INFINITY).masked_fill(dead, 0.0);
+    return torch::softmax(x, -1).masked_fill(dead, 0.0);
+  };
+  auto valid = assignments.ge(0).unsqueeze(-1).to(q.scalar_type());  // (N, H, L, 1)
+  auto a = assignments.clamp_min(0);
+  auto member = torch::one_hot(a, C).to(q.scalar_type()) * valid;  // (N, H, L, C)
+  auto centroids = torch::matmul(member.transpose(-1, -2), q) /
+                   counts.clamp_min(1).unsqueeze(-1).to(q.scalar_type());
+  ClusteredRows r;
+  r.full = softmax(torch::matmul(q, k.transpose(-1, -2)) * temp, keep);
+  auto scores_c = torch::matmul(centroids, k.transpose(-1, -2)) * temp;  // (N, H, C, S)
+  auto probs_c = softmax(scores_c, keep);
+  auto per_query = [&](const torch::Tensor& x) {  // (N, H, C, S) -> (N, H, L, S)
+    return x.gather(2, a.unsqueeze(-1).expand({N, H, L, S}));
+  };
+  r.clustered = per_query(probs_c) * valid;
+  const int64_t kk = std::min(topk, S);
+  // By score, not weight: weights that underflow to 0 would tie.
+  auto idx = std::get<1>(scores_c.detach().masked_fill(keep.logical_not(), -INFINITY).topk(kk, -1));
+  auto in_top = per_query(torch::zeros({N, H, C, S}, torch::kBool).scatter(-1, idx, true));
+  auto mass = (per_query(probs_c) * in_top).sum(-1, true);
+  auto exact = softmax(torch::matmul(q, k.transpose(-1, -2)) * temp, keep.logical_and(in_top));
+  r.improved = torch::where(in_top, exact * mass, per_query(probs_c)) * valid;
+  return r;
 }
 
 }  // namespace fastattn::cases

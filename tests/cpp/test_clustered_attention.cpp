@@ -10,6 +10,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include "attention_cases.h"
 #include "expect_error.h"
 #include "fastattn/clustered.h"
 #include "fastattn/ops.h"
@@ -24,42 +25,11 @@ using testing::OpCase;
 
 at::Generator generator(uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }
 
-// Attention rows (N, H, L, S) of full, clustered and improved clustered
-// attention, written densely from the definitions (eq. 3-4, 9-10).
-struct Rows {
-  torch::Tensor full, clustered, improved;
-};
+using Rows = cases::ClusteredRows;
 
 Rows dense_rows(const torch::Tensor& q, const torch::Tensor& k, const QueryClusters& cl,
                 int64_t topk, const std::optional<torch::Tensor>& key_lengths) {
-  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), C = cl.counts.size(2);
-  const double temp = 1.0 / std::sqrt(double(q.size(3)));
-  auto keep = torch::ones({N, 1, 1, S}, torch::kBool);
-  if (key_lengths) keep = torch::arange(S).view({1, 1, 1, S}).lt(key_lengths->view({N, 1, 1, 1}));
-  auto softmax = [&](const torch::Tensor& s, const torch::Tensor& kp) {
-    auto dead = kp.logical_not().all(-1, true);
-    auto x = s.masked_fill(kp.logical_not(), -INFINITY).masked_fill(dead, 0.0);
-    return torch::softmax(x, -1).masked_fill(dead, 0.0);
-  };
-  auto valid = cl.assignments.ge(0).unsqueeze(-1).to(q.scalar_type());  // (N, H, L, 1)
-  auto a = cl.assignments.clamp_min(0);
-  auto member = torch::one_hot(a, C).to(q.scalar_type()) * valid;  // (N, H, L, C)
-  auto centroids = torch::matmul(member.transpose(-1, -2), q) /
-                   cl.counts.clamp_min(1).unsqueeze(-1).to(q.scalar_type());
-  Rows r;
-  r.full = softmax(torch::matmul(q, k.transpose(-1, -2)) * temp, keep);
-  auto probs_c = softmax(torch::matmul(centroids, k.transpose(-1, -2)) * temp, keep);  // (N,H,C,S)
-  auto per_query = [&](const torch::Tensor& x) {  // (N, H, C, S) -> (N, H, L, S)
-    return x.gather(2, a.unsqueeze(-1).expand({N, H, L, S}));
-  };
-  r.clustered = per_query(probs_c) * valid;
-  const int64_t kk = std::min(topk, S);
-  auto idx = std::get<1>(probs_c.detach().topk(kk, -1));
-  auto in_top = per_query(torch::zeros({N, H, C, S}, torch::kBool).scatter(-1, idx, true));
-  auto mass = (per_query(probs_c) * in_top).sum(-1, true);
-  auto exact = softmax(torch::matmul(q, k.transpose(-1, -2)) * temp, keep.logical_and(in_top));
-  r.improved = torch::where(in_top, exact * mass, per_query(probs_c)) * valid;
-  return r;
+  return cases::clustered_rows(q, k, cl.assignments, cl.counts, topk, key_lengths);
 }
 
 double row_l1_max_excess(const Rows& r) {
@@ -350,6 +320,10 @@ TEST(ImprovedClusteredOp, BadInputsNameTheArgument) {
                         "assignments must be in [-1, C) = [-1, 3)");
   EXPECT_ERROR_CONTAINS(op.call(q, k, v, a, counts.to(torch::kInt), 2, c10::nullopt, c10::nullopt),
                         "counts must be int64");
+  EXPECT_ERROR_CONTAINS(op.call(q, k, v, a, counts + 1, 2, c10::nullopt, c10::nullopt),
+                        "counts must be the number of queries assigned to each cluster");
+  EXPECT_ERROR_CONTAINS(op.call(q, k, v, a, counts.roll(1, 2), 2, c10::nullopt, c10::nullopt),
+                        "they disagree with the assignments");
   EXPECT_ERROR_CONTAINS(op.call(q, k.narrow(3, 0, 3), v, a, counts, 2, c10::nullopt, c10::nullopt),
                         "k must agree with q");
 }
