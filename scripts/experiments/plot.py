@@ -70,9 +70,13 @@ def copy_heatmap(data, base):
     fig.colorbar(im, ax=axes.tolist(), shrink=0.8, label="accuracy")
     fig.savefig(base + ".png", dpi=100, bbox_inches="tight")
     secs = sum(r["train_seconds"] for r in recs)
-    md += [f"{len(recs)} runs, {secs / 60:.1f} minutes of training, "
-           f"{recs[0]['steps'] if recs else 0} steps each, {recs[0]['threads'] if recs else 0} "
-           f"threads. Sequence length = 2 x length + 2.", ""]
+    steps = {}  # sequence length -> the step counts of its runs
+    for r in recs:
+        steps.setdefault(r["sequence_length"], set()).add(r["steps"])
+    budget = ", ".join(f"{'/'.join(map(str, sorted(s)))} at {n}" for n, s in sorted(steps.items()))
+    md += [f"{len(recs)} runs, {secs / 60:.1f} minutes of training, steps per run by sequence "
+           f"length: {budget}; {recs[0]['threads'] if recs else 0} threads per run. "
+           f"Sequence length = 2 x length + 2.", ""]
     open(base + ".md", "w").write("\n".join(md))
 
 
