@@ -2,6 +2,7 @@
 // Xu et al., "Learning Hard Retrieval Decoder Attention for Transformers".
 //
 //   build/bench_hard_retrieval [--threads T] [--lengths 64,128,...] [--inner R]
+//                              [--decode-lengths 40,150,...] [--batch B]
 //
 // One query per head over a cache of t keys (N=1, H=8, E=M=64; t = 64 ...
 // 4096 by default), the cost of the attention op alone (no projections),
@@ -16,6 +17,18 @@
 // gather in one pass). Each figure is the median over 7 runs of R calls.
 // Every length also checks that the staged and fused results agree.
 // Default 1 thread: a decoding step of this size is too small to share.
+//
+// Second table: end-to-end greedy decoding with the encoder-decoder of the
+// hard-retrieval experiment (scripts/experiments/hard_retrieval.sh: 2 + 2
+// layers, 4 heads, d_model 64, batch 32, random weights) on sources of n
+// symbols (n = 40 ... 600), decoding n + 1 steps through the decoder's
+// recurrent twin (TransductionTask::greedy_decode, every step run): soft (full
+// attention everywhere) against hard (decoder self- and cross-attention
+// hard-retrieval), ms per step with and without the encoding (the encoder is
+// full attention in both), medians of 3 passes.
+// The shared work per step (projections, feed-forward, head) does not depend
+// on n, the attention's does, so the speed-up grows with n.
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
 
@@ -28,6 +41,7 @@
 
 #include "bench_util.h"
 #include "fastattn/ops.h"
+#include "fastattn/train.h"
 
 using fastattn::bench::time_median;
 
@@ -52,12 +66,47 @@ std::vector<int64_t> parse_list(const char* s) {
   return out;
 }
 
+struct DecodeTiming {
+  double ms_per_step;          // whole greedy decoding (encoding included) / steps
+  double decoder_ms_per_step;  // the same without the encoding
+};
+
+// Greedy decoding (every step run) of a random encoder-decoder with
+// `decoder_attention` as decoder self- and cross-attention, on `batch`
+// sources of n symbols.
+DecodeTiming time_decoding(const std::string& decoder_attention, int64_t n, int64_t batch) {
+  fastattn::train::TransductionTaskOptions o;
+  o.min_length = o.max_length = n;
+  const fastattn::train::TransductionTask task(o);
+  const nlohmann::json part = {{"layers", 2}, {"heads", 4}, {"d_model", 64}, {"dropout", 0.0}};
+  nlohmann::json decoder = part;
+  decoder["self_attention"] = decoder["cross_attention"] = {{"type", decoder_attention}};
+  torch::manual_seed(0);
+  auto module = task.make_model({{"encoder", part}, {"decoder", decoder}});
+  auto& model = dynamic_cast<fastattn::train::Seq2SeqImpl&>(*module);
+  model.eval();
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1);
+  const auto b = task.sample(batch, gen);
+  const int64_t steps = n + 1;
+  const double total = time_median(
+      [&] {
+        task.greedy_decode(model, b.at("source"), b.at("source_lengths"), steps, "step",
+                           /*stop_at_end=*/false);
+      },
+      3);
+  const double encode =
+      time_median([&] { model.encode(b.at("source"), b.at("source_lengths")); }, 3);
+  return {total / steps * 1e3, (total - encode) / steps * 1e3};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   int threads = 1;
   int inner = 200;
   std::vector<int64_t> lengths = {64, 128, 256, 512, 1024, 2048, 4096};
+  std::vector<int64_t> decode_lengths = {40, 150, 300, 600};
+  int64_t batch = 32;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--threads") && i + 1 < argc) {
       threads = std::atoi(argv[++i]);
@@ -65,8 +114,15 @@ int main(int argc, char** argv) {
       lengths = parse_list(argv[++i]);
     } else if (!std::strcmp(argv[i], "--inner") && i + 1 < argc) {
       inner = std::atoi(argv[++i]);
+    } else if (!std::strcmp(argv[i], "--decode-lengths") && i + 1 < argc) {
+      decode_lengths = parse_list(argv[++i]);
+    } else if (!std::strcmp(argv[i], "--batch") && i + 1 < argc) {
+      batch = std::atoll(argv[++i]);
     } else {
-      std::fprintf(stderr, "usage: %s [--threads T] [--lengths 64,128,...] [--inner R]\n", argv[0]);
+      std::fprintf(stderr,
+                   "usage: %s [--threads T] [--lengths 64,128,...] [--inner R] "
+                   "[--decode-lengths 40,150,...] [--batch B]\n",
+                   argv[0]);
       return 2;
     }
   }
@@ -112,6 +168,21 @@ int main(int argc, char** argv) {
                 static_cast<long long>(t), compare, softmax, attend, compare + softmax + attend,
                 argmax, index, compare + argmax + index, fused_full, fused_hard,
                 ok ? "ok" : "MISMATCH");
+  }
+
+  std::printf(
+      "\ngreedy decoding, encoder-decoder 2+2 layers, 4 heads, d_model 64, batch %lld, "
+      "n + 1 steps, ms per step\n",
+      static_cast<long long>(batch));
+  std::printf("%6s | %9s %9s %8s | %12s %12s %8s\n", "n", "soft", "hard", "speed-up",
+              "soft decoder", "hard decoder", "speed-up");
+  for (const int64_t n : decode_lengths) {
+    const auto soft = time_decoding("full", n, batch);
+    const auto hard = time_decoding("hard-retrieval", n, batch);
+    std::printf("%6lld | %9.3f %9.3f %7.2fx | %12.3f %12.3f %7.2fx\n", static_cast<long long>(n),
+                soft.ms_per_step, hard.ms_per_step, soft.ms_per_step / hard.ms_per_step,
+                soft.decoder_ms_per_step, hard.decoder_ms_per_step,
+                soft.decoder_ms_per_step / hard.decoder_ms_per_step);
   }
   return all_ok ? 0 : 1;
 }

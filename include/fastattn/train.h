@@ -262,9 +262,11 @@ class TransductionTask : public Task {
   // self-attention state, memory prepared once; O(T) decoder work);
   // "rerun": the batch decoder over the whole prefix at every step (O(T²));
   // "auto": step when the self-attention type has a step form, else rerun.
+  // Decoding stops once every row has emitted its end token, unless
+  // stop_at_end is false (then it runs all max_steps, e.g. for timing).
   torch::Tensor greedy_decode(Seq2SeqImpl& model, const torch::Tensor& source,
                               const torch::Tensor& source_lengths, int64_t max_steps,
-                              const std::string& method = "auto") const;
+                              const std::string& method = "auto", bool stop_at_end = true) const;
   const TransductionTaskOptions& options() const { return options_; }
 
  private:

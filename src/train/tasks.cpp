@@ -281,7 +281,8 @@ torch::Tensor TransductionTask::loss(torch::nn::Module& model, const Batch& b) c
 
 torch::Tensor TransductionTask::greedy_decode(Seq2SeqImpl& model, const torch::Tensor& source,
                                               const torch::Tensor& source_lengths,
-                                              int64_t max_steps, const std::string& method) const {
+                                              int64_t max_steps, const std::string& method,
+                                              bool stop_at_end) const {
   TORCH_CHECK(method == "auto" || method == "step" || method == "rerun",
               "greedy_decode: method must be one of auto, step, rerun, got '", method, "'");
   const bool step = method == "step" || (method == "auto" && model.has_step_decoder());
@@ -299,7 +300,7 @@ torch::Tensor TransductionTask::greedy_decode(Seq2SeqImpl& model, const torch::T
       next = model.logits(y).argmax(-1).masked_fill(done, kPad);  // (B,)
       out.push_back(next);
       done = done | (next == kEnd);
-      if (done.all().item<bool>()) break;
+      if (stop_at_end && done.all().item<bool>()) break;
     }
   } else {
     auto prefix = next.unsqueeze(1);  // (B, 1)
@@ -308,7 +309,7 @@ torch::Tensor TransductionTask::greedy_decode(Seq2SeqImpl& model, const torch::T
       next = logits.select(1, t).argmax(-1).masked_fill(done, kPad);
       out.push_back(next);
       done = done | (next == kEnd);
-      if (done.all().item<bool>()) break;
+      if (stop_at_end && done.all().item<bool>()) break;
       prefix = torch::cat({prefix, next.unsqueeze(1)}, 1);
     }
   }
