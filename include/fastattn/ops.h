@@ -180,7 +180,8 @@ namespace reference {
 // Plain-ATen hashing: (x·W^T + b > 0) packed into int64.
 torch::Tensor hash_queries(const torch::Tensor& x, const torch::Tensor& planes);
 
-// torch::elu(x) + 1: for tests and benchmarks only.
+// elu(x) + 1, as x + 1 for x > 0 and exp(x) otherwise (no cancellation for
+// very negative x): for tests and benchmarks only.
 torch::Tensor elu_feature_map(const torch::Tensor& x);
 
 // (elu(q) + 1)(elu(k) + 1)^T masked, times v, over its row sums + eps, in

@@ -198,7 +198,7 @@ Tensor elu_linear_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                             const std::optional<Tensor>& key_lengths, bool causal, double eps) {
   check_inputs(q, k, v, to_c10(key_lengths), causal, eps);
   const int64_t N = q.size(0), L = q.size(2), S = k.size(2);
-  auto qf = torch::elu(q) + 1, kf = torch::elu(k) + 1;
+  auto qf = reference::elu_feature_map(q), kf = reference::elu_feature_map(k);
   auto w = torch::matmul(qf, kf.transpose(-1, -2));  // (N, H, L, S)
   auto keep = ops::dense_keep(N, L, S, std::nullopt, key_lengths, causal, q.device());
   w = w.masked_fill(keep.logical_not(), 0.0);
