@@ -19,11 +19,13 @@
 //   full           key/value cache (K (N, H, t, E), V (N, H, t, M)), growing
 //                  by one row per step into preallocated buffers whose
 //                  capacity doubles (amortised O(E + M) copy per step);
-//                  out = softmax(temp·q·K^T) V over the cached rows (two
-//                  BLAS matrix-vector products on views of the buffers, no
-//                  copy of the cache). O(t·(E + M)) per step.
+//                  out = softmax(temp·q·K^T) V over the cached rows (the
+//                  fused operator's one-query path on the buffers, limited
+//                  to the filled rows by key lengths: no copy of the cache).
+//                  O(t·(E + M)) per step.
 //   hard-retrieval key/value cache (K (N, H, t, E), V (N, H, t, M)); out =
-//                  V[argmax_j q·k_j], a gather. O(t·E + M) per step.
+//                  V[argmax_j q·k_j] (the fused operator on the buffers, as
+//                  for full). O(t·E + M) per step.
 // With the same parameters (and so the same feature map weights), step i
 // equals row i of the batch type's output under a causal mask.
 //
@@ -228,8 +230,8 @@ class RecurrentCrossFullAttention : public RecurrentCrossAttentionBase {
 // hard-retrieval over a memory: memory state {K, V[, key_lengths]}; each
 // head of a step returns the value row of its argmax raw score q·k over the
 // kept keys (zeros when none is kept), as the batch type in eval mode. A step
-// is one matrix-vector product and a gather: no softmax, no value read but
-// the retrieved ones. Steps never sample (they are for inference).
+// is one call of the fused operator: a dot product per key and a copy of one
+// value row per head, no softmax, no value read but the retrieved ones. Steps never sample (they are for inference).
 class RecurrentCrossHardRetrievalAttention : public RecurrentCrossAttentionBase {
  public:
   RecurrentState prepare(const torch::Tensor& keys, const torch::Tensor& values,

@@ -175,6 +175,13 @@ RecurrentState append_to_cache(const char* type, const Tensor& query, const Tens
   return RecurrentState{{kb.narrow(2, 0, t + 1), vb.narrow(2, 0, t + 1), kb, vb, cache.tensors[4]}};
 }
 
+// Key lengths (N,) = t + 1 for the state append_to_cache returns: the rows of
+// its buffers that hold keys.
+Tensor filled_rows(const RecurrentState& cache) {
+  const auto& K = cache.tensors[0];
+  return torch::full({K.size(0)}, K.size(2), torch::dtype(torch::kLong).device(K.device()));
+}
+
 }  // namespace
 
 std::pair<Tensor, RecurrentState> RecurrentFullAttention::step(const Tensor& query,  // (N, H, E)
@@ -182,17 +189,13 @@ std::pair<Tensor, RecurrentState> RecurrentFullAttention::step(const Tensor& que
                                                                const Tensor& value,  // (N, H, M)
                                                                const RecurrentState& state) {
   auto next = append_to_cache("recurrent full", query, key, value, state);
-  const auto &K = next.tensors[0], &V = next.tensors[1];  // (N, H, t + 1, E|M), views
-  const int64_t E = query.size(2);
-  // The newest query sees every cached key: softmax(temp·q·K^T) V as two
-  // matrix-vector products on the strided views (the fused operator would
-  // first copy the views into contiguous, packed panels: O(t) extra traffic
-  // per step for a single query).
-  const double temp = softmax_temp_.value_or(1.0 / std::sqrt(static_cast<double>(E)));
-  auto scores = torch::matmul(K, query.unsqueeze(-1)).squeeze(-1);  // (N, H, t + 1)
-  auto p = torch::softmax(scores * temp, -1);                       // (N, H, t + 1)
-  auto out = torch::matmul(p.unsqueeze(2), V).squeeze(2);           // (N, H, M)
-  return {out, std::move(next)};
+  // The newest query sees every cached key: the fused operator (its
+  // single-query path) over the whole buffers, limited to the t + 1 filled
+  // rows by key lengths, so nothing is copied and the rows past them are
+  // never read.
+  auto out = full_attention(query.unsqueeze(2), next.tensors[2], next.tensors[3], std::nullopt,
+                            filled_rows(next), false, softmax_temp_);
+  return {out.squeeze(2), std::move(next)};
 }
 
 // ---- hard-retrieval -------------------------------------------------------------
@@ -203,13 +206,12 @@ std::pair<Tensor, RecurrentState> RecurrentHardRetrievalAttention::step(
     const Tensor& value,  // (N, H, M)
     const RecurrentState& state) {
   auto next = append_to_cache("recurrent hard-retrieval", query, key, value, state);
-  const auto &K = next.tensors[0], &V = next.tensors[1];  // (N, H, t + 1, E|M), views
-  // The newest query sees every cached key: no mask; the argmax of the raw
-  // scores (first of equal maxima, as the operator), never a sample. A
-  // matrix-vector product on the strided view, then a gather of one value
-  // row per head: no value is read but the retrieved ones, nothing copied.
-  auto idx = torch::matmul(K, query.unsqueeze(-1)).argmax(2, /*keepdim=*/true);  // (N, H, 1, 1)
-  auto out = V.gather(2, idx.expand({-1, -1, 1, V.size(3)}));                    // (N, H, 1, M)
+  // The newest query sees every cached key: the argmax of the raw scores
+  // (first of equal maxima), never a sample, by the fused operator over the
+  // whole buffers limited to the t + 1 filled rows (as for full above): a
+  // dot product per key, then a copy of one value row per head.
+  auto out = std::get<0>(hard_retrieval_attention(
+      query.unsqueeze(2), next.tensors[2], next.tensors[3], std::nullopt, filled_rows(next)));
   return {out.squeeze(2), std::move(next)};
 }
 

@@ -7,7 +7,6 @@
 // Tested by tests/cpp/test_recurrent_decoder.cpp (each step against the batch
 // type's row for that query).
 #include <cmath>
-#include <limits>
 
 #include "fastattn/feature_maps.h"
 #include "fastattn/ops.h"
@@ -176,23 +175,15 @@ Tensor RecurrentCrossHardRetrievalAttention::step(const Tensor& query,  // (N, H
                                                   const RecurrentState& memory) {
   constexpr const char* type = "recurrent cross hard-retrieval";
   check_cached(type, memory);
-  const auto &K = memory.tensors[0], &V = memory.tensors[1];
-  check_query(type, query, K);
-  // Raw scores, padding never retrieved, the first of equal maxima (as the
-  // operator); then one value row per head, nothing else read.
-  auto scores = torch::matmul(K, query.unsqueeze(-1));  // (N, H, S, 1)
-  std::optional<Tensor> empty;
-  if (memory.tensors.size() == 3) {
-    const auto& lengths = memory.tensors[2];  // (N,)
-    auto pad = torch::arange(K.size(2), lengths.options()).view({1, 1, -1, 1}) >=
-               lengths.view({-1, 1, 1, 1});
-    scores.masked_fill_(pad, -std::numeric_limits<double>::infinity());
-    empty = (lengths == 0).view({-1, 1, 1});
-  }
-  auto idx = scores.argmax(2, /*keepdim=*/true);                          // (N, H, 1, 1)
-  auto out = V.gather(2, idx.expand({-1, -1, 1, V.size(3)})).squeeze(2);  // (N, H, M)
-  // A memory of no kept keys retrieves nothing: zeros, as the operator.
-  return empty ? out.masked_fill(*empty, 0) : out;
+  check_query(type, query, memory.tensors[0]);
+  // The operator: raw scores, padding never retrieved, the first of equal
+  // maxima; one value row per head, nothing else read; zeros for a memory
+  // without kept keys.
+  std::optional<Tensor> lengths;
+  if (memory.tensors.size() == 3) lengths = memory.tensors[2];
+  return std::get<0>(hard_retrieval_attention(query.unsqueeze(2), memory.tensors[0],
+                                              memory.tensors[1], std::nullopt, lengths))
+      .squeeze(2);  // (N, H, M)
 }
 
 // ---- generic ----------------------------------------------------------------

@@ -98,6 +98,47 @@ void write_topk(std::vector<std::pair<T, int64_t>>& heap, int64_t topk, int64_t*
   heap.clear();
 }
 
+// One query per (n, h), no mask, no top-k (token-by-token decoding over a
+// cache): the tiles would compute kFwdBr query rows for one, so each item
+// takes a dot product per key, then the softmax-weighted sum of the value
+// rows. The same results as the tiled path up to rounding (causal keeps
+// every key when L = 1).
+template <typename T>
+void single_query_forward(const FullAttentionForwardArgs<T>& a) {
+  using V = Simd<T>;
+  const int64_t H = a.H, S = a.S, E = a.E, M = a.M;
+  parallel_items<std::vector<T>>(
+      a.N * H, a.num_threads, [&](std::vector<T>& s) { s.resize(S); },
+      [&](int64_t nh, std::vector<T>& s) {
+        const T* q = a.q + nh * E;
+        const T* kh = a.k + nh * S * E;
+        const T* vh = a.v + nh * S * M;
+        T* out = a.out + nh * M;
+        const int64_t kend = a.key_lengths ? a.key_lengths[nh / H] : S;
+        std::fill(out, out + M, T(0));
+        T m = neg_inf<T>();
+        for (int64_t j = 0; j < kend; ++j) {
+          s[j] = a.scale * simd_dot(q, kh + j * E, E);
+          m = std::max(m, s[j]);
+        }
+        T l = 0;
+        for (int64_t j = 0; j < kend; ++j) {
+          const T p = std::exp(s[j] - m);
+          l += p;
+          const T* vj = vh + j * M;
+          int64_t c = 0;
+          for (; c + V::W <= M; c += V::W) {
+            V::store(out + c, V::fma(V::set1(p), V::load(vj + c), V::load(out + c)));
+          }
+          for (; c < M; ++c) out[c] += p * vj[c];
+        }
+        if (kend > 0) {
+          for (int64_t c = 0; c < M; ++c) out[c] /= l;
+        }
+        if (a.lse) a.lse[nh] = kend > 0 ? m + std::log(l) : neg_inf<T>();
+      });
+}
+
 }  // namespace
 
 template <typename T>
@@ -105,6 +146,10 @@ void full_attention_forward_cpu(const FullAttentionForwardArgs<T>& a) {
   const int64_t N = a.N, H = a.H, L = a.L, S = a.S, E = a.E, M = a.M;
   const int64_t NH = N * H;
   if (NH == 0 || L == 0) return;
+  if (L == 1 && !a.mask && a.topk == 0) {
+    single_query_forward(a);
+    return;
+  }
   constexpr int64_t NR = panel_width<T>();
   const int64_t q_tiles = (L + kFwdBr - 1) / kFwdBr;
   const int64_t offset = S - L;
