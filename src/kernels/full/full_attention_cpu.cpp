@@ -106,9 +106,10 @@ void write_topk(std::vector<std::pair<T, int64_t>>& heap, int64_t topk, int64_t*
 template <typename T>
 void single_query_forward(const FullAttentionForwardArgs<T>& a) {
   using V = Simd<T>;
+  constexpr int64_t W = V::W;
   const int64_t H = a.H, S = a.S, E = a.E, M = a.M;
   parallel_items<std::vector<T>>(
-      a.N * H, a.num_threads, [&](std::vector<T>& s) { s.resize(S); },
+      a.N * H, a.num_threads, [&](std::vector<T>& s) { s.resize(round_up(S, W)); },
       [&](int64_t nh, std::vector<T>& s) {
         const T* q = a.q + nh * E;
         const T* kh = a.k + nh * S * E;
@@ -116,26 +117,44 @@ void single_query_forward(const FullAttentionForwardArgs<T>& a) {
         T* out = a.out + nh * M;
         const int64_t kend = a.key_lengths ? a.key_lengths[nh / H] : S;
         std::fill(out, out + M, T(0));
-        T m = neg_inf<T>();
-        for (int64_t j = 0; j < kend; ++j) {
-          s[j] = a.scale * simd_dot(q, kh + j * E, E);
-          m = std::max(m, s[j]);
+        if (kend == 0) {
+          if (a.lse) a.lse[nh] = neg_inf<T>();
+          return;
         }
-        T l = 0;
-        for (int64_t j = 0; j < kend; ++j) {
-          const T p = std::exp(s[j] - m);
-          l += p;
+        // Scores, four keys at a time (four accumulators, one pass over q).
+        int64_t j = 0;
+        for (; j + 4 <= kend; j += 4) {
+          const T* k0 = kh + j * E;
+          auto c0 = V::zero(), c1 = V::zero(), c2 = V::zero(), c3 = V::zero();
+          int64_t c = 0;
+          for (; c + W <= E; c += W) {
+            const auto qc = V::load(q + c);
+            c0 = V::fma(qc, V::load(k0 + c), c0);
+            c1 = V::fma(qc, V::load(k0 + E + c), c1);
+            c2 = V::fma(qc, V::load(k0 + 2 * E + c), c2);
+            c3 = V::fma(qc, V::load(k0 + 3 * E + c), c3);
+          }
+          T d[4] = {V::hsum(c0), V::hsum(c1), V::hsum(c2), V::hsum(c3)};
+          for (; c < E; ++c) {
+            for (int r = 0; r < 4; ++r) d[r] += q[c] * k0[r * E + c];
+          }
+          for (int r = 0; r < 4; ++r) s[j + r] = a.scale * d[r];
+        }
+        for (; j < kend; ++j) s[j] = a.scale * simd_dot(q, kh + j * E, E);
+        const int64_t width = round_up(kend, W);
+        std::fill(s.begin() + kend, s.begin() + width, neg_inf<T>());
+        const T m = row_max(s.data(), width);
+        const T l = exp_shift_sum(s.data(), width, m);  // s = exp(s - m)
+        for (j = 0; j < kend; ++j) {
+          const auto p = V::set1(s[j]);
           const T* vj = vh + j * M;
           int64_t c = 0;
-          for (; c + V::W <= M; c += V::W) {
-            V::store(out + c, V::fma(V::set1(p), V::load(vj + c), V::load(out + c)));
-          }
-          for (; c < M; ++c) out[c] += p * vj[c];
+          for (; c + W <= M; c += W)
+            V::store(out + c, V::fma(p, V::load(vj + c), V::load(out + c)));
+          for (; c < M; ++c) out[c] += s[j] * vj[c];
         }
-        if (kend > 0) {
-          for (int64_t c = 0; c < M; ++c) out[c] /= l;
-        }
-        if (a.lse) a.lse[nh] = kend > 0 ? m + std::log(l) : neg_inf<T>();
+        for (int64_t c = 0; c < M; ++c) out[c] /= l;
+        if (a.lse) a.lse[nh] = m + std::log(l);
       });
 }
 
