@@ -103,6 +103,21 @@ void write_topk(std::vector<std::pair<T, int64_t>>& heap, int64_t topk, int64_t*
 // takes a dot product per key, then the softmax-weighted sum of the value
 // rows. The same results as the tiled path up to rounding (causal keeps
 // every key when L = 1).
+// out[0, NV·W) = sum_{j < rows} p[j] · v[j·ld + (0, NV·W)], accumulated in
+// NV vector registers.
+template <typename T, int NV>
+inline void weighted_rows(const T* p, const T* v, int64_t ld, int64_t rows, T* out) {
+  using V = Simd<T>;
+  typename V::V acc[NV];
+  for (int r = 0; r < NV; ++r) acc[r] = V::zero();
+  for (int64_t j = 0; j < rows; ++j) {
+    const auto pj = V::set1(p[j]);
+    const T* vj = v + j * ld;
+    for (int r = 0; r < NV; ++r) acc[r] = V::fma(pj, V::load(vj + r * V::W), acc[r]);
+  }
+  for (int r = 0; r < NV; ++r) V::store(out + r * V::W, acc[r]);
+}
+
 template <typename T>
 void single_query_forward(const FullAttentionForwardArgs<T>& a) {
   using V = Simd<T>;
@@ -145,13 +160,16 @@ void single_query_forward(const FullAttentionForwardArgs<T>& a) {
         std::fill(s.begin() + kend, s.begin() + width, neg_inf<T>());
         const T m = row_max(s.data(), width);
         const T l = exp_shift_sum(s.data(), width, m);  // s = exp(s - m)
-        for (j = 0; j < kend; ++j) {
-          const auto p = V::set1(s[j]);
-          const T* vj = vh + j * M;
-          int64_t c = 0;
-          for (; c + W <= M; c += W)
-            V::store(out + c, V::fma(p, V::load(vj + c), V::load(out + c)));
-          for (; c < M; ++c) out[c] += s[j] * vj[c];
+        // out = sum_j p_j v_j, up to eight vectors of columns held in
+        // registers over all keys (one pass over V for M <= 8 W).
+        int64_t c = 0;
+        for (; c + 8 * W <= M; c += 8 * W) weighted_rows<T, 8>(s.data(), vh + c, M, kend, out + c);
+        for (; c + 4 * W <= M; c += 4 * W) weighted_rows<T, 4>(s.data(), vh + c, M, kend, out + c);
+        for (; c + W <= M; c += W) weighted_rows<T, 1>(s.data(), vh + c, M, kend, out + c);
+        for (; c < M; ++c) {
+          T o = 0;
+          for (j = 0; j < kend; ++j) o += s[j] * vh[j * M + c];
+          out[c] = o;
         }
         for (int64_t c = 0; c < M; ++c) out[c] /= l;
         if (a.lse) a.lse[nh] = m + std::log(l);
