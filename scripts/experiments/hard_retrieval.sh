@@ -19,13 +19,14 @@
 # three models at once with one thread each (accuracy is then identical to
 # --threads 1 runs; time the decoding separately on a quiet machine with
 # --eval-only). Environment: FASTATTN (the program, default build/fastattn),
-# STEPS (default 3000).
+# STEPS (default 10000: the hard model needs about that many to match the
+# soft one; ~1 hour for the three with --parallel on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 bin="${FASTATTN:-build/fastattn}"
 out=runs/hard-retrieval
 threads=2
-steps="${STEPS:-3000}"
+steps="${STEPS:-10000}"
 parallel=0
 train=1
 while [ $# -gt 0 ]; do
