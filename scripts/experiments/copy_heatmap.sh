@@ -7,7 +7,8 @@
 #   scripts/experiments/copy_heatmap.sh --quick    # minutes: checks it runs end to end
 #   options: --out DIR (default runs/copy_heatmap[-quick]), --bin PATH (build/fastattn),
 #            --threads N (per run; default: nproc), --jobs J (runs at once; default 1:
-#            with 2 cores, --threads 1 --jobs 2 finishes soonest)
+#            with 2 cores, --threads 1 --jobs 2 finishes soonest), --collect (no
+#            training: tables and plot from the runs finished so far)
 #
 # Each (attention, length) is one `fastattn train --task copy` run with its own
 # checkpoint directory under DIR/runs/; a run whose result JSON exists is
@@ -17,7 +18,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-quick=0; out=""; bin=build/fastattn; threads="$(nproc)"; jobs=1
+quick=0; out=""; bin=build/fastattn; threads="$(nproc)"; jobs=1; collect=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) quick=1 ;;
@@ -25,7 +26,8 @@ while [ $# -gt 0 ]; do
     --bin) bin="$2"; shift ;;
     --threads) threads="$2"; shift ;;
     --jobs) jobs="$2"; shift ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    --collect) collect=1 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     *) echo "copy_heatmap.sh: unknown argument '$1'" >&2; exit 2 ;;
   esac
   shift
@@ -48,7 +50,7 @@ else
   steps=1500; long_steps=3000; batch=16
   out="${out:-runs/copy_heatmap}"
 fi
-[ -x "$bin" ] || { echo "copy_heatmap.sh: no program at $bin (build it: cmake --build build --target fastattn_cli)" >&2; exit 1; }
+[ "$collect" -eq 1 ] || [ -x "$bin" ] || { echo "copy_heatmap.sh: no program at $bin (build it: cmake --build build --target fastattn_cli)" >&2; exit 1; }
 mkdir -p "$out/runs"
 
 # run NAME ATTENTION LENGTH: one training run (skipped when done, resumed when killed).
@@ -56,6 +58,7 @@ run() {
   local name="$1" attention="$2" length="$3"
   local dir="$out/runs/$name" result="$out/runs/$name.json"
   if [ -f "$result" ]; then echo "done already: $name"; return; fi
+  if [ "$collect" -eq 1 ]; then echo "not run yet: $name"; return; fi
   local resume=() run_steps="$steps"
   [ "$length" -ge 256 ] && run_steps="$long_steps"
   [ -f "$dir/checkpoint.safetensors" ] && resume=(--resume)
