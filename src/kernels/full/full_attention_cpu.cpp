@@ -98,11 +98,6 @@ void write_topk(std::vector<std::pair<T, int64_t>>& heap, int64_t topk, int64_t*
   heap.clear();
 }
 
-// One query per (n, h), no mask, no top-k (token-by-token decoding over a
-// cache): the tiles would compute kFwdBr query rows for one, so each item
-// takes a dot product per key, then the softmax-weighted sum of the value
-// rows. The same results as the tiled path up to rounding (causal keeps
-// every key when L = 1).
 // out[0, NV·W) = sum_{j < rows} p[j] · v[j·ld + (0, NV·W)], accumulated in
 // NV vector registers.
 template <typename T, int NV>
@@ -118,6 +113,11 @@ inline void weighted_rows(const T* p, const T* v, int64_t ld, int64_t rows, T* o
   for (int r = 0; r < NV; ++r) V::store(out + r * V::W, acc[r]);
 }
 
+// One query per (n, h), no mask, no top-k (token-by-token decoding over a
+// cache): the tiles would compute kFwdBr query rows for one, so each item
+// takes a dot product per key, then the softmax-weighted sum of the value
+// rows. The same results as the tiled path up to rounding (causal keeps
+// every key when L = 1).
 template <typename T>
 void single_query_forward(const FullAttentionForwardArgs<T>& a) {
   using V = Simd<T>;
@@ -131,8 +131,8 @@ void single_query_forward(const FullAttentionForwardArgs<T>& a) {
         const T* vh = a.v + nh * S * M;
         T* out = a.out + nh * M;
         const int64_t kend = a.key_lengths ? a.key_lengths[nh / H] : S;
-        std::fill(out, out + M, T(0));
         if (kend == 0) {
+          std::fill(out, out + M, T(0));
           if (a.lse) a.lse[nh] = neg_inf<T>();
           return;
         }
@@ -171,7 +171,7 @@ void single_query_forward(const FullAttentionForwardArgs<T>& a) {
           for (j = 0; j < kend; ++j) o += s[j] * vh[j * M + c];
           out[c] = o;
         }
-        for (int64_t c = 0; c < M; ++c) out[c] /= l;
+        for (c = 0; c < M; ++c) out[c] /= l;
         if (a.lse) a.lse[nh] = m + std::log(l);
       });
 }
