@@ -231,7 +231,8 @@ class RecurrentCrossFullAttention : public RecurrentCrossAttentionBase {
 // head of a step returns the value row of its argmax raw score q·k over the
 // kept keys (zeros when none is kept), as the batch type in eval mode. A step
 // is one call of the fused operator: a dot product per key and a copy of one
-// value row per head, no softmax, no value read but the retrieved ones. Steps never sample (they are for inference).
+// value row per head, no softmax, no value read but the retrieved ones.
+// Steps never sample (they are for inference).
 class RecurrentCrossHardRetrievalAttention : public RecurrentCrossAttentionBase {
  public:
   RecurrentState prepare(const torch::Tensor& keys, const torch::Tensor& values,
