@@ -695,7 +695,7 @@ void fuzz_full_lse_topk(Bytes& b, Setup s) {
 // improved_clustered_attention (the fused op, given the clusters): random
 // assignments in [-1, C) with their counts. Output against the dense
 // definition (attention_cases.h) wherever the top-k set is unambiguous (no
-// near-tie between the k-th and (k+1)-th kept centroid weights), and against
+// near-tie between the k-th and (k+1)-th kept centroid scores), and against
 // full attention when topk = S; padded queries output zeros.
 void fuzz_improved_clustered(Bytes& b, Setup s) {
   auto t = make_qkv(b, s, true);
@@ -757,12 +757,7 @@ void fuzz_improved_clustered(Bytes& b, Setup s) {
       check_close(out.detach(), full, "improved_clustered_attention (topk = S)");
     }
     auto rows = cases::clustered_rows(q, k, assignments, counts, topk, kl, temp);
-    // The centroids' weights (N, H, C, S) again, to find near-ties at the k-th key.
-    auto member = torch::one_hot(assignments.clamp_min(0), C).to(torch::kDouble) *
-                  assignments.ge(0).unsqueeze(-1);
-    auto centroids = torch::matmul(member.transpose(-1, -2), q) / counts.clamp_min(1).unsqueeze(-1);
-    const double tmp = temp.value_or(1.0 / std::sqrt(static_cast<double>(s.E)));
-    auto scores = torch::matmul(centroids, k.transpose(-1, -2)) * tmp;
+    const auto& scores = rows.centroid_scores;  // (N, H, C, S): near-ties at the k-th key?
     bool ambiguous = false;
     for (int64_t n = 0; n < s.N && !ambiguous; ++n) {
       const int64_t kept = kl ? (*kl)[n].item<int64_t>() : s.S;

@@ -69,6 +69,7 @@ inline AttentionPtr build_type(const std::string& name, const AttentionDims& d,
 // differ), padded queries (-1) and queries without kept keys get zero rows.
 struct ClusteredRows {
   torch::Tensor full, clustered, improved;
+  torch::Tensor centroid_scores;  // (N, H, C, S): scaled centroid·key scores, unmasked
 };
 
 inline ClusteredRows clustered_rows(const torch::Tensor& q, const torch::Tensor& k,
@@ -97,6 +98,7 @@ inline ClusteredRows clustered_rows(const torch::Tensor& q, const torch::Tensor&
     return x.gather(2, a.unsqueeze(-1).expand({N, H, L, S}));
   };
   r.clustered = per_query(probs_c) * valid;
+  r.centroid_scores = scores_c;
   const int64_t kk = std::min(topk, S);
   // By score, not weight: weights that underflow to 0 would tie.
   auto idx = std::get<1>(scores_c.detach().masked_fill(keep.logical_not(), -INFINITY).topk(kk, -1));
