@@ -22,8 +22,7 @@ void check_qkv(const char* op, const torch::Tensor& q, const torch::Tensor& k,
               ": v must agree with k (N, H, S, E) = ", k.sizes(), " in N, H and S, got ",
               v.sizes());
   TORCH_CHECK(q.size(3) >= 1, op, ": q's head dimension E must be >= 1, got ", q.size(3));
-  TORCH_CHECK(q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kDouble, op,
-              ": q must be float32 or float64, got ", q.scalar_type());
+  check_float_dtype(op, "q", q);
   TORCH_CHECK(k.scalar_type() == q.scalar_type(), op,
               ": k must have q's dtype (one dtype for q, k and v) ", q.scalar_type(), ", got ",
               k.scalar_type());
@@ -34,6 +33,19 @@ void check_qkv(const char* op, const torch::Tensor& q, const torch::Tensor& k,
               k.device());
   TORCH_CHECK(v.device() == q.device(), op, ": v must be on q's device ", q.device(), ", got ",
               v.device());
+}
+
+bool is_supported_float(const torch::Tensor& t) {
+  const auto d = t.scalar_type();
+  if (t.is_cuda()) return d == torch::kFloat || d == torch::kHalf || d == torch::kBFloat16;
+  return d == torch::kFloat || d == torch::kDouble;
+}
+
+void check_float_dtype(const char* op, const char* name, const torch::Tensor& t) {
+  TORCH_CHECK(is_supported_float(t), op, ": ", name,
+              t.is_cuda() ? " must be float32, float16 or bfloat16 on CUDA, got "
+                          : " must be float32 or float64 on the CPU, got ",
+              t.scalar_type());
 }
 
 void check_defined(const char* op, std::initializer_list<const char*> names,

@@ -22,9 +22,15 @@ std::optional<T> to_std(const c10::optional<T>& x) {
 namespace ops {
 
 // Checks q (N,H,L,E), k (N,H,S,E), v (N,H,S,M): ranks, agreement of N, H, E
-// and S, floating dtype (one for all three), device; messages name `op`.
+// and S, floating dtype (one for all three, see check_float_dtype), device;
+// messages name `op`.
 void check_qkv(const char* op, const torch::Tensor& q, const torch::Tensor& k,
                const torch::Tensor& v);
+
+// The floating dtypes of the kernels: float32 and float64 on the CPU;
+// float32, float16 and bfloat16 on CUDA. check_float_dtype names `name`.
+bool is_supported_float(const torch::Tensor& t);
+void check_float_dtype(const char* op, const char* name, const torch::Tensor& t);
 
 // Checks that every tensor argument of a public entry point is defined (the
 // dispatcher would otherwise fail with "tensor does not have a device");
