@@ -12,7 +12,7 @@ PREFIX     ?= /usr/local
 # Threads for the tests (the machine's cores by default).
 export OMP_NUM_THREADS ?= $(shell nproc)
 
-.PHONY: all deps configure build demo test bench approx test-asan test-asan-ci fuzz fuzz-merge format install check-install clean
+.PHONY: all deps configure build demo test bench approx test-asan test-asan-ci gpu-session fuzz fuzz-merge format install check-install clean
 
 all: build
 
@@ -53,10 +53,20 @@ approx: build
 ASAN_GTEST_FILTER ?= *
 test-asan: deps
 	cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DFASTATTN_SANITIZE=ON -DFASTATTN_BUILD_BENCH=OFF $(CMAKE_ARGS)
-	cmake --build build-asan -j $(JOBS) --target fastattn_tests
+	cmake --build build-asan -j $(JOBS) --target fastattn_tests \
+	  $$(grep -q '^fastattn_cuda_emu_tests:' build-asan/Makefile && echo fastattn_cuda_emu_tests)
 	cd build-asan && ASAN_OPTIONS=detect_leaks=0:new_delete_type_mismatch=0 \
 	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	  ./fastattn_tests --gtest_filter='$(ASAN_GTEST_FILTER)'
+	cd build-asan && if [ -x fastattn_cuda_emu_tests ]; then \
+	  ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	  ./fastattn_cuda_emu_tests --gtest_brief=1; fi
+
+# On a machine with an NVIDIA GPU and a CUDA build of PyTorch: builds against
+# it, runs the CUDA backend-comparison tests and the GPU benchmarks
+# (scripts/gpu_session.sh, docs/cuda.md).
+gpu-session:
+	bash scripts/gpu_session.sh
 
 # A quick sanitizer subset (~2 min of CPU after the build; CI runs the whole
 # suite, which fits): the robustness tests (bad-input table, edge numerics,
