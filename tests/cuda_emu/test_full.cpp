@@ -66,6 +66,7 @@ struct Case {
   bool lengths = false;
   bool grad_lse = false;
   bool accumulate = false;
+  bool misaligned = false;
   double scale = 0.0;  // 0: 1/sqrt(E)
 };
 
@@ -77,7 +78,7 @@ std::string describe(const Case& c) {
           : c.mask == MaskKind::kBroadcast ? " mask(L,S)"
                                            : "") +
          (c.lengths ? " key_lengths" : "") + (c.grad_lse ? " grad_lse" : "") +
-         (c.accumulate ? " accumulate" : "");
+         (c.accumulate ? " accumulate" : "") + (c.misaligned ? " misaligned" : "");
 }
 
 // Values rounded through T, as doubles.
@@ -168,12 +169,17 @@ void run_case(const Case& c, unsigned seed) {
   }
 
   // CUDA forward.
-  const auto qt = to_storage<T>(q), kt = to_storage<T>(k), vt = to_storage<T>(v);
+  // misaligned: q, k, v one element into their buffers (no 16-byte vector loads).
+  const size_t shift = c.misaligned ? 1 : 0;
+  auto qt = to_storage<T>(q), kt = to_storage<T>(k), vt = to_storage<T>(v);
+  qt.insert(qt.begin(), shift, from_float<T>(0.f));
+  kt.insert(kt.begin(), shift, from_float<T>(0.f));
+  vt.insert(vt.begin(), shift, from_float<T>(0.f));
   const auto mt = to_storage<T>(mask), got = to_storage<T>(go);
   std::vector<T> out(N * H * L * M, from_float<T>(123.f));
   std::vector<float> lse(N * H * L, 123.f);
   fastattn::cuda::FullAttentionCudaParams p;
-  p.q = qt.data(), p.k = kt.data(), p.v = vt.data();
+  p.q = qt.data() + shift, p.k = kt.data() + shift, p.v = vt.data() + shift;
   if (!mask.empty()) p.mask = mt.data(), p.mask_sn = msn, p.mask_sh = msh, p.mask_sl = msl;
   if (!lengths.empty()) p.key_lengths = lengths.data();
   p.N = N, p.H = H, p.L = L, p.S = S, p.E = E, p.M = M;
@@ -270,6 +276,13 @@ TYPED_TEST(FullAttentionCudaEmu, PlainAwkwardSizes) {
   run_case<TypeParam>({2, 1, 1, 17, 24, 40}, 2);   // one query, E != M, not multiples of 16
   run_case<TypeParam>({1, 1, 70, 1, 8, 8}, 3);     // one key
   run_case<TypeParam>({1, 1, 65, 97, 64, 64}, 4);  // more than one tile each way
+}
+
+TYPED_TEST(FullAttentionCudaEmu, UnvectorisableLoads) {
+  run_case<TypeParam>({1, 2, 20, 37, 12, 20}, 16);  // dims not multiples of 8
+  Case c{1, 1, 40, 50, 32, 16};
+  c.misaligned = true;
+  run_case<TypeParam>(c, 17);
 }
 
 TYPED_TEST(FullAttentionCudaEmu, LargestHeadDim) {

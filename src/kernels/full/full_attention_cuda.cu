@@ -36,12 +36,19 @@
 // tests/cuda/test_cuda_full.cpp (against the CPU op).
 #include "kernels/full/full_attention_cuda.h"
 
+#include <cstdint>
 #include <type_traits>
 
 #include "kernels/common/cuda_compat.cuh"
 
 namespace fastattn::cuda {
 namespace {
+
+#if defined(__CUDACC__)
+#define FULL_UNROLL _Pragma("unroll")
+#else
+#define FULL_UNROLL
+#endif
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
@@ -178,11 +185,24 @@ __device__ __forceinline__ void block_mm(float* C, int ldc, const T* A, int lda,
   }
 }
 
-// dst[r·ld + c] for r < rows_tile, c < cols_tile from src[(row0 + r)·D + c]
-// (rows < rows_valid, c < D), zero elsewhere.
+// dst[r·ld + c] for r < rows_tile, c < cols_tile (a multiple of 16) from
+// src[r·D + c] (rows < rows_valid, c < D), zero elsewhere. 16-byte vectors
+// when D, ld and src allow it.
 template <typename T>
 __device__ __forceinline__ void load_tile(T* dst, int ld, const T* src, int64_t rows_valid,
                                           int64_t D, int rows_tile, int cols_tile) {
+  constexpr int VEC = 16 / sizeof(T);
+  if (D % VEC == 0 && (ld * sizeof(T)) % 16 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0) {
+    const int vc = cols_tile / VEC;
+    const int64_t vd = D / VEC;
+    for (int idx = threadIdx.x; idx < rows_tile * vc; idx += kThreads) {
+      const int r = idx / vc, c = idx % vc;
+      uint4 val{0u, 0u, 0u, 0u};
+      if (r < rows_valid && c < vd) val = reinterpret_cast<const uint4*>(src + r * D)[c];
+      reinterpret_cast<uint4*>(dst + r * ld)[c] = val;
+    }
+    return;
+  }
   const T zero = from_float<T>(0.f);
   for (int idx = threadIdx.x; idx < rows_tile * cols_tile; idx += kThreads) {
     const int r = idx / cols_tile, c = idx % cols_tile;
@@ -290,6 +310,212 @@ __global__ void __launch_bounds__(kThreads)
   for (int r = tid; r < rows; r += kThreads) {
     const float l = l_s[r];
     a.lse[nh * L + i0 + r] = l > 0.f ? m_s[r] + logf(l) : -INFINITY;
+  }
+}
+
+// Tensor-core forward (float16/bfloat16): each warp owns 16 query rows of the
+// block's 64 and keeps its Q tile (as matrix_a fragments) and its output
+// accumulator (float fragments) in registers for the whole key loop; only S
+// and P pass through shared memory (the warp's own rows, so warp barriers
+// suffice between the product and the softmax). The per-row rescaling of the
+// accumulator fragments needs each element's row: an accumulator fragment
+// loaded from a 16×16 tile holding its row indices gives it, whatever the
+// fragment layout (every accumulator fragment of a shape shares one layout).
+// DF: the fragments of E and M that fit (4: dims <= 64, 8: dims <= 128).
+struct FwdTcLayout {
+  int ldq, ldk, ldv, lds, ldp;
+  size_t q, k, v, s, p, rows, m, l, alpha, total;
+};
+template <typename T>
+__host__ __device__ FwdTcLayout fwd_tc_layout(int Ep, int Mp) {
+  using C = FullCfg<T>;
+  FwdTcLayout y;
+  y.ldq = y.ldk = Ep + C::kPadT;
+  y.ldv = Mp + C::kPadT;
+  y.lds = C::kFwdBc + C::kPadF;
+  y.ldp = C::kFwdBc + C::kPadT;
+  size_t at = 0;
+  y.q = at, at = align128(at + sizeof(T) * C::kFwdBr * y.ldq);
+  y.k = at, at = align128(at + sizeof(T) * C::kFwdBc * y.ldk);
+  y.v = at, at = align128(at + sizeof(T) * C::kFwdBc * y.ldv);
+  y.s = at, at = align128(at + sizeof(float) * C::kFwdBr * y.lds);
+  y.p = at, at = align128(at + sizeof(T) * C::kFwdBr * y.ldp);
+  y.rows = at, at = align128(at + sizeof(float) * 256);
+  y.m = at, at = align128(at + sizeof(float) * C::kFwdBr);
+  y.l = at, at = align128(at + sizeof(float) * C::kFwdBr);
+  y.alpha = at, at = align128(at + sizeof(float) * C::kFwdBr);
+  y.total = at;
+  return y;
+}
+
+template <typename T, int DF>
+__global__ void __launch_bounds__(kThreads)
+    full_forward_tc_kernel(FullAttentionForwardCudaArgs a, int Ep, int Mp, int64_t q_tiles) {
+  using C = FullCfg<T>;
+  constexpr int BR = C::kFwdBr, BC = C::kFwdBc, PER_LANE = BC / 32;
+  static_assert(BR == 16 * kWarps, "one 16-row strip per warp");
+  using AccFrag = fa_wmma::fragment<fa_wmma::accumulator, 16, 16, 16, float>;
+  using AFrag = fa_wmma::fragment<fa_wmma::matrix_a, 16, 16, 16, T, fa_wmma::row_major>;
+  const FwdTcLayout lay = fwd_tc_layout<T>(Ep, Mp);
+  FA_DYNAMIC_SHARED(unsigned char, smem);
+  T* Qs = reinterpret_cast<T*>(smem + lay.q);
+  T* Ks = reinterpret_cast<T*>(smem + lay.k);
+  T* Vs = reinterpret_cast<T*>(smem + lay.v);
+  float* Sf = reinterpret_cast<float*>(smem + lay.s);
+  T* Ps = reinterpret_cast<T*>(smem + lay.p);
+  float* row_ids = reinterpret_cast<float*>(smem + lay.rows);
+  float* m_s = reinterpret_cast<float*>(smem + lay.m);
+  float* l_s = reinterpret_cast<float*>(smem + lay.l);
+  float* alpha_s = reinterpret_cast<float*>(smem + lay.alpha);
+
+  const int64_t L = a.L, S = a.S, E = a.E, M = a.M, H = a.H;
+  const int64_t item = blockIdx.x;
+  const int64_t nh = item / q_tiles, n = nh / H, h = nh % H;
+  const int64_t i0 = (item % q_tiles) * BR;
+  const int64_t offset = S - L;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int r0 = 16 * warp;  // this warp's rows of the tile
+  const int ef = Ep / 16, mf = Mp / 16;
+  const T* qh = static_cast<const T*>(a.q) + nh * L * E;
+  const T* kh = static_cast<const T*>(a.k) + nh * S * E;
+  const T* vh = static_cast<const T*>(a.v) + nh * S * M;
+  const T* mask = static_cast<const T*>(a.mask);
+  const T zero = from_float<T>(0.f);
+
+  const int64_t rows = L - i0 < BR ? L - i0 : BR;
+  load_tile(Qs, lay.ldq, qh + i0 * E, rows, E, BR, Ep);
+  for (int idx = tid; idx < 256; idx += kThreads) row_ids[idx] = static_cast<float>(idx / 16);
+  for (int r = tid; r < BR; r += kThreads) {
+    m_s[r] = -INFINITY;
+    l_s[r] = 0.f;
+  }
+  __syncthreads();
+  AFrag qf[DF];
+  AccFrag of[DF];
+  AccFrag rowf;  // rowf.x[i]: the row (0..15) of element i of any accumulator fragment
+  fa_wmma::load_matrix_sync(rowf, row_ids, 16, fa_wmma::mem_row_major);
+  FULL_UNROLL
+  for (int f = 0; f < DF; ++f) {
+    if (f < ef) fa_wmma::load_matrix_sync(qf[f], Qs + r0 * lay.ldq + 16 * f, lay.ldq);
+    fa_wmma::fill_fragment(of[f], 0.f);
+  }
+  int64_t kend = a.key_lengths ? a.key_lengths[n] : S;
+  if (a.causal && i0 + rows + offset < kend) kend = i0 + rows + offset;
+  if (kend < 0) kend = 0;
+  float* Sw = Sf + r0 * lay.lds;  // the warp's strips of S and P
+  T* Pw = Ps + r0 * lay.ldp;
+
+  for (int64_t j0 = 0; j0 < kend; j0 += BC) {
+    const int64_t cols = kend - j0 < BC ? kend - j0 : BC;
+    __syncthreads();  // the previous tile's K and V are no longer read
+    load_tile(Ks, lay.ldk, kh + j0 * E, cols, E, BC, Ep);
+    load_tile(Vs, lay.ldv, vh + j0 * M, cols, M, BC, Mp);
+    __syncthreads();
+    // S strip (16 × BC) = Q strip · K^T
+    FULL_UNROLL
+    for (int c = 0; c < BC / 16; ++c) {
+      AccFrag acc;
+      fa_wmma::fill_fragment(acc, 0.f);
+      FULL_UNROLL
+      for (int f = 0; f < DF; ++f) {
+        if (f < ef) {
+          fa_wmma::fragment<fa_wmma::matrix_b, 16, 16, 16, T, fa_wmma::col_major> kb;
+          fa_wmma::load_matrix_sync(kb, Ks + 16 * c * lay.ldk + 16 * f, lay.ldk);
+          fa_wmma::mma_sync(acc, qf[f], kb, acc);
+        }
+      }
+      fa_wmma::store_matrix_sync(Sw + 16 * c, acc, lay.lds, fa_wmma::mem_row_major);
+    }
+    __syncwarp();
+    // Online softmax of the warp's rows.
+    for (int rr = 0; rr < 16; ++rr) {
+      const int r = r0 + rr;
+      const int64_t i = i0 + r;
+      const float m_old = m_s[r], l_old = l_s[r];
+      const T* mrow = mask ? mask + n * a.mask_sn + h * a.mask_sh + i * a.mask_sl + j0 : nullptr;
+      float x[PER_LANE];
+      float mx = -INFINITY;
+      for (int u = 0; u < PER_LANE; ++u) {
+        const int c = lane + 32 * u;
+        const bool keep = i < L && c < cols && (!a.causal || j0 + c <= i + offset);
+        float s = -INFINITY;
+        if (keep) {
+          s = Sw[rr * lay.lds + c] * a.scale;
+          if (mrow) s += to_float(mrow[c]);
+        }
+        x[u] = s;
+        mx = fmaxf(mx, s);
+      }
+      mx = warp_max(mx);
+      const float m_new = fmaxf(m_old, mx);
+      if (m_new == -INFINITY) {  // nothing kept so far in this row
+        for (int u = 0; u < PER_LANE; ++u) Pw[rr * lay.ldp + lane + 32 * u] = zero;
+        if (lane == 0) alpha_s[r] = 1.f;
+        continue;
+      }
+      float sum = 0.f;
+      for (int u = 0; u < PER_LANE; ++u) {
+        const float p = expf(x[u] - m_new);
+        Pw[rr * lay.ldp + lane + 32 * u] = from_float<T>(p);
+        sum += p;
+      }
+      sum = warp_sum(sum);
+      const float alpha = expf(m_old - m_new);  // 0 when m_old is -inf
+      if (lane == 0) {
+        m_s[r] = m_new;
+        l_s[r] = l_old * alpha + sum;
+        alpha_s[r] = alpha;
+      }
+    }
+    __syncwarp();
+    // O strip = O strip · diag(alpha) + P strip · V
+    FULL_UNROLL
+    for (int f = 0; f < DF; ++f) {
+      for (int e = 0; e < of[f].num_elements; ++e) {
+        of[f].x[e] *= alpha_s[r0 + static_cast<int>(rowf.x[e])];
+      }
+    }
+    FULL_UNROLL
+    for (int c = 0; c < BC / 16; ++c) {
+      AFrag pa;
+      fa_wmma::load_matrix_sync(pa, Pw + 16 * c, lay.ldp);
+      FULL_UNROLL
+      for (int f = 0; f < DF; ++f) {
+        if (f < mf) {
+          fa_wmma::fragment<fa_wmma::matrix_b, 16, 16, 16, T, fa_wmma::row_major> vb;
+          fa_wmma::load_matrix_sync(vb, Vs + 16 * c * lay.ldv + 16 * f, lay.ldv);
+          fa_wmma::mma_sync(of[f], pa, vb, of[f]);
+        }
+      }
+    }
+  }
+  // out = O / l (0 for rows without keys), through the warp's S strip.
+  __syncwarp();
+  if (lane < 16) {
+    const float l = l_s[r0 + lane];
+    alpha_s[r0 + lane] = l > 0.f ? 1.f / l : 0.f;
+  }
+  __syncwarp();
+  T* out = static_cast<T*>(a.out) + (nh * L + i0 + r0) * M;
+  const int64_t my_rows = rows - r0;  // may be <= 0
+  FULL_UNROLL
+  for (int f = 0; f < DF; ++f) {
+    if (f < mf) {
+      for (int e = 0; e < of[f].num_elements; ++e) {
+        of[f].x[e] *= alpha_s[r0 + static_cast<int>(rowf.x[e])];
+      }
+      fa_wmma::store_matrix_sync(Sw, of[f], lay.lds, fa_wmma::mem_row_major);
+      __syncwarp();
+      for (int idx = lane; idx < 256; idx += 32) {
+        const int rr = idx / 16, c = 16 * f + idx % 16;
+        if (rr < my_rows && c < M) out[rr * M + c] = from_float<T>(Sw[rr * lay.lds + idx % 16]);
+      }
+      __syncwarp();
+    }
+  }
+  if (lane < 16 && lane < my_rows) {
+    const float l = l_s[r0 + lane];
+    a.lse[nh * L + i0 + r0 + lane] = l > 0.f ? m_s[r0 + lane] + logf(l) : -INFINITY;
   }
 }
 
@@ -448,13 +674,26 @@ void full_attention_forward_cuda(const FullAttentionForwardCudaArgs& a, cudaStre
   check_dims(a, "full_attention_forward");
   FA_DISPATCH_FLOAT_TYPES(a.dtype, "full_attention_forward", [&] {
     const int Ep = round16(a.E), Mp = round16(a.M);
-    const FwdLayout lay = fwd_layout<scalar_t>(Ep, Mp);
     const int64_t q_tiles = ceil_div(a.L, FullCfg<scalar_t>::kFwdBr);
     check_grid(NH * q_tiles, "full_attention_forward");
-    FA_SET_MAX_DYNAMIC_SHARED(lay.total, full_forward_kernel<scalar_t>);
-    FA_LAUNCH(dim3(static_cast<unsigned>(NH * q_tiles)), dim3(kThreads), lay.total, stream,
-              full_forward_kernel<scalar_t>)
-    (a, Ep, Mp, q_tiles);
+    const dim3 grid(static_cast<unsigned>(NH * q_tiles));
+    if constexpr (FullCfg<scalar_t>::kTensorCores) {
+      const size_t bytes = fwd_tc_layout<scalar_t>(Ep, Mp).total;
+      if (Ep <= 64 && Mp <= 64) {
+        FA_SET_MAX_DYNAMIC_SHARED(bytes, full_forward_tc_kernel<scalar_t, 4>);
+        FA_LAUNCH(grid, dim3(kThreads), bytes, stream, full_forward_tc_kernel<scalar_t, 4>)
+        (a, Ep, Mp, q_tiles);
+      } else {
+        FA_SET_MAX_DYNAMIC_SHARED(bytes, full_forward_tc_kernel<scalar_t, 8>);
+        FA_LAUNCH(grid, dim3(kThreads), bytes, stream, full_forward_tc_kernel<scalar_t, 8>)
+        (a, Ep, Mp, q_tiles);
+      }
+    } else {
+      const size_t bytes = fwd_layout<scalar_t>(Ep, Mp).total;
+      FA_SET_MAX_DYNAMIC_SHARED(bytes, full_forward_kernel<scalar_t>);
+      FA_LAUNCH(grid, dim3(kThreads), bytes, stream, full_forward_kernel<scalar_t>)
+      (a, Ep, Mp, q_tiles);
+    }
     FA_CHECK_LAUNCH("full_attention_forward");
   });
 }
