@@ -3,12 +3,18 @@
 // kernel in full_attention_cpu.cpp: additive mask with strides, key lengths,
 // causal offset S - L, rows without a kept key give zeros and lse = -inf).
 //
-// Forward: one block (4 warps) per (tile of 64 queries, n·h). The query tile
-// stays in shared memory; for each key tile (64 keys for float16/bfloat16, 32
-// for float32) K and V are staged in shared memory, S = Q·K^T goes to a float
-// tile, each warp updates the online softmax of its rows (running max m and
-// sum l, rescaling its rows of the float output accumulator), then O += P·V.
-// At the end O /= l and lse = m + log l.
+// Forward: one block (4 warps) per (tile of 64 queries, n·h), online softmax
+// over key tiles staged in shared memory (K and V; 64 keys for
+// float16/bfloat16, 32 for float32). float16/bfloat16 (full_forward_tc_kernel):
+// each warp owns 16 query rows and keeps its Q rows (matrix_a fragments) and
+// output accumulator (float fragments) in registers; S = Q·K^T goes through
+// the warp's strip of shared memory for the row-wise softmax (running max m,
+// sum l), P (rounded to the storage type) comes back as matrix_a fragments for
+// O += P·V, and the accumulator is rescaled per row through a fragment of row
+// indices (an accumulator fragment loaded from a 16×16 tile of its row
+// numbers names each element's row, whatever the opaque layout). float32
+// (full_forward_kernel): the same steps with SIMT products over shared-memory
+// tiles and a shared-memory accumulator. At the end O /= l, lse = m + log l.
 // Backward: one block per (key tile, n·h) with dK and dV accumulated in
 // shared memory over the query tiles (32 queries) that can see it: P is
 // recomputed from the saved lse, dV += P^T·dO, dP = dO·V^T,
@@ -26,9 +32,9 @@
 // Cost: forward 4·N·H·L·S·max(E, M) flops (halved by causal), memory O(N·H·L)
 // beyond inputs and outputs; backward 2.5× the flops plus the float32 dQ
 // workspace (N·H·L·E).
-// Shared memory (E = M = 128): forward 110 KiB (half types) / 116 KiB
-// (float32), backward 160 KiB / 130 KiB: one or two blocks per SM, within the
-// 163 KiB opt-in of sm_80 as well as sm_90.
+// Shared memory (E = M = 128): forward 79 KiB (half types) / 114 KiB
+// (float32), backward 143 KiB / 121 KiB: within the 163 KiB opt-in of sm_80
+// as well as the 227 KiB of sm_90.
 //
 // Tested on the CPU by the emulator (tests/cuda_emu/test_full.cpp: against the
 // CPU kernels in float64, all dtypes, awkward sizes, masks, key lengths,
@@ -666,36 +672,41 @@ dim3 elementwise_grid(int64_t count) {
   return dim3(static_cast<unsigned>(blocks < 4096 ? blocks : 4096));
 }
 
+// The forward kernel for T: tensor cores for half types (fragment arrays
+// sized for dims <= 64 or <= 128), the SIMT kernel for float32. A template so
+// the branch not taken is not instantiated.
+template <typename T>
+void launch_forward(const FullAttentionForwardCudaArgs& a, cudaStream_t stream) {
+  const int Ep = round16(a.E), Mp = round16(a.M);
+  const int64_t q_tiles = ceil_div(a.L, FullCfg<T>::kFwdBr);
+  check_grid(a.N * a.H * q_tiles, "full_attention_forward");
+  const dim3 grid(static_cast<unsigned>(a.N * a.H * q_tiles));
+  if constexpr (FullCfg<T>::kTensorCores) {
+    const size_t bytes = fwd_tc_layout<T>(Ep, Mp).total;
+    if (Ep <= 64 && Mp <= 64) {
+      FA_SET_MAX_DYNAMIC_SHARED(bytes, full_forward_tc_kernel<T, 4>);
+      FA_LAUNCH(grid, dim3(kThreads), bytes, stream, full_forward_tc_kernel<T, 4>)
+      (a, Ep, Mp, q_tiles);
+    } else {
+      FA_SET_MAX_DYNAMIC_SHARED(bytes, full_forward_tc_kernel<T, 8>);
+      FA_LAUNCH(grid, dim3(kThreads), bytes, stream, full_forward_tc_kernel<T, 8>)
+      (a, Ep, Mp, q_tiles);
+    }
+  } else {
+    const size_t bytes = fwd_layout<T>(Ep, Mp).total;
+    FA_SET_MAX_DYNAMIC_SHARED(bytes, full_forward_kernel<T>);
+    FA_LAUNCH(grid, dim3(kThreads), bytes, stream, full_forward_kernel<T>)(a, Ep, Mp, q_tiles);
+  }
+  FA_CHECK_LAUNCH("full_attention_forward");
+}
+
 }  // namespace
 
 void full_attention_forward_cuda(const FullAttentionForwardCudaArgs& a, cudaStream_t stream) {
-  const int64_t NH = a.N * a.H;
-  if (NH == 0 || a.L == 0) return;
+  if (a.N * a.H == 0 || a.L == 0) return;
   check_dims(a, "full_attention_forward");
-  FA_DISPATCH_FLOAT_TYPES(a.dtype, "full_attention_forward", [&] {
-    const int Ep = round16(a.E), Mp = round16(a.M);
-    const int64_t q_tiles = ceil_div(a.L, FullCfg<scalar_t>::kFwdBr);
-    check_grid(NH * q_tiles, "full_attention_forward");
-    const dim3 grid(static_cast<unsigned>(NH * q_tiles));
-    if constexpr (FullCfg<scalar_t>::kTensorCores) {
-      const size_t bytes = fwd_tc_layout<scalar_t>(Ep, Mp).total;
-      if (Ep <= 64 && Mp <= 64) {
-        FA_SET_MAX_DYNAMIC_SHARED(bytes, full_forward_tc_kernel<scalar_t, 4>);
-        FA_LAUNCH(grid, dim3(kThreads), bytes, stream, full_forward_tc_kernel<scalar_t, 4>)
-        (a, Ep, Mp, q_tiles);
-      } else {
-        FA_SET_MAX_DYNAMIC_SHARED(bytes, full_forward_tc_kernel<scalar_t, 8>);
-        FA_LAUNCH(grid, dim3(kThreads), bytes, stream, full_forward_tc_kernel<scalar_t, 8>)
-        (a, Ep, Mp, q_tiles);
-      }
-    } else {
-      const size_t bytes = fwd_layout<scalar_t>(Ep, Mp).total;
-      FA_SET_MAX_DYNAMIC_SHARED(bytes, full_forward_kernel<scalar_t>);
-      FA_LAUNCH(grid, dim3(kThreads), bytes, stream, full_forward_kernel<scalar_t>)
-      (a, Ep, Mp, q_tiles);
-    }
-    FA_CHECK_LAUNCH("full_attention_forward");
-  });
+  FA_DISPATCH_FLOAT_TYPES(a.dtype, "full_attention_forward",
+                          [&] { launch_forward<scalar_t>(a, stream); });
 }
 
 void full_attention_backward_cuda(const FullAttentionBackwardCudaArgs& a, cudaStream_t stream) {
