@@ -15,12 +15,16 @@
 // numbers names each element's row, whatever the opaque layout). float32
 // (full_forward_kernel): the same steps with SIMT products over shared-memory
 // tiles and a shared-memory accumulator. At the end O /= l, lse = m + log l.
-// Backward: one block per (key tile, n·h) with dK and dV accumulated in
-// shared memory over the query tiles (32 queries) that can see it: P is
-// recomputed from the saved lse, dV += P^T·dO, dP = dO·V^T,
-// dS = P∘(dP - delta)·scale, dK += dS^T·Q, and dQ += dS·K is added with
-// atomicAdd into a float32 workspace, converted to the output dtype by a final
-// pass (which also implements `accumulate`).
+// Backward: one block per (key tile, n·h) with dK and dV accumulated over the
+// query tiles that can see it: P is recomputed from the saved lse,
+// dV += P^T·dO, dP = dO·V^T, dS = P∘(dP - delta)·scale, dK += dS^T·Q, and
+// dQ += dS·K is added with atomicAdd into a float32 workspace, converted to
+// the output dtype by a final pass (which also implements `accumulate`).
+// float16/bfloat16 (full_backward_tc_kernel, 64 keys × 64 queries): each warp
+// owns 16 keys and keeps their dK, dV rows in accumulator fragments, forming
+// the transposed strips S^T, P^T, dP^T, dS^T in its own shared memory; float32
+// (full_backward_kernel, 32 × 32): SIMT products with shared-memory
+// accumulators.
 // Matrix products: float16/bfloat16 use WMMA 16×16×16 tensor-core tiles
 // (float accumulation; head dims are zero-padded to multiples of 16 in shared
 // memory, so any E, M ≤ 128 works); float32 uses SIMT loops over the same
@@ -33,7 +37,7 @@
 // beyond inputs and outputs; backward 2.5× the flops plus the float32 dQ
 // workspace (N·H·L·E).
 // Shared memory (E = M = 128): forward 79 KiB (half types) / 114 KiB
-// (float32), backward 143 KiB / 121 KiB: within the 163 KiB opt-in of sm_80
+// (float32), backward 121 KiB / 122 KiB: within the 163 KiB opt-in of sm_80
 // as well as the 227 KiB of sm_90.
 //
 // Tested on the CPU by the emulator (tests/cuda_emu/test_full.cpp: against the
@@ -632,6 +636,224 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Tensor-core backward (float16/bfloat16): one block per (64 keys, n·h); each
+// warp owns 16 of the keys and keeps their dK and dV rows in accumulator
+// fragments for the whole loop over query tiles (64 queries). Per tile, the
+// warp forms the transposed strips S^T = K_w·Q^T, P^T (from lse, through its
+// strip of shared memory), dV_w += P^T·dO, dP^T = V_w·dO^T,
+// dS^T = P^T∘(dP^T - delta)·scale, dK_w += dS^T·Q; then the block forms
+// dQ = dS·K from every warp's dS^T strip and adds it to the float32
+// workspace with atomicAdd.
+constexpr int kBwdTcBr = 64;  // queries per step of the tensor-core backward
+
+struct BwdTcLayout {
+  int ldq, ldk, ldv, lddo, ldst, ldpt, lde;
+  size_t q, dout, k, v, st, dpt, dq, pt, dst, lse, delta, total;
+};
+template <typename T>
+__host__ __device__ BwdTcLayout bwd_tc_layout(int Ep, int Mp) {
+  using C = FullCfg<T>;
+  constexpr int BR = kBwdTcBr, BC = C::kBwdBc;
+  BwdTcLayout y;
+  y.ldq = y.ldk = Ep + C::kPadT;
+  y.ldv = y.lddo = Mp + C::kPadT;
+  y.ldst = BR + C::kPadF;
+  y.ldpt = BR + C::kPadT;
+  y.lde = Ep + C::kPadF;
+  size_t at = 0;
+  y.q = at, at = align128(at + sizeof(T) * BR * y.ldq);
+  y.dout = at, at = align128(at + sizeof(T) * BR * y.lddo);
+  y.k = at, at = align128(at + sizeof(T) * BC * y.ldk);
+  y.v = at, at = align128(at + sizeof(T) * BC * y.ldv);
+  // S^T/P^T and dP^T (float), or (later in each step) the dQ tile.
+  const size_t half = align128(sizeof(float) * BC * y.ldst);
+  const size_t dq = align128(sizeof(float) * BR * y.lde);
+  y.st = at;
+  y.dpt = at + half;
+  y.dq = at;
+  at += 2 * half > dq ? 2 * half : dq;
+  y.pt = at, at = align128(at + sizeof(T) * BC * y.ldpt);
+  y.dst = at, at = align128(at + sizeof(T) * BC * y.ldpt);
+  y.lse = at, at = align128(at + sizeof(float) * BR);
+  y.delta = at, at = align128(at + sizeof(float) * BR);
+  y.total = at;
+  return y;
+}
+
+template <typename T, int DF>
+__global__ void __launch_bounds__(kThreads)
+    full_backward_tc_kernel(FullAttentionBackwardCudaArgs a, int Ep, int Mp, int64_t k_tiles) {
+  using C = FullCfg<T>;
+  constexpr int BR = kBwdTcBr, BC = C::kBwdBc;
+  static_assert(BC == 16 * kWarps, "one 16-key strip per warp");
+  using AccFrag = fa_wmma::fragment<fa_wmma::accumulator, 16, 16, 16, float>;
+  using ARow = fa_wmma::fragment<fa_wmma::matrix_a, 16, 16, 16, T, fa_wmma::row_major>;
+  using BRow = fa_wmma::fragment<fa_wmma::matrix_b, 16, 16, 16, T, fa_wmma::row_major>;
+  using BCol = fa_wmma::fragment<fa_wmma::matrix_b, 16, 16, 16, T, fa_wmma::col_major>;
+  const BwdTcLayout lay = bwd_tc_layout<T>(Ep, Mp);
+  FA_DYNAMIC_SHARED(unsigned char, smem);
+  T* Qs = reinterpret_cast<T*>(smem + lay.q);
+  T* dOs = reinterpret_cast<T*>(smem + lay.dout);
+  T* Ks = reinterpret_cast<T*>(smem + lay.k);
+  T* Vs = reinterpret_cast<T*>(smem + lay.v);
+  float* St = reinterpret_cast<float*>(smem + lay.st);
+  float* dPt = reinterpret_cast<float*>(smem + lay.dpt);
+  float* dQf = reinterpret_cast<float*>(smem + lay.dq);
+  T* Pt = reinterpret_cast<T*>(smem + lay.pt);
+  T* dSt = reinterpret_cast<T*>(smem + lay.dst);
+  float* lse_s = reinterpret_cast<float*>(smem + lay.lse);
+  float* delta_s = reinterpret_cast<float*>(smem + lay.delta);
+
+  const int64_t L = a.L, S = a.S, E = a.E, M = a.M, H = a.H;
+  const int64_t item = blockIdx.x;
+  const int64_t nh = item / k_tiles, n = nh / H, h = nh % H;
+  const int64_t j0 = (item % k_tiles) * BC;
+  const int64_t offset = S - L;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int k0 = 16 * warp;  // this warp's keys within the tile
+  const int ef = Ep / 16, mf = Mp / 16;
+  const int64_t rows_k = S - j0 < BC ? S - j0 : BC;
+  const int64_t len = a.key_lengths ? a.key_lengths[n] : S;
+  const int64_t cols = len - j0 < BC ? (len - j0 > 0 ? len - j0 : 0) : BC;  // kept keys here
+  T* gk = static_cast<T*>(a.grad_k) + (nh * S + j0) * E;
+  T* gv = static_cast<T*>(a.grad_v) + (nh * S + j0) * M;
+  if (cols == 0) {  // no kept key in this tile: zero gradients
+    for (int idx = tid; idx < rows_k * E; idx += kThreads) {
+      if (!a.accumulate) gk[idx] = from_float<T>(0.f);
+    }
+    for (int idx = tid; idx < rows_k * M; idx += kThreads) {
+      if (!a.accumulate) gv[idx] = from_float<T>(0.f);
+    }
+    return;
+  }
+  const T* qh = static_cast<const T*>(a.q) + nh * L * E;
+  const T* doh = static_cast<const T*>(a.grad_out) + nh * L * M;
+  const T* mask = static_cast<const T*>(a.mask);
+  load_tile(Ks, lay.ldk, static_cast<const T*>(a.k) + (nh * S + j0) * E, cols, E, BC, Ep);
+  load_tile(Vs, lay.ldv, static_cast<const T*>(a.v) + (nh * S + j0) * M, cols, M, BC, Mp);
+  AccFrag dk[DF], dv[DF];
+  FULL_UNROLL
+  for (int f = 0; f < DF; ++f) {
+    fa_wmma::fill_fragment(dk[f], 0.f);
+    fa_wmma::fill_fragment(dv[f], 0.f);
+  }
+  float* Stw = St + k0 * lay.ldst;  // the warp's strips
+  float* dPtw = dPt + k0 * lay.ldst;
+  T* Ptw = Pt + k0 * lay.ldpt;
+  T* dStw = dSt + k0 * lay.ldpt;
+  // Queries that may see this tile: i >= j0 - offset when causal.
+  int64_t i_start = a.causal && j0 - offset > 0 ? j0 - offset : 0;
+  i_start = i_start / BR * BR;
+  for (int64_t i0 = i_start; i0 < L; i0 += BR) {
+    const int64_t rows = L - i0 < BR ? L - i0 : BR;
+    __syncthreads();  // the previous step's tiles (and the dQ tile) are no longer read
+    load_tile(Qs, lay.ldq, qh + i0 * E, rows, E, BR, Ep);
+    load_tile(dOs, lay.lddo, doh + i0 * M, rows, M, BR, Mp);
+    for (int r = tid; r < BR; r += kThreads) {
+      lse_s[r] = r < rows ? a.lse[nh * L + i0 + r] : -INFINITY;
+      delta_s[r] = r < rows ? a.delta[nh * L + i0 + r] : 0.f;
+    }
+    __syncthreads();
+    // S^T strip (16 × BR) = K_w · Q^T ; dP^T strip = V_w · dO^T
+    FULL_UNROLL
+    for (int c = 0; c < BR / 16; ++c) {
+      AccFrag acc;
+      fa_wmma::fill_fragment(acc, 0.f);
+      FULL_UNROLL
+      for (int f = 0; f < DF; ++f) {
+        if (f < ef) {
+          ARow ka;
+          BCol qb;
+          fa_wmma::load_matrix_sync(ka, Ks + k0 * lay.ldk + 16 * f, lay.ldk);
+          fa_wmma::load_matrix_sync(qb, Qs + 16 * c * lay.ldq + 16 * f, lay.ldq);
+          fa_wmma::mma_sync(acc, ka, qb, acc);
+        }
+      }
+      fa_wmma::store_matrix_sync(Stw + 16 * c, acc, lay.ldst, fa_wmma::mem_row_major);
+      fa_wmma::fill_fragment(acc, 0.f);
+      FULL_UNROLL
+      for (int f = 0; f < DF; ++f) {
+        if (f < mf) {
+          ARow va;
+          BCol dob;
+          fa_wmma::load_matrix_sync(va, Vs + k0 * lay.ldv + 16 * f, lay.ldv);
+          fa_wmma::load_matrix_sync(dob, dOs + 16 * c * lay.lddo + 16 * f, lay.lddo);
+          fa_wmma::mma_sync(acc, va, dob, acc);
+        }
+      }
+      fa_wmma::store_matrix_sync(dPtw + 16 * c, acc, lay.ldst, fa_wmma::mem_row_major);
+    }
+    __syncwarp();
+    // P^T = exp(S^T·scale + mask^T - lse) (0 where dropped), dS^T = P^T∘(dP^T - delta)·scale
+    for (int idx = lane; idx < 16 * BR; idx += 32) {
+      const int rr = idx / BR, c = idx % BR;
+      const int64_t j = j0 + k0 + rr, i = i0 + c;
+      const float lse = lse_s[c];
+      float p = 0.f;
+      if (k0 + rr < cols && c < rows && (!a.causal || j <= i + offset) && lse != -INFINITY) {
+        float s = Stw[rr * lay.ldst + c] * a.scale;
+        if (mask) s += to_float(mask[n * a.mask_sn + h * a.mask_sh + i * a.mask_sl + j]);
+        p = expf(s - lse);
+      }
+      Ptw[rr * lay.ldpt + c] = from_float<T>(p);
+      dStw[rr * lay.ldpt + c] = from_float<T>(p * (dPtw[rr * lay.ldst + c] - delta_s[c]) * a.scale);
+    }
+    __syncwarp();
+    // dV_w += P^T · dO ; dK_w += dS^T · Q
+    FULL_UNROLL
+    for (int c = 0; c < BR / 16; ++c) {
+      ARow pa, dsa;
+      fa_wmma::load_matrix_sync(pa, Ptw + 16 * c, lay.ldpt);
+      fa_wmma::load_matrix_sync(dsa, dStw + 16 * c, lay.ldpt);
+      FULL_UNROLL
+      for (int f = 0; f < DF; ++f) {
+        if (f < mf) {
+          BRow dob;
+          fa_wmma::load_matrix_sync(dob, dOs + 16 * c * lay.lddo + 16 * f, lay.lddo);
+          fa_wmma::mma_sync(dv[f], pa, dob, dv[f]);
+        }
+        if (f < ef) {
+          BRow qb;
+          fa_wmma::load_matrix_sync(qb, Qs + 16 * c * lay.ldq + 16 * f, lay.ldq);
+          fa_wmma::mma_sync(dk[f], dsa, qb, dk[f]);
+        }
+      }
+    }
+    __syncthreads();  // every dS^T strip written; S^T and dP^T no longer read
+    // dQ tile (BR × Ep) = dS · K, dS = (dS^T)^T read column-major.
+    block_mm<T, true, false>(dQf, lay.lde, dSt, lay.ldpt, Ks, lay.ldk, BR, Ep, BC, false);
+    __syncthreads();
+    float* ws = a.dq_workspace + (nh * L + i0) * E;
+    for (int idx = tid; idx < rows * E; idx += kThreads) {
+      const int r = idx / E, c = idx % E;
+      atomicAdd(ws + idx, dQf[r * lay.lde + c]);
+    }
+  }
+  __syncthreads();  // the dQ tile is no longer read: the strips stage dK and dV
+  // dK, dV rows of the warp's keys (zero beyond the key length).
+  const int64_t my_rows = rows_k - k0;  // may be <= 0
+  FULL_UNROLL
+  for (int f = 0; f < DF; ++f) {
+    for (int which = 0; which < 2; ++which) {
+      const bool is_k = which == 0;
+      if (f >= (is_k ? ef : mf)) continue;
+      fa_wmma::store_matrix_sync(Stw, is_k ? dk[f] : dv[f], lay.ldst, fa_wmma::mem_row_major);
+      __syncwarp();
+      const int64_t D = is_k ? E : M;
+      T* g = is_k ? gk : gv;
+      for (int idx = lane; idx < 256; idx += 32) {
+        const int rr = idx / 16, c = 16 * f + idx % 16;
+        if (rr < my_rows && c < D) {
+          const float x = k0 + rr < cols ? Stw[rr * lay.ldst + idx % 16] : 0.f;
+          T* dst = g + (k0 + rr) * D + c;
+          *dst = from_float<T>(a.accumulate ? to_float(*dst) + x : x);
+        }
+      }
+      __syncwarp();
+    }
+  }
+}
+
 // ws = accumulate ? grad_q : 0 (before the backward kernel).
 template <typename T>
 __global__ void dq_init_kernel(float* ws, const T* gq, int64_t count, bool accumulate) {
@@ -700,6 +922,33 @@ void launch_forward(const FullAttentionForwardCudaArgs& a, cudaStream_t stream) 
   FA_CHECK_LAUNCH("full_attention_forward");
 }
 
+// The backward's main kernel for T (tensor cores for half types, SIMT for
+// float32); a template so the branch not taken is not instantiated.
+template <typename T>
+void launch_backward_main(const FullAttentionBackwardCudaArgs& a, cudaStream_t stream) {
+  const int Ep = round16(a.E), Mp = round16(a.M);
+  const int64_t k_tiles = ceil_div(a.S, FullCfg<T>::kBwdBc);
+  check_grid(a.N * a.H * k_tiles, "full_attention_backward");
+  const dim3 grid(static_cast<unsigned>(a.N * a.H * k_tiles));
+  if constexpr (FullCfg<T>::kTensorCores) {
+    const size_t bytes = bwd_tc_layout<T>(Ep, Mp).total;
+    if (Ep <= 64 && Mp <= 64) {
+      FA_SET_MAX_DYNAMIC_SHARED(bytes, full_backward_tc_kernel<T, 4>);
+      FA_LAUNCH(grid, dim3(kThreads), bytes, stream, full_backward_tc_kernel<T, 4>)
+      (a, Ep, Mp, k_tiles);
+    } else {
+      FA_SET_MAX_DYNAMIC_SHARED(bytes, full_backward_tc_kernel<T, 8>);
+      FA_LAUNCH(grid, dim3(kThreads), bytes, stream, full_backward_tc_kernel<T, 8>)
+      (a, Ep, Mp, k_tiles);
+    }
+  } else {
+    const size_t bytes = bwd_layout<T>(Ep, Mp).total;
+    FA_SET_MAX_DYNAMIC_SHARED(bytes, full_backward_kernel<T>);
+    FA_LAUNCH(grid, dim3(kThreads), bytes, stream, full_backward_kernel<T>)(a, Ep, Mp, k_tiles);
+  }
+  FA_CHECK_LAUNCH("full_attention_backward");
+}
+
 }  // namespace
 
 void full_attention_forward_cuda(const FullAttentionForwardCudaArgs& a, cudaStream_t stream) {
@@ -720,17 +969,7 @@ void full_attention_backward_cuda(const FullAttentionBackwardCudaArgs& a, cudaSt
       (a.dq_workspace, static_cast<const scalar_t*>(a.grad_q), dq_count, a.accumulate);
       FA_CHECK_LAUNCH("full_attention_backward (dQ init)");
     }
-    if (a.S > 0) {
-      const int Ep = round16(a.E), Mp = round16(a.M);
-      const BwdLayout lay = bwd_layout<scalar_t>(Ep, Mp);
-      const int64_t k_tiles = ceil_div(a.S, FullCfg<scalar_t>::kBwdBc);
-      check_grid(NH * k_tiles, "full_attention_backward");
-      FA_SET_MAX_DYNAMIC_SHARED(lay.total, full_backward_kernel<scalar_t>);
-      FA_LAUNCH(dim3(static_cast<unsigned>(NH * k_tiles)), dim3(kThreads), lay.total, stream,
-                full_backward_kernel<scalar_t>)
-      (a, Ep, Mp, k_tiles);
-      FA_CHECK_LAUNCH("full_attention_backward");
-    }
+    if (a.S > 0) launch_backward_main<scalar_t>(a, stream);
     if (dq_count > 0) {
       FA_LAUNCH(elementwise_grid(dq_count), dim3(256), 0, stream, dq_store_kernel<scalar_t>)
       (static_cast<scalar_t*>(a.grad_q), a.dq_workspace, dq_count);
