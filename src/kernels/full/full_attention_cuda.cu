@@ -68,7 +68,7 @@ struct FullCfg {
   static constexpr bool kTensorCores = !std::is_same<T, float>::value;
   static constexpr int kFwdBr = 64;                      // queries per forward block
   static constexpr int kFwdBc = kTensorCores ? 64 : 32;  // keys per forward tile
-  static constexpr int kBwdBr = 32;                      // queries per backward tile
+  static constexpr int kBwdBr = kTensorCores ? 64 : 32;  // queries per backward step
   static constexpr int kBwdBc = kTensorCores ? 64 : 32;  // keys per backward block
   // Leading-dimension padding (elements) of storage-type and float tiles:
   // WMMA wants multiples of 8 (16-bit) and 4 (float); SIMT avoids bank
@@ -644,7 +644,6 @@ __global__ void __launch_bounds__(kThreads)
 // dS^T = P^T∘(dP^T - delta)·scale, dK_w += dS^T·Q; then the block forms
 // dQ = dS·K from every warp's dS^T strip and adds it to the float32
 // workspace with atomicAdd.
-constexpr int kBwdTcBr = 64;  // queries per step of the tensor-core backward
 
 struct BwdTcLayout {
   int ldq, ldk, ldv, lddo, ldst, ldpt, lde;
@@ -653,7 +652,7 @@ struct BwdTcLayout {
 template <typename T>
 __host__ __device__ BwdTcLayout bwd_tc_layout(int Ep, int Mp) {
   using C = FullCfg<T>;
-  constexpr int BR = kBwdTcBr, BC = C::kBwdBc;
+  constexpr int BR = C::kBwdBr, BC = C::kBwdBc;
   BwdTcLayout y;
   y.ldq = y.ldk = Ep + C::kPadT;
   y.ldv = y.lddo = Mp + C::kPadT;
@@ -684,7 +683,7 @@ template <typename T, int DF>
 __global__ void __launch_bounds__(kThreads)
     full_backward_tc_kernel(FullAttentionBackwardCudaArgs a, int Ep, int Mp, int64_t k_tiles) {
   using C = FullCfg<T>;
-  constexpr int BR = kBwdTcBr, BC = C::kBwdBc;
+  constexpr int BR = C::kBwdBr, BC = C::kBwdBc;
   static_assert(BC == 16 * kWarps, "one 16-key strip per warp");
   using AccFrag = fa_wmma::fragment<fa_wmma::accumulator, 16, 16, 16, float>;
   using ARow = fa_wmma::fragment<fa_wmma::matrix_a, 16, 16, 16, T, fa_wmma::row_major>;
