@@ -21,8 +21,7 @@ constexpr const char* kOp = "fastattn::full_attention";
 void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
                   const c10::optional<Tensor>& attn_mask,
                   const c10::optional<Tensor>& key_lengths) {
-  ops::check_qkv(kOp, q, k, v);
-  ops::check_masks(kOp, q, k.size(2), to_std(attn_mask), to_std(key_lengths));
+  ops::check_full_attention_inputs(q, k, v, attn_mask, key_lengths);
 }
 
 // Everything a kernel needs, made contiguous and of the kernel's types.
@@ -91,10 +90,7 @@ std::tuple<Tensor, Tensor, Tensor> full_attention_backward_cpu(
     const c10::optional<Tensor>& grad_lse) {
   check_inputs(q, k, v, attn_mask, key_lengths);
   const auto p = prepare(q, k, v, attn_mask, key_lengths);
-  TORCH_CHECK(grad_out.sizes() == out.sizes(), kOp, ": grad_out must have shape ", out.sizes(),
-              ", got ", grad_out.sizes());
-  TORCH_CHECK(!grad_lse || grad_lse->sizes() == lse.sizes(), kOp, ": grad_lse must have shape ",
-              lse.sizes(), ", got ", grad_lse ? grad_lse->sizes() : torch::IntArrayRef{});
+  ops::check_full_attention_grads(grad_out, out, lse, grad_lse);
   auto go = grad_out.to(q.scalar_type()).contiguous();
   // d lse / d score_j = P_j: a gradient on lse enters as -grad_lse in delta.
   auto delta = (go * out).sum(-1);  // (N, H, L)
@@ -177,10 +173,7 @@ constexpr const char* kLseTopkOp = "fastattn::full_attention_lse_topk";
 std::tuple<Tensor, Tensor, Tensor> full_attention_lse_topk_forward_cpu(
     const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& key_lengths,
     double softmax_temp, int64_t topk) {
-  ops::check_qkv(kLseTopkOp, q, k, v);
-  ops::check_masks(kLseTopkOp, q, k.size(2), std::nullopt, to_std(key_lengths));
-  TORCH_CHECK(topk >= 0 && topk <= k.size(2), kLseTopkOp, ": topk must be in [0, S] = [0, ",
-              k.size(2), "], got ", topk);
+  ops::check_lse_topk_inputs(q, k, v, key_lengths, topk);
   const auto p = prepare(q, k, v, c10::nullopt, key_lengths);
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2);
   auto out = torch::empty({N, H, L, v.size(3)}, q.options());
@@ -303,15 +296,60 @@ std::tuple<Tensor, Tensor, Tensor> full_attention_lse_topk(const Tensor& q, cons
 
 namespace ops {
 
+void check_full_attention_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
+                                 const c10::optional<Tensor>& attn_mask,
+                                 const c10::optional<Tensor>& key_lengths) {
+  check_qkv(kOp, q, k, v);
+  check_masks(kOp, q, k.size(2), to_std(attn_mask), to_std(key_lengths));
+}
+
+void check_full_attention_grads(const Tensor& grad_out, const Tensor& out, const Tensor& lse,
+                                const c10::optional<Tensor>& grad_lse) {
+  TORCH_CHECK(grad_out.sizes() == out.sizes(), kOp, ": grad_out must have shape ", out.sizes(),
+              ", got ", grad_out.sizes());
+  TORCH_CHECK(!grad_lse || grad_lse->sizes() == lse.sizes(), kOp, ": grad_lse must have shape ",
+              lse.sizes(), ", got ", grad_lse ? grad_lse->sizes() : torch::IntArrayRef{});
+}
+
+void check_lse_topk_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
+                           const c10::optional<Tensor>& key_lengths, int64_t topk) {
+  check_qkv(kLseTopkOp, q, k, v);
+  check_masks(kLseTopkOp, q, k.size(2), std::nullopt, to_std(key_lengths));
+  TORCH_CHECK(topk >= 0 && topk <= k.size(2), kLseTopkOp, ": topk must be in [0, S] = [0, ",
+              k.size(2), "], got ", topk);
+}
+
+Tensor full_attention_no_grad_entry(const Tensor& q, const Tensor& k, const Tensor& v,
+                                    const c10::optional<Tensor>& attn_mask,
+                                    const c10::optional<Tensor>& key_lengths, bool causal,
+                                    c10::optional<double> softmax_temp) {
+  return full_attention_no_grad(q, k, v, attn_mask, key_lengths, causal, softmax_temp);
+}
+
+std::tuple<Tensor, Tensor, Tensor> full_attention_lse_topk_no_grad_entry(
+    const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& key_lengths,
+    c10::optional<double> softmax_temp, int64_t topk) {
+  return full_attention_lse_topk_no_grad(q, k, v, key_lengths, softmax_temp, topk);
+}
+
 void full_attention_backward_accumulate(const Tensor& grad_out, const Tensor& grad_lse,
                                         const Tensor& q, const Tensor& k, const Tensor& v,
                                         const Tensor& out, const Tensor& lse,
                                         const std::optional<Tensor>& key_lengths,
                                         double softmax_temp, Tensor& grad_q, Tensor& grad_k,
                                         Tensor& grad_v) {
-  const auto p = prepare(q, k, v, c10::nullopt, to_c10(key_lengths));
   TORCH_CHECK(grad_q.is_contiguous() && grad_k.is_contiguous() && grad_v.is_contiguous(),
               "full_attention_backward_accumulate: gradient buffers must be contiguous");
+  if (q.is_cuda()) {
+#ifdef FASTATTN_WITH_CUDA
+    full_attention_backward_accumulate_cuda(grad_out, grad_lse, q, k, v, out, lse, key_lengths,
+                                            softmax_temp, grad_q, grad_k, grad_v);
+    return;
+#else
+    TORCH_CHECK(false, "full_attention_backward_accumulate: this build has no CUDA operators");
+#endif
+  }
+  const auto p = prepare(q, k, v, c10::nullopt, to_c10(key_lengths));
   auto go = grad_out.to(q.scalar_type()).contiguous();
   auto delta = ((go * out).sum(-1) - grad_lse.to(q.scalar_type())).contiguous();
   auto lse_c = lse.contiguous();

@@ -1,16 +1,20 @@
 // Entry points of the fused full-attention kernels for other operators of
-// the library (not part of the public API).
+// the library, and the argument checks and composite entries shared by the
+// CPU (full_attention.cpp) and CUDA (cuda/full_attention_cuda.cpp)
+// registrations (not part of the public API).
 #pragma once
 
 #include <torch/torch.h>
 
 #include <optional>
+#include <tuple>
 
 namespace fastattn::ops {
 
 // The backward of full_attention_lse_topk (key lengths only, not causal),
 // added into grad_q, grad_k, grad_v (contiguous, q's dtype and shapes):
 // gradients of the loss with respect to out (grad_out) and lse (grad_lse).
+// CPU or CUDA tensors.
 void full_attention_backward_accumulate(const torch::Tensor& grad_out,
                                         const torch::Tensor& grad_lse, const torch::Tensor& q,
                                         const torch::Tensor& k, const torch::Tensor& v,
@@ -18,5 +22,42 @@ void full_attention_backward_accumulate(const torch::Tensor& grad_out,
                                         const std::optional<torch::Tensor>& key_lengths,
                                         double softmax_temp, torch::Tensor& grad_q,
                                         torch::Tensor& grad_k, torch::Tensor& grad_v);
+
+#ifdef FASTATTN_WITH_CUDA
+// Its CUDA implementation (cuda/full_attention_cuda.cpp).
+void full_attention_backward_accumulate_cuda(const torch::Tensor& grad_out,
+                                             const torch::Tensor& grad_lse, const torch::Tensor& q,
+                                             const torch::Tensor& k, const torch::Tensor& v,
+                                             const torch::Tensor& out, const torch::Tensor& lse,
+                                             const std::optional<torch::Tensor>& key_lengths,
+                                             double softmax_temp, torch::Tensor& grad_q,
+                                             torch::Tensor& grad_k, torch::Tensor& grad_v);
+#endif
+
+// fastattn::full_attention's argument checks: q, k, v, attn_mask, key_lengths.
+void check_full_attention_inputs(const torch::Tensor& q, const torch::Tensor& k,
+                                 const torch::Tensor& v,
+                                 const c10::optional<torch::Tensor>& attn_mask,
+                                 const c10::optional<torch::Tensor>& key_lengths);
+// full_attention_backward's: grad_out like out, grad_lse (if any) like lse.
+void check_full_attention_grads(const torch::Tensor& grad_out, const torch::Tensor& out,
+                                const torch::Tensor& lse,
+                                const c10::optional<torch::Tensor>& grad_lse);
+// full_attention_lse_topk's: q, k, v, key_lengths, topk in [0, S].
+void check_lse_topk_inputs(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                           const c10::optional<torch::Tensor>& key_lengths, int64_t topk);
+
+// The no-grad composite entries of full_attention and full_attention_lse_topk
+// (they call the _forward ops through the dispatcher): registered under CPU
+// and CUDA.
+torch::Tensor full_attention_no_grad_entry(const torch::Tensor& q, const torch::Tensor& k,
+                                           const torch::Tensor& v,
+                                           const c10::optional<torch::Tensor>& attn_mask,
+                                           const c10::optional<torch::Tensor>& key_lengths,
+                                           bool causal, c10::optional<double> softmax_temp);
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> full_attention_lse_topk_no_grad_entry(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+    const c10::optional<torch::Tensor>& key_lengths, c10::optional<double> softmax_temp,
+    int64_t topk);
 
 }  // namespace fastattn::ops

@@ -1,0 +1,217 @@
+// CUDA registrations of the full_attention operators (fused softmax
+// attention): full_attention (no-grad composite), full_attention_forward,
+// full_attention_backward, full_attention_lse_topk (no-grad composite) and
+// full_attention_lse_topk_forward. The kernels are in
+// src/kernels/full/full_attention_cuda.cu (head dims E, M <= 128).
+//
+// Differences from the CPU op: the lse output is float32 whatever q's dtype
+// (the backward takes lse of any floating dtype and reads it as float32), and
+// delta = rowsum(grad_out ∘ out) - grad_lse is formed in float32 with ATen.
+// full_attention_lse_topk_forward: out and lse come from the fused kernel; the
+// top-k indices (only needed for improved-clustered attention's centroids, a
+// few hundred rows) from ATen: float32 scores q·k^T·scale, dropped keys at
+// -inf, a stable descending sort (ties: lower index first; rows with fewer
+// kept keys are completed by the dropped keys in ascending order, which are
+// then exactly the lowest indices not yet taken), the first topk columns.
+#include <torch/library.h>
+
+#include <limits>
+
+#include "kernels/full/full_attention_cuda.h"
+#include "ops/cuda/cuda_op_util.h"
+#include "ops/full_attention_internal.h"
+#include "ops/mask_util.h"
+#include "ops/op_util.h"
+
+namespace fastattn {
+namespace {
+
+using torch::Tensor;
+
+constexpr const char* kOp = "fastattn::full_attention";
+constexpr const char* kLseTopkOp = "fastattn::full_attention_lse_topk";
+
+void check_cuda_inputs(const char* op, const Tensor& q, const Tensor& k, const Tensor& v) {
+  TORCH_CHECK(q.is_cuda(), op, ": q must be a CUDA tensor here, got ", q.device());
+  TORCH_CHECK(q.size(3) <= cuda::kFullAttentionCudaMaxHeadDim, op,
+              ": the CUDA kernels take head dims up to ", cuda::kFullAttentionCudaMaxHeadDim,
+              ", got E = ", q.size(3));
+  TORCH_CHECK(v.size(3) >= 1 && v.size(3) <= cuda::kFullAttentionCudaMaxHeadDim, op,
+              ": the CUDA kernels take value dims in [1, ", cuda::kFullAttentionCudaMaxHeadDim,
+              "], got M = ", v.size(3));
+  (void)k;
+}
+
+// Inputs made contiguous, the mask additive in q's dtype and viewed (N,H,L,S),
+// key lengths int64 on q's device.
+struct Prepared {
+  Tensor q, k, v, mask, lengths;
+};
+
+Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v,
+                 const c10::optional<Tensor>& attn_mask, const c10::optional<Tensor>& key_lengths) {
+  Prepared p{q.contiguous(), k.contiguous(), v.contiguous(), {}, {}};
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
+  if (attn_mask) {
+    p.mask = ops::broadcast_mask(ops::additive_mask(*attn_mask, q.scalar_type()).contiguous(), N, H,
+                                 L, S);
+  }
+  if (key_lengths) p.lengths = key_lengths->to(q.device(), torch::kLong).contiguous();
+  return p;
+}
+
+void fill_params(cuda::FullAttentionCudaParams& a, const char* op, const Prepared& p, bool causal,
+                 double temp) {
+  a.q = p.q.data_ptr();
+  a.k = p.k.data_ptr();
+  a.v = p.v.data_ptr();
+  a.N = p.q.size(0);
+  a.H = p.q.size(1);
+  a.L = p.q.size(2);
+  a.E = p.q.size(3);
+  a.S = p.k.size(2);
+  a.M = p.v.size(3);
+  if (p.mask.defined()) {
+    a.mask = p.mask.data_ptr();
+    a.mask_sn = p.mask.stride(0);
+    a.mask_sh = p.mask.stride(1);
+    a.mask_sl = p.mask.stride(2);
+  }
+  if (p.lengths.defined()) a.key_lengths = p.lengths.data_ptr<int64_t>();
+  a.causal = causal;
+  a.scale = static_cast<float>(temp);
+  a.dtype = ops::cuda::kernel_dtype(op, "q", p.q);
+}
+
+std::tuple<Tensor, Tensor> forward_impl(const char* op, const Tensor& q, const Tensor& k,
+                                        const Tensor& v, const c10::optional<Tensor>& attn_mask,
+                                        const c10::optional<Tensor>& key_lengths, bool causal,
+                                        double softmax_temp) {
+  check_cuda_inputs(op, q, k, v);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const auto p = prepare(q, k, v, attn_mask, key_lengths);
+  auto out = torch::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+  auto lse = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(torch::kFloat));
+  cuda::FullAttentionForwardCudaArgs a;
+  fill_params(a, op, p, causal, softmax_temp);
+  a.out = out.data_ptr();
+  a.lse = lse.data_ptr<float>();
+  cuda::full_attention_forward_cuda(a, ops::cuda::current_stream());
+  return {out, lse};
+}
+
+std::tuple<Tensor, Tensor> full_attention_forward_cuda(const Tensor& q, const Tensor& k,
+                                                       const Tensor& v,
+                                                       const c10::optional<Tensor>& attn_mask,
+                                                       const c10::optional<Tensor>& key_lengths,
+                                                       bool causal, double softmax_temp) {
+  ops::check_full_attention_inputs(q, k, v, attn_mask, key_lengths);
+  return forward_impl(kOp, q, k, v, attn_mask, key_lengths, causal, softmax_temp);
+}
+
+// The backward kernel on prepared inputs, into grad_q/k/v (contiguous, q's
+// dtype), overwriting or adding.
+void backward_impl(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
+                   const Tensor& out, const Tensor& lse, const c10::optional<Tensor>& attn_mask,
+                   const c10::optional<Tensor>& key_lengths, bool causal, double softmax_temp,
+                   const c10::optional<Tensor>& grad_lse, Tensor& gq, Tensor& gk, Tensor& gv,
+                   bool accumulate) {
+  check_cuda_inputs(kOp, q, k, v);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const auto p = prepare(q, k, v, attn_mask, key_lengths);
+  auto go = grad_out.to(q.device(), q.scalar_type()).contiguous();
+  // d lse / d score_j = P_j: a gradient on lse enters as -grad_lse in delta.
+  auto delta = (go.to(torch::kFloat) * out.to(q.device(), torch::kFloat)).sum(-1);
+  if (grad_lse) delta = delta - grad_lse->to(q.device(), torch::kFloat);
+  delta = delta.contiguous();
+  auto lse_c = lse.to(q.device(), torch::kFloat).contiguous();
+  auto ws =
+      torch::empty({q.size(0), q.size(1), q.size(2), q.size(3)}, q.options().dtype(torch::kFloat));
+  cuda::FullAttentionBackwardCudaArgs a;
+  fill_params(a, kOp, p, causal, softmax_temp);
+  a.grad_out = go.data_ptr();
+  a.lse = lse_c.data_ptr<float>();
+  a.delta = delta.data_ptr<float>();
+  a.grad_q = gq.data_ptr();
+  a.grad_k = gk.data_ptr();
+  a.grad_v = gv.data_ptr();
+  a.dq_workspace = ws.data_ptr<float>();
+  a.accumulate = accumulate;
+  cuda::full_attention_backward_cuda(a, ops::cuda::current_stream());
+}
+
+std::tuple<Tensor, Tensor, Tensor> full_attention_backward_cuda(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+    const Tensor& lse, const c10::optional<Tensor>& attn_mask,
+    const c10::optional<Tensor>& key_lengths, bool causal, double softmax_temp,
+    const c10::optional<Tensor>& grad_lse) {
+  ops::check_full_attention_inputs(q, k, v, attn_mask, key_lengths);
+  ops::check_full_attention_grads(grad_out, out, lse, grad_lse);
+  auto gq = torch::empty(q.sizes(), q.options());
+  auto gk = torch::empty(k.sizes(), k.options());
+  auto gv = torch::empty(v.sizes(), v.options());
+  backward_impl(grad_out, q, k, v, out, lse, attn_mask, key_lengths, causal, softmax_temp, grad_lse,
+                gq, gk, gv, /*accumulate=*/false);
+  return {gq, gk, gv};
+}
+
+std::tuple<Tensor, Tensor, Tensor> full_attention_lse_topk_forward_cuda(
+    const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& key_lengths,
+    double softmax_temp, int64_t topk) {
+  ops::check_lse_topk_inputs(q, k, v, key_lengths, topk);
+  auto [out, lse] =
+      forward_impl(kLseTopkOp, q, k, v, c10::nullopt, key_lengths, /*causal=*/false, softmax_temp);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
+  Tensor idx;
+  if (topk == 0 || N * H * L == 0) {
+    idx = torch::empty({N, H, L, topk}, q.options().dtype(torch::kLong));
+  } else {
+    auto scores = torch::matmul(q.to(torch::kFloat), k.to(torch::kFloat).transpose(-1, -2)) *
+                  softmax_temp;  // (N, H, L, S)
+    if (key_lengths) {
+      auto len = key_lengths->to(q.device(), torch::kLong).view({N, 1, 1, 1});
+      auto dropped = torch::arange(S, q.options().dtype(torch::kLong)).view({1, 1, 1, S}) >= len;
+      scores = scores.masked_fill(dropped, -std::numeric_limits<double>::infinity());
+    }
+    auto order = std::get<1>(torch::sort(scores, /*stable=*/true, /*dim=*/-1, /*descending=*/true));
+    idx = order.narrow(-1, 0, topk).contiguous();
+  }
+  return {out, lse, idx};
+}
+
+}  // namespace
+
+namespace ops {
+
+void full_attention_backward_accumulate_cuda(const Tensor& grad_out, const Tensor& grad_lse,
+                                             const Tensor& q, const Tensor& k, const Tensor& v,
+                                             const Tensor& out, const Tensor& lse,
+                                             const std::optional<Tensor>& key_lengths,
+                                             double softmax_temp, Tensor& grad_q, Tensor& grad_k,
+                                             Tensor& grad_v) {
+  TORCH_CHECK(grad_q.scalar_type() == q.scalar_type() && grad_k.scalar_type() == q.scalar_type() &&
+                  grad_v.scalar_type() == q.scalar_type(),
+              "full_attention_backward_accumulate: gradient buffers must have q's dtype");
+  TORCH_CHECK(
+      grad_q.sizes() == q.sizes() && grad_k.sizes() == k.sizes() && grad_v.sizes() == v.sizes(),
+      "full_attention_backward_accumulate: gradient buffers must have q's, k's, v's shapes");
+  TORCH_CHECK(grad_q.device() == q.device() && grad_k.device() == q.device() &&
+                  grad_v.device() == q.device(),
+              "full_attention_backward_accumulate: gradient buffers must be on q's device");
+  backward_impl(grad_out, q, k, v, out, lse, c10::nullopt, to_c10(key_lengths),
+                /*causal=*/false, softmax_temp, grad_lse, grad_q, grad_k, grad_v,
+                /*accumulate=*/true);
+}
+
+}  // namespace ops
+
+TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
+  m.impl("full_attention", ops::full_attention_no_grad_entry);
+  m.impl("full_attention_forward", full_attention_forward_cuda);
+  m.impl("full_attention_backward", full_attention_backward_cuda);
+  m.impl("full_attention_lse_topk", ops::full_attention_lse_topk_no_grad_entry);
+  m.impl("full_attention_lse_topk_forward", full_attention_lse_topk_forward_cuda);
+}
+
+}  // namespace fastattn
