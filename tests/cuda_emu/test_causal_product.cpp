@@ -2,7 +2,7 @@
 // causal_product_cuda.cu) run by the emulator, against the CPU kernels in
 // float64 on the same rounded inputs: forward and all three gradients, every
 // dtype, chunks 16/32/64, lengths that are not multiples of the chunk, head
-// dims from 1 to 80 (more than one 64-column block), M = 0.
+// dims from 1 to 150 (column blocks 16 to 80 wide, more than one), M = 0.
 // Tolerances in emu_test_util.h.
 #include <gtest/gtest.h>
 
@@ -90,6 +90,8 @@ void check_all_shapes() {
   check_case<T>(1, 1, 70, 64, 64, 64, 3);  // 2 chunks of 64
   check_case<T>(1, 1, 17, 80, 72, 16, 4);  // two 64-column blocks, slices beyond 64
   check_case<T>(1, 1, 1, 1, 1, 16, 5);
+  check_case<T>(1, 1, 45, 40, 150, 32, 6);  // column blocks of 48 (F) and 80 (M)
+  check_case<T>(1, 1, 150, 8, 16, 16, 7);   // 10 chunks: the scan's groups of 8
 }
 
 TEST(CudaEmuCausalProduct, Float32) { check_all_shapes<float>(); }

@@ -2,8 +2,8 @@
 // elu_linear_attention_cuda.cu) run by the emulator, against the CPU kernels
 // in float64 on the same rounded inputs: out, den and the three gradients,
 // causal and not, key_lengths (none, partial, zero, full), L != S, chunks
-// 16/32/64, lengths not multiples of the chunk, M + 1 beyond one 64-column
-// block, L = 0 and S = 0. The backward of both gets the GPU forward's out
+// 16/32/64, lengths not multiples of the chunk, M + 1 = 65 and 129 (one and
+// two column blocks), L = 0 and S = 0. The backward of both gets the GPU forward's out
 // and den. Tolerances in emu_test_util.h.
 #include <gtest/gtest.h>
 
@@ -132,6 +132,8 @@ void check_all(bool causal) {
   check_case<T>({2, 1, 33, causal ? 33 : 50, 16, 64, causal, {33, 5}, 32}, seed++);  // M+1 = 65
   check_case<T>({1, 1, 70, 70, 32, 16, causal, {70}, 64}, seed++);
   check_case<T>({1, 1, 1, 1, 1, 1, causal, {}, 16}, seed++);
+  check_case<T>({1, 1, 20, 20, 8, 128, causal, {}, 16}, seed++);  // M + 1 = 129: two blocks
+  check_case<T>({2, 1, 150, 150, 8, 8, causal, {150, 77}, 16}, seed++);  // 10 chunks
 }
 
 TEST(CudaEmuEluLinearAttention, CausalFloat32) { check_all<float>(true); }
