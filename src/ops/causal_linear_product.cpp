@@ -10,6 +10,7 @@
 
 #include "fastattn/ops.h"
 #include "kernels/causal_product/causal_product.h"
+#include "ops/linear_attention_checks.h"
 #include "ops/op_util.h"
 
 namespace fastattn {
@@ -23,12 +24,7 @@ constexpr const char* kOp = "fastattn::causal_linear_product";
 constexpr int64_t kChunk = 64;  // rows per chunk: C×C tiles stay in L1/L2
 
 void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v) {
-  ops::check_qkv(kOp, q, k, v);
-  TORCH_CHECK(k.size(2) == q.size(2), kOp,
-              ": k must have the length L of q (causal linear attention needs S == L), got q ",
-              q.sizes(), " and k ", k.sizes());
-  TORCH_CHECK(q.device().is_cpu(), kOp, ": only CPU tensors are supported so far, got ",
-              q.device());
+  ops::check_causal_product_inputs(kOp, q, k, v);
 }
 
 template <typename T, typename Args>
@@ -64,10 +60,7 @@ std::tuple<Tensor, Tensor, Tensor> causal_linear_product_backward_cpu(const Tens
                                                                       const Tensor& k_in,
                                                                       const Tensor& v_in) {
   check_inputs(q_in, k_in, v_in);
-  const std::vector<int64_t> out_shape{q_in.size(0), q_in.size(1), q_in.size(2), v_in.size(3)};
-  TORCH_CHECK(grad_out.sizes() == c10::IntArrayRef(out_shape), kOp,
-              ": grad_out must have the output's shape ", c10::IntArrayRef(out_shape), ", got ",
-              grad_out.sizes());
+  ops::check_causal_product_grad(kOp, grad_out, q_in, v_in);
   const auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   const auto go = grad_out.to(q.scalar_type()).contiguous();
   auto gq = torch::empty_like(q), gk = torch::empty_like(k), gv = torch::empty_like(v);

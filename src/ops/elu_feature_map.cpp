@@ -8,6 +8,7 @@
 
 #include "fastattn/ops.h"
 #include "kernels/feature_maps/elu_feature_map.h"
+#include "ops/linear_attention_checks.h"
 #include "ops/op_util.h"
 
 namespace fastattn {
@@ -18,9 +19,7 @@ using torch::Tensor;
 constexpr const char* kOp = "fastattn::elu_feature_map";
 
 void check_input(const char* name, const Tensor& x) {
-  TORCH_CHECK(x.defined(), kOp, ": ", name, " must be a defined tensor");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kDouble, kOp, ": ",
-              name, " must be float32 or float64, got ", x.scalar_type());
+  ops::check_elu_feature_map_input(kOp, name, x);
 }
 
 template <bool Backward>

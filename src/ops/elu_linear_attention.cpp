@@ -12,6 +12,7 @@
 
 #include "fastattn/ops.h"
 #include "kernels/linear_attention/elu_linear_attention.h"
+#include "ops/linear_attention_checks.h"
 #include "ops/mask_util.h"
 #include "ops/op_util.h"
 
@@ -31,14 +32,7 @@ constexpr int64_t kBackwardChunk = 16;
 
 void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
                   const c10::optional<Tensor>& key_lengths, bool causal, double eps) {
-  ops::check_qkv(kOp, q, k, v);
-  ops::check_masks(kOp, q, k.size(2), std::nullopt, to_std(key_lengths));
-  TORCH_CHECK(!causal || k.size(2) == q.size(2), kOp,
-              ": causal attention needs as many keys as queries (S == L), got q ", q.sizes(),
-              " and k ", k.sizes());
-  TORCH_CHECK(std::isfinite(eps) && eps > 0, kOp, ": eps must be a finite number > 0, got ", eps);
-  TORCH_CHECK(q.device().is_cpu(), kOp, ": only CPU tensors are supported so far, got ",
-              q.device());
+  ops::check_elu_linear_inputs(kOp, q, k, v, key_lengths, causal, eps);
 }
 
 struct Prepared {
@@ -93,16 +87,7 @@ std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_backward_cpu(
     const Tensor& out_in, const Tensor& den_in, const c10::optional<Tensor>& key_lengths,
     bool causal, double eps) {
   check_inputs(q_in, k_in, v_in, key_lengths, causal, eps);
-  const std::vector<int64_t> out_shape{q_in.size(0), q_in.size(1), q_in.size(2), v_in.size(3)};
-  TORCH_CHECK(grad_out.sizes() == c10::IntArrayRef(out_shape), kOp,
-              ": grad_out must have the output's shape ", c10::IntArrayRef(out_shape), ", got ",
-              grad_out.sizes());
-  TORCH_CHECK(out_in.sizes() == c10::IntArrayRef(out_shape), kOp,
-              ": out must have the output's shape ", c10::IntArrayRef(out_shape), ", got ",
-              out_in.sizes());
-  TORCH_CHECK(den_in.sizes() == c10::IntArrayRef(out_shape).slice(0, 3), kOp,
-              ": den must have shape (N, H, L) = ", c10::IntArrayRef(out_shape).slice(0, 3),
-              ", got ", den_in.sizes());
+  ops::check_elu_linear_grad(kOp, grad_out, out_in, den_in, q_in, v_in);
   const auto p = prepare(q_in, k_in, v_in, key_lengths);
   const auto dtype = p.q.scalar_type();
   const auto go = grad_out.to(dtype).contiguous();

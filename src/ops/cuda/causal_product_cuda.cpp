@@ -1,0 +1,100 @@
+// CUDA registrations of causal_linear_product (the kernels of
+// src/kernels/causal_product/causal_product_cuda.cu): the forward and
+// backward ops, and the top-level op as a composite over the forward (the
+// Autograd registration in src/ops/causal_linear_product.cpp serves every
+// backend). Same checks and messages as the CPU op; a float32 workspace of
+// N·H·ceil(L/64)·F·M elements (the chunk states) comes from torch on q's
+// device. Tested by tests/cuda/test_cuda_linear_attention.cpp.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include "kernels/causal_product/causal_product_cuda.h"
+#include "ops/cuda/cuda_op_util.h"
+#include "ops/linear_attention_checks.h"
+
+namespace fastattn {
+namespace {
+
+using torch::Tensor;
+
+constexpr const char* kOp = "fastattn::causal_linear_product";
+constexpr int64_t kChunk = 64;
+
+Tensor workspace(const Tensor& q, int64_t F, int64_t M) {
+  return torch::empty({cuda::causal_product_cuda_workspace_floats(q.size(0), q.size(1), q.size(2),
+                                                                  F, M, kChunk)},
+                      q.options().dtype(torch::kFloat));
+}
+
+template <typename Args>
+void fill_sizes(Args& a, const Tensor& q, const Tensor& v) {
+  a.dtype = ops::cuda::kernel_dtype(kOp, "q", q);
+  a.N = q.size(0);
+  a.H = q.size(1);
+  a.L = q.size(2);
+  a.F = q.size(3);
+  a.M = v.size(3);
+  a.chunk = kChunk;
+}
+
+Tensor causal_linear_product_forward_cuda(const Tensor& q_in, const Tensor& k_in,
+                                          const Tensor& v_in) {
+  ops::check_causal_product_inputs(kOp, q_in, k_in, v_in);
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+  auto out = torch::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+  auto ws = workspace(q, q.size(3), v.size(3));
+  cuda::CausalProductForwardCudaArgs a;
+  fill_sizes(a, q, v);
+  a.q = q.data_ptr();
+  a.k = k.data_ptr();
+  a.v = v.data_ptr();
+  a.out = out.data_ptr();
+  a.workspace = ws.data_ptr<float>();
+  cuda::causal_product_forward_cuda(a, ops::cuda::current_stream());
+  return out;
+}
+
+std::tuple<Tensor, Tensor, Tensor> causal_linear_product_backward_cuda(const Tensor& grad_out,
+                                                                       const Tensor& q_in,
+                                                                       const Tensor& k_in,
+                                                                       const Tensor& v_in) {
+  ops::check_causal_product_inputs(kOp, q_in, k_in, v_in);
+  ops::check_causal_product_grad(kOp, grad_out, q_in, v_in);
+  ops::cuda::check_same_device(kOp, "grad_out", grad_out, q_in.device());
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+  const auto go = grad_out.to(q.scalar_type()).contiguous();
+  auto gq = torch::empty_like(q), gk = torch::empty_like(k), gv = torch::empty_like(v);
+  auto ws = workspace(q, q.size(3), v.size(3));
+  cuda::CausalProductBackwardCudaArgs a;
+  fill_sizes(a, q, v);
+  a.q = q.data_ptr();
+  a.k = k.data_ptr();
+  a.v = v.data_ptr();
+  a.grad_out = go.data_ptr();
+  a.grad_q = gq.data_ptr();
+  a.grad_k = gk.data_ptr();
+  a.grad_v = gv.data_ptr();
+  a.workspace = ws.data_ptr<float>();
+  cuda::causal_product_backward_cuda(a, ops::cuda::current_stream());
+  return {gq, gk, gv};
+}
+
+// The top-level op below Autograd: the forward op.
+Tensor causal_linear_product_cuda(const Tensor& q, const Tensor& k, const Tensor& v) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastattn::causal_linear_product_forward", "")
+                       .typed<decltype(causal_linear_product_forward_cuda)>();
+  return op.call(q, k, v);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
+  m.impl("causal_linear_product", causal_linear_product_cuda);
+  m.impl("causal_linear_product_forward", causal_linear_product_forward_cuda);
+  m.impl("causal_linear_product_backward", causal_linear_product_backward_cuda);
+}
+
+}  // namespace fastattn

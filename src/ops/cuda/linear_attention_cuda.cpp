@@ -1,0 +1,122 @@
+// CUDA registrations of elu_linear_attention (the kernels of
+// src/kernels/linear_attention/elu_linear_attention_cuda.cu): the forward
+// (out and den; den is float32 on CUDA whatever the dtype) and backward ops,
+// and the top-level op as a composite over the forward (the Autograd
+// registration in src/ops/elu_linear_attention.cpp serves every backend).
+// Same checks and messages as the CPU op; key_lengths is moved to q's device
+// as int64; the float32 workspace (a row buffer and the chunk states, see
+// elu_linear_attention_cuda_workspace_floats) comes from torch on q's device.
+// Tested by tests/cuda/test_cuda_linear_attention.cpp.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include "kernels/linear_attention/elu_linear_attention_cuda.h"
+#include "ops/cuda/cuda_op_util.h"
+#include "ops/linear_attention_checks.h"
+
+namespace fastattn {
+namespace {
+
+using torch::Tensor;
+
+constexpr const char* kOp = "fastattn::elu_linear_attention";
+constexpr int64_t kChunk = 64;
+
+struct Prepared {
+  Tensor q, k, v, lengths, workspace;
+};
+
+Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v,
+                 const c10::optional<Tensor>& key_lengths) {
+  Prepared p{q.contiguous(), k.contiguous(), v.contiguous(), {}, {}};
+  if (key_lengths) p.lengths = key_lengths->to(q.device(), torch::kLong).contiguous();
+  p.workspace = torch::empty({cuda::elu_linear_attention_cuda_workspace_floats(
+                                 q.size(0), q.size(1), q.size(2), k.size(2), q.size(3),
+                                 v.size(3), kChunk)},
+                             q.options().dtype(torch::kFloat));
+  return p;
+}
+
+template <typename Args>
+void fill_params(Args& a, const Prepared& p, bool causal, double eps) {
+  a.q = p.q.data_ptr();
+  a.k = p.k.data_ptr();
+  a.v = p.v.data_ptr();
+  if (p.lengths.defined()) a.key_lengths = p.lengths.data_ptr<int64_t>();
+  a.workspace = p.workspace.data_ptr<float>();
+  a.dtype = ops::cuda::kernel_dtype(kOp, "q", p.q);
+  a.N = p.q.size(0);
+  a.H = p.q.size(1);
+  a.L = p.q.size(2);
+  a.S = p.k.size(2);
+  a.E = p.q.size(3);
+  a.M = p.v.size(3);
+  a.causal = causal;
+  a.eps = static_cast<float>(eps);
+  a.chunk = kChunk;
+}
+
+std::tuple<Tensor, Tensor> elu_linear_attention_forward_cuda(
+    const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
+    const c10::optional<Tensor>& key_lengths, bool causal, double eps) {
+  ops::check_elu_linear_inputs(kOp, q_in, k_in, v_in, key_lengths, causal, eps);
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const auto p = prepare(q_in, k_in, v_in, key_lengths);
+  const int64_t N = p.q.size(0), H = p.q.size(1), L = p.q.size(2);
+  auto out = torch::empty({N, H, L, p.v.size(3)}, p.q.options());
+  auto den = torch::empty({N, H, L}, p.q.options().dtype(torch::kFloat));
+  cuda::EluLinearForwardCudaArgs a;
+  fill_params(a, p, causal, eps);
+  a.out = out.data_ptr();
+  a.den = den.data_ptr<float>();
+  cuda::elu_linear_attention_forward_cuda(a, ops::cuda::current_stream());
+  return {out, den};
+}
+
+std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_backward_cuda(
+    const Tensor& grad_out, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
+    const Tensor& out_in, const Tensor& den_in, const c10::optional<Tensor>& key_lengths,
+    bool causal, double eps) {
+  ops::check_elu_linear_inputs(kOp, q_in, k_in, v_in, key_lengths, causal, eps);
+  ops::check_elu_linear_grad(kOp, grad_out, out_in, den_in, q_in, v_in);
+  ops::cuda::check_same_device(kOp, "grad_out", grad_out, q_in.device());
+  ops::cuda::check_same_device(kOp, "out", out_in, q_in.device());
+  ops::cuda::check_same_device(kOp, "den", den_in, q_in.device());
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const auto p = prepare(q_in, k_in, v_in, key_lengths);
+  const auto dtype = p.q.scalar_type();
+  const auto go = grad_out.to(dtype).contiguous();
+  const auto out = out_in.to(dtype).contiguous();
+  const auto den = den_in.to(torch::kFloat).contiguous();
+  auto gq = torch::empty_like(p.q), gk = torch::empty_like(p.k), gv = torch::empty_like(p.v);
+  cuda::EluLinearBackwardCudaArgs a;
+  fill_params(a, p, causal, eps);
+  a.grad_out = go.data_ptr();
+  a.out = out.data_ptr();
+  a.den = den.data_ptr<float>();
+  a.grad_q = gq.data_ptr();
+  a.grad_k = gk.data_ptr();
+  a.grad_v = gv.data_ptr();
+  cuda::elu_linear_attention_backward_cuda(a, ops::cuda::current_stream());
+  return {gq, gk, gv};
+}
+
+// The top-level op below Autograd: the forward op's output.
+Tensor elu_linear_attention_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
+                                 const c10::optional<Tensor>& key_lengths, bool causal,
+                                 double eps) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastattn::elu_linear_attention_forward", "")
+                       .typed<decltype(elu_linear_attention_forward_cuda)>();
+  return std::get<0>(op.call(q, k, v, key_lengths, causal, eps));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
+  m.impl("elu_linear_attention", elu_linear_attention_cuda);
+  m.impl("elu_linear_attention_forward", elu_linear_attention_forward_cuda);
+  m.impl("elu_linear_attention_backward", elu_linear_attention_backward_cuda);
+}
+
+}  // namespace fastattn

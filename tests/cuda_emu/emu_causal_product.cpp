@@ -1,0 +1,1 @@
+#include "kernels/causal_product/causal_product_cuda.cu"
