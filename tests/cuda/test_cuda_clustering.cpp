@@ -31,9 +31,10 @@ TEST(CudaClustering, HashQueriesMatchesCpu) {
         const auto bits_want = want.unsqueeze(-1).bitwise_right_shift(shifts).bitwise_and(1);
         const auto clear = proj.abs().gt(1e-3);
         EXPECT_TRUE(bits_got.masked_select(clear).equal(bits_want.masked_select(clear)));
-        EXPECT_EQ(got.bitwise_right_shift(B - 1).bitwise_right_shift(1).ne(0).sum().item<int64_t>() *
-                      (B < 64),
-                  0)
+        EXPECT_EQ(
+            got.bitwise_right_shift(B - 1).bitwise_right_shift(1).ne(0).sum().item<int64_t>() *
+                (B < 64),
+            0)
             << "bits beyond B set";
       }
     }

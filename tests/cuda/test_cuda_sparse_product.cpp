@@ -49,13 +49,12 @@ TEST(CudaSparseProduct, ClusteredTopkForwardAndGradients) {
         }
         const double temp = 0.3;
         auto qg = q.gpu.clone().requires_grad_(true), kg = k.gpu.clone().requires_grad_(true),
-             vg = v.gpu.clone().requires_grad_(true),
-             mg = mass_d.cuda().requires_grad_(true);
+             vg = v.gpu.clone().requires_grad_(true), mg = mass_d.cuda().requires_grad_(true);
         auto qc = q.cpu64.clone().requires_grad_(true), kc = k.cpu64.clone().requires_grad_(true),
              vc = v.cpu64.clone().requires_grad_(true),
              mc = mass_d.to(torch::kDouble).requires_grad_(true);
-        auto og = fastattn::clustered_topk_attention(qg, kg, vg, topk.cuda(), mg, a.cuda(), kl_gpu,
-                                                     temp);
+        auto og =
+            fastattn::clustered_topk_attention(qg, kg, vg, topk.cuda(), mg, a.cuda(), kl_gpu, temp);
         auto oc = fastattn::clustered_topk_attention(qc, kc, vc, topk, mc, a, kl, temp);
         const auto tol = tolerance_for(dtype);
         expect_close(og, oc.detach(), tol, "out");
@@ -70,16 +69,17 @@ TEST(CudaSparseProduct, ClusteredTopkForwardAndGradients) {
   }
 }
 
-using ImprovedFn = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                          const Tensor&, int64_t, const c10::optional<Tensor>&,
-                          c10::optional<double>);
+using ImprovedFn = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                          int64_t, const c10::optional<Tensor>&, c10::optional<double>);
 using ImprovedForwardFn = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>(
     const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t,
     const c10::optional<Tensor>&, double);
-using ImprovedBackwardFn = std::tuple<Tensor, Tensor, Tensor>(
-    const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-    const Tensor&, const Tensor&, const Tensor&, const Tensor&, const c10::optional<Tensor>&,
-    double);
+using ImprovedBackwardFn = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&,
+                                                              const Tensor&, const Tensor&,
+                                                              const Tensor&, const Tensor&,
+                                                              const Tensor&, const Tensor&,
+                                                              const Tensor&, const Tensor&,
+                                                              const c10::optional<Tensor>&, double);
 
 template <typename Fn>
 auto op(const char* name) {
@@ -140,9 +140,8 @@ TEST(CudaSparseProduct, ImprovedClusteredBackwardFromCudaForward) {
     const auto [gq, gk, gv] = backward.call(g.gpu, q.gpu, k.gpu, v.gpu, a.cuda(), counts.cuda(),
                                             cen, lse, out_c, idx, c10::nullopt, temp);
     auto d = [](const Tensor& t) { return t.to(torch::kCPU, torch::kDouble); };
-    const auto [rq, rk, rv] =
-        backward.call(g.cpu64, q.cpu64, k.cpu64, v.cpu64, a, counts, d(cen), d(lse), d(out_c),
-                      idx.cpu(), c10::nullopt, temp);
+    const auto [rq, rk, rv] = backward.call(g.cpu64, q.cpu64, k.cpu64, v.cpu64, a, counts, d(cen),
+                                            d(lse), d(out_c), idx.cpu(), c10::nullopt, temp);
     const auto tol = tolerance_for(dtype);
     expect_close(gq, rq, tol, "grad q");
     expect_close(gk, rk, tol, "grad k");

@@ -97,9 +97,8 @@ inline void expect_close(const std::vector<double>& got, const std::vector<doubl
       worst = i;
     }
   }
-  EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << got.size()
-                     << " elements off; worst at " << worst << ": got " << got[worst] << ", want "
-                     << want[worst];
+  EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << got.size() << " elements off; worst at "
+                     << worst << ": got " << got[worst] << ", want " << want[worst];
 }
 
 }  // namespace fastattn::emu_test

@@ -5,7 +5,7 @@
 // and re-seeded empty clusters), lengths (0, 1, fewer valid queries than
 // clusters, none), iterations 0, 1, 3, 20, C = 1 and C = 185 (cluster state
 // in the workspace instead of shared memory), L = 1100 (the CPU kernel's
-// byte-table path).
+// byte-table path), several assignment tiles with lengths.
 #include <gtest/gtest.h>
 
 #include <random>
@@ -41,7 +41,8 @@ void check_cluster(int64_t N, int64_t H, int64_t L, int64_t C, int64_t iteration
   const int64_t* len = lengths.empty() ? nullptr : lengths.data();
   std::vector<int64_t> a_gpu(N * H * L, 99), c_gpu(N * H * C, 99), a_cpu(N * H * L),
       c_cpu(N * H * C);
-  std::vector<unsigned char> ws(fastattn::cuda::cluster_codes_cuda_workspace_bytes(N, H, L, C), 0xab);
+  std::vector<unsigned char> ws(fastattn::cuda::cluster_codes_cuda_workspace_bytes(N, H, L, C),
+                                0xab);
   fastattn::cuda::ClusterCodesCudaArgs g;
   g.codes = codes.data();
   g.lengths = len;
@@ -89,6 +90,11 @@ TEST(ClusteredEmuClusterCodes, LengthsAndDuplicates) {
 
 TEST(ClusteredEmuClusterCodes, ManyClustersStateInWorkspace) {
   check_cluster(1, 1, 200, 185, 1, {}, Codes::kRandom, 9);
+}
+
+TEST(ClusteredEmuClusterCodes, SeveralAssignmentTilesWithLengths) {
+  // Three tiles of 1024 queries, 1024-thread seeding and update blocks.
+  check_cluster(2, 1, 2100, 6, 3, {2100, 1500}, Codes::kPrototypes, 11);
 }
 
 TEST(ClusteredEmuClusterCodes, LongSequenceTablePath) {

@@ -100,7 +100,8 @@ void check_topk(const Case& cs) {
     }
   }
 
-  std::vector<unsigned char> ws(fastattn::cuda::clustered_topk_cuda_workspace_bytes(N, H, L, C, K, M));
+  std::vector<unsigned char> ws(
+      fastattn::cuda::clustered_topk_cuda_workspace_bytes(N, H, L, C, K, M));
   auto fill = [&](fastattn::cuda::ClusteredTopkCudaArgs& a) {
     a.q = q.dev.data();
     a.k = k.dev.data();
@@ -241,7 +242,8 @@ void check_means(int64_t N, int64_t H, int64_t L, int64_t C, int64_t E, uint32_t
   for (auto& x : assignments) x = static_cast<int64_t>(rng() % C) - 1;
   for (int64_t i = 0; i < NH * L; ++i)
     if (assignments[i] >= 0) ++counts[(i / L) * C + assignments[i]];
-  std::vector<unsigned char> ws(fastattn::cuda::clustered_topk_cuda_workspace_bytes(N, H, L, C, 0, 0));
+  std::vector<unsigned char> ws(
+      fastattn::cuda::clustered_topk_cuda_workspace_bytes(N, H, L, C, 0, 0));
   std::vector<T> cen(NH * C * E);
   fastattn::cuda::ClusterMeansCudaArgs a;
   a.q = q.dev.data();

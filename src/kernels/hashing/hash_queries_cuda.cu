@@ -56,7 +56,8 @@ __global__ void hash_queries_kernel(HashQueriesCudaArgs a) {
     const unsigned lo = __ballot_sync(0xffffffffu, b0 < B && acc0 > 0.f);
     const unsigned hi = __ballot_sync(0xffffffffu, b1 < B && acc1 > 0.f);
     if (lane == 0)
-      a.codes[r] = static_cast<int64_t>(static_cast<uint64_t>(lo) | (static_cast<uint64_t>(hi) << 32));
+      a.codes[r] =
+          static_cast<int64_t>(static_cast<uint64_t>(lo) | (static_cast<uint64_t>(hi) << 32));
   }
 }
 
@@ -70,9 +71,11 @@ void hash_queries_cuda(const HashQueriesCudaArgs& a, cudaStream_t stream) {
   FA_DISPATCH_FLOAT_TYPES(a.dtype, "hash_queries", [&] {
     if (shared <= kMaxSharedBytes) {
       FA_LAUNCH(dim3(blocks), dim3(32 * kWarps), static_cast<size_t>(shared), stream,
-                hash_queries_kernel<scalar_t, true>)(a);
+                hash_queries_kernel<scalar_t, true>)
+      (a);
     } else {
-      FA_LAUNCH(dim3(blocks), dim3(32 * kWarps), 0, stream, hash_queries_kernel<scalar_t, false>)(a);
+      FA_LAUNCH(dim3(blocks), dim3(32 * kWarps), 0, stream, hash_queries_kernel<scalar_t, false>)
+      (a);
     }
     FA_CHECK_LAUNCH("hash_queries");
   });

@@ -11,9 +11,10 @@
 namespace fastattn::cuda {
 
 struct HashQueriesCudaArgs {
-  const void* x = nullptr;       // (rows, E) contiguous, dtype: rows = N·H·L
-  const void* planes = nullptr;  // (B, E + 1) contiguous, dtype: w_b = planes[b, :E], bias_b = planes[b, E]
-  int64_t* codes = nullptr;      // (rows,) int64, written: bit b = x·w_b + bias_b > 0
+  const void* x = nullptr;  // (rows, E) contiguous, dtype: rows = N·H·L
+  const void* planes =
+      nullptr;  // (B, E + 1) contiguous, dtype: w_b = planes[b, :E], bias_b = planes[b, E]
+  int64_t* codes = nullptr;  // (rows,) int64, written: bit b = x·w_b + bias_b > 0
   int64_t rows = 0, E = 0;
   int B = 0;  // bits, in [1, 64]
   DType dtype = DType::kFloat32;

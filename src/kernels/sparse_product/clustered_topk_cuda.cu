@@ -244,11 +244,11 @@ __global__ void __launch_bounds__(kThreads) weights_kernel(ClusteredTopkCudaArgs
 // ---- staging of a chunk of the cluster's keys ------------------------------------
 
 struct Smem {
-  float *ks, *vs;    // (kChunk, E + 1), (kChunk, M + 1)
-  float *dks, *dvs;  // backward: (kChunk, E + 1), (kChunk, M + 1)
-  float *qs, *gs;    // (kWarps, E), (kWarps, M): the warps' query and grad_out rows
-  float *acc;        // forward: (kWarps, M) output accumulators; backward: (kWarps, E) dQ
-  float *ps, *ds;    // (kWarps, kChunk)
+  float *ks, *vs;       // (kChunk, E + 1), (kChunk, M + 1)
+  float *dks, *dvs;     // backward: (kChunk, E + 1), (kChunk, M + 1)
+  float *qs, *gs;       // (kWarps, E), (kWarps, M): the warps' query and grad_out rows
+  float* acc;           // forward: (kWarps, M) output accumulators; backward: (kWarps, E) dQ
+  float *ps, *ds;       // (kWarps, kChunk)
   float *grest, *gcen;  // backward, improved: (M), (E)
   float* scal;          // backward: [g_mass, g_lse]
   int* kidx;            // (kChunk): key index of each chunk row, -1 if dropped
@@ -350,8 +350,8 @@ __device__ inline float lane_score(const Smem& s, const float* qrow, int64_t E, 
 // ---- forward ---------------------------------------------------------------------
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads) forward_kernel(ClusteredTopkForwardCudaArgs a,
-                                                           Workspace w) {
+__global__ void __launch_bounds__(kThreads)
+    forward_kernel(ClusteredTopkForwardCudaArgs a, Workspace w) {
   FA_DYNAMIC_SHARED(float, smem);
   const int64_t c = blockIdx.x, nh = blockIdx.y;
   const int64_t E = a.E, M = a.M, K = a.K, C = a.C, L = a.L;
@@ -422,8 +422,8 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(ClusteredTopkForwardC
 // ---- backward --------------------------------------------------------------------
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads) backward_kernel(ClusteredTopkBackwardCudaArgs a,
-                                                            Workspace w) {
+__global__ void __launch_bounds__(kThreads)
+    backward_kernel(ClusteredTopkBackwardCudaArgs a, Workspace w) {
   FA_DYNAMIC_SHARED(float, smem);
   const int64_t c = blockIdx.x, nh = blockIdx.y;
   const int64_t E = a.E, M = a.M, K = a.K, C = a.C, L = a.L, S = a.S;
@@ -604,10 +604,10 @@ dim3 cluster_grid(int64_t C, int64_t NH) {
 int64_t checked_shared(int64_t E, int64_t M, bool backward) {
   const int64_t bytes = clustered_topk_cuda_shared_bytes(E, M, backward);
   if (bytes > kMaxShared)
-    throw std::runtime_error("fastattn CUDA kernel clustered_topk: head dims E = " +
-                             std::to_string(E) + ", M = " + std::to_string(M) +
-                             " need " + std::to_string(bytes) +
-                             " bytes of shared memory, more than the 227 KiB of a block");
+    throw std::runtime_error(
+        "fastattn CUDA kernel clustered_topk: head dims E = " + std::to_string(E) +
+        ", M = " + std::to_string(M) + " need " + std::to_string(bytes) +
+        " bytes of shared memory, more than the 227 KiB of a block");
   return bytes;
 }
 
@@ -678,7 +678,8 @@ void add_centroid_grads_cuda(const AddCentroidGradsCudaArgs& a, cudaStream_t str
   if (total == 0 || a.C == 0) return;
   const int64_t blocks = ceil_div(total, 256);
   FA_LAUNCH(dim3(static_cast<unsigned>(blocks < 65535 ? blocks : 65535)), dim3(256), 0, stream,
-            add_centroid_grads_kernel)(a);
+            add_centroid_grads_kernel)
+  (a);
   FA_CHECK_LAUNCH("add_centroid_grads");
 }
 

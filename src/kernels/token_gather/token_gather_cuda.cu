@@ -65,7 +65,8 @@ void token_gather_backward_cuda(const TokenGatherCudaArgs& a, cudaStream_t strea
   const int64_t total = a.N * a.H * a.T_ * a.E;
   if (total == 0) return;
   FA_DISPATCH_FLOAT_TYPES(a.dtype, "gather_tokens_backward", [&] {
-    FA_LAUNCH(dim3(grid_for(total)), dim3(kThreads), 0, stream, gather_backward_kernel<scalar_t>)(a);
+    FA_LAUNCH(dim3(grid_for(total)), dim3(kThreads), 0, stream, gather_backward_kernel<scalar_t>)
+    (a);
     FA_CHECK_LAUNCH("gather_tokens_backward");
   });
 }
