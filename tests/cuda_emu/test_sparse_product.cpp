@@ -3,7 +3,7 @@
 // the same rounded inputs: forward and backward in the plain form (given
 // masses) and the improved form (centroids, lse, centroid outputs), the
 // cluster means and the centroid-gradient scatter.
-// Covered: K = 1, 7, 32 (one staged chunk) and 45, 70 (several chunks, with
+// Covered: K = 0, 1, 7, 32 (one staged chunk) and 45, 70 (several chunks, with
 // repeated key indices in the plain form); E in {16, 24, 64}, M in {8, 40};
 // padded queries (assignment -1), empty clusters, key lengths dropping some
 // or all (length 0) of a cluster's keys; every dtype.
@@ -224,6 +224,8 @@ TEST(ClusteredEmuTopk, PlainFloat32) {
   sweep<float>(false);
   // More keys than S: repeated indices, three chunks.
   check_topk<float>({1, 1, 11, 20, 16, 8, 2, 70, {13}, false, 5});
+  // No keys at all (K = 0): zero outputs and gradients.
+  check_topk<float>({1, 2, 9, 6, 16, 8, 3, 0, {}, false, 6});
 }
 TEST(ClusteredEmuTopk, PlainFloat16) { sweep<__half>(false); }
 TEST(ClusteredEmuTopk, PlainBFloat16) { sweep<__nv_bfloat16>(false); }

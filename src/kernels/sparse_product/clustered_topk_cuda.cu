@@ -461,6 +461,7 @@ __global__ void __launch_bounds__(kThreads)
   if (tid < 2) s.scal[tid] = 0.f;
   for (int64_t x = tid; x < M; x += kThreads) s.grest[x] = 0.f;
   for (int64_t x = tid; x < E; x += kThreads) s.gcen[x] = 0.f;
+  __syncthreads();
   int staged = -1;
   auto ensure = [&](int ch) {
     if (ch == staged) return;  // uniform over the block
@@ -546,7 +547,7 @@ __global__ void __launch_bounds__(kThreads)
     __syncwarp();
   }
   __syncthreads();
-  flush_chunk(s, gk, gv, E, M);
+  if (staged >= 0) flush_chunk(s, gk, gv, E, M);  // nothing staged when K = 0
   __syncthreads();
   const float g_mass = s.scal[0];
   if (!improved) {

@@ -172,7 +172,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> improved_forward_cuda_op(
                                  const Tensor&, const Tensor&, const Tensor&,
                                  const c10::optional<Tensor>&, double, int64_t)>();
   Tensor out_c, lse, top_idx;
-  std::tie(out_c, lse, top_idx) = lse_topk.call(centroids, k, v, key_lengths, softmax_temp, topk);
+  const auto klen = lengths.defined() ? c10::optional<Tensor>(lengths) : c10::nullopt;
+  std::tie(out_c, lse, top_idx) = lse_topk.call(centroids, k, v, klen, softmax_temp, topk);
   const auto lse_f = lse.to(torch::kFloat).contiguous();
   const auto out_cc = out_c.contiguous(), idx = top_idx.contiguous();
   auto out = torch::zeros({N, H, L, v.size(3)}, q.options());
@@ -246,7 +247,8 @@ std::tuple<Tensor, Tensor, Tensor> improved_backward_cuda_op(
               double, const c10::optional<Tensor>&)>();
   Tensor gc2, gk2, gv2;
   std::tie(gc2, gk2, gv2) = fa_backward.call(
-      g_out_c.to(q.scalar_type()), centroids, k, v, out_c, lse, c10::nullopt, key_lengths,
+      g_out_c.to(q.scalar_type()), centroids, k, v, out_c, lse, c10::nullopt,
+      lengths.defined() ? c10::optional<Tensor>(lengths) : c10::nullopt,
       /*causal=*/false, softmax_temp, c10::optional<Tensor>(g_lse.to(lse.scalar_type())));
   g_cen.add_(gc2.to(torch::kFloat));
   gk.add_(gk2.to(torch::kFloat));
