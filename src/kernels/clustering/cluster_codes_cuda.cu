@@ -105,32 +105,42 @@ __device__ inline void valid_sizes(const ClusterCodesCudaArgs& p, int64_t nh, in
   *Ce = p.C < v ? p.C : v;
 }
 
-// Block-wide reductions over kWarps warps (every thread gets the result);
-// `red` holds kWarps entries; two barriers each, so calls may reuse `red`.
+// Block-wide reductions over kWarps <= 32 warps (every thread gets the
+// result): a warp step, one shared round read back by every warp, a second
+// warp step. `red` holds kWarps entries; two barriers each, so calls may
+// reuse `red`.
 template <int kWarps>
 __device__ int block_max_int(int x, int* red) {
+  const int lane = threadIdx.x & 31;
   for (int o = 16; o > 0; o >>= 1) {
     const int y = __shfl_xor_sync(0xffffffffu, x, o);
     x = y > x ? y : x;
   }
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = x;
+  if (lane == 0) red[threadIdx.x >> 5] = x;
   __syncthreads();
-  int r = red[0];
-  for (int w = 1; w < kWarps; ++w) r = red[w] > r ? red[w] : r;
+  int r = lane < kWarps ? red[lane] : INT_MIN;
+  for (int o = 16; o > 0; o >>= 1) {
+    const int y = __shfl_xor_sync(0xffffffffu, r, o);
+    r = y > r ? y : r;
+  }
   __syncthreads();
   return r;
 }
 
 template <int kWarps>
 __device__ unsigned long long block_max_u64(unsigned long long x, unsigned long long* red) {
+  const int lane = threadIdx.x & 31;
   for (int o = 16; o > 0; o >>= 1) {
     const unsigned long long y = __shfl_xor_sync(0xffffffffu, x, o);
     x = y > x ? y : x;
   }
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = x;
+  if (lane == 0) red[threadIdx.x >> 5] = x;
   __syncthreads();
-  unsigned long long r = red[0];
-  for (int w = 1; w < kWarps; ++w) r = red[w] > r ? red[w] : r;
+  unsigned long long r = lane < kWarps ? red[lane] : 0ull;
+  for (int o = 16; o > 0; o >>= 1) {
+    const unsigned long long y = __shfl_xor_sync(0xffffffffu, r, o);
+    r = y > r ? y : r;
+  }
   __syncthreads();
   return r;
 }
@@ -139,21 +149,23 @@ __device__ unsigned long long block_max_u64(unsigned long long x, unsigned long 
 // gets the sum.
 template <int kWarps>
 __device__ int block_exclusive_scan(int x, int* red, int* total) {
-  const int lane = threadIdx.x & 31;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int incl = x;
   for (int o = 1; o < 32; o <<= 1) {
     const int y = __shfl_up_sync(0xffffffffu, incl, o);
     if (lane >= o) incl += y;
   }
-  if (lane == 31) red[threadIdx.x >> 5] = incl;
+  if (lane == 31) red[warp] = incl;
   __syncthreads();
-  int before = 0, all = 0;
-  for (int w = 0; w < kWarps; ++w) {
-    if (w < static_cast<int>(threadIdx.x >> 5)) before += red[w];
-    all += red[w];
+  const int t = lane < kWarps ? red[lane] : 0;
+  int ti = t;  // inclusive scan of the warp totals across the lanes
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, ti, o);
+    if (lane >= o) ti += y;
   }
+  *total = __shfl_sync(0xffffffffu, ti, 31);
+  const int before = __shfl_sync(0xffffffffu, ti - t, warp);
   __syncthreads();
-  *total = all;
   return before + incl - x;
 }
 
@@ -163,7 +175,7 @@ template <int kSeedThreads>
 __global__ void __launch_bounds__(kSeedThreads) seed_kernel(ClusterCodesCudaArgs p) {
   constexpr int kWarps = kSeedThreads / 32;
   __shared__ int red[kWarps];
-  __shared__ int s_pick;
+  __shared__ int s_pick, s_r;
   const int64_t nh = blockIdx.x, L = p.L, C = p.C;
   const int tid = threadIdx.x;
   int64_t Lv, Ce;
@@ -212,10 +224,9 @@ __global__ void __launch_bounds__(kSeedThreads) seed_kernel(ClusterCodesCudaArgs
     const int mine = local == best ? local_n : 0;
     int ties = 0;
     const int before = block_exclusive_scan<kWarps>(mine, red, &ties);
-    if (tid == 0) s_pick = static_cast<int>(rng.below(static_cast<uint64_t>(ties)));
+    if (tid == 0) s_r = static_cast<int>(rng.below(static_cast<uint64_t>(ties)));
     __syncthreads();
-    const int r = s_pick;
-    __syncthreads();
+    const int r = s_r;  // s_r is rewritten only after two more barriers
     if (r >= before && r < before + mine) {
       int left = r - before;
       for (int64_t l = q0; l < q1; ++l) {
