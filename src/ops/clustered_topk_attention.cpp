@@ -17,11 +17,81 @@
 
 #include "fastattn/ops.h"
 #include "kernels/sparse_product/clustered_topk.h"
+#include "ops/clustered_topk_checks.h"
 #include "ops/full_attention_internal.h"
 #include "ops/mask_util.h"
 #include "ops/op_util.h"
 
 namespace fastattn {
+namespace ops {
+
+using torch::Tensor;
+
+void check_clustered_topk_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
+                                 const Tensor& topk, const Tensor& mass, const Tensor& assignments,
+                                 const c10::optional<Tensor>& key_lengths) {
+  ops::check_qkv(kClusteredTopkOp, q, k, v);
+  ops::check_masks(kClusteredTopkOp, q, k.size(2), std::nullopt, to_std(key_lengths));
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2);
+  TORCH_CHECK(topk.dim() == 4 && topk.size(0) == N && topk.size(1) == H, kClusteredTopkOp,
+              ": topk must have shape (N, H, C, K) with (N, H) = (", N, ", ", H, "), got ",
+              topk.sizes());
+  TORCH_CHECK(topk.scalar_type() == torch::kLong, kClusteredTopkOp, ": topk must be int64, got ",
+              topk.scalar_type());
+  TORCH_CHECK(
+      mass.dim() == 3 && mass.size(0) == N && mass.size(1) == H && mass.size(2) == topk.size(2),
+      kClusteredTopkOp, ": mass must have shape (N, H, C) = (", N, ", ", H, ", ", topk.size(2),
+      "), got ", mass.sizes());
+  TORCH_CHECK(mass.scalar_type() == q.scalar_type(), kClusteredTopkOp, ": mass must be ",
+              q.scalar_type(), " like q, got ", mass.scalar_type());
+  TORCH_CHECK(assignments.dim() == 3 && assignments.size(0) == N && assignments.size(1) == H &&
+                  assignments.size(2) == L,
+              kClusteredTopkOp, ": assignments must have shape (N, H, L) = (", N, ", ", H, ", ", L,
+              "), got ", assignments.sizes());
+  TORCH_CHECK(assignments.scalar_type() == torch::kLong, kClusteredTopkOp,
+              ": assignments must be int64, got ", assignments.scalar_type());
+  if (topk.numel() > 0) {
+    TORCH_CHECK(topk.min().item<int64_t>() >= 0 && topk.max().item<int64_t>() < k.size(2),
+                kClusteredTopkOp, ": topk must hold key indices in [0, S) = [0, ", k.size(2), ")");
+  }
+  if (assignments.numel() > 0) {
+    TORCH_CHECK(
+        assignments.min().item<int64_t>() >= -1 && assignments.max().item<int64_t>() < topk.size(2),
+        kClusteredTopkOp, ": assignments must be in [-1, C) = [-1, ", topk.size(2), ")");
+  }
+}
+
+void check_improved_clusters(const Tensor& q, const Tensor& assignments, const Tensor& counts) {
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2);
+  TORCH_CHECK(assignments.dim() == 3 && assignments.size(0) == N && assignments.size(1) == H &&
+                  assignments.size(2) == L,
+              kImprovedClusteredOp, ": assignments must have shape (N, H, L) = (", N, ", ", H, ", ",
+              L, "), got ", assignments.sizes());
+  TORCH_CHECK(assignments.scalar_type() == torch::kLong, kImprovedClusteredOp,
+              ": assignments must be int64, got ", assignments.scalar_type());
+  TORCH_CHECK(counts.dim() == 3 && counts.size(0) == N && counts.size(1) == H, kImprovedClusteredOp,
+              ": counts must have shape (N, H, C) with (N, H) = (", N, ", ", H, "), got ",
+              counts.sizes());
+  TORCH_CHECK(counts.scalar_type() == torch::kLong, kImprovedClusteredOp,
+              ": counts must be int64, got ", counts.scalar_type());
+  if (assignments.numel() > 0) {
+    TORCH_CHECK(assignments.min().item<int64_t>() >= -1 &&
+                    assignments.max().item<int64_t>() < counts.size(2),
+                kImprovedClusteredOp, ": assignments must be in [-1, C) = [-1, ", counts.size(2),
+                ")");
+  }
+  // The centroids divide by the counts: they must be the assignments' histogram.
+  const int64_t C = counts.size(2);
+  auto histogram = torch::zeros({N, H, C + 1}, counts.options().device(assignments.device()))
+                       .scatter_add_(2, assignments + 1, torch::ones_like(assignments))
+                       .narrow(2, 1, C);
+  TORCH_CHECK(histogram.equal(counts.to(histogram.device())), kImprovedClusteredOp,
+              ": counts must be the number of queries assigned to each cluster (counts[n, h, c] "
+              "= |{l : assignments[n, h, l] = c}|); they disagree with the assignments");
+}
+
+}  // namespace ops
+
 namespace {
 
 using torch::Tensor;
@@ -29,40 +99,6 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 constexpr const char* kOp = "fastattn::clustered_topk_attention";
-
-void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& topk,
-                  const Tensor& mass, const Tensor& assignments,
-                  const c10::optional<Tensor>& key_lengths) {
-  ops::check_qkv(kOp, q, k, v);
-  ops::check_masks(kOp, q, k.size(2), std::nullopt, to_std(key_lengths));
-  const int64_t N = q.size(0), H = q.size(1), L = q.size(2);
-  TORCH_CHECK(topk.dim() == 4 && topk.size(0) == N && topk.size(1) == H, kOp,
-              ": topk must have shape (N, H, C, K) with (N, H) = (", N, ", ", H, "), got ",
-              topk.sizes());
-  TORCH_CHECK(topk.scalar_type() == torch::kLong, kOp, ": topk must be int64, got ",
-              topk.scalar_type());
-  TORCH_CHECK(
-      mass.dim() == 3 && mass.size(0) == N && mass.size(1) == H && mass.size(2) == topk.size(2),
-      kOp, ": mass must have shape (N, H, C) = (", N, ", ", H, ", ", topk.size(2), "), got ",
-      mass.sizes());
-  TORCH_CHECK(mass.scalar_type() == q.scalar_type(), kOp, ": mass must be ", q.scalar_type(),
-              " like q, got ", mass.scalar_type());
-  TORCH_CHECK(assignments.dim() == 3 && assignments.size(0) == N && assignments.size(1) == H &&
-                  assignments.size(2) == L,
-              kOp, ": assignments must have shape (N, H, L) = (", N, ", ", H, ", ", L, "), got ",
-              assignments.sizes());
-  TORCH_CHECK(assignments.scalar_type() == torch::kLong, kOp, ": assignments must be int64, got ",
-              assignments.scalar_type());
-  if (topk.numel() > 0) {
-    TORCH_CHECK(topk.min().item<int64_t>() >= 0 && topk.max().item<int64_t>() < k.size(2), kOp,
-                ": topk must hold key indices in [0, S) = [0, ", k.size(2), ")");
-  }
-  if (assignments.numel() > 0) {
-    TORCH_CHECK(
-        assignments.min().item<int64_t>() >= -1 && assignments.max().item<int64_t>() < topk.size(2),
-        kOp, ": assignments must be in [-1, C) = [-1, ", topk.size(2), ")");
-  }
-}
 
 struct Prepared {
   Tensor q, k, v, topk, mass, assignments, lengths;
@@ -107,7 +143,7 @@ Tensor clustered_topk_attention_cpu(const Tensor& q, const Tensor& k, const Tens
                                     const Tensor& topk, const Tensor& mass,
                                     const Tensor& assignments,
                                     const c10::optional<Tensor>& key_lengths, double softmax_temp) {
-  check_inputs(q, k, v, topk, mass, assignments, key_lengths);
+  ops::check_clustered_topk_inputs(q, k, v, topk, mass, assignments, key_lengths);
   ops::resolve_softmax_temp(kOp, q, softmax_temp);  // checks it is finite and > 0
   const auto p = prepare(q, k, v, topk, mass, assignments, key_lengths);
   auto out = torch::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
@@ -124,7 +160,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> clustered_topk_attention_backward_cpu
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& topk,
     const Tensor& mass, const Tensor& assignments, const c10::optional<Tensor>& key_lengths,
     double softmax_temp) {
-  check_inputs(q, k, v, topk, mass, assignments, key_lengths);
+  ops::check_clustered_topk_inputs(q, k, v, topk, mass, assignments, key_lengths);
   TORCH_CHECK(grad_out.dim() == 4 && grad_out.size(0) == q.size(0) &&
                   grad_out.size(1) == q.size(1) && grad_out.size(2) == q.size(2) &&
                   grad_out.size(3) == v.size(3),
@@ -195,34 +231,6 @@ Tensor clustered_topk_attention_autograd(const Tensor& q, const Tensor& k, const
 
 constexpr const char* kImprovedOp = "fastattn::improved_clustered_attention";
 
-void check_clusters(const Tensor& q, const Tensor& assignments, const Tensor& counts) {
-  const int64_t N = q.size(0), H = q.size(1), L = q.size(2);
-  TORCH_CHECK(assignments.dim() == 3 && assignments.size(0) == N && assignments.size(1) == H &&
-                  assignments.size(2) == L,
-              kImprovedOp, ": assignments must have shape (N, H, L) = (", N, ", ", H, ", ", L,
-              "), got ", assignments.sizes());
-  TORCH_CHECK(assignments.scalar_type() == torch::kLong, kImprovedOp,
-              ": assignments must be int64, got ", assignments.scalar_type());
-  TORCH_CHECK(counts.dim() == 3 && counts.size(0) == N && counts.size(1) == H, kImprovedOp,
-              ": counts must have shape (N, H, C) with (N, H) = (", N, ", ", H, "), got ",
-              counts.sizes());
-  TORCH_CHECK(counts.scalar_type() == torch::kLong, kImprovedOp, ": counts must be int64, got ",
-              counts.scalar_type());
-  if (assignments.numel() > 0) {
-    TORCH_CHECK(assignments.min().item<int64_t>() >= -1 &&
-                    assignments.max().item<int64_t>() < counts.size(2),
-                kImprovedOp, ": assignments must be in [-1, C) = [-1, ", counts.size(2), ")");
-  }
-  // The centroids divide by the counts: they must be the assignments' histogram.
-  const int64_t C = counts.size(2);
-  auto histogram = torch::zeros({N, H, C + 1}, counts.options().device(assignments.device()))
-                       .scatter_add_(2, assignments + 1, torch::ones_like(assignments))
-                       .narrow(2, 1, C);
-  TORCH_CHECK(histogram.equal(counts.to(histogram.device())), kImprovedOp,
-              ": counts must be the number of queries assigned to each cluster (counts[n, h, c] "
-              "= |{l : assignments[n, h, l] = c}|); they disagree with the assignments");
-}
-
 // Kernel parameters of the fused form: the top-k kernel's, with the
 // centroid pass's results in place of the masses.
 template <typename T, typename Args>
@@ -256,7 +264,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> improved_clustered_forward_cp
     double softmax_temp) {
   ops::check_qkv(kImprovedOp, q_in, k_in, v_in);
   ops::check_masks(kImprovedOp, q_in, k_in.size(2), std::nullopt, to_std(key_lengths));
-  check_clusters(q_in, assignments_in, counts_in);
+  ops::check_improved_clusters(q_in, assignments_in, counts_in);
   TORCH_CHECK(topk >= 1 && topk <= k_in.size(2), kImprovedOp, ": topk must be in [1, S] = [1, ",
               k_in.size(2), "], got ", topk);
   auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
@@ -295,7 +303,7 @@ std::tuple<Tensor, Tensor, Tensor> improved_clustered_backward_cpu(
     const Tensor& lse, const Tensor& out_c, const Tensor& top_idx,
     const c10::optional<Tensor>& key_lengths, double softmax_temp) {
   ops::check_qkv(kImprovedOp, q_in, k_in, v_in);
-  check_clusters(q_in, assignments_in, counts_in);
+  ops::check_improved_clusters(q_in, assignments_in, counts_in);
   auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   auto assignments = assignments_in.contiguous(), counts = counts_in.contiguous();
   auto go = grad_out.to(q.scalar_type()).contiguous();

@@ -13,10 +13,11 @@
 #include "fastattn/ops.h"
 #include "kernels/clustering/clustering.h"
 #include "kernels/hashing/hashing.h"
+#include "ops/clustering_checks.h"
 #include "ops/op_util.h"
 
 namespace fastattn {
-namespace {
+namespace ops {
 
 using torch::Tensor;
 
@@ -25,8 +26,7 @@ void check_hash_inputs(const Tensor& x, const Tensor& planes) {
   TORCH_CHECK(x.defined() && planes.defined(), op, ": x and planes must be defined tensors");
   TORCH_CHECK(x.dim() == 4, op, ": x must have shape (N, H, L, E), got ", x.dim(), " dimensions ",
               x.sizes());
-  TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kDouble, op,
-              ": x must be float32 or float64, got ", x.scalar_type());
+  ops::check_float_dtype(op, "x", x);
   TORCH_CHECK(planes.dim() == 2 && planes.size(1) == x.size(3) + 1, op,
               ": planes must have shape (B, E + 1) = (B, ", x.size(3) + 1, "), got ",
               planes.sizes());
@@ -38,8 +38,43 @@ void check_hash_inputs(const Tensor& x, const Tensor& planes) {
               " like x, got ", planes.device());
 }
 
+Tensor check_cluster_codes_inputs(const Tensor& codes, const c10::optional<Tensor>& lengths,
+                                  int64_t clusters, int64_t iterations) {
+  constexpr const char* op = "fastattn::cluster_codes";
+  TORCH_CHECK(codes.defined(), op, ": codes must be a defined tensor");
+  TORCH_CHECK(codes.dim() == 3, op, ": codes must have shape (N, H, L), got ", codes.dim(),
+              " dimensions ", codes.sizes());
+  TORCH_CHECK(codes.scalar_type() == torch::kLong, op, ": codes must be int64, got ",
+              codes.scalar_type());
+  TORCH_CHECK(clusters >= 1, op, ": clusters must be >= 1, got ", clusters);
+  TORCH_CHECK(iterations >= 0, op, ": iterations must be >= 0, got ", iterations);
+  const int64_t N = codes.size(0), L = codes.size(2);
+  Tensor len;
+  if (lengths) {
+    TORCH_CHECK(lengths->dim() == 1 && lengths->size(0) == N, op,
+                ": lengths must have shape (N,) = (", N, "), got ", lengths->sizes());
+    TORCH_CHECK(!lengths->is_floating_point() && !lengths->is_complex() &&
+                    lengths->scalar_type() != torch::kBool,
+                op, ": lengths must be an integer tensor, got ", lengths->scalar_type());
+    TORCH_CHECK(lengths->device() == codes.device(), op, ": lengths must be on ", codes.device(),
+                " like codes, got ", lengths->device());
+    len = lengths->to(torch::kLong).contiguous();
+    if (N > 0) {
+      TORCH_CHECK(len.min().item<int64_t>() >= 0 && len.max().item<int64_t>() <= L, op,
+                  ": lengths must be in [0, L] = [0, ", L, "], got ", len);
+    }
+  }
+  return len;
+}
+
+}  // namespace ops
+
+namespace {
+
+using torch::Tensor;
+
 Tensor hash_queries_cpu(const Tensor& x, const Tensor& planes) {
-  check_hash_inputs(x, planes);
+  ops::check_hash_inputs(x, planes);
   auto xc = x.contiguous();
   auto pc = planes.contiguous();
   auto codes = torch::empty({x.size(0), x.size(1), x.size(2)}, x.options().dtype(torch::kLong));
@@ -60,30 +95,8 @@ Tensor hash_queries_cpu(const Tensor& x, const Tensor& planes) {
 std::tuple<Tensor, Tensor> cluster_codes_cpu(const Tensor& codes,
                                              const c10::optional<Tensor>& lengths, int64_t clusters,
                                              int64_t iterations, int64_t seed) {
-  constexpr const char* op = "fastattn::cluster_codes";
-  TORCH_CHECK(codes.defined(), op, ": codes must be a defined tensor");
-  TORCH_CHECK(codes.dim() == 3, op, ": codes must have shape (N, H, L), got ", codes.dim(),
-              " dimensions ", codes.sizes());
-  TORCH_CHECK(codes.scalar_type() == torch::kLong, op, ": codes must be int64, got ",
-              codes.scalar_type());
-  TORCH_CHECK(clusters >= 1, op, ": clusters must be >= 1, got ", clusters);
-  TORCH_CHECK(iterations >= 0, op, ": iterations must be >= 0, got ", iterations);
+  const Tensor len = ops::check_cluster_codes_inputs(codes, lengths, clusters, iterations);
   const int64_t N = codes.size(0), H = codes.size(1), L = codes.size(2);
-  Tensor len;
-  if (lengths) {
-    TORCH_CHECK(lengths->dim() == 1 && lengths->size(0) == N, op,
-                ": lengths must have shape (N,) = (", N, "), got ", lengths->sizes());
-    TORCH_CHECK(!lengths->is_floating_point() && !lengths->is_complex() &&
-                    lengths->scalar_type() != torch::kBool,
-                op, ": lengths must be an integer tensor, got ", lengths->scalar_type());
-    TORCH_CHECK(lengths->device() == codes.device(), op, ": lengths must be on ", codes.device(),
-                " like codes, got ", lengths->device());
-    len = lengths->to(torch::kLong).contiguous();
-    if (N > 0) {
-      TORCH_CHECK(len.min().item<int64_t>() >= 0 && len.max().item<int64_t>() <= L, op,
-                  ": lengths must be in [0, L] = [0, ", L, "], got ", len);
-    }
-  }
   auto cc = codes.contiguous();
   auto assignments = torch::empty({N, H, L}, codes.options());
   auto counts = torch::empty({N, H, clusters}, codes.options());
@@ -130,7 +143,7 @@ std::tuple<Tensor, Tensor> cluster_codes(const Tensor& codes, const std::optiona
 namespace reference {
 
 Tensor hash_queries(const Tensor& x, const Tensor& planes) {
-  check_hash_inputs(x, planes);
+  ops::check_hash_inputs(x, planes);
   const int64_t E = x.size(3), B = planes.size(0);
   auto proj = torch::matmul(x, planes.narrow(1, 0, E).t()) + planes.select(1, E);  // (N,H,L,B)
   auto bits = (proj > 0).to(torch::kLong);

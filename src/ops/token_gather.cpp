@@ -10,38 +10,45 @@
 #include "fastattn/ops.h"
 #include "kernels/token_gather/token_gather.h"
 #include "ops/op_util.h"
+#include "ops/token_gather_checks.h"
 
 namespace fastattn {
+namespace ops {
+
+using torch::Tensor;
+
+void check_gather_index(const Tensor& index, int64_t N, int64_t L) {
+  TORCH_CHECK(index.defined() && index.dim() == 2 && index.size(0) == N, kGatherTokensOp,
+              ": index must have shape (N, T) with N = ", N, ", got ",
+              index.defined() ? index.sizes() : torch::IntArrayRef{});
+  TORCH_CHECK(index.scalar_type() == torch::kLong, kGatherTokensOp, ": index must be int64, got ",
+              index.scalar_type());
+  if (index.numel() > 0) {
+    const int64_t lo = index.min().item<int64_t>(), hi = index.max().item<int64_t>();
+    TORCH_CHECK(lo >= -1 && hi < L, kGatherTokensOp,
+                ": index must hold token positions in [-1, L) = [-1, ", L, "), got values in [", lo,
+                ", ", hi, "]");
+  }
+}
+
+void check_gather_x(const char* name, const Tensor& x) {
+  TORCH_CHECK(x.defined() && x.dim() == 4, kGatherTokensOp, ": ", name,
+              " must have shape (N, H, L, E), got ",
+              x.defined() ? x.sizes() : torch::IntArrayRef{});
+  ops::check_float_dtype(kGatherTokensOp, name, x);
+}
+
+}  // namespace ops
+
 namespace {
 
 using torch::Tensor;
 
-constexpr const char* kOp = "fastattn::gather_tokens";
-
-void check_index(const Tensor& index, int64_t N, int64_t L) {
-  TORCH_CHECK(index.defined() && index.dim() == 2 && index.size(0) == N, kOp,
-              ": index must have shape (N, T) with N = ", N, ", got ",
-              index.defined() ? index.sizes() : torch::IntArrayRef{});
-  TORCH_CHECK(index.scalar_type() == torch::kLong, kOp, ": index must be int64, got ",
-              index.scalar_type());
-  if (index.numel() > 0) {
-    const int64_t lo = index.min().item<int64_t>(), hi = index.max().item<int64_t>();
-    TORCH_CHECK(lo >= -1 && hi < L, kOp, ": index must hold token positions in [-1, L) = [-1, ", L,
-                "), got values in [", lo, ", ", hi, "]");
-  }
-}
-
-void check_x(const char* name, const Tensor& x) {
-  TORCH_CHECK(x.defined() && x.dim() == 4, kOp, ": ", name, " must have shape (N, H, L, E), got ",
-              x.defined() ? x.sizes() : torch::IntArrayRef{});
-  TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kDouble, kOp, ": ",
-              name, " must be float32 or float64, got ", x.scalar_type());
-  TORCH_CHECK(x.device().is_cpu(), kOp, ": ", name, " must be a CPU tensor, got ", x.device());
-}
+constexpr const char* kOp = ops::kGatherTokensOp;
 
 Tensor gather_tokens_cpu(const Tensor& x_in, const Tensor& index_in) {
-  check_x("x", x_in);
-  check_index(index_in, x_in.size(0), x_in.size(2));
+  ops::check_gather_x("x", x_in);
+  ops::check_gather_index(index_in, x_in.size(0), x_in.size(2));
   const auto x = x_in.contiguous();
   const auto index = index_in.contiguous();
   auto out = torch::empty({x.size(0), x.size(1), index.size(1), x.size(3)}, x.options());
@@ -63,9 +70,9 @@ Tensor gather_tokens_cpu(const Tensor& x_in, const Tensor& index_in) {
 
 Tensor gather_tokens_backward_cpu(const Tensor& grad_out_in, const Tensor& index_in,
                                   int64_t length) {
-  check_x("grad_out", grad_out_in);
+  ops::check_gather_x("grad_out", grad_out_in);
   TORCH_CHECK(length >= 0, kOp, ": length must be >= 0, got ", length);
-  check_index(index_in, grad_out_in.size(0), length);
+  ops::check_gather_index(index_in, grad_out_in.size(0), length);
   TORCH_CHECK(grad_out_in.size(2) == index_in.size(1), kOp,
               ": grad_out must have T = index.size(1) = ", index_in.size(1), " rows, got ",
               grad_out_in.sizes());
