@@ -50,6 +50,23 @@ int check_sparse_pattern(const char* op, const std::string& pattern,
   return fixed ? kernels::kFixedPattern : kernels::kStridedPattern;
 }
 
+int check_block_sparse_inputs(const char* op, const torch::Tensor& q, const torch::Tensor& k,
+                              const torch::Tensor& v, const std::string& pattern,
+                              const std::vector<int64_t>& params,
+                              const c10::optional<torch::Tensor>& key_lengths) {
+  check_qkv(op, q, k, v);
+  check_masks(op, q, k.size(2), std::nullopt, to_std(key_lengths));
+  return check_sparse_pattern(op, pattern, params, q.size(1));
+}
+
+void check_block_sparse_backward(const char* op, const torch::Tensor& grad_out,
+                                 const torch::Tensor& out, const torch::Tensor& lse) {
+  TORCH_CHECK(grad_out.sizes() == out.sizes(), op, ": grad_out must have shape ", out.sizes(),
+              ", got ", grad_out.sizes());
+  TORCH_CHECK(lse.sizes() == out.sizes().slice(0, 3), op,
+              ": lse must have shape (N, H, L) = ", out.sizes().slice(0, 3), ", got ", lse.sizes());
+}
+
 }  // namespace ops
 
 namespace {
@@ -67,10 +84,8 @@ struct Prepared {
 
 Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v, const std::string& pattern,
                  c10::IntArrayRef params, const c10::optional<Tensor>& key_lengths, bool causal) {
-  ops::check_qkv(kOp, q, k, v);
-  ops::check_masks(kOp, q, k.size(2), std::nullopt, to_std(key_lengths));
   const std::vector<int64_t> pv(params.begin(), params.end());
-  const int kind = ops::check_sparse_pattern(kOp, pattern, pv, q.size(1));
+  const int kind = ops::check_block_sparse_inputs(kOp, q, k, v, pattern, pv, key_lengths);
   Prepared p{q.contiguous(), k.contiguous(), v.contiguous(), {}, {}};
   if (key_lengths) p.lengths = key_lengths->to(torch::kLong).contiguous();
   p.parts = kernels::make_sparse_parts(kind, pv, causal, q.size(1));
@@ -119,10 +134,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_cpu(const Tensor& grad_out, const Te
                                                 const c10::optional<Tensor>& key_lengths,
                                                 bool causal, double softmax_temp) {
   const auto p = prepare(q, k, v, std::string(pattern), params, key_lengths, causal);
-  TORCH_CHECK(grad_out.sizes() == out.sizes(), kOp, ": grad_out must have shape ", out.sizes(),
-              ", got ", grad_out.sizes());
-  TORCH_CHECK(lse.sizes() == out.sizes().slice(0, 3), kOp,
-              ": lse must have shape (N, H, L) = ", out.sizes().slice(0, 3), ", got ", lse.sizes());
+  ops::check_block_sparse_backward(kOp, grad_out, out, lse);
   auto go = grad_out.to(q.scalar_type()).contiguous();
   auto delta = (go * out).sum(-1).contiguous();  // (N, H, L)
   auto lse_c = lse.contiguous();

@@ -28,10 +28,49 @@
 #include "fastattn/ops.h"
 #include "kernels/full/full_attention.h"
 #include "kernels/hard_retrieval/hard_retrieval.h"
+#include "ops/hard_retrieval_checks.h"
 #include "ops/mask_util.h"
 #include "ops/op_util.h"
 
 namespace fastattn {
+namespace ops {
+
+void check_hard_retrieval_inputs(const char* op, const torch::Tensor& q, const torch::Tensor& k,
+                                 const torch::Tensor& v,
+                                 const c10::optional<torch::Tensor>& attn_mask,
+                                 const c10::optional<torch::Tensor>& key_lengths) {
+  check_qkv(op, q, k, v);
+  TORCH_CHECK(!attn_mask || attn_mask->scalar_type() == torch::kBool, op,
+              ": attn_mask must be a bool keep mask (true = keep); additive (floating) masks "
+              "are not supported by hard retrieval, got ",
+              attn_mask->scalar_type());
+  check_masks(op, q, k.size(2), to_std(attn_mask), to_std(key_lengths));
+}
+
+void check_hard_retrieval_backward(const char* op, const torch::Tensor& grad_out,
+                                   const torch::Tensor& q, const torch::Tensor& k,
+                                   const torch::Tensor& v, const torch::Tensor& index,
+                                   const torch::Tensor& lse, torch::ScalarType lse_dtype) {
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), M = v.size(3);
+  TORCH_CHECK(grad_out.dim() == 4 && grad_out.size(0) == N && grad_out.size(1) == H &&
+                  grad_out.size(2) == L && grad_out.size(3) == M,
+              op, ": grad_out must have shape (N, H, L, M) = (", N, ", ", H, ", ", L, ", ", M,
+              "), got ", grad_out.sizes());
+  TORCH_CHECK(index.dim() == 3 && index.size(0) == N && index.size(1) == H && index.size(2) == L &&
+                  index.scalar_type() == torch::kLong,
+              op, ": index must be int64 of shape (N, H, L) = (", N, ", ", H, ", ", L, "), got ",
+              index.scalar_type(), " ", index.sizes());
+  TORCH_CHECK(lse.dim() == 3 && lse.sizes() == index.sizes() && lse.scalar_type() == lse_dtype,
+              op, ": lse must be ", lse_dtype, " of shape (N, H, L) = (", N, ", ", H, ", ", L,
+              "), got ", lse.scalar_type(), " ", lse.sizes());
+  if (index.numel() > 0) {
+    TORCH_CHECK(index.min().item<int64_t>() >= -1 && index.max().item<int64_t>() < S, op,
+                ": index must be in [-1, S) = [-1, ", S, ")");
+  }
+}
+
+}  // namespace ops
+
 namespace {
 
 using torch::Tensor;
@@ -43,12 +82,7 @@ constexpr const char* kOp = "fastattn::hard_retrieval_attention";
 void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
                   const c10::optional<Tensor>& attn_mask,
                   const c10::optional<Tensor>& key_lengths) {
-  ops::check_qkv(kOp, q, k, v);
-  TORCH_CHECK(!attn_mask || attn_mask->scalar_type() == torch::kBool, kOp,
-              ": attn_mask must be a bool keep mask (true = keep); additive (floating) masks "
-              "are not supported by hard retrieval, got ",
-              attn_mask->scalar_type());
-  ops::check_masks(kOp, q, k.size(2), to_std(attn_mask), to_std(key_lengths));
+  ops::check_hard_retrieval_inputs(kOp, q, k, v, attn_mask, key_lengths);
 }
 
 // Everything a kernel needs, made contiguous and of the kernel's types.
@@ -121,23 +155,8 @@ std::tuple<Tensor, Tensor, Tensor> hard_retrieval_attention_backward_cpu(
     const Tensor& lse, const c10::optional<Tensor>& attn_mask,
     const c10::optional<Tensor>& key_lengths, bool causal, double softmax_temp) {
   check_inputs(q, k, v, attn_mask, key_lengths);
+  ops::check_hard_retrieval_backward(kOp, grad_out, q, k, v, index, lse, q.scalar_type());
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), M = v.size(3);
-  TORCH_CHECK(grad_out.dim() == 4 && grad_out.size(0) == N && grad_out.size(1) == H &&
-                  grad_out.size(2) == L && grad_out.size(3) == M,
-              kOp, ": grad_out must have shape (N, H, L, M) = (", N, ", ", H, ", ", L, ", ", M,
-              "), got ", grad_out.sizes());
-  TORCH_CHECK(index.dim() == 3 && index.size(0) == N && index.size(1) == H && index.size(2) == L &&
-                  index.scalar_type() == torch::kLong,
-              kOp, ": index must be int64 of shape (N, H, L) = (", N, ", ", H, ", ", L, "), got ",
-              index.scalar_type(), " ", index.sizes());
-  TORCH_CHECK(
-      lse.dim() == 3 && lse.sizes() == index.sizes() && lse.scalar_type() == q.scalar_type(), kOp,
-      ": lse must be ", q.scalar_type(), " of shape (N, H, L) = (", N, ", ", H, ", ", L, "), got ",
-      lse.scalar_type(), " ", lse.sizes());
-  if (index.numel() > 0) {
-    TORCH_CHECK(index.min().item<int64_t>() >= -1 && index.max().item<int64_t>() < S, kOp,
-                ": index must be in [-1, S) = [-1, ", S, ")");
-  }
   const auto p = prepare(q, k, v, attn_mask, key_lengths);
   auto go = grad_out.to(q.scalar_type()).contiguous();
   auto idx = index.contiguous();

@@ -89,6 +89,44 @@ struct BlockSparseBackwardArgs : BlockSparseParams<T> {
   T* grad_v = nullptr;          // (N, H, S, M), written
 };
 
+// ---- the parts as plain arrays (what the CUDA kernels read) --------------------
+// One part's plan: per head group its query and key orders and, per ordered
+// query, the kept ordered keys [a, b] minus [x, y] (computed with every key
+// present: key_lengths are applied by the kernels as a mask on the original key
+// index), the key tiles each query tile reaches and, transposed, the query tiles
+// that reach each key tile (tiles of bq queries / bk keys in the part's orders).
+struct SparsePartPlan {
+  struct Group {
+    int64_t Sp = 0;                     // keys in the part's order
+    std::vector<int64_t> q_order;       // (L) ordered query -> query index
+    std::vector<int64_t> k_order;       // (Sp) ordered key -> key index
+    std::vector<int64_t> ranges;        // (L, 4) per ordered query: a, b, x, y
+    std::vector<int64_t> q_tile_kb;     // (ceil(L/bq), 2): key tiles [lo, hi] (hi < lo: none)
+    std::vector<int64_t> kt_ptr, kt_q;  // (ceil(S/bk) + 1), CSR of query tiles per key tile
+  };
+  std::vector<int64_t> head_group;  // (H) group of each head, -1 where the part is not used
+  std::vector<int64_t> head_flags;  // (H) bit 0: first part of the head, bit 1: last part
+  std::vector<Group> groups;
+};
+std::vector<SparsePartPlan> make_sparse_plans(const std::vector<SparsePart>& parts, int64_t H,
+                                              int64_t L, int64_t S, int64_t bq, int64_t bk);
+
+// The plans in one int64 buffer; per part, the offsets of its arrays in it.
+struct SparsePlanLayout {
+  int64_t num_groups = 0, max_sp = 0;
+  int64_t head_group = 0, head_flags = 0;  // (H) each
+  int64_t group_sp = 0;                    // (G)
+  int64_t q_order = 0;                     // (G, L)
+  int64_t k_order = 0;                     // (G, S): row g holds Sp_g entries
+  int64_t ranges = 0;                      // (G, L, 4)
+  int64_t q_tile_kb = 0;                   // (G, ceil(L/bq), 2)
+  int64_t kt_ptr = 0;                      // (G, ceil(S/bk) + 1), absolute offsets into kt_q
+  int64_t kt_q = 0;                        // all groups' lists
+};
+std::vector<int64_t> flatten_sparse_plans(const std::vector<SparsePartPlan>& plans, int64_t H,
+                                          int64_t L, int64_t S, int64_t bq, int64_t bk,
+                                          std::vector<SparsePlanLayout>* layouts);
+
 template <typename T>
 void block_sparse_attention_forward_cpu(const BlockSparseForwardArgs<T>& args);
 template <typename T>

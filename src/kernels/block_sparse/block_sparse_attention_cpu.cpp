@@ -389,6 +389,104 @@ struct ForwardScratch {
 
 }  // namespace
 
+std::vector<SparsePartPlan> make_sparse_plans(const std::vector<SparsePart>& parts, int64_t H,
+                                              int64_t L, int64_t S, int64_t bq, int64_t bk) {
+  std::vector<SparsePartPlan> plans(parts.size());
+  const int64_t q_tiles = (L + bq - 1) / bq, k_tiles = (S + bk - 1) / bk;
+  const int n = static_cast<int>(parts.size());
+  for (int k = 0; k < n; ++k) {
+    SparsePartPlan& plan = plans[k];
+    const auto pg = make_part_geometries(parts[k], H, L, S, false);
+    plan.head_group = pg.index;
+    plan.head_flags.assign(H, 0);
+    for (int64_t h = 0; h < H; ++h)
+      plan.head_flags[h] = (first_for(parts.data(), k, h) ? 1 : 0) |
+                           (last_for(parts.data(), n, k, h) ? 2 : 0);
+    for (const Geometry& g : pg.geos) {
+      SparsePartPlan::Group gr;
+      gr.Sp = g.Sp;
+      gr.q_order.resize(L);
+      gr.k_order.resize(g.Sp);
+      for (int64_t t = 0; t < L; ++t) gr.q_order[t] = g.q_order.empty() ? t : g.q_order[t];
+      for (int64_t t = 0; t < g.Sp; ++t) gr.k_order[t] = g.k_order.empty() ? t : g.k_order[t];
+      gr.ranges.resize(L * 4);
+      gr.q_tile_kb.assign(q_tiles * 2, 0);
+      std::vector<int64_t> count(k_tiles + 1, 0);
+      for (int64_t t = 0; t < q_tiles; ++t) {
+        int64_t lo = std::numeric_limits<int64_t>::max(), hi = -1;
+        for (int64_t r = t * bq; r < std::min(L, t * bq + bq); ++r) {
+          const Range rr = g.row(gr.q_order[r], S);
+          gr.ranges[r * 4 + 0] = rr.a;
+          gr.ranges[r * 4 + 1] = rr.b;
+          gr.ranges[r * 4 + 2] = rr.x;
+          gr.ranges[r * 4 + 3] = rr.y;
+          if (rr.empty()) continue;
+          lo = std::min(lo, rr.a);
+          hi = std::max(hi, rr.b);
+        }
+        gr.q_tile_kb[t * 2] = hi < 0 ? 0 : lo / bk;
+        gr.q_tile_kb[t * 2 + 1] = hi < 0 ? -1 : hi / bk;
+        for (int64_t kb = gr.q_tile_kb[t * 2]; kb <= gr.q_tile_kb[t * 2 + 1]; ++kb) ++count[kb + 1];
+      }
+      gr.kt_ptr.assign(k_tiles + 1, 0);
+      for (int64_t kb = 0; kb < k_tiles; ++kb) gr.kt_ptr[kb + 1] = gr.kt_ptr[kb] + count[kb + 1];
+      gr.kt_q.resize(gr.kt_ptr[k_tiles]);
+      std::vector<int64_t> fill(gr.kt_ptr.begin(), gr.kt_ptr.end() - 1);
+      for (int64_t t = 0; t < q_tiles; ++t)
+        for (int64_t kb = gr.q_tile_kb[t * 2]; kb <= gr.q_tile_kb[t * 2 + 1]; ++kb)
+          gr.kt_q[fill[kb]++] = t;
+      plan.groups.push_back(std::move(gr));
+    }
+  }
+  return plans;
+}
+
+std::vector<int64_t> flatten_sparse_plans(const std::vector<SparsePartPlan>& plans, int64_t H,
+                                          int64_t L, int64_t S, int64_t bq, int64_t bk,
+                                          std::vector<SparsePlanLayout>* layouts) {
+  const int64_t q_tiles = (L + bq - 1) / bq, k_tiles = (S + bk - 1) / bk;
+  std::vector<int64_t> buf;
+  layouts->clear();
+  auto append = [&](const std::vector<int64_t>& x, int64_t size) {
+    const int64_t at = static_cast<int64_t>(buf.size());
+    buf.insert(buf.end(), x.begin(), x.end());
+    buf.resize(at + size, 0);
+  };
+  for (const SparsePartPlan& plan : plans) {
+    SparsePlanLayout lay;
+    const int64_t G = static_cast<int64_t>(plan.groups.size());
+    lay.num_groups = G;
+    lay.head_group = static_cast<int64_t>(buf.size());
+    append(plan.head_group, H);
+    lay.head_flags = static_cast<int64_t>(buf.size());
+    append(plan.head_flags, H);
+    lay.group_sp = static_cast<int64_t>(buf.size());
+    for (const auto& g : plan.groups) {
+      buf.push_back(g.Sp);
+      lay.max_sp = std::max(lay.max_sp, g.Sp);
+    }
+    lay.q_order = static_cast<int64_t>(buf.size());
+    for (const auto& g : plan.groups) append(g.q_order, L);
+    lay.k_order = static_cast<int64_t>(buf.size());
+    for (const auto& g : plan.groups) append(g.k_order, S);
+    lay.ranges = static_cast<int64_t>(buf.size());
+    for (const auto& g : plan.groups) append(g.ranges, L * 4);
+    lay.q_tile_kb = static_cast<int64_t>(buf.size());
+    for (const auto& g : plan.groups) append(g.q_tile_kb, q_tiles * 2);
+    lay.kt_ptr = static_cast<int64_t>(buf.size());
+    int64_t total = 0;
+    for (const auto& g : plan.groups) {
+      for (int64_t kb = 0; kb <= k_tiles; ++kb) buf.push_back(total + g.kt_ptr[kb]);
+      total += g.kt_ptr[k_tiles];
+    }
+    lay.kt_q = static_cast<int64_t>(buf.size());
+    for (const auto& g : plan.groups) buf.insert(buf.end(), g.kt_q.begin(), g.kt_q.end());
+    layouts->push_back(lay);
+  }
+  if (buf.empty()) buf.push_back(0);
+  return buf;
+}
+
 template <typename T>
 void block_sparse_attention_forward_cpu(const BlockSparseForwardArgs<T>& a) {
   const int64_t N = a.N, H = a.H, L = a.L, S = a.S, E = a.E, M = a.M, NH = N * H;

@@ -1,0 +1,579 @@
+// CUDA kernels of block-sparse softmax attention (see block_sparse_attention_cuda.h
+// and, for the parts, orders and ranges, block_sparse_attention.h).
+//
+// FlashAttention-style over the kept key tiles only. Per part, in the part's
+// query and key orders (which make every pattern a contiguous range of key
+// tiles per query tile):
+//   forward  one block per (n·h, tile of 32 ordered queries), 4 warps of 8
+//            query rows; per key tile in the tile's range: K, V to shared
+//            memory, each lane scores one key (q·k from shared memory), row
+//            mask from the ranges / key_lengths / keep mask, online softmax by
+//            warp reductions, O += P·V with P broadcast by shuffles. The first
+//            part of a head starts from nothing, the last normalises and writes
+//            out and lse; between them the state (O, max, sum) waits in float32
+//            workspaces.
+//   backward a dQ kernel (same grid; P recomputed from the saved lse,
+//            dS = P ∘ (dO·V^T - delta)·scale, dQ += dS·K) and a dK/dV kernel (one
+//            block per (n·h, tile of 32 ordered keys), over the query tiles that
+//            reach it: dV += P^T·dO, dK += dS^T·Q). Gradients accumulate in
+//            float32 buffers (each launch writes disjoint rows, parts add).
+// SIMT float32 arithmetic for every dtype (float16 / bfloat16 are converted
+// when loaded into shared memory); no tensor cores yet. Head dims up to 256.
+// Cost: forward 4·E·(kept keys, padded to tiles of 32) flops per query;
+// backward about 2.5× that, recomputing P twice.
+// Tested by tests/cuda_emu/test_block_sparse.cpp (emulator against the CPU
+// kernels in float64) and tests/cuda/test_cuda_block_sparse.cpp (GPU).
+#include "kernels/block_sparse/block_sparse_attention_cuda.h"
+
+#include "kernels/common/cuda_compat.cuh"
+
+namespace fastattn::kernels {
+namespace {
+
+using cuda::from_float;
+using cuda::to_float;
+using cuda::warp_max;
+using cuda::warp_sum;
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kRows = 8;  // rows per warp
+constexpr int kBq = static_cast<int>(kBlockSparseCudaBq);
+constexpr int kBk = static_cast<int>(kBlockSparseCudaBk);
+static_assert(kWarps * kRows == kBq && kBq == kBk && kBk == 32, "tile shape");
+
+// Kept ordered keys of one query: [a, b] minus [x, y].
+struct RowRange {
+  int64_t a, b, x, y;
+};
+
+__device__ __forceinline__ bool in_range(const RowRange& r, int64_t jo) {
+  return jo >= r.a && jo <= r.b && !(jo >= r.x && jo <= r.y);
+}
+
+// One part resolved for the head group of this block.
+struct PartView {
+  bool skip;           // the part does not cover this head
+  int flags;           // bit 0 first part of the head, bit 1 last
+  int64_t Sp;          // keys in the part's order
+  const int64_t* q_order;  // (L) or null
+  const int64_t* k_order;  // (Sp) or null
+  const int64_t* ranges;   // (L, 4) or null
+  const int64_t* q_tile_kb;
+  const int64_t* kt_ptr;
+  const int64_t* kt_q;
+};
+
+__device__ __forceinline__ PartView resolve(const BlockSparsePartCuda& p, const BlockSparseCudaParams& a,
+                                            int64_t h) {
+  PartView v;
+  const int64_t g = p.head_group ? p.head_group[h] : 0;
+  v.skip = g < 0;
+  const int64_t gg = g < 0 ? 0 : g;
+  v.flags = p.head_flags ? static_cast<int>(p.head_flags[h]) : 3;
+  v.Sp = p.group_sp ? p.group_sp[gg] : a.S;
+  v.q_order = p.q_order ? p.q_order + gg * a.L : nullptr;
+  v.k_order = p.k_order ? p.k_order + gg * a.S : nullptr;
+  v.ranges = p.ranges ? p.ranges + gg * a.L * 4 : nullptr;
+  const int64_t q_tiles = cuda::ceil_div(a.L, kBq), k_tiles = cuda::ceil_div(a.S, kBk);
+  v.q_tile_kb = p.q_tile_kb ? p.q_tile_kb + gg * q_tiles * 2 : nullptr;
+  v.kt_ptr = p.kt_ptr ? p.kt_ptr + gg * (k_tiles + 1) : nullptr;
+  v.kt_q = p.kt_q;
+  return v;
+}
+
+__device__ __forceinline__ int64_t query_of(const PartView& p, int64_t tpos) {
+  return p.q_order ? p.q_order[tpos] : tpos;
+}
+__device__ __forceinline__ int64_t key_of(const PartView& p, int64_t jo) {
+  return p.k_order ? p.k_order[jo] : jo;
+}
+
+// The range of ordered query tpos (query index qi).
+__device__ __forceinline__ RowRange range_of(const PartView& p, const BlockSparseCudaParams& a,
+                                             int64_t tpos, int64_t qi) {
+  RowRange r;
+  if (p.ranges) {
+    const int64_t* x = p.ranges + tpos * 4;
+    r.a = x[0];
+    r.b = x[1];
+    r.x = x[2];
+    r.y = x[3];
+  } else {
+    r.a = 0;
+    r.b = a.causal ? (qi + a.S - a.L < a.S - 1 ? qi + a.S - a.L : a.S - 1) : a.S - 1;
+    r.x = 0;
+    r.y = -1;
+  }
+  return r;
+}
+
+// Key tiles [lo, hi] of query tile t.
+__device__ __forceinline__ void key_tiles_of(const PartView& p, const BlockSparseCudaParams& a,
+                                             int64_t t, int64_t& lo, int64_t& hi) {
+  if (p.q_tile_kb) {
+    lo = p.q_tile_kb[t * 2];
+    hi = p.q_tile_kb[t * 2 + 1];
+    return;
+  }
+  lo = 0;
+  hi = cuda::ceil_div(p.Sp, kBk) - 1;
+  if (a.causal && !p.ranges) {
+    const int64_t last = (t * kBq + kBq < a.L ? t * kBq + kBq : a.L) - 1 + a.S - a.L;
+    if (last < 0)
+      hi = -1;
+    else if (last / kBk < hi)
+      hi = last / kBk;
+  }
+}
+
+__device__ __forceinline__ bool keep_mask(const BlockSparseCudaParams& a, int64_t n, int64_t h,
+                                          int64_t qi, int64_t ko) {
+  return a.keep == nullptr || a.keep[n * a.keep_sn + h * a.keep_sh + qi * a.keep_sl + ko];
+}
+
+// Copies `rows` rows of D elements (row r from src row index idx[r], -1: zeros)
+// into dst with row stride ld, as floats. The whole block takes part.
+template <typename T>
+__device__ __forceinline__ void load_rows(float* dst, int ld, const T* src, const int64_t* idx,
+                                          int rows, int64_t D) {
+  for (int64_t x = threadIdx.x; x < rows * D; x += kThreads) {
+    const int64_t r = x / D, c = x % D;
+    const int64_t i = idx[r];
+    dst[r * ld + c] = i >= 0 ? to_float(src[i * D + c]) : 0.f;
+  }
+}
+
+__device__ __forceinline__ float dot(const float* x, const float* y, int64_t D) {
+  float s = 0.f;
+  for (int64_t e = 0; e < D; ++e) s += x[e] * y[e];
+  return s;
+}
+
+// ---- forward -------------------------------------------------------------------
+
+template <typename T, int DC>
+__global__ void __launch_bounds__(kThreads)
+    forward_kernel(BlockSparseForwardCudaArgs a, int part) {
+  const int64_t q_tiles = cuda::ceil_div(a.L, kBq);
+  const int64_t t = blockIdx.x % q_tiles, nh = blockIdx.x / q_tiles;
+  const int64_t n = nh / a.H, h = nh % a.H;
+  const PartView P = resolve(a.parts[part], a, h);
+  if (P.skip) return;
+  const int64_t E = a.E, M = a.M, L = a.L, S = a.S;
+  const int64_t len = a.key_lengths ? a.key_lengths[n] : S;
+  const T* q = static_cast<const T*>(a.q) + nh * L * E;
+  const T* k = static_cast<const T*>(a.k) + nh * S * E;
+  const T* v = static_cast<const T*>(a.v) + nh * S * M;
+
+  FA_DYNAMIC_SHARED(unsigned char, smem);
+  int64_t* kidx = reinterpret_cast<int64_t*>(smem);  // (kBk) original key, -1: none
+  int64_t* qidx = kidx + kBk;                        // (kBq)
+  float* qs = reinterpret_cast<float*>(qidx + kBq);  // (kBq, E)
+  float* ks = qs + kBq * E;                          // (kBk, E + 1)
+  float* vs = ks + kBk * (E + 1);                    // (kBk, M)
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x < kBq) {
+    const int64_t tpos = t * kBq + threadIdx.x;
+    qidx[threadIdx.x] = tpos < L ? query_of(P, tpos) : -1;
+  }
+  __syncthreads();
+  load_rows(qs, static_cast<int>(E), q, qidx, kBq, E);
+
+  int64_t qi[kRows];
+  RowRange rg[kRows];
+  float m[kRows], l[kRows], acc[kRows][DC];
+  const bool first = P.flags & 1, last = P.flags & 2;
+  for (int rr = 0; rr < kRows; ++rr) {
+    const int r = warp * kRows + rr;
+    qi[rr] = qidx[r];
+    rg[rr] = qi[rr] >= 0 ? range_of(P, a, t * kBq + r, qi[rr]) : RowRange{0, -1, 0, -1};
+    m[rr] = -INFINITY;
+    l[rr] = 0.f;
+    for (int u = 0; u < DC; ++u) {
+      const int64_t c = lane + 32 * u;
+      acc[rr][u] = 0.f;
+      if (!first && qi[rr] >= 0 && c < M) acc[rr][u] = a.ws_acc[(nh * L + qi[rr]) * M + c];
+    }
+    if (!first && qi[rr] >= 0) {
+      m[rr] = a.ws_ml[nh * L + qi[rr]];
+      l[rr] = a.ws_ml[a.N * a.H * L + nh * L + qi[rr]];
+    }
+  }
+
+  int64_t kb_lo, kb_hi;
+  key_tiles_of(P, a, t, kb_lo, kb_hi);
+  for (int64_t kb = kb_lo; kb <= kb_hi; ++kb) {
+    const int64_t j0 = kb * kBk;
+    __syncthreads();  // the previous tile is consumed
+    if (threadIdx.x < kBk) {
+      const int64_t jo = j0 + threadIdx.x;
+      kidx[threadIdx.x] = jo < P.Sp ? key_of(P, jo) : -1;
+    }
+    __syncthreads();
+    load_rows(ks, static_cast<int>(E + 1), k, kidx, kBk, E);
+    load_rows(vs, static_cast<int>(M), v, kidx, kBk, M);
+    __syncthreads();
+    const int64_t jo = j0 + lane, ko = kidx[lane];
+    for (int rr = 0; rr < kRows; ++rr) {
+      if (qi[rr] < 0 || rg[rr].b < j0 || rg[rr].a >= j0 + kBk) continue;  // warp-uniform
+      const int r = warp * kRows + rr;
+      const bool keep =
+          ko >= 0 && ko < len && in_range(rg[rr], jo) && keep_mask(a, n, h, qi[rr], ko);
+      const float s = keep ? dot(qs + r * E, ks + lane * (E + 1), E) * a.scale : -INFINITY;
+      const float m_new = fmaxf(m[rr], warp_max(s));
+      if (m_new == -INFINITY) continue;  // nothing kept so far in this row
+      const float p = keep ? expf(s - m_new) : 0.f;
+      const float alpha = expf(m[rr] - m_new);  // 0 while m was -inf
+      l[rr] = l[rr] * alpha + warp_sum(p);
+      m[rr] = m_new;
+      for (int u = 0; u < DC; ++u) acc[rr][u] *= alpha;
+      for (int j = 0; j < 32; ++j) {
+        const float pj = __shfl_sync(0xffffffffu, p, j);
+        if (pj == 0.f) continue;  // warp-uniform
+        for (int u = 0; u < DC; ++u) {
+          const int64_t c = lane + 32 * u;
+          if (c < M) acc[rr][u] += pj * vs[j * M + c];
+        }
+      }
+    }
+  }
+
+  for (int rr = 0; rr < kRows; ++rr) {
+    if (qi[rr] < 0) continue;
+    const int64_t row = nh * L + qi[rr];
+    if (last) {
+      const float inv = l[rr] > 0.f ? 1.f / l[rr] : 0.f;
+      for (int u = 0; u < DC; ++u) {
+        const int64_t c = lane + 32 * u;
+        if (c >= M) continue;
+        if (a.out_float)
+          a.out_float[row * M + c] = acc[rr][u] * inv;
+        else
+          static_cast<T*>(a.out)[row * M + c] = from_float<T>(acc[rr][u] * inv);
+      }
+      if (lane == 0) a.lse[row] = l[rr] > 0.f ? m[rr] + logf(l[rr]) : -INFINITY;
+    } else {
+      for (int u = 0; u < DC; ++u) {
+        const int64_t c = lane + 32 * u;
+        if (c < M) a.ws_acc[row * M + c] = acc[rr][u];
+      }
+      if (lane == 0) {
+        a.ws_ml[row] = m[rr];
+        a.ws_ml[a.N * a.H * L + row] = l[rr];
+      }
+    }
+  }
+}
+
+// ---- backward: dQ ----------------------------------------------------------------
+
+template <typename T, int DC>
+__global__ void __launch_bounds__(kThreads)
+    backward_dq_kernel(BlockSparseBackwardCudaArgs a, int part) {
+  const int64_t q_tiles = cuda::ceil_div(a.L, kBq);
+  const int64_t t = blockIdx.x % q_tiles, nh = blockIdx.x / q_tiles;
+  const int64_t n = nh / a.H, h = nh % a.H;
+  const PartView P = resolve(a.parts[part], a, h);
+  if (P.skip) return;
+  const int64_t E = a.E, M = a.M, L = a.L, S = a.S;
+  const int64_t len = a.key_lengths ? a.key_lengths[n] : S;
+  const T* q = static_cast<const T*>(a.q) + nh * L * E;
+  const T* dout = static_cast<const T*>(a.grad_out) + nh * L * M;
+  const T* k = static_cast<const T*>(a.k) + nh * S * E;
+  const T* v = static_cast<const T*>(a.v) + nh * S * M;
+
+  FA_DYNAMIC_SHARED(unsigned char, smem);
+  int64_t* kidx = reinterpret_cast<int64_t*>(smem);  // (kBk)
+  int64_t* qidx = kidx + kBk;                        // (kBq)
+  float* qs = reinterpret_cast<float*>(qidx + kBq);  // (kBq, E)
+  float* dos = qs + kBq * E;                         // (kBq, M)
+  float* ks = dos + kBq * M;                         // (kBk, E + 1)
+  float* vs = ks + kBk * (E + 1);                    // (kBk, M + 1)
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x < kBq) {
+    const int64_t tpos = t * kBq + threadIdx.x;
+    qidx[threadIdx.x] = tpos < L ? query_of(P, tpos) : -1;
+  }
+  __syncthreads();
+  load_rows(qs, static_cast<int>(E), q, qidx, kBq, E);
+  load_rows(dos, static_cast<int>(M), dout, qidx, kBq, M);
+
+  int64_t qi[kRows];
+  RowRange rg[kRows];
+  float lse[kRows], delta[kRows], dq[kRows][DC];
+  for (int rr = 0; rr < kRows; ++rr) {
+    const int r = warp * kRows + rr;
+    qi[rr] = qidx[r];
+    rg[rr] = qi[rr] >= 0 ? range_of(P, a, t * kBq + r, qi[rr]) : RowRange{0, -1, 0, -1};
+    lse[rr] = qi[rr] >= 0 ? a.lse[nh * L + qi[rr]] : -INFINITY;
+    delta[rr] = qi[rr] >= 0 ? a.delta[nh * L + qi[rr]] : 0.f;
+    for (int u = 0; u < DC; ++u) dq[rr][u] = 0.f;
+  }
+
+  int64_t kb_lo, kb_hi;
+  key_tiles_of(P, a, t, kb_lo, kb_hi);
+  for (int64_t kb = kb_lo; kb <= kb_hi; ++kb) {
+    const int64_t j0 = kb * kBk;
+    __syncthreads();
+    if (threadIdx.x < kBk) {
+      const int64_t jo = j0 + threadIdx.x;
+      kidx[threadIdx.x] = jo < P.Sp ? key_of(P, jo) : -1;
+    }
+    __syncthreads();
+    load_rows(ks, static_cast<int>(E + 1), k, kidx, kBk, E);
+    load_rows(vs, static_cast<int>(M + 1), v, kidx, kBk, M);
+    __syncthreads();
+    const int64_t jo = j0 + lane, ko = kidx[lane];
+    for (int rr = 0; rr < kRows; ++rr) {
+      if (lse[rr] == -INFINITY || rg[rr].b < j0 || rg[rr].a >= j0 + kBk) continue;
+      const int r = warp * kRows + rr;
+      const bool keep =
+          ko >= 0 && ko < len && in_range(rg[rr], jo) && keep_mask(a, n, h, qi[rr], ko);
+      if (!__any_sync(0xffffffffu, keep)) continue;
+      float ds = 0.f;
+      if (keep) {
+        const float p = expf(dot(qs + r * E, ks + lane * (E + 1), E) * a.scale - lse[rr]);
+        const float dp = dot(dos + r * M, vs + lane * (M + 1), M);
+        ds = p * (dp - delta[rr]) * a.scale;
+      }
+      for (int j = 0; j < 32; ++j) {
+        const float dsj = __shfl_sync(0xffffffffu, ds, j);
+        if (dsj == 0.f) continue;
+        for (int u = 0; u < DC; ++u) {
+          const int64_t c = lane + 32 * u;
+          if (c < E) dq[rr][u] += dsj * ks[j * (E + 1) + c];
+        }
+      }
+    }
+  }
+
+  for (int rr = 0; rr < kRows; ++rr) {
+    if (qi[rr] < 0 || lse[rr] == -INFINITY) continue;
+    float* g = a.grad_q + (nh * L + qi[rr]) * E;
+    for (int u = 0; u < DC; ++u) {
+      const int64_t c = lane + 32 * u;
+      if (c < E) g[c] += dq[rr][u];
+    }
+  }
+}
+
+// ---- backward: dK, dV --------------------------------------------------------------
+
+template <typename T, int DC>
+__global__ void __launch_bounds__(kThreads)
+    backward_dkv_kernel(BlockSparseBackwardCudaArgs a, int part, int64_t k_tiles) {
+  const int64_t kb = blockIdx.x % k_tiles, nh = blockIdx.x / k_tiles;
+  const int64_t n = nh / a.H, h = nh % a.H;
+  const PartView P = resolve(a.parts[part], a, h);
+  const int64_t j0 = kb * kBk;
+  if (P.skip || j0 >= P.Sp) return;
+  const int64_t E = a.E, M = a.M, L = a.L, S = a.S;
+  const int64_t len = a.key_lengths ? a.key_lengths[n] : S;
+  const T* q = static_cast<const T*>(a.q) + nh * L * E;
+  const T* dout = static_cast<const T*>(a.grad_out) + nh * L * M;
+  const T* k = static_cast<const T*>(a.k) + nh * S * E;
+  const T* v = static_cast<const T*>(a.v) + nh * S * M;
+
+  FA_DYNAMIC_SHARED(unsigned char, smem);
+  int64_t* kidx = reinterpret_cast<int64_t*>(smem);  // (kBk)
+  int64_t* qidx = kidx + kBk;                        // (kBq)
+  int64_t* qrg = qidx + kBq;                         // (kBq, 4)
+  float* qlse = reinterpret_cast<float*>(qrg + kBq * 4);  // (kBq)
+  float* qdelta = qlse + kBq;                             // (kBq)
+  float* ks = qdelta + kBq;                               // (kBk, E)
+  float* vs = ks + kBk * E;                               // (kBk, M)
+  float* qs = vs + kBk * M;                               // (kBq, E + 1)
+  float* dos = qs + kBq * (E + 1);                        // (kBq, M + 1)
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x < kBk) {
+    const int64_t jo = j0 + threadIdx.x;
+    kidx[threadIdx.x] = jo < P.Sp ? key_of(P, jo) : -1;
+  }
+  __syncthreads();
+  load_rows(ks, static_cast<int>(E), k, kidx, kBk, E);
+  load_rows(vs, static_cast<int>(M), v, kidx, kBk, M);
+
+  int64_t ko[kRows];
+  float dk[kRows][DC], dv[kRows][DC];
+  for (int rr = 0; rr < kRows; ++rr) {
+    const int64_t kx = kidx[warp * kRows + rr];
+    ko[rr] = kx >= 0 && kx < len ? kx : -1;  // keys past the length are dropped everywhere
+    for (int u = 0; u < DC; ++u) dk[rr][u] = dv[rr][u] = 0.f;
+  }
+
+  // The query tiles that reach this key tile.
+  const int64_t q_tiles = cuda::ceil_div(L, kBq);
+  int64_t e_lo = 0, e_hi = q_tiles;
+  if (P.kt_ptr) {
+    e_lo = P.kt_ptr[kb];
+    e_hi = P.kt_ptr[kb + 1];
+  } else if (a.causal && !P.ranges) {
+    const int64_t first_q = j0 - (S - L);  // queries i >= j - (S - L) see key j
+    e_lo = first_q <= 0 ? 0 : (first_q >= L ? q_tiles : first_q / kBq);
+  }
+  for (int64_t e = e_lo; e < e_hi; ++e) {
+    const int64_t t = P.kt_ptr ? P.kt_q[e] : e;
+    __syncthreads();  // the previous query tile is consumed
+    if (threadIdx.x < kBq) {
+      const int64_t tpos = t * kBq + threadIdx.x;
+      const int64_t i = tpos < L ? query_of(P, tpos) : -1;
+      qidx[threadIdx.x] = i;
+      const RowRange r = i >= 0 ? range_of(P, a, tpos, i) : RowRange{0, -1, 0, -1};
+      qrg[threadIdx.x * 4 + 0] = r.a;
+      qrg[threadIdx.x * 4 + 1] = r.b;
+      qrg[threadIdx.x * 4 + 2] = r.x;
+      qrg[threadIdx.x * 4 + 3] = r.y;
+      qlse[threadIdx.x] = i >= 0 ? a.lse[nh * L + i] : -INFINITY;
+      qdelta[threadIdx.x] = i >= 0 ? a.delta[nh * L + i] : 0.f;
+    }
+    __syncthreads();
+    load_rows(qs, static_cast<int>(E + 1), q, qidx, kBq, E);
+    load_rows(dos, static_cast<int>(M + 1), dout, qidx, kBq, M);
+    __syncthreads();
+    const int64_t i = qidx[lane];
+    const RowRange rg{qrg[lane * 4], qrg[lane * 4 + 1], qrg[lane * 4 + 2], qrg[lane * 4 + 3]};
+    const float lse = qlse[lane], delta = qdelta[lane];
+    for (int rr = 0; rr < kRows; ++rr) {
+      if (ko[rr] < 0) continue;  // warp-uniform
+      const int r = warp * kRows + rr;
+      const bool keep = i >= 0 && lse != -INFINITY && in_range(rg, j0 + r) &&
+                        keep_mask(a, n, h, i, ko[rr]);
+      if (!__any_sync(0xffffffffu, keep)) continue;
+      float p = 0.f, ds = 0.f;
+      if (keep) {
+        p = expf(dot(qs + lane * (E + 1), ks + r * E, E) * a.scale - lse);
+        const float dp = dot(dos + lane * (M + 1), vs + r * M, M);
+        ds = p * (dp - delta) * a.scale;
+      }
+      for (int j = 0; j < 32; ++j) {
+        const float pj = __shfl_sync(0xffffffffu, p, j);
+        const float dsj = __shfl_sync(0xffffffffu, ds, j);
+        if (pj == 0.f && dsj == 0.f) continue;
+        for (int u = 0; u < DC; ++u) {
+          const int64_t c = lane + 32 * u;
+          if (c < M) dv[rr][u] += pj * dos[j * (M + 1) + c];
+          if (c < E) dk[rr][u] += dsj * qs[j * (E + 1) + c];
+        }
+      }
+    }
+  }
+
+  for (int rr = 0; rr < kRows; ++rr) {
+    if (ko[rr] < 0) continue;
+    float* gk = a.grad_k + (nh * S + ko[rr]) * E;
+    for (int u = 0; u < DC; ++u) {
+      const int64_t c = lane + 32 * u;
+      if (c < E) gk[c] += dk[rr][u];
+    }
+    if (a.grad_v) {
+      float* gv = a.grad_v + (nh * S + ko[rr]) * M;
+      for (int u = 0; u < DC; ++u) {
+        const int64_t c = lane + 32 * u;
+        if (c < M) gv[c] += dv[rr][u];
+      }
+    }
+  }
+}
+
+// ---- launchers ----------------------------------------------------------------------
+
+int dim_chunks(const BlockSparseCudaParams& a) {
+  const int64_t d = a.E > a.M ? a.E : a.M;
+  if (d > kBlockSparseCudaMaxDim)
+    throw std::runtime_error("fastattn CUDA block_sparse_attention: head dims E and M must be <= " +
+                             std::to_string(kBlockSparseCudaMaxDim) + ", got E = " +
+                             std::to_string(a.E) + ", M = " + std::to_string(a.M));
+  const int64_t c = cuda::ceil_div(d, 32);
+  return c <= 1 ? 1 : c <= 2 ? 2 : c <= 4 ? 4 : 8;
+}
+
+// Calls f.operator()<DC>() for the chunk count dc (registers per lane per row).
+template <typename F>
+void dispatch_chunks(int dc, F&& f) {
+  switch (dc) {
+    case 1:
+      f.template operator()<1>();
+      break;
+    case 2:
+      f.template operator()<2>();
+      break;
+    case 4:
+      f.template operator()<4>();
+      break;
+    default:
+      f.template operator()<8>();
+      break;
+  }
+}
+
+template <typename T>
+struct ForwardLaunch {
+  const BlockSparseForwardCudaArgs& a;
+  int part;
+  cudaStream_t stream;
+  template <int DC>
+  void operator()() const {
+    const int64_t blocks = cuda::ceil_div(a.L, kBq) * a.N * a.H;
+    const size_t smem = (kBk + kBq) * sizeof(int64_t) +
+                        (kBq * a.E + kBk * (a.E + 1) + kBk * a.M) * sizeof(float);
+    FA_SET_MAX_DYNAMIC_SHARED(smem, forward_kernel<T, DC>);
+    FA_LAUNCH(dim3(static_cast<unsigned>(blocks)), dim3(kThreads), smem, stream,
+              forward_kernel<T, DC>)(a, part);
+    FA_CHECK_LAUNCH("block_sparse_attention_forward");
+  }
+};
+
+template <typename T>
+struct BackwardLaunch {
+  const BlockSparseBackwardCudaArgs& a;
+  int part;
+  cudaStream_t stream;
+  template <int DC>
+  void operator()() const {
+    const int64_t nh = a.N * a.H;
+    const int64_t q_blocks = cuda::ceil_div(a.L, kBq) * nh;
+    const size_t smem_q = (kBk + kBq) * sizeof(int64_t) +
+                          (kBq * (a.E + a.M) + kBk * (a.E + 1) + kBk * (a.M + 1)) * sizeof(float);
+    FA_SET_MAX_DYNAMIC_SHARED(smem_q, backward_dq_kernel<T, DC>);
+    FA_LAUNCH(dim3(static_cast<unsigned>(q_blocks)), dim3(kThreads), smem_q, stream,
+              backward_dq_kernel<T, DC>)(a, part);
+    FA_CHECK_LAUNCH("block_sparse_attention_backward (dQ)");
+    const int64_t max_sp = a.parts[part].max_sp;
+    const int64_t k_tiles = cuda::ceil_div(max_sp, kBk);
+    if (k_tiles == 0) return;
+    const size_t smem_k =
+        (kBk + kBq * 5) * sizeof(int64_t) +
+        (2 * kBq + kBk * (a.E + a.M) + kBq * (a.E + 1) + kBq * (a.M + 1)) * sizeof(float);
+    FA_SET_MAX_DYNAMIC_SHARED(smem_k, backward_dkv_kernel<T, DC>);
+    FA_LAUNCH(dim3(static_cast<unsigned>(k_tiles * nh)), dim3(kThreads), smem_k, stream,
+              backward_dkv_kernel<T, DC>)(a, part, k_tiles);
+    FA_CHECK_LAUNCH("block_sparse_attention_backward (dK, dV)");
+  }
+};
+
+}  // namespace
+
+void block_sparse_attention_forward_cuda(const BlockSparseForwardCudaArgs& a, cudaStream_t stream) {
+  if (a.N * a.H == 0 || a.L == 0) return;
+  const int dc = dim_chunks(a);
+  FA_DISPATCH_FLOAT_TYPES(a.dtype, "block_sparse_attention_forward", [&] {
+    for (int part = 0; part < a.num_parts; ++part)
+      dispatch_chunks(dc, ForwardLaunch<scalar_t>{a, part, stream});
+  });
+}
+
+void block_sparse_attention_backward_cuda(const BlockSparseBackwardCudaArgs& a,
+                                          cudaStream_t stream) {
+  if (a.N * a.H == 0 || a.L == 0 || a.S == 0) return;
+  const int dc = dim_chunks(a);
+  FA_DISPATCH_FLOAT_TYPES(a.dtype, "block_sparse_attention_backward", [&] {
+    for (int part = 0; part < a.num_parts; ++part)
+      dispatch_chunks(dc, BackwardLaunch<scalar_t>{a, part, stream});
+  });
+}
+
+}  // namespace fastattn::kernels

@@ -1,0 +1,165 @@
+// CUDA registrations of the block_sparse_attention operator (local, Sparse
+// Transformer strided / fixed): the same checks as the CPU op
+// (ops/block_sparse_pattern.h), the pattern's parts turned into plans on the
+// host (kernels::make_sparse_plans: per head group the part's query / key
+// orders and per-query kept ranges, a few int64 per query) and copied to the
+// device once per call, then the kernels of
+// src/kernels/block_sparse/block_sparse_attention_cuda.cu. On CUDA the lse is
+// float32 whatever the dtype; the gradients are accumulated in float32 and
+// converted; delta = rowsum(grad_out ∘ out) is one ATen reduction.
+// Tested by tests/cuda/test_cuda_block_sparse.cpp.
+#include <torch/library.h>
+
+#include "kernels/block_sparse/block_sparse_attention.h"
+#include "kernels/block_sparse/block_sparse_attention_cuda.h"
+#include "ops/block_sparse_pattern.h"
+#include "ops/cuda/cuda_op_util.h"
+#include "ops/op_util.h"
+
+namespace fastattn {
+namespace {
+
+using torch::Tensor;
+
+constexpr const char* kOp = "fastattn::block_sparse_attention";
+
+struct Prepared {
+  Tensor q, k, v, lengths, plan;  // plan: the flattened plans (int64, on q's device)
+  kernels::BlockSparseCudaParams params;
+};
+
+Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v, const std::string& pattern,
+                 c10::IntArrayRef params, const c10::optional<Tensor>& key_lengths, bool causal,
+                 double temp) {
+  const std::vector<int64_t> pv(params.begin(), params.end());
+  const int kind = ops::check_block_sparse_inputs(kOp, q, k, v, pattern, pv, key_lengths);
+  TORCH_CHECK(q.size(3) <= kernels::kBlockSparseCudaMaxDim &&
+                  v.size(3) <= kernels::kBlockSparseCudaMaxDim,
+              kOp, ": the CUDA kernels take head dims E and M up to ",
+              kernels::kBlockSparseCudaMaxDim, ", got E = ", q.size(3), ", M = ", v.size(3));
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
+  Prepared p;
+  p.q = q.contiguous();
+  p.k = k.contiguous();
+  p.v = v.contiguous();
+  if (key_lengths) p.lengths = key_lengths->to(q.device(), torch::kLong).contiguous();
+  const auto parts = kernels::make_sparse_parts(kind, pv, causal, H);
+  const auto plans = kernels::make_sparse_plans(parts, H, L, S, kernels::kBlockSparseCudaBq,
+                                                kernels::kBlockSparseCudaBk);
+  std::vector<kernels::SparsePlanLayout> lay;
+  auto buf = kernels::flatten_sparse_plans(plans, H, L, S, kernels::kBlockSparseCudaBq,
+                                           kernels::kBlockSparseCudaBk, &lay);
+  // A synchronous copy from pageable memory: buf may go once it returns.
+  p.plan = torch::from_blob(buf.data(), {static_cast<int64_t>(buf.size())}, torch::kLong)
+               .to(q.device());
+  auto& a = p.params;
+  a.dtype = ops::cuda::kernel_dtype(kOp, "q", q);
+  a.q = p.q.data_ptr();
+  a.k = p.k.data_ptr();
+  a.v = p.v.data_ptr();
+  if (p.lengths.defined()) a.key_lengths = p.lengths.data_ptr<int64_t>();
+  a.N = N;
+  a.H = H;
+  a.L = L;
+  a.S = S;
+  a.E = q.size(3);
+  a.M = v.size(3);
+  a.scale = static_cast<float>(temp);
+  TORCH_CHECK(parts.size() <= 2, kOp, ": internal: more than two parts");
+  a.num_parts = static_cast<int>(parts.size());
+  const int64_t* base = p.plan.data_ptr<int64_t>();
+  for (int i = 0; i < a.num_parts; ++i) {
+    auto& pc = a.parts[i];
+    pc.max_sp = lay[i].max_sp;
+    pc.head_group = base + lay[i].head_group;
+    pc.head_flags = base + lay[i].head_flags;
+    pc.group_sp = base + lay[i].group_sp;
+    pc.q_order = base + lay[i].q_order;
+    pc.k_order = base + lay[i].k_order;
+    pc.ranges = base + lay[i].ranges;
+    pc.q_tile_kb = base + lay[i].q_tile_kb;
+    pc.kt_ptr = base + lay[i].kt_ptr;
+    pc.kt_q = base + lay[i].kt_q;
+  }
+  return p;
+}
+
+std::tuple<Tensor, Tensor> forward_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
+                                        c10::string_view pattern, c10::IntArrayRef params,
+                                        const c10::optional<Tensor>& key_lengths, bool causal,
+                                        double softmax_temp) {
+  c10::cuda::CUDAGuard guard(q.device());
+  const auto p =
+      prepare(q, k, v, std::string(pattern), params, key_lengths, causal, softmax_temp);
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), M = v.size(3);
+  auto out = torch::empty({N, H, L, M}, q.options());
+  auto lse = torch::empty({N, H, L}, q.options().dtype(torch::kFloat));
+  Tensor ws_acc, ws_ml;
+  kernels::BlockSparseForwardCudaArgs a;
+  static_cast<kernels::BlockSparseCudaParams&>(a) = p.params;
+  a.out = out.data_ptr();
+  a.lse = lse.data_ptr<float>();
+  if (a.num_parts > 1) {
+    ws_acc = torch::empty({N, H, L, M}, q.options().dtype(torch::kFloat));
+    ws_ml = torch::empty({2, N, H, L}, q.options().dtype(torch::kFloat));
+    a.ws_acc = ws_acc.data_ptr<float>();
+    a.ws_ml = ws_ml.data_ptr<float>();
+  }
+  kernels::block_sparse_attention_forward_cuda(a, ops::cuda::current_stream());
+  return {out, lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& grad_out, const Tensor& q,
+                                                 const Tensor& k, const Tensor& v,
+                                                 const Tensor& out, const Tensor& lse,
+                                                 c10::string_view pattern,
+                                                 c10::IntArrayRef params,
+                                                 const c10::optional<Tensor>& key_lengths,
+                                                 bool causal, double softmax_temp) {
+  c10::cuda::CUDAGuard guard(q.device());
+  const auto p =
+      prepare(q, k, v, std::string(pattern), params, key_lengths, causal, softmax_temp);
+  ops::check_block_sparse_backward(kOp, grad_out, out, lse);
+  ops::cuda::check_same_device(kOp, "grad_out", grad_out, q.device());
+  ops::cuda::check_same_device(kOp, "out", out, q.device());
+  ops::cuda::check_same_device(kOp, "lse", lse, q.device());
+  auto go = grad_out.to(q.scalar_type()).contiguous();
+  auto delta = (go.to(torch::kFloat) * out.to(torch::kFloat)).sum(-1).contiguous();  // (N, H, L)
+  auto lse_f = lse.to(torch::kFloat).contiguous();
+  const auto f32 = q.options().dtype(torch::kFloat);
+  auto gq = torch::zeros(q.sizes(), f32), gk = torch::zeros(k.sizes(), f32),
+       gv = torch::zeros(v.sizes(), f32);
+  kernels::BlockSparseBackwardCudaArgs a;
+  static_cast<kernels::BlockSparseCudaParams&>(a) = p.params;
+  a.grad_out = go.data_ptr();
+  a.lse = lse_f.data_ptr<float>();
+  a.delta = delta.data_ptr<float>();
+  a.grad_q = gq.data_ptr<float>();
+  a.grad_k = gk.data_ptr<float>();
+  a.grad_v = gv.data_ptr<float>();
+  kernels::block_sparse_attention_backward_cuda(a, ops::cuda::current_stream());
+  return {gq.to(q.scalar_type()), gk.to(q.scalar_type()), gv.to(q.scalar_type())};
+}
+
+// The top-level op without autograd (the CPU registration's twin): the forward
+// kernel through the dispatcher, output only.
+Tensor no_grad_cuda(const Tensor& q, const Tensor& k, const Tensor& v, c10::string_view pattern,
+                    c10::IntArrayRef params, const c10::optional<Tensor>& key_lengths, bool causal,
+                    c10::optional<double> softmax_temp) {
+  ops::check_qkv(kOp, q, k, v);
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastattn::block_sparse_attention_forward", "")
+                       .typed<decltype(forward_cuda)>();
+  return std::get<0>(op.call(q, k, v, pattern, params, key_lengths, causal,
+                             ops::resolve_softmax_temp(kOp, q, softmax_temp)));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
+  m.impl("block_sparse_attention", no_grad_cuda);
+  m.impl("block_sparse_attention_forward", forward_cuda);
+  m.impl("block_sparse_attention_backward", backward_cuda);
+}
+
+}  // namespace fastattn

@@ -1,0 +1,155 @@
+// CUDA registrations of the hard_retrieval_attention operator: the same checks
+// as the CPU op (ops/hard_retrieval_checks.h), then the kernels of
+// src/kernels/hard_retrieval/hard_retrieval_cuda.cu (forward: argmax or the
+// CPU's counter-based sampling, so the same seed gives the same indices on
+// both backends; backward: straight-through, dQ and dK of the soft attention
+// and dV by an index-add). On CUDA the lse is float32 whatever the dtype (the
+// backward takes it so); gradients are accumulated in float32 and converted.
+// Tested by tests/cuda/test_cuda_hard_retrieval.cpp.
+#include <torch/library.h>
+
+#include "kernels/hard_retrieval/hard_retrieval_cuda.h"
+#include "ops/cuda/cuda_op_util.h"
+#include "ops/hard_retrieval_checks.h"
+#include "ops/mask_util.h"
+#include "ops/op_util.h"
+
+namespace fastattn {
+namespace {
+
+using torch::Tensor;
+
+constexpr const char* kOp = "fastattn::hard_retrieval_attention";
+
+struct Prepared {
+  Tensor q, k, v, keep, lengths;  // keep: bool (N, H, L, S) view; lengths: int64
+  kernels::HardRetrievalCudaParams params;
+};
+
+Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v,
+                 const c10::optional<Tensor>& attn_mask, const c10::optional<Tensor>& key_lengths,
+                 bool causal, double temp) {
+  ops::check_hard_retrieval_inputs(kOp, q, k, v, attn_mask, key_lengths);
+  TORCH_CHECK(q.size(3) <= kernels::kHardRetrievalCudaMaxDim &&
+                  v.size(3) <= kernels::kHardRetrievalCudaMaxDim,
+              kOp, ": the CUDA kernels take head dims E and M up to ",
+              kernels::kHardRetrievalCudaMaxDim, ", got E = ", q.size(3), ", M = ", v.size(3));
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
+  Prepared p;
+  p.q = q.contiguous();
+  p.k = k.contiguous();
+  p.v = v.contiguous();
+  auto& a = p.params;
+  if (attn_mask) {
+    p.keep = ops::broadcast_mask(attn_mask->contiguous(), N, H, L, S);
+    a.keep = p.keep.data_ptr<bool>();
+    a.keep_sn = p.keep.stride(0);
+    a.keep_sh = p.keep.stride(1);
+    a.keep_sl = p.keep.stride(2);
+  }
+  if (key_lengths) {
+    p.lengths = key_lengths->to(q.device(), torch::kLong).contiguous();
+    a.key_lengths = p.lengths.data_ptr<int64_t>();
+  }
+  a.dtype = ops::cuda::kernel_dtype(kOp, "q", q);
+  a.q = p.q.data_ptr();
+  a.k = p.k.data_ptr();
+  a.v = p.v.data_ptr();
+  a.N = N;
+  a.H = H;
+  a.L = L;
+  a.S = S;
+  a.E = q.size(3);
+  a.M = v.size(3);
+  a.causal = causal;
+  a.scale = static_cast<float>(temp);
+  return p;
+}
+
+// (out, index, lse); lse (float32) is empty (numel 0) unless sample or need_lse.
+std::tuple<Tensor, Tensor, Tensor> forward_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                const c10::optional<Tensor>& attn_mask,
+                                                const c10::optional<Tensor>& key_lengths,
+                                                bool causal, bool sample, double softmax_temp,
+                                                int64_t seed, bool need_lse) {
+  c10::cuda::CUDAGuard guard(q.device());
+  ops::resolve_softmax_temp(kOp, q, softmax_temp);
+  const auto p = prepare(q, k, v, attn_mask, key_lengths, causal, softmax_temp);
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2);
+  auto out = torch::empty({N, H, L, v.size(3)}, q.options());
+  auto index = torch::empty({N, H, L}, q.options().dtype(torch::kLong));
+  const bool with_lse = sample || need_lse;
+  const auto f32 = q.options().dtype(torch::kFloat);
+  auto lse = with_lse ? torch::empty({N, H, L}, f32) : torch::empty({0}, f32);
+  kernels::HardRetrievalForwardCudaArgs a;
+  static_cast<kernels::HardRetrievalCudaParams&>(a) = p.params;
+  a.sample = sample;
+  a.seed = static_cast<uint64_t>(seed);
+  a.out = out.data_ptr();
+  a.index = index.data_ptr<int64_t>();
+  a.lse = with_lse ? lse.data_ptr<float>() : nullptr;
+  kernels::hard_retrieval_forward_cuda(a, ops::cuda::current_stream());
+  return {out, index, lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& grad_out, const Tensor& q,
+                                                 const Tensor& k, const Tensor& v,
+                                                 const Tensor& index, const Tensor& lse,
+                                                 const c10::optional<Tensor>& attn_mask,
+                                                 const c10::optional<Tensor>& key_lengths,
+                                                 bool causal, double softmax_temp) {
+  c10::cuda::CUDAGuard guard(q.device());
+  const auto p = prepare(q, k, v, attn_mask, key_lengths, causal, softmax_temp);
+  ops::check_hard_retrieval_backward(kOp, grad_out, q, k, v, index, lse, torch::kFloat);
+  ops::cuda::check_same_device(kOp, "grad_out", grad_out, q.device());
+  ops::cuda::check_same_device(kOp, "index", index, q.device());
+  ops::cuda::check_same_device(kOp, "lse", lse, q.device());
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), M = v.size(3);
+  auto go = grad_out.to(q.scalar_type()).contiguous();
+  auto idx = index.contiguous();
+  auto lse_c = lse.contiguous();
+  const auto f32 = q.options().dtype(torch::kFloat);
+  auto ws_out = torch::empty({N, H, L, M}, f32);
+  auto ws_lse = torch::empty({N, H, L}, f32), ws_delta = torch::empty({N, H, L}, f32);
+  auto gq = torch::zeros(q.sizes(), f32), gk = torch::zeros(k.sizes(), f32),
+       gv = torch::zeros(v.sizes(), f32);
+  kernels::HardRetrievalBackwardCudaArgs a;
+  static_cast<kernels::HardRetrievalCudaParams&>(a) = p.params;
+  a.grad_out = go.data_ptr();
+  a.index = idx.data_ptr<int64_t>();
+  a.lse = lse_c.data_ptr<float>();
+  a.ws_out = ws_out.data_ptr<float>();
+  a.ws_lse = ws_lse.data_ptr<float>();
+  a.ws_delta = ws_delta.data_ptr<float>();
+  a.grad_q = gq.data_ptr<float>();
+  a.grad_k = gk.data_ptr<float>();
+  a.grad_v = gv.data_ptr<float>();
+  kernels::hard_retrieval_backward_cuda(a, ops::cuda::current_stream());
+  return {gq.to(q.scalar_type()), gk.to(q.scalar_type()), gv.to(q.scalar_type())};
+}
+
+// The top-level op without autograd (the CPU registration's twin).
+std::tuple<Tensor, Tensor> no_grad_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
+                                        const c10::optional<Tensor>& attn_mask,
+                                        const c10::optional<Tensor>& key_lengths, bool causal,
+                                        bool sample, c10::optional<double> softmax_temp,
+                                        int64_t seed) {
+  ops::check_qkv(kOp, q, k, v);
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastattn::hard_retrieval_attention_forward", "")
+                       .typed<decltype(forward_cuda)>();
+  auto [out, index, lse] =
+      op.call(q, k, v, attn_mask, key_lengths, causal, sample,
+              ops::resolve_softmax_temp(kOp, q, softmax_temp), seed, false);
+  return {out, index};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
+  m.impl("hard_retrieval_attention", no_grad_cuda);
+  m.impl("hard_retrieval_attention_forward", forward_cuda);
+  m.impl("hard_retrieval_attention_backward", backward_cuda);
+}
+
+}  // namespace fastattn
