@@ -312,9 +312,24 @@ void run_cases() {
       {1, 1, 1, 16, 8, 2, 4, 1, {}, false, true},       // L = 1: only the masked self
       {1, 1, 20, 16, 16, 2, 50, 3, {}, false, false},   // chunk > L
       {1, 1, 9, 16, 16, 2, 1, 3, {7}, true, true},      // chunk 1
+      {1, 1, 9, 16, 0, 2, 4, 2, {}, false, true},       // M = 0
+      {1, 1, 18, 256, 24, 1, 8, 2, {}, true, true},     // the largest E
   };
   int seed = 10;
   for (const auto& c : cases) check_attention<T>(c, seed++);
+}
+
+TEST(ReformerCudaEmu, HeadDimensionLimitIsAnError) {
+  k::ReformerForwardCudaArgs a;
+  a.N = a.H = a.L = a.R = 1;
+  a.E = k::kReformerCudaMaxHeadDim + 1;
+  a.M = 8;
+  EXPECT_THROW(k::reformer_forward_cuda(a, nullptr), std::runtime_error);
+  k::ReformerBackwardCudaArgs b;
+  b.N = b.H = b.L = b.R = 1;
+  b.E = 8;
+  b.M = k::kReformerCudaMaxHeadDim + 1;
+  EXPECT_THROW(k::reformer_backward_cuda(b, nullptr), std::runtime_error);
 }
 
 TEST(ReformerCudaEmu, AttentionFloat32) { run_cases<float>(); }

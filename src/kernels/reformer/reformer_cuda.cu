@@ -508,11 +508,12 @@ __global__ void backward_finish_kernel(ReformerBackwardCudaArgs a, int64_t rows)
 }
 
 void check_head_dims(const ReformerCudaParams& a, const char* what) {
-  if (a.E < 1 || a.E > kReformerCudaMaxHeadDim || a.M < 1 || a.M > kReformerCudaMaxHeadDim)
-    throw std::runtime_error(std::string("fastattn CUDA kernel ") + what +
-                             ": head dimensions E and M must lie in [1, " +
-                             std::to_string(kReformerCudaMaxHeadDim) +
-                             "], got E = " + std::to_string(a.E) + ", M = " + std::to_string(a.M));
+  if (a.E < 1 || a.E > kReformerCudaMaxHeadDim || a.M < 0 || a.M > kReformerCudaMaxHeadDim)
+    throw std::runtime_error(
+        std::string("fastattn CUDA kernel ") + what +
+        ": head dimensions must be 1 <= E <= " + std::to_string(kReformerCudaMaxHeadDim) +
+        " and 0 <= M <= " + std::to_string(kReformerCudaMaxHeadDim) +
+        ", got E = " + std::to_string(a.E) + ", M = " + std::to_string(a.M));
   if (a.chunk < 1)
     throw std::runtime_error(std::string("fastattn CUDA kernel ") + what +
                              ": chunk must be >= 1, got " + std::to_string(a.chunk));

@@ -55,7 +55,7 @@ struct ReformerBackwardCudaArgs : ReformerCudaParams {
 };
 
 // Largest head dimensions E and M the attention kernels take (shared-memory tiles).
-constexpr int64_t kReformerCudaMaxHeadDim = 512;
+constexpr int64_t kReformerCudaMaxHeadDim = 256;
 
 // Forward: zero/-inf initialisation, one launch per round (each query is in
 // one chunk per round: the rounds merge into the running output and stats as
