@@ -168,17 +168,17 @@ template <typename T>
 __device__ void load_key_tile(const ReformerCudaParams& a, const T* q, const T* v,
                               const int64_t* perm, const Window& w, int64_t kt, int64_t* kpos,
                               float* sk, float* sv) {
-  const int64_t E = a.E, M = a.M;
+  const int E = static_cast<int>(a.E), M = static_cast<int>(a.M);
   const int tid = threadIdx.x;
   if (tid < kBK) kpos[tid] = kt + tid < w.cols ? perm[w.k0 + kt + tid] : -1;
   __syncthreads();
-  for (int64_t idx = tid; idx < kBK * E; idx += kThreads) {
-    const int64_t j = idx / E, e = idx % E;
+  for (int idx = tid; idx < kBK * E; idx += kThreads) {
+    const int j = idx / E, e = idx % E;
     const int64_t p = kpos[j];
     sk[j * (E + 1) + e] = p >= 0 ? to_float(q[p * E + e]) : 0.f;
   }
-  for (int64_t idx = tid; idx < kBK * M; idx += kThreads) {
-    const int64_t j = idx / M, d = idx % M;
+  for (int idx = tid; idx < kBK * M; idx += kThreads) {
+    const int j = idx / M, d = idx % M;
     const int64_t p = kpos[j];
     sv[j * (M + 1) + d] = p >= 0 ? to_float(v[p * M + d]) : 0.f;
   }
@@ -187,10 +187,10 @@ __device__ void load_key_tile(const ReformerCudaParams& a, const T* q, const T* 
   for (int j = warp; j < kBK; j += kWarps) {
     float* row = sk + j * (E + 1);
     float ss = 0.f;
-    for (int64_t e = lane; e < E; e += 32) ss += row[e] * row[e];
+    for (int e = lane; e < E; e += 32) ss += row[e] * row[e];
     ss = warp_sum(ss);
     const float inv = 1.f / fmaxf(sqrtf(ss), kNormEps);
-    for (int64_t e = lane; e < E; e += 32) row[e] *= inv;
+    for (int e = lane; e < E; e += 32) row[e] *= inv;
   }
   __syncthreads();
 }
@@ -198,26 +198,36 @@ __device__ void load_key_tile(const ReformerCudaParams& a, const T* q, const T* 
 // Loads query rows [qt0, qt0 + kBQ) of the chunk (rows past the chunk: -1
 // and zeros) and D values per row of x into sx (stride D). No barrier.
 template <typename T>
-__device__ void load_query_rows(const T* x, int64_t D, const int64_t* qpos, float* sx) {
-  for (int64_t idx = threadIdx.x; idx < kBQ * D; idx += kThreads) {
-    const int64_t i = idx / D, d = idx % D;
+__device__ void load_query_rows(const T* x, int D, const int64_t* qpos, float* sx) {
+  for (int idx = threadIdx.x; idx < kBQ * D; idx += kThreads) {
+    const int i = idx / D, d = idx % D;
     const int64_t p = qpos[i];
     sx[idx] = p >= 0 ? to_float(x[p * D + d]) : 0.f;
   }
 }
 
-// Scaled and masked score of query row qi (position qp) against key lane j
-// (position kp): -inf past the window or (causal) for a later key; the self
+// d[k] = dot(x + (row0 + k)·ldx, y + lane·ldy) over n, for the warp's rows
+// k < kRowsPerWarp (x rows broadcast, y: one row per lane).
+__device__ __forceinline__ void warp_row_dots(const float* x, int ldx, const float* y, int ldy,
+                                              int n, float (&d)[kRowsPerWarp]) {
+  const int row0 = (threadIdx.x / 32) * kRowsPerWarp;
+  const float* yl = y + (threadIdx.x % 32) * ldy;
+  for (int k = 0; k < kRowsPerWarp; ++k) d[k] = 0.f;
+  for (int e = 0; e < n; ++e) {
+    const float w = yl[e];
+    for (int k = 0; k < kRowsPerWarp; ++k) d[k] += x[(row0 + k) * ldx + e] * w;
+  }
+}
+
+// The scaled and masked score from a dot product of query position qp and key
+// position kp: -inf past the window or (causal) for a later key; the self
 // score replaced by -1e5 when mask_self.
-__device__ __forceinline__ float masked_score(const ReformerCudaParams& a, const float* sq,
-                                              const float* skj, int64_t qp, int64_t kp) {
+__device__ __forceinline__ float masked_score(const ReformerCudaParams& a, float dot, int64_t qp,
+                                              int64_t kp) {
   if (kp < 0 || qp < 0) return -INFINITY;
   if (a.causal && kp > qp) return -INFINITY;
-  float s = 0.f;
-  for (int64_t e = 0; e < a.E; ++e) s += sq[e] * skj[e];
-  s *= a.scale;
-  if (a.mask_self && kp == qp) s = kSelfScore;
-  return s;
+  if (a.mask_self && kp == qp) return kSelfScore;
+  return dot * a.scale;
 }
 
 size_t attention_shared_bytes(int64_t E, int64_t M, bool backward) {
@@ -246,7 +256,8 @@ __global__ void forward_init_kernel(float* ws, double* stats, int64_t rows, int6
 template <typename T>
 __global__ void forward_round_kernel(ReformerForwardCudaArgs a, int64_t r, int64_t chunks,
                                      int64_t qtiles) {
-  const int64_t E = a.E, M = a.M, L = a.L, C = a.chunk;
+  const int E = static_cast<int>(a.E), M = static_cast<int>(a.M);  // <= kReformerCudaMaxHeadDim
+  const int64_t L = a.L, C = a.chunk;
   int64_t item = blockIdx.x;
   const int64_t qt = item % qtiles;
   item /= qtiles;
@@ -272,7 +283,7 @@ __global__ void forward_round_kernel(ReformerForwardCudaArgs a, int64_t r, int64
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int64_t qt0 = qt * kBQ;  // first query row of the tile within the chunk
   if (tid < kBQ) qpos[tid] = qt0 + tid < w.rows ? perm[w.t0 + qt0 + tid] : -1;
-  for (int64_t idx = tid; idx < kBQ * M; idx += kThreads) sacc[idx] = 0.f;
+  for (int idx = tid; idx < kBQ * M; idx += kThreads) sacc[idx] = 0.f;
   __syncthreads();
   load_query_rows(q, E, qpos, sq);
 
@@ -284,9 +295,11 @@ __global__ void forward_round_kernel(ReformerForwardCudaArgs a, int64_t r, int64
   for (int64_t kt = 0; kt < w.cols; kt += kBK) {
     load_key_tile(a, q, v, perm, w, kt, kpos, sk, sv);  // barriers: sq is ready too
     const int64_t kp = kpos[lane];
+    float dots[kRowsPerWarp];
+    warp_row_dots(sq, E, sk, E + 1, E, dots);
     for (int k = 0; k < kRowsPerWarp; ++k) {
       const int i = warp * kRowsPerWarp + k;
-      const float s = masked_score(a, sq + i * E, sk + lane * (E + 1), qpos[i], kp);
+      const float s = masked_score(a, dots[k], qpos[i], kp);
       const float m_new = fmaxf(m_run[k], warp_max(s));
       const bool none = m_new == -INFINITY;
       const float p = none ? 0.f : expf(s - m_new);
@@ -297,8 +310,8 @@ __global__ void forward_round_kernel(ReformerForwardCudaArgs a, int64_t r, int64
       if (lane == 0) salpha[i] = alpha;
     }
     __syncthreads();
-    for (int64_t idx = tid; idx < kBQ * M; idx += kThreads) {
-      const int64_t i = idx / M, d = idx % M;
+    for (int idx = tid; idx < kBQ * M; idx += kThreads) {
+      const int i = idx / M, d = idx % M;
       const float* prow = sp + i * kBK;
       float acc = sacc[idx] * salpha[i];
       for (int j = 0; j < kBK; ++j) acc += prow[j] * sv[j * (M + 1) + d];
@@ -367,7 +380,8 @@ __global__ void forward_finish_kernel(ReformerForwardCudaArgs a, int64_t rows) {
 // Block: (query tile qt, chunk c, nh, round r).
 template <typename T>
 __global__ void backward_kernel(ReformerBackwardCudaArgs a, int64_t chunks, int64_t qtiles) {
-  const int64_t E = a.E, M = a.M, L = a.L, C = a.chunk;
+  const int E = static_cast<int>(a.E), M = static_cast<int>(a.M);  // <= kReformerCudaMaxHeadDim
+  const int64_t L = a.L, C = a.chunk;
   int64_t item = blockIdx.x;
   const int64_t qt = item % qtiles;
   item /= qtiles;
@@ -414,7 +428,7 @@ __global__ void backward_kernel(ReformerBackwardCudaArgs a, int64_t chunks, int6
       shi[tid] = slo[tid] = sdelta[tid] = 0.f;
     }
   }
-  for (int64_t idx = tid; idx < kBQ * E; idx += kThreads) sdq[idx] = 0.f;
+  for (int idx = tid; idx < kBQ * E; idx += kThreads) sdq[idx] = 0.f;
   __syncthreads();
   load_query_rows(q, E, qpos, sq);
   load_query_rows(go, M, qpos, sdo);
@@ -422,40 +436,39 @@ __global__ void backward_kernel(ReformerBackwardCudaArgs a, int64_t chunks, int6
   for (int64_t kt = 0; kt < w.cols; kt += kBK) {
     load_key_tile(a, q, v, perm, w, kt, kpos, sk, sv);  // barriers: sq, sdo are ready too
     const int64_t kp = kpos[lane];
+    float dots[kRowsPerWarp], dps[kRowsPerWarp];
+    warp_row_dots(sq, E, sk, E + 1, E, dots);
+    warp_row_dots(sdo, M, sv, M + 1, M, dps);  // dP = dO·V^T
     for (int k = 0; k < kRowsPerWarp; ++k) {
       const int i = warp * kRowsPerWarp + k;
       const int64_t qp = qpos[i];
-      const float s = masked_score(a, sq + i * E, sk + lane * (E + 1), qp, kp);
+      const float s = masked_score(a, dots[k], qp, kp);
       const float p = s == -INFINITY ? 0.f : expf((s - shi[i]) - slo[i]);
-      float dp = 0.f;
-      const float* vj = sv + lane * (M + 1);
-      const float* doi = sdo + i * M;
-      for (int64_t d = 0; d < M; ++d) dp += doi[d] * vj[d];
-      float ds = p * (dp - sdelta[i]) * a.scale;
+      float ds = p * (dps[k] - sdelta[i]) * a.scale;
       if (a.mask_self && kp == qp) ds = 0.f;  // the replaced self score is a constant
       sp[i * kBK + lane] = p;
       sds[i * kBK + lane] = ds;
     }
     __syncthreads();
     // dQ += dS·K (as queries)
-    for (int64_t idx = tid; idx < kBQ * E; idx += kThreads) {
-      const int64_t i = idx / E, e = idx % E;
+    for (int idx = tid; idx < kBQ * E; idx += kThreads) {
+      const int i = idx / E, e = idx % E;
       const float* dsrow = sds + i * kBK;
       float acc = 0.f;
       for (int j = 0; j < kBK; ++j) acc += dsrow[j] * sk[j * (E + 1) + e];
       sdq[idx] += acc;
     }
     // dK += dS^T·Q (as normalised keys), dV += P^T·dO: scattered by atomics.
-    for (int64_t idx = tid; idx < kBK * E; idx += kThreads) {
-      const int64_t j = idx / E, e = idx % E;
+    for (int idx = tid; idx < kBK * E; idx += kThreads) {
+      const int j = idx / E, e = idx % E;
       const int64_t p = kpos[j];
       if (p < 0) continue;
       float acc = 0.f;
       for (int i = 0; i < kBQ; ++i) acc += sds[i * kBK + j] * sq[i * E + e];
       atomicAdd(gk + p * E + e, acc);
     }
-    for (int64_t idx = tid; idx < kBK * M; idx += kThreads) {
-      const int64_t j = idx / M, d = idx % M;
+    for (int idx = tid; idx < kBK * M; idx += kThreads) {
+      const int j = idx / M, d = idx % M;
       const int64_t p = kpos[j];
       if (p < 0) continue;
       float acc = 0.f;
@@ -464,7 +477,7 @@ __global__ void backward_kernel(ReformerBackwardCudaArgs a, int64_t chunks, int6
     }
     __syncthreads();
   }
-  for (int64_t idx = tid; idx < kBQ * E; idx += kThreads) {
+  for (int idx = tid; idx < kBQ * E; idx += kThreads) {
     const int64_t p = qpos[idx / E];
     if (p >= 0) atomicAdd(gq + p * E + idx % E, sdq[idx]);
   }
