@@ -155,6 +155,43 @@ TEST(ReformerCudaEmu, LshHashMatchesCpu) {
   check_hash<__nv_bfloat16>(2, 1, 17, 24, 2, 33, 5);
 }
 
+// Small integer inputs: exact projections with many ties (equal columns,
+// p[imax] == -p[imin], zero rows), which must follow the CPU's rule exactly.
+template <typename T>
+void check_hash_ties(int64_t B2, int seed) {
+  SCOPED_TRACE("ties B2=" + std::to_string(B2));
+  const int64_t N = 1, H = 2, L = 23, E = 5, R = 3;
+  std::mt19937 gen(seed);
+  std::uniform_int_distribution<int> d(-1, 1);
+  std::vector<T> x(N * H * L * E), rot(R * E * B2);
+  std::vector<double> xr(x.size()), rr(rot.size());
+  for (size_t i = 0; i < x.size(); ++i)
+    xr[i] = i % 7 == 0 ? 0 : d(gen), x[i] = from_float<T>(xr[i]);
+  for (size_t i = 0; i < rot.size(); ++i) rr[i] = d(gen), rot[i] = from_float<T>(rr[i]);
+  std::vector<int64_t> got(N * H * R * L, -1), want(N * H * R * L, -2);
+  k::LshHashCudaArgs a;
+  a.x = x.data();
+  a.rotations = rot.data();
+  a.buckets = got.data();
+  a.N = N, a.H = H, a.L = L, a.E = E, a.R = R, a.B2 = B2;
+  a.dtype = dtype_of<T>();
+  k::lsh_hash_cuda(a, nullptr);
+  k::LshHashArgs<double> c;
+  c.x = xr.data();
+  c.rotations = rr.data();
+  c.buckets = want.data();
+  c.N = N, c.H = H, c.L = L, c.E = E, c.R = R, c.B2 = B2;
+  k::lsh_hash_cpu(c);
+  EXPECT_EQ(got, want);
+}
+
+TEST(ReformerCudaEmu, LshHashTiesAsCpu) {
+  check_hash_ties<float>(3, 1);
+  check_hash_ties<float>(37, 2);
+  check_hash_ties<__half>(4, 3);
+  check_hash_ties<__nv_bfloat16>(2, 4);
+}
+
 TEST(ReformerCudaEmu, LshHashOneBucket) {
   std::vector<float> x(2 * 3 * 4, 1.f);
   std::vector<int64_t> got(2 * 5 * 3, -1);
