@@ -29,8 +29,12 @@
 //    last kernel adds dK through the normalisation, dq += (dk - k (k·dk)) /
 //    |q| (dk / eps where the norm is clamped), and converts to the storage
 //    type.
-// SIMT float arithmetic throughout (no tensor cores: the tiles are small and
-// gathered; see the report). E, M <= kReformerCudaMaxHeadDim (shared memory).
+// SIMT float arithmetic throughout, including float16/bfloat16 (no tensor
+// cores yet: the 16 x 32 tiles are gathered row by row through the sort
+// permutation and the kernel is expected to be bound by those gathers and
+// the shared-memory traffic; a WMMA path for the two products is the next
+// step if a profile says otherwise). E, M <= kReformerCudaMaxHeadDim (the
+// backward's shared-memory tiles, ~119 KB at 256).
 //
 // Tested under the emulator by tests/cuda_emu/test_reformer.cpp against the
 // CPU kernels in float64; on a GPU by tests/cuda/test_cuda_reformer.cpp.
