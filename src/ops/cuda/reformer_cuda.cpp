@@ -104,8 +104,9 @@ std::tuple<Tensor, Tensor> reformer_attention_forward_cuda(const Tensor& q, cons
                                                            int64_t chunk_size, bool causal,
                                                            bool mask_self, double softmax_temp) {
   TORCH_CHECK(q.defined(), kOp, ": q must be a defined tensor");
-  const c10::cuda::CUDAGuard guard(q.device());
+  // The checks come before the guard: a CPU q with CUDA buckets dispatches here too.
   const auto p = prepare(q, v, buckets, key_lengths, chunk_size);
+  const c10::cuda::CUDAGuard guard(q.device());
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), M = v.size(3);
   auto out = torch::empty({N, H, L, M}, q.options());
   auto stats = torch::empty({N, H, L, 2}, q.options().dtype(torch::kDouble));
@@ -124,12 +125,12 @@ std::tuple<Tensor, Tensor> reformer_attention_backward_cuda(
     const Tensor& out, const Tensor& stats, const c10::optional<Tensor>& key_lengths,
     int64_t chunk_size, bool causal, bool mask_self, double softmax_temp) {
   TORCH_CHECK(q.defined(), kOp, ": q must be a defined tensor");
-  const c10::cuda::CUDAGuard guard(q.device());
   const auto p = prepare(q, v, buckets, key_lengths, chunk_size);
   check_backward_inputs(grad_out, q, v, out, stats);
   check_same_device(kOp, "grad_out", grad_out, q.device());
   check_same_device(kOp, "out", out, q.device());
   check_same_device(kOp, "stats", stats, q.device());
+  const c10::cuda::CUDAGuard guard(q.device());
   auto go = grad_out.to(q.scalar_type()).contiguous();
   auto delta = (go.to(torch::kFloat) * out.to(torch::kFloat)).sum(-1).contiguous();  // (N, H, L)
   auto stats_c = stats.to(torch::kDouble).contiguous();
