@@ -181,6 +181,9 @@ TEST(CudaReformer, BadInputsNamed) {
   EXPECT_ERROR_CONTAINS(lsh_hash(qd, torch::randn({1, 16, 4}, qd.options())), "x",
                         "float32, float16 or bfloat16");
   EXPECT_ERROR_CONTAINS(reformer_attention(v, v, b.cpu()), "one device");
+  EXPECT_ERROR_CONTAINS(reformer_attention(v.cpu(), v.cpu(), b), "one device");  // CUDA dispatch
+  EXPECT_ERROR_CONTAINS(lsh_hash(v.cpu(), torch::randn({1, 16, 4}, torch::kCUDA)), "rotations",
+                        "like x");
 }
 
 }  // namespace
