@@ -150,7 +150,7 @@ torch::Tensor block_sparse_attention(const torch::Tensor& q, const torch::Tensor
 
 // Reformer (Kitaev et al. 2020), step 1: LSH buckets by random rotations.
 // Bucket of x in round r = argmax over the 2·B2 values [x·R_r ; -x·R_r].
-//   x:         (N, H, L, E) float32 or float64
+//   x:         (N, H, L, E) float32 or float64 (CUDA: float32, float16, bfloat16)
 //   rotations: (R, E, B2), x's dtype; draw them from a seeded generator.
 //              B2 = 0 gives one bucket (all 0).
 // Returns (N, H, R, L) int64 in [0, max(1, 2·B2)). Not differentiable.
@@ -168,7 +168,8 @@ torch::Tensor lsh_hash(const torch::Tensor& x, const torch::Tensor& rotations);
 //   key_lengths (N,): positions >= length are padding: they join no chunk,
 //   output zeros and get zero gradients.
 // O(N·H·R·L·chunk·(E + M)) time, O(N·H·L·(E + M + R)) memory, never L x L.
-// Gradients flow to q (both roles) and v.
+// Gradients flow to q (both roles) and v. CUDA: float32, float16, bfloat16
+// (float32 arithmetic), E and M <= 256.
 torch::Tensor reformer_attention(const torch::Tensor& q, const torch::Tensor& v,
                                  const torch::Tensor& buckets,
                                  const std::optional<torch::Tensor>& key_lengths = std::nullopt,

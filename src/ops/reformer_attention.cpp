@@ -19,26 +19,24 @@
 #include "kernels/reformer/reformer.h"
 #include "ops/mask_util.h"
 #include "ops/op_util.h"
+#include "ops/reformer_attention_internal.h"
 
 namespace fastattn {
-namespace {
+namespace ops::reformer {
 
 using torch::Tensor;
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
-constexpr const char* kHashOp = "fastattn::lsh_hash";
-constexpr const char* kOp = "fastattn::reformer_attention";
-// Bound on bucket values (the counting sort keeps a table of this many).
-constexpr int64_t kMaxBuckets = int64_t(1) << 24;
 
 void check_hash_inputs(const Tensor& x, const Tensor& rotations) {
   TORCH_CHECK(x.defined() && rotations.defined(), kHashOp,
               ": x and rotations must be defined tensors");
   TORCH_CHECK(x.dim() == 4, kHashOp, ": x must have shape (N, H, L, E), got ", x.dim(),
               " dimensions ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kDouble, kHashOp,
-              ": x must be float32 or float64, got ", x.scalar_type());
+  if (x.is_cuda()) {
+    check_float_dtype(kHashOp, "x", x);  // float32, float16 or bfloat16
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kDouble, kHashOp,
+                ": x must be float32 or float64, got ", x.scalar_type());
+  }
   TORCH_CHECK(rotations.dim() == 3 && rotations.size(1) == x.size(3), kHashOp,
               ": rotations must have shape (R, E, n_buckets / 2) with E = ", x.size(3), ", got ",
               rotations.sizes());
@@ -51,6 +49,64 @@ void check_hash_inputs(const Tensor& x, const Tensor& rotations) {
   TORCH_CHECK(rotations.device() == x.device(), kHashOp, ": rotations must be on ", x.device(),
               " like x, got ", rotations.device());
 }
+
+int64_t check_inputs(const Tensor& q, const Tensor& v, const Tensor& buckets,
+                     const c10::optional<Tensor>& key_lengths, int64_t chunk_size) {
+  TORCH_CHECK(q.defined() && v.defined() && buckets.defined(), kOp,
+              ": q, v and buckets must be defined tensors");
+  TORCH_CHECK(q.dim() == 4, kOp, ": q must have shape (N, H, L, E), got ", q.dim(), " dimensions ",
+              q.sizes());
+  TORCH_CHECK(q.size(3) >= 1, kOp, ": q's head dimension E must be >= 1, got ", q.size(3));
+  if (q.is_cuda()) {
+    check_float_dtype(kOp, "q", q);  // float32, float16 or bfloat16
+  } else {
+    TORCH_CHECK(q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kDouble, kOp,
+                ": q must be float32 or float64, got ", q.scalar_type());
+  }
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2);
+  TORCH_CHECK(v.dim() == 4 && v.size(0) == N && v.size(1) == H && v.size(2) == L, kOp,
+              ": v must have shape (N, H, L, M) = (", N, ", ", H, ", ", L,
+              ", M) (shared-QK attention: one length for queries, keys and values), got ",
+              v.sizes());
+  TORCH_CHECK(v.scalar_type() == q.scalar_type(), kOp, ": v must be ", q.scalar_type(),
+              " like q, got ", v.scalar_type());
+  TORCH_CHECK(v.device() == q.device() && buckets.device() == q.device(), kOp,
+              ": q, v and buckets must be on one device, got ", q.device(), ", ", v.device(), ", ",
+              buckets.device());
+  TORCH_CHECK(buckets.dim() == 4 && buckets.size(0) == N && buckets.size(1) == H &&
+                  buckets.size(2) >= 1 && buckets.size(3) == L,
+              kOp, ": buckets must have shape (N, H, R, L) = (", N, ", ", H, ", R >= 1, ", L,
+              "), got ", buckets.sizes());
+  TORCH_CHECK(buckets.scalar_type() == torch::kLong, kOp, ": buckets must be int64, got ",
+              buckets.scalar_type());
+  TORCH_CHECK(chunk_size >= 1, kOp, ": chunk_size must be >= 1, got ", chunk_size);
+  check_masks(kOp, q, L, std::nullopt, to_std(key_lengths));
+  if (buckets.numel() == 0) return 1;
+  const int64_t lo = buckets.min().item<int64_t>(), hi = buckets.max().item<int64_t>();
+  TORCH_CHECK(lo >= 0 && hi < kMaxBuckets, kOp, ": buckets must be in [0, ", kMaxBuckets,
+              "), got values in [", lo, ", ", hi, "]");
+  return hi + 1;
+}
+
+void check_backward_inputs(const Tensor& grad_out, const Tensor& q, const Tensor& v,
+                           const Tensor& out, const Tensor& stats) {
+  const std::vector<int64_t> out_shape{q.size(0), q.size(1), q.size(2), v.size(3)};
+  TORCH_CHECK(grad_out.sizes() == out_shape && out.sizes() == out_shape, kOp,
+              ": grad_out and out must have shape ", c10::IntArrayRef(out_shape), ", got ",
+              grad_out.sizes(), " and ", out.sizes());
+  TORCH_CHECK(stats.dim() == 4 && stats.size(0) == q.size(0) && stats.size(1) == q.size(1) &&
+                  stats.size(2) == q.size(2) && stats.size(3) == 2,
+              kOp, ": stats must have shape (N, H, L, 2), got ", stats.sizes());
+}
+
+}  // namespace ops::reformer
+
+namespace {
+
+using torch::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using namespace ops::reformer;
 
 Tensor lsh_hash_cpu(const Tensor& x, const Tensor& rotations) {
   check_hash_inputs(x, rotations);
@@ -74,42 +130,6 @@ Tensor lsh_hash_cpu(const Tensor& x, const Tensor& rotations) {
     kernels::lsh_hash_cpu(a);
   });
   return buckets;
-}
-
-// Checks q, v, buckets, key_lengths and chunk_size; returns the bucket bound
-// (max bucket + 1) for the counting sort.
-int64_t check_inputs(const Tensor& q, const Tensor& v, const Tensor& buckets,
-                     const c10::optional<Tensor>& key_lengths, int64_t chunk_size) {
-  TORCH_CHECK(q.defined() && v.defined() && buckets.defined(), kOp,
-              ": q, v and buckets must be defined tensors");
-  TORCH_CHECK(q.dim() == 4, kOp, ": q must have shape (N, H, L, E), got ", q.dim(), " dimensions ",
-              q.sizes());
-  TORCH_CHECK(q.size(3) >= 1, kOp, ": q's head dimension E must be >= 1, got ", q.size(3));
-  TORCH_CHECK(q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kDouble, kOp,
-              ": q must be float32 or float64, got ", q.scalar_type());
-  const int64_t N = q.size(0), H = q.size(1), L = q.size(2);
-  TORCH_CHECK(v.dim() == 4 && v.size(0) == N && v.size(1) == H && v.size(2) == L, kOp,
-              ": v must have shape (N, H, L, M) = (", N, ", ", H, ", ", L,
-              ", M) (shared-QK attention: one length for queries, keys and values), got ",
-              v.sizes());
-  TORCH_CHECK(v.scalar_type() == q.scalar_type(), kOp, ": v must be ", q.scalar_type(),
-              " like q, got ", v.scalar_type());
-  TORCH_CHECK(v.device() == q.device() && buckets.device() == q.device(), kOp,
-              ": q, v and buckets must be on one device, got ", q.device(), ", ", v.device(), ", ",
-              buckets.device());
-  TORCH_CHECK(buckets.dim() == 4 && buckets.size(0) == N && buckets.size(1) == H &&
-                  buckets.size(2) >= 1 && buckets.size(3) == L,
-              kOp, ": buckets must have shape (N, H, R, L) = (", N, ", ", H, ", R >= 1, ", L,
-              "), got ", buckets.sizes());
-  TORCH_CHECK(buckets.scalar_type() == torch::kLong, kOp, ": buckets must be int64, got ",
-              buckets.scalar_type());
-  TORCH_CHECK(chunk_size >= 1, kOp, ": chunk_size must be >= 1, got ", chunk_size);
-  ops::check_masks(kOp, q, L, std::nullopt, to_std(key_lengths));
-  if (buckets.numel() == 0) return 1;
-  const int64_t lo = buckets.min().item<int64_t>(), hi = buckets.max().item<int64_t>();
-  TORCH_CHECK(lo >= 0 && hi < kMaxBuckets, kOp, ": buckets must be in [0, ", kMaxBuckets,
-              "), got values in [", lo, ", ", hi, "]");
-  return hi + 1;
 }
 
 struct Prepared {
@@ -172,13 +192,7 @@ std::tuple<Tensor, Tensor> reformer_attention_backward_cpu(const Tensor& grad_ou
                                                            int64_t chunk_size, bool causal,
                                                            bool mask_self, double softmax_temp) {
   const auto p = prepare(q, v, buckets, key_lengths, chunk_size);
-  const std::vector<int64_t> out_shape{q.size(0), q.size(1), q.size(2), v.size(3)};
-  TORCH_CHECK(grad_out.sizes() == out_shape && out.sizes() == out_shape, kOp,
-              ": grad_out and out must have shape ", c10::IntArrayRef(out_shape), ", got ",
-              grad_out.sizes(), " and ", out.sizes());
-  TORCH_CHECK(stats.dim() == 4 && stats.size(0) == q.size(0) && stats.size(1) == q.size(1) &&
-                  stats.size(2) == q.size(2) && stats.size(3) == 2,
-              kOp, ": stats must have shape (N, H, L, 2), got ", stats.sizes());
+  check_backward_inputs(grad_out, q, v, out, stats);
   auto go = grad_out.to(q.scalar_type()).contiguous();
   auto delta = (go * out).sum(-1).contiguous();  // (N, H, L)
   auto stats_c = stats.to(torch::kDouble).contiguous();
@@ -206,14 +220,22 @@ std::tuple<Tensor, Tensor> call_forward(const Tensor& q, const Tensor& v, const 
   return op.call(q, v, buckets, key_lengths, chunk_size, causal, mask_self, temp);
 }
 
-Tensor reformer_attention_no_grad(const Tensor& q, const Tensor& v, const Tensor& buckets,
-                                  const c10::optional<Tensor>& key_lengths, int64_t chunk_size,
-                                  bool causal, bool mask_self, c10::optional<double> softmax_temp) {
+}  // namespace
+
+// The top-level op without autograd (also registered under CUDA).
+torch::Tensor ops::reformer::reformer_attention_no_grad(const Tensor& q, const Tensor& v,
+                                                        const Tensor& buckets,
+                                                        const c10::optional<Tensor>& key_lengths,
+                                                        int64_t chunk_size, bool causal,
+                                                        bool mask_self,
+                                                        c10::optional<double> softmax_temp) {
   TORCH_CHECK(q.defined() && q.dim() == 4, kOp, ": q must have shape (N, H, L, E), got ",
               q.defined() ? q.sizes() : c10::IntArrayRef{});
   return std::get<0>(call_forward(q, v, buckets, key_lengths, chunk_size, causal, mask_self,
                                   ops::resolve_softmax_temp(kOp, q, softmax_temp)));
 }
+
+namespace {
 
 class ReformerFunction : public torch::autograd::Function<ReformerFunction> {
  public:

@@ -1,0 +1,3 @@
+// The Reformer CUDA kernels compiled by the host compiler for the emulator
+// (tests/cuda_emu/test_reformer.cpp runs them).
+#include "kernels/reformer/reformer_cuda.cu"
