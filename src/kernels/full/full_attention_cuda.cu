@@ -402,8 +402,14 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   AFrag qf[DF];
   AccFrag of[DF];
-  AccFrag rowf;  // rowf.x[i]: the row (0..15) of element i of any accumulator fragment
-  fa_wmma::load_matrix_sync(rowf, row_ids, 16, fa_wmma::mem_row_major);
+  // row_of[e]: the row (0..15) of element e of any accumulator fragment.
+  constexpr int NE = AccFrag::num_elements;
+  int row_of[NE];
+  {
+    AccFrag rowf;
+    fa_wmma::load_matrix_sync(rowf, row_ids, 16, fa_wmma::mem_row_major);
+    for (int e = 0; e < NE; ++e) row_of[e] = r0 + static_cast<int>(rowf.x[e]);
+  }
   FULL_UNROLL
   for (int f = 0; f < DF; ++f) {
     if (f < ef) fa_wmma::load_matrix_sync(qf[f], Qs + r0 * lay.ldq + 16 * f, lay.ldq);
@@ -437,7 +443,9 @@ __global__ void __launch_bounds__(kThreads)
       fa_wmma::store_matrix_sync(Sw + 16 * c, acc, lay.lds, fa_wmma::mem_row_major);
     }
     __syncwarp();
-    // Online softmax of the warp's rows.
+    // Online softmax of the warp's rows; `rescale` (the same in every lane)
+    // when some row's running max moved.
+    bool rescale = false;
     for (int rr = 0; rr < 16; ++rr) {
       const int r = r0 + rr;
       const int64_t i = i0 + r;
@@ -471,6 +479,7 @@ __global__ void __launch_bounds__(kThreads)
       }
       sum = warp_sum(sum);
       const float alpha = expf(m_old - m_new);  // 0 when m_old is -inf
+      rescale = rescale || alpha != 1.f;
       if (lane == 0) {
         m_s[r] = m_new;
         l_s[r] = l_old * alpha + sum;
@@ -479,10 +488,10 @@ __global__ void __launch_bounds__(kThreads)
     }
     __syncwarp();
     // O strip = O strip · diag(alpha) + P strip · V
-    FULL_UNROLL
-    for (int f = 0; f < DF; ++f) {
-      for (int e = 0; e < of[f].num_elements; ++e) {
-        of[f].x[e] *= alpha_s[r0 + static_cast<int>(rowf.x[e])];
+    if (rescale) {
+      FULL_UNROLL
+      for (int f = 0; f < DF; ++f) {
+        for (int e = 0; e < NE; ++e) of[f].x[e] *= alpha_s[row_of[e]];
       }
     }
     FULL_UNROLL
@@ -511,9 +520,7 @@ __global__ void __launch_bounds__(kThreads)
   FULL_UNROLL
   for (int f = 0; f < DF; ++f) {
     if (f < mf) {
-      for (int e = 0; e < of[f].num_elements; ++e) {
-        of[f].x[e] *= alpha_s[r0 + static_cast<int>(rowf.x[e])];
-      }
+      for (int e = 0; e < NE; ++e) of[f].x[e] *= alpha_s[row_of[e]];
       fa_wmma::store_matrix_sync(Sw, of[f], lay.lds, fa_wmma::mem_row_major);
       __syncwarp();
       for (int idx = lane; idx < 256; idx += 32) {
