@@ -362,8 +362,11 @@ template <typename T, int DF>
 __global__ void __launch_bounds__(kThreads)
     full_forward_tc_kernel(FullAttentionForwardCudaArgs a, int Ep, int Mp, int64_t q_tiles) {
   using C = FullCfg<T>;
-  constexpr int BR = C::kFwdBr, BC = C::kFwdBc, PER_LANE = BC / 32;
+  constexpr int BR = C::kFwdBr, BC = C::kFwdBc, HALF = BC / 2;
   static_assert(BR == 16 * kWarps, "one 16-row strip per warp");
+  static_assert(HALF == 32, "two lanes per row of a 64-key tile");
+  constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+  const float scale2 = a.scale * kLog2e;
   using AccFrag = fa_wmma::fragment<fa_wmma::accumulator, 16, 16, 16, float>;
   using AFrag = fa_wmma::fragment<fa_wmma::matrix_a, 16, 16, 16, T, fa_wmma::row_major>;
   const FwdTcLayout lay = fwd_tc_layout<T>(Ep, Mp);
@@ -390,7 +393,6 @@ __global__ void __launch_bounds__(kThreads)
   const T* kh = static_cast<const T*>(a.k) + nh * S * E;
   const T* vh = static_cast<const T*>(a.v) + nh * S * M;
   const T* mask = static_cast<const T*>(a.mask);
-  const T zero = from_float<T>(0.f);
 
   const int64_t rows = L - i0 < BR ? L - i0 : BR;
   load_tile(Qs, lay.ldq, qh + i0 * E, rows, E, BR, Ep);
@@ -402,8 +404,14 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   AFrag qf[DF];
   AccFrag of[DF];
-  AccFrag rowf;  // rowf.x[i]: the row (0..15) of element i of any accumulator fragment
-  fa_wmma::load_matrix_sync(rowf, row_ids, 16, fa_wmma::mem_row_major);
+  // row_of[e]: the row (0..15) of element e of any accumulator fragment.
+  constexpr int NE = AccFrag::num_elements;
+  int row_of[NE];
+  {
+    AccFrag rowf;
+    fa_wmma::load_matrix_sync(rowf, row_ids, 16, fa_wmma::mem_row_major);
+    for (int e = 0; e < NE; ++e) row_of[e] = r0 + static_cast<int>(rowf.x[e]);
+  }
   FULL_UNROLL
   for (int f = 0; f < DF; ++f) {
     if (f < ef) fa_wmma::load_matrix_sync(qf[f], Qs + r0 * lay.ldq + 16 * f, lay.ldq);
@@ -437,52 +445,59 @@ __global__ void __launch_bounds__(kThreads)
       fa_wmma::store_matrix_sync(Sw + 16 * c, acc, lay.lds, fa_wmma::mem_row_major);
     }
     __syncwarp();
-    // Online softmax of the warp's rows.
-    for (int rr = 0; rr < 16; ++rr) {
+    // Online softmax of the warp's rows in base 2 (m_s holds max·log2 e): two
+    // lanes per row, 32 columns each, visited in a per-lane rotation so the 32
+    // lanes read 32 different banks. `rescale` (the same in every lane) when
+    // some row's running max moved.
+    bool rescale;
+    {
+      const int rr = lane >> 1, hh = lane & 1;
       const int r = r0 + rr;
       const int64_t i = i0 + r;
       const float m_old = m_s[r], l_old = l_s[r];
-      const T* mrow = mask ? mask + n * a.mask_sn + h * a.mask_sh + i * a.mask_sl + j0 : nullptr;
-      float x[PER_LANE];
+      int64_t limit = i < L ? cols : 0;  // kept columns of this row: c < limit
+      if (a.causal && i + offset - j0 + 1 < limit) limit = i + offset - j0 + 1;
+      const T* mrow =
+          mask && i < L ? mask + n * a.mask_sn + h * a.mask_sh + i * a.mask_sl + j0 : nullptr;
+      const int rot = 2 * (rr >> 3) + hh;
+      float x[HALF];
       float mx = -INFINITY;
-      for (int u = 0; u < PER_LANE; ++u) {
-        const int c = lane + 32 * u;
-        const bool keep = i < L && c < cols && (!a.causal || j0 + c <= i + offset);
+      FULL_UNROLL
+      for (int u = 0; u < HALF; ++u) {
+        const int c = hh * HALF + ((u + rot) & (HALF - 1));
         float s = -INFINITY;
-        if (keep) {
-          s = Sw[rr * lay.lds + c] * a.scale;
-          if (mrow) s += to_float(mrow[c]);
+        if (c < limit) {
+          s = Sw[rr * lay.lds + c] * scale2;
+          if (mrow) s += to_float(mrow[c]) * kLog2e;
         }
         x[u] = s;
         mx = fmaxf(mx, s);
       }
-      mx = warp_max(mx);
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       const float m_new = fmaxf(m_old, mx);
-      if (m_new == -INFINITY) {  // nothing kept so far in this row
-        for (int u = 0; u < PER_LANE; ++u) Pw[rr * lay.ldp + lane + 32 * u] = zero;
-        if (lane == 0) alpha_s[r] = 1.f;
-        continue;
-      }
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;  // rows with nothing kept: p = 0
       float sum = 0.f;
-      for (int u = 0; u < PER_LANE; ++u) {
-        const float p = expf(x[u] - m_new);
-        Pw[rr * lay.ldp + lane + 32 * u] = from_float<T>(p);
+      FULL_UNROLL
+      for (int u = 0; u < HALF; ++u) {
+        const float p = exp2f(x[u] - m_use);
+        Pw[rr * lay.ldp + hh * HALF + ((u + rot) & (HALF - 1))] = from_float<T>(p);
         sum += p;
       }
-      sum = warp_sum(sum);
-      const float alpha = expf(m_old - m_new);  // 0 when m_old is -inf
-      if (lane == 0) {
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      const float alpha = m_new == -INFINITY ? 1.f : exp2f(m_old - m_new);  // 0 if m_old = -inf
+      if (hh == 0) {
         m_s[r] = m_new;
         l_s[r] = l_old * alpha + sum;
         alpha_s[r] = alpha;
       }
+      rescale = __any_sync(0xffffffffu, alpha != 1.f);
     }
     __syncwarp();
     // O strip = O strip · diag(alpha) + P strip · V
-    FULL_UNROLL
-    for (int f = 0; f < DF; ++f) {
-      for (int e = 0; e < of[f].num_elements; ++e) {
-        of[f].x[e] *= alpha_s[r0 + static_cast<int>(rowf.x[e])];
+    if (rescale) {
+      FULL_UNROLL
+      for (int f = 0; f < DF; ++f) {
+        for (int e = 0; e < NE; ++e) of[f].x[e] *= alpha_s[row_of[e]];
       }
     }
     FULL_UNROLL
@@ -511,9 +526,7 @@ __global__ void __launch_bounds__(kThreads)
   FULL_UNROLL
   for (int f = 0; f < DF; ++f) {
     if (f < mf) {
-      for (int e = 0; e < of[f].num_elements; ++e) {
-        of[f].x[e] *= alpha_s[r0 + static_cast<int>(rowf.x[e])];
-      }
+      for (int e = 0; e < NE; ++e) of[f].x[e] *= alpha_s[row_of[e]];
       fa_wmma::store_matrix_sync(Sw, of[f], lay.lds, fa_wmma::mem_row_major);
       __syncwarp();
       for (int idx = lane; idx < 256; idx += 32) {
@@ -525,7 +538,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (lane < 16 && lane < my_rows) {
     const float l = l_s[r0 + lane];
-    a.lse[nh * L + i0 + r0 + lane] = l > 0.f ? m_s[r0 + lane] + logf(l) : -INFINITY;
+    a.lse[nh * L + i0 + r0 + lane] = l > 0.f ? m_s[r0 + lane] * kLn2 + logf(l) : -INFINITY;
   }
 }
 
@@ -685,6 +698,8 @@ __global__ void __launch_bounds__(kThreads)
   using C = FullCfg<T>;
   constexpr int BR = C::kBwdBr, BC = C::kBwdBc;
   static_assert(BC == 16 * kWarps, "one 16-key strip per warp");
+  constexpr float kLog2e = 1.4426950408889634f;
+  const float scale2 = a.scale * kLog2e;
   using AccFrag = fa_wmma::fragment<fa_wmma::accumulator, 16, 16, 16, float>;
   using ARow = fa_wmma::fragment<fa_wmma::matrix_a, 16, 16, 16, T, fa_wmma::row_major>;
   using BRow = fa_wmma::fragment<fa_wmma::matrix_b, 16, 16, 16, T, fa_wmma::row_major>;
@@ -749,7 +764,7 @@ __global__ void __launch_bounds__(kThreads)
     load_tile(Qs, lay.ldq, qh + i0 * E, rows, E, BR, Ep);
     load_tile(dOs, lay.lddo, doh + i0 * M, rows, M, BR, Mp);
     for (int r = tid; r < BR; r += kThreads) {
-      lse_s[r] = r < rows ? a.lse[nh * L + i0 + r] : -INFINITY;
+      lse_s[r] = r < rows ? a.lse[nh * L + i0 + r] * kLog2e : -INFINITY;  // base 2
       delta_s[r] = r < rows ? a.delta[nh * L + i0 + r] : 0.f;
     }
     __syncthreads();
@@ -790,9 +805,9 @@ __global__ void __launch_bounds__(kThreads)
       const float lse = lse_s[c];
       float p = 0.f;
       if (k0 + rr < cols && c < rows && (!a.causal || j <= i + offset) && lse != -INFINITY) {
-        float s = Stw[rr * lay.ldst + c] * a.scale;
-        if (mask) s += to_float(mask[n * a.mask_sn + h * a.mask_sh + i * a.mask_sl + j]);
-        p = expf(s - lse);
+        float s = Stw[rr * lay.ldst + c] * scale2;
+        if (mask) s += to_float(mask[n * a.mask_sn + h * a.mask_sh + i * a.mask_sl + j]) * kLog2e;
+        p = exp2f(s - lse);
       }
       Ptw[rr * lay.ldpt + c] = from_float<T>(p);
       dStw[rr * lay.ldpt + c] = from_float<T>(p * (dPtw[rr * lay.ldst + c] - delta_s[c]) * a.scale);
