@@ -33,8 +33,8 @@ inline void check_causal_product_grad(const char* op, const torch::Tensor& grad_
 
 // q (N, H, L, E), k (N, H, S, E), v (N, H, S, M), key_lengths (N,), S == L
 // when causal, eps finite > 0.
-inline void check_elu_linear_inputs(const char* op, const torch::Tensor& q,
-                                    const torch::Tensor& k, const torch::Tensor& v,
+inline void check_elu_linear_inputs(const char* op, const torch::Tensor& q, const torch::Tensor& k,
+                                    const torch::Tensor& v,
                                     const c10::optional<torch::Tensor>& key_lengths, bool causal,
                                     double eps) {
   check_qkv(op, q, k, v);
@@ -53,9 +53,8 @@ inline void check_elu_linear_grad(const char* op, const torch::Tensor& grad_out,
   TORCH_CHECK(grad_out.sizes() == c10::IntArrayRef(out_shape), op,
               ": grad_out must have the output's shape ", c10::IntArrayRef(out_shape), ", got ",
               grad_out.sizes());
-  TORCH_CHECK(out.sizes() == c10::IntArrayRef(out_shape), op,
-              ": out must have the output's shape ", c10::IntArrayRef(out_shape), ", got ",
-              out.sizes());
+  TORCH_CHECK(out.sizes() == c10::IntArrayRef(out_shape), op, ": out must have the output's shape ",
+              c10::IntArrayRef(out_shape), ", got ", out.sizes());
   TORCH_CHECK(den.sizes() == c10::IntArrayRef(out_shape).slice(0, 3), op,
               ": den must have shape (N, H, L) = ", c10::IntArrayRef(out_shape).slice(0, 3),
               ", got ", den.sizes());

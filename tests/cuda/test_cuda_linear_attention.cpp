@@ -74,10 +74,9 @@ TEST(CudaLinearAttention, CausalLinearProduct) {
 }
 
 void compare_elu(torch::ScalarType dtype, Shape s, bool causal, bool lengths) {
-  SCOPED_TRACE(std::string(c10::toString(dtype)) + " L=" + std::to_string(s.L) +
-               " S=" + std::to_string(s.S) + " E=" + std::to_string(s.E) +
-               " M=" + std::to_string(s.M) + (causal ? " causal" : "") +
-               (lengths ? " key_lengths" : ""));
+  SCOPED_TRACE(std::string(c10::toString(dtype)) + " L=" + std::to_string(s.L) + " S=" +
+               std::to_string(s.S) + " E=" + std::to_string(s.E) + " M=" + std::to_string(s.M) +
+               (causal ? " causal" : "") + (lengths ? " key_lengths" : ""));
   torch::manual_seed(13);
   auto q = random_pair({s.N, s.H, s.L, s.E}, dtype);
   auto k = random_pair({s.N, s.H, s.S, s.E}, dtype);
@@ -106,12 +105,11 @@ void compare_elu(torch::ScalarType dtype, Shape s, bool causal, bool lengths) {
   close_or_empty(vg.grad(), vc.grad(), tol, "grad_v");
 
   // The forward op's den: float32 on CUDA, eps included.
-  static auto fwd = c10::Dispatcher::singleton()
-                        .findSchemaOrThrow("fastattn::elu_linear_attention_forward", "")
-                        .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&,
-                                                          const Tensor&,
-                                                          const c10::optional<Tensor>&, bool,
-                                                          double)>();
+  static auto fwd =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("fastattn::elu_linear_attention_forward", "")
+          .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                            const c10::optional<Tensor>&, bool, double)>();
   auto c10_opt = [](const std::optional<Tensor>& t) {
     return t ? c10::optional<Tensor>(*t) : c10::optional<Tensor>();
   };

@@ -69,8 +69,8 @@ void expect_close(const std::vector<G>& got, const std::vector<double>& ref, dou
     const double g = to_float(got[i]);
     const double err = std::fabs(g - ref[i]);
     if (!(err <= tol * (0.1 * scale + std::fabs(ref[i]))) && bad++ < 5)
-      ADD_FAILURE() << what << ": element " << i << " is " << g << ", want " << ref[i]
-                    << " (scale " << scale << ")";
+      ADD_FAILURE() << what << ": element " << i << " is " << g << ", want " << ref[i] << " (scale "
+                    << scale << ")";
   }
 }
 

@@ -27,10 +27,10 @@ struct Case {
 
 template <typename T>
 void check_case(const Case& c, uint32_t seed) {
-  SCOPED_TRACE(testing::Message() << dtype_name<T>() << " N=" << c.N << " H=" << c.H
-                                  << " L=" << c.L << " S=" << c.S << " E=" << c.E
-                                  << " M=" << c.M << " causal=" << c.causal
-                                  << " lengths=" << c.lengths.size() << " chunk=" << c.chunk);
+  SCOPED_TRACE(testing::Message() << dtype_name<T>() << " N=" << c.N << " H=" << c.H << " L=" << c.L
+                                  << " S=" << c.S << " E=" << c.E << " M=" << c.M
+                                  << " causal=" << c.causal << " lengths=" << c.lengths.size()
+                                  << " chunk=" << c.chunk);
   std::mt19937 gen(seed);
   const int64_t NH = c.N * c.H, L = c.L, S = c.S, E = c.E, M = c.M;
   auto q = random_buf<T>(NH * L * E, gen), k = random_buf<T>(NH * S * E, gen);
@@ -132,7 +132,7 @@ void check_all(bool causal) {
   check_case<T>({2, 1, 33, causal ? 33 : 50, 16, 64, causal, {33, 5}, 32}, seed++);  // M+1 = 65
   check_case<T>({1, 1, 70, 70, 32, 16, causal, {70}, 64}, seed++);
   check_case<T>({1, 1, 1, 1, 1, 1, causal, {}, 16}, seed++);
-  check_case<T>({1, 1, 20, 20, 8, 128, causal, {}, 16}, seed++);  // M + 1 = 129: two blocks
+  check_case<T>({1, 1, 20, 20, 8, 128, causal, {}, 16}, seed++);         // M + 1 = 129: two blocks
   check_case<T>({2, 1, 150, 150, 8, 8, causal, {150, 77}, 16}, seed++);  // 10 chunks
 }
 
@@ -144,8 +144,8 @@ TEST(CudaEmuEluLinearAttention, FullFloat16) { check_all<__half>(false); }
 TEST(CudaEmuEluLinearAttention, FullBFloat16) { check_all<__nv_bfloat16>(false); }
 
 TEST(CudaEmuEluLinearAttention, EmptySides) {
-  check_case<float>({1, 2, 0, 9, 8, 8, false, {}, 16}, 300);  // no queries: zero dK, dV
-  check_case<float>({1, 2, 9, 0, 8, 8, false, {}, 16}, 301);  // no keys: out 0, den eps
+  check_case<float>({1, 2, 0, 9, 8, 8, false, {}, 16}, 300);   // no queries: zero dK, dV
+  check_case<float>({1, 2, 9, 0, 8, 8, false, {}, 16}, 301);   // no keys: out 0, den eps
   check_case<float>({1, 1, 20, 20, 8, 0, true, {}, 16}, 302);  // M = 0: den only
 }
 

@@ -12,10 +12,10 @@
 namespace fastattn::cuda {
 
 struct CausalProductForwardCudaArgs {
-  const void* q = nullptr;    // (N, H, L, F) contiguous, dtype
-  const void* k = nullptr;    // (N, H, L, F) contiguous, dtype
-  const void* v = nullptr;    // (N, H, L, M) contiguous, dtype
-  void* out = nullptr;        // (N, H, L, M) contiguous, dtype: written
+  const void* q = nullptr;     // (N, H, L, F) contiguous, dtype
+  const void* k = nullptr;     // (N, H, L, F) contiguous, dtype
+  const void* v = nullptr;     // (N, H, L, M) contiguous, dtype
+  void* out = nullptr;         // (N, H, L, M) contiguous, dtype: written
   float* workspace = nullptr;  // causal_product_cuda_workspace_floats(...) float32 scratch
   DType dtype = DType::kFloat32;
   int64_t N = 0, H = 0, L = 0, F = 0, M = 0;

@@ -44,6 +44,10 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/common/cuda_compat.cuh"
 
 namespace fastattn::cuda {
 namespace {
@@ -63,17 +67,17 @@ struct ChunkOperand {
 };
 
 struct ChunkProblem {
-  ChunkOperand a;  // (NH, La, Wf)
-  ChunkOperand b;  // (NH, Lb, Wf)
-  ChunkOperand c;  // (NH, Lb, Wc)
+  ChunkOperand a;         // (NH, La, Wf)
+  ChunkOperand b;         // (NH, Lb, Wf)
+  ChunkOperand c;         // (NH, Lb, Wc)
   int64_t NH = 0, H = 1;  // heads (N·H) and H, for key_lengths[nh / H]
   int64_t La = 0, Lb = 0;
   const int64_t* key_lengths = nullptr;  // (N,) or null: every row valid
   ChunkMode mode = ChunkMode::kCausal;
-  void* out = nullptr;       // (NH, La, out_ld): scalar_t, or float when out_is_float
+  void* out = nullptr;  // (NH, La, out_ld): scalar_t, or float when out_is_float
   bool out_is_float = false;
-  int64_t out_ld = 0;        // row stride of out
-  int64_t out_cols = 0;      // columns written (<= Wc)
+  int64_t out_ld = 0;          // row stride of out
+  int64_t out_cols = 0;        // columns written (<= Wc)
   const void* dphi = nullptr;  // (NH, La, dphi_ld) scalar_t or null: out *= phi'(dphi)
   int64_t dphi_ld = 0;
   float* state = nullptr;  // (NH, max(1, ceil(Lb / C)), Wf, Wc) float32 workspace
@@ -268,7 +272,8 @@ __global__ void __launch_bounds__(kChunkThreads) chunk_output_kernel(ChunkProble
       if (m >= p.out_cols) continue;
       float o = acc[r][jc];
       if (p.dphi)
-        o *= elu_plus_one_grad_f(to_float(static_cast<const T*>(p.dphi)[(nh * p.La + i) * p.dphi_ld + m]));
+        o *= elu_plus_one_grad_f(
+            to_float(static_cast<const T*>(p.dphi)[(nh * p.La + i) * p.dphi_ld + m]));
       const int64_t at = (nh * p.La + i) * p.out_ld + m;
       if (p.out_is_float) {
         static_cast<float*>(p.out)[at] = o;
@@ -293,19 +298,21 @@ void run_chunked_product_cj(const ChunkProblem& p, cudaStream_t stream) {
   if (nc_real > 0 && Wf > 0) {
     FA_LAUNCH(dim3(static_cast<unsigned>(nc_real), static_cast<unsigned>(col_blocks),
                    static_cast<unsigned>(p.NH)),
-              dim3(kChunkThreads), 0, stream, chunk_sums_kernel<T, C, JC>)(p);
+              dim3(kChunkThreads), 0, stream, chunk_sums_kernel<T, C, JC>)
+    (p);
     FA_CHECK_LAUNCH("chunk_sums_kernel");
   }
   if (Wf > 0) {
     const int64_t elems = Wf * Wc;
     FA_LAUNCH(dim3(static_cast<unsigned>(ceil_div(p.NH * elems, kChunkThreads))),
-              dim3(kChunkThreads), 0, stream, chunk_scan_kernel)(p.state, p.NH, elems, nc_real,
-                                                                 p.mode);
+              dim3(kChunkThreads), 0, stream, chunk_scan_kernel)
+    (p.state, p.NH, elems, nc_real, p.mode);
     FA_CHECK_LAUNCH("chunk_scan_kernel");
   }
   FA_LAUNCH(dim3(static_cast<unsigned>(ceil_div(p.La, C)), static_cast<unsigned>(col_blocks),
                  static_cast<unsigned>(p.NH)),
-            dim3(kChunkThreads), 0, stream, chunk_output_kernel<T, C, JC>)(p);
+            dim3(kChunkThreads), 0, stream, chunk_output_kernel<T, C, JC>)
+  (p);
   FA_CHECK_LAUNCH("chunk_output_kernel");
 }
 

@@ -33,9 +33,9 @@ void run(const EluFeatureMapCudaArgs& a, cudaStream_t stream, const char* what) 
   const int64_t blocks = ceil_div(a.n, kThreads);
   const unsigned grid = static_cast<unsigned>(blocks < (1 << 20) ? blocks : (1 << 20));
   FA_DISPATCH_FLOAT_TYPES(a.dtype, what, [&] {
-    FA_LAUNCH(dim3(grid), dim3(kThreads), 0, stream, elu_feature_map_kernel<scalar_t, Backward>)(
-        static_cast<const scalar_t*>(a.x), static_cast<const scalar_t*>(a.grad_out),
-        static_cast<scalar_t*>(a.out), a.n);
+    FA_LAUNCH(dim3(grid), dim3(kThreads), 0, stream, elu_feature_map_kernel<scalar_t, Backward>)
+    (static_cast<const scalar_t*>(a.x), static_cast<const scalar_t*>(a.grad_out),
+     static_cast<scalar_t*>(a.out), a.n);
     FA_CHECK_LAUNCH(what);
   });
 }

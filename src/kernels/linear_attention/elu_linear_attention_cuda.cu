@@ -138,8 +138,8 @@ void elu_linear_attention_forward_cuda(const EluLinearForwardCudaArgs& a, cudaSt
     run_chunked_product<scalar_t>(p, stream);
     const int64_t total = NH * a.L * (a.M + 1);
     FA_LAUNCH(dim3(row_grid(total, kRowThreads)), dim3(kRowThreads), 0, stream,
-              finalize_forward_kernel<scalar_t>)(num, static_cast<scalar_t*>(a.out), a.den,
-                                                 NH * a.L, a.M, a.eps);
+              finalize_forward_kernel<scalar_t>)
+    (num, static_cast<scalar_t*>(a.out), a.den, NH * a.L, a.M, a.eps);
     FA_CHECK_LAUNCH("finalize_forward_kernel");
   });
 }
@@ -151,9 +151,9 @@ void elu_linear_attention_backward_cuda(const EluLinearBackwardCudaArgs& a, cuda
     float* G = a.workspace;  // (NH, L, M + 1)
     if (a.L > 0) {
       FA_LAUNCH(dim3(row_grid(NH * a.L, kRowThreads / 32)), dim3(kRowThreads), 0, stream,
-                scaled_grad_kernel<scalar_t>)(
-          static_cast<const scalar_t*>(a.grad_out), static_cast<const scalar_t*>(a.out), a.den,
-          a.key_lengths, G, NH * a.L, a.L, a.H, a.S, M);
+                scaled_grad_kernel<scalar_t>)
+      (static_cast<const scalar_t*>(a.grad_out), static_cast<const scalar_t*>(a.out), a.den,
+       a.key_lengths, G, NH * a.L, a.L, a.H, a.S, M);
       FA_CHECK_LAUNCH("scaled_grad_kernel");
     }
     const ChunkMode fwd = a.causal ? ChunkMode::kCausal : ChunkMode::kFull;

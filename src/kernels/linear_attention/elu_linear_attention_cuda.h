@@ -14,13 +14,13 @@
 namespace fastattn::cuda {
 
 struct EluLinearForwardCudaArgs {
-  const void* q = nullptr;                // (N, H, L, E) contiguous, dtype
-  const void* k = nullptr;                // (N, H, S, E) contiguous, dtype
-  const void* v = nullptr;                // (N, H, S, M) contiguous, dtype
-  const int64_t* key_lengths = nullptr;   // (N,) in [0, S] (device), or null: all S keys
-  void* out = nullptr;                    // (N, H, L, M) contiguous, dtype: written
-  float* den = nullptr;                   // (N, H, L) float32: written, the normaliser incl. eps
-  float* workspace = nullptr;             // elu_linear_attention_cuda_workspace_floats(...)
+  const void* q = nullptr;               // (N, H, L, E) contiguous, dtype
+  const void* k = nullptr;               // (N, H, S, E) contiguous, dtype
+  const void* v = nullptr;               // (N, H, S, M) contiguous, dtype
+  const int64_t* key_lengths = nullptr;  // (N,) in [0, S] (device), or null: all S keys
+  void* out = nullptr;                   // (N, H, L, M) contiguous, dtype: written
+  float* den = nullptr;                  // (N, H, L) float32: written, the normaliser incl. eps
+  float* workspace = nullptr;            // elu_linear_attention_cuda_workspace_floats(...)
   DType dtype = DType::kFloat32;
   int64_t N = 0, H = 0, L = 0, S = 0, E = 0, M = 0;
   bool causal = false;  // needs S == L

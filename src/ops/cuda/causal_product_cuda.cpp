@@ -21,9 +21,9 @@ constexpr const char* kOp = "fastattn::causal_linear_product";
 constexpr int64_t kChunk = 64;
 
 Tensor workspace(const Tensor& q, int64_t F, int64_t M) {
-  return torch::empty({cuda::causal_product_cuda_workspace_floats(q.size(0), q.size(1), q.size(2),
-                                                                  F, M, kChunk)},
-                      q.options().dtype(torch::kFloat));
+  return torch::empty(
+      {cuda::causal_product_cuda_workspace_floats(q.size(0), q.size(1), q.size(2), F, M, kChunk)},
+      q.options().dtype(torch::kFloat));
 }
 
 template <typename Args>

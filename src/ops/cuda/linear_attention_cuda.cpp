@@ -30,10 +30,10 @@ Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v,
                  const c10::optional<Tensor>& key_lengths) {
   Prepared p{q.contiguous(), k.contiguous(), v.contiguous(), {}, {}};
   if (key_lengths) p.lengths = key_lengths->to(q.device(), torch::kLong).contiguous();
-  p.workspace = torch::empty({cuda::elu_linear_attention_cuda_workspace_floats(
-                                 q.size(0), q.size(1), q.size(2), k.size(2), q.size(3),
-                                 v.size(3), kChunk)},
-                             q.options().dtype(torch::kFloat));
+  p.workspace =
+      torch::empty({cuda::elu_linear_attention_cuda_workspace_floats(
+                       q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), v.size(3), kChunk)},
+                   q.options().dtype(torch::kFloat));
   return p;
 }
 
