@@ -212,6 +212,8 @@ std::vector<Case> cases(bool improved) {
       {2, 1, 33, 45, 24, 40, 4, 32, {45, 17}, improved, 2},
       {1, 1, 20, 50, 64, 8, 3, 45, {}, improved, 3},
       {2, 1, 17, 30, 16, 40, 3, 1, {30, 0}, improved, 4},
+      // Two chunks, the second partly dropped by the key length.
+      {1, 1, 13, 50, 16, 8, 2, 45, {38}, improved, 7},
   };
 }
 

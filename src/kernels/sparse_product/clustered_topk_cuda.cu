@@ -14,15 +14,19 @@
 // takes one member query at a time, lane j scoring key j of the chunk,
 // online softmax across chunks, lanes over the value columns for P·V.
 //   backward: per member, pass A (max, sum, Σ p·(g·v)) then pass B
-//   (p, dS = p ∘ (m·g·v - m·rowdot)·scale, dQ = dS·K into the warp's row,
-//   dK += dSᵀq and dV += m·pᵀg into shared per-chunk accumulators by shared
-//   float atomics); a chunk's accumulators go to the float32 grad_k / grad_v
-//   by global atomicAdd once per staging (keys are shared across clusters).
+//   (p, dS = p ∘ (m·g·v - m·rowdot)·scale, dQ = dS·K into the warp's row);
+//   after each group of 4 members the block adds dK += Σ dSᵀq and
+//   dV += Σ m·pᵀg to shared per-chunk accumulators, each thread owning
+//   entries (no shared atomics; per-warp partial sums for the cluster's
+//   scalars, added in warp order); a chunk's accumulators go to the float32
+//   grad_k / grad_v by global atomicAdd once per staging (keys are shared
+//   across clusters).
 // Improved form: a weights kernel computes each cluster's p_t, mass and rest
 // (in the workspace) first; the backward adds the rest's and the mass's
 // gradients per key after the members.
 // All arithmetic in float32; gradients of k and v accumulate in float32 by
-// atomics, so their last bits may vary between runs.
+// global atomics across clusters, so their last bits may vary between runs
+// (everything else is deterministic).
 // Cost: forward 2·N·H·L·K·(E + M) flops, backward about 3x that (the scores
 // are recomputed in both passes), plus N·H·C·K·(E + M) for the weights.
 // Tested by tests/cuda_emu/test_sparse_product.cpp against the CPU kernels.
@@ -249,14 +253,14 @@ struct Smem {
   float *qs, *gs;       // (kWarps, E), (kWarps, M): the warps' query and grad_out rows
   float* acc;           // forward: (kWarps, M) output accumulators; backward: (kWarps, E) dQ
   float *ps, *ds;       // (kWarps, kChunk)
-  float *grest, *gcen;  // backward, improved: (M), (E)
-  float* scal;          // backward: [g_mass, g_lse]
+  float *grest, *gcen;  // backward: (kWarps, M), (kWarps, E): per-warp partial sums
+  float* scal;          // backward: (2, kWarps): per-warp g_mass, g_lse
   int* kidx;            // (kChunk): key index of each chunk row, -1 if dropped
 };
 
 __host__ __device__ inline int64_t smem_floats(int64_t E, int64_t M, bool backward) {
   int64_t f = kChunk * (E + 1) + kChunk * (M + 1) + kWarps * E + kWarps * M + 2 * kWarps * kChunk;
-  if (backward) f += kChunk * (E + 1) + kChunk * (M + 1) + kWarps * E + M + E + 2;
+  if (backward) f += kChunk * (E + 1) + kChunk * (M + 1) + kWarps * (E + 2 * M + E + 2);
   return f + kChunk;  // kidx
 }
 
@@ -283,11 +287,11 @@ __device__ inline Smem carve_smem(float* base, int64_t E, int64_t M, bool backwa
     s.gs = p;
     p += kWarps * M;
     s.grest = p;
-    p += M;
+    p += kWarps * M;
     s.gcen = p;
-    p += E;
+    p += kWarps * E;
     s.scal = p;
-    p += 2;
+    p += 2 * kWarps;
   } else {
     s.dks = s.dvs = s.gs = s.grest = s.gcen = s.scal = nullptr;
   }
@@ -458,10 +462,11 @@ __global__ void __launch_bounds__(kThreads)
   float* dq = s.acc + warp * E;
   float* ps = s.ps + warp * kChunk;
   float* dsw = s.ds + warp * kChunk;
-  if (tid < 2) s.scal[tid] = 0.f;
-  for (int64_t x = tid; x < M; x += kThreads) s.grest[x] = 0.f;
-  for (int64_t x = tid; x < E; x += kThreads) s.gcen[x] = 0.f;
-  __syncthreads();
+  float* grest = s.grest + warp * M;
+  float* gcen = s.gcen + warp * E;
+  for (int64_t x = lane; x < M; x += 32) grest[x] = 0.f;
+  for (int64_t x = lane; x < E; x += 32) gcen[x] = 0.f;
+  float g_mass_w = 0.f, g_lse_w = 0.f;  // this warp's partial sums (every lane)
   int staged = -1;
   auto ensure = [&](int ch) {
     if (ch == staged) return;  // uniform over the block
@@ -483,13 +488,11 @@ __global__ void __launch_bounds__(kThreads)
     const int i = i0 + warp;
     const bool active = i < e;
     const int64_t l = active ? order[i] : 0;
-    if (active) {
-      for (int64_t x = lane; x < E; x += 32) {
-        qrow[x] = to_float(q[l * E + x]);
-        dq[x] = 0.f;
-      }
-      for (int64_t x = lane; x < M; x += 32) grow[x] = to_float(go[l * M + x]);
+    for (int64_t x = lane; x < E; x += 32) {  // an idle warp's rows are zeros
+      qrow[x] = active ? to_float(q[l * E + x]) : 0.f;
+      dq[x] = 0.f;
     }
+    for (int64_t x = lane; x < M; x += 32) grow[x] = active ? to_float(go[l * M + x]) : 0.f;
     __syncwarp();
     // Pass A: row max, sum and Σ p·(g·v), online over the chunks.
     float mx = -INFINITY, sum = 0.f, rd = 0.f;
@@ -507,49 +510,63 @@ __global__ void __launch_bounds__(kThreads)
     }
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
     const float row_dot = rd * inv;
-    // Pass B: p, dS, dQ, dK, dV.
+    // Pass B: p, dS and dQ per warp; then dK += Σ_w dS_wᵀ q_w and
+    // dV += Σ_w m·p_wᵀ g_w by the whole block, each thread owning entries
+    // (no atomics; idle warps contribute zeros).
     for (int ch = 0; ch < nchunks; ++ch) {
       ensure(ch);
-      if (mx == -INFINITY) continue;  // no kept key: no gradient (uniform in the warp)
-      const float sc = lane_score(s, qrow, E, a.scale, active);
-      const float p = sc == -INFINITY ? 0.f : expf(sc - mx) * inv;
-      const float gvl = p != 0.f ? lane_gv() : 0.f;
+      float p = 0.f, ds = 0.f;
+      if (mx != -INFINITY) {  // some key kept (uniform in the warp; false for idle warps)
+        const float sc = lane_score(s, qrow, E, a.scale, active);
+        p = sc == -INFINITY ? 0.f : expf(sc - mx) * inv;
+        const float gvl = p != 0.f ? lane_gv() : 0.f;
+        ds = p * (gvl - row_dot) * m * a.scale;
+      }
       ps[lane] = m * p;
-      dsw[lane] = p * (gvl - row_dot) * m * a.scale;
+      dsw[lane] = ds;
       __syncwarp();
-      for (int64_t x = lane; x < E; x += 32) {
-        float d = dq[x];
-        const float qx = qrow[x];
-        for (int j = 0; j < kChunk; ++j) {
-          const float dj = dsw[j];
-          if (dj == 0.f) continue;
-          d += dj * s.ks[j * (E + 1) + x];
-          atomicAdd(&s.dks[j * (E + 1) + x], dj * qx);
-        }
-        dq[x] = d;
-      }
-      for (int64_t x = lane; x < M; x += 32) {
-        const float gx = grow[x];
-        for (int j = 0; j < kChunk; ++j) {
-          const float pj = ps[j];
-          if (pj == 0.f) continue;
-          atomicAdd(&s.dvs[j * (M + 1) + x], pj * gx);
+      if (mx != -INFINITY) {
+        for (int64_t x = lane; x < E; x += 32) {
+          float d = dq[x];
+          for (int j = 0; j < kChunk; ++j) d += dsw[j] * s.ks[j * (E + 1) + x];
+          dq[x] = d;
         }
       }
-      __syncwarp();
+      __syncthreads();
+      for (int64_t i = tid; i < kChunk * E; i += kThreads) {
+        const int64_t j = i / E, x = i % E;
+        float d = s.dks[j * (E + 1) + x];
+        for (int w2 = 0; w2 < kWarps; ++w2) d += s.ds[w2 * kChunk + j] * s.qs[w2 * E + x];
+        s.dks[j * (E + 1) + x] = d;
+      }
+      for (int64_t i = tid; i < kChunk * M; i += kThreads) {
+        const int64_t j = i / M, x = i % M;
+        float d = s.dvs[j * (M + 1) + x];
+        for (int w2 = 0; w2 < kWarps; ++w2) d += s.ps[w2 * kChunk + j] * s.gs[w2 * M + x];
+        s.dvs[j * (M + 1) + x] = d;
+      }
+      __syncthreads();
     }
     if (active) {
       for (int64_t x = lane; x < E; x += 32) gq[l * E + x] = dq[x];
-      if (lane == 0) atomicAdd(&s.scal[0], row_dot);
-      if (improved)
-        for (int64_t x = lane; x < M; x += 32) atomicAdd(&s.grest[x], grow[x]);
+      g_mass_w += row_dot;
+      for (int64_t x = lane; x < M; x += 32) grest[x] += grow[x];
     }
     __syncwarp();
   }
   __syncthreads();
   if (staged >= 0) flush_chunk(s, gk, gv, E, M);  // nothing staged when K = 0
+  if (lane == 0) s.scal[warp] = g_mass_w;
   __syncthreads();
-  const float g_mass = s.scal[0];
+  // The warps' partial sums, added in warp order (deterministic).
+  float g_mass = 0.f;
+  for (int w2 = 0; w2 < kWarps; ++w2) g_mass += s.scal[w2];
+  for (int64_t x = tid; x < M; x += kThreads) {
+    float r = 0.f;
+    for (int w2 = 0; w2 < kWarps; ++w2) r += s.grest[w2 * M + x];
+    s.grest[x] = r;  // row 0 becomes the total: rows are read above only by their own column
+  }
+  __syncthreads();
   if (!improved) {
     if (tid == 0) a.grad_mass[nh * C + c] = g_mass;
     return;
@@ -571,15 +588,24 @@ __global__ void __launch_bounds__(kThreads)
     }
     const float gs = (g_mass - warp_sum(d)) * p;
     for (int64_t x = lane; x < E; x += 32) {
-      atomicAdd(&s.gcen[x], a.scale * gs * to_float(k[kk * E + x]));
+      gcen[x] += a.scale * gs * to_float(k[kk * E + x]);
       atomicAdd(&gk[kk * E + x], a.scale * gs * to_float(cen[x]));
     }
-    if (lane == 0) atomicAdd(&s.scal[1], -gs);
+    g_lse_w -= gs;
   }
+  if (lane == 0) s.scal[kWarps + warp] = g_lse_w;
   __syncthreads();
-  for (int64_t x = tid; x < E; x += kThreads) a.grad_centroids[(nh * C + c) * E + x] = s.gcen[x];
+  for (int64_t x = tid; x < E; x += kThreads) {
+    float r = 0.f;
+    for (int w2 = 0; w2 < kWarps; ++w2) r += s.gcen[w2 * E + x];
+    a.grad_centroids[(nh * C + c) * E + x] = r;
+  }
   for (int64_t x = tid; x < M; x += kThreads) a.grad_out_c[(nh * C + c) * M + x] = s.grest[x];
-  if (tid == 0) a.grad_lse[nh * C + c] = s.scal[1];
+  if (tid == 0) {
+    float r = 0.f;
+    for (int w2 = 0; w2 < kWarps; ++w2) r += s.scal[kWarps + w2];
+    a.grad_lse[nh * C + c] = r;
+  }
 }
 
 // ---- centroid gradients to the members -------------------------------------------
