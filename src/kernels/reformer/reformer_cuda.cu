@@ -29,13 +29,14 @@
 //    last kernel adds dK through the normalisation, dq += (dk - k (k·dk)) /
 //    |q| (dk / eps where the norm is clamped), and converts to the storage
 //    type.
-// float16/bfloat16 forward: the same blocks with S = Q·K^T and P·V on tensor
-// cores (fa_wmma 16x16x16, float accumulation; the normalised keys and the
-// probabilities are rounded to the storage type for the products, the
-// softmax sums stay float). float32 forward and every backward: SIMT float
-// (register-blocked dot products; the backward's five products per tile are
-// not on tensor cores yet). E, M <= kReformerCudaMaxHeadDim (the backward's
-// shared-memory tiles, ~119 KB at 256).
+// float16/bfloat16: the same blocks with the matrix products on tensor cores
+// (fa_wmma 16x16x16, float accumulation): S = Q·K^T and P·V forward; S,
+// dP = dO·V^T, dQ += dS·K, dK = dS^T·Q and dV = P^T·dO backward. The
+// normalised keys, P and dS are rounded to the storage type for the
+// products; the softmax statistics stay float. float32: SIMT float
+// (register-blocked dot products, keys per lane). E, M <=
+// kReformerCudaMaxHeadDim (shared-memory tiles: ~119 KB for the float32
+// backward and ~138 KB for the tensor-core backward at 256).
 //
 // Tested under the emulator by tests/cuda_emu/test_reformer.cpp against the
 // CPU kernels in float64; on a GPU by tests/cuda/test_cuda_reformer.cpp.
@@ -684,6 +685,214 @@ __global__ void backward_finish_kernel(ReformerBackwardCudaArgs a, int64_t rows)
   }
 }
 
+// ---- backward on tensor cores (float16 / bfloat16) ----------------------------
+
+// Shared memory of backward_wmma_kernel: positions; T tiles Q (16 x Ep), dO
+// (16 x Mp), K (32 x Ep), V (32 x Mp), P and dS (16 x 32); float tiles S and
+// dP (16 x 32), dQ (16 x Ep), dK (32 x Ep), dV (32 x Mp), then hi, lo, delta
+// (16 each). Every tile starts 32-byte aligned.
+size_t wmma_backward_shared_bytes(int64_t E, int64_t M) {
+  const size_t Ep = round16(E), Mp = round16(M);
+  return (kBQ + kBK) * sizeof(int64_t) +
+         2 * (kBQ * Ep + kBQ * Mp + kBK * Ep + kBK * Mp + 2 * kBQ * kBK) +
+         4 * (2 * kBQ * kBK + kBQ * Ep + kBK * Ep + kBK * Mp + 3 * kBQ);
+}
+
+// As backward_kernel, with the five products of a key tile as WMMA products:
+// S = Q·K^T and dP = dO·V^T (one warp per 16 x 16 tile), dQ += dS·K (kept in
+// shared memory), dK = dS^T·Q and dV = P^T·dO (then scattered by atomics).
+// The normalised keys, P and dS are rounded to T for the products.
+template <typename T>
+__global__ void backward_wmma_kernel(ReformerBackwardCudaArgs a, int64_t chunks, int64_t qtiles) {
+  namespace wmma = fa_wmma;
+  const int E = static_cast<int>(a.E), M = static_cast<int>(a.M);  // <= kReformerCudaMaxHeadDim
+  const int Ep = round16(E), Mp = round16(M);
+  const int64_t L = a.L, C = a.chunk;
+  int64_t item = blockIdx.x;
+  const int64_t qt = item % qtiles;
+  item /= qtiles;
+  const int64_t c = item % chunks;
+  item /= chunks;
+  const int64_t nh = item % (a.N * a.H);
+  const int64_t r = item / (a.N * a.H);
+  const int64_t len = valid_length(a, nh);
+  if (c * C >= len || qt * kBQ >= (C < len - c * C ? C : len - c * C)) return;  // whole block
+  const Window w = window(c, C, len);
+  const int64_t* perm = a.perm + (nh * a.R + r) * L;
+  const T* q = static_cast<const T*>(a.q) + nh * L * E;
+  const T* v = static_cast<const T*>(a.v) + nh * L * M;
+  const T* go = static_cast<const T*>(a.grad_out) + nh * L * M;
+  float* gq = a.workspace + nh * L * E;
+  float* gk = a.workspace + a.N * a.H * L * E + nh * L * E;
+  float* gv = a.workspace + 2 * a.N * a.H * L * E + nh * L * M;
+
+  FA_DYNAMIC_SHARED(unsigned char, smem);
+  int64_t* qpos = reinterpret_cast<int64_t*>(smem);
+  int64_t* kpos = qpos + kBQ;
+  T* sqh = reinterpret_cast<T*>(kpos + kBK);
+  T* sdoh = sqh + kBQ * Ep;
+  T* skh = sdoh + kBQ * Mp;
+  T* svh = skh + kBK * Ep;
+  T* sph = svh + kBK * Mp;
+  T* sdsh = sph + kBQ * kBK;
+  float* ss = reinterpret_cast<float*>(sdsh + kBQ * kBK);
+  float* sdp = ss + kBQ * kBK;
+  float* sdq = sdp + kBQ * kBK;
+  float* sdk = sdq + kBQ * Ep;
+  float* sdv = sdk + kBK * Ep;
+  float* shi = sdv + kBK * Mp;
+  float* slo = shi + kBQ;
+  float* sdelta = slo + kBQ;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const T zero = from_float<T>(0.f);
+  const int64_t qt0 = qt * kBQ;
+  if (tid < kBQ) {
+    const int64_t p = qt0 + tid < w.rows ? perm[w.t0 + qt0 + tid] : -1;
+    qpos[tid] = p;
+    if (p >= 0) {
+      const double* st = a.stats + 2 * (nh * L + p);
+      shi[tid] = static_cast<float>(st[0]);
+      slo[tid] = static_cast<float>(st[1]);
+      sdelta[tid] = a.delta[nh * L + p];
+    } else {
+      shi[tid] = slo[tid] = sdelta[tid] = 0.f;
+    }
+  }
+  for (int idx = tid; idx < kBQ * Ep; idx += kThreads) sdq[idx] = 0.f;
+  __syncthreads();
+  for (int idx = tid; idx < kBQ * Ep; idx += kThreads) {
+    const int i = idx / Ep, e = idx % Ep;
+    const int64_t p = qpos[i];
+    sqh[idx] = p >= 0 && e < E ? q[p * E + e] : zero;
+  }
+  for (int idx = tid; idx < kBQ * Mp; idx += kThreads) {
+    const int i = idx / Mp, d = idx % Mp;
+    const int64_t p = qpos[i];
+    sdoh[idx] = p >= 0 && d < M ? go[p * M + d] : zero;
+  }
+
+  for (int64_t kt = 0; kt < w.cols; kt += kBK) {
+    if (tid < kBK) kpos[tid] = kt + tid < w.cols ? perm[w.k0 + kt + tid] : -1;
+    __syncthreads();
+    for (int j = warp; j < kBK; j += kWarps) {  // keys: normalised in float, stored as T
+      const int64_t p = kpos[j];
+      float x[kMaxPerLane];
+      float sum = 0.f;
+      for (int t = 0; t < kMaxPerLane; ++t) {
+        const int e = lane + 32 * t;
+        x[t] = p >= 0 && e < E ? to_float(q[p * E + e]) : 0.f;
+        sum += x[t] * x[t];
+      }
+      const float inv = 1.f / fmaxf(sqrtf(warp_sum(sum)), kNormEps);
+      for (int t = 0; t < kMaxPerLane; ++t) {
+        const int e = lane + 32 * t;
+        if (e < Ep) skh[j * Ep + e] = from_float<T>(x[t] * inv);
+      }
+    }
+    for (int idx = tid; idx < kBK * Mp; idx += kThreads) {
+      const int j = idx / Mp, d = idx % Mp;
+      const int64_t p = kpos[j];
+      svh[idx] = p >= 0 && d < M ? v[p * M + d] : zero;
+    }
+    __syncthreads();
+    {  // S = Q·K^T (warps 0, 1) and dP = dO·V^T (warps 2, 3), 16 keys each
+      const bool scores = warp < 2;
+      const int half = warp % 2, D = scores ? Ep : Mp;
+      const T* xa = scores ? sqh : sdoh;
+      const T* xb = (scores ? skh : svh) + half * 16 * D;
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::fill_fragment(acc, 0.f);
+      for (int ks = 0; ks < D; ks += 16) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
+        wmma::load_matrix_sync(fa, xa + ks, D);
+        wmma::load_matrix_sync(fb, xb + ks, D);
+        wmma::mma_sync(acc, fa, fb, acc);
+      }
+      wmma::store_matrix_sync((scores ? ss : sdp) + half * 16, acc, kBK, wmma::mem_row_major);
+    }
+    __syncthreads();
+    const int64_t kp = kpos[lane];
+    for (int k = 0; k < kRowsPerWarp; ++k) {
+      const int i = warp * kRowsPerWarp + k;
+      const int64_t qp = qpos[i];
+      const float s = masked_score(a, ss[i * kBK + lane], qp, kp);
+      const float p = s == -INFINITY ? 0.f : expf((s - shi[i]) - slo[i]);
+      float ds = p * (sdp[i * kBK + lane] - sdelta[i]) * a.scale;
+      if (a.mask_self && kp == qp) ds = 0.f;  // the replaced self score is a constant
+      sph[i * kBK + lane] = from_float<T>(p);
+      sdsh[i * kBK + lane] = from_float<T>(ds);
+    }
+    __syncthreads();
+    // dQ (16 x Ep) += dS·K, accumulated in shared memory (one warp per tile).
+    for (int t = warp; t < Ep / 16; t += kWarps) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::load_matrix_sync(acc, sdq + t * 16, Ep, wmma::mem_row_major);
+      for (int ks = 0; ks < kBK; ks += 16) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> fb;
+        wmma::load_matrix_sync(fa, sdsh + ks, kBK);
+        wmma::load_matrix_sync(fb, skh + ks * Ep + t * 16, Ep);
+        wmma::mma_sync(acc, fa, fb, acc);
+      }
+      wmma::store_matrix_sync(sdq + t * 16, acc, Ep, wmma::mem_row_major);
+    }
+    // dK (32 x Ep) = dS^T·Q and dV (32 x Mp) = P^T·dO: 16 x 16 tiles over the warps.
+    const int nk = 2 * (Ep / 16), nv = 2 * (Mp / 16);
+    for (int t = warp; t < nk + nv; t += kWarps) {
+      const bool keys = t < nk;
+      const int u = keys ? t : t - nk, D = keys ? Ep : Mp;
+      const int jt = u % 2, ct = u / 2;  // key half, column tile
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::col_major> fa;  // (dS or P)^T
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> fb;  // Q or dO
+      wmma::fill_fragment(acc, 0.f);
+      wmma::load_matrix_sync(fa, (keys ? sdsh : sph) + jt * 16, kBK);
+      wmma::load_matrix_sync(fb, (keys ? sqh : sdoh) + ct * 16, D);
+      wmma::mma_sync(acc, fa, fb, acc);
+      wmma::store_matrix_sync((keys ? sdk : sdv) + jt * 16 * D + ct * 16, acc, D,
+                              wmma::mem_row_major);
+    }
+    __syncthreads();
+    for (int idx = tid; idx < kBK * E; idx += kThreads) {
+      const int j = idx / E, e = idx % E;
+      const int64_t p = kpos[j];
+      if (p >= 0) atomicAdd(gk + p * E + e, sdk[j * Ep + e]);
+    }
+    for (int idx = tid; idx < kBK * M; idx += kThreads) {
+      const int j = idx / M, d = idx % M;
+      const int64_t p = kpos[j];
+      if (p >= 0) atomicAdd(gv + p * M + d, sdv[j * Mp + d]);
+    }
+    __syncthreads();
+  }
+  for (int idx = tid; idx < kBQ * E; idx += kThreads) {
+    const int i = idx / E, e = idx % E;
+    const int64_t p = qpos[i];
+    if (p >= 0) atomicAdd(gq + p * E + e, sdq[i * Ep + e]);
+  }
+}
+
+// The backward's main launch: tensor cores for float16 / bfloat16, SIMT for
+// float32 (the specialisation).
+template <typename T>
+void launch_backward(const ReformerBackwardCudaArgs& a, dim3 grid, int64_t chunks, int64_t qtiles,
+                     cudaStream_t stream) {
+  const size_t smem = wmma_backward_shared_bytes(a.E, a.M);
+  if (smem > 48 * 1024) FA_SET_MAX_DYNAMIC_SHARED(smem, backward_wmma_kernel<T>);
+  FA_LAUNCH(grid, dim3(kThreads), smem, stream, backward_wmma_kernel<T>)(a, chunks, qtiles);
+  FA_CHECK_LAUNCH("reformer_backward (tensor cores)");
+}
+template <>
+void launch_backward<float>(const ReformerBackwardCudaArgs& a, dim3 grid, int64_t chunks,
+                            int64_t qtiles, cudaStream_t stream) {
+  const size_t smem = attention_shared_bytes(a.E, a.M, true);
+  if (smem > 48 * 1024) FA_SET_MAX_DYNAMIC_SHARED(smem, backward_kernel<float>);
+  FA_LAUNCH(grid, dim3(kThreads), smem, stream, backward_kernel<float>)(a, chunks, qtiles);
+  FA_CHECK_LAUNCH("reformer_backward");
+}
+
 // The forward's round launches: tensor cores for float16 / bfloat16, SIMT
 // for float32 (the specialisation).
 template <typename T>
@@ -770,14 +979,10 @@ void reformer_backward_cuda(const ReformerBackwardCudaArgs& a, cudaStream_t stre
   FA_CHECK_LAUNCH("reformer_backward (zero)");
   const int64_t chunks = ceil_div(a.L, a.chunk);
   const int64_t qtiles = ceil_div(a.chunk < a.L ? a.chunk : a.L, kBQ);
-  const size_t smem = attention_shared_bytes(a.E, a.M, true);
   FA_DISPATCH_FLOAT_TYPES(a.dtype, "reformer_backward", [&] {
-    if (smem > 48 * 1024) FA_SET_MAX_DYNAMIC_SHARED(smem, backward_kernel<scalar_t>);
     if (a.R > 0) {
-      FA_LAUNCH(dim3(static_cast<unsigned>(qtiles * chunks * NH * a.R)), dim3(kThreads), smem,
-                stream, backward_kernel<scalar_t>)
-      (a, chunks, qtiles);
-      FA_CHECK_LAUNCH("reformer_backward");
+      launch_backward<scalar_t>(a, dim3(static_cast<unsigned>(qtiles * chunks * NH * a.R)), chunks,
+                                qtiles, stream);
     }
     FA_LAUNCH(dim3(static_cast<unsigned>(ceil_div(rows, kWarps))), dim3(kThreads), 0, stream,
               backward_finish_kernel<scalar_t>)
