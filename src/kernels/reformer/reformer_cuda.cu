@@ -311,7 +311,7 @@ size_t attention_shared_bytes(int64_t E, int64_t M, bool backward) {
   if (!backward) {
     floats += kBQ * M;  // output accumulator
   } else {
-    floats += kBQ * M + kBQ * kBK + kBQ * E + 2 * kBQ;  // dO, dS, dQ, hi/lo... delta
+    floats += kBQ * M + kBQ * kBK + kBQ * E + 2 * kBQ;  // dO, dS, dQ, hi, lo
   }
   return (kBQ + kBK) * sizeof(int64_t) + floats * sizeof(float);
 }
