@@ -3,8 +3,8 @@
 // inputs: lsh_hash (buckets equal except at near-ties of the projections),
 // the forward (output and the float64 stats) and the backward (grad_q,
 // grad_v) with the forward's output and stats, per dtype, over awkward sizes
-// (L 1, 5, 17, 18, 20, 33, 40; E 16, 24, 64, 256; M 0 .. 64; chunks 1 .. larger than L), several
-// rounds, key_lengths (0 included), causal and mask_self on and off. float32
+// (L 1 .. 40; E 16, 24, 64, 256; M 0 .. 64; chunks 1 .. larger than L),
+// several rounds, key_lengths (0 included), causal and mask_self on and off. float32
 // runs the SIMT kernels, float16/bfloat16 the tensor-core (WMMA) ones.
 // Tolerances (|got - ref| <= atol·max(1, max|ref|) + rtol·|ref|): float32
 // 2e-5 / 2e-4, float16 2e-3 / 4e-3, bfloat16 1.6e-2 / 3e-2 (the rounding of
