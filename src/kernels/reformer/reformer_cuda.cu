@@ -29,12 +29,14 @@
 //    last kernel adds dK through the normalisation, dq += (dk - k (k·dk)) /
 //    |q| (dk / eps where the norm is clamped), and converts to the storage
 //    type.
-// SIMT float arithmetic throughout, including float16/bfloat16 (no tensor
-// cores yet: the 16 x 32 tiles are gathered row by row through the sort
-// permutation and the kernel is expected to be bound by those gathers and
-// the shared-memory traffic; a WMMA path for the two products is the next
-// step if a profile says otherwise). E, M <= kReformerCudaMaxHeadDim (the
-// backward's shared-memory tiles, ~119 KB at 256).
+// float16/bfloat16: the same blocks with the matrix products on tensor cores
+// (fa_wmma 16x16x16, float accumulation): S = Q·K^T and P·V forward; S,
+// dP = dO·V^T, dQ += dS·K, dK = dS^T·Q and dV = P^T·dO backward. The
+// normalised keys, P and dS are rounded to the storage type for the
+// products; the softmax statistics stay float. float32: SIMT float
+// (register-blocked dot products, keys per lane). E, M <=
+// kReformerCudaMaxHeadDim (shared-memory tiles: ~119 KB for the float32
+// backward and ~138 KB for the tensor-core backward at 256).
 //
 // Tested under the emulator by tests/cuda_emu/test_reformer.cpp against the
 // CPU kernels in float64; on a GPU by tests/cuda/test_cuda_reformer.cpp.
@@ -234,12 +236,82 @@ __device__ __forceinline__ float masked_score(const ReformerCudaParams& a, float
   return dot * a.scale;
 }
 
+// Merges the warp's query rows of this round (row max m_run, sum l_run,
+// unnormalised output rows o (stride ldo) in shared memory) into the running
+// float64 stats and float32 output, exactly as reformer_forward_cpu does.
+__device__ void merge_round(const ReformerForwardCudaArgs& a, int64_t nh, const int64_t* qpos,
+                            const float (&m_run)[kRowsPerWarp], const float (&l_run)[kRowsPerWarp],
+                            const float* sacc, int ldo) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t M = a.M, L = a.L;
+  for (int k = 0; k < kRowsPerWarp; ++k) {
+    const int i = warp * kRowsPerWarp + k;
+    const int64_t p = qpos[i];
+    if (p < 0) continue;  // uniform across the warp
+    double* st = a.stats + 2 * (nh * L + p);
+    float* out = a.workspace + (nh * L + p) * M;
+    const float* o = sacc + i * ldo;
+    const double m = m_run[k], s = l_run[k];
+    const double st0 = st[0], st1 = st[1];
+    double new0, new1;
+    float f_old, f_new;  // out = out·f_old + o·f_new
+    if (st0 == -INFINITY) {
+      new0 = m;
+      new1 = s;
+      f_old = 0.f;
+      f_new = 1.f;
+    } else if (m <= st0) {
+      const double f = exp(m - st0);
+      new0 = st0;
+      new1 = st1 + f * s;
+      f_old = 1.f;
+      f_new = static_cast<float>(f);
+    } else {
+      const double f = exp(st0 - m);
+      new0 = m;
+      new1 = st1 * f + s;
+      f_old = static_cast<float>(f);
+      f_new = 1.f;
+    }
+    for (int64_t d = lane; d < M; d += 32) out[d] = out[d] * f_old + o[d] * f_new;
+    __syncwarp();
+    if (lane == 0) {
+      st[0] = new0;
+      st[1] = new1;
+    }
+  }
+}
+
+// Online-softmax step of the warp's query rows over one key tile (lane =
+// key): scores from dots (unscaled), masked; updates m_run, l_run; writes p
+// through put_p(i, p) and the rescale factor of the earlier tiles to salpha.
+template <typename PutP>
+__device__ __forceinline__ void softmax_tile(const ReformerCudaParams& a, const int64_t* qpos,
+                                             int64_t kp, const float (&dots)[kRowsPerWarp],
+                                             float (&m_run)[kRowsPerWarp],
+                                             float (&l_run)[kRowsPerWarp], float* salpha,
+                                             PutP put_p) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int k = 0; k < kRowsPerWarp; ++k) {
+    const int i = warp * kRowsPerWarp + k;
+    const float s = masked_score(a, dots[k], qpos[i], kp);
+    const float m_new = fmaxf(m_run[k], warp_max(s));
+    const bool none = m_new == -INFINITY;
+    const float p = none ? 0.f : expf(s - m_new);
+    const float alpha = none ? 1.f : expf(m_run[k] - m_new);
+    l_run[k] = l_run[k] * alpha + warp_sum(p);
+    m_run[k] = m_new;
+    put_p(i, p);
+    if (lane == 0) salpha[i] = alpha;
+  }
+}
+
 size_t attention_shared_bytes(int64_t E, int64_t M, bool backward) {
   size_t floats = kBQ * E + kBK * (E + 1) + kBK * (M + 1) + kBQ * kBK + kBQ;
   if (!backward) {
     floats += kBQ * M;  // output accumulator
   } else {
-    floats += kBQ * M + kBQ * kBK + kBQ * E + 2 * kBQ;  // dO, dS, dQ, hi/lo... delta
+    floats += kBQ * M + kBQ * kBK + kBQ * E + 2 * kBQ;  // dO, dS, dQ, hi, lo
   }
   return (kBQ + kBK) * sizeof(int64_t) + floats * sizeof(float);
 }
@@ -284,7 +356,7 @@ __global__ void forward_round_kernel(ReformerForwardCudaArgs a, int64_t r, int64
   float* salpha = sp + kBQ * kBK;
   float* sacc = salpha + kBQ;
 
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int tid = threadIdx.x, lane = tid % 32;
   const int64_t qt0 = qt * kBQ;  // first query row of the tile within the chunk
   if (tid < kBQ) qpos[tid] = qt0 + tid < w.rows ? perm[w.t0 + qt0 + tid] : -1;
   for (int idx = tid; idx < kBQ * M; idx += kThreads) sacc[idx] = 0.f;
@@ -301,18 +373,8 @@ __global__ void forward_round_kernel(ReformerForwardCudaArgs a, int64_t r, int64
     const int64_t kp = kpos[lane];
     float dots[kRowsPerWarp];
     warp_row_dots(sq, E, sk, E + 1, E, dots);
-    for (int k = 0; k < kRowsPerWarp; ++k) {
-      const int i = warp * kRowsPerWarp + k;
-      const float s = masked_score(a, dots[k], qpos[i], kp);
-      const float m_new = fmaxf(m_run[k], warp_max(s));
-      const bool none = m_new == -INFINITY;
-      const float p = none ? 0.f : expf(s - m_new);
-      const float alpha = none ? 1.f : expf(m_run[k] - m_new);
-      l_run[k] = l_run[k] * alpha + warp_sum(p);
-      m_run[k] = m_new;
-      sp[i * kBK + lane] = p;
-      if (lane == 0) salpha[i] = alpha;
-    }
+    softmax_tile(a, qpos, kp, dots, m_run, l_run, salpha,
+                 [&](int i, float p) { sp[i * kBK + lane] = p; });
     __syncthreads();
     for (int idx = tid; idx < kBQ * M; idx += kThreads) {
       const int i = idx / M, d = idx % M;
@@ -323,43 +385,142 @@ __global__ void forward_round_kernel(ReformerForwardCudaArgs a, int64_t r, int64
     }
     __syncthreads();
   }
-  // Merge this round into the running stats and output (as reformer_forward_cpu).
-  for (int k = 0; k < kRowsPerWarp; ++k) {
-    const int i = warp * kRowsPerWarp + k;
+  merge_round(a, nh, qpos, m_run, l_run, sacc, M);
+}
+
+// ---- forward on tensor cores (float16 / bfloat16) ------------------------------
+
+constexpr int kMaxPerLane = static_cast<int>(kReformerCudaMaxHeadDim / 32);
+
+__host__ __device__ __forceinline__ int round16(int64_t x) {
+  return static_cast<int>((x + 15) / 16 * 16);
+}
+
+// Shared memory of forward_round_wmma_kernel: positions, then T tiles Q
+// (16 x Ep), K (32 x Ep), V (32 x Mp), P (16 x 32), then float tiles S
+// (16 x 32), P·V (16 x Mp), the output accumulator (16 x Mp) and alpha (16).
+// Every tile starts 32-byte aligned (WMMA pointers).
+size_t wmma_shared_bytes(int64_t E, int64_t M) {
+  const size_t Ep = round16(E), Mp = round16(M);
+  return (kBQ + kBK) * sizeof(int64_t) + 2 * (kBQ * Ep + kBK * Ep + kBK * Mp + kBQ * kBK) +
+         4 * (kBQ * kBK + 2 * kBQ * Mp + kBQ);
+}
+
+// As forward_round_kernel, with S = Q·K^T and P·V as 16x16x16 WMMA products:
+// the keys are normalised in float and rounded to T, and so are the
+// probabilities before the value product (their sums stay float).
+template <typename T>
+__global__ void forward_round_wmma_kernel(ReformerForwardCudaArgs a, int64_t r, int64_t chunks,
+                                          int64_t qtiles) {
+  namespace wmma = fa_wmma;
+  const int E = static_cast<int>(a.E), M = static_cast<int>(a.M);  // <= kReformerCudaMaxHeadDim
+  const int Ep = round16(E), Mp = round16(M);
+  const int64_t L = a.L, C = a.chunk;
+  int64_t item = blockIdx.x;
+  const int64_t qt = item % qtiles;
+  item /= qtiles;
+  const int64_t c = item % chunks;
+  const int64_t nh = item / chunks;
+  const int64_t len = valid_length(a, nh);
+  if (c * C >= len || qt * kBQ >= (C < len - c * C ? C : len - c * C)) return;  // whole block
+  const Window w = window(c, C, len);
+  const int64_t* perm = a.perm + (nh * a.R + r) * L;
+  const T* q = static_cast<const T*>(a.q) + nh * L * E;
+  const T* v = static_cast<const T*>(a.v) + nh * L * M;
+
+  FA_DYNAMIC_SHARED(unsigned char, smem);
+  int64_t* qpos = reinterpret_cast<int64_t*>(smem);
+  int64_t* kpos = qpos + kBQ;
+  T* sqh = reinterpret_cast<T*>(kpos + kBK);
+  T* skh = sqh + kBQ * Ep;
+  T* svh = skh + kBK * Ep;
+  T* sph = svh + kBK * Mp;
+  float* ss = reinterpret_cast<float*>(sph + kBQ * kBK);
+  float* spv = ss + kBQ * kBK;
+  float* sacc = spv + kBQ * Mp;
+  float* salpha = sacc + kBQ * Mp;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const T zero = from_float<T>(0.f);
+  const int64_t qt0 = qt * kBQ;
+  if (tid < kBQ) qpos[tid] = qt0 + tid < w.rows ? perm[w.t0 + qt0 + tid] : -1;
+  for (int idx = tid; idx < kBQ * Mp; idx += kThreads) sacc[idx] = 0.f;
+  __syncthreads();
+  for (int idx = tid; idx < kBQ * Ep; idx += kThreads) {
+    const int i = idx / Ep, e = idx % Ep;
     const int64_t p = qpos[i];
-    if (p < 0) continue;  // uniform across the warp
-    double* st = a.stats + 2 * (nh * L + p);
-    float* out = a.workspace + (nh * L + p) * M;
-    const float* o = sacc + i * M;
-    const double m = m_run[k], s = l_run[k];
-    const double st0 = st[0], st1 = st[1];
-    double new0, new1;
-    float f_old, f_new;  // out = out·f_old + o·f_new
-    if (st0 == -INFINITY) {
-      new0 = m;
-      new1 = s;
-      f_old = 0.f;
-      f_new = 1.f;
-    } else if (m <= st0) {
-      const double f = exp(m - st0);
-      new0 = st0;
-      new1 = st1 + f * s;
-      f_old = 1.f;
-      f_new = static_cast<float>(f);
-    } else {
-      const double f = exp(st0 - m);
-      new0 = m;
-      new1 = st1 * f + s;
-      f_old = static_cast<float>(f);
-      f_new = 1.f;
-    }
-    for (int64_t d = lane; d < M; d += 32) out[d] = out[d] * f_old + o[d] * f_new;
-    __syncwarp();
-    if (lane == 0) {
-      st[0] = new0;
-      st[1] = new1;
-    }
+    sqh[idx] = p >= 0 && e < E ? q[p * E + e] : zero;
   }
+
+  float m_run[kRowsPerWarp], l_run[kRowsPerWarp];
+  for (int k = 0; k < kRowsPerWarp; ++k) {
+    m_run[k] = -INFINITY;
+    l_run[k] = 0.f;
+  }
+  for (int64_t kt = 0; kt < w.cols; kt += kBK) {
+    if (tid < kBK) kpos[tid] = kt + tid < w.cols ? perm[w.k0 + kt + tid] : -1;
+    __syncthreads();
+    // Keys: a warp per row, normalised in float, stored as T (zero padding).
+    for (int j = warp; j < kBK; j += kWarps) {
+      const int64_t p = kpos[j];
+      float x[kMaxPerLane];
+      float sum = 0.f;
+      for (int t = 0; t < kMaxPerLane; ++t) {
+        const int e = lane + 32 * t;
+        x[t] = p >= 0 && e < E ? to_float(q[p * E + e]) : 0.f;
+        sum += x[t] * x[t];
+      }
+      const float inv = 1.f / fmaxf(sqrtf(warp_sum(sum)), kNormEps);
+      for (int t = 0; t < kMaxPerLane; ++t) {
+        const int e = lane + 32 * t;
+        if (e < Ep) skh[j * Ep + e] = from_float<T>(x[t] * inv);
+      }
+    }
+    for (int idx = tid; idx < kBK * Mp; idx += kThreads) {
+      const int j = idx / Mp, d = idx % Mp;
+      const int64_t p = kpos[j];
+      svh[idx] = p >= 0 && d < M ? v[p * M + d] : zero;
+    }
+    __syncthreads();
+    // S (16 x 32) = Q·K^T: warps 0 and 1 take 16 keys each.
+    if (warp < kBK / 16) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::fill_fragment(acc, 0.f);
+      for (int ks = 0; ks < Ep; ks += 16) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
+        wmma::load_matrix_sync(fa, sqh + ks, Ep);
+        wmma::load_matrix_sync(fb, skh + warp * 16 * Ep + ks, Ep);
+        wmma::mma_sync(acc, fa, fb, acc);
+      }
+      wmma::store_matrix_sync(ss + warp * 16, acc, kBK, wmma::mem_row_major);
+    }
+    __syncthreads();
+    const int64_t kp = kpos[lane];
+    float dots[kRowsPerWarp];
+    for (int k = 0; k < kRowsPerWarp; ++k) dots[k] = ss[(warp * kRowsPerWarp + k) * kBK + lane];
+    softmax_tile(a, qpos, kp, dots, m_run, l_run, salpha,
+                 [&](int i, float p) { sph[i * kBK + lane] = from_float<T>(p); });
+    __syncthreads();
+    // P·V (16 x Mp): a warp per 16 columns.
+    for (int t = warp; t < Mp / 16; t += kWarps) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::fill_fragment(acc, 0.f);
+      for (int ks = 0; ks < kBK; ks += 16) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> fb;
+        wmma::load_matrix_sync(fa, sph + ks, kBK);
+        wmma::load_matrix_sync(fb, svh + ks * Mp + t * 16, Mp);
+        wmma::mma_sync(acc, fa, fb, acc);
+      }
+      wmma::store_matrix_sync(spv + t * 16, acc, Mp, wmma::mem_row_major);
+    }
+    __syncthreads();
+    for (int idx = tid; idx < kBQ * Mp; idx += kThreads)
+      sacc[idx] = sacc[idx] * salpha[idx / Mp] + spv[idx];
+    __syncthreads();
+  }
+  merge_round(a, nh, qpos, m_run, l_run, sacc, Mp);
 }
 
 // One warp per position: out = acc / sum, stats[1] = log(sum).
@@ -524,6 +685,239 @@ __global__ void backward_finish_kernel(ReformerBackwardCudaArgs a, int64_t rows)
   }
 }
 
+// ---- backward on tensor cores (float16 / bfloat16) ----------------------------
+
+// Shared memory of backward_wmma_kernel: positions; T tiles Q (16 x Ep), dO
+// (16 x Mp), K (32 x Ep), V (32 x Mp), P and dS (16 x 32); float tiles S and
+// dP (16 x 32), dQ (16 x Ep), dK (32 x Ep), dV (32 x Mp), then hi, lo, delta
+// (16 each). Every tile starts 32-byte aligned.
+size_t wmma_backward_shared_bytes(int64_t E, int64_t M) {
+  const size_t Ep = round16(E), Mp = round16(M);
+  return (kBQ + kBK) * sizeof(int64_t) +
+         2 * (kBQ * Ep + kBQ * Mp + kBK * Ep + kBK * Mp + 2 * kBQ * kBK) +
+         4 * (2 * kBQ * kBK + kBQ * Ep + kBK * Ep + kBK * Mp + 3 * kBQ);
+}
+
+// As backward_kernel, with the five products of a key tile as WMMA products:
+// S = Q·K^T and dP = dO·V^T (one warp per 16 x 16 tile), dQ += dS·K (kept in
+// shared memory), dK = dS^T·Q and dV = P^T·dO (then scattered by atomics).
+// The normalised keys, P and dS are rounded to T for the products.
+template <typename T>
+__global__ void backward_wmma_kernel(ReformerBackwardCudaArgs a, int64_t chunks, int64_t qtiles) {
+  namespace wmma = fa_wmma;
+  const int E = static_cast<int>(a.E), M = static_cast<int>(a.M);  // <= kReformerCudaMaxHeadDim
+  const int Ep = round16(E), Mp = round16(M);
+  const int64_t L = a.L, C = a.chunk;
+  int64_t item = blockIdx.x;
+  const int64_t qt = item % qtiles;
+  item /= qtiles;
+  const int64_t c = item % chunks;
+  item /= chunks;
+  const int64_t nh = item % (a.N * a.H);
+  const int64_t r = item / (a.N * a.H);
+  const int64_t len = valid_length(a, nh);
+  if (c * C >= len || qt * kBQ >= (C < len - c * C ? C : len - c * C)) return;  // whole block
+  const Window w = window(c, C, len);
+  const int64_t* perm = a.perm + (nh * a.R + r) * L;
+  const T* q = static_cast<const T*>(a.q) + nh * L * E;
+  const T* v = static_cast<const T*>(a.v) + nh * L * M;
+  const T* go = static_cast<const T*>(a.grad_out) + nh * L * M;
+  float* gq = a.workspace + nh * L * E;
+  float* gk = a.workspace + a.N * a.H * L * E + nh * L * E;
+  float* gv = a.workspace + 2 * a.N * a.H * L * E + nh * L * M;
+
+  FA_DYNAMIC_SHARED(unsigned char, smem);
+  int64_t* qpos = reinterpret_cast<int64_t*>(smem);
+  int64_t* kpos = qpos + kBQ;
+  T* sqh = reinterpret_cast<T*>(kpos + kBK);
+  T* sdoh = sqh + kBQ * Ep;
+  T* skh = sdoh + kBQ * Mp;
+  T* svh = skh + kBK * Ep;
+  T* sph = svh + kBK * Mp;
+  T* sdsh = sph + kBQ * kBK;
+  float* ss = reinterpret_cast<float*>(sdsh + kBQ * kBK);
+  float* sdp = ss + kBQ * kBK;
+  float* sdq = sdp + kBQ * kBK;
+  float* sdk = sdq + kBQ * Ep;
+  float* sdv = sdk + kBK * Ep;
+  float* shi = sdv + kBK * Mp;
+  float* slo = shi + kBQ;
+  float* sdelta = slo + kBQ;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const T zero = from_float<T>(0.f);
+  const int64_t qt0 = qt * kBQ;
+  if (tid < kBQ) {
+    const int64_t p = qt0 + tid < w.rows ? perm[w.t0 + qt0 + tid] : -1;
+    qpos[tid] = p;
+    if (p >= 0) {
+      const double* st = a.stats + 2 * (nh * L + p);
+      shi[tid] = static_cast<float>(st[0]);
+      slo[tid] = static_cast<float>(st[1]);
+      sdelta[tid] = a.delta[nh * L + p];
+    } else {
+      shi[tid] = slo[tid] = sdelta[tid] = 0.f;
+    }
+  }
+  for (int idx = tid; idx < kBQ * Ep; idx += kThreads) sdq[idx] = 0.f;
+  __syncthreads();
+  for (int idx = tid; idx < kBQ * Ep; idx += kThreads) {
+    const int i = idx / Ep, e = idx % Ep;
+    const int64_t p = qpos[i];
+    sqh[idx] = p >= 0 && e < E ? q[p * E + e] : zero;
+  }
+  for (int idx = tid; idx < kBQ * Mp; idx += kThreads) {
+    const int i = idx / Mp, d = idx % Mp;
+    const int64_t p = qpos[i];
+    sdoh[idx] = p >= 0 && d < M ? go[p * M + d] : zero;
+  }
+
+  for (int64_t kt = 0; kt < w.cols; kt += kBK) {
+    if (tid < kBK) kpos[tid] = kt + tid < w.cols ? perm[w.k0 + kt + tid] : -1;
+    __syncthreads();
+    for (int j = warp; j < kBK; j += kWarps) {  // keys: normalised in float, stored as T
+      const int64_t p = kpos[j];
+      float x[kMaxPerLane];
+      float sum = 0.f;
+      for (int t = 0; t < kMaxPerLane; ++t) {
+        const int e = lane + 32 * t;
+        x[t] = p >= 0 && e < E ? to_float(q[p * E + e]) : 0.f;
+        sum += x[t] * x[t];
+      }
+      const float inv = 1.f / fmaxf(sqrtf(warp_sum(sum)), kNormEps);
+      for (int t = 0; t < kMaxPerLane; ++t) {
+        const int e = lane + 32 * t;
+        if (e < Ep) skh[j * Ep + e] = from_float<T>(x[t] * inv);
+      }
+    }
+    for (int idx = tid; idx < kBK * Mp; idx += kThreads) {
+      const int j = idx / Mp, d = idx % Mp;
+      const int64_t p = kpos[j];
+      svh[idx] = p >= 0 && d < M ? v[p * M + d] : zero;
+    }
+    __syncthreads();
+    {  // S = Q·K^T (warps 0, 1) and dP = dO·V^T (warps 2, 3), 16 keys each
+      const bool scores = warp < 2;
+      const int half = warp % 2, D = scores ? Ep : Mp;
+      const T* xa = scores ? sqh : sdoh;
+      const T* xb = (scores ? skh : svh) + half * 16 * D;
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::fill_fragment(acc, 0.f);
+      for (int ks = 0; ks < D; ks += 16) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
+        wmma::load_matrix_sync(fa, xa + ks, D);
+        wmma::load_matrix_sync(fb, xb + ks, D);
+        wmma::mma_sync(acc, fa, fb, acc);
+      }
+      wmma::store_matrix_sync((scores ? ss : sdp) + half * 16, acc, kBK, wmma::mem_row_major);
+    }
+    __syncthreads();
+    const int64_t kp = kpos[lane];
+    for (int k = 0; k < kRowsPerWarp; ++k) {
+      const int i = warp * kRowsPerWarp + k;
+      const int64_t qp = qpos[i];
+      const float s = masked_score(a, ss[i * kBK + lane], qp, kp);
+      const float p = s == -INFINITY ? 0.f : expf((s - shi[i]) - slo[i]);
+      float ds = p * (sdp[i * kBK + lane] - sdelta[i]) * a.scale;
+      if (a.mask_self && kp == qp) ds = 0.f;  // the replaced self score is a constant
+      sph[i * kBK + lane] = from_float<T>(p);
+      sdsh[i * kBK + lane] = from_float<T>(ds);
+    }
+    __syncthreads();
+    // dQ (16 x Ep) += dS·K, accumulated in shared memory (one warp per tile).
+    for (int t = warp; t < Ep / 16; t += kWarps) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::load_matrix_sync(acc, sdq + t * 16, Ep, wmma::mem_row_major);
+      for (int ks = 0; ks < kBK; ks += 16) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> fb;
+        wmma::load_matrix_sync(fa, sdsh + ks, kBK);
+        wmma::load_matrix_sync(fb, skh + ks * Ep + t * 16, Ep);
+        wmma::mma_sync(acc, fa, fb, acc);
+      }
+      wmma::store_matrix_sync(sdq + t * 16, acc, Ep, wmma::mem_row_major);
+    }
+    // dK (32 x Ep) = dS^T·Q and dV (32 x Mp) = P^T·dO: 16 x 16 tiles over the warps.
+    const int nk = 2 * (Ep / 16), nv = 2 * (Mp / 16);
+    for (int t = warp; t < nk + nv; t += kWarps) {
+      const bool keys = t < nk;
+      const int u = keys ? t : t - nk, D = keys ? Ep : Mp;
+      const int jt = u % 2, ct = u / 2;  // key half, column tile
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::col_major> fa;  // (dS or P)^T
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> fb;  // Q or dO
+      wmma::fill_fragment(acc, 0.f);
+      wmma::load_matrix_sync(fa, (keys ? sdsh : sph) + jt * 16, kBK);
+      wmma::load_matrix_sync(fb, (keys ? sqh : sdoh) + ct * 16, D);
+      wmma::mma_sync(acc, fa, fb, acc);
+      wmma::store_matrix_sync((keys ? sdk : sdv) + jt * 16 * D + ct * 16, acc, D,
+                              wmma::mem_row_major);
+    }
+    __syncthreads();
+    for (int idx = tid; idx < kBK * E; idx += kThreads) {
+      const int j = idx / E, e = idx % E;
+      const int64_t p = kpos[j];
+      if (p >= 0) atomicAdd(gk + p * E + e, sdk[j * Ep + e]);
+    }
+    for (int idx = tid; idx < kBK * M; idx += kThreads) {
+      const int j = idx / M, d = idx % M;
+      const int64_t p = kpos[j];
+      if (p >= 0) atomicAdd(gv + p * M + d, sdv[j * Mp + d]);
+    }
+    __syncthreads();
+  }
+  for (int idx = tid; idx < kBQ * E; idx += kThreads) {
+    const int i = idx / E, e = idx % E;
+    const int64_t p = qpos[i];
+    if (p >= 0) atomicAdd(gq + p * E + e, sdq[i * Ep + e]);
+  }
+}
+
+// The backward's main launch: tensor cores for float16 / bfloat16, SIMT for
+// float32 (the specialisation).
+template <typename T>
+void launch_backward(const ReformerBackwardCudaArgs& a, dim3 grid, int64_t chunks, int64_t qtiles,
+                     cudaStream_t stream) {
+  const size_t smem = wmma_backward_shared_bytes(a.E, a.M);
+  if (smem > 48 * 1024) FA_SET_MAX_DYNAMIC_SHARED(smem, backward_wmma_kernel<T>);
+  FA_LAUNCH(grid, dim3(kThreads), smem, stream, backward_wmma_kernel<T>)(a, chunks, qtiles);
+  FA_CHECK_LAUNCH("reformer_backward (tensor cores)");
+}
+template <>
+void launch_backward<float>(const ReformerBackwardCudaArgs& a, dim3 grid, int64_t chunks,
+                            int64_t qtiles, cudaStream_t stream) {
+  const size_t smem = attention_shared_bytes(a.E, a.M, true);
+  if (smem > 48 * 1024) FA_SET_MAX_DYNAMIC_SHARED(smem, backward_kernel<float>);
+  FA_LAUNCH(grid, dim3(kThreads), smem, stream, backward_kernel<float>)(a, chunks, qtiles);
+  FA_CHECK_LAUNCH("reformer_backward");
+}
+
+// The forward's round launches: tensor cores for float16 / bfloat16, SIMT
+// for float32 (the specialisation).
+template <typename T>
+void launch_rounds(const ReformerForwardCudaArgs& a, dim3 grid, int64_t chunks, int64_t qtiles,
+                   cudaStream_t stream) {
+  const size_t smem = wmma_shared_bytes(a.E, a.M);
+  if (smem > 48 * 1024) FA_SET_MAX_DYNAMIC_SHARED(smem, forward_round_wmma_kernel<T>);
+  for (int64_t r = 0; r < a.R; ++r) {
+    FA_LAUNCH(grid, dim3(kThreads), smem, stream, forward_round_wmma_kernel<T>)
+    (a, r, chunks, qtiles);
+    FA_CHECK_LAUNCH("reformer_forward (round, tensor cores)");
+  }
+}
+template <>
+void launch_rounds<float>(const ReformerForwardCudaArgs& a, dim3 grid, int64_t chunks,
+                          int64_t qtiles, cudaStream_t stream) {
+  const size_t smem = attention_shared_bytes(a.E, a.M, false);
+  if (smem > 48 * 1024) FA_SET_MAX_DYNAMIC_SHARED(smem, forward_round_kernel<float>);
+  for (int64_t r = 0; r < a.R; ++r) {
+    FA_LAUNCH(grid, dim3(kThreads), smem, stream, forward_round_kernel<float>)
+    (a, r, chunks, qtiles);
+    FA_CHECK_LAUNCH("reformer_forward (round)");
+  }
+}
+
 void check_head_dims(const ReformerCudaParams& a, const char* what) {
   if (a.E < 1 || a.E > kReformerCudaMaxHeadDim || a.M < 0 || a.M > kReformerCudaMaxHeadDim)
     throw std::runtime_error(
@@ -566,15 +960,9 @@ void reformer_forward_cuda(const ReformerForwardCudaArgs& a, cudaStream_t stream
   FA_CHECK_LAUNCH("reformer_forward (init)");
   const int64_t chunks = ceil_div(a.L, a.chunk);
   const int64_t qtiles = ceil_div(a.chunk < a.L ? a.chunk : a.L, kBQ);
-  const size_t smem = attention_shared_bytes(a.E, a.M, false);
   FA_DISPATCH_FLOAT_TYPES(a.dtype, "reformer_forward", [&] {
-    if (smem > 48 * 1024) FA_SET_MAX_DYNAMIC_SHARED(smem, forward_round_kernel<scalar_t>);
-    for (int64_t r = 0; r < a.R; ++r) {
-      FA_LAUNCH(dim3(static_cast<unsigned>(qtiles * chunks * NH)), dim3(kThreads), smem, stream,
-                forward_round_kernel<scalar_t>)
-      (a, r, chunks, qtiles);
-      FA_CHECK_LAUNCH("reformer_forward (round)");
-    }
+    launch_rounds<scalar_t>(a, dim3(static_cast<unsigned>(qtiles * chunks * NH)), chunks, qtiles,
+                            stream);
     FA_LAUNCH(dim3(static_cast<unsigned>(ceil_div(rows, kWarps))), dim3(kThreads), 0, stream,
               forward_finish_kernel<scalar_t>)
     (a, rows);
@@ -591,14 +979,10 @@ void reformer_backward_cuda(const ReformerBackwardCudaArgs& a, cudaStream_t stre
   FA_CHECK_LAUNCH("reformer_backward (zero)");
   const int64_t chunks = ceil_div(a.L, a.chunk);
   const int64_t qtiles = ceil_div(a.chunk < a.L ? a.chunk : a.L, kBQ);
-  const size_t smem = attention_shared_bytes(a.E, a.M, true);
   FA_DISPATCH_FLOAT_TYPES(a.dtype, "reformer_backward", [&] {
-    if (smem > 48 * 1024) FA_SET_MAX_DYNAMIC_SHARED(smem, backward_kernel<scalar_t>);
     if (a.R > 0) {
-      FA_LAUNCH(dim3(static_cast<unsigned>(qtiles * chunks * NH * a.R)), dim3(kThreads), smem,
-                stream, backward_kernel<scalar_t>)
-      (a, chunks, qtiles);
-      FA_CHECK_LAUNCH("reformer_backward");
+      launch_backward<scalar_t>(a, dim3(static_cast<unsigned>(qtiles * chunks * NH * a.R)), chunks,
+                                qtiles, stream);
     }
     FA_LAUNCH(dim3(static_cast<unsigned>(ceil_div(rows, kWarps))), dim3(kThreads), 0, stream,
               backward_finish_kernel<scalar_t>)

@@ -2,7 +2,8 @@
 // src/ops/reformer_attention.cpp): lsh_hash, reformer_attention (the no-grad
 // entry, shared with the CPU), reformer_attention_forward and
 // reformer_attention_backward, in float32, float16 and bfloat16 (float32
-// arithmetic; the stats stay float64 (N, H, L, 2) as on the CPU). Same checks
+// accumulation, tensor cores for float16/bfloat16; the stats stay float64
+// (N, H, L, 2) as on the CPU). Same checks
 // and messages as the CPU op (ops/reformer_attention_internal.h), plus head
 // dimensions E, M <= kernels::kReformerCudaMaxHeadDim.
 // The per-round sort of the valid positions by (bucket, position) is ATen on
