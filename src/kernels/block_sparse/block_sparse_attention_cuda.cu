@@ -17,8 +17,10 @@
 //            block per (n·h, tile of 32 ordered keys), over the query tiles that
 //            reach it: dV += P^T·dO, dK += dS^T·Q). Gradients accumulate in
 //            float32 buffers (each launch writes disjoint rows, parts add).
-// SIMT float32 arithmetic for every dtype (float16 / bfloat16 are converted
-// when loaded into shared memory); no tensor cores yet. Head dims up to 256.
+// float16 / bfloat16 forward: tensor cores (fa_wmma 16×16×16 tiles, float
+// accumulation, P rounded to the dtype before P·V; 2 warps of 16 query rows).
+// float32 forward and every backward: SIMT float32 arithmetic (half types are
+// converted when loaded into shared memory). Head dims up to 256.
 // Cost: forward 4·E·(kept keys, padded to tiles of 32) flops per query;
 // backward about 2.5× that, recomputing P twice.
 // Tested by tests/cuda_emu/test_block_sparse.cpp (emulator against the CPU
@@ -26,6 +28,16 @@
 #include "kernels/block_sparse/block_sparse_attention_cuda.h"
 
 #include "kernels/common/cuda_compat.cuh"
+
+// Full unrolling of the loops over a thread's rows and register chunks keeps
+// those arrays in registers (nvcc); the emulator's compiler needs no hint.
+#if defined(__CUDACC__)
+#define FA_BS_UNROLL _Pragma("unroll")
+#else
+#define FA_BS_UNROLL
+#endif
+
+#include <type_traits>
 
 namespace fastattn::kernels {
 namespace {
@@ -185,12 +197,14 @@ __global__ void __launch_bounds__(kThreads)
   RowRange rg[kRows];
   float m[kRows], l[kRows], acc[kRows][DC];
   const bool first = P.flags & 1, last = P.flags & 2;
+  FA_BS_UNROLL
   for (int rr = 0; rr < kRows; ++rr) {
     const int r = warp * kRows + rr;
     qi[rr] = qidx[r];
     rg[rr] = qi[rr] >= 0 ? range_of(P, a, t * kBq + r, qi[rr]) : RowRange{0, -1, 0, -1};
     m[rr] = -INFINITY;
     l[rr] = 0.f;
+    FA_BS_UNROLL
     for (int u = 0; u < DC; ++u) {
       const int64_t c = lane + 32 * u;
       acc[rr][u] = 0.f;
@@ -216,6 +230,7 @@ __global__ void __launch_bounds__(kThreads)
     load_rows(vs, static_cast<int>(M), v, kidx, kBk, M);
     __syncthreads();
     const int64_t jo = j0 + lane, ko = kidx[lane];
+    FA_BS_UNROLL
     for (int rr = 0; rr < kRows; ++rr) {
       if (qi[rr] < 0 || rg[rr].b < j0 || rg[rr].a >= j0 + kBk) continue;  // warp-uniform
       const int r = warp * kRows + rr;
@@ -228,10 +243,12 @@ __global__ void __launch_bounds__(kThreads)
       const float alpha = expf(m[rr] - m_new);  // 0 while m was -inf
       l[rr] = l[rr] * alpha + warp_sum(p);
       m[rr] = m_new;
+      FA_BS_UNROLL
       for (int u = 0; u < DC; ++u) acc[rr][u] *= alpha;
       for (int j = 0; j < 32; ++j) {
         const float pj = __shfl_sync(0xffffffffu, p, j);
         if (pj == 0.f) continue;  // warp-uniform
+        FA_BS_UNROLL
         for (int u = 0; u < DC; ++u) {
           const int64_t c = lane + 32 * u;
           if (c < M) acc[rr][u] += pj * vs[j * M + c];
@@ -240,11 +257,13 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
 
+  FA_BS_UNROLL
   for (int rr = 0; rr < kRows; ++rr) {
     if (qi[rr] < 0) continue;
     const int64_t row = nh * L + qi[rr];
     if (last) {
       const float inv = l[rr] > 0.f ? 1.f / l[rr] : 0.f;
+      FA_BS_UNROLL
       for (int u = 0; u < DC; ++u) {
         const int64_t c = lane + 32 * u;
         if (c >= M) continue;
@@ -255,6 +274,7 @@ __global__ void __launch_bounds__(kThreads)
       }
       if (lane == 0) a.lse[row] = l[rr] > 0.f ? m[rr] + logf(l[rr]) : -INFINITY;
     } else {
+      FA_BS_UNROLL
       for (int u = 0; u < DC; ++u) {
         const int64_t c = lane + 32 * u;
         if (c < M) a.ws_acc[row * M + c] = acc[rr][u];
@@ -263,6 +283,186 @@ __global__ void __launch_bounds__(kThreads)
         a.ws_ml[row] = m[rr];
         a.ws_ml[a.N * a.H * L + row] = l[rr];
       }
+    }
+  }
+}
+
+// ---- forward on tensor cores (float16, bfloat16) ------------------------------------
+// One block of 2 warps per (n·h, tile of 32 ordered queries), 16 query rows per
+// warp. Per key tile: S = Q·K^T by WMMA (16×16×16, float accumulation) into
+// shared memory; the warp's rows are masked and softmaxed there (two lanes
+// per row); P is rounded to T; O (float, in shared memory) is rescaled
+// row-wise, loaded into accumulator fragments and O += P·V by WMMA. Head dims
+// are zero-padded to multiples of 16 in shared memory.
+
+constexpr int kWmmaWarps = 2;
+constexpr int kWmmaThreads = kWmmaWarps * 32;
+
+__host__ __device__ __forceinline__ int64_t round16(int64_t x) { return (x + 15) / 16 * 16; }
+
+// Shared-memory bytes of forward_wmma_kernel (+128 for aligning the base).
+__host__ __device__ __forceinline__ size_t wmma_smem_bytes(int64_t Ep, int64_t Mp, int elem) {
+  return 128 + (kBk + kBq) * sizeof(int64_t) + kBq * 4 * sizeof(int64_t) +
+         (kBq * kBk + kBq * Mp) * sizeof(float) +
+         static_cast<size_t>(kBq * Ep + kBk * Ep + kBk * Mp + kBq * kBk) * elem;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kWmmaThreads)
+    forward_wmma_kernel(BlockSparseForwardCudaArgs a, int part) {
+  namespace wm = fa_wmma;
+  const int64_t q_tiles = cuda::ceil_div(a.L, kBq);
+  const int64_t t = blockIdx.x % q_tiles, nh = blockIdx.x / q_tiles;
+  const int64_t n = nh / a.H, h = nh % a.H;
+  const PartView P = resolve(a.parts[part], a, h);
+  if (P.skip) return;
+  const int64_t E = a.E, M = a.M, L = a.L, S = a.S;
+  const int64_t Ep = round16(E), Mp = round16(M);
+  const int64_t len = a.key_lengths ? a.key_lengths[n] : S;
+  const T* q = static_cast<const T*>(a.q) + nh * L * E;
+  const T* k = static_cast<const T*>(a.k) + nh * S * E;
+  const T* v = static_cast<const T*>(a.v) + nh * S * M;
+
+  FA_DYNAMIC_SHARED(unsigned char, smem_raw);
+  unsigned char* smem =
+      smem_raw + ((128 - reinterpret_cast<uintptr_t>(smem_raw) % 128) % 128);  // WMMA alignment
+  int64_t* kidx = reinterpret_cast<int64_t*>(smem);  // (kBk)
+  int64_t* qidx = kidx + kBk;                        // (kBq)
+  int64_t* qrg = qidx + kBq;                         // (kBq, 4)
+  float* ss = reinterpret_cast<float*>(qrg + kBq * 4);  // (kBq, kBk) scores
+  float* os = ss + kBq * kBk;                           // (kBq, Mp) unnormalised output
+  T* qs = reinterpret_cast<T*>(os + kBq * Mp);          // (kBq, Ep)
+  T* ks = qs + kBq * Ep;                                // (kBk, Ep)
+  T* vs = ks + kBk * Ep;                                // (kBk, Mp)
+  T* ps = vs + kBk * Mp;                                // (kBq, kBk) probabilities
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const bool first = P.flags & 1, last = P.flags & 2;
+  if (threadIdx.x < kBq) {
+    const int64_t tpos = t * kBq + threadIdx.x;
+    const int64_t i = tpos < L ? query_of(P, tpos) : -1;
+    qidx[threadIdx.x] = i;
+    const RowRange r = i >= 0 ? range_of(P, a, tpos, i) : RowRange{0, -1, 0, -1};
+    qrg[threadIdx.x * 4 + 0] = r.a;
+    qrg[threadIdx.x * 4 + 1] = r.b;
+    qrg[threadIdx.x * 4 + 2] = r.x;
+    qrg[threadIdx.x * 4 + 3] = r.y;
+  }
+  __syncthreads();
+  for (int64_t x = threadIdx.x; x < kBq * Ep; x += kWmmaThreads) {
+    const int64_t r = x / Ep, e = x % Ep, i = qidx[r];
+    qs[x] = i >= 0 && e < E ? q[i * E + e] : from_float<T>(0.f);
+  }
+  for (int64_t x = threadIdx.x; x < kBq * Mp; x += kWmmaThreads) {
+    const int64_t r = x / Mp, c = x % Mp, i = qidx[r];
+    os[x] = !first && i >= 0 && c < M ? a.ws_acc[(nh * L + i) * M + c] : 0.f;
+  }
+  // Row r = 16·warp + lane/2 belongs to lanes 2·(r mod 16) and +1 (half = lane % 2).
+  const int r = warp * 16 + lane / 2, half = lane % 2;
+  const int64_t qi = qidx[r];
+  const RowRange rg{qrg[r * 4], qrg[r * 4 + 1], qrg[r * 4 + 2], qrg[r * 4 + 3]};
+  float m = -INFINITY, l = 0.f;
+  if (!first && qi >= 0) {
+    m = a.ws_ml[nh * L + qi];
+    l = a.ws_ml[a.N * a.H * L + nh * L + qi];
+  }
+
+  int64_t kb_lo, kb_hi;
+  key_tiles_of(P, a, t, kb_lo, kb_hi);
+  for (int64_t kb = kb_lo; kb <= kb_hi; ++kb) {
+    const int64_t j0 = kb * kBk;
+    __syncthreads();  // the previous tile is consumed
+    if (threadIdx.x < kBk) {
+      const int64_t jo = j0 + threadIdx.x;
+      kidx[threadIdx.x] = jo < P.Sp ? key_of(P, jo) : -1;
+    }
+    __syncthreads();
+    for (int64_t x = threadIdx.x; x < kBk * Ep; x += kWmmaThreads) {
+      const int64_t c = x / Ep, e = x % Ep, j = kidx[c];
+      ks[x] = j >= 0 && e < E ? k[j * E + e] : from_float<T>(0.f);
+    }
+    for (int64_t x = threadIdx.x; x < kBk * Mp; x += kWmmaThreads) {
+      const int64_t c = x / Mp, e = x % Mp, j = kidx[c];
+      vs[x] = j >= 0 && e < M ? v[j * M + e] : from_float<T>(0.f);
+    }
+    __syncthreads();
+    // S (this warp's 16 rows × 32 keys) = Q·K^T.
+    for (int ct = 0; ct < kBk / 16; ++ct) {
+      wm::fragment<wm::accumulator, 16, 16, 16, float> acc;
+      wm::fill_fragment(acc, 0.f);
+      for (int64_t e0 = 0; e0 < Ep; e0 += 16) {
+        wm::fragment<wm::matrix_a, 16, 16, 16, T, wm::row_major> fq;
+        wm::fragment<wm::matrix_b, 16, 16, 16, T, wm::col_major> fk;
+        wm::load_matrix_sync(fq, qs + warp * 16 * Ep + e0, static_cast<unsigned>(Ep));
+        wm::load_matrix_sync(fk, ks + ct * 16 * Ep + e0, static_cast<unsigned>(Ep));
+        wm::mma_sync(acc, fq, fk, acc);
+      }
+      wm::store_matrix_sync(ss + warp * 16 * kBk + ct * 16, acc, kBk, wm::mem_row_major);
+    }
+    __syncwarp();
+    // Mask, online softmax: this lane's 16 keys of row r.
+    float sv[16], tmax = -INFINITY;
+    for (int u = 0; u < 16; ++u) {
+      const int c = half * 16 + u;
+      const int64_t jo = j0 + c, ko = kidx[c];
+      const bool keep =
+          qi >= 0 && ko >= 0 && ko < len && in_range(rg, jo) && keep_mask(a, n, h, qi, ko);
+      sv[u] = keep ? ss[r * kBk + c] * a.scale : -INFINITY;
+      tmax = fmaxf(tmax, sv[u]);
+    }
+    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
+    const float m_new = fmaxf(m, tmax);
+    float alpha = 1.f, psum = 0.f;
+    if (m_new != -INFINITY) {
+      alpha = expf(m - m_new);  // 0 while m was -inf
+      for (int u = 0; u < 16; ++u) {
+        const float p = sv[u] == -INFINITY ? 0.f : expf(sv[u] - m_new);
+        psum += p;
+        ps[r * kBk + half * 16 + u] = from_float<T>(p);
+      }
+      m = m_new;
+    } else {
+      for (int u = 0; u < 16; ++u) ps[r * kBk + half * 16 + u] = from_float<T>(0.f);
+    }
+    psum += __shfl_xor_sync(0xffffffffu, psum, 1);
+    l = l * alpha + psum;
+    if (alpha != 1.f)
+      for (int64_t c = half; c < Mp; c += 2) os[r * Mp + c] *= alpha;
+    __syncwarp();
+    // O (this warp's 16 rows) += P·V.
+    for (int64_t c0 = 0; c0 < Mp; c0 += 16) {
+      wm::fragment<wm::accumulator, 16, 16, 16, float> acc;
+      wm::load_matrix_sync(acc, os + warp * 16 * Mp + c0, static_cast<unsigned>(Mp),
+                           wm::mem_row_major);
+      for (int kk = 0; kk < kBk / 16; ++kk) {
+        wm::fragment<wm::matrix_a, 16, 16, 16, T, wm::row_major> fp;
+        wm::fragment<wm::matrix_b, 16, 16, 16, T, wm::row_major> fv;
+        wm::load_matrix_sync(fp, ps + warp * 16 * kBk + kk * 16, kBk);
+        wm::load_matrix_sync(fv, vs + kk * 16 * Mp + c0, static_cast<unsigned>(Mp));
+        wm::mma_sync(acc, fp, fv, acc);
+      }
+      wm::store_matrix_sync(os + warp * 16 * Mp + c0, acc, static_cast<unsigned>(Mp),
+                            wm::mem_row_major);
+    }
+    __syncwarp();
+  }
+
+  if (qi < 0) return;  // no barrier follows
+  const int64_t row = nh * L + qi;
+  if (last) {
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    for (int64_t c = half; c < M; c += 2) {
+      if (a.out_float)
+        a.out_float[row * M + c] = os[r * Mp + c] * inv;
+      else
+        static_cast<T*>(a.out)[row * M + c] = from_float<T>(os[r * Mp + c] * inv);
+    }
+    if (half == 0) a.lse[row] = l > 0.f ? m + logf(l) : -INFINITY;
+  } else {
+    for (int64_t c = half; c < M; c += 2) a.ws_acc[row * M + c] = os[r * Mp + c];
+    if (half == 0) {
+      a.ws_ml[row] = m;
+      a.ws_ml[a.N * a.H * L + row] = l;
     }
   }
 }
@@ -304,12 +504,14 @@ __global__ void __launch_bounds__(kThreads)
   int64_t qi[kRows];
   RowRange rg[kRows];
   float lse[kRows], delta[kRows], dq[kRows][DC];
+  FA_BS_UNROLL
   for (int rr = 0; rr < kRows; ++rr) {
     const int r = warp * kRows + rr;
     qi[rr] = qidx[r];
     rg[rr] = qi[rr] >= 0 ? range_of(P, a, t * kBq + r, qi[rr]) : RowRange{0, -1, 0, -1};
     lse[rr] = qi[rr] >= 0 ? a.lse[nh * L + qi[rr]] : -INFINITY;
     delta[rr] = qi[rr] >= 0 ? a.delta[nh * L + qi[rr]] : 0.f;
+    FA_BS_UNROLL
     for (int u = 0; u < DC; ++u) dq[rr][u] = 0.f;
   }
 
@@ -327,6 +529,7 @@ __global__ void __launch_bounds__(kThreads)
     load_rows(vs, static_cast<int>(M + 1), v, kidx, kBk, M);
     __syncthreads();
     const int64_t jo = j0 + lane, ko = kidx[lane];
+    FA_BS_UNROLL
     for (int rr = 0; rr < kRows; ++rr) {
       if (lse[rr] == -INFINITY || rg[rr].b < j0 || rg[rr].a >= j0 + kBk) continue;
       const int r = warp * kRows + rr;
@@ -342,6 +545,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int j = 0; j < 32; ++j) {
         const float dsj = __shfl_sync(0xffffffffu, ds, j);
         if (dsj == 0.f) continue;
+        FA_BS_UNROLL
         for (int u = 0; u < DC; ++u) {
           const int64_t c = lane + 32 * u;
           if (c < E) dq[rr][u] += dsj * ks[j * (E + 1) + c];
@@ -350,9 +554,11 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
 
+  FA_BS_UNROLL
   for (int rr = 0; rr < kRows; ++rr) {
     if (qi[rr] < 0 || lse[rr] == -INFINITY) continue;
     float* g = a.grad_q + (nh * L + qi[rr]) * E;
+    FA_BS_UNROLL
     for (int u = 0; u < DC; ++u) {
       const int64_t c = lane + 32 * u;
       if (c < E) g[c] += dq[rr][u];
@@ -399,9 +605,11 @@ __global__ void __launch_bounds__(kThreads)
 
   int64_t ko[kRows];
   float dk[kRows][DC], dv[kRows][DC];
+  FA_BS_UNROLL
   for (int rr = 0; rr < kRows; ++rr) {
     const int64_t kx = kidx[warp * kRows + rr];
     ko[rr] = kx >= 0 && kx < len ? kx : -1;  // keys past the length are dropped everywhere
+    FA_BS_UNROLL
     for (int u = 0; u < DC; ++u) dk[rr][u] = dv[rr][u] = 0.f;
   }
 
@@ -437,6 +645,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t i = qidx[lane];
     const RowRange rg{qrg[lane * 4], qrg[lane * 4 + 1], qrg[lane * 4 + 2], qrg[lane * 4 + 3]};
     const float lse = qlse[lane], delta = qdelta[lane];
+    FA_BS_UNROLL
     for (int rr = 0; rr < kRows; ++rr) {
       if (ko[rr] < 0) continue;  // warp-uniform
       const int r = warp * kRows + rr;
@@ -453,6 +662,7 @@ __global__ void __launch_bounds__(kThreads)
         const float pj = __shfl_sync(0xffffffffu, p, j);
         const float dsj = __shfl_sync(0xffffffffu, ds, j);
         if (pj == 0.f && dsj == 0.f) continue;
+        FA_BS_UNROLL
         for (int u = 0; u < DC; ++u) {
           const int64_t c = lane + 32 * u;
           if (c < M) dv[rr][u] += pj * dos[j * (M + 1) + c];
@@ -462,15 +672,18 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
 
+  FA_BS_UNROLL
   for (int rr = 0; rr < kRows; ++rr) {
     if (ko[rr] < 0) continue;
     float* gk = a.grad_k + (nh * S + ko[rr]) * E;
+    FA_BS_UNROLL
     for (int u = 0; u < DC; ++u) {
       const int64_t c = lane + 32 * u;
       if (c < E) gk[c] += dk[rr][u];
     }
     if (a.grad_v) {
       float* gv = a.grad_v + (nh * S + ko[rr]) * M;
+      FA_BS_UNROLL
       for (int u = 0; u < DC; ++u) {
         const int64_t c = lane + 32 * u;
         if (c < M) gv[c] += dv[rr][u];
@@ -561,8 +774,18 @@ void block_sparse_attention_forward_cuda(const BlockSparseForwardCudaArgs& a, cu
   if (a.N * a.H == 0 || a.L == 0) return;
   const int dc = dim_chunks(a);
   FA_DISPATCH_FLOAT_TYPES(a.dtype, "block_sparse_attention_forward", [&] {
-    for (int part = 0; part < a.num_parts; ++part)
-      dispatch_chunks(dc, ForwardLaunch<scalar_t>{a, part, stream});
+    for (int part = 0; part < a.num_parts; ++part) {
+      if constexpr (std::is_same<scalar_t, float>::value) {
+        dispatch_chunks(dc, ForwardLaunch<scalar_t>{a, part, stream});
+      } else {  // tensor cores
+        const int64_t blocks = cuda::ceil_div(a.L, kBq) * a.N * a.H;
+        const size_t smem = wmma_smem_bytes(round16(a.E), round16(a.M), sizeof(scalar_t));
+        FA_SET_MAX_DYNAMIC_SHARED(smem, forward_wmma_kernel<scalar_t>);
+        FA_LAUNCH(dim3(static_cast<unsigned>(blocks)), dim3(kWmmaThreads), smem, stream,
+                  forward_wmma_kernel<scalar_t>)(a, part);
+        FA_CHECK_LAUNCH("block_sparse_attention_forward (tensor cores)");
+      }
+    }
   });
 }
 

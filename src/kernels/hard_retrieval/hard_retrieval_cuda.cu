@@ -28,6 +28,14 @@
 #include "kernels/block_sparse/block_sparse_attention_cuda.h"
 #include "kernels/common/cuda_compat.cuh"
 
+// Full unrolling of the loops over a thread's rows and register chunks keeps
+// those arrays in registers (nvcc); the emulator's compiler needs no hint.
+#if defined(__CUDACC__)
+#define FA_HR_UNROLL _Pragma("unroll")
+#else
+#define FA_HR_UNROLL
+#endif
+
 namespace fastattn::kernels {
 namespace {
 
@@ -100,6 +108,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(HardRetrievalForwardC
   float m[kRows], w[kRows], best_score[kRows];
   int64_t best[kRows];
   bool locked[kRows];
+  FA_HR_UNROLL
   for (int rr = 0; rr < kRows; ++rr) {
     m[rr] = -INFINITY;
     w[rr] = 0.f;
@@ -120,6 +129,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(HardRetrievalForwardC
         }
       }
       __syncthreads();
+      FA_HR_UNROLL
       for (int rr = 0; rr < kRows; ++rr) {
         const int r = warp * kRows + rr;
         const int64_t i = i0 + r, j = js + lane;
@@ -136,12 +146,14 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(HardRetrievalForwardC
     }
     __syncwarp();  // each warp reads only its own rows
     const uint64_t tile = static_cast<uint64_t>(j0 / kTile);
+    FA_HR_UNROLL
     for (int rr = 0; rr < kRows; ++rr) {
       const int r = warp * kRows + rr;
       const int64_t i = i0 + r;
       if (i >= L) continue;  // warp-uniform
       float raw[4];
       bool kk[4];
+      FA_HR_UNROLL
       for (int u = 0; u < 4; ++u) {
         raw[u] = sc[r * kTile + 4 * lane + u];
         kk[u] = kp[r * kTile + 4 * lane + u] != 0;
@@ -151,6 +163,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(HardRetrievalForwardC
         // greater score. So a NaN first key stays; otherwise the lowest index
         // of the largest non-NaN score.
         int first = 1 << 30;
+        FA_HR_UNROLL
         for (int u = 3; u >= 0; --u)
           if (kk[u]) first = 4 * lane + u;
         for (int o = 16; o > 0; o >>= 1) {
@@ -163,6 +176,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(HardRetrievalForwardC
         } else {
           float cs = -INFINITY;
           int ci = -1;
+          FA_HR_UNROLL
           for (int u = 0; u < 4; ++u)
             if (kk[u] && !isnan(raw[u]) && (ci < 0 || raw[u] > cs)) {
               cs = raw[u];
@@ -184,6 +198,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(HardRetrievalForwardC
       }
       if (!need_softmax) continue;
       float s[4], tmax = -INFINITY;
+      FA_HR_UNROLL
       for (int u = 0; u < 4; ++u) {
         s[u] = kk[u] ? raw[u] * a.scale : -INFINITY;
         tmax = fmaxf(tmax, s[u]);
@@ -192,6 +207,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(HardRetrievalForwardC
       if (m_new == -INFINITY) continue;  // nothing kept so far
       const float alpha = expf(m[rr] - m_new);
       float p[4], lane_sum = 0.f;
+      FA_HR_UNROLL
       for (int u = 0; u < 4; ++u) {
         p[u] = kk[u] ? expf(s[u] - m_new) : 0.f;
         lane_sum += p[u];
@@ -207,6 +223,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(HardRetrievalForwardC
       // Inverse CDF inside the tile; rounding falls back to the last kept key.
       const double target = hard_retrieval_uniform_cuda(a.seed, row_id, tile, 1) * wt;
       double incl = 0;
+      FA_HR_UNROLL
       for (int u = 0; u < 4; ++u) incl += static_cast<double>(p[u]);
       for (int o = 1; o < 32; o <<= 1) {
         const double y = __shfl_up_sync(0xffffffffu, incl, o);
@@ -215,6 +232,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(HardRetrievalForwardC
       double cum = __shfl_up_sync(0xffffffffu, incl, 1);
       if (lane == 0) cum = 0;
       int hit = -1, last_pos = -1;
+      FA_HR_UNROLL
       for (int u = 0; u < 4; ++u) {
         if (!(p[u] > 0.f)) continue;
         last_pos = 4 * lane + u;
@@ -233,6 +251,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(HardRetrievalForwardC
     }
   }
 
+  FA_HR_UNROLL
   for (int rr = 0; rr < kRows; ++rr) {
     const int64_t i = i0 + warp * kRows + rr;
     if (i >= L) continue;
