@@ -210,6 +210,7 @@ std::vector<Case> cases() {
        {45, 13}},
       {"fixed_split_S_lt_L", kFixedPattern, {8, 2, 3, 0}, 1, 2, 50, 35, 8, 8, true},
       {"length_one", kLocalPattern, {4}, 1, 2, 1, 1, 16, 16, true},
+      {"no_keys", kStridedPattern, {4, 0}, 1, 2, 5, 0, 16, 16, true},
   };
 }
 

@@ -256,6 +256,7 @@ std::vector<Case> cases() {
       {"sample_three_tiles", 1, 1, 9, 300, 8, 8, false, false, {}, false, true},
       {"sample_causal_S_lt_L", 1, 1, 33, 20, 64, 33, true, false, {}, false, true},
       {"one_query", 1, 1, 1, 1, 16, 16, true, false, {}, false, true},
+      {"no_keys", 1, 2, 5, 0, 16, 16, false, false, {}, false, true},
   };
 }
 
