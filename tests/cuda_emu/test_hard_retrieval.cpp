@@ -263,19 +263,12 @@ std::vector<Case> cases() {
 class CudaEmuHardRetrieval : public ::testing::TestWithParam<Case> {};
 
 TEST_P(CudaEmuHardRetrieval, Float32) { run_case<float>(GetParam()); }
+// float16 / bfloat16 score on tensor cores (WMMA).
+TEST_P(CudaEmuHardRetrieval, Float16) { run_case<__half>(GetParam()); }
+TEST_P(CudaEmuHardRetrieval, BFloat16) { run_case<__nv_bfloat16>(GetParam()); }
 
 INSTANTIATE_TEST_SUITE_P(Modes, CudaEmuHardRetrieval, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
-
-TEST(CudaEmuHardRetrievalHalf, Float16) {
-  const auto all = cases();
-  for (int i : {1, 2, 6}) run_case<__half>(all[i]);
-}
-
-TEST(CudaEmuHardRetrievalHalf, BFloat16) {
-  const auto all = cases();
-  for (int i : {3, 5, 7}) run_case<__nv_bfloat16>(all[i]);
-}
 
 TEST(CudaEmuHardRetrievalRng, SameUniformsAsCpu) {
   for (uint64_t seed : {0ull, 1ull, 123456789ull, ~0ull})
