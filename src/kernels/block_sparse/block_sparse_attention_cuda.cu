@@ -768,24 +768,29 @@ struct BackwardLaunch {
   }
 };
 
+
+// One part's forward: SIMT for float32, tensor cores for float16 / bfloat16.
+template <typename T>
+void launch_forward(const BlockSparseForwardCudaArgs& a, int part, int dc, cudaStream_t stream) {
+  if constexpr (std::is_same<T, float>::value) {
+    dispatch_chunks(dc, ForwardLaunch<T>{a, part, stream});
+  } else {
+    const int64_t blocks = cuda::ceil_div(a.L, kBq) * a.N * a.H;
+    const size_t smem = wmma_smem_bytes(round16(a.E), round16(a.M), sizeof(T));
+    FA_SET_MAX_DYNAMIC_SHARED(smem, forward_wmma_kernel<T>);
+    FA_LAUNCH(dim3(static_cast<unsigned>(blocks)), dim3(kWmmaThreads), smem, stream,
+              forward_wmma_kernel<T>)(a, part);
+    FA_CHECK_LAUNCH("block_sparse_attention_forward (tensor cores)");
+  }
+}
+
 }  // namespace
 
 void block_sparse_attention_forward_cuda(const BlockSparseForwardCudaArgs& a, cudaStream_t stream) {
   if (a.N * a.H == 0 || a.L == 0) return;
   const int dc = dim_chunks(a);
   FA_DISPATCH_FLOAT_TYPES(a.dtype, "block_sparse_attention_forward", [&] {
-    for (int part = 0; part < a.num_parts; ++part) {
-      if constexpr (std::is_same<scalar_t, float>::value) {
-        dispatch_chunks(dc, ForwardLaunch<scalar_t>{a, part, stream});
-      } else {  // tensor cores
-        const int64_t blocks = cuda::ceil_div(a.L, kBq) * a.N * a.H;
-        const size_t smem = wmma_smem_bytes(round16(a.E), round16(a.M), sizeof(scalar_t));
-        FA_SET_MAX_DYNAMIC_SHARED(smem, forward_wmma_kernel<scalar_t>);
-        FA_LAUNCH(dim3(static_cast<unsigned>(blocks)), dim3(kWmmaThreads), smem, stream,
-                  forward_wmma_kernel<scalar_t>)(a, part);
-        FA_CHECK_LAUNCH("block_sparse_attention_forward (tensor cores)");
-      }
-    }
+    for (int part = 0; part < a.num_parts; ++part) launch_forward<scalar_t>(a, part, dc, stream);
   });
 }
 
