@@ -217,7 +217,7 @@ std::vector<Case> cases() {
 class CudaEmuBlockSparse : public ::testing::TestWithParam<Case> {};
 
 TEST_P(CudaEmuBlockSparse, Float32) { run_case<float>(GetParam()); }
-// float16 / bfloat16 take the tensor-core forward (WMMA) and the SIMT backward.
+// float16 / bfloat16 take the tensor-core (WMMA) kernels.
 TEST_P(CudaEmuBlockSparse, Float16) { run_case<__half>(GetParam()); }
 TEST_P(CudaEmuBlockSparse, BFloat16) { run_case<__nv_bfloat16>(GetParam()); }
 

@@ -17,10 +17,11 @@
 //            block per (n·h, tile of 32 ordered keys), over the query tiles that
 //            reach it: dV += P^T·dO, dK += dS^T·Q). Gradients accumulate in
 //            float32 buffers (each launch writes disjoint rows, parts add).
-// float16 / bfloat16 forward: tensor cores (fa_wmma 16×16×16 tiles, float
-// accumulation, P rounded to the dtype before P·V; 2 warps of 16 query rows).
-// float32 forward and every backward: SIMT float32 arithmetic (half types are
-// converted when loaded into shared memory). Head dims up to 256.
+// float16 / bfloat16: tensor cores (fa_wmma 16×16×16 tiles, float
+// accumulation; 2 warps of 16 rows; P and dS rounded to the dtype before their
+// products, masks and softmax elementwise in shared memory). float32: SIMT
+// (4 warps of 8 rows, one key per lane, P broadcast by shuffles). Head dims up
+// to 256 (zero-padded to multiples of 16 for the tensor cores).
 // Cost: forward 4·E·(kept keys, padded to tiles of 32) flops per query;
 // backward about 2.5× that, recomputing P twice.
 // Tested by tests/cuda_emu/test_block_sparse.cpp (emulator against the CPU
@@ -692,6 +693,282 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// ---- backward on tensor cores (float16, bfloat16) -----------------------------------
+// Same work split as the SIMT kernels, 2 warps of 16 rows, the three products
+// of each tile by WMMA (S = Q·K^T, dP = dO·V^T, then dQ += dS·K, or in the key
+// kernel S^T = K·Q^T, dP^T = V·dO^T, dV += P^T·dO, dK += dS^T·Q); the mask,
+// P and dS elementwise in shared memory (two lanes per row, 16 columns each);
+// P and dS rounded to T for the products; dQ / dK / dV accumulate as floats in
+// shared memory.
+
+__host__ __device__ __forceinline__ size_t wmma_bwd_smem_bytes(int64_t Ep, int64_t Mp, int elem) {
+  return 128 + (kBk + kBq * 5) * sizeof(int64_t) + 2 * kBq * sizeof(float) +
+         (2 * kBq * kBk + kBq * (Ep + Mp)) * sizeof(float) +
+         static_cast<size_t>(2 * kBq * Ep + 2 * kBq * Mp + 2 * kBq * kBk) * elem;
+}
+
+namespace wmma_tiles {
+// acc(16×16 tiles of a 16-row band, float in shared, ld) += A (16×32, T, lda) · B (32 × cols, T)
+// where B is row-major (ldb). cols is a multiple of 16.
+template <typename T>
+__device__ __forceinline__ void band_mma_rows(float* acc, unsigned ld, const T* A, unsigned lda,
+                                              const T* B, unsigned ldb, int64_t cols) {
+  namespace wm = fa_wmma;
+  for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+    wm::fragment<wm::accumulator, 16, 16, 16, float> f;
+    wm::load_matrix_sync(f, acc + c0, ld, wm::mem_row_major);
+    for (int kk = 0; kk < 32; kk += 16) {
+      wm::fragment<wm::matrix_a, 16, 16, 16, T, wm::row_major> fa;
+      wm::fragment<wm::matrix_b, 16, 16, 16, T, wm::row_major> fb;
+      wm::load_matrix_sync(fa, A + kk, lda);
+      wm::load_matrix_sync(fb, B + kk * ldb + c0, ldb);
+      wm::mma_sync(f, fa, fb, f);
+    }
+    wm::store_matrix_sync(acc + c0, f, ld, wm::mem_row_major);
+  }
+}
+// out (16×32 float, ld 32) = A (16 × D, T row-major, lda) · B^T where B is (32 × D) row-major (ldb).
+template <typename T>
+__device__ __forceinline__ void band_scores(float* out, const T* A, unsigned lda, const T* B,
+                                            unsigned ldb, int64_t D) {
+  namespace wm = fa_wmma;
+  for (int ct = 0; ct < 2; ++ct) {
+    wm::fragment<wm::accumulator, 16, 16, 16, float> f;
+    wm::fill_fragment(f, 0.f);
+    for (int64_t e0 = 0; e0 < D; e0 += 16) {
+      wm::fragment<wm::matrix_a, 16, 16, 16, T, wm::row_major> fa;
+      wm::fragment<wm::matrix_b, 16, 16, 16, T, wm::col_major> fb;
+      wm::load_matrix_sync(fa, A + e0, lda);
+      wm::load_matrix_sync(fb, B + ct * 16 * ldb + e0, ldb);
+      wm::mma_sync(f, fa, fb, f);
+    }
+    wm::store_matrix_sync(out + ct * 16, f, 32, wm::mem_row_major);
+  }
+}
+}  // namespace wmma_tiles
+
+// Copies rows (index idx[r], -1: zeros) of D elements into dst (rows × Dp, T), zero-padded.
+template <typename T>
+__device__ __forceinline__ void load_rows_t(T* dst, const T* src, const int64_t* idx, int rows,
+                                            int64_t D, int64_t Dp) {
+  for (int64_t x = threadIdx.x; x < rows * Dp; x += kWmmaThreads) {
+    const int64_t r = x / Dp, c = x % Dp, i = idx[r];
+    dst[x] = i >= 0 && c < D ? src[i * D + c] : from_float<T>(0.f);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kWmmaThreads)
+    backward_dq_wmma_kernel(BlockSparseBackwardCudaArgs a, int part) {
+  const int64_t q_tiles = cuda::ceil_div(a.L, kBq);
+  const int64_t t = blockIdx.x % q_tiles, nh = blockIdx.x / q_tiles;
+  const int64_t n = nh / a.H, h = nh % a.H;
+  const PartView P = resolve(a.parts[part], a, h);
+  if (P.skip) return;
+  const int64_t E = a.E, M = a.M, L = a.L, S = a.S, Ep = round16(E), Mp = round16(M);
+  const int64_t len = a.key_lengths ? a.key_lengths[n] : S;
+  const T* q = static_cast<const T*>(a.q) + nh * L * E;
+  const T* dout = static_cast<const T*>(a.grad_out) + nh * L * M;
+  const T* k = static_cast<const T*>(a.k) + nh * S * E;
+  const T* v = static_cast<const T*>(a.v) + nh * S * M;
+
+  FA_DYNAMIC_SHARED(unsigned char, smem_raw);
+  unsigned char* smem = smem_raw + ((128 - reinterpret_cast<uintptr_t>(smem_raw) % 128) % 128);
+  int64_t* kidx = reinterpret_cast<int64_t*>(smem);       // (kBk)
+  int64_t* qidx = kidx + kBk;                             // (kBq)
+  int64_t* qrg = qidx + kBq;                              // (kBq, 4)
+  float* qlse = reinterpret_cast<float*>(qrg + kBq * 4);  // (kBq)
+  float* qdelta = qlse + kBq;                             // (kBq)
+  float* ss = qdelta + kBq;                               // (kBq, kBk) S
+  float* dps = ss + kBq * kBk;                            // (kBq, kBk) dP
+  float* dq = dps + kBq * kBk;                            // (kBq, Ep)
+  float* spare = dq + kBq * Ep;  // (kBq, Mp), unused: one smem size for both kernels
+  T* qs = reinterpret_cast<T*>(spare + kBq * Mp);         // (kBq, Ep)
+  T* ks = qs + kBq * Ep;                                  // (kBk, Ep)
+  T* dos = ks + kBk * Ep;                                 // (kBq, Mp)
+  T* vs = dos + kBq * Mp;                                 // (kBk, Mp)
+  T* dst = vs + kBk * Mp;                                 // (kBq, kBk) dS
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x < kBq) {
+    const int64_t tpos = t * kBq + threadIdx.x;
+    const int64_t i = tpos < L ? query_of(P, tpos) : -1;
+    qidx[threadIdx.x] = i;
+    const RowRange r = i >= 0 ? range_of(P, a, tpos, i) : RowRange{0, -1, 0, -1};
+    qrg[threadIdx.x * 4 + 0] = r.a;
+    qrg[threadIdx.x * 4 + 1] = r.b;
+    qrg[threadIdx.x * 4 + 2] = r.x;
+    qrg[threadIdx.x * 4 + 3] = r.y;
+    qlse[threadIdx.x] = i >= 0 ? a.lse[nh * L + i] : -INFINITY;
+    qdelta[threadIdx.x] = i >= 0 ? a.delta[nh * L + i] : 0.f;
+  }
+  __syncthreads();
+  load_rows_t(qs, q, qidx, kBq, E, Ep);
+  load_rows_t(dos, dout, qidx, kBq, M, Mp);
+  for (int64_t x = threadIdx.x; x < kBq * Ep; x += kWmmaThreads) dq[x] = 0.f;
+  const int r = warp * 16 + lane / 2, half = lane % 2;
+  const int64_t qi = qidx[r];
+  const RowRange rg{qrg[r * 4], qrg[r * 4 + 1], qrg[r * 4 + 2], qrg[r * 4 + 3]};
+  const float lse = qlse[r], delta = qdelta[r];
+
+  int64_t kb_lo, kb_hi;
+  key_tiles_of(P, a, t, kb_lo, kb_hi);
+  for (int64_t kb = kb_lo; kb <= kb_hi; ++kb) {
+    const int64_t j0 = kb * kBk;
+    __syncthreads();
+    if (threadIdx.x < kBk) {
+      const int64_t jo = j0 + threadIdx.x;
+      kidx[threadIdx.x] = jo < P.Sp ? key_of(P, jo) : -1;
+    }
+    __syncthreads();
+    load_rows_t(ks, k, kidx, kBk, E, Ep);
+    load_rows_t(vs, v, kidx, kBk, M, Mp);
+    __syncthreads();
+    wmma_tiles::band_scores(ss + warp * 16 * kBk, qs + warp * 16 * Ep, static_cast<unsigned>(Ep),
+                            ks, static_cast<unsigned>(Ep), Ep);
+    wmma_tiles::band_scores(dps + warp * 16 * kBk, dos + warp * 16 * Mp,
+                            static_cast<unsigned>(Mp), vs, static_cast<unsigned>(Mp), Mp);
+    __syncwarp();
+    FA_BS_UNROLL
+    for (int u = 0; u < 16; ++u) {
+      const int c = half * 16 + u;
+      const int64_t jo = j0 + c, ko = kidx[c];
+      const bool keep = qi >= 0 && lse != -INFINITY && ko >= 0 && ko < len &&
+                        in_range(rg, jo) && keep_mask(a, n, h, qi, ko);
+      float ds = 0.f;
+      if (keep) {
+        const float p = expf(ss[r * kBk + c] * a.scale - lse);
+        ds = p * (dps[r * kBk + c] - delta) * a.scale;
+      }
+      dst[r * kBk + c] = from_float<T>(ds);
+    }
+    __syncwarp();
+    wmma_tiles::band_mma_rows(dq + warp * 16 * Ep, static_cast<unsigned>(Ep),
+                              dst + warp * 16 * kBk, kBk, ks, static_cast<unsigned>(Ep), Ep);
+    __syncwarp();
+  }
+  if (qi < 0 || lse == -INFINITY) return;  // no barrier follows
+  float* g = a.grad_q + (nh * L + qi) * E;
+  for (int64_t c = half; c < E; c += 2) g[c] += dq[r * Ep + c];
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kWmmaThreads)
+    backward_dkv_wmma_kernel(BlockSparseBackwardCudaArgs a, int part, int64_t k_tiles) {
+  const int64_t kb = blockIdx.x % k_tiles, nh = blockIdx.x / k_tiles;
+  const int64_t n = nh / a.H, h = nh % a.H;
+  const PartView P = resolve(a.parts[part], a, h);
+  const int64_t j0 = kb * kBk;
+  if (P.skip || j0 >= P.Sp) return;
+  const int64_t E = a.E, M = a.M, L = a.L, S = a.S, Ep = round16(E), Mp = round16(M);
+  const int64_t len = a.key_lengths ? a.key_lengths[n] : S;
+  const T* q = static_cast<const T*>(a.q) + nh * L * E;
+  const T* dout = static_cast<const T*>(a.grad_out) + nh * L * M;
+  const T* k = static_cast<const T*>(a.k) + nh * S * E;
+  const T* v = static_cast<const T*>(a.v) + nh * S * M;
+
+  FA_DYNAMIC_SHARED(unsigned char, smem_raw);
+  unsigned char* smem = smem_raw + ((128 - reinterpret_cast<uintptr_t>(smem_raw) % 128) % 128);
+  int64_t* kidx = reinterpret_cast<int64_t*>(smem);       // (kBk)
+  int64_t* qidx = kidx + kBk;                             // (kBq)
+  int64_t* qrg = qidx + kBq;                              // (kBq, 4)
+  float* qlse = reinterpret_cast<float*>(qrg + kBq * 4);  // (kBq)
+  float* qdelta = qlse + kBq;                             // (kBq)
+  float* sts = qdelta + kBq;                              // (kBk, kBq) S^T
+  float* dpts = sts + kBk * kBq;                          // (kBk, kBq) dP^T
+  float* dk = dpts + kBk * kBq;                           // (kBk, Ep)
+  float* dv = dk + kBk * Ep;                              // (kBk, Mp)
+  T* qs = reinterpret_cast<T*>(dv + kBk * Mp);            // (kBq, Ep)
+  T* ks = qs + kBq * Ep;                                  // (kBk, Ep)
+  T* dos = ks + kBk * Ep;                                 // (kBq, Mp)
+  T* vs = dos + kBq * Mp;                                 // (kBk, Mp)
+  T* pts = vs + kBk * Mp;                                 // (kBk, kBq) P^T, then dS^T
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x < kBk) {
+    const int64_t jo = j0 + threadIdx.x;
+    const int64_t kx = jo < P.Sp ? key_of(P, jo) : -1;
+    kidx[threadIdx.x] = kx >= 0 && kx < len ? kx : -1;  // keys past the length: dropped
+  }
+  __syncthreads();
+  load_rows_t(ks, k, kidx, kBk, E, Ep);
+  load_rows_t(vs, v, kidx, kBk, M, Mp);
+  for (int64_t x = threadIdx.x; x < kBk * Ep; x += kWmmaThreads) dk[x] = 0.f;
+  for (int64_t x = threadIdx.x; x < kBk * Mp; x += kWmmaThreads) dv[x] = 0.f;
+  const int r = warp * 16 + lane / 2, half = lane % 2;  // key row r of the tile
+  const int64_t jo = j0 + r, ko = kidx[r];
+
+  const int64_t q_tiles = cuda::ceil_div(L, kBq);
+  int64_t e_lo = 0, e_hi = q_tiles;
+  if (P.kt_ptr) {
+    e_lo = P.kt_ptr[kb];
+    e_hi = P.kt_ptr[kb + 1];
+  } else if (a.causal && !P.ranges) {
+    const int64_t first_q = j0 - (S - L);
+    e_lo = first_q <= 0 ? 0 : (first_q >= L ? q_tiles : first_q / kBq);
+  }
+  for (int64_t e = e_lo; e < e_hi; ++e) {
+    const int64_t t = P.kt_ptr ? P.kt_q[e] : e;
+    __syncthreads();
+    if (threadIdx.x < kBq) {
+      const int64_t tpos = t * kBq + threadIdx.x;
+      const int64_t i = tpos < L ? query_of(P, tpos) : -1;
+      qidx[threadIdx.x] = i;
+      const RowRange rr = i >= 0 ? range_of(P, a, tpos, i) : RowRange{0, -1, 0, -1};
+      qrg[threadIdx.x * 4 + 0] = rr.a;
+      qrg[threadIdx.x * 4 + 1] = rr.b;
+      qrg[threadIdx.x * 4 + 2] = rr.x;
+      qrg[threadIdx.x * 4 + 3] = rr.y;
+      qlse[threadIdx.x] = i >= 0 ? a.lse[nh * L + i] : -INFINITY;
+      qdelta[threadIdx.x] = i >= 0 ? a.delta[nh * L + i] : 0.f;
+    }
+    __syncthreads();
+    load_rows_t(qs, q, qidx, kBq, E, Ep);
+    load_rows_t(dos, dout, qidx, kBq, M, Mp);
+    __syncthreads();
+    wmma_tiles::band_scores(sts + warp * 16 * kBq, ks + warp * 16 * Ep, static_cast<unsigned>(Ep),
+                            qs, static_cast<unsigned>(Ep), Ep);
+    wmma_tiles::band_scores(dpts + warp * 16 * kBq, vs + warp * 16 * Mp,
+                            static_cast<unsigned>(Mp), dos, static_cast<unsigned>(Mp), Mp);
+    __syncwarp();
+    float ds[16];
+    FA_BS_UNROLL
+    for (int u = 0; u < 16; ++u) {
+      const int c = half * 16 + u;
+      const int64_t i = qidx[c];
+      const float lse = qlse[c];
+      const RowRange rg{qrg[c * 4], qrg[c * 4 + 1], qrg[c * 4 + 2], qrg[c * 4 + 3]};
+      const bool keep = ko >= 0 && i >= 0 && lse != -INFINITY && in_range(rg, jo) &&
+                        keep_mask(a, n, h, i, ko);
+      float p = 0.f;
+      ds[u] = 0.f;
+      if (keep) {
+        p = expf(sts[r * kBq + c] * a.scale - lse);
+        ds[u] = p * (dpts[r * kBq + c] - qdelta[c]) * a.scale;
+      }
+      pts[r * kBq + c] = from_float<T>(p);
+    }
+    __syncwarp();
+    if (a.grad_v)
+      wmma_tiles::band_mma_rows(dv + warp * 16 * Mp, static_cast<unsigned>(Mp),
+                                pts + warp * 16 * kBq, kBq, dos, static_cast<unsigned>(Mp), Mp);
+    __syncwarp();
+    FA_BS_UNROLL
+    for (int u = 0; u < 16; ++u) pts[r * kBq + half * 16 + u] = from_float<T>(ds[u]);
+    __syncwarp();
+    wmma_tiles::band_mma_rows(dk + warp * 16 * Ep, static_cast<unsigned>(Ep),
+                              pts + warp * 16 * kBq, kBq, qs, static_cast<unsigned>(Ep), Ep);
+    __syncwarp();
+  }
+  if (ko < 0) return;  // no barrier follows
+  float* gk = a.grad_k + (nh * S + ko) * E;
+  for (int64_t c = half; c < E; c += 2) gk[c] += dk[r * Ep + c];
+  if (a.grad_v) {
+    float* gv = a.grad_v + (nh * S + ko) * M;
+    for (int64_t c = half; c < M; c += 2) gv[c] += dv[r * Mp + c];
+  }
+}
+
 // ---- launchers ----------------------------------------------------------------------
 
 int dim_chunks(const BlockSparseCudaParams& a) {
@@ -784,6 +1061,27 @@ void launch_forward(const BlockSparseForwardCudaArgs& a, int part, int dc, cudaS
   }
 }
 
+// One part's backward: SIMT for float32, tensor cores for float16 / bfloat16.
+template <typename T>
+void launch_backward(const BlockSparseBackwardCudaArgs& a, int part, int dc, cudaStream_t stream) {
+  if constexpr (std::is_same<T, float>::value) {
+    dispatch_chunks(dc, BackwardLaunch<T>{a, part, stream});
+  } else {
+    const int64_t nh = a.N * a.H;
+    const size_t smem = wmma_bwd_smem_bytes(round16(a.E), round16(a.M), sizeof(T));
+    FA_SET_MAX_DYNAMIC_SHARED(smem, backward_dq_wmma_kernel<T>);
+    FA_LAUNCH(dim3(static_cast<unsigned>(cuda::ceil_div(a.L, kBq) * nh)), dim3(kWmmaThreads), smem,
+              stream, backward_dq_wmma_kernel<T>)(a, part);
+    FA_CHECK_LAUNCH("block_sparse_attention_backward (dQ, tensor cores)");
+    const int64_t k_tiles = cuda::ceil_div(a.parts[part].max_sp, kBk);
+    if (k_tiles == 0) return;
+    FA_SET_MAX_DYNAMIC_SHARED(smem, backward_dkv_wmma_kernel<T>);
+    FA_LAUNCH(dim3(static_cast<unsigned>(k_tiles * nh)), dim3(kWmmaThreads), smem, stream,
+              backward_dkv_wmma_kernel<T>)(a, part, k_tiles);
+    FA_CHECK_LAUNCH("block_sparse_attention_backward (dK, dV, tensor cores)");
+  }
+}
+
 }  // namespace
 
 void block_sparse_attention_forward_cuda(const BlockSparseForwardCudaArgs& a, cudaStream_t stream) {
@@ -799,8 +1097,7 @@ void block_sparse_attention_backward_cuda(const BlockSparseBackwardCudaArgs& a,
   if (a.N * a.H == 0 || a.L == 0 || a.S == 0) return;
   const int dc = dim_chunks(a);
   FA_DISPATCH_FLOAT_TYPES(a.dtype, "block_sparse_attention_backward", [&] {
-    for (int part = 0; part < a.num_parts; ++part)
-      dispatch_chunks(dc, BackwardLaunch<scalar_t>{a, part, stream});
+    for (int part = 0; part < a.num_parts; ++part) launch_backward<scalar_t>(a, part, dc, stream);
   });
 }
 
