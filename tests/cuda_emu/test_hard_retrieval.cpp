@@ -268,7 +268,9 @@ TEST_P(CudaEmuHardRetrieval, Float16) { run_case<__half>(GetParam()); }
 TEST_P(CudaEmuHardRetrieval, BFloat16) { run_case<__nv_bfloat16>(GetParam()); }
 
 INSTANTIATE_TEST_SUITE_P(Modes, CudaEmuHardRetrieval, ::testing::ValuesIn(cases()),
-                         [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return info.param.name;
+                         });
 
 TEST(CudaEmuHardRetrievalRng, SameUniformsAsCpu) {
   for (uint64_t seed : {0ull, 1ull, 123456789ull, ~0ull})

@@ -66,9 +66,9 @@ __device__ __forceinline__ bool in_range(const RowRange& r, int64_t jo) {
 
 // One part resolved for the head group of this block.
 struct PartView {
-  bool skip;           // the part does not cover this head
-  int flags;           // bit 0 first part of the head, bit 1 last
-  int64_t Sp;          // keys in the part's order
+  bool skip;               // the part does not cover this head
+  int flags;               // bit 0 first part of the head, bit 1 last
+  int64_t Sp;              // keys in the part's order
   const int64_t* q_order;  // (L) or null
   const int64_t* k_order;  // (Sp) or null
   const int64_t* ranges;   // (L, 4) or null
@@ -77,8 +77,8 @@ struct PartView {
   const int64_t* kt_q;
 };
 
-__device__ __forceinline__ PartView resolve(const BlockSparsePartCuda& p, const BlockSparseCudaParams& a,
-                                            int64_t h) {
+__device__ __forceinline__ PartView resolve(const BlockSparsePartCuda& p,
+                                            const BlockSparseCudaParams& a, int64_t h) {
   PartView v;
   const int64_t g = p.head_group ? p.head_group[h] : 0;
   v.skip = g < 0;
@@ -166,8 +166,7 @@ __device__ __forceinline__ float dot(const float* x, const float* y, int64_t D) 
 // ---- forward -------------------------------------------------------------------
 
 template <typename T, int DC>
-__global__ void __launch_bounds__(kThreads)
-    forward_kernel(BlockSparseForwardCudaArgs a, int part) {
+__global__ void __launch_bounds__(kThreads) forward_kernel(BlockSparseForwardCudaArgs a, int part) {
   const int64_t q_tiles = cuda::ceil_div(a.L, kBq);
   const int64_t t = blockIdx.x % q_tiles, nh = blockIdx.x / q_tiles;
   const int64_t n = nh / a.H, h = nh % a.H;
@@ -327,15 +326,15 @@ __global__ void __launch_bounds__(kWmmaThreads)
   FA_DYNAMIC_SHARED(unsigned char, smem_raw);
   unsigned char* smem =
       smem_raw + ((128 - reinterpret_cast<uintptr_t>(smem_raw) % 128) % 128);  // WMMA alignment
-  int64_t* kidx = reinterpret_cast<int64_t*>(smem);  // (kBk)
-  int64_t* qidx = kidx + kBk;                        // (kBq)
-  int64_t* qrg = qidx + kBq;                         // (kBq, 4)
-  float* ss = reinterpret_cast<float*>(qrg + kBq * 4);  // (kBq, kBk) scores
-  float* os = ss + kBq * kBk;                           // (kBq, Mp) unnormalised output
-  T* qs = reinterpret_cast<T*>(os + kBq * Mp);          // (kBq, Ep)
-  T* ks = qs + kBq * Ep;                                // (kBk, Ep)
-  T* vs = ks + kBk * Ep;                                // (kBk, Mp)
-  T* ps = vs + kBk * Mp;                                // (kBq, kBk) probabilities
+  int64_t* kidx = reinterpret_cast<int64_t*>(smem);                            // (kBk)
+  int64_t* qidx = kidx + kBk;                                                  // (kBq)
+  int64_t* qrg = qidx + kBq;                                                   // (kBq, 4)
+  float* ss = reinterpret_cast<float*>(qrg + kBq * 4);                         // (kBq, kBk) scores
+  float* os = ss + kBq * kBk;                   // (kBq, Mp) unnormalised output
+  T* qs = reinterpret_cast<T*>(os + kBq * Mp);  // (kBq, Ep)
+  T* ks = qs + kBq * Ep;                        // (kBk, Ep)
+  T* vs = ks + kBk * Ep;                        // (kBk, Mp)
+  T* ps = vs + kBk * Mp;                        // (kBq, kBk) probabilities
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const bool first = P.flags & 1, last = P.flags & 2;
@@ -585,9 +584,9 @@ __global__ void __launch_bounds__(kThreads)
   const T* v = static_cast<const T*>(a.v) + nh * S * M;
 
   FA_DYNAMIC_SHARED(unsigned char, smem);
-  int64_t* kidx = reinterpret_cast<int64_t*>(smem);  // (kBk)
-  int64_t* qidx = kidx + kBk;                        // (kBq)
-  int64_t* qrg = qidx + kBq;                         // (kBq, 4)
+  int64_t* kidx = reinterpret_cast<int64_t*>(smem);       // (kBk)
+  int64_t* qidx = kidx + kBk;                             // (kBq)
+  int64_t* qrg = qidx + kBq;                              // (kBq, 4)
   float* qlse = reinterpret_cast<float*>(qrg + kBq * 4);  // (kBq)
   float* qdelta = qlse + kBq;                             // (kBq)
   float* ks = qdelta + kBq;                               // (kBk, E)
@@ -650,8 +649,8 @@ __global__ void __launch_bounds__(kThreads)
     for (int rr = 0; rr < kRows; ++rr) {
       if (ko[rr] < 0) continue;  // warp-uniform
       const int r = warp * kRows + rr;
-      const bool keep = i >= 0 && lse != -INFINITY && in_range(rg, j0 + r) &&
-                        keep_mask(a, n, h, i, ko[rr]);
+      const bool keep =
+          i >= 0 && lse != -INFINITY && in_range(rg, j0 + r) && keep_mask(a, n, h, i, ko[rr]);
       if (!__any_sync(0xffffffffu, keep)) continue;
       float p = 0.f, ds = 0.f;
       if (keep) {
@@ -727,7 +726,8 @@ __device__ __forceinline__ void band_mma_rows(float* acc, unsigned ld, const T* 
     wm::store_matrix_sync(acc + c0, f, ld, wm::mem_row_major);
   }
 }
-// out (16×32 float, ld 32) = A (16 × D, T row-major, lda) · B^T where B is (32 × D) row-major (ldb).
+// out (16×32 float, ld 32) = A (16 × D, T row-major, lda) · B^T where B is (32 × D) row-major
+// (ldb).
 template <typename T>
 __device__ __forceinline__ void band_scores(float* out, const T* A, unsigned lda, const T* B,
                                             unsigned ldb, int64_t D) {
@@ -783,11 +783,11 @@ __global__ void __launch_bounds__(kWmmaThreads)
   float* dps = ss + kBq * kBk;                            // (kBq, kBk) dP
   float* dq = dps + kBq * kBk;                            // (kBq, Ep)
   float* spare = dq + kBq * Ep;  // (kBq, Mp), unused: one smem size for both kernels
-  T* qs = reinterpret_cast<T*>(spare + kBq * Mp);         // (kBq, Ep)
-  T* ks = qs + kBq * Ep;                                  // (kBk, Ep)
-  T* dos = ks + kBk * Ep;                                 // (kBq, Mp)
-  T* vs = dos + kBq * Mp;                                 // (kBk, Mp)
-  T* dst = vs + kBk * Mp;                                 // (kBq, kBk) dS
+  T* qs = reinterpret_cast<T*>(spare + kBq * Mp);  // (kBq, Ep)
+  T* ks = qs + kBq * Ep;                           // (kBk, Ep)
+  T* dos = ks + kBk * Ep;                          // (kBq, Mp)
+  T* vs = dos + kBq * Mp;                          // (kBk, Mp)
+  T* dst = vs + kBk * Mp;                          // (kBq, kBk) dS
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (threadIdx.x < kBq) {
@@ -826,15 +826,15 @@ __global__ void __launch_bounds__(kWmmaThreads)
     __syncthreads();
     wmma_tiles::band_scores(ss + warp * 16 * kBk, qs + warp * 16 * Ep, static_cast<unsigned>(Ep),
                             ks, static_cast<unsigned>(Ep), Ep);
-    wmma_tiles::band_scores(dps + warp * 16 * kBk, dos + warp * 16 * Mp,
-                            static_cast<unsigned>(Mp), vs, static_cast<unsigned>(Mp), Mp);
+    wmma_tiles::band_scores(dps + warp * 16 * kBk, dos + warp * 16 * Mp, static_cast<unsigned>(Mp),
+                            vs, static_cast<unsigned>(Mp), Mp);
     __syncwarp();
     FA_BS_UNROLL
     for (int u = 0; u < 16; ++u) {
       const int c = half * 16 + u;
       const int64_t jo = j0 + c, ko = kidx[c];
-      const bool keep = qi >= 0 && lse != -INFINITY && ko >= 0 && ko < len &&
-                        in_range(rg, jo) && keep_mask(a, n, h, qi, ko);
+      const bool keep = qi >= 0 && lse != -INFINITY && ko >= 0 && ko < len && in_range(rg, jo) &&
+                        keep_mask(a, n, h, qi, ko);
       float ds = 0.f;
       if (keep) {
         const float p = expf(ss[r * kBk + c] * a.scale - lse);
@@ -843,8 +843,8 @@ __global__ void __launch_bounds__(kWmmaThreads)
       dst[r * kBk + c] = from_float<T>(ds);
     }
     __syncwarp();
-    wmma_tiles::band_mma_rows(dq + warp * 16 * Ep, static_cast<unsigned>(Ep),
-                              dst + warp * 16 * kBk, kBk, ks, static_cast<unsigned>(Ep), Ep);
+    wmma_tiles::band_mma_rows(dq + warp * 16 * Ep, static_cast<unsigned>(Ep), dst + warp * 16 * kBk,
+                              kBk, ks, static_cast<unsigned>(Ep), Ep);
     __syncwarp();
   }
   if (qi < 0 || lse == -INFINITY) return;  // no barrier follows
@@ -928,8 +928,8 @@ __global__ void __launch_bounds__(kWmmaThreads)
     __syncthreads();
     wmma_tiles::band_scores(sts + warp * 16 * kBq, ks + warp * 16 * Ep, static_cast<unsigned>(Ep),
                             qs, static_cast<unsigned>(Ep), Ep);
-    wmma_tiles::band_scores(dpts + warp * 16 * kBq, vs + warp * 16 * Mp,
-                            static_cast<unsigned>(Mp), dos, static_cast<unsigned>(Mp), Mp);
+    wmma_tiles::band_scores(dpts + warp * 16 * kBq, vs + warp * 16 * Mp, static_cast<unsigned>(Mp),
+                            dos, static_cast<unsigned>(Mp), Mp);
     __syncwarp();
     float ds[16];
     FA_BS_UNROLL
@@ -938,8 +938,8 @@ __global__ void __launch_bounds__(kWmmaThreads)
       const int64_t i = qidx[c];
       const float lse = qlse[c];
       const RowRange rg{qrg[c * 4], qrg[c * 4 + 1], qrg[c * 4 + 2], qrg[c * 4 + 3]};
-      const bool keep = ko >= 0 && i >= 0 && lse != -INFINITY && in_range(rg, jo) &&
-                        keep_mask(a, n, h, i, ko);
+      const bool keep =
+          ko >= 0 && i >= 0 && lse != -INFINITY && in_range(rg, jo) && keep_mask(a, n, h, i, ko);
       float p = 0.f;
       ds[u] = 0.f;
       if (keep) {
@@ -956,8 +956,8 @@ __global__ void __launch_bounds__(kWmmaThreads)
     FA_BS_UNROLL
     for (int u = 0; u < 16; ++u) pts[r * kBq + half * 16 + u] = from_float<T>(ds[u]);
     __syncwarp();
-    wmma_tiles::band_mma_rows(dk + warp * 16 * Ep, static_cast<unsigned>(Ep),
-                              pts + warp * 16 * kBq, kBq, qs, static_cast<unsigned>(Ep), Ep);
+    wmma_tiles::band_mma_rows(dk + warp * 16 * Ep, static_cast<unsigned>(Ep), pts + warp * 16 * kBq,
+                              kBq, qs, static_cast<unsigned>(Ep), Ep);
     __syncwarp();
   }
   if (ko < 0) return;  // no barrier follows
@@ -975,8 +975,8 @@ int dim_chunks(const BlockSparseCudaParams& a) {
   const int64_t d = a.E > a.M ? a.E : a.M;
   if (d > kBlockSparseCudaMaxDim)
     throw std::runtime_error("fastattn CUDA block_sparse_attention: head dims E and M must be <= " +
-                             std::to_string(kBlockSparseCudaMaxDim) + ", got E = " +
-                             std::to_string(a.E) + ", M = " + std::to_string(a.M));
+                             std::to_string(kBlockSparseCudaMaxDim) +
+                             ", got E = " + std::to_string(a.E) + ", M = " + std::to_string(a.M));
   const int64_t c = cuda::ceil_div(d, 32);
   return c <= 1 ? 1 : c <= 2 ? 2 : c <= 4 ? 4 : 8;
 }
@@ -1008,11 +1008,12 @@ struct ForwardLaunch {
   template <int DC>
   void operator()() const {
     const int64_t blocks = cuda::ceil_div(a.L, kBq) * a.N * a.H;
-    const size_t smem = (kBk + kBq) * sizeof(int64_t) +
-                        (kBq * a.E + kBk * (a.E + 1) + kBk * a.M) * sizeof(float);
+    const size_t smem =
+        (kBk + kBq) * sizeof(int64_t) + (kBq * a.E + kBk * (a.E + 1) + kBk * a.M) * sizeof(float);
     FA_SET_MAX_DYNAMIC_SHARED(smem, forward_kernel<T, DC>);
     FA_LAUNCH(dim3(static_cast<unsigned>(blocks)), dim3(kThreads), smem, stream,
-              forward_kernel<T, DC>)(a, part);
+              forward_kernel<T, DC>)
+    (a, part);
     FA_CHECK_LAUNCH("block_sparse_attention_forward");
   }
 };
@@ -1030,7 +1031,8 @@ struct BackwardLaunch {
                           (kBq * (a.E + a.M) + kBk * (a.E + 1) + kBk * (a.M + 1)) * sizeof(float);
     FA_SET_MAX_DYNAMIC_SHARED(smem_q, backward_dq_kernel<T, DC>);
     FA_LAUNCH(dim3(static_cast<unsigned>(q_blocks)), dim3(kThreads), smem_q, stream,
-              backward_dq_kernel<T, DC>)(a, part);
+              backward_dq_kernel<T, DC>)
+    (a, part);
     FA_CHECK_LAUNCH("block_sparse_attention_backward (dQ)");
     const int64_t max_sp = a.parts[part].max_sp;
     const int64_t k_tiles = cuda::ceil_div(max_sp, kBk);
@@ -1040,11 +1042,11 @@ struct BackwardLaunch {
         (2 * kBq + kBk * (a.E + a.M) + kBq * (a.E + 1) + kBq * (a.M + 1)) * sizeof(float);
     FA_SET_MAX_DYNAMIC_SHARED(smem_k, backward_dkv_kernel<T, DC>);
     FA_LAUNCH(dim3(static_cast<unsigned>(k_tiles * nh)), dim3(kThreads), smem_k, stream,
-              backward_dkv_kernel<T, DC>)(a, part, k_tiles);
+              backward_dkv_kernel<T, DC>)
+    (a, part, k_tiles);
     FA_CHECK_LAUNCH("block_sparse_attention_backward (dK, dV)");
   }
 };
-
 
 // One part's forward: SIMT for float32, tensor cores for float16 / bfloat16.
 template <typename T>
@@ -1056,7 +1058,8 @@ void launch_forward(const BlockSparseForwardCudaArgs& a, int part, int dc, cudaS
     const size_t smem = wmma_smem_bytes(round16(a.E), round16(a.M), sizeof(T));
     FA_SET_MAX_DYNAMIC_SHARED(smem, forward_wmma_kernel<T>);
     FA_LAUNCH(dim3(static_cast<unsigned>(blocks)), dim3(kWmmaThreads), smem, stream,
-              forward_wmma_kernel<T>)(a, part);
+              forward_wmma_kernel<T>)
+    (a, part);
     FA_CHECK_LAUNCH("block_sparse_attention_forward (tensor cores)");
   }
 }
@@ -1071,13 +1074,15 @@ void launch_backward(const BlockSparseBackwardCudaArgs& a, int part, int dc, cud
     const size_t smem = wmma_bwd_smem_bytes(round16(a.E), round16(a.M), sizeof(T));
     FA_SET_MAX_DYNAMIC_SHARED(smem, backward_dq_wmma_kernel<T>);
     FA_LAUNCH(dim3(static_cast<unsigned>(cuda::ceil_div(a.L, kBq) * nh)), dim3(kWmmaThreads), smem,
-              stream, backward_dq_wmma_kernel<T>)(a, part);
+              stream, backward_dq_wmma_kernel<T>)
+    (a, part);
     FA_CHECK_LAUNCH("block_sparse_attention_backward (dQ, tensor cores)");
     const int64_t k_tiles = cuda::ceil_div(a.parts[part].max_sp, kBk);
     if (k_tiles == 0) return;
     FA_SET_MAX_DYNAMIC_SHARED(smem, backward_dkv_wmma_kernel<T>);
     FA_LAUNCH(dim3(static_cast<unsigned>(k_tiles * nh)), dim3(kWmmaThreads), smem, stream,
-              backward_dkv_wmma_kernel<T>)(a, part, k_tiles);
+              backward_dkv_wmma_kernel<T>)
+    (a, part, k_tiles);
     FA_CHECK_LAUNCH("block_sparse_attention_backward (dK, dV, tensor cores)");
   }
 }

@@ -20,7 +20,8 @@
 // rowsum(dO ∘ P V) (one warp per row), dQ and dK by the block-sparse backward
 // kernels (P recomputed from the forward's lse; dV not computed there), and dV
 // as an index-add of grad_out rows (float atomics).
-// SIMT float32 arithmetic for every dtype (no tensor cores). Cost: forward
+// The backward's products run on tensor cores for float16 / bfloat16 (the
+// block-sparse kernels), SIMT for float32. Cost: forward
 // 2·N·H·L·S·E flops (+ one exp per score when sampling or when the lse is
 // needed); backward about 3× a dense attention forward.
 // Tested by tests/cuda_emu/test_hard_retrieval.cpp (emulator against the CPU
@@ -50,10 +51,10 @@ using cuda::warp_sum;
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kRows = 4;               // query rows per warp
-constexpr int kBr = kWarps * kRows;    // queries per block
-constexpr int kTile = 128;             // reservoir tile: the CPU kernel's kBc
-constexpr int kSub = 32;               // keys per shared-memory load
+constexpr int kRows = 4;             // query rows per warp
+constexpr int kBr = kWarps * kRows;  // queries per block
+constexpr int kTile = 128;           // reservoir tile: the CPU kernel's kBc
+constexpr int kSub = 32;             // keys per shared-memory load
 
 __host__ __device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
   x += 0x9E3779B97F4A7C15ull;
@@ -99,12 +100,12 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(HardRetrievalForwardC
   FA_DYNAMIC_SHARED(unsigned char, smem_raw);
   unsigned char* smem =
       smem_raw + ((128 - reinterpret_cast<uintptr_t>(smem_raw) % 128) % 128);  // WMMA alignment
-  float* sc = reinterpret_cast<float*>(smem);  // (kBr, kTile) raw scores
+  float* sc = reinterpret_cast<float*>(smem);              // (kBr, kTile) raw scores
   unsigned char* kp = smem + kBr * kTile * sizeof(float);  // (kBr, kTile) kept
   float* qs = reinterpret_cast<float*>(kp + kBr * kTile);  // SIMT: (kBr, E)
-  float* ks = qs + kBr * E;                                 // SIMT: (kSub, E + 1)
-  T* qt = reinterpret_cast<T*>(kp + kBr * kTile);           // TC: (kBr, Ep)
-  T* kt = qt + kBr * Ep;                                    // TC: (kTile, Ep)
+  float* ks = qs + kBr * E;                                // SIMT: (kSub, E + 1)
+  T* qt = reinterpret_cast<T*>(kp + kBr * kTile);          // TC: (kBr, Ep)
+  T* kt = qt + kBr * Ep;                                   // TC: (kTile, Ep)
 
   if constexpr (kTC) {
     for (int64_t x = threadIdx.x; x < kBr * Ep; x += kThreads) {
@@ -153,7 +154,8 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(HardRetrievalForwardC
           wm::fragment<wm::matrix_a, 16, 16, 16, T, wm::row_major> fq;
           wm::fragment<wm::matrix_b, 16, 16, 16, T, wm::col_major> fk;
           wm::load_matrix_sync(fq, qt + e0, static_cast<unsigned>(Ep));
-          wm::load_matrix_sync(fk, kt + (warp * kSub + ct * 16) * Ep + e0, static_cast<unsigned>(Ep));
+          wm::load_matrix_sync(fk, kt + (warp * kSub + ct * 16) * Ep + e0,
+                               static_cast<unsigned>(Ep));
           wm::mma_sync(acc, fq, fk, acc);
         }
         wm::store_matrix_sync(sc + warp * kSub + ct * 16, acc, kTile, wm::mem_row_major);
@@ -340,9 +342,10 @@ __global__ void grad_v_kernel(const T* grad_out, const int64_t* index, float* gr
 
 void check_dims(const HardRetrievalCudaParams& a) {
   if (a.E > kHardRetrievalCudaMaxDim || a.M > kHardRetrievalCudaMaxDim)
-    throw std::runtime_error("fastattn CUDA hard_retrieval_attention: head dims E and M must be <= " +
-                             std::to_string(kHardRetrievalCudaMaxDim) + ", got E = " +
-                             std::to_string(a.E) + ", M = " + std::to_string(a.M));
+    throw std::runtime_error(
+        "fastattn CUDA hard_retrieval_attention: head dims E and M must be <= " +
+        std::to_string(kHardRetrievalCudaMaxDim) + ", got E = " + std::to_string(a.E) +
+        ", M = " + std::to_string(a.M));
 }
 
 }  // namespace
@@ -353,13 +356,14 @@ void hard_retrieval_forward_cuda(const HardRetrievalForwardCudaArgs& a, cudaStre
   FA_DISPATCH_FLOAT_TYPES(a.dtype, "hard_retrieval_attention_forward", [&] {
     const int64_t blocks = cuda::ceil_div(a.L, kBr) * a.N * a.H;
     const int64_t Ep = (a.E + 15) / 16 * 16;
-    const size_t smem = 128 + kBr * kTile * (sizeof(float) + 1) +
-                        (std::is_same<scalar_t, float>::value
-                             ? (kBr * a.E + kSub * (a.E + 1)) * sizeof(float)
-                             : (kBr + kTile) * Ep * sizeof(scalar_t));
+    const size_t smem =
+        128 + kBr * kTile * (sizeof(float) + 1) +
+        (std::is_same<scalar_t, float>::value ? (kBr * a.E + kSub * (a.E + 1)) * sizeof(float)
+                                              : (kBr + kTile) * Ep * sizeof(scalar_t));
     FA_SET_MAX_DYNAMIC_SHARED(smem, forward_kernel<scalar_t>);
     FA_LAUNCH(dim3(static_cast<unsigned>(blocks)), dim3(kThreads), smem, stream,
-              forward_kernel<scalar_t>)(a);
+              forward_kernel<scalar_t>)
+    (a);
     FA_CHECK_LAUNCH("hard_retrieval_attention_forward");
   });
 }

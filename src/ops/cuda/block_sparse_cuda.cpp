@@ -33,10 +33,10 @@ Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v, const std::s
                  double temp) {
   const std::vector<int64_t> pv(params.begin(), params.end());
   const int kind = ops::check_block_sparse_inputs(kOp, q, k, v, pattern, pv, key_lengths);
-  TORCH_CHECK(q.size(3) <= kernels::kBlockSparseCudaMaxDim &&
-                  v.size(3) <= kernels::kBlockSparseCudaMaxDim,
-              kOp, ": the CUDA kernels take head dims E and M up to ",
-              kernels::kBlockSparseCudaMaxDim, ", got E = ", q.size(3), ", M = ", v.size(3));
+  TORCH_CHECK(
+      q.size(3) <= kernels::kBlockSparseCudaMaxDim && v.size(3) <= kernels::kBlockSparseCudaMaxDim,
+      kOp, ": the CUDA kernels take head dims E and M up to ", kernels::kBlockSparseCudaMaxDim,
+      ", got E = ", q.size(3), ", M = ", v.size(3));
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
   Prepared p;
   p.q = q.contiguous();
@@ -50,8 +50,8 @@ Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v, const std::s
   auto buf = kernels::flatten_sparse_plans(plans, H, L, S, kernels::kBlockSparseCudaBq,
                                            kernels::kBlockSparseCudaBk, &lay);
   // A synchronous copy from pageable memory: buf may go once it returns.
-  p.plan = torch::from_blob(buf.data(), {static_cast<int64_t>(buf.size())}, torch::kLong)
-               .to(q.device());
+  p.plan =
+      torch::from_blob(buf.data(), {static_cast<int64_t>(buf.size())}, torch::kLong).to(q.device());
   auto& a = p.params;
   a.dtype = ops::cuda::kernel_dtype(kOp, "q", q);
   a.q = p.q.data_ptr();
@@ -89,8 +89,7 @@ std::tuple<Tensor, Tensor> forward_cuda(const Tensor& q, const Tensor& k, const 
                                         const c10::optional<Tensor>& key_lengths, bool causal,
                                         double softmax_temp) {
   c10::cuda::CUDAGuard guard(q.device());
-  const auto p =
-      prepare(q, k, v, std::string(pattern), params, key_lengths, causal, softmax_temp);
+  const auto p = prepare(q, k, v, std::string(pattern), params, key_lengths, causal, softmax_temp);
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), M = v.size(3);
   auto out = torch::empty({N, H, L, M}, q.options());
   auto lse = torch::empty({N, H, L}, q.options().dtype(torch::kFloat));
@@ -112,13 +111,11 @@ std::tuple<Tensor, Tensor> forward_cuda(const Tensor& q, const Tensor& k, const 
 std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& grad_out, const Tensor& q,
                                                  const Tensor& k, const Tensor& v,
                                                  const Tensor& out, const Tensor& lse,
-                                                 c10::string_view pattern,
-                                                 c10::IntArrayRef params,
+                                                 c10::string_view pattern, c10::IntArrayRef params,
                                                  const c10::optional<Tensor>& key_lengths,
                                                  bool causal, double softmax_temp) {
   c10::cuda::CUDAGuard guard(q.device());
-  const auto p =
-      prepare(q, k, v, std::string(pattern), params, key_lengths, causal, softmax_temp);
+  const auto p = prepare(q, k, v, std::string(pattern), params, key_lengths, causal, softmax_temp);
   ops::check_block_sparse_backward(kOp, grad_out, out, lse);
   ops::cuda::check_same_device(kOp, "grad_out", grad_out, q.device());
   ops::cuda::check_same_device(kOp, "out", out, q.device());
