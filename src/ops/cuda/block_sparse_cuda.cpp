@@ -2,13 +2,17 @@
 // Transformer strided / fixed): the same checks as the CPU op
 // (ops/block_sparse_pattern.h), the pattern's parts turned into plans on the
 // host (kernels::make_sparse_plans: per head group the part's query / key
-// orders and per-query kept ranges, a few int64 per query) and copied to the
-// device once per call, then the kernels of
+// orders and per-query kept ranges, a few int64 per query), copied to the
+// device and cached per (pattern, shape, device), then the kernels of
 // src/kernels/block_sparse/block_sparse_attention_cuda.cu. On CUDA the lse is
 // float32 whatever the dtype; the gradients are accumulated in float32 and
 // converted; delta = rowsum(grad_out ∘ out) is one ATen reduction.
 // Tested by tests/cuda/test_cuda_block_sparse.cpp.
 #include <torch/library.h>
+
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "kernels/block_sparse/block_sparse_attention.h"
 #include "kernels/block_sparse/block_sparse_attention_cuda.h"
@@ -22,6 +26,40 @@ namespace {
 using torch::Tensor;
 
 constexpr const char* kOp = "fastattn::block_sparse_attention";
+
+// The plans of a pattern on a device, made on the host and copied once, then
+// cached by (pattern, params, causal, H, L, S, device): a training loop calls
+// the op with the same shapes every step. At most kMaxPlans entries (the
+// cache is emptied when full). Returns a copy (the entry may go any time).
+struct PlanEntry {
+  Tensor buf;  // int64 on the device
+  std::vector<kernels::SparsePlanLayout> layouts;
+};
+
+PlanEntry device_plan(int kind, const std::vector<int64_t>& params, bool causal, int64_t H,
+                      int64_t L, int64_t S, const torch::Device& device) {
+  constexpr size_t kMaxPlans = 64;
+  using Key = std::tuple<int, std::vector<int64_t>, bool, int64_t, int64_t, int64_t, int>;
+  static std::mutex mutex;
+  // Never destroyed: freeing device memory from a static destructor at exit
+  // can run after the CUDA allocator is gone.
+  static auto& cache = *new std::map<Key, PlanEntry>();
+  const Key key{kind, params, causal, H, L, S, device.index()};
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  if (cache.size() >= kMaxPlans) cache.clear();
+  const auto parts = kernels::make_sparse_parts(kind, params, causal, H);
+  TORCH_CHECK(parts.size() <= 2, kOp, ": internal: more than two parts");
+  const auto plans = kernels::make_sparse_plans(parts, H, L, S, kernels::kBlockSparseCudaBq,
+                                                kernels::kBlockSparseCudaBk);
+  PlanEntry e;
+  auto buf = kernels::flatten_sparse_plans(plans, H, L, S, kernels::kBlockSparseCudaBq,
+                                           kernels::kBlockSparseCudaBk, &e.layouts);
+  // A synchronous copy from pageable memory: buf may go once it returns.
+  e.buf = torch::from_blob(buf.data(), {static_cast<int64_t>(buf.size())}, torch::kLong).to(device);
+  return cache.emplace(key, std::move(e)).first->second;
+}
 
 struct Prepared {
   Tensor q, k, v, lengths, plan;  // plan: the flattened plans (int64, on q's device)
@@ -43,15 +81,12 @@ Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v, const std::s
   p.k = k.contiguous();
   p.v = v.contiguous();
   if (key_lengths) p.lengths = key_lengths->to(q.device(), torch::kLong).contiguous();
-  const auto parts = kernels::make_sparse_parts(kind, pv, causal, H);
-  const auto plans = kernels::make_sparse_plans(parts, H, L, S, kernels::kBlockSparseCudaBq,
-                                                kernels::kBlockSparseCudaBk);
-  std::vector<kernels::SparsePlanLayout> lay;
-  auto buf = kernels::flatten_sparse_plans(plans, H, L, S, kernels::kBlockSparseCudaBq,
-                                           kernels::kBlockSparseCudaBk, &lay);
-  // A synchronous copy from pageable memory: buf may go once it returns.
-  p.plan =
-      torch::from_blob(buf.data(), {static_cast<int64_t>(buf.size())}, torch::kLong).to(q.device());
+  const PlanEntry plan = device_plan(kind, pv, causal, H, L, S, q.device());  // a copy
+  p.plan = plan.buf;
+  // The cached buffer may be freed (evicted) while this call's kernels still
+  // read it: tell the allocator which stream uses it.
+  p.plan.record_stream(at::cuda::getCurrentCUDAStream());
+  const auto& lay = plan.layouts;
   auto& a = p.params;
   a.dtype = ops::cuda::kernel_dtype(kOp, "q", q);
   a.q = p.q.data_ptr();
@@ -65,8 +100,7 @@ Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v, const std::s
   a.E = q.size(3);
   a.M = v.size(3);
   a.scale = static_cast<float>(temp);
-  TORCH_CHECK(parts.size() <= 2, kOp, ": internal: more than two parts");
-  a.num_parts = static_cast<int>(parts.size());
+  a.num_parts = static_cast<int>(lay.size());
   const int64_t* base = p.plan.data_ptr<int64_t>();
   for (int i = 0; i < a.num_parts; ++i) {
     auto& pc = a.parts[i];
