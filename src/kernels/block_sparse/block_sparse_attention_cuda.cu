@@ -307,6 +307,13 @@ __host__ __device__ __forceinline__ size_t wmma_smem_bytes(int64_t Ep, int64_t M
          static_cast<size_t>(kBq * Ep + kBk * Ep + kBk * Mp + kBq * kBk) * elem;
 }
 
+// The 16 columns of a (·, 32) shared tile that lane `lane` (row lane / 2 of
+// its warp's band, half = lane % 2) handles: all even or all odd columns,
+// rotated by the row so that the 32 lanes hit 32 different banks.
+__device__ __forceinline__ int pair_col(int lane, int u) {
+  return (2 * u + (lane & 1) + 2 * (lane >> 1)) & 31;
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kWmmaThreads)
     forward_wmma_kernel(BlockSparseForwardCudaArgs a, int part) {
@@ -403,7 +410,7 @@ __global__ void __launch_bounds__(kWmmaThreads)
     // Mask, online softmax: this lane's 16 keys of row r.
     float sv[16], tmax = -INFINITY;
     for (int u = 0; u < 16; ++u) {
-      const int c = half * 16 + u;
+      const int c = pair_col(lane, u);
       const int64_t jo = j0 + c, ko = kidx[c];
       const bool keep =
           qi >= 0 && ko >= 0 && ko < len && in_range(rg, jo) && keep_mask(a, n, h, qi, ko);
@@ -418,16 +425,16 @@ __global__ void __launch_bounds__(kWmmaThreads)
       for (int u = 0; u < 16; ++u) {
         const float p = sv[u] == -INFINITY ? 0.f : expf(sv[u] - m_new);
         psum += p;
-        ps[r * kBk + half * 16 + u] = from_float<T>(p);
+        ps[r * kBk + pair_col(lane, u)] = from_float<T>(p);
       }
       m = m_new;
     } else {
-      for (int u = 0; u < 16; ++u) ps[r * kBk + half * 16 + u] = from_float<T>(0.f);
+      for (int u = 0; u < 16; ++u) ps[r * kBk + pair_col(lane, u)] = from_float<T>(0.f);
     }
     psum += __shfl_xor_sync(0xffffffffu, psum, 1);
     l = l * alpha + psum;
     if (alpha != 1.f)
-      for (int64_t c = half; c < Mp; c += 2) os[r * Mp + c] *= alpha;
+      for (int64_t x = half; x < Mp; x += 2) os[r * Mp + (x + 2 * (lane >> 1)) % Mp] *= alpha;
     __syncwarp();
     // O (this warp's 16 rows) += P·V.
     for (int64_t c0 = 0; c0 < Mp; c0 += 16) {
@@ -831,7 +838,7 @@ __global__ void __launch_bounds__(kWmmaThreads)
     __syncwarp();
     FA_BS_UNROLL
     for (int u = 0; u < 16; ++u) {
-      const int c = half * 16 + u;
+      const int c = pair_col(lane, u);
       const int64_t jo = j0 + c, ko = kidx[c];
       const bool keep = qi >= 0 && lse != -INFINITY && ko >= 0 && ko < len && in_range(rg, jo) &&
                         keep_mask(a, n, h, qi, ko);
@@ -934,7 +941,7 @@ __global__ void __launch_bounds__(kWmmaThreads)
     float ds[16];
     FA_BS_UNROLL
     for (int u = 0; u < 16; ++u) {
-      const int c = half * 16 + u;
+      const int c = pair_col(lane, u);
       const int64_t i = qidx[c];
       const float lse = qlse[c];
       const RowRange rg{qrg[c * 4], qrg[c * 4 + 1], qrg[c * 4 + 2], qrg[c * 4 + 3]};
@@ -954,7 +961,7 @@ __global__ void __launch_bounds__(kWmmaThreads)
                                 pts + warp * 16 * kBq, kBq, dos, static_cast<unsigned>(Mp), Mp);
     __syncwarp();
     FA_BS_UNROLL
-    for (int u = 0; u < 16; ++u) pts[r * kBq + half * 16 + u] = from_float<T>(ds[u]);
+    for (int u = 0; u < 16; ++u) pts[r * kBq + pair_col(lane, u)] = from_float<T>(ds[u]);
     __syncwarp();
     wmma_tiles::band_mma_rows(dk + warp * 16 * Ep, static_cast<unsigned>(Ep), pts + warp * 16 * kBq,
                               kBq, qs, static_cast<unsigned>(Ep), Ep);
