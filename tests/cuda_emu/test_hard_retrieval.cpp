@@ -257,6 +257,8 @@ std::vector<Case> cases() {
       {"sample_causal_S_lt_L", 1, 1, 33, 20, 64, 33, true, false, {}, false, true},
       {"one_query", 1, 1, 1, 1, 16, 16, true, false, {}, false, true},
       {"no_keys", 1, 2, 5, 0, 16, 16, false, false, {}, false, true},
+      // Zero-width values, as the recurrent layers use it to get indices only.
+      {"zero_width_values", 2, 1, 3, 40, 16, 0, false, false, {40, 7}},
   };
 }
 
