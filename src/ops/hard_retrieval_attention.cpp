@@ -60,8 +60,8 @@ void check_hard_retrieval_backward(const char* op, const torch::Tensor& grad_out
                   index.scalar_type() == torch::kLong,
               op, ": index must be int64 of shape (N, H, L) = (", N, ", ", H, ", ", L, "), got ",
               index.scalar_type(), " ", index.sizes());
-  TORCH_CHECK(lse.dim() == 3 && lse.sizes() == index.sizes() && lse.scalar_type() == lse_dtype,
-              op, ": lse must be ", lse_dtype, " of shape (N, H, L) = (", N, ", ", H, ", ", L,
+  TORCH_CHECK(lse.dim() == 3 && lse.sizes() == index.sizes() && lse.scalar_type() == lse_dtype, op,
+              ": lse must be ", lse_dtype, " of shape (N, H, L) = (", N, ", ", H, ", ", L,
               "), got ", lse.scalar_type(), " ", lse.sizes());
   if (index.numel() > 0) {
     TORCH_CHECK(index.min().item<int64_t>() >= -1 && index.max().item<int64_t>() < S, op,

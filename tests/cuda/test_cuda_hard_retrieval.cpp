@@ -88,16 +88,16 @@ TEST(CudaHardRetrieval, ForwardLseMatchesCpu) {
           .findSchemaOrThrow("fastattn::hard_retrieval_attention_forward", "")
           .typed<std::tuple<torch::Tensor, torch::Tensor, torch::Tensor>(
               const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-              const c10::optional<torch::Tensor>&, const c10::optional<torch::Tensor>&, bool,
-              bool, double, int64_t, bool)>();
+              const c10::optional<torch::Tensor>&, const c10::optional<torch::Tensor>&, bool, bool,
+              double, int64_t, bool)>();
   for (auto dtype : cuda_dtypes()) {
     torch::manual_seed(3);
     auto q = random_pair({1, 2, 30, 200}, dtype);  // S = 200: two reservoir tiles of keys
     auto k = random_pair({1, 2, 200, 200}, dtype);
     auto v = random_pair({1, 2, 200, 8}, dtype);
     auto mask = torch::rand({30, 200}) < 0.5;
-    auto [o1, i1, lse_g] = fwd.call(q.gpu, k.gpu, v.gpu, mask.to(torch::kCUDA), c10::nullopt,
-                                    true, false, 0.3, 0, true);
+    auto [o1, i1, lse_g] = fwd.call(q.gpu, k.gpu, v.gpu, mask.to(torch::kCUDA), c10::nullopt, true,
+                                    false, 0.3, 0, true);
     auto [o2, i2, lse_c] =
         fwd.call(q.cpu64, k.cpu64, v.cpu64, mask, c10::nullopt, true, false, 0.3, 0, true);
     EXPECT_EQ(lse_g.scalar_type(), torch::kFloat);

@@ -185,7 +185,9 @@ void run_case(const Case& c) {
   ba.grad_k = gk.data();
   ba.grad_v = gv.data();
   block_sparse_attention_backward_cuda(ba, nullptr);
-  auto as_double = [](const std::vector<float>& x) { return std::vector<double>(x.begin(), x.end()); };
+  auto as_double = [](const std::vector<float>& x) {
+    return std::vector<double>(x.begin(), x.end());
+  };
   expect_close(as_double(gq), gq_ref, tol, "grad_q");
   expect_close(as_double(gk), gk_ref, tol, "grad_k");
   expect_close(as_double(gv), gv_ref, tol, "grad_v");
@@ -206,31 +208,36 @@ std::vector<Case> cases() {
       {"strided_lengths", kStridedPattern, {9, 0}, 2, 1, 60, 60, 8, 8, true, {60, 23}},
       {"fixed_merged_causal_per_head", kFixedPattern, {10, 3, 0, 1}, 1, 3, 70, 70, 16, 16, true},
       {"fixed_merged_bidir", kFixedPattern, {12, 3, 0, 0}, 1, 2, 50, 50, 16, 16},
-      {"fixed_A2_per_head_lengths", kFixedPattern, {8, 2, 2, 1}, 2, 2, 45, 45, 8, 8, false,
+      {"fixed_A2_per_head_lengths",
+       kFixedPattern,
+       {8, 2, 2, 1},
+       2,
+       2,
+       45,
+       45,
+       8,
+       8,
+       false,
        {45, 13}},
       {"fixed_split_S_lt_L", kFixedPattern, {8, 2, 3, 0}, 1, 2, 50, 35, 8, 8, true},
       {"length_one", kLocalPattern, {4}, 1, 2, 1, 1, 16, 16, true},
+      {"no_keys", kStridedPattern, {4, 0}, 1, 2, 5, 0, 16, 16, true},
   };
 }
 
 class CudaEmuBlockSparse : public ::testing::TestWithParam<Case> {};
 
 TEST_P(CudaEmuBlockSparse, Float32) { run_case<float>(GetParam()); }
+// float16 / bfloat16 take the tensor-core (WMMA) kernels.
+TEST_P(CudaEmuBlockSparse, Float16) { run_case<__half>(GetParam()); }
+TEST_P(CudaEmuBlockSparse, BFloat16) { run_case<__nv_bfloat16>(GetParam()); }
 
 INSTANTIATE_TEST_SUITE_P(Patterns, CudaEmuBlockSparse, ::testing::ValuesIn(cases()),
-                         [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return info.param.name;
+                         });
 
-TEST(CudaEmuBlockSparseHalf, Float16) {
-  const auto all = cases();
-  for (int i : {0, 5, 12}) run_case<__half>(all[i]);
-}
-
-TEST(CudaEmuBlockSparseHalf, BFloat16) {
-  const auto all = cases();
-  for (int i : {3, 8, 13}) run_case<__nv_bfloat16>(all[i]);
-}
-
-TEST(CudaEmuBlockSparseHalf, LargestHeadDimFloat16) {
+TEST(CudaEmuBlockSparseLimits, LargestHeadDimFloat16) {
   run_case<__half>({"head_dim_256", kLocalPattern, {8}, 1, 1, 20, 20, 256, 200, true});
 }
 

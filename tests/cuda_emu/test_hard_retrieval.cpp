@@ -256,25 +256,23 @@ std::vector<Case> cases() {
       {"sample_three_tiles", 1, 1, 9, 300, 8, 8, false, false, {}, false, true},
       {"sample_causal_S_lt_L", 1, 1, 33, 20, 64, 33, true, false, {}, false, true},
       {"one_query", 1, 1, 1, 1, 16, 16, true, false, {}, false, true},
+      {"no_keys", 1, 2, 5, 0, 16, 16, false, false, {}, false, true},
+      // Zero-width values, as the recurrent layers use it to get indices only.
+      {"zero_width_values", 2, 1, 3, 40, 16, 0, false, false, {40, 7}},
   };
 }
 
 class CudaEmuHardRetrieval : public ::testing::TestWithParam<Case> {};
 
 TEST_P(CudaEmuHardRetrieval, Float32) { run_case<float>(GetParam()); }
+// float16 / bfloat16 score on tensor cores (WMMA).
+TEST_P(CudaEmuHardRetrieval, Float16) { run_case<__half>(GetParam()); }
+TEST_P(CudaEmuHardRetrieval, BFloat16) { run_case<__nv_bfloat16>(GetParam()); }
 
 INSTANTIATE_TEST_SUITE_P(Modes, CudaEmuHardRetrieval, ::testing::ValuesIn(cases()),
-                         [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
-
-TEST(CudaEmuHardRetrievalHalf, Float16) {
-  const auto all = cases();
-  for (int i : {1, 2, 6}) run_case<__half>(all[i]);
-}
-
-TEST(CudaEmuHardRetrievalHalf, BFloat16) {
-  const auto all = cases();
-  for (int i : {3, 5, 7}) run_case<__nv_bfloat16>(all[i]);
-}
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return info.param.name;
+                         });
 
 TEST(CudaEmuHardRetrievalRng, SameUniformsAsCpu) {
   for (uint64_t seed : {0ull, 1ull, 123456789ull, ~0ull})

@@ -400,8 +400,8 @@ std::vector<SparsePartPlan> make_sparse_plans(const std::vector<SparsePart>& par
     plan.head_group = pg.index;
     plan.head_flags.assign(H, 0);
     for (int64_t h = 0; h < H; ++h)
-      plan.head_flags[h] = (first_for(parts.data(), k, h) ? 1 : 0) |
-                           (last_for(parts.data(), n, k, h) ? 2 : 0);
+      plan.head_flags[h] =
+          (first_for(parts.data(), k, h) ? 1 : 0) | (last_for(parts.data(), n, k, h) ? 2 : 0);
     for (const Geometry& g : pg.geos) {
       SparsePartPlan::Group gr;
       gr.Sp = g.Sp;

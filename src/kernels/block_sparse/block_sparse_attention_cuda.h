@@ -28,7 +28,7 @@ constexpr int64_t kBlockSparseCudaMaxDim = 256;
 // One part's plan on the device (offsets of a SparsePlanLayout applied to the
 // flattened buffer). Null pointers: dense (see above).
 struct BlockSparsePartCuda {
-  int64_t max_sp = 0;                  // largest group_sp (host value; S when dense)
+  int64_t max_sp = 0;                   // largest group_sp (host value; S when dense)
   const int64_t* head_group = nullptr;  // (H) group of head h, -1: the part skips h; null: 0
   const int64_t* head_flags = nullptr;  // (H) bit 0 first part of h, bit 1 last; null: both
   const int64_t* group_sp = nullptr;    // (G) ordered keys per group; null: S
@@ -60,7 +60,7 @@ struct BlockSparseCudaParams {
 struct BlockSparseForwardCudaArgs : BlockSparseCudaParams {
   void* out = nullptr;         // (N, H, L, M) dtype, written (or nullptr if out_float)
   float* out_float = nullptr;  // (N, H, L, M) float32 instead of out, or nullptr
-  float* lse = nullptr;        // (N, H, L) float32: log-sum-exp of the kept scaled scores, -inf if none
+  float* lse = nullptr;  // (N, H, L) float32: log-sum-exp of the kept scaled scores, -inf if none
   // Two parts: the running state between them, (N, H, L, M) and 2 × (N, H, L) floats.
   float* ws_acc = nullptr;
   float* ws_ml = nullptr;

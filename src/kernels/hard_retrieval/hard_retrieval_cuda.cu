@@ -2,9 +2,11 @@
 // semantics are those of the CPU kernel, hard_retrieval.h).
 //
 // Forward: one block per (n·h, tile of 16 queries), 4 warps of 4 query rows.
-// Keys stream through shared memory 32 at a time (one key per lane, q·k from
-// shared memory); the scores of a reservoir tile of 128 keys (the CPU
-// kernel's key tile, which numbers the random draws) wait in shared memory,
+// The scores of a reservoir tile of 128 keys (the CPU kernel's key tile, which
+// numbers the random draws) go to shared memory: float32 by SIMT (keys stream
+// through shared memory 32 at a time, one key per lane), float16 / bfloat16
+// on tensor cores (fa_wmma: each warp scores 32 of the 128 keys for the 16
+// queries, float accumulation);
 // then each warp updates its rows: a running argmax of the raw kept scores
 // (ties to the lowest j, warp reduction), and/or the online softmax (max,
 // sum) and, when sampling, the CPU kernel's weighted-reservoir step with the
@@ -18,7 +20,8 @@
 // rowsum(dO ∘ P V) (one warp per row), dQ and dK by the block-sparse backward
 // kernels (P recomputed from the forward's lse; dV not computed there), and dV
 // as an index-add of grad_out rows (float atomics).
-// SIMT float32 arithmetic for every dtype (no tensor cores). Cost: forward
+// The backward's products run on tensor cores for float16 / bfloat16 (the
+// block-sparse kernels), SIMT for float32. Cost: forward
 // 2·N·H·L·S·E flops (+ one exp per score when sampling or when the lse is
 // needed); backward about 3× a dense attention forward.
 // Tested by tests/cuda_emu/test_hard_retrieval.cpp (emulator against the CPU
@@ -27,6 +30,16 @@
 
 #include "kernels/block_sparse/block_sparse_attention_cuda.h"
 #include "kernels/common/cuda_compat.cuh"
+
+#include <type_traits>
+
+// Full unrolling of the loops over a thread's rows and register chunks keeps
+// those arrays in registers (nvcc); the emulator's compiler needs no hint.
+#if defined(__CUDACC__)
+#define FA_HR_UNROLL _Pragma("unroll")
+#else
+#define FA_HR_UNROLL
+#endif
 
 namespace fastattn::kernels {
 namespace {
@@ -38,10 +51,10 @@ using cuda::warp_sum;
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kRows = 4;               // query rows per warp
-constexpr int kBr = kWarps * kRows;    // queries per block
-constexpr int kTile = 128;             // reservoir tile: the CPU kernel's kBc
-constexpr int kSub = 32;               // keys per shared-memory load
+constexpr int kRows = 4;             // query rows per warp
+constexpr int kBr = kWarps * kRows;  // queries per block
+constexpr int kTile = 128;           // reservoir tile: the CPU kernel's kBc
+constexpr int kSub = 32;             // keys per shared-memory load
 
 __host__ __device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
   x += 0x9E3779B97F4A7C15ull;
@@ -79,15 +92,31 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(HardRetrievalForwardC
   const T* v = static_cast<const T*>(a.v) + nh * S * M;
   const bool need_softmax = a.sample || a.lse != nullptr;
 
-  FA_DYNAMIC_SHARED(float, smem);
-  float* qs = smem;                         // (kBr, E)
-  float* ks = qs + kBr * E;                 // (kSub, E + 1)
-  float* sc = ks + kSub * (E + 1);          // (kBr, kTile) raw scores
-  unsigned char* kp = reinterpret_cast<unsigned char*>(sc + kBr * kTile);  // (kBr, kTile) kept
+  // float32: SIMT scores (qs, ks as float). float16 / bfloat16: tensor cores
+  // (qt, kt in T, zero-padded to Ep columns; warp w scores keys [32w, 32w + 32)
+  // of the reservoir tile for all 16 rows).
+  constexpr bool kTC = !std::is_same<T, float>::value;
+  const int64_t Ep = (E + 15) / 16 * 16;
+  FA_DYNAMIC_SHARED(unsigned char, smem_raw);
+  unsigned char* smem =
+      smem_raw + ((128 - reinterpret_cast<uintptr_t>(smem_raw) % 128) % 128);  // WMMA alignment
+  float* sc = reinterpret_cast<float*>(smem);              // (kBr, kTile) raw scores
+  unsigned char* kp = smem + kBr * kTile * sizeof(float);  // (kBr, kTile) kept
+  float* qs = reinterpret_cast<float*>(kp + kBr * kTile);  // SIMT: (kBr, E)
+  float* ks = qs + kBr * E;                                // SIMT: (kSub, E + 1)
+  T* qt = reinterpret_cast<T*>(kp + kBr * kTile);          // TC: (kBr, Ep)
+  T* kt = qt + kBr * Ep;                                   // TC: (kTile, Ep)
 
-  for (int64_t x = threadIdx.x; x < kBr * E; x += kThreads) {
-    const int64_t r = x / E, i = i0 + r;
-    qs[x] = i < L ? to_float(q[i * E + x % E]) : 0.f;
+  if constexpr (kTC) {
+    for (int64_t x = threadIdx.x; x < kBr * Ep; x += kThreads) {
+      const int64_t r = x / Ep, e = x % Ep, i = i0 + r;
+      qt[x] = i < L && e < E ? q[i * E + e] : from_float<T>(0.f);
+    }
+  } else {
+    for (int64_t x = threadIdx.x; x < kBr * E; x += kThreads) {
+      const int64_t r = x / E, i = i0 + r;
+      qs[x] = i < L ? to_float(q[i * E + x % E]) : 0.f;
+    }
   }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   int64_t kend = a.key_lengths ? a.key_lengths[n] : S;
@@ -100,6 +129,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(HardRetrievalForwardC
   float m[kRows], w[kRows], best_score[kRows];
   int64_t best[kRows];
   bool locked[kRows];
+  FA_HR_UNROLL
   for (int rr = 0; rr < kRows; ++rr) {
     m[rr] = -INFINITY;
     w[rr] = 0.f;
@@ -109,39 +139,70 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(HardRetrievalForwardC
   }
 
   for (int64_t j0 = 0; j0 < kend; j0 += kTile) {
-    for (int sub = 0; sub < kTile / kSub; ++sub) {
-      const int64_t js = j0 + sub * kSub;
-      const bool any = js < kend;  // block-uniform
-      __syncthreads();             // the previous keys are consumed
-      if (any) {
-        for (int64_t x = threadIdx.x; x < kSub * E; x += kThreads) {
-          const int64_t c = x / E, j = js + c;
-          ks[c * (E + 1) + x % E] = j < kend ? to_float(k[j * E + x % E]) : 0.f;
-        }
+    if constexpr (kTC) {
+      namespace wm = fa_wmma;
+      __syncthreads();  // the previous tile is consumed
+      for (int64_t x = threadIdx.x; x < kTile * Ep; x += kThreads) {
+        const int64_t c = x / Ep, e = x % Ep, j = j0 + c;
+        kt[x] = j < kend && e < E ? k[j * E + e] : from_float<T>(0.f);
       }
       __syncthreads();
-      for (int rr = 0; rr < kRows; ++rr) {
-        const int r = warp * kRows + rr;
-        const int64_t i = i0 + r, j = js + lane;
-        const bool keep = any && i < L && kept(a, n, h, i, j, kend);
-        float s = 0.f;
-        if (keep) {
-          const float* qr = qs + r * E;
-          const float* kr = ks + lane * (E + 1);
-          for (int64_t e = 0; e < E; ++e) s += qr[e] * kr[e];
+      for (int ct = 0; ct < kSub / 16; ++ct) {
+        wm::fragment<wm::accumulator, 16, 16, 16, float> acc;
+        wm::fill_fragment(acc, 0.f);
+        for (int64_t e0 = 0; e0 < Ep; e0 += 16) {
+          wm::fragment<wm::matrix_a, 16, 16, 16, T, wm::row_major> fq;
+          wm::fragment<wm::matrix_b, 16, 16, 16, T, wm::col_major> fk;
+          wm::load_matrix_sync(fq, qt + e0, static_cast<unsigned>(Ep));
+          wm::load_matrix_sync(fk, kt + (warp * kSub + ct * 16) * Ep + e0,
+                               static_cast<unsigned>(Ep));
+          wm::mma_sync(acc, fq, fk, acc);
         }
-        sc[r * kTile + sub * kSub + lane] = s;
-        kp[r * kTile + sub * kSub + lane] = keep ? 1 : 0;
+        wm::store_matrix_sync(sc + warp * kSub + ct * 16, acc, kTile, wm::mem_row_major);
       }
+      for (int64_t x = threadIdx.x; x < kBr * kTile; x += kThreads) {
+        const int64_t i = i0 + x / kTile;
+        kp[x] = i < L && kept(a, n, h, i, j0 + x % kTile, kend) ? 1 : 0;
+      }
+      __syncthreads();
+    } else {
+      for (int sub = 0; sub < kTile / kSub; ++sub) {
+        const int64_t js = j0 + sub * kSub;
+        const bool any = js < kend;  // block-uniform
+        __syncthreads();             // the previous keys are consumed
+        if (any) {
+          for (int64_t x = threadIdx.x; x < kSub * E; x += kThreads) {
+            const int64_t c = x / E, j = js + c;
+            ks[c * (E + 1) + x % E] = j < kend ? to_float(k[j * E + x % E]) : 0.f;
+          }
+        }
+        __syncthreads();
+        FA_HR_UNROLL
+        for (int rr = 0; rr < kRows; ++rr) {
+          const int r = warp * kRows + rr;
+          const int64_t i = i0 + r, j = js + lane;
+          const bool keep = any && i < L && kept(a, n, h, i, j, kend);
+          float s = 0.f;
+          if (keep) {
+            const float* qr = qs + r * E;
+            const float* kr = ks + lane * (E + 1);
+            for (int64_t e = 0; e < E; ++e) s += qr[e] * kr[e];
+          }
+          sc[r * kTile + sub * kSub + lane] = s;
+          kp[r * kTile + sub * kSub + lane] = keep ? 1 : 0;
+        }
+      }
+      __syncwarp();  // each warp reads only its own rows
     }
-    __syncwarp();  // each warp reads only its own rows
     const uint64_t tile = static_cast<uint64_t>(j0 / kTile);
+    FA_HR_UNROLL
     for (int rr = 0; rr < kRows; ++rr) {
       const int r = warp * kRows + rr;
       const int64_t i = i0 + r;
       if (i >= L) continue;  // warp-uniform
       float raw[4];
       bool kk[4];
+      FA_HR_UNROLL
       for (int u = 0; u < 4; ++u) {
         raw[u] = sc[r * kTile + 4 * lane + u];
         kk[u] = kp[r * kTile + 4 * lane + u] != 0;
@@ -151,6 +212,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(HardRetrievalForwardC
         // greater score. So a NaN first key stays; otherwise the lowest index
         // of the largest non-NaN score.
         int first = 1 << 30;
+        FA_HR_UNROLL
         for (int u = 3; u >= 0; --u)
           if (kk[u]) first = 4 * lane + u;
         for (int o = 16; o > 0; o >>= 1) {
@@ -163,6 +225,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(HardRetrievalForwardC
         } else {
           float cs = -INFINITY;
           int ci = -1;
+          FA_HR_UNROLL
           for (int u = 0; u < 4; ++u)
             if (kk[u] && !isnan(raw[u]) && (ci < 0 || raw[u] > cs)) {
               cs = raw[u];
@@ -184,6 +247,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(HardRetrievalForwardC
       }
       if (!need_softmax) continue;
       float s[4], tmax = -INFINITY;
+      FA_HR_UNROLL
       for (int u = 0; u < 4; ++u) {
         s[u] = kk[u] ? raw[u] * a.scale : -INFINITY;
         tmax = fmaxf(tmax, s[u]);
@@ -192,6 +256,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(HardRetrievalForwardC
       if (m_new == -INFINITY) continue;  // nothing kept so far
       const float alpha = expf(m[rr] - m_new);
       float p[4], lane_sum = 0.f;
+      FA_HR_UNROLL
       for (int u = 0; u < 4; ++u) {
         p[u] = kk[u] ? expf(s[u] - m_new) : 0.f;
         lane_sum += p[u];
@@ -207,6 +272,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(HardRetrievalForwardC
       // Inverse CDF inside the tile; rounding falls back to the last kept key.
       const double target = hard_retrieval_uniform_cuda(a.seed, row_id, tile, 1) * wt;
       double incl = 0;
+      FA_HR_UNROLL
       for (int u = 0; u < 4; ++u) incl += static_cast<double>(p[u]);
       for (int o = 1; o < 32; o <<= 1) {
         const double y = __shfl_up_sync(0xffffffffu, incl, o);
@@ -215,6 +281,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(HardRetrievalForwardC
       double cum = __shfl_up_sync(0xffffffffu, incl, 1);
       if (lane == 0) cum = 0;
       int hit = -1, last_pos = -1;
+      FA_HR_UNROLL
       for (int u = 0; u < 4; ++u) {
         if (!(p[u] > 0.f)) continue;
         last_pos = 4 * lane + u;
@@ -233,6 +300,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(HardRetrievalForwardC
     }
   }
 
+  FA_HR_UNROLL
   for (int rr = 0; rr < kRows; ++rr) {
     const int64_t i = i0 + warp * kRows + rr;
     if (i >= L) continue;
@@ -274,9 +342,10 @@ __global__ void grad_v_kernel(const T* grad_out, const int64_t* index, float* gr
 
 void check_dims(const HardRetrievalCudaParams& a) {
   if (a.E > kHardRetrievalCudaMaxDim || a.M > kHardRetrievalCudaMaxDim)
-    throw std::runtime_error("fastattn CUDA hard_retrieval_attention: head dims E and M must be <= " +
-                             std::to_string(kHardRetrievalCudaMaxDim) + ", got E = " +
-                             std::to_string(a.E) + ", M = " + std::to_string(a.M));
+    throw std::runtime_error(
+        "fastattn CUDA hard_retrieval_attention: head dims E and M must be <= " +
+        std::to_string(kHardRetrievalCudaMaxDim) + ", got E = " + std::to_string(a.E) +
+        ", M = " + std::to_string(a.M));
 }
 
 }  // namespace
@@ -286,10 +355,15 @@ void hard_retrieval_forward_cuda(const HardRetrievalForwardCudaArgs& a, cudaStre
   check_dims(a);
   FA_DISPATCH_FLOAT_TYPES(a.dtype, "hard_retrieval_attention_forward", [&] {
     const int64_t blocks = cuda::ceil_div(a.L, kBr) * a.N * a.H;
-    const size_t smem = (kBr * a.E + kSub * (a.E + 1) + kBr * kTile) * sizeof(float) + kBr * kTile;
+    const int64_t Ep = (a.E + 15) / 16 * 16;
+    const size_t smem =
+        128 + kBr * kTile * (sizeof(float) + 1) +
+        (std::is_same<scalar_t, float>::value ? (kBr * a.E + kSub * (a.E + 1)) * sizeof(float)
+                                              : (kBr + kTile) * Ep * sizeof(scalar_t));
     FA_SET_MAX_DYNAMIC_SHARED(smem, forward_kernel<scalar_t>);
     FA_LAUNCH(dim3(static_cast<unsigned>(blocks)), dim3(kThreads), smem, stream,
-              forward_kernel<scalar_t>)(a);
+              forward_kernel<scalar_t>)
+    (a);
     FA_CHECK_LAUNCH("hard_retrieval_attention_forward");
   });
 }

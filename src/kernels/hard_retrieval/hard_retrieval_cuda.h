@@ -22,10 +22,10 @@ struct HardRetrievalCudaParams {
   // keep[n·keep_sn + h·keep_sh + i·keep_sl + j] (stride 0 on broadcast dims).
   const bool* keep = nullptr;
   int64_t keep_sn = 0, keep_sh = 0, keep_sl = 0;
-  const int64_t* key_lengths = nullptr;  // (N,) in [0, S], or nullptr for S
+  const int64_t* key_lengths = nullptr;              // (N,) in [0, S], or nullptr for S
   int64_t N = 0, H = 0, L = 0, S = 0, E = 0, M = 0;  // E, M <= kHardRetrievalCudaMaxDim
-  bool causal = false;  // query i keeps key j iff j <= i + (S - L)
-  float scale = 1.f;    // softmax temperature (sample mode and lse)
+  bool causal = false;                               // query i keeps key j iff j <= i + (S - L)
+  float scale = 1.f;                                 // softmax temperature (sample mode and lse)
 };
 
 struct HardRetrievalForwardCudaArgs : HardRetrievalCudaParams {

@@ -2,13 +2,17 @@
 // Transformer strided / fixed): the same checks as the CPU op
 // (ops/block_sparse_pattern.h), the pattern's parts turned into plans on the
 // host (kernels::make_sparse_plans: per head group the part's query / key
-// orders and per-query kept ranges, a few int64 per query) and copied to the
-// device once per call, then the kernels of
+// orders and per-query kept ranges, a few int64 per query), copied to the
+// device and cached per (pattern, shape, device), then the kernels of
 // src/kernels/block_sparse/block_sparse_attention_cuda.cu. On CUDA the lse is
 // float32 whatever the dtype; the gradients are accumulated in float32 and
 // converted; delta = rowsum(grad_out ∘ out) is one ATen reduction.
 // Tested by tests/cuda/test_cuda_block_sparse.cpp.
 #include <torch/library.h>
+
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "kernels/block_sparse/block_sparse_attention.h"
 #include "kernels/block_sparse/block_sparse_attention_cuda.h"
@@ -23,6 +27,40 @@ using torch::Tensor;
 
 constexpr const char* kOp = "fastattn::block_sparse_attention";
 
+// The plans of a pattern on a device, made on the host and copied once, then
+// cached by (pattern, params, causal, H, L, S, device): a training loop calls
+// the op with the same shapes every step. At most kMaxPlans entries (the
+// cache is emptied when full). Returns a copy (the entry may go any time).
+struct PlanEntry {
+  Tensor buf;  // int64 on the device
+  std::vector<kernels::SparsePlanLayout> layouts;
+};
+
+PlanEntry device_plan(int kind, const std::vector<int64_t>& params, bool causal, int64_t H,
+                      int64_t L, int64_t S, const torch::Device& device) {
+  constexpr size_t kMaxPlans = 64;
+  using Key = std::tuple<int, std::vector<int64_t>, bool, int64_t, int64_t, int64_t, int>;
+  static std::mutex mutex;
+  // Never destroyed: freeing device memory from a static destructor at exit
+  // can run after the CUDA allocator is gone.
+  static auto& cache = *new std::map<Key, PlanEntry>();
+  const Key key{kind, params, causal, H, L, S, device.index()};
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  if (cache.size() >= kMaxPlans) cache.clear();
+  const auto parts = kernels::make_sparse_parts(kind, params, causal, H);
+  TORCH_CHECK(parts.size() <= 2, kOp, ": internal: more than two parts");
+  const auto plans = kernels::make_sparse_plans(parts, H, L, S, kernels::kBlockSparseCudaBq,
+                                                kernels::kBlockSparseCudaBk);
+  PlanEntry e;
+  auto buf = kernels::flatten_sparse_plans(plans, H, L, S, kernels::kBlockSparseCudaBq,
+                                           kernels::kBlockSparseCudaBk, &e.layouts);
+  // A synchronous copy from pageable memory: buf may go once it returns.
+  e.buf = torch::from_blob(buf.data(), {static_cast<int64_t>(buf.size())}, torch::kLong).to(device);
+  return cache.emplace(key, std::move(e)).first->second;
+}
+
 struct Prepared {
   Tensor q, k, v, lengths, plan;  // plan: the flattened plans (int64, on q's device)
   kernels::BlockSparseCudaParams params;
@@ -33,25 +71,22 @@ Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v, const std::s
                  double temp) {
   const std::vector<int64_t> pv(params.begin(), params.end());
   const int kind = ops::check_block_sparse_inputs(kOp, q, k, v, pattern, pv, key_lengths);
-  TORCH_CHECK(q.size(3) <= kernels::kBlockSparseCudaMaxDim &&
-                  v.size(3) <= kernels::kBlockSparseCudaMaxDim,
-              kOp, ": the CUDA kernels take head dims E and M up to ",
-              kernels::kBlockSparseCudaMaxDim, ", got E = ", q.size(3), ", M = ", v.size(3));
+  TORCH_CHECK(
+      q.size(3) <= kernels::kBlockSparseCudaMaxDim && v.size(3) <= kernels::kBlockSparseCudaMaxDim,
+      kOp, ": the CUDA kernels take head dims E and M up to ", kernels::kBlockSparseCudaMaxDim,
+      ", got E = ", q.size(3), ", M = ", v.size(3));
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
   Prepared p;
   p.q = q.contiguous();
   p.k = k.contiguous();
   p.v = v.contiguous();
   if (key_lengths) p.lengths = key_lengths->to(q.device(), torch::kLong).contiguous();
-  const auto parts = kernels::make_sparse_parts(kind, pv, causal, H);
-  const auto plans = kernels::make_sparse_plans(parts, H, L, S, kernels::kBlockSparseCudaBq,
-                                                kernels::kBlockSparseCudaBk);
-  std::vector<kernels::SparsePlanLayout> lay;
-  auto buf = kernels::flatten_sparse_plans(plans, H, L, S, kernels::kBlockSparseCudaBq,
-                                           kernels::kBlockSparseCudaBk, &lay);
-  // A synchronous copy from pageable memory: buf may go once it returns.
-  p.plan = torch::from_blob(buf.data(), {static_cast<int64_t>(buf.size())}, torch::kLong)
-               .to(q.device());
+  const PlanEntry plan = device_plan(kind, pv, causal, H, L, S, q.device());  // a copy
+  p.plan = plan.buf;
+  // The cached buffer may be freed (evicted) while this call's kernels still
+  // read it: tell the allocator which stream uses it.
+  p.plan.record_stream(at::cuda::getCurrentCUDAStream());
+  const auto& lay = plan.layouts;
   auto& a = p.params;
   a.dtype = ops::cuda::kernel_dtype(kOp, "q", q);
   a.q = p.q.data_ptr();
@@ -65,8 +100,7 @@ Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v, const std::s
   a.E = q.size(3);
   a.M = v.size(3);
   a.scale = static_cast<float>(temp);
-  TORCH_CHECK(parts.size() <= 2, kOp, ": internal: more than two parts");
-  a.num_parts = static_cast<int>(parts.size());
+  a.num_parts = static_cast<int>(lay.size());
   const int64_t* base = p.plan.data_ptr<int64_t>();
   for (int i = 0; i < a.num_parts; ++i) {
     auto& pc = a.parts[i];
@@ -89,8 +123,7 @@ std::tuple<Tensor, Tensor> forward_cuda(const Tensor& q, const Tensor& k, const 
                                         const c10::optional<Tensor>& key_lengths, bool causal,
                                         double softmax_temp) {
   c10::cuda::CUDAGuard guard(q.device());
-  const auto p =
-      prepare(q, k, v, std::string(pattern), params, key_lengths, causal, softmax_temp);
+  const auto p = prepare(q, k, v, std::string(pattern), params, key_lengths, causal, softmax_temp);
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), M = v.size(3);
   auto out = torch::empty({N, H, L, M}, q.options());
   auto lse = torch::empty({N, H, L}, q.options().dtype(torch::kFloat));
@@ -112,13 +145,11 @@ std::tuple<Tensor, Tensor> forward_cuda(const Tensor& q, const Tensor& k, const 
 std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& grad_out, const Tensor& q,
                                                  const Tensor& k, const Tensor& v,
                                                  const Tensor& out, const Tensor& lse,
-                                                 c10::string_view pattern,
-                                                 c10::IntArrayRef params,
+                                                 c10::string_view pattern, c10::IntArrayRef params,
                                                  const c10::optional<Tensor>& key_lengths,
                                                  bool causal, double softmax_temp) {
   c10::cuda::CUDAGuard guard(q.device());
-  const auto p =
-      prepare(q, k, v, std::string(pattern), params, key_lengths, causal, softmax_temp);
+  const auto p = prepare(q, k, v, std::string(pattern), params, key_lengths, causal, softmax_temp);
   ops::check_block_sparse_backward(kOp, grad_out, out, lse);
   ops::cuda::check_same_device(kOp, "grad_out", grad_out, q.device());
   ops::cuda::check_same_device(kOp, "out", out, q.device());

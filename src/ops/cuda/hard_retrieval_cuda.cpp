@@ -138,9 +138,8 @@ std::tuple<Tensor, Tensor> no_grad_cuda(const Tensor& q, const Tensor& k, const 
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fastattn::hard_retrieval_attention_forward", "")
                        .typed<decltype(forward_cuda)>();
-  auto [out, index, lse] =
-      op.call(q, k, v, attn_mask, key_lengths, causal, sample,
-              ops::resolve_softmax_temp(kOp, q, softmax_temp), seed, false);
+  auto [out, index, lse] = op.call(q, k, v, attn_mask, key_lengths, causal, sample,
+                                   ops::resolve_softmax_temp(kOp, q, softmax_temp), seed, false);
   return {out, index};
 }
 
