@@ -143,6 +143,24 @@ TEST(CudaEmulator, DynamicSharedMemory) {
   for (int i = 0; i < n; ++i) EXPECT_EQ(out[i], (n - 1 - i) * 2);
 }
 
+__global__ void big_shared_kernel(int* out) {
+  FA_DYNAMIC_SHARED(int, buf);
+  buf[threadIdx.x] = 7;
+  __syncthreads();
+  out[threadIdx.x] = buf[threadIdx.x];
+}
+
+TEST(CudaEmulatorDeathTest, LargeDynamicSharedMemoryNeedsTheAttribute) {
+  std::vector<int> out(32);
+  const size_t bytes = 64 * 1024;
+  EXPECT_DEATH(FA_LAUNCH(dim3(1), dim3(32), bytes, nullptr, big_shared_kernel)(out.data()),
+               "FA_SET_MAX_DYNAMIC_SHARED first");
+  EXPECT_DEATH(FA_SET_MAX_DYNAMIC_SHARED(300 * 1024, big_shared_kernel), "227 KiB");
+  FA_SET_MAX_DYNAMIC_SHARED(bytes, big_shared_kernel);
+  FA_LAUNCH(dim3(1), dim3(32), bytes, nullptr, big_shared_kernel)(out.data());
+  EXPECT_EQ(out[31], 7);
+}
+
 __global__ void divergent_barrier_kernel(int* out) {
   if (threadIdx.x == 0) return;  // exits while the others wait
   __syncthreads();

@@ -6,6 +6,8 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <memory>
 #include <vector>
 
@@ -231,8 +233,31 @@ float* warp_scratch() {
   return b.wmma_scratch.data() + static_cast<size_t>(b.current->linear / 32) * 768;
 }
 
-void launch(dim3 grid, dim3 block, size_t shared_bytes, const Body& body) {
+namespace {
+constexpr size_t kDefaultDynamicShared = 48 * 1024, kMaxDynamicShared = 227 * 1024;
+std::mutex g_attr_mutex;
+std::map<const void*, size_t> g_max_dynamic_shared;
+}  // namespace
+
+void set_max_dynamic_shared_for(const void* kernel, size_t bytes) {
+  if (bytes > kMaxDynamicShared)
+    fail("cudaFuncSetAttribute: " + std::to_string(bytes) +
+         " bytes of dynamic shared memory (an H100 allows 227 KiB)");
+  std::lock_guard<std::mutex> lock(g_attr_mutex);
+  g_max_dynamic_shared[kernel] = bytes;
+}
+
+void launch(dim3 grid, dim3 block, size_t shared_bytes, const void* kernel, const Body& body) {
   if (g_block) fail("nested kernel launch");
+  if (shared_bytes > kDefaultDynamicShared) {
+    std::lock_guard<std::mutex> lock(g_attr_mutex);
+    const auto it = g_max_dynamic_shared.find(kernel);
+    const size_t allowed = it == g_max_dynamic_shared.end() ? kDefaultDynamicShared : it->second;
+    if (shared_bytes > allowed)
+      fail("launch with " + std::to_string(shared_bytes) +
+           " bytes of dynamic shared memory; the kernel allows " + std::to_string(allowed) +
+           " (FA_SET_MAX_DYNAMIC_SHARED first)");
+  }
   const uint64_t n = static_cast<uint64_t>(block.x) * block.y * block.z;
   if (n == 0 || n > 1024) fail("block of " + std::to_string(n) + " threads (1 to 1024 allowed)");
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) fail("empty grid");
@@ -244,7 +269,7 @@ void launch(dim3 grid, dim3 block, size_t shared_bytes, const Body& body) {
   b.fibers.resize(n);
   b.stacks.resize(n);
   for (auto& s : b.stacks) s.reset(new char[kStackBytes]);
-  b.shared.assign(shared_bytes + 16, 0);
+  b.shared.assign(shared_bytes, 0);  // exact: AddressSanitizer sees overruns
   b.body = &body;
   g_block_dim = block;
   g_grid_dim = grid;

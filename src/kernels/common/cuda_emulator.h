@@ -70,7 +70,16 @@ int lane_id();
 [[noreturn]] void fail(const std::string& what);
 
 using Body = std::function<void()>;
-void launch(dim3 grid, dim3 block, size_t shared_bytes, const Body& body);
+// Runs the grid. `kernel` identifies the kernel for the dynamic shared memory
+// check: above 48 KiB a launch needs set_max_dynamic_shared for that kernel
+// first (as cudaFuncSetAttribute on the GPU), and no block may have more than
+// an H100's 227 KiB.
+void launch(dim3 grid, dim3 block, size_t shared_bytes, const void* kernel, const Body& body);
+void set_max_dynamic_shared_for(const void* kernel, size_t bytes);
+template <typename F>
+void set_max_dynamic_shared(size_t bytes, F* kernel) {
+  set_max_dynamic_shared_for(reinterpret_cast<const void*>(kernel), bytes);
+}
 
 template <typename T>
 uint64_t to_bits(T v) {
@@ -98,7 +107,8 @@ struct Launcher {
   template <typename... Args>
   void operator()(Args... args) const {
     Kernel k = kernel;
-    launch(grid, block, shared_bytes, [k, args...]() { k(args...); });
+    launch(grid, block, shared_bytes, reinterpret_cast<const void*>(k),
+           [k, args...]() { k(args...); });
   }
 };
 template <typename Kernel>
@@ -121,8 +131,7 @@ Launcher<Kernel> make_launcher(dim3 grid, dim3 block, size_t shared_bytes, Kerne
   do {                        \
   } while (0)
 #define FA_SET_MAX_DYNAMIC_SHARED(bytes, ...) \
-  do {                                        \
-  } while (0)
+  ::fastattn::cuda::emu::set_max_dynamic_shared((bytes), __VA_ARGS__)
 
 // ---- synchronisation, shuffles, votes --------------------------------------
 inline void __syncthreads() { ::fastattn::cuda::emu::sync_threads(); }
