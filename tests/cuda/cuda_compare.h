@@ -12,8 +12,8 @@
 
 namespace fastattn::testing {
 
-#define FASTATTN_SKIP_WITHOUT_CUDA()                                   \
-  do {                                                                 \
+#define FASTATTN_SKIP_WITHOUT_CUDA()                                    \
+  do {                                                                  \
     if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device"; \
   } while (0)
 
@@ -63,9 +63,8 @@ inline void expect_close(const torch::Tensor& got, const torch::Tensor& ref, Tol
   const auto worst = excess.flatten().argmax().item<int64_t>();
   EXPECT_LE(excess.flatten()[worst].item<double>(), 0.0)
       << what << ": element " << worst << " is " << g.flatten()[worst].item<double>()
-      << ", the CPU float64 op gives " << ref.flatten()[worst].item<double>()
-      << " (max abs error " << err.max().item<double>() << ", tolerance " << tol.atol << " + "
-      << tol.rtol << "·|ref|)";
+      << ", the CPU float64 op gives " << ref.flatten()[worst].item<double>() << " (max abs error "
+      << err.max().item<double>() << ", tolerance " << tol.atol << " + " << tol.rtol << "·|ref|)";
   EXPECT_FALSE(g.isnan().any().item<bool>() && !ref.isnan().any().item<bool>()) << what;
 }
 

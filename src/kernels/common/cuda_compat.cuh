@@ -61,24 +61,24 @@ namespace fa_wmma = nvcuda::wmma;
 
 #define FA_LAUNCH(grid, block, shared_bytes, stream, ...) \
   __VA_ARGS__<<<(grid), (block), (shared_bytes), (stream)>>>
-#define FA_DYNAMIC_SHARED(type, name)                          \
+#define FA_DYNAMIC_SHARED(type, name)                           \
   extern __shared__ __align__(16) unsigned char fa_dyn_smem_[]; \
   type* name = reinterpret_cast<type*>(fa_dyn_smem_)
-#define FA_CHECK_LAUNCH(what)                                                                    \
-  do {                                                                                           \
-    const cudaError_t fa_err_ = cudaGetLastError();                                              \
-    if (fa_err_ != cudaSuccess)                                                                  \
-      throw std::runtime_error(std::string("fastattn CUDA kernel ") + (what) +                   \
-                               " failed to launch: " + cudaGetErrorString(fa_err_));             \
+#define FA_CHECK_LAUNCH(what)                                                        \
+  do {                                                                               \
+    const cudaError_t fa_err_ = cudaGetLastError();                                  \
+    if (fa_err_ != cudaSuccess)                                                      \
+      throw std::runtime_error(std::string("fastattn CUDA kernel ") + (what) +       \
+                               " failed to launch: " + cudaGetErrorString(fa_err_)); \
   } while (0)
-#define FA_SET_MAX_DYNAMIC_SHARED(bytes, ...)                                                    \
-  do {                                                                                           \
-    const cudaError_t fa_err_ = cudaFuncSetAttribute(                                            \
-        __VA_ARGS__, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));      \
-    if (fa_err_ != cudaSuccess)                                                                  \
-      throw std::runtime_error(std::string("fastattn: cannot give a CUDA kernel ") +             \
-                               std::to_string(bytes) + " bytes of shared memory: " +             \
-                               cudaGetErrorString(fa_err_));                                     \
+#define FA_SET_MAX_DYNAMIC_SHARED(bytes, ...)                                               \
+  do {                                                                                      \
+    const cudaError_t fa_err_ = cudaFuncSetAttribute(                                       \
+        __VA_ARGS__, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)); \
+    if (fa_err_ != cudaSuccess)                                                             \
+      throw std::runtime_error(std::string("fastattn: cannot give a CUDA kernel ") +        \
+                               std::to_string(bytes) +                                      \
+                               " bytes of shared memory: " + cudaGetErrorString(fa_err_));  \
   } while (0)
 
 #else  // FASTATTN_CUDA_EMULATION: the host compiler, kernels run by the emulator
@@ -127,22 +127,22 @@ __host__ __device__ __forceinline__ int64_t ceil_div(int64_t a, int64_t b) {
 
 // Runs `...` with `scalar_t` bound to the storage type of `dtype`
 // (fastattn::cuda::DType): float, __half or __nv_bfloat16.
-#define FA_DISPATCH_FLOAT_TYPES(dtype, what, ...)                                               \
-  [&] {                                                                                         \
-    switch (dtype) {                                                                            \
-      case ::fastattn::cuda::DType::kFloat32: {                                                 \
-        using scalar_t = float;                                                                 \
-        return __VA_ARGS__();                                                                   \
-      }                                                                                         \
-      case ::fastattn::cuda::DType::kFloat16: {                                                 \
-        using scalar_t = __half;                                                                \
-        return __VA_ARGS__();                                                                   \
-      }                                                                                         \
-      case ::fastattn::cuda::DType::kBFloat16: {                                                \
-        using scalar_t = __nv_bfloat16;                                                         \
-        return __VA_ARGS__();                                                                   \
-      }                                                                                         \
-    }                                                                                           \
-    throw std::runtime_error(std::string("fastattn CUDA kernel ") + (what) +                    \
-                             ": unsupported dtype");                                            \
+#define FA_DISPATCH_FLOAT_TYPES(dtype, what, ...)                            \
+  [&] {                                                                      \
+    switch (dtype) {                                                         \
+      case ::fastattn::cuda::DType::kFloat32: {                              \
+        using scalar_t = float;                                              \
+        return __VA_ARGS__();                                                \
+      }                                                                      \
+      case ::fastattn::cuda::DType::kFloat16: {                              \
+        using scalar_t = __half;                                             \
+        return __VA_ARGS__();                                                \
+      }                                                                      \
+      case ::fastattn::cuda::DType::kBFloat16: {                             \
+        using scalar_t = __nv_bfloat16;                                      \
+        return __VA_ARGS__();                                                \
+      }                                                                      \
+    }                                                                        \
+    throw std::runtime_error(std::string("fastattn CUDA kernel ") + (what) + \
+                             ": unsupported dtype");                         \
   }()

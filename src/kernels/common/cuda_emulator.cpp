@@ -176,8 +176,8 @@ void run_block(BlockState& b) {
         b.current = &f;
         const std::string at = where();
         b.current = nullptr;
-        fail(std::string("deadlock: ") + f.wait_what + " waits for threads that exited or wait elsewhere" +
-             at);
+        fail(std::string("deadlock: ") + f.wait_what +
+             " waits for threads that exited or wait elsewhere" + at);
       }
     }
   }

@@ -96,7 +96,8 @@ T from_bits(uint64_t b) {
 }
 
 inline void check_full_mask(unsigned mask, const char* what) {
-  if (mask != 0xffffffffu) fail(std::string(what) + ": only the full-warp mask 0xffffffff is emulated");
+  if (mask != 0xffffffffu)
+    fail(std::string(what) + ": only the full-warp mask 0xffffffff is emulated");
 }
 
 template <typename Kernel>
@@ -164,7 +165,8 @@ T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
   namespace e = ::fastattn::cuda::emu;
   e::check_full_mask(mask, "__shfl_down_sync");
   const int lane = e::lane_id();
-  const int src = (lane % width) + static_cast<int>(delta) < width ? lane + static_cast<int>(delta) : lane;
+  const int src =
+      (lane % width) + static_cast<int>(delta) < width ? lane + static_cast<int>(delta) : lane;
   return e::from_bits<T>(e::warp_exchange(e::to_bits(v), src));
 }
 template <typename T>
@@ -177,9 +179,7 @@ T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
 }
 unsigned __ballot_sync(unsigned mask, int predicate);
 inline int __any_sync(unsigned mask, int predicate) { return __ballot_sync(mask, predicate) != 0; }
-inline int __all_sync(unsigned mask, int predicate) {
-  return __ballot_sync(mask, !predicate) == 0;
-}
+inline int __all_sync(unsigned mask, int predicate) { return __ballot_sync(mask, !predicate) == 0; }
 
 // ---- atomics (blocks and fibers run on one OS thread: plain updates) ------
 template <typename T>
