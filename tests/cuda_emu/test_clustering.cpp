@@ -11,7 +11,7 @@
 #include <random>
 #include <vector>
 
-#include "clustered_emu_util.h"
+#include "emu_test_util.h"
 #include "kernels/clustering/cluster_codes_cuda.h"
 #include "kernels/clustering/clustering.h"
 

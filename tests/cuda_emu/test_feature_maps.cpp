@@ -14,13 +14,13 @@
 namespace {
 
 using namespace fastattn::cuda;
-using namespace fastattn::cuda::emutest;
+using namespace fastattn::emu_test;
 
 template <typename T>
 void check(int64_t n, uint32_t seed) {
   SCOPED_TRACE(testing::Message() << dtype_name<T>() << " n=" << n);
   std::mt19937 gen(seed);
-  auto x = random_buf<T>(n, gen, 3.0), g = random_buf<T>(n, gen);
+  auto x = random_buffer<T>(n, gen, 3.0), g = random_buffer<T>(n, gen);
   const DType dt = std::is_same<T, float>::value    ? DType::kFloat32
                    : std::is_same<T, __half>::value ? DType::kFloat16
                                                     : DType::kBFloat16;

@@ -10,7 +10,7 @@
 #include <cmath>
 #include <random>
 
-#include "clustered_emu_util.h"
+#include "emu_test_util.h"
 #include "kernels/hashing/hash_queries_cuda.h"
 #include "kernels/hashing/hashing.h"
 

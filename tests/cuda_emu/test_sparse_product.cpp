@@ -7,7 +7,7 @@
 // repeated key indices in the plain form); E in {16, 24, 64}, M in {8, 40};
 // padded queries (assignment -1), empty clusters, key lengths dropping some
 // or all (length 0) of a cluster's keys; every dtype.
-// Tolerances: outputs stored in the dtype: tol_for<T>() (clustered_emu_util.h);
+// Tolerances: outputs stored in the dtype: tol_for<T>() (emu_test_util.h);
 // gradients (float32 buffers, float32 arithmetic on the same rounded inputs):
 // 2e-5 + 2e-4 relative.
 #include <gtest/gtest.h>
@@ -18,7 +18,7 @@
 #include <numeric>
 #include <random>
 
-#include "clustered_emu_util.h"
+#include "emu_test_util.h"
 #include "kernels/sparse_product/clustered_topk.h"
 #include "kernels/sparse_product/clustered_topk_cuda.h"
 

@@ -7,7 +7,7 @@
 
 #include <random>
 
-#include "clustered_emu_util.h"
+#include "emu_test_util.h"
 #include "kernels/token_gather/token_gather.h"
 #include "kernels/token_gather/token_gather_cuda.h"
 
