@@ -1,7 +1,7 @@
 # fastattn — the two commands of a fresh machine:
 #   make demo   install what is missing, build, run the demo
 #   make test   install what is missing, build, run every test (C++ and Python)
-# Also: make bench, make build, make test-asan, make test-asan-ci, make fuzz, make format, make install, make clean,
+# Also: make test-pip (pip torch 2.x venv), make bench, make build, make test-asan, make test-asan-ci, make fuzz, make format, make install, make clean,
 #       make approx (pretrained MiniLM approximated by other attention types; docs/approx.md).
 
 BUILD      ?= build
@@ -12,7 +12,7 @@ PREFIX     ?= /usr/local
 # Threads for the tests (the machine's cores by default).
 export OMP_NUM_THREADS ?= $(shell nproc)
 
-.PHONY: all deps configure build demo test bench approx test-asan test-asan-ci gpu-session fuzz fuzz-merge format install check-install clean
+.PHONY: all deps configure build demo test test-pip pip-env bench approx test-asan test-asan-ci gpu-session fuzz fuzz-merge format install check-install clean
 
 all: build
 
@@ -32,6 +32,19 @@ demo: build
 
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j 1
+	$(MAKE) test-pip
+
+# The Python users' route: a virtual environment (.venv) with the newest
+# PyTorch 2.x from PyPI (wheels cached in ~/.cache/fastattn/wheels), fastattn
+# pip-installed into it, and the Python suite (operators, opcheck,
+# torch.compile) run there (scripts/pip_env.sh). PIP_CUDA=1 builds the CUDA
+# operators too (needs nvcc; much longer); AUTO builds them when torch has CUDA
+# and nvcc is found.
+PIP_CUDA ?= 0
+pip-env: deps
+	FASTATTN_CUDA=$(PIP_CUDA) bash scripts/pip_env.sh
+test-pip: deps
+	FASTATTN_CUDA=$(PIP_CUDA) bash scripts/pip_env.sh --test
 
 bench: build
 	$(BUILD)/bench_full_attention

@@ -15,6 +15,7 @@ packages=(
   fortunes              # text corpus of the charlm task (/usr/share/games/fortunes, 2.6 MB)
   python3-torch         # Python access (same build as libtorch-dev)
   python3-pytest        # Python tests
+  python3-venv          # the pip route's virtual environment (scripts/pip_env.sh)
 )
 # `make fuzz` (scripts/install_deps.sh --fuzz): clang with libFuzzer and its OpenMP.
 if [ "${1:-}" = "--fuzz" ]; then

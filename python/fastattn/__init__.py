@@ -9,18 +9,22 @@ Library search order (the first that exists is loaded):
 
 1. the environment variable ``FASTATTN_LIBRARY`` (a path to the .so; if it is
    set but names no file, import fails rather than trying the others);
-2. the build tree: ``<repo>/build/libfastattn.so``, i.e. ``../../build``
+2. the package directory itself: ``pip install .`` puts ``libfastattn.so``
+   beside this file;
+3. the build tree: ``<repo>/build/libfastattn.so``, i.e. ``../../build``
    relative to this package's directory ``<repo>/python/fastattn``;
-3. the installed layout: ``make install`` puts this package in
+4. the installed layout: ``make install`` puts this package in
    ``<prefix>/lib/fastattn/python/fastattn`` and the library in
    ``<prefix>/lib``, i.e. ``../../..`` relative to this package
    (``libfastattn.so``, then ``libfastattn.so.0``).
 
+The library is built against one torch release; ``fastattn_build.json``
+beside it records which. Importing it into another torch release raises
+ImportError naming both versions (a C++ extension's ABI changes between
+torch releases).
+
 Layout: queries ``(N, H, L, E)``, keys ``(N, H, S, E)``, values ``(N, H, S, M)``,
 outputs ``(N, H, L, M)``. Masks follow "true means keep".
-
-Use the interpreter whose torch matches the LibTorch the library was built
-against (on Debian: ``/usr/bin/python3`` with ``python3-torch``).
 """
 
 import json
@@ -29,7 +33,15 @@ import os
 
 import torch
 
-__all__ = ["attention", "attention_step", "full_attention", "attention_types", "ops", "library_path"]
+__all__ = [
+    "attention",
+    "attention_step",
+    "full_attention",
+    "attention_types",
+    "ops",
+    "library_path",
+    "build_info",
+]
 
 
 def _candidates():
@@ -41,34 +53,92 @@ def _candidates():
     build = os.path.normpath(os.path.join(here, "..", "..", "build", "libfastattn.so"))
     libdir = os.path.normpath(os.path.join(here, "..", "..", ".."))
     return [
+        ("package directory", os.path.join(here, "libfastattn.so")),
         ("build tree", build),
         ("installed lib dir", os.path.join(libdir, "libfastattn.so")),
         ("installed lib dir", os.path.join(libdir, "libfastattn.so.0")),
     ]
 
 
+def _release(version):
+    """'2.15.0+cu132' -> (2, 15): the part of a torch version its C++ ABI follows."""
+    parts = version.split("+")[0].split(".")
+    try:
+        return tuple(int(p) for p in parts[:2])
+    except ValueError:
+        return tuple(parts[:2])
+
+
+def _check_build(path):
+    """Compares the library's build record with the running torch."""
+    record = os.path.join(os.path.dirname(path), "fastattn_build.json")
+    if not os.path.isfile(record):
+        return {}
+    with open(record) as f:
+        info = json.load(f)
+    built = info.get("torch") or ""
+    rebuild = (
+        "Rebuild fastattn against this torch: from the fastattn source tree, "
+        "`pip install --no-build-isolation --force-reinstall --no-deps .` "
+        "(or `make build` with the matching LibTorch for a build tree)."
+    )
+    if built and _release(built) != _release(torch.__version__):
+        raise ImportError(
+            "fastattn: %s was built against torch %s, but this Python has torch %s; "
+            "a C++ extension works only with the torch release it was built against. %s"
+            % (path, built, torch.__version__, rebuild)
+        )
+    if info.get("cuda") and torch.version.cuda is None:
+        raise ImportError(
+            "fastattn: %s was built with CUDA operators against torch %s, but this Python's "
+            "torch %s has no CUDA. %s (FASTATTN_CUDA=0 builds the CPU operators only)"
+            % (path, built, torch.__version__, rebuild)
+        )
+    return info
+
+
 def _load():
     tried = []
     for where, path in _candidates():
         if os.path.isfile(path):
+            info = _check_build(path)
             torch.ops.load_library(path)
-            return path
+            return path, info
         tried.append("%s: %s" % (where, path))
     raise ImportError(
         "fastattn: cannot find the shared library libfastattn.so; tried\n  "
         + "\n  ".join(tried)
-        + "\nBuild it (make build) or set FASTATTN_LIBRARY to its path."
+        + "\nInstall the package (pip install --no-build-isolation .), build it "
+        "(make build) or set FASTATTN_LIBRARY to its path."
     )
 
 
-#: The path of the shared library that was loaded.
-library_path = _load()
+#: The path of the shared library that was loaded, and its build record
+#: (``{"fastattn": version, "torch": the torch version it was built against,
+#: "cuda": whether it has the CUDA operators}``; empty for a build without one).
+library_path, build_info = _load()
+__version__ = build_info.get("fastattn", "unknown")
+
+# Shapes of every operator's outputs for torch.compile / torch.export (torch >= 2.4).
+if hasattr(torch.library, "register_fake"):
+    from . import _fake
+
+    _fake.register()
 
 #: Every fastattn operator: ``ops.full_attention``, ``ops.attention``,
 #: ``ops.attention_types``, ... (the same object as ``torch.ops.fastattn``).
 ops = torch.ops.fastattn
 
 
+def _constant(fn):
+    """fn, a pure function of Python values, evaluated while torch.compile
+    traces (the JSON string becomes a constant of the graph, no graph break)."""
+    compiler = getattr(torch, "compiler", None)
+    mark = getattr(compiler, "assume_constant_result", None)
+    return mark(fn) if mark is not None else fn
+
+
+@_constant
 def _params_json(params):
     """Keyword parameters as the JSON object the registry validates.
 
@@ -106,8 +176,11 @@ def attention(type, q, k, v, *, causal=False, key_lengths=None, attn_mask=None, 
     Builds the type from the C++ registry with ``params`` (validated there:
     an unknown type or parameter, a wrong kind or an out-of-range value raises
     RuntimeError naming it and listing what is valid) and the dims of the
-    tensors, then runs its forward. Gradients flow to q, k and v through the
-    type's operators.
+    tensors, then runs its forward. One operator (``torch.ops.fastattn.attention``)
+    whatever the type: ``torch.compile`` and ``torch.export`` see a single
+    node. Its backward recomputes the type's forward with autograd and
+    differentiates it (as activation checkpointing does: one more forward,
+    only q, k and v kept between the passes).
 
     Args:
         type: the type's name, e.g. ``"full"`` or ``"conditional-full:full"``
@@ -126,8 +199,15 @@ def attention(type, q, k, v, *, causal=False, key_lengths=None, attn_mask=None, 
         ``(N, H, L, M)``. A query that sees no key outputs zeros.
 
     Each call builds a fresh instance in evaluation mode (no dropout;
-    training-only behaviour is off); types with random parameters draw them
-    from torch's default generator (seed with ``torch.manual_seed``).
+    training-only behaviour is off). Random draws: types with a ``seed``
+    parameter (clustered types, reformer, clusterformer, hard-retrieval) use
+    their own generator when it is given; otherwise they, and the random
+    feature maps of ``linear``/``causal-linear`` (whose ``seed`` defaults to
+    0, so the same features every call), draw from torch's default CPU
+    generator -- ``torch.manual_seed`` makes a call reproducible, and each
+    call advances it. The backward replays the forward's draws from the
+    generator state the forward started with, so gradients belong to the
+    output that was returned.
     """
     return ops.attention(type, q, k, v, causal, key_lengths, attn_mask, _params_json(params))
 

@@ -4,19 +4,28 @@
 //             attn_mask?, params_json) -> (N,H,L,M)
 //     builds `type` from AttentionRegistry::global() with the JSON parameters
 //     and the dims of the tensors, and runs its forward once;
+//   attention_forward(...same...) -> (out, rng_state)
+//   attention_backward(type, grad_out, q, k, v, ..., rng_state) -> (grad_q, grad_k, grad_v)
 //   attention_step(type, q (N,H,E), k (N,H,E), v (N,H,M), state, params_json)
 //     -> (out (N,H,M), state): one step of make_recurrent_attention(type);
 //   attention_types() -> str
 //     the registry's describe() JSON.
 //
-// Both are registered under CompositeImplicitAutograd: `attention` is a
-// composition of other dispatcher ops (full_attention, the types' kernels),
-// so autograd records those inner ops and gradients flow without a backward
-// of its own. Each call builds a fresh instance, in evaluation mode (no
-// dropout; training-only behaviour such as sampling is off); types that draw
-// random parameters draw them from the default generator (seed it with
-// torch::manual_seed / torch.manual_seed).
-// Tested by tests/python/test_ops.py.
+// `attention` is one opaque operator with its own backward, so that
+// torch.compile and torch.export see a single node with a fake (shape)
+// implementation (python/fastattn/_fake.py) whatever the type does inside
+// (K-means, hashing, data-dependent sizes). Its backward recomputes the
+// type's forward with autograd on and differentiates that (the trade of
+// activation checkpointing: one more forward, and only q, k, v saved).
+// Random draws (clustering planes, Reformer rotations, types' initial
+// parameters) come from the default CPU generator; attention_forward returns
+// that generator's state as it found it and attention_backward replays from
+// it, so both passes draw the same numbers. Each call builds a fresh
+// instance, in evaluation mode (no dropout; training-only behaviour such as
+// sampling is off). Tested by tests/python/test_ops.py and test_compile.py.
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <mutex>
 #include <nlohmann/json.hpp>
 
 #include "fastattn/attention.h"
@@ -57,11 +66,11 @@ void prepare_instance(torch::nn::Module& m, const at::Tensor& q) {
   if (!q.device().is_cpu()) m.to(q.device());
 }
 
-// `str` arguments as std::string: accepted by the dispatcher on LibTorch 1.13
-// and 2.x alike.
-at::Tensor attention(std::string type, const at::Tensor& q, const at::Tensor& k,
-                     const at::Tensor& v, bool causal, const c10::optional<at::Tensor>& key_lengths,
-                     const c10::optional<at::Tensor>& attn_mask, std::string params_json) {
+// The type's forward: `str` arguments as std::string, accepted by the
+// dispatcher on LibTorch 1.13 and 2.x alike.
+at::Tensor run_type(const std::string& type, const at::Tensor& q, const at::Tensor& k,
+                    const at::Tensor& v, bool causal, const c10::optional<at::Tensor>& key_lengths,
+                    const c10::optional<at::Tensor>& attn_mask, const std::string& params_json) {
   // The dims come from the tensors, so check their ranks before reading them.
   TORCH_CHECK(q.dim() == 4, "fastattn::attention: q must have shape (N, H, L, E), got ", q.dim(),
               " dimensions ", q.sizes());
@@ -81,6 +90,124 @@ at::Tensor attention(std::string type, const at::Tensor& q, const at::Tensor& k,
   if (key_lengths.has_value()) mask = mask.with_key_lengths(*key_lengths);
   if (attn_mask.has_value()) mask = mask.with_attn_mask(*attn_mask);
   return attn->forward(q, k, v, mask);
+}
+
+// The default CPU generator's state, and a scope that replays from a saved
+// one (restoring the generator's own state after). The generator's lock is
+// held only to read and write the state: the type's draws take it too.
+at::Tensor rng_state() {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+
+class ReplayRng {
+ public:
+  explicit ReplayRng(const at::Tensor& state) : saved_(rng_state()) { set(state); }
+  ~ReplayRng() { set(saved_); }
+  ReplayRng(const ReplayRng&) = delete;
+  ReplayRng& operator=(const ReplayRng&) = delete;
+
+ private:
+  static void set(const at::Tensor& state) {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(state);
+  }
+  at::Tensor saved_;
+};
+
+std::tuple<at::Tensor, at::Tensor> attention_forward(
+    std::string type, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
+    const c10::optional<at::Tensor>& key_lengths, const c10::optional<at::Tensor>& attn_mask,
+    std::string params_json) {
+  auto rng = rng_state();
+  auto out = run_type(type, q, k, v, causal, key_lengths, attn_mask, params_json);
+  // An operator's output must not share memory with its inputs, and has the
+  // layout its fake implementation promises (contiguous).
+  if (out.is_alias_of(q) || out.is_alias_of(k) || out.is_alias_of(v)) out = out.clone();
+  return {out.contiguous(), rng};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
+    std::string type, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& v, bool causal, const c10::optional<at::Tensor>& key_lengths,
+    const c10::optional<at::Tensor>& attn_mask, std::string params_json,
+    const at::Tensor& rng) {
+  at::AutoGradMode grad_mode(true);
+  auto qd = q.detach().requires_grad_(true), kd = k.detach().requires_grad_(true),
+       vd = v.detach().requires_grad_(true);
+  at::Tensor out;
+  {
+    ReplayRng replay(rng);
+    out = run_type(type, qd, kd, vd, causal, key_lengths, attn_mask, params_json);
+  }
+  std::vector<at::Tensor> grads(3);
+  if (out.requires_grad()) {
+    grads = torch::autograd::grad({out}, {qd, kd, vd}, {grad_out}, /*retain_graph=*/false,
+                                  /*create_graph=*/false, /*allow_unused=*/true);
+  }
+  const at::Tensor* inputs[3] = {&q, &k, &v};
+  for (int i = 0; i < 3; ++i) {
+    if (!grads[i].defined()) grads[i] = torch::zeros_like(*inputs[i]);
+  }
+  return {grads[0], grads[1], grads[2]};
+}
+
+class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, std::string type,
+                            const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            bool causal, const c10::optional<at::Tensor>& key_lengths,
+                            const c10::optional<at::Tensor>& attn_mask, std::string params_json) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("fastattn::attention_forward", "")
+                         .typed<decltype(attention_forward)>();
+    auto [out, rng] = op.call(type, q, k, v, causal, key_lengths, attn_mask, params_json);
+    ctx->save_for_backward({q, k, v, rng});
+    ctx->saved_data["type"] = type;
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["params"] = params_json;
+    ctx->saved_data["key_lengths"] = key_lengths ? *key_lengths : at::Tensor();
+    ctx->saved_data["attn_mask"] = attn_mask ? *attn_mask : at::Tensor();
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("fastattn::attention_backward", "")
+                         .typed<decltype(attention_backward)>();
+    const auto saved = ctx->get_saved_variables();
+    auto opt = [](const c10::IValue& t) {
+      return t.toTensor().defined() ? c10::optional<at::Tensor>(t.toTensor()) : c10::nullopt;
+    };
+    auto [gq, gk, gv] =
+        op.call(ctx->saved_data["type"].toStringRef(), grads[0], saved[0], saved[1], saved[2],
+                ctx->saved_data["causal"].toBool(), opt(ctx->saved_data["key_lengths"]),
+                opt(ctx->saved_data["attn_mask"]), ctx->saved_data["params"].toStringRef(),
+                saved[3]);
+    return {at::Tensor(), gq, gk, gv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor attention_autograd(std::string type, const at::Tensor& q, const at::Tensor& k,
+                              const at::Tensor& v, bool causal,
+                              const c10::optional<at::Tensor>& key_lengths,
+                              const c10::optional<at::Tensor>& attn_mask, std::string params_json) {
+  return AttentionFunction::apply(type, q, k, v, causal, key_lengths, attn_mask, params_json);
+}
+
+// Without autograd (inference mode, or below it): the forward alone.
+at::Tensor attention_no_grad(std::string type, const at::Tensor& q, const at::Tensor& k,
+                             const at::Tensor& v, bool causal,
+                             const c10::optional<at::Tensor>& key_lengths,
+                             const c10::optional<at::Tensor>& attn_mask, std::string params_json) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastattn::attention_forward", "")
+                       .typed<decltype(attention_forward)>();
+  return std::get<0>(op.call(type, q, k, v, causal, key_lengths, attn_mask, params_json));
 }
 
 // One step of make_recurrent_attention(type): a fresh instance per call, like
@@ -105,8 +232,17 @@ std::string attention_types() { return AttentionRegistry::global().describe().du
 }  // namespace
 }  // namespace fastattn::ops
 
+TORCH_LIBRARY_IMPL(fastattn, CompositeExplicitAutograd, m) {
+  m.impl("attention", &fastattn::ops::attention_no_grad);
+  m.impl("attention_forward", &fastattn::ops::attention_forward);
+  m.impl("attention_backward", &fastattn::ops::attention_backward);
+}
+
+TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
+  m.impl("attention", &fastattn::ops::attention_autograd);
+}
+
 TORCH_LIBRARY_IMPL(fastattn, CompositeImplicitAutograd, m) {
-  m.impl("attention", &fastattn::ops::attention);
   m.impl("attention_step", &fastattn::ops::attention_step);
   // attention_types has no tensor argument, so the dispatcher computes an
   // empty key set and looks up the Undefined key; a CompositeImplicitAutograd

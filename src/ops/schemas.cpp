@@ -168,10 +168,22 @@ TORCH_LIBRARY(fastattn, m) {
 
   // ---- registry access (Python mirrors the C++ registry through these) -----
   // Any registered attention type by name; params_json is a JSON object of the
-  // type's parameters.
+  // type's parameters. One opaque operator with its own backward
+  // (src/ops/attention_op.cpp).
   m.def(
       "attention(str type, Tensor q, Tensor k, Tensor v, bool causal=False, "
       "Tensor? key_lengths=None, Tensor? attn_mask=None, str params_json='{}') -> Tensor");
+  // Its forward: the output and the default CPU generator's state before the
+  // type drew anything (uint8), which the backward replays.
+  m.def(
+      "attention_forward(str type, Tensor q, Tensor k, Tensor v, bool causal, "
+      "Tensor? key_lengths, Tensor? attn_mask, str params_json) -> (Tensor, Tensor)");
+  // Its backward: the type's forward recomputed with autograd, differentiated
+  // at grad_out -> (grad_q, grad_k, grad_v).
+  m.def(
+      "attention_backward(str type, Tensor grad_out, Tensor q, Tensor k, Tensor v, bool causal, "
+      "Tensor? key_lengths, Tensor? attn_mask, str params_json, Tensor rng_state) "
+      "-> (Tensor, Tensor, Tensor)");
   // One recurrent step of a type with a step form (causal-linear, full,
   // hard-retrieval): q, k (N,H,E), v (N,H,M) of the new position and the
   // state from the previous step (empty list at the start) -> (out (N,H,M),

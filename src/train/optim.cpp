@@ -2,6 +2,7 @@
 // factory for adam/adamw/radam, their state as named tensors for
 // checkpoints, and the learning-rate schedule. Each step is O(parameters).
 #include <cmath>
+#include <sstream>
 #include <type_traits>
 
 #include "fastattn/train.h"
@@ -18,7 +19,9 @@ using StateKey = typename StateMap::key_type;
 template <class Key = StateKey>
 Key state_key(const torch::Tensor& p) {
   if constexpr (std::is_same_v<Key, std::string>) {
-    return c10::guts::to_string(p.unsafeGetTensorImpl());
+    std::ostringstream key;  // as LibTorch 1.x's c10::guts::to_string writes it
+    key << p.unsafeGetTensorImpl();
+    return key.str();
   } else {
     return static_cast<Key>(p.unsafeGetTensorImpl());
   }

@@ -1,0 +1,197 @@
+"""Fake (meta) implementations of the fastattn operators, for torch.compile.
+
+torch's compiler traces a program with "fake" tensors that carry shapes,
+dtypes and devices but no data; an operator library tells it what each
+operator returns through ``torch.library.register_fake``. Every operator
+with tensor outputs has one here: the shapes of its outputs in terms of its
+inputs, nothing more (the C++ kernels do the checking when they run).
+Shapes are written with ``new_empty`` so they stay symbolic under dynamic
+shapes. Registered on import of ``fastattn`` where torch has
+``register_fake`` (torch >= 2.4).
+
+``tests/python/test_compile.py`` runs ``torch.library.opcheck`` on every
+operator: it compares these with the real kernels' outputs.
+"""
+
+import torch
+
+_LONG = torch.int64
+# The default CPU generator's state (attention_forward returns it).
+_RNG_STATE_SHAPE = tuple(torch.get_rng_state().shape)
+
+
+def _like(t):
+    return t.new_empty(t.shape)
+
+
+def _out(q, v):
+    """(N, H, L, M): q's batch, heads and length, v's value width."""
+    return q.new_empty(q.shape[:-1] + v.shape[-1:])
+
+
+def _rows(q):
+    """(N, H, L): one value per query row."""
+    return q.new_empty(q.shape[:-1])
+
+
+def register():
+    """Registers every fake implementation (idempotent per process)."""
+    fake = torch.library.register_fake
+
+    # ---- full attention ----------------------------------------------------
+    @fake("fastattn::full_attention")
+    def _(q, k, v, attn_mask=None, key_lengths=None, causal=False, softmax_temp=None):
+        return _out(q, v)
+
+    @fake("fastattn::full_attention_forward")
+    def _(q, k, v, attn_mask, key_lengths, causal, softmax_temp):
+        return _out(q, v), _rows(q)
+
+    @fake("fastattn::full_attention_backward")
+    def _(grad_out, q, k, v, out, lse, attn_mask, key_lengths, causal, softmax_temp,
+          grad_lse=None):
+        return _like(q), _like(k), _like(v)
+
+    def lse_topk(q, k, v, key_lengths=None, softmax_temp=None, topk=0):
+        return _out(q, v), _rows(q), q.new_empty(q.shape[:-1] + (topk,), dtype=_LONG)
+
+    fake("fastattn::full_attention_lse_topk")(lse_topk)
+    fake("fastattn::full_attention_lse_topk_forward")(lse_topk)
+
+    # ---- linear attention --------------------------------------------------
+    def causal_product(q, k, v):
+        return _out(q, v)
+
+    fake("fastattn::causal_linear_product")(causal_product)
+    fake("fastattn::causal_linear_product_forward")(causal_product)
+
+    @fake("fastattn::causal_linear_product_backward")
+    def _(grad_out, q, k, v):
+        return _like(q), _like(k), _like(v)
+
+    @fake("fastattn::elu_linear_attention")
+    def _(q, k, v, key_lengths=None, causal=False, eps=1e-6):
+        return _out(q, v)
+
+    @fake("fastattn::elu_linear_attention_forward")
+    def _(q, k, v, key_lengths, causal, eps):
+        return _out(q, v), _rows(q)
+
+    @fake("fastattn::elu_linear_attention_backward")
+    def _(grad_out, q, k, v, out, den, key_lengths, causal, eps):
+        return _like(q), _like(k), _like(v)
+
+    @fake("fastattn::elu_feature_map")
+    def _(x):
+        return _like(x)
+
+    @fake("fastattn::elu_feature_map_backward")
+    def _(grad_out, x):
+        return _like(x)
+
+    # ---- clustering and clustered attention --------------------------------
+    @fake("fastattn::hash_queries")
+    def _(x, planes):
+        return x.new_empty(x.shape[:-1], dtype=_LONG)
+
+    @fake("fastattn::cluster_codes")
+    def _(codes, lengths, clusters, iterations, seed):
+        return _like(codes), codes.new_empty(codes.shape[:-1] + (clusters,))
+
+    @fake("fastattn::clustered_topk_attention")
+    def _(q, k, v, topk, mass, assignments, key_lengths, softmax_temp):
+        return _out(q, v)
+
+    @fake("fastattn::clustered_topk_attention_backward")
+    def _(grad_out, q, k, v, topk, mass, assignments, key_lengths, softmax_temp):
+        return _like(q), _like(k), _like(v), _like(mass)
+
+    @fake("fastattn::improved_clustered_attention")
+    def _(q, k, v, assignments, counts, topk, key_lengths=None, softmax_temp=None):
+        return _out(q, v)
+
+    @fake("fastattn::improved_clustered_attention_forward")
+    def _(q, k, v, assignments, counts, topk, key_lengths, softmax_temp):
+        clusters = counts.shape[-1]
+        centroids = q.new_empty(q.shape[:2] + (clusters, q.shape[-1]))
+        return (
+            _out(q, v),
+            centroids,
+            q.new_empty(q.shape[:2] + (clusters,)),
+            q.new_empty(q.shape[:2] + (clusters, v.shape[-1])),
+            q.new_empty(q.shape[:2] + (clusters, topk), dtype=_LONG),
+        )
+
+    @fake("fastattn::improved_clustered_attention_backward")
+    def _(grad_out, q, k, v, assignments, counts, centroids, lse, out_c, top_idx, key_lengths,
+          softmax_temp):
+        return _like(q), _like(k), _like(v)
+
+    # ---- hard retrieval ----------------------------------------------------
+    @fake("fastattn::hard_retrieval_attention")
+    def _(q, k, v, attn_mask=None, key_lengths=None, causal=False, sample=False,
+          softmax_temp=None, seed=0):
+        return _out(q, v), q.new_empty(q.shape[:-1], dtype=_LONG)
+
+    @fake("fastattn::hard_retrieval_attention_forward")
+    def _(q, k, v, attn_mask, key_lengths, causal, sample, softmax_temp, seed, need_lse):
+        lse = _rows(q) if (sample or need_lse) else q.new_empty((0,))
+        return _out(q, v), q.new_empty(q.shape[:-1], dtype=_LONG), lse
+
+    @fake("fastattn::hard_retrieval_attention_backward")
+    def _(grad_out, q, k, v, index, lse, attn_mask, key_lengths, causal, softmax_temp):
+        return _like(q), _like(k), _like(v)
+
+    # ---- block-sparse attention --------------------------------------------
+    @fake("fastattn::block_sparse_attention")
+    def _(q, k, v, pattern, params, key_lengths=None, causal=False, softmax_temp=None):
+        return _out(q, v)
+
+    @fake("fastattn::block_sparse_attention_forward")
+    def _(q, k, v, pattern, params, key_lengths, causal, softmax_temp):
+        return _out(q, v), _rows(q)
+
+    @fake("fastattn::block_sparse_attention_backward")
+    def _(grad_out, q, k, v, out, lse, pattern, params, key_lengths, causal, softmax_temp):
+        return _like(q), _like(k), _like(v)
+
+    # ---- Reformer ----------------------------------------------------------
+    @fake("fastattn::lsh_hash")
+    def _(x, rotations):
+        return x.new_empty(x.shape[:2] + rotations.shape[:1] + x.shape[2:3], dtype=_LONG)
+
+    @fake("fastattn::reformer_attention")
+    def _(q, v, buckets, key_lengths=None, chunk_size=32, causal=False, mask_self=True,
+          softmax_temp=None):
+        return _out(q, v)
+
+    @fake("fastattn::reformer_attention_forward")
+    def _(q, v, buckets, key_lengths, chunk_size, causal, mask_self, softmax_temp):
+        return _out(q, v), q.new_empty(q.shape[:-1] + (2,), dtype=torch.float64)
+
+    @fake("fastattn::reformer_attention_backward")
+    def _(grad_out, q, v, buckets, out, stats, key_lengths, chunk_size, causal, mask_self,
+          softmax_temp):
+        return _like(q), _like(v)
+
+    # ---- ClusterFormer token gather ----------------------------------------
+    @fake("fastattn::gather_tokens")
+    def _(x, index):
+        return x.new_empty(x.shape[:2] + index.shape[1:2] + x.shape[3:])
+
+    @fake("fastattn::gather_tokens_backward")
+    def _(grad_out, index, length):
+        return grad_out.new_empty(grad_out.shape[:2] + (length,) + grad_out.shape[3:])
+
+    # ---- any registered type (fastattn.attention) --------------------------
+    @fake("fastattn::attention")
+    def _(type, q, k, v, causal=False, key_lengths=None, attn_mask=None, params_json="{}"):
+        return _out(q, v)
+
+    @fake("fastattn::attention_forward")
+    def _(type, q, k, v, causal, key_lengths, attn_mask, params_json):
+        return _out(q, v), q.new_empty(_RNG_STATE_SHAPE, dtype=torch.uint8, device="cpu")
+
+    @fake("fastattn::attention_backward")
+    def _(type, grad_out, q, k, v, causal, key_lengths, attn_mask, params_json, rng_state):
+        return _like(q), _like(k), _like(v)

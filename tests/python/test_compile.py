@@ -1,0 +1,272 @@
+"""fastattn under torch's compiler (torch >= 2.4): opcheck and torch.compile.
+
+- ``torch.library.opcheck`` on every operator with tensor outputs (schema,
+  autograd registration, fake implementation against the real kernel, and
+  AOT dispatch with dynamic shapes, gradients included), with sample inputs
+  covering masks, key lengths, causal, every registered type with its
+  parameters, float32 and float64.
+- A two-layer encoder whose attention is a fastattn type compiles with
+  ``fullgraph=True`` (no graph break: ``torch._dynamo.explain``), and gives
+  the eager outputs and gradients.
+
+Skipped under torch < 2.4 (Debian's 1.13 has no torch.library.opcheck).
+"""
+
+import json
+
+import pytest
+import torch
+
+import fastattn
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(torch.library, "opcheck"), reason="torch.library.opcheck needs torch >= 2.4"
+)
+
+N, H, L, S, E, M = 2, 2, 7, 9, 4, 3
+DTYPES = [torch.float64, torch.float32]
+
+
+def qkv(dtype, l=L, s=S, grad=True, positive=False):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(N, H, l, E, generator=g, dtype=dtype)
+    k = torch.randn(N, H, s, E, generator=g, dtype=dtype)
+    v = torch.randn(N, H, s, M, generator=g, dtype=dtype)
+    if positive:
+        q, k = q.exp(), k.exp()
+    return [t.requires_grad_(grad) for t in (q, k, v)]
+
+
+def lengths(s=S):
+    return torch.tensor([s, s - 3])
+
+
+def bool_mask(l=L, s=S):
+    m = torch.rand(l, s, generator=torch.Generator().manual_seed(1)) > 0.3
+    m[:, 0] = True
+    return m
+
+
+def clusters(q, n_clusters=3):
+    """Valid assignments and counts for q, from fastattn's own clustering ops."""
+    planes = torch.randn(6, E + 1, generator=torch.Generator().manual_seed(2), dtype=q.dtype)
+    codes = torch.ops.fastattn.hash_queries(q.detach(), planes)
+    return torch.ops.fastattn.cluster_codes(codes, torch.tensor([q.shape[2], q.shape[2] - 2]),
+                                            n_clusters, 3, 7)
+
+
+def op_cases():
+    """(id, op, args, kwargs) for every operator with tensor outputs."""
+    ops = torch.ops.fastattn
+    cases = []
+    for dt in DTYPES:
+        d = str(dt).split(".")[1]
+        q, k, v = qkv(dt)
+        cases += [
+            (f"full-{d}", ops.full_attention, (q, k, v), {}),
+            (f"full-mask-lengths-{d}", ops.full_attention, (q, k, v),
+             dict(attn_mask=bool_mask(), key_lengths=lengths(), softmax_temp=0.3)),
+            (f"full-additive-causal-{d}", ops.full_attention, (q, k, v),
+             dict(attn_mask=torch.zeros(L, S, dtype=dt), causal=True)),
+            (f"full-lse-topk-{d}", ops.full_attention_lse_topk, (q, k, v),
+             dict(key_lengths=lengths(), topk=3)),
+        ]
+        fq, fk, fv = qkv(dt, l=S, positive=True)
+        cases += [
+            (f"causal-product-{d}", ops.causal_linear_product, (fq, fk, fv), {}),
+            (f"elu-linear-{d}", ops.elu_linear_attention, (q, k, v),
+             dict(key_lengths=lengths(), eps=1e-5)),
+            (f"elu-linear-causal-{d}", ops.elu_linear_attention, qkv(dt, l=S), dict(causal=True)),
+            (f"elu-feature-map-{d}", ops.elu_feature_map, (q,), {}),
+        ]
+        assignments, counts = clusters(q)
+        cases += [
+            (f"improved-clustered-{d}", ops.improved_clustered_attention,
+             (q, k, v, assignments, counts, 3), dict(key_lengths=lengths(), softmax_temp=0.5)),
+        ]
+        C = counts.shape[-1]
+        topk = torch.stack([torch.randperm(S, generator=torch.Generator().manual_seed(i))[:4]
+                            for i in range(N * H * C)]).view(N, H, C, 4)
+        mass = torch.rand(N, H, C, dtype=dt, generator=torch.Generator().manual_seed(3))
+        cases += [
+            (f"clustered-topk-{d}", ops.clustered_topk_attention,
+             (q, k, v, topk, mass.requires_grad_(), assignments, None, 0.5), {}),
+        ]
+        for sample in (False, True):
+            cases.append((f"hard-retrieval-sample{int(sample)}-{d}", ops.hard_retrieval_attention,
+                          (q, k, v), dict(attn_mask=bool_mask(), key_lengths=lengths(),
+                                          sample=sample, seed=5)))
+        cases.append((f"hard-retrieval-causal-{d}", ops.hard_retrieval_attention, (q, k, v),
+                      dict(causal=True)))
+        sq, sk, sv = qkv(dt, l=S)
+        for pattern, params in (("local", [2]), ("strided", [3, 0]), ("fixed", [3, 1, 0, 0])):
+            cases.append((f"block-sparse-{pattern}-{d}", ops.block_sparse_attention,
+                          (sq, sk, sv, pattern, params),
+                          dict(key_lengths=lengths(), causal=pattern != "local")))
+        rot = torch.randn(2, E, 2, dtype=dt, generator=torch.Generator().manual_seed(4))
+        buckets = ops.lsh_hash(sq.detach(), rot)
+        cases += [
+            (f"lsh-hash-{d}", ops.lsh_hash, (sq.detach(), rot), {}),
+            (f"reformer-{d}", ops.reformer_attention, (sq, sv, buckets),
+             dict(key_lengths=lengths(), chunk_size=4)),
+            (f"reformer-causal-{d}", ops.reformer_attention, (sq, sv, buckets),
+             dict(chunk_size=3, causal=True, mask_self=False)),
+            (f"gather-tokens-{d}", ops.gather_tokens,
+             (q, torch.tensor([[0, 3, -1, 6], [2, 2, 1, -1]])), {}),
+            (f"hash-queries-{d}", ops.hash_queries,
+             (q.detach(), torch.randn(5, E + 1, dtype=dt)), {}),
+        ]
+    codes = ops.hash_queries(qkv(torch.float64)[0].detach(), torch.randn(5, E + 1, dtype=torch.float64))
+    cases.append(("cluster-codes", ops.cluster_codes, (codes, lengths(L), 3, 2, 1), {}))
+    return cases
+
+
+CASES = op_cases() if hasattr(torch.library, "opcheck") else []
+
+
+@pytest.mark.parametrize("name,op,args,kwargs", CASES, ids=[c[0] for c in CASES])
+def test_opcheck_kernel_ops(name, op, args, kwargs):
+    torch.library.opcheck(op, args, kwargs)
+
+
+def type_cases():
+    """(id, type, params, causal, lengths, mask) for every registered type."""
+    seeded = {"seed": 3}
+    extra = {
+        "clustered": dict(clusters=3, **seeded),
+        "improved-clustered": dict(clusters=3, topk=3, **seeded),
+        "causal-improved-clustered": dict(clusters=3, topk=3, **seeded),
+        "exact-topk": dict(topk=3),
+        "reformer": dict(chunk_size=4, **seeded),
+        "local": dict(local_context=3),
+        "clusterformer": dict(clusters=2, **seeded),
+        "hard-retrieval": seeded,
+    }
+    out = []
+    for t in fastattn.attention_types()["types"]:
+        name = t["name"]
+        names = {p["name"] for p in t["params"]}
+        params = {k: v for k, v in extra.get(name, {}).items() if k in names}
+        out.append((name, name, params))
+    out.append(("linear-favor", "linear", dict(feature_map="favor", n_features=8)))
+    out.append(("conditional-full-linear", "conditional-full:linear", dict(length_limit=4)))
+    return out
+
+
+TYPES = type_cases() if hasattr(torch.library, "opcheck") else []
+
+
+def supported(type, q, k, v, **kw):
+    """Whether a type takes this combination (causal, lengths, mask, S != L)."""
+    try:
+        fastattn.attention(type, q.detach(), k.detach(), v.detach(), **kw)
+        return True
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.parametrize("name,type,params", TYPES, ids=[c[0] for c in TYPES])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float64", "float32"])
+def test_opcheck_attention_every_type(name, type, params, dtype):
+    q, k, v = qkv(dtype, l=S)
+    variants = [dict(), dict(causal=True), dict(key_lengths=lengths())]
+    ran = 0
+    for kw in variants:
+        if not supported(type, q, k, v, **kw, **params):
+            continue
+        torch.library.opcheck(
+            torch.ops.fastattn.attention,
+            (type, q, k, v),
+            dict(causal=kw.get("causal", False), key_lengths=kw.get("key_lengths"),
+                 params_json=json.dumps(params)),
+        )
+        ran += 1
+    assert ran > 0, f"{type} ran in none of {variants}"
+
+
+@pytest.mark.parametrize("name,type,params", TYPES, ids=[c[0] for c in TYPES])
+def test_attention_backward_replays_random_draws(name, type, params):
+    """Forward and backward of the registry op see the same random draws:
+    gradients equal those of a second, identically seeded eager run."""
+    q, k, v = qkv(torch.float64, l=S)
+    params = {k_: v_ for k_, v_ in params.items() if k_ != "seed"}  # default generator draws
+    if not supported(type, q, k, v, **params):
+        pytest.skip(f"{type} needs other inputs")
+    grads = []
+    for _ in range(2):
+        torch.manual_seed(11)
+        out = fastattn.attention(type, q, k, v, **params)
+        grads.append(torch.autograd.grad(out.sum(), (q, k, v), allow_unused=True))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class Encoder(torch.nn.Module):
+    """Two post-norm transformer layers around a fastattn type."""
+
+    def __init__(self, type, params, d_model=16, heads=2, layers=2):
+        super().__init__()
+        self.type, self.params, self.heads = type, params, heads
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(d_model, 3 * d_model) for _ in range(layers))
+        self.out = torch.nn.ModuleList(torch.nn.Linear(d_model, d_model) for _ in range(layers))
+        self.ff = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(d_model, 32), torch.nn.GELU(),
+                                torch.nn.Linear(32, d_model)) for _ in range(layers))
+        self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(d_model) for _ in range(2 * layers))
+
+    def forward(self, x, key_lengths):
+        n, l, d = x.shape
+        for i in range(len(self.qkv)):
+            q, k, v = self.qkv[i](x).view(n, l, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+            a = fastattn.attention(self.type, q, k, v, key_lengths=key_lengths, **self.params)
+            x = self.norms[2 * i](x + self.out[i](a.transpose(1, 2).reshape(n, l, d)))
+            x = self.norms[2 * i + 1](x + self.ff[i](x))
+        return x
+
+
+COMPILE_TYPES = [
+    ("full", {}),
+    ("linear", {}),
+    ("improved-clustered", dict(clusters=4, topk=4, seed=1)),
+    ("reformer", dict(chunk_size=8, seed=1)),
+    ("local", dict(local_context=4)),
+    ("sparse-strided", {}),
+]
+
+
+@pytest.mark.parametrize("type,params", COMPILE_TYPES, ids=[t for t, _ in COMPILE_TYPES])
+def test_two_layer_encoder_compiles_fullgraph(type, params):
+    torch.manual_seed(0)
+    model = Encoder(type, params).double()
+    x = torch.randn(2, 24, 16, dtype=torch.float64, requires_grad=True)
+    klen = torch.tensor([24, 17])
+
+    explained = torch._dynamo.explain(model)(x, klen)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    eager_out = model(x, klen)
+    (eager_gx,) = torch.autograd.grad(eager_out.square().sum(), x)
+    out = compiled(x, klen)
+    (gx,) = torch.autograd.grad(out.square().sum(), x)
+    torch.testing.assert_close(out, eager_out, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(gx, eager_gx, rtol=1e-9, atol=1e-9)
+
+
+def test_encoder_compiles_with_inductor_and_dynamic_lengths():
+    torch.manual_seed(0)
+    model = Encoder("full", {})
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    for l in (12, 20):
+        x = torch.randn(2, l, 16)
+        klen = torch.tensor([l, l - 5])
+        torch.testing.assert_close(compiled(x, klen), model(x, klen), rtol=1e-4, atol=1e-5)
+
+
+def test_export_of_encoder():
+    model = Encoder("improved-clustered", dict(clusters=4, topk=4, seed=1)).eval()
+    x, klen = torch.randn(2, 24, 16), torch.tensor([24, 17])
+    exported = torch.export.export(model, (x, klen))
+    assert any("fastattn" in str(n.target) for n in exported.graph.nodes)
+    torch.testing.assert_close(exported.module()(x, klen), model(x, klen))
