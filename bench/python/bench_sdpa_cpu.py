@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""fastattn full attention against PyTorch's scaled_dot_product_attention, on
+the CPU, under the same torch, in one run: what a Python user would otherwise
+call.
+
+For each length: forward, and forward+backward, non-causal and causal;
+medians of wall-clock times after one warm-up; the ratio is SDPA's time over
+fastattn's (> 1: fastattn is faster). Outputs are compared first (float64
+reference of the first length) so that both compute the same thing.
+
+Usage (in the pip environment, `make pip-env`):
+  .venv/bin/python bench/python/bench_sdpa_cpu.py [--threads 2] [--lengths 1024 4096 16384]
+      [--heads 8] [--dim 64] [--json out.json]
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import fastattn
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return platform.processor(), ""
+    model = next((l.split(":", 1)[1].strip() for l in lines if l.startswith("model name")), "")
+    flags = next((l.split(":", 1)[1].split() for l in lines if l.startswith("flags")), [])
+    isa = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
+    return model, " ".join(isa)
+
+
+def timed(fn, reps):
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model, isa = cpu_model()
+    print(f"torch {torch.__version__}, fastattn {fastattn.__version__}, {args.threads} threads, "
+          f"CPU: {model} ({isa}), N={args.batch} H={args.heads} E={args.dim} float32")
+
+    # Same result first (small length, float64 against SDPA in float64).
+    q, k, v = (torch.randn(1, 2, 300, 32, dtype=torch.float64) for _ in range(3))
+    for causal in (False, True):
+        torch.testing.assert_close(
+            fastattn.full_attention(q, k, v, causal=causal),
+            F.scaled_dot_product_attention(q, k, v, is_causal=causal), rtol=1e-10, atol=1e-10)
+
+    rows = []
+    print(f"{'L':>6} {'causal':>6} {'pass':>9} {'fastattn ms':>12} {'sdpa ms':>10} {'sdpa/fastattn':>14}")
+    for L in args.lengths:
+        reps = 5 if L <= 4096 else 2
+        shape = (args.batch, args.heads, L, args.dim)
+        q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
+        g = torch.randn(shape)
+        for causal in (False, True):
+            def fa():
+                return fastattn.full_attention(q, k, v, causal=causal)
+
+            def sd():
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+            for name, run in (("fwd", lambda f: lambda: f()),
+                              ("fwd+bwd", lambda f: lambda: torch.autograd.grad(f(), (q, k, v), g))):
+                if name == "fwd":
+                    with torch.no_grad():
+                        t_fa, t_sd = timed(run(fa), reps), timed(run(sd), reps)
+                else:
+                    t_fa, t_sd = timed(run(fa), reps), timed(run(sd), reps)
+                rows.append(dict(L=L, causal=causal, pass_=name, fastattn_ms=t_fa, sdpa_ms=t_sd,
+                                 ratio=t_sd / t_fa))
+                print(f"{L:>6} {str(causal):>6} {name:>9} {t_fa:>12.1f} {t_sd:>10.1f} "
+                      f"{t_sd / t_fa:>14.2f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(torch=torch.__version__, cpu=model, isa=isa, threads=args.threads,
+                           heads=args.heads, dim=args.dim, batch=args.batch, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
