@@ -123,9 +123,46 @@ def op_cases():
 
 CASES = op_cases() if hasattr(torch.library, "opcheck") else []
 
+HAVE_CUDA = bool(fastattn.build_info.get("cuda")) and torch.cuda.is_available()
+
+
+def on_cuda(value, dtype):
+    """A CPU case's argument on the GPU, floating tensors in dtype."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach().to("cuda", dtype if value.is_floating_point() else None)
+        return t.requires_grad_(value.requires_grad)
+    if isinstance(value, (list, tuple)):
+        return type(value)(on_cuda(x, dtype) for x in value)
+    if isinstance(value, dict):
+        return {k: on_cuda(x, dtype) for k, x in value.items()}
+    return value
+
+
+def cuda_cases():
+    """The float32 CPU cases on the GPU in float32, float16 and bfloat16."""
+    out = []
+    for name, op, args, kwargs in CASES:
+        if not name.endswith("-float32"):
+            continue
+        for dt in (torch.float32, torch.float16, torch.bfloat16):
+            d = str(dt).split(".")[1]
+            out.append((name.replace("-float32", f"-cuda-{d}"), op, on_cuda(args, dt),
+                        on_cuda(kwargs, dt)))
+    return out
+
+
+CUDA_CASES = cuda_cases() if HAVE_CUDA else []
+
 
 @pytest.mark.parametrize("name,op,args,kwargs", CASES, ids=[c[0] for c in CASES])
 def test_opcheck_kernel_ops(name, op, args, kwargs):
+    torch.library.opcheck(op, args, kwargs)
+
+
+@pytest.mark.skipif(not HAVE_CUDA, reason="no CUDA operators built, or no GPU")
+@pytest.mark.parametrize("name,op,args,kwargs", CUDA_CASES or [("none", None, (), {})],
+                         ids=[c[0] for c in CUDA_CASES] or ["none"])
+def test_opcheck_kernel_ops_cuda(name, op, args, kwargs):
     torch.library.opcheck(op, args, kwargs)
 
 
