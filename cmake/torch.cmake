@@ -17,7 +17,7 @@
 # Sets FASTATTN_TORCH_VERSION (e.g. 2.15.0+cu132, or empty where unknown).
 
 set(FASTATTN_TORCH_VERSION "")
-if(SKBUILD AND NOT DEFINED Torch_DIR)
+if(SKBUILD)  # asked at every configure: the environment may have changed
   # pip's build isolation hides the environment's site-packages through
   # PYTHONPATH and a sitecustomize; -I (isolated mode) ignores both, so this is
   # the torch installed where the package goes, never one downloaded for the
@@ -51,8 +51,18 @@ if(DEFINED Torch_DIR)
   endif()
 endif()
 if(DEFINED _fastattn_torch_prefix)
-  # The names TorchConfig.cmake gives its find_library results.
-  foreach(_pair TORCH_LIBRARY:torch c10_LIBRARY:c10 C10_CUDA_LIBRARY:c10_cuda kineto_LIBRARY:kineto)
+  # The names TorchConfig.cmake gives its find_library results; found again
+  # when the build directory is reused for another LibTorch.
+  set(_fastattn_pins TORCH_LIBRARY:torch c10_LIBRARY:c10 C10_CUDA_LIBRARY:c10_cuda
+                     kineto_LIBRARY:kineto FASTATTN_TORCH_CPU_LIBRARY:torch_cpu)
+  if(NOT "${FASTATTN_TORCH_PREFIX}" STREQUAL "${_fastattn_torch_prefix}")
+    foreach(_pair ${_fastattn_pins})
+      string(REGEX REPLACE ":.*" "" _var "${_pair}")
+      unset(${_var} CACHE)
+    endforeach()
+    set(FASTATTN_TORCH_PREFIX "${_fastattn_torch_prefix}" CACHE INTERNAL "LibTorch of this build")
+  endif()
+  foreach(_pair ${_fastattn_pins})
     string(REPLACE ":" ";" _pair "${_pair}")
     list(GET _pair 0 _var)
     list(GET _pair 1 _name)
@@ -84,8 +94,9 @@ if(_fastattn_torch_light)
   endif()
   set(TORCH_INCLUDE_DIRS "${_fastattn_torch_prefix}/include"
                          "${_fastattn_torch_prefix}/include/torch/csrc/api/include")
-  find_library(FASTATTN_TORCH_CPU_LIBRARY torch_cpu PATHS "${_fastattn_torch_prefix}/lib"
-               NO_DEFAULT_PATH REQUIRED)
+  if(NOT FASTATTN_TORCH_CPU_LIBRARY OR NOT TORCH_LIBRARY OR NOT c10_LIBRARY)
+    message(FATAL_ERROR "fastattn: ${_fastattn_torch_prefix}/lib lacks libtorch, libtorch_cpu or libc10")
+  endif()
   add_library(torch SHARED IMPORTED)
   set_target_properties(torch PROPERTIES
     IMPORTED_LOCATION "${TORCH_LIBRARY}"
