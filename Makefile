@@ -1,7 +1,7 @@
 # fastattn — the two commands of a fresh machine:
 #   make demo   install what is missing, build, run the demo
 #   make test   install what is missing, build, run every test (C++ and Python)
-# Also: make test-pip (pip torch 2.x venv), make bench, make build, make test-asan, make test-asan-ci, make fuzz, make format, make install, make clean,
+# Also: make test-pip (pip torch 2.x venv), make check-cuda-build (CUDA operators against pip's torch, no GPU), make bench, make build, make test-asan, make test-asan-ci, make fuzz, make format, make install, make clean,
 #       make approx (pretrained MiniLM approximated by other attention types; docs/approx.md).
 
 BUILD      ?= build
@@ -12,7 +12,7 @@ PREFIX     ?= /usr/local
 # Threads for the tests (the machine's cores by default).
 export OMP_NUM_THREADS ?= $(shell nproc)
 
-.PHONY: all deps configure build demo test test-pip pip-env bench approx test-asan test-asan-ci gpu-session fuzz fuzz-merge format install check-install clean
+.PHONY: all deps configure build demo test test-pip pip-env check-cuda-build bench approx test-asan test-asan-ci gpu-session fuzz fuzz-merge format install check-install clean
 
 all: build
 
@@ -45,6 +45,27 @@ pip-env: deps
 	FASTATTN_CUDA=$(PIP_CUDA) bash scripts/pip_env.sh
 test-pip: deps
 	FASTATTN_CUDA=$(PIP_CUDA) bash scripts/pip_env.sh --test
+
+# The CUDA operators built against pip's CUDA torch (docs/cuda.md): configures
+# build-cuda-pip with FASTATTN_CUDA=ON against the torch of the venv (.venv,
+# scripts/pip_env.sh; PIP_TORCH_DIR overrides) and builds every CUDA kernel,
+# every src/ops/cuda registration and the library, for TORCH_CUDA_ARCH_LIST
+# (default 9.0 alone: the whole list of torch's architectures takes several
+# times as long). Needs nvcc, no GPU. CHECK_CUDA_TARGETS="fastattn
+# fastattn_tests" builds the tests too (tests/cuda/ included).
+VENV_PYTHON          ?= $(or $(FASTATTN_VENV),.venv)/bin/python
+PIP_TORCH_DIR        ?= $(shell $(VENV_PYTHON) -c 'import torch.utils; print(torch.utils.cmake_prefix_path + "/Torch")' 2>/dev/null)
+TORCH_CUDA_ARCH_LIST ?= 9.0
+CHECK_CUDA_TARGETS   ?= fastattn
+check-cuda-build:
+	@torch_dir='$(PIP_TORCH_DIR)'; \
+	if [ -z "$$torch_dir" ]; then \
+	  echo "check-cuda-build: no torch in $(VENV_PYTHON) (make pip-env, or set PIP_TORCH_DIR)"; exit 1; fi; \
+	set -x; \
+	cmake -S . -B build-cuda-pip -DTorch_DIR="$$torch_dir" -DFASTATTN_CUDA=ON \
+	  -DTORCH_CUDA_ARCH_LIST='$(TORCH_CUDA_ARCH_LIST)' -DFASTATTN_BUILD_BENCH=OFF -DFASTATTN_BUILD_CLI=OFF \
+	  $(CMAKE_ARGS) && \
+	cmake --build build-cuda-pip -j $(JOBS) --target $(CHECK_CUDA_TARGETS)
 
 bench: build
 	$(BUILD)/bench_full_attention
@@ -129,4 +150,4 @@ check-install: build
 	LD_LIBRARY_PATH=$(CURDIR)/$(BUILD)/check-install/prefix/lib $(BUILD)/check-install/build/readme_example
 
 clean:
-	rm -rf $(BUILD) build-asan build-fuzz
+	rm -rf $(BUILD) build-asan build-fuzz build-cuda-pip

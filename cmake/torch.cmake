@@ -68,6 +68,12 @@ if(DEFINED _fastattn_torch_prefix)
     list(GET _pair 1 _name)
     find_library(${_var} ${_name} PATHS "${_fastattn_torch_prefix}/lib" NO_DEFAULT_PATH)
   endforeach()
+  # TorchConfig.cmake's find_package(Caffe2 PATHS ...) searches the system
+  # first, and would take Debian's Caffe2 config (1.13, CPU-only) on a machine
+  # that has libtorch-dev: point it at this LibTorch's own.
+  if(EXISTS "${_fastattn_torch_prefix}/share/cmake/Caffe2/Caffe2Config.cmake")
+    set(Caffe2_DIR "${_fastattn_torch_prefix}/share/cmake/Caffe2" CACHE PATH "LibTorch's Caffe2 config" FORCE)
+  endif()
   if(NOT FASTATTN_TORCH_VERSION AND EXISTS "${_fastattn_torch_prefix}/version.py")
     file(STRINGS "${_fastattn_torch_prefix}/version.py" _fastattn_v REGEX "^__version__")
     string(REGEX REPLACE "^__version__ *= *['\"]([^'\"]*)['\"].*" "\\1" FASTATTN_TORCH_VERSION

@@ -231,6 +231,11 @@ TEST_P(CudaEmuBlockSparse, Float32) { run_case<float>(GetParam()); }
 // float16 / bfloat16 take the tensor-core (WMMA) kernels.
 TEST_P(CudaEmuBlockSparse, Float16) { run_case<__half>(GetParam()); }
 TEST_P(CudaEmuBlockSparse, BFloat16) { run_case<__nv_bfloat16>(GetParam()); }
+// A GPU (or a build's code for it) before sm_80: bfloat16 takes the SIMT kernels.
+TEST_P(CudaEmuBlockSparse, BFloat16Sm75) {
+  const cuda::emu::ScopedArchitecture sm75(75, 75);
+  run_case<__nv_bfloat16>(GetParam());
+}
 
 INSTANTIATE_TEST_SUITE_P(Patterns, CudaEmuBlockSparse, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<Case>& info) {

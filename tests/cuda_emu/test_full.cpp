@@ -17,6 +17,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/common/cuda_compat.cuh"
@@ -329,6 +330,50 @@ TYPED_TEST(FullAttentionCudaEmu, GradLseAndAccumulate) {
   c.lengths = true;
   c.accumulate = true;
   run_case<TypeParam>(c, 15);
+}
+
+// A GPU before sm_80 (or a build whose code for the GPU predates it, as a
+// 7.5-only build on an 8.6 device): bfloat16 takes the SIMT kernels with the
+// half types' storage, float16 keeps its tensor cores (sm_70 on).
+TYPED_TEST(FullAttentionCudaEmu, OlderArchitectures) {
+  for (const auto& [device, code] : {std::pair{75, 75}, std::pair{86, 75}}) {
+    SCOPED_TRACE("device " + std::to_string(device) + ", code " + std::to_string(code));
+    const fastattn::cuda::emu::ScopedArchitecture arch(device, code);
+    run_case<TypeParam>({1, 2, 17, 33, 16, 16}, 21);
+    run_case<TypeParam>({1, 1, 65, 97, 64, 64}, 22);
+    run_case<TypeParam>({1, 1, 33, 70, 128, 128}, 23);
+    Case c{3, 1, 50, 66, 16, 24};
+    c.causal = true;
+    c.lengths = true;
+    c.mask = MaskKind::kBroadcast;
+    c.grad_lse = true;
+    run_case<TypeParam>(c, 24);
+    c.accumulate = true;
+    run_case<TypeParam>(c, 25);
+  }
+}
+
+// A build without code for the device: a clear error, not a failed launch.
+TEST(FullAttentionCudaEmuArch, NoCodeForTheDevice) {
+  const fastattn::cuda::emu::ScopedArchitecture arch(89, 0);
+  std::vector<__nv_bfloat16> x(16, from_float<__nv_bfloat16>(0.f));
+  std::vector<float> lse(1);
+  fastattn::cuda::FullAttentionForwardCudaArgs a;
+  a.q = a.k = a.v = x.data();
+  a.out = x.data();
+  a.lse = lse.data();
+  a.N = a.H = a.L = a.S = 1;
+  a.E = a.M = 16;
+  a.dtype = DType::kBFloat16;
+  try {
+    fastattn::cuda::full_attention_forward_cuda(a, nullptr);
+    ADD_FAILURE() << "no error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("full_attention_forward: this build has no code for the "
+                                         "device (compute capability 8.9)"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 }  // namespace

@@ -268,6 +268,12 @@ TEST_P(CudaEmuHardRetrieval, Float32) { run_case<float>(GetParam()); }
 // float16 / bfloat16 score on tensor cores (WMMA).
 TEST_P(CudaEmuHardRetrieval, Float16) { run_case<__half>(GetParam()); }
 TEST_P(CudaEmuHardRetrieval, BFloat16) { run_case<__nv_bfloat16>(GetParam()); }
+// Before sm_80 bfloat16 scores with the SIMT loop (and its backward takes the
+// block-sparse SIMT kernels).
+TEST_P(CudaEmuHardRetrieval, BFloat16Sm75) {
+  const cuda::emu::ScopedArchitecture sm75(75, 75);
+  run_case<__nv_bfloat16>(GetParam());
+}
 
 INSTANTIATE_TEST_SUITE_P(Modes, CudaEmuHardRetrieval, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<Case>& info) {

@@ -374,5 +374,10 @@ TEST(ReformerCudaEmu, HeadDimensionLimitIsAnError) {
 TEST(ReformerCudaEmu, AttentionFloat32) { run_cases<float>(); }
 TEST(ReformerCudaEmu, AttentionFloat16) { run_cases<__half>(); }
 TEST(ReformerCudaEmu, AttentionBFloat16) { run_cases<__nv_bfloat16>(); }
+// Before sm_80 bfloat16 takes the SIMT kernels; float16 keeps its tensor cores.
+TEST(ReformerCudaEmu, AttentionBFloat16Sm75) {
+  const fastattn::cuda::emu::ScopedArchitecture sm75(75, 75);
+  run_cases<__nv_bfloat16>();
+}
 
 }  // namespace

@@ -315,8 +315,7 @@ __device__ __forceinline__ int pair_col(int lane, int u) {
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kWmmaThreads)
-    forward_wmma_kernel(BlockSparseForwardCudaArgs a, int part) {
+__device__ __forceinline__ void forward_wmma(const BlockSparseForwardCudaArgs& a, int part) {
   namespace wm = fa_wmma;
   const int64_t q_tiles = cuda::ceil_div(a.L, kBq);
   const int64_t t = blockIdx.x % q_tiles, nh = blockIdx.x / q_tiles;
@@ -471,6 +470,17 @@ __global__ void __launch_bounds__(kWmmaThreads)
       a.ws_ml[row] = m;
       a.ws_ml[a.N * a.H * L + row] = l;
     }
+  }
+}
+
+// The kernel: the body only where T has tensor cores (see cuda_compat.cuh).
+template <typename T>
+__global__ void __launch_bounds__(kWmmaThreads)
+    forward_wmma_kernel(BlockSparseForwardCudaArgs a, int part) {
+  if constexpr (cuda::wmma_compiled<T>()) {
+    forward_wmma<T>(a, part);
+  } else {
+    FA_TRAP();
   }
 }
 
@@ -765,8 +775,7 @@ __device__ __forceinline__ void load_rows_t(T* dst, const T* src, const int64_t*
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kWmmaThreads)
-    backward_dq_wmma_kernel(BlockSparseBackwardCudaArgs a, int part) {
+__device__ __forceinline__ void backward_dq_wmma(const BlockSparseBackwardCudaArgs& a, int part) {
   const int64_t q_tiles = cuda::ceil_div(a.L, kBq);
   const int64_t t = blockIdx.x % q_tiles, nh = blockIdx.x / q_tiles;
   const int64_t n = nh / a.H, h = nh % a.H;
@@ -861,7 +870,17 @@ __global__ void __launch_bounds__(kWmmaThreads)
 
 template <typename T>
 __global__ void __launch_bounds__(kWmmaThreads)
-    backward_dkv_wmma_kernel(BlockSparseBackwardCudaArgs a, int part, int64_t k_tiles) {
+    backward_dq_wmma_kernel(BlockSparseBackwardCudaArgs a, int part) {
+  if constexpr (cuda::wmma_compiled<T>()) {
+    backward_dq_wmma<T>(a, part);
+  } else {
+    FA_TRAP();
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void backward_dkv_wmma(const BlockSparseBackwardCudaArgs& a, int part,
+                                                  int64_t k_tiles) {
   const int64_t kb = blockIdx.x % k_tiles, nh = blockIdx.x / k_tiles;
   const int64_t n = nh / a.H, h = nh % a.H;
   const PartView P = resolve(a.parts[part], a, h);
@@ -976,6 +995,16 @@ __global__ void __launch_bounds__(kWmmaThreads)
   }
 }
 
+template <typename T>
+__global__ void __launch_bounds__(kWmmaThreads)
+    backward_dkv_wmma_kernel(BlockSparseBackwardCudaArgs a, int part, int64_t k_tiles) {
+  if constexpr (cuda::wmma_compiled<T>()) {
+    backward_dkv_wmma<T>(a, part, k_tiles);
+  } else {
+    FA_TRAP();
+  }
+}
+
 // ---- launchers ----------------------------------------------------------------------
 
 int dim_chunks(const BlockSparseCudaParams& a) {
@@ -1055,43 +1084,49 @@ struct BackwardLaunch {
   }
 };
 
-// One part's forward: SIMT for float32, tensor cores for float16 / bfloat16.
+// One part's forward: tensor cores for float16 / bfloat16 where the device's
+// code has them, else SIMT (float32; bfloat16 before sm_80).
 template <typename T>
 void launch_forward(const BlockSparseForwardCudaArgs& a, int part, int dc, cudaStream_t stream) {
-  if constexpr (std::is_same<T, float>::value) {
-    dispatch_chunks(dc, ForwardLaunch<T>{a, part, stream});
-  } else {
-    const int64_t blocks = cuda::ceil_div(a.L, kBq) * a.N * a.H;
-    const size_t smem = wmma_smem_bytes(round16(a.E), round16(a.M), sizeof(T));
-    FA_SET_MAX_DYNAMIC_SHARED(smem, forward_wmma_kernel<T>);
-    FA_LAUNCH(dim3(static_cast<unsigned>(blocks)), dim3(kWmmaThreads), smem, stream,
-              forward_wmma_kernel<T>)
-    (a, part);
-    FA_CHECK_LAUNCH("block_sparse_attention_forward (tensor cores)");
+  if constexpr (cuda::wmma_min_arch<T>() > 0) {
+    if (FA_USE_TENSOR_CORES(T, "block_sparse_attention_forward", forward_wmma_kernel<T>)) {
+      const int64_t blocks = cuda::ceil_div(a.L, kBq) * a.N * a.H;
+      const size_t smem = wmma_smem_bytes(round16(a.E), round16(a.M), sizeof(T));
+      FA_SET_MAX_DYNAMIC_SHARED(smem, forward_wmma_kernel<T>);
+      FA_LAUNCH(dim3(static_cast<unsigned>(blocks)), dim3(kWmmaThreads), smem, stream,
+                forward_wmma_kernel<T>)
+      (a, part);
+      FA_CHECK_LAUNCH("block_sparse_attention_forward (tensor cores)");
+      return;
+    }
   }
+  if constexpr (!cuda::wmma_always<T>()) dispatch_chunks(dc, ForwardLaunch<T>{a, part, stream});
 }
 
-// One part's backward: SIMT for float32, tensor cores for float16 / bfloat16.
+// One part's backward: tensor cores for float16 / bfloat16 where the
+// device's code has them, else SIMT.
 template <typename T>
 void launch_backward(const BlockSparseBackwardCudaArgs& a, int part, int dc, cudaStream_t stream) {
-  if constexpr (std::is_same<T, float>::value) {
-    dispatch_chunks(dc, BackwardLaunch<T>{a, part, stream});
-  } else {
-    const int64_t nh = a.N * a.H;
-    const size_t smem = wmma_bwd_smem_bytes(round16(a.E), round16(a.M), sizeof(T));
-    FA_SET_MAX_DYNAMIC_SHARED(smem, backward_dq_wmma_kernel<T>);
-    FA_LAUNCH(dim3(static_cast<unsigned>(cuda::ceil_div(a.L, kBq) * nh)), dim3(kWmmaThreads), smem,
-              stream, backward_dq_wmma_kernel<T>)
-    (a, part);
-    FA_CHECK_LAUNCH("block_sparse_attention_backward (dQ, tensor cores)");
-    const int64_t k_tiles = cuda::ceil_div(a.parts[part].max_sp, kBk);
-    if (k_tiles == 0) return;
-    FA_SET_MAX_DYNAMIC_SHARED(smem, backward_dkv_wmma_kernel<T>);
-    FA_LAUNCH(dim3(static_cast<unsigned>(k_tiles * nh)), dim3(kWmmaThreads), smem, stream,
-              backward_dkv_wmma_kernel<T>)
-    (a, part, k_tiles);
-    FA_CHECK_LAUNCH("block_sparse_attention_backward (dK, dV, tensor cores)");
+  if constexpr (cuda::wmma_min_arch<T>() > 0) {
+    if (FA_USE_TENSOR_CORES(T, "block_sparse_attention_backward", backward_dq_wmma_kernel<T>)) {
+      const int64_t nh = a.N * a.H;
+      const size_t smem = wmma_bwd_smem_bytes(round16(a.E), round16(a.M), sizeof(T));
+      FA_SET_MAX_DYNAMIC_SHARED(smem, backward_dq_wmma_kernel<T>);
+      FA_LAUNCH(dim3(static_cast<unsigned>(cuda::ceil_div(a.L, kBq) * nh)), dim3(kWmmaThreads),
+                smem, stream, backward_dq_wmma_kernel<T>)
+      (a, part);
+      FA_CHECK_LAUNCH("block_sparse_attention_backward (dQ, tensor cores)");
+      const int64_t k_tiles = cuda::ceil_div(a.parts[part].max_sp, kBk);
+      if (k_tiles == 0) return;
+      FA_SET_MAX_DYNAMIC_SHARED(smem, backward_dkv_wmma_kernel<T>);
+      FA_LAUNCH(dim3(static_cast<unsigned>(k_tiles * nh)), dim3(kWmmaThreads), smem, stream,
+                backward_dkv_wmma_kernel<T>)
+      (a, part, k_tiles);
+      FA_CHECK_LAUNCH("block_sparse_attention_backward (dK, dV, tensor cores)");
+      return;
+    }
   }
+  if constexpr (!cuda::wmma_always<T>()) dispatch_chunks(dc, BackwardLaunch<T>{a, part, stream});
 }
 
 }  // namespace

@@ -36,6 +36,17 @@
 // CUDA runtime call inside kernel sources (memory is allocated by the caller;
 // launchers receive every buffer, workspace included, as a pointer).
 //
+// Tensor cores by architecture: WMMA tiles of __half need compute capability
+// 7.0, of __nv_bfloat16 8.0. A kernel that uses them for T keeps its body in a
+// __device__ function and runs it only `if constexpr (wmma_compiled<T>())`,
+// which is false in the device code of older architectures (nvcc rejects
+// bfloat16 fragments below sm_80). The launcher decides at run time with
+// FA_USE_TENSOR_CORES(T, "name", kernel): true when the image of `kernel`
+// that runs on the current device was compiled for an architecture with T's
+// tiles; otherwise it launches its SIMT kernel (bfloat16 on sm_75 GPUs, or on
+// any GPU with a build whose code for it predates sm_80). Both sides look at
+// the same thing (the architecture the code was compiled for), so they agree.
+//
 // Launch with FA_LAUNCH(grid, block, shared_bytes, stream, kernel)(args...)
 // (the kernel last, so template arguments with commas need no parentheses),
 // then FA_CHECK_LAUNCH("name"), which throws std::runtime_error on a launch
@@ -47,8 +58,26 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "kernels/common/cuda_dtype.h"
+
+namespace fastattn::cuda::detail {
+
+// "8.6" for 86.
+inline std::string arch_string(int arch) {
+  return std::to_string(arch / 10) + "." + std::to_string(arch % 10);
+}
+
+[[noreturn]] inline void throw_no_kernel_image(const char* what, int device_arch,
+                                               const std::string& why) {
+  throw std::runtime_error(
+      std::string("fastattn CUDA kernel ") + what + ": this build has no code for the device" +
+      (device_arch > 0 ? " (compute capability " + arch_string(device_arch) + ")" : "") + " (" +
+      why + "); rebuild fastattn with its compute capability in TORCH_CUDA_ARCH_LIST");
+}
+
+}  // namespace fastattn::cuda::detail
 
 #if defined(__CUDACC__)
 
@@ -57,7 +86,61 @@
 #include <cuda_runtime.h>
 #include <mma.h>
 
+#include <map>
+#include <mutex>
+#include <utility>
+
 namespace fa_wmma = nvcuda::wmma;
+
+namespace fastattn::cuda::detail {
+
+// Compute capability of the current device as 10·major + minor (0 if unknown).
+inline int current_device_arch() {
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return 10 * major + minor;
+}
+
+// The architecture (10·major + minor, as __CUDA_ARCH__ / 10) that the image
+// of `kernel` running on the current device was compiled for: the PTX target,
+// capped by the machine code's (both name it; the cap keeps this right
+// whichever a driver reports). Cached per kernel and device; throws when the
+// build has no image for the device.
+inline int kernel_arch(const void* kernel, const char* what) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    const cudaError_t err = cudaGetLastError();
+    throw std::runtime_error(std::string("fastattn CUDA kernel ") + what +
+                             ": no current device: " + cudaGetErrorString(err));
+  }
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, int> cache;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    const auto it = cache.find({kernel, device});
+    if (it != cache.end()) return it->second;
+  }
+  cudaFuncAttributes attr{};
+  if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
+    const cudaError_t err = cudaGetLastError();
+    throw_no_kernel_image(what, current_device_arch(), cudaGetErrorString(err));
+  }
+  const int arch = attr.ptxVersion < attr.binaryVersion ? attr.ptxVersion : attr.binaryVersion;
+  std::lock_guard<std::mutex> lock(mutex);
+  cache[{kernel, device}] = arch;
+  return arch;
+}
+
+}  // namespace fastattn::cuda::detail
+
+#define FA_KERNEL_ARCH(what, ...) \
+  ::fastattn::cuda::detail::kernel_arch(reinterpret_cast<const void*>(__VA_ARGS__), (what))
+#define FA_TRAP() __trap()
 
 #define FA_LAUNCH(grid, block, shared_bytes, stream, ...) \
   __VA_ARGS__<<<(grid), (block), (shared_bytes), (stream)>>>
@@ -84,6 +167,20 @@ namespace fa_wmma = nvcuda::wmma;
 #else  // FASTATTN_CUDA_EMULATION: the host compiler, kernels run by the emulator
 
 #include "kernels/common/cuda_emulator.h"
+
+namespace fastattn::cuda::detail {
+// The emulated build's architecture for every kernel (emu::set_architecture).
+inline int kernel_arch(const char* what) {
+  const int arch = ::fastattn::cuda::emu::kernel_arch();
+  if (arch <= 0)
+    throw_no_kernel_image(what, ::fastattn::cuda::emu::device_arch(),
+                          "no kernel image is available for execution on the device");
+  return arch;
+}
+}  // namespace fastattn::cuda::detail
+
+#define FA_KERNEL_ARCH(what, ...) ::fastattn::cuda::detail::kernel_arch(what)
+#define FA_TRAP() ::fastattn::cuda::emu::fail("a tensor-core kernel ran without tensor cores")
 
 #endif
 
@@ -123,7 +220,56 @@ __host__ __device__ __forceinline__ int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
 }
 
+// The architecture (10·major + minor) whose tensor cores take WMMA tiles of
+// T: 70 for __half, 80 for __nv_bfloat16; 0 for types without tiles.
+template <typename T>
+__host__ __device__ constexpr int wmma_min_arch() {
+  return std::is_same<T, __nv_bfloat16>::value ? 80 : std::is_same<T, __half>::value ? 70 : 0;
+}
+
+// Whether the code being compiled has T's WMMA tiles: the device code of an
+// architecture from wmma_min_arch<T>() on, the host pass and the emulator.
+template <typename T>
+__host__ __device__ constexpr bool wmma_compiled() {
+#if defined(__CUDA_ARCH__)
+  return wmma_min_arch<T>() > 0 && __CUDA_ARCH__ >= 10 * wmma_min_arch<T>();
+#else
+  return wmma_min_arch<T>() > 0;
+#endif
+}
+
+// The oldest architecture the build compiles device code for (CMake passes
+// it, cmake/cuda_arch.cmake); 0 where unknown (the emulator: every path).
+#if defined(FASTATTN_CUDA_MIN_ARCH)
+constexpr int kMinBuildArch = FASTATTN_CUDA_MIN_ARCH;
+#else
+constexpr int kMinBuildArch = 0;
+#endif
+
+// Whether every architecture of the build has T's tiles: then launchers
+// need no SIMT path for T (nor instantiate one) and ask nothing at run time.
+template <typename T>
+constexpr bool wmma_always() {
+  return wmma_min_arch<T>() > 0 && kMinBuildArch >= wmma_min_arch<T>();
+}
+
+// Host side: whether code compiled for `kernel_arch` has T's tiles.
+template <typename T>
+inline bool use_tensor_cores(int kernel_arch) {
+  return wmma_min_arch<T>() > 0 && kernel_arch >= wmma_min_arch<T>();
+}
+
 }  // namespace fastattn::cuda
+
+// Host side, before launching a kernel that has a tensor-core path for T and
+// a SIMT one: whether the tensor-core kernel `...` (the one to be launched) can
+// use tensor cores on the current device; a constant true where every
+// architecture of the build has them (wmma_always), so the SIMT launch that
+// follows is compiled only `if constexpr (!wmma_always<T>())`. Throws when
+// the build has no code for the device.
+#define FA_USE_TENSOR_CORES(T, what, ...) \
+  (::fastattn::cuda::wmma_always<T>() ||  \
+   ::fastattn::cuda::use_tensor_cores<T>(FA_KERNEL_ARCH(what, __VA_ARGS__)))
 
 // Runs `...` with `scalar_t` bound to the storage type of `dtype`
 // (fastattn::cuda::DType): float, __half or __nv_bfloat16.

@@ -4,6 +4,7 @@
 
 #include <ucontext.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -231,6 +232,17 @@ void warp_gather(uint64_t mine, uint64_t out[32]) {
 float* warp_scratch() {
   auto& b = state();
   return b.wmma_scratch.data() + static_cast<size_t>(b.current->linear / 32) * 768;
+}
+
+namespace {
+std::atomic<int> g_device_arch{90}, g_kernel_arch{90};
+}  // namespace
+
+int device_arch() { return g_device_arch.load(); }
+int kernel_arch() { return g_kernel_arch.load(); }
+void set_architecture(int device, int kernel) {
+  g_device_arch.store(device);
+  g_kernel_arch.store(kernel);
 }
 
 namespace {

@@ -81,6 +81,25 @@ void set_max_dynamic_shared(size_t bytes, F* kernel) {
   set_max_dynamic_shared_for(reinterpret_cast<const void*>(kernel), bytes);
 }
 
+// The emulated GPU and build, as 10·major + minor: the device's compute
+// capability and the architecture the kernels' code was compiled for (what
+// FA_USE_TENSOR_CORES asks; 0: no code for the device). Both 90 by default;
+// tests set them to take the SIMT paths of older GPUs (ScopedArchitecture).
+int device_arch();
+int kernel_arch();
+void set_architecture(int device_arch, int kernel_arch);
+struct ScopedArchitecture {
+  ScopedArchitecture(int device, int kernel) : device_(device_arch()), kernel_(kernel_arch()) {
+    set_architecture(device, kernel);
+  }
+  ~ScopedArchitecture() { set_architecture(device_, kernel_); }
+  ScopedArchitecture(const ScopedArchitecture&) = delete;
+  ScopedArchitecture& operator=(const ScopedArchitecture&) = delete;
+
+ private:
+  int device_, kernel_;
+};
+
 template <typename T>
 uint64_t to_bits(T v) {
   static_assert(sizeof(T) <= 8 && std::is_trivially_copyable<T>::value, "shuffle of a large type");
@@ -288,9 +307,23 @@ inline size_t offset(int r, int c, unsigned ldm, bool row_major) {
 }
 }  // namespace detail
 
+// Tiles of T exist from sm_70 (__half) or sm_80 (__nv_bfloat16) on: code
+// "compiled" for an older emulated architecture must not load them (the
+// launchers take their SIMT kernels there).
+template <typename T>
+void check_tile_architecture() {
+  const int need = std::is_same<T, __nv_bfloat16>::value ? 80 : 70;
+  const int arch = ::fastattn::cuda::emu::kernel_arch();
+  if (arch < need)
+    ::fastattn::cuda::emu::fail("a WMMA tile of a type that code for compute capability " +
+                                std::to_string(arch / 10) + "." + std::to_string(arch % 10) +
+                                " does not have");
+}
+
 template <typename Use, typename T, typename Layout>
 void load_matrix_sync(fragment<Use, 16, 16, 16, T, Layout>& f, const T* p, unsigned ldm) {
   static_assert(!std::is_same<Use, accumulator>::value, "accumulator loads take a layout");
+  check_tile_architecture<T>();
   ::fastattn::cuda::emu::sync_warp();
   const bool rm = std::is_same<Layout, row_major>::value;
   for (int i = 0; i < 8; ++i) {

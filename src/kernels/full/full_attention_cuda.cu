@@ -63,10 +63,13 @@ namespace {
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
 
-template <typename T>
+// TC: the tensor-core kernels' tiles (the default for the half types), else
+// the SIMT kernels' (float32, and the half types where tensor cores are
+// missing: bfloat16 below sm_80).
+template <typename T, bool TC = !std::is_same<T, float>::value>
 struct FullCfg {
-  static constexpr bool kTensorCores = !std::is_same<T, float>::value;
-  static constexpr int kFwdBr = 64;                      // queries per forward block
+  static constexpr bool kTensorCores = TC;
+  static constexpr int kFwdBr = 64;  // queries per forward block (both kinds: one grid)
   static constexpr int kFwdBc = kTensorCores ? 64 : 32;  // keys per forward tile
   static constexpr int kBwdBr = kTensorCores ? 64 : 32;  // queries per backward step
   static constexpr int kBwdBc = kTensorCores ? 64 : 32;  // keys per backward block
@@ -92,7 +95,7 @@ struct FwdLayout {
 };
 template <typename T>
 __host__ __device__ FwdLayout fwd_layout(int Ep, int Mp) {
-  using C = FullCfg<T>;
+  using C = FullCfg<T, false>;
   FwdLayout y;
   y.ldq = y.ldk = Ep + C::kPadT;
   y.ldv = Mp + C::kPadT;
@@ -121,7 +124,7 @@ struct BwdLayout {
 };
 template <typename T>
 __host__ __device__ BwdLayout bwd_layout(int Ep, int Mp) {
-  using C = FullCfg<T>;
+  using C = FullCfg<T, false>;
   BwdLayout y;
   y.ldq = y.ldk = Ep + C::kPadT;
   y.ldv = y.lddo = Mp + C::kPadT;
@@ -154,12 +157,13 @@ __host__ __device__ BwdLayout bwd_layout(int Ep, int Mp) {
 // C (R×Cn float, leading dim ldc) = [C +] A·B over the whole block, where A is
 // R×K (row-major A[r·lda + k], or column-major A[k·lda + r] when ACOL) and B is
 // K×Cn (B[k·ldb + c], or B[c·ldb + k] when BCOL). R, Cn, K are multiples of 16.
-// Half types: WMMA tiles dealt round-robin to the warps; float: one output
-// element per thread at a time. No barrier inside: callers synchronise.
-template <typename T, bool ACOL, bool BCOL>
+// TC (tensor-core kernels): WMMA tiles dealt round-robin to the warps; SIMT
+// kernels: one output element per thread at a time. No barrier inside:
+// callers synchronise.
+template <typename T, bool ACOL, bool BCOL, bool TC>
 __device__ __forceinline__ void block_mm(float* C, int ldc, const T* A, int lda, const T* B,
                                          int ldb, int R, int Cn, int K, bool accumulate) {
-  if constexpr (FullCfg<T>::kTensorCores) {
+  if constexpr (TC) {
     using LA = typename std::conditional<ACOL, fa_wmma::col_major, fa_wmma::row_major>::type;
     using LB = typename std::conditional<BCOL, fa_wmma::col_major, fa_wmma::row_major>::type;
     const int warp = static_cast<int>(threadIdx.x) / 32;
@@ -223,7 +227,7 @@ __device__ __forceinline__ void load_tile(T* dst, int ld, const T* src, int64_t 
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     full_forward_kernel(FullAttentionForwardCudaArgs a, int Ep, int Mp, int64_t q_tiles) {
-  using C = FullCfg<T>;
+  using C = FullCfg<T, false>;
   constexpr int BR = C::kFwdBr, BC = C::kFwdBc, PER_LANE = BC / 32;
   const FwdLayout lay = fwd_layout<T>(Ep, Mp);
   FA_DYNAMIC_SHARED(unsigned char, smem);
@@ -265,7 +269,7 @@ __global__ void __launch_bounds__(kThreads)
     load_tile(Ks, lay.ldk, kh + j0 * E, cols, E, BC, Ep);
     load_tile(Vs, lay.ldv, vh + j0 * M, cols, M, BC, Mp);
     __syncthreads();
-    block_mm<T, false, true>(Sf, lay.lds, Qs, lay.ldq, Ks, lay.ldk, BR, BC, Ep, false);
+    block_mm<T, false, true, false>(Sf, lay.lds, Qs, lay.ldq, Ks, lay.ldk, BR, BC, Ep, false);
     __syncthreads();
     // Online softmax, one warp per row.
     for (int r = warp; r < BR; r += kWarps) {
@@ -308,7 +312,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     __syncthreads();
-    block_mm<T, false, false>(Of, lay.ldo, Ps, lay.ldp, Vs, lay.ldv, BR, Mp, BC, true);
+    block_mm<T, false, false, false>(Of, lay.ldo, Ps, lay.ldp, Vs, lay.ldv, BR, Mp, BC, true);
   }
   __syncthreads();
   T* out = static_cast<T*>(a.out) + (nh * L + i0) * M;
@@ -359,8 +363,8 @@ __host__ __device__ FwdTcLayout fwd_tc_layout(int Ep, int Mp) {
 }
 
 template <typename T, int DF>
-__global__ void __launch_bounds__(kThreads)
-    full_forward_tc_kernel(FullAttentionForwardCudaArgs a, int Ep, int Mp, int64_t q_tiles) {
+__device__ __forceinline__ void full_forward_tc(const FullAttentionForwardCudaArgs& a, int Ep,
+                                                int Mp, int64_t q_tiles) {
   using C = FullCfg<T>;
   constexpr int BR = C::kFwdBr, BC = C::kFwdBc, HALF = BC / 2;
   static_assert(BR == 16 * kWarps, "one 16-row strip per warp");
@@ -542,10 +546,21 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The kernel: the body only where T has tensor cores (see cuda_compat.cuh).
+template <typename T, int DF>
+__global__ void __launch_bounds__(kThreads)
+    full_forward_tc_kernel(FullAttentionForwardCudaArgs a, int Ep, int Mp, int64_t q_tiles) {
+  if constexpr (wmma_compiled<T>()) {
+    full_forward_tc<T, DF>(a, Ep, Mp, q_tiles);
+  } else {
+    FA_TRAP();
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     full_backward_kernel(FullAttentionBackwardCudaArgs a, int Ep, int Mp, int64_t k_tiles) {
-  using C = FullCfg<T>;
+  using C = FullCfg<T, false>;
   constexpr int BR = C::kBwdBr, BC = C::kBwdBc;
   const BwdLayout lay = bwd_layout<T>(Ep, Mp);
   FA_DYNAMIC_SHARED(unsigned char, smem);
@@ -596,7 +611,7 @@ __global__ void __launch_bounds__(kThreads)
         delta_s[r] = r < rows ? a.delta[nh * L + i0 + r] : 0.f;
       }
       __syncthreads();
-      block_mm<T, false, true>(Sf, lay.ldsf, Qs, lay.ldq, Ks, lay.ldk, BR, BC, Ep, false);
+      block_mm<T, false, true, false>(Sf, lay.ldsf, Qs, lay.ldq, Ks, lay.ldk, BR, BC, Ep, false);
       __syncthreads();
       // P = exp(S·scale + mask - lse), zero where dropped.
       for (int idx = tid; idx < BR * BC; idx += kThreads) {
@@ -614,8 +629,8 @@ __global__ void __launch_bounds__(kThreads)
       }
       __syncthreads();
       // dV += P^T dO ; dP = dO V^T
-      block_mm<T, true, false>(dVf, lay.ldm, Ps, lay.ldp, dOs, lay.lddo, BC, Mp, BR, true);
-      block_mm<T, false, true>(dPf, lay.ldsf, dOs, lay.lddo, Vs, lay.ldv, BR, BC, Mp, false);
+      block_mm<T, true, false, false>(dVf, lay.ldm, Ps, lay.ldp, dOs, lay.lddo, BC, Mp, BR, true);
+      block_mm<T, false, true, false>(dPf, lay.ldsf, dOs, lay.lddo, Vs, lay.ldv, BR, BC, Mp, false);
       __syncthreads();
       // dS = P ∘ (dP - delta) · scale
       for (int idx = tid; idx < BR * BC; idx += kThreads) {
@@ -625,8 +640,8 @@ __global__ void __launch_bounds__(kThreads)
       }
       __syncthreads();
       // dK += dS^T Q ; dQ tile = dS K (over S and dP, no longer read)
-      block_mm<T, true, false>(dKf, lay.lde, dSs, lay.ldp, Qs, lay.ldq, BC, Ep, BR, true);
-      block_mm<T, false, false>(dQf, lay.lde, dSs, lay.ldp, Ks, lay.ldk, BR, Ep, BC, false);
+      block_mm<T, true, false, false>(dKf, lay.lde, dSs, lay.ldp, Qs, lay.ldq, BC, Ep, BR, true);
+      block_mm<T, false, false, false>(dQf, lay.lde, dSs, lay.ldp, Ks, lay.ldk, BR, Ep, BC, false);
       __syncthreads();
       float* ws = a.dq_workspace + (nh * L + i0) * E;
       for (int idx = tid; idx < rows * E; idx += kThreads) {
@@ -693,8 +708,8 @@ __host__ __device__ BwdTcLayout bwd_tc_layout(int Ep, int Mp) {
 }
 
 template <typename T, int DF>
-__global__ void __launch_bounds__(kThreads)
-    full_backward_tc_kernel(FullAttentionBackwardCudaArgs a, int Ep, int Mp, int64_t k_tiles) {
+__device__ __forceinline__ void full_backward_tc(const FullAttentionBackwardCudaArgs& a, int Ep,
+                                                 int Mp, int64_t k_tiles) {
   using C = FullCfg<T>;
   constexpr int BR = C::kBwdBr, BC = C::kBwdBc;
   static_assert(BC == 16 * kWarps, "one 16-key strip per warp");
@@ -835,7 +850,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     __syncthreads();  // every dS^T strip written; S^T and dP^T no longer read
     // dQ tile (BR × Ep) = dS · K, dS = (dS^T)^T read column-major.
-    block_mm<T, true, false>(dQf, lay.lde, dSt, lay.ldpt, Ks, lay.ldk, BR, Ep, BC, false);
+    block_mm<T, true, false, true>(dQf, lay.lde, dSt, lay.ldpt, Ks, lay.ldk, BR, Ep, BC, false);
     __syncthreads();
     float* ws = a.dq_workspace + (nh * L + i0) * E;
     for (int idx = tid; idx < rows * E; idx += kThreads) {
@@ -865,6 +880,16 @@ __global__ void __launch_bounds__(kThreads)
       }
       __syncwarp();
     }
+  }
+}
+
+template <typename T, int DF>
+__global__ void __launch_bounds__(kThreads)
+    full_backward_tc_kernel(FullAttentionBackwardCudaArgs a, int Ep, int Mp, int64_t k_tiles) {
+  if constexpr (wmma_compiled<T>()) {
+    full_backward_tc<T, DF>(a, Ep, Mp, k_tiles);
+  } else {
+    FA_TRAP();
   }
 }
 
@@ -908,9 +933,9 @@ dim3 elementwise_grid(int64_t count) {
   return dim3(static_cast<unsigned>(blocks < 4096 ? blocks : 4096));
 }
 
-// The forward kernel for T: tensor cores for half types (fragment arrays
-// sized for dims <= 64 or <= 128), the SIMT kernel for float32. A template so
-// the branch not taken is not instantiated.
+// The forward kernel for T: tensor cores for the half types (fragment arrays
+// sized for dims <= 64 or <= 128) where the device's code has them, else the
+// SIMT kernel (float32; bfloat16 before sm_80).
 template <typename T>
 void launch_forward(const FullAttentionForwardCudaArgs& a, cudaStream_t stream) {
   const int Ep = round16(a.E), Mp = round16(a.M);
@@ -918,49 +943,61 @@ void launch_forward(const FullAttentionForwardCudaArgs& a, cudaStream_t stream) 
   check_grid(a.N * a.H * q_tiles, "full_attention_forward");
   const dim3 grid(static_cast<unsigned>(a.N * a.H * q_tiles));
   if constexpr (FullCfg<T>::kTensorCores) {
-    const size_t bytes = fwd_tc_layout<T>(Ep, Mp).total;
-    if (Ep <= 64 && Mp <= 64) {
-      FA_SET_MAX_DYNAMIC_SHARED(bytes, full_forward_tc_kernel<T, 4>);
-      FA_LAUNCH(grid, dim3(kThreads), bytes, stream, full_forward_tc_kernel<T, 4>)
-      (a, Ep, Mp, q_tiles);
-    } else {
-      FA_SET_MAX_DYNAMIC_SHARED(bytes, full_forward_tc_kernel<T, 8>);
-      FA_LAUNCH(grid, dim3(kThreads), bytes, stream, full_forward_tc_kernel<T, 8>)
-      (a, Ep, Mp, q_tiles);
+    if (FA_USE_TENSOR_CORES(T, "full_attention_forward", full_forward_tc_kernel<T, 4>)) {
+      const size_t bytes = fwd_tc_layout<T>(Ep, Mp).total;
+      if (Ep <= 64 && Mp <= 64) {
+        FA_SET_MAX_DYNAMIC_SHARED(bytes, full_forward_tc_kernel<T, 4>);
+        FA_LAUNCH(grid, dim3(kThreads), bytes, stream, full_forward_tc_kernel<T, 4>)
+        (a, Ep, Mp, q_tiles);
+      } else {
+        FA_SET_MAX_DYNAMIC_SHARED(bytes, full_forward_tc_kernel<T, 8>);
+        FA_LAUNCH(grid, dim3(kThreads), bytes, stream, full_forward_tc_kernel<T, 8>)
+        (a, Ep, Mp, q_tiles);
+      }
+      FA_CHECK_LAUNCH("full_attention_forward");
+      return;
     }
-  } else {
+  }
+  if constexpr (!wmma_always<T>()) {
     const size_t bytes = fwd_layout<T>(Ep, Mp).total;
     FA_SET_MAX_DYNAMIC_SHARED(bytes, full_forward_kernel<T>);
     FA_LAUNCH(grid, dim3(kThreads), bytes, stream, full_forward_kernel<T>)(a, Ep, Mp, q_tiles);
+    FA_CHECK_LAUNCH("full_attention_forward");
   }
-  FA_CHECK_LAUNCH("full_attention_forward");
 }
 
-// The backward's main kernel for T (tensor cores for half types, SIMT for
-// float32); a template so the branch not taken is not instantiated.
+// The backward's main kernel for T (tensor cores for the half types where
+// the device's code has them, else SIMT).
 template <typename T>
 void launch_backward_main(const FullAttentionBackwardCudaArgs& a, cudaStream_t stream) {
   const int Ep = round16(a.E), Mp = round16(a.M);
-  const int64_t k_tiles = ceil_div(a.S, FullCfg<T>::kBwdBc);
-  check_grid(a.N * a.H * k_tiles, "full_attention_backward");
-  const dim3 grid(static_cast<unsigned>(a.N * a.H * k_tiles));
+  const dim3 block(kThreads);
   if constexpr (FullCfg<T>::kTensorCores) {
-    const size_t bytes = bwd_tc_layout<T>(Ep, Mp).total;
-    if (Ep <= 64 && Mp <= 64) {
-      FA_SET_MAX_DYNAMIC_SHARED(bytes, full_backward_tc_kernel<T, 4>);
-      FA_LAUNCH(grid, dim3(kThreads), bytes, stream, full_backward_tc_kernel<T, 4>)
-      (a, Ep, Mp, k_tiles);
-    } else {
-      FA_SET_MAX_DYNAMIC_SHARED(bytes, full_backward_tc_kernel<T, 8>);
-      FA_LAUNCH(grid, dim3(kThreads), bytes, stream, full_backward_tc_kernel<T, 8>)
-      (a, Ep, Mp, k_tiles);
+    if (FA_USE_TENSOR_CORES(T, "full_attention_backward", full_backward_tc_kernel<T, 4>)) {
+      const int64_t k_tiles = ceil_div(a.S, FullCfg<T>::kBwdBc);
+      check_grid(a.N * a.H * k_tiles, "full_attention_backward");
+      const dim3 grid(static_cast<unsigned>(a.N * a.H * k_tiles));
+      const size_t bytes = bwd_tc_layout<T>(Ep, Mp).total;
+      if (Ep <= 64 && Mp <= 64) {
+        FA_SET_MAX_DYNAMIC_SHARED(bytes, full_backward_tc_kernel<T, 4>);
+        FA_LAUNCH(grid, block, bytes, stream, full_backward_tc_kernel<T, 4>)(a, Ep, Mp, k_tiles);
+      } else {
+        FA_SET_MAX_DYNAMIC_SHARED(bytes, full_backward_tc_kernel<T, 8>);
+        FA_LAUNCH(grid, block, bytes, stream, full_backward_tc_kernel<T, 8>)(a, Ep, Mp, k_tiles);
+      }
+      FA_CHECK_LAUNCH("full_attention_backward");
+      return;
     }
-  } else {
+  }
+  if constexpr (!wmma_always<T>()) {
+    const int64_t k_tiles = ceil_div(a.S, FullCfg<T, false>::kBwdBc);
+    check_grid(a.N * a.H * k_tiles, "full_attention_backward");
+    const dim3 grid(static_cast<unsigned>(a.N * a.H * k_tiles));
     const size_t bytes = bwd_layout<T>(Ep, Mp).total;
     FA_SET_MAX_DYNAMIC_SHARED(bytes, full_backward_kernel<T>);
-    FA_LAUNCH(grid, dim3(kThreads), bytes, stream, full_backward_kernel<T>)(a, Ep, Mp, k_tiles);
+    FA_LAUNCH(grid, block, bytes, stream, full_backward_kernel<T>)(a, Ep, Mp, k_tiles);
+    FA_CHECK_LAUNCH("full_attention_backward");
   }
-  FA_CHECK_LAUNCH("full_attention_backward");
 }
 
 }  // namespace

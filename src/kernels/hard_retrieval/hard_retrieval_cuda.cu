@@ -81,8 +81,8 @@ __device__ __forceinline__ bool kept(const HardRetrievalCudaParams& a, int64_t n
   return a.keep == nullptr || a.keep[n * a.keep_sn + h * a.keep_sh + i * a.keep_sl + j];
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kThreads) forward_kernel(HardRetrievalForwardCudaArgs a) {
+template <typename T, bool TC>
+__device__ __forceinline__ void forward_body(const HardRetrievalForwardCudaArgs& a) {
   const int64_t q_tiles = cuda::ceil_div(a.L, kBr);
   const int64_t t = blockIdx.x % q_tiles, nh = blockIdx.x / q_tiles;
   const int64_t n = nh / a.H, h = nh % a.H;
@@ -92,10 +92,11 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(HardRetrievalForwardC
   const T* v = static_cast<const T*>(a.v) + nh * S * M;
   const bool need_softmax = a.sample || a.lse != nullptr;
 
-  // float32: SIMT scores (qs, ks as float). float16 / bfloat16: tensor cores
-  // (qt, kt in T, zero-padded to Ep columns; warp w scores keys [32w, 32w + 32)
-  // of the reservoir tile for all 16 rows).
-  constexpr bool kTC = !std::is_same<T, float>::value;
+  // SIMT (float32, and bfloat16 without tensor cores): scores from qs, ks as
+  // float. Tensor cores (float16 / bfloat16): qt, kt in T, zero-padded to Ep
+  // columns; warp w scores keys [32w, 32w + 32) of the reservoir tile for all
+  // 16 rows.
+  constexpr bool kTC = TC;
   const int64_t Ep = (E + 15) / 16 * 16;
   FA_DYNAMIC_SHARED(unsigned char, smem_raw);
   unsigned char* smem =
@@ -314,6 +315,43 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(HardRetrievalForwardC
   }
 }
 
+// The kernel; TC: the tensor-core variant of a half type, whose body exists
+// only where T has tensor cores (see cuda_compat.cuh).
+template <typename T, bool TC>
+__global__ void __launch_bounds__(kThreads) forward_kernel(HardRetrievalForwardCudaArgs a) {
+  if constexpr (!TC || cuda::wmma_compiled<T>()) {
+    forward_body<T, TC>(a);
+  } else {
+    FA_TRAP();
+  }
+}
+
+template <typename T, bool TC>
+void launch_forward_as(const HardRetrievalForwardCudaArgs& a, cudaStream_t stream) {
+  const int64_t blocks = cuda::ceil_div(a.L, kBr) * a.N * a.H;
+  const int64_t Ep = (a.E + 15) / 16 * 16;
+  const size_t smem =
+      128 + kBr * kTile * (sizeof(float) + 1) +
+      (TC ? (kBr + kTile) * Ep * sizeof(T) : (kBr * a.E + kSub * (a.E + 1)) * sizeof(float));
+  FA_SET_MAX_DYNAMIC_SHARED(smem, forward_kernel<T, TC>);
+  FA_LAUNCH(dim3(static_cast<unsigned>(blocks)), dim3(kThreads), smem, stream,
+            forward_kernel<T, TC>)
+  (a);
+  FA_CHECK_LAUNCH("hard_retrieval_attention_forward");
+}
+
+// Tensor cores for the half types where the device's code has them, else SIMT.
+template <typename T>
+void launch_forward(const HardRetrievalForwardCudaArgs& a, cudaStream_t stream) {
+  if constexpr (cuda::wmma_min_arch<T>() > 0) {
+    if (FA_USE_TENSOR_CORES(T, "hard_retrieval_attention_forward", forward_kernel<T, true>)) {
+      launch_forward_as<T, true>(a, stream);
+      return;
+    }
+  }
+  if constexpr (!cuda::wmma_always<T>()) launch_forward_as<T, false>(a, stream);
+}
+
 // delta = rowsum(grad_out ∘ out): one warp per row.
 template <typename T>
 __global__ void delta_kernel(const T* grad_out, const float* out, float* delta, int64_t rows,
@@ -353,19 +391,8 @@ void check_dims(const HardRetrievalCudaParams& a) {
 void hard_retrieval_forward_cuda(const HardRetrievalForwardCudaArgs& a, cudaStream_t stream) {
   if (a.N * a.H == 0 || a.L == 0) return;
   check_dims(a);
-  FA_DISPATCH_FLOAT_TYPES(a.dtype, "hard_retrieval_attention_forward", [&] {
-    const int64_t blocks = cuda::ceil_div(a.L, kBr) * a.N * a.H;
-    const int64_t Ep = (a.E + 15) / 16 * 16;
-    const size_t smem =
-        128 + kBr * kTile * (sizeof(float) + 1) +
-        (std::is_same<scalar_t, float>::value ? (kBr * a.E + kSub * (a.E + 1)) * sizeof(float)
-                                              : (kBr + kTile) * Ep * sizeof(scalar_t));
-    FA_SET_MAX_DYNAMIC_SHARED(smem, forward_kernel<scalar_t>);
-    FA_LAUNCH(dim3(static_cast<unsigned>(blocks)), dim3(kThreads), smem, stream,
-              forward_kernel<scalar_t>)
-    (a);
-    FA_CHECK_LAUNCH("hard_retrieval_attention_forward");
-  });
+  FA_DISPATCH_FLOAT_TYPES(a.dtype, "hard_retrieval_attention_forward",
+                          [&] { launch_forward<scalar_t>(a, stream); });
 }
 
 void hard_retrieval_backward_cuda(const HardRetrievalBackwardCudaArgs& a, cudaStream_t stream) {

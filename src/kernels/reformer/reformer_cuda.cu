@@ -410,8 +410,8 @@ size_t wmma_shared_bytes(int64_t E, int64_t M) {
 // the keys are normalised in float and rounded to T, and so are the
 // probabilities before the value product (their sums stay float).
 template <typename T>
-__global__ void forward_round_wmma_kernel(ReformerForwardCudaArgs a, int64_t r, int64_t chunks,
-                                          int64_t qtiles) {
+__device__ __forceinline__ void forward_round_wmma(const ReformerForwardCudaArgs& a, int64_t r,
+                                                   int64_t chunks, int64_t qtiles) {
   namespace wmma = fa_wmma;
   const int E = static_cast<int>(a.E), M = static_cast<int>(a.M);  // <= kReformerCudaMaxHeadDim
   const int Ep = round16(E), Mp = round16(M);
@@ -521,6 +521,17 @@ __global__ void forward_round_wmma_kernel(ReformerForwardCudaArgs a, int64_t r, 
     __syncthreads();
   }
   merge_round(a, nh, qpos, m_run, l_run, sacc, Mp);
+}
+
+// The kernel: the body only where T has tensor cores (see cuda_compat.cuh).
+template <typename T>
+__global__ void forward_round_wmma_kernel(ReformerForwardCudaArgs a, int64_t r, int64_t chunks,
+                                          int64_t qtiles) {
+  if constexpr (cuda::wmma_compiled<T>()) {
+    forward_round_wmma<T>(a, r, chunks, qtiles);
+  } else {
+    FA_TRAP();
+  }
 }
 
 // One warp per position: out = acc / sum, stats[1] = log(sum).
@@ -703,7 +714,8 @@ size_t wmma_backward_shared_bytes(int64_t E, int64_t M) {
 // shared memory), dK = dS^T·Q and dV = P^T·dO (then scattered by atomics).
 // The normalised keys, P and dS are rounded to T for the products.
 template <typename T>
-__global__ void backward_wmma_kernel(ReformerBackwardCudaArgs a, int64_t chunks, int64_t qtiles) {
+__device__ __forceinline__ void backward_wmma(const ReformerBackwardCudaArgs& a, int64_t chunks,
+                                              int64_t qtiles) {
   namespace wmma = fa_wmma;
   const int E = static_cast<int>(a.E), M = static_cast<int>(a.M);  // <= kReformerCudaMaxHeadDim
   const int Ep = round16(E), Mp = round16(M);
@@ -874,47 +886,61 @@ __global__ void backward_wmma_kernel(ReformerBackwardCudaArgs a, int64_t chunks,
   }
 }
 
-// The backward's main launch: tensor cores for float16 / bfloat16, SIMT for
-// float32 (the specialisation).
+template <typename T>
+__global__ void backward_wmma_kernel(ReformerBackwardCudaArgs a, int64_t chunks, int64_t qtiles) {
+  if constexpr (cuda::wmma_compiled<T>()) {
+    backward_wmma<T>(a, chunks, qtiles);
+  } else {
+    FA_TRAP();
+  }
+}
+
+// The backward's main launch: tensor cores for float16 / bfloat16 where the
+// device's code has them, else SIMT (float32; bfloat16 before sm_80).
 template <typename T>
 void launch_backward(const ReformerBackwardCudaArgs& a, dim3 grid, int64_t chunks, int64_t qtiles,
                      cudaStream_t stream) {
-  const size_t smem = wmma_backward_shared_bytes(a.E, a.M);
-  if (smem > 48 * 1024) FA_SET_MAX_DYNAMIC_SHARED(smem, backward_wmma_kernel<T>);
-  FA_LAUNCH(grid, dim3(kThreads), smem, stream, backward_wmma_kernel<T>)(a, chunks, qtiles);
-  FA_CHECK_LAUNCH("reformer_backward (tensor cores)");
-}
-template <>
-void launch_backward<float>(const ReformerBackwardCudaArgs& a, dim3 grid, int64_t chunks,
-                            int64_t qtiles, cudaStream_t stream) {
-  const size_t smem = attention_shared_bytes(a.E, a.M, true);
-  if (smem > 48 * 1024) FA_SET_MAX_DYNAMIC_SHARED(smem, backward_kernel<float>);
-  FA_LAUNCH(grid, dim3(kThreads), smem, stream, backward_kernel<float>)(a, chunks, qtiles);
-  FA_CHECK_LAUNCH("reformer_backward");
+  if constexpr (cuda::wmma_min_arch<T>() > 0) {
+    if (FA_USE_TENSOR_CORES(T, "reformer_backward", backward_wmma_kernel<T>)) {
+      const size_t smem = wmma_backward_shared_bytes(a.E, a.M);
+      if (smem > 48 * 1024) FA_SET_MAX_DYNAMIC_SHARED(smem, backward_wmma_kernel<T>);
+      FA_LAUNCH(grid, dim3(kThreads), smem, stream, backward_wmma_kernel<T>)(a, chunks, qtiles);
+      FA_CHECK_LAUNCH("reformer_backward (tensor cores)");
+      return;
+    }
+  }
+  if constexpr (!cuda::wmma_always<T>()) {
+    const size_t smem = attention_shared_bytes(a.E, a.M, true);
+    if (smem > 48 * 1024) FA_SET_MAX_DYNAMIC_SHARED(smem, backward_kernel<T>);
+    FA_LAUNCH(grid, dim3(kThreads), smem, stream, backward_kernel<T>)(a, chunks, qtiles);
+    FA_CHECK_LAUNCH("reformer_backward");
+  }
 }
 
-// The forward's round launches: tensor cores for float16 / bfloat16, SIMT
-// for float32 (the specialisation).
+// The forward's round launches: tensor cores for float16 / bfloat16 where the
+// device's code has them, else SIMT.
 template <typename T>
 void launch_rounds(const ReformerForwardCudaArgs& a, dim3 grid, int64_t chunks, int64_t qtiles,
                    cudaStream_t stream) {
-  const size_t smem = wmma_shared_bytes(a.E, a.M);
-  if (smem > 48 * 1024) FA_SET_MAX_DYNAMIC_SHARED(smem, forward_round_wmma_kernel<T>);
-  for (int64_t r = 0; r < a.R; ++r) {
-    FA_LAUNCH(grid, dim3(kThreads), smem, stream, forward_round_wmma_kernel<T>)
-    (a, r, chunks, qtiles);
-    FA_CHECK_LAUNCH("reformer_forward (round, tensor cores)");
+  if constexpr (cuda::wmma_min_arch<T>() > 0) {
+    if (FA_USE_TENSOR_CORES(T, "reformer_forward", forward_round_wmma_kernel<T>)) {
+      const size_t smem = wmma_shared_bytes(a.E, a.M);
+      if (smem > 48 * 1024) FA_SET_MAX_DYNAMIC_SHARED(smem, forward_round_wmma_kernel<T>);
+      for (int64_t r = 0; r < a.R; ++r) {
+        FA_LAUNCH(grid, dim3(kThreads), smem, stream, forward_round_wmma_kernel<T>)
+        (a, r, chunks, qtiles);
+        FA_CHECK_LAUNCH("reformer_forward (round, tensor cores)");
+      }
+      return;
+    }
   }
-}
-template <>
-void launch_rounds<float>(const ReformerForwardCudaArgs& a, dim3 grid, int64_t chunks,
-                          int64_t qtiles, cudaStream_t stream) {
-  const size_t smem = attention_shared_bytes(a.E, a.M, false);
-  if (smem > 48 * 1024) FA_SET_MAX_DYNAMIC_SHARED(smem, forward_round_kernel<float>);
-  for (int64_t r = 0; r < a.R; ++r) {
-    FA_LAUNCH(grid, dim3(kThreads), smem, stream, forward_round_kernel<float>)
-    (a, r, chunks, qtiles);
-    FA_CHECK_LAUNCH("reformer_forward (round)");
+  if constexpr (!cuda::wmma_always<T>()) {
+    const size_t smem = attention_shared_bytes(a.E, a.M, false);
+    if (smem > 48 * 1024) FA_SET_MAX_DYNAMIC_SHARED(smem, forward_round_kernel<T>);
+    for (int64_t r = 0; r < a.R; ++r) {
+      FA_LAUNCH(grid, dim3(kThreads), smem, stream, forward_round_kernel<T>)(a, r, chunks, qtiles);
+      FA_CHECK_LAUNCH("reformer_forward (round)");
+    }
   }
 }
 
