@@ -1,13 +1,20 @@
 // The kernels' shared helpers (src/kernels/common/) against plain loops:
 // transpose (8x8 AVX2 blocks plus scalar edges), simd_dot, and the
-// register-blocked products, on awkward shapes in float32 and float64.
+// register-blocked products, on awkward shapes in float32 and float64,
+// and parallel_items' exception handling.
 //   build/fastattn_tests --gtest_filter='KernelHelpers*'
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
+#include <new>
 #include <random>
+#include <stdexcept>
+#include <thread>
 #include <vector>
 
 #include "kernels/common/gemm.h"
+#include "kernels/common/parallel.h"
 #include "kernels/common/simd.h"
 
 namespace fastattn::kernels {
@@ -65,6 +72,38 @@ TEST(KernelHelpers, GemmMatchesFloat64Loops) {
     gemm(M, N, K, a.data(), K, b.data(), N, c.data(), N, /*accumulate=*/true);
     for (int64_t i = 0; i < M * N; ++i)
       ASSERT_NEAR(c[i], ref[i], 1e-12) << M << "x" << N << "x" << K;
+  }
+}
+
+// An exception in a worker (a scratch buffer's std::bad_alloc, a failed
+// check) reaches the caller instead of ending the process in std::terminate,
+// and the remaining items are skipped.
+TEST(KernelHelpers, ParallelItemsRethrowsOnTheCaller) {
+  struct Scratch {
+    std::vector<double> buf;
+  };
+  for (int threads : {1, 2, 4}) {
+    std::atomic<int64_t> ran{0};
+    EXPECT_THROW(parallel_items<Scratch>(
+                     1000, threads, [](Scratch&) {},
+                     [&](int64_t i, Scratch&) {
+                       ++ran;
+                       if (i == 3) throw std::runtime_error("item 3");
+                       // Slow items: the thread that took item 3 has run long
+                       // before the other threads could finish all 1000.
+                       std::this_thread::sleep_for(std::chrono::microseconds(200));
+                     }),
+                 std::runtime_error);
+    EXPECT_LT(ran.load(), 1000) << threads << " threads";
+    EXPECT_THROW(
+        parallel_items<Scratch>(
+            8, threads, [](Scratch&) { throw std::bad_alloc(); }, [](int64_t, Scratch&) {}),
+        std::bad_alloc);
+    // Without failures every item runs once.
+    std::vector<int> seen(100, 0);
+    parallel_items<Scratch>(
+        100, threads, [](Scratch&) {}, [&](int64_t i, Scratch&) { ++seen[i]; });
+    for (int x : seen) ASSERT_EQ(x, 1);
   }
 }
 

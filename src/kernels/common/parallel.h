@@ -2,7 +2,9 @@
 // Debian; the op layer passes at::get_num_threads()).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <exception>
 
 #include <omp.h>
 
@@ -11,18 +13,46 @@ namespace fastattn::kernels {
 // Calls init(thread_scratch&) once per thread, then body(item, scratch) for
 // every item in [0, n), dynamically scheduled (work items may differ in cost,
 // e.g. causal tiles).
+//
+// An exception thrown by init or body (std::bad_alloc from a scratch buffer,
+// a check) must not leave the OpenMP region, where it would end the process
+// (std::terminate): the first one is kept, the remaining items are skipped,
+// and it is rethrown on the calling thread once every thread has finished.
 template <typename Scratch, typename Init, typename Body>
 void parallel_items(int64_t n, int num_threads, Init init, Body body) {
   if (n <= 0) return;
   if (num_threads < 1) num_threads = 1;
   if (n < num_threads) num_threads = static_cast<int>(n);
+  std::exception_ptr error;
+  std::atomic<bool> failed{false};
+  auto record = [&] {
+#pragma omp critical(fastattn_parallel_items_error)
+    {
+      if (!error) error = std::current_exception();
+    }
+    failed.store(true, std::memory_order_relaxed);
+  };
 #pragma omp parallel num_threads(num_threads)
   {
     Scratch scratch;
-    init(scratch);
+    try {
+      init(scratch);
+    } catch (...) {
+      record();
+    }
+    // Every thread reaches the worksharing loop (OpenMP requires it), even
+    // one whose init failed; nothing runs once anything has failed.
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n; ++i) body(i, scratch);
+    for (int64_t i = 0; i < n; ++i) {
+      if (failed.load(std::memory_order_relaxed)) continue;
+      try {
+        body(i, scratch);
+      } catch (...) {
+        record();
+      }
+    }
   }
+  if (error) std::rethrow_exception(error);
 }
 
 }  // namespace fastattn::kernels
