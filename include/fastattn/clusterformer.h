@@ -66,8 +66,13 @@ torch::Tensor clusterformer_block_attention(
     const std::optional<torch::Tensor>& key_lengths = std::nullopt, bool causal = false,
     std::optional<double> softmax_temp = std::nullopt);
 
+// Bound on ClusterFormer's k: the centroids are learned parameters (k × H·E)
+// and clustering scores every token against each of them (N × L × k), so k
+// is a model size, not something the inputs can clamp.
+constexpr int64_t kMaxClusterFormerClusters = 65536;
+
 struct ClusterFormerOptions {
-  int64_t clusters = 8;                  // k
+  int64_t clusters = 8;                  // k, in [1, kMaxClusterFormerClusters]
   double clustering_loss_weight = 0.01;  // w1 of L1
   double sorting_loss_weight = 0.01;     // w2 of L2
   // "handed": inside a TransformerEncoder/Decoder stack a layer clusters with

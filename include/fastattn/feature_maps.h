@@ -89,11 +89,16 @@ class FeatureMap : public torch::nn::Module {
 };
 using FeatureMapPtr = std::shared_ptr<FeatureMap>;
 
+// Bound on a random map's n_features: the map's matrix (E × m, a model
+// buffer) and every query's and key's features are sized by it, so it is a
+// model size that no input clamps.
+constexpr int64_t kMaxRandomFeatures = 65536;
+
 struct FeatureMapOptions {
   std::string kind = "elu";  // elu, relu, favor, rff, smoothed-rff, generalized
   int64_t query_dim = 64;    // E
   // Random maps: m (favor: features; rff: cos + sin features, even).
-  // Default: query_dim (rounded up to even for rff).
+  // Default: query_dim (rounded up to even for rff). At most kMaxRandomFeatures.
   std::optional<int64_t> n_features;
   std::optional<double> softmax_temp;  // favor / rff scale; default 1/sqrt(E)
   bool orthogonal = true;              // favor / rff: orthogonal blocks

@@ -81,14 +81,22 @@ torch::Tensor elu_feature_map(const torch::Tensor& x);
 // Returns (N, H, L) int64 codes (bit 63 included: the uint64 bit pattern).
 torch::Tensor hash_queries(const torch::Tensor& x, const torch::Tensor& planes);
 
+// Bound on the Lloyd iterations of cluster_codes (and the clustered types'
+// `iterations`): the majority-vote update can cycle instead of reaching a
+// fixed point, and an unbounded count then never ends.
+constexpr int64_t kMaxClusterIterations = 1000;
+
 // Clustered attention, step 2: K-means in Hamming space, per (n, h).
 //   codes:   (N, H, L) int64 from hash_queries
 //   lengths: (N,) integers in [0, L]: queries at l >= lengths[n] are padding,
 //            never assigned (-1) and never counted
 //   clusters C >= 1, clamped per batch element to its valid queries (extra
-//   clusters stay empty); iterations >= 0 Lloyd updates; seed: the
+//   clusters stay empty); iterations in [0, kMaxClusterIterations] Lloyd
+//   updates (fewer once nothing changes); seed: the
 //   initialisation (farthest-first over distinct valid queries), same seed same result.
-// Returns assignments (N, H, L) int64 in [0, C) or -1, counts (N, H, C) int64.
+// Returns assignments (N, H, L) int64 in [0, C) or -1, counts (N, H, C) int64
+// with C = min(clusters, max(L, 1)): no buffer is sized by a `clusters`
+// beyond the sequence.
 // Every cluster below min(C, valid queries) has >= 1 member (empty clusters
 // are re-seeded with the farthest query; see kernels/clustering/clustering.h).
 std::tuple<torch::Tensor, torch::Tensor> cluster_codes(const torch::Tensor& codes,

@@ -20,10 +20,14 @@
 
 namespace fastattn {
 
+// Bound on `rounds` (each round is a full hashing and attention pass; the
+// Reformer paper uses up to 8).
+constexpr int64_t kMaxReformerRounds = 1024;
+
 struct ReformerOptions {
-  int64_t chunk_size = 32;             // sorted positions per chunk
-  int64_t n_buckets = 64;              // 1, or an even number >= 2
-  int64_t rounds = 4;                  // hashing rounds
+  int64_t chunk_size = 32;             // sorted positions per chunk; clamped to L
+  int64_t n_buckets = 64;              // 1, or an even number >= 2; clamped to L rounded up to even
+  int64_t rounds = 4;                  // hashing rounds, in [1, kMaxReformerRounds]
   std::optional<double> softmax_temp;  // default 1/sqrt(E)
   // Seeds the module's own generator; without it the default CPU generator
   // (torch::manual_seed) is used. Each forward draws fresh rotations.

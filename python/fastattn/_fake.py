@@ -96,7 +96,10 @@ def register():
 
     @fake("fastattn::cluster_codes")
     def _(codes, lengths, clusters, iterations, seed):
-        return _like(codes), codes.new_empty(codes.shape[:-1] + (clusters,))
+        # C = min(clusters, max(L, 1)), as the operator clamps it.
+        L = codes.shape[-1]
+        C = torch.sym_min(clusters, torch.sym_max(L, 1))
+        return _like(codes), codes.new_empty(codes.shape[:-1] + (C,))
 
     @fake("fastattn::clustered_topk_attention")
     def _(q, k, v, topk, mass, assignments, key_lengths, softmax_temp):

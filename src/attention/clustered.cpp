@@ -340,7 +340,8 @@ namespace {
 // Checks the options every clustered type shares; messages name `who`.
 void check_clustered_options(const char* who, const ClusteredOptions& o) {
   TORCH_CHECK(o.clusters >= 1, who, ": clusters must be >= 1, got ", o.clusters);
-  TORCH_CHECK(o.iterations >= 0, who, ": iterations must be >= 0, got ", o.iterations);
+  TORCH_CHECK(o.iterations >= 0 && o.iterations <= kMaxClusterIterations, who,
+              ": iterations must be in [0, ", kMaxClusterIterations, "], got ", o.iterations);
   TORCH_CHECK(o.bits >= 1 && o.bits <= 64, who, ": bits must be in [1, 64], got ", o.bits);
   TORCH_CHECK(o.topk >= 1, who, ": topk must be >= 1, got ", o.topk);
   TORCH_CHECK(!o.softmax_temp || (std::isfinite(*o.softmax_temp) && *o.softmax_temp > 0), who,
@@ -428,7 +429,9 @@ std::vector<ParamSpec> clustered_specs(bool improved) {
   std::vector<ParamSpec> specs = {
       ParamSpec::integer("clusters", 100,
                          "number of query clusters C (clamped to the valid queries)", 1),
-      ParamSpec::integer("iterations", 10, "Lloyd iterations of the Hamming K-means", 0),
+      ParamSpec::integer("iterations", 10,
+                         "Lloyd iterations of the Hamming K-means (fewer once nothing changes)", 0,
+                         double(kMaxClusterIterations)),
       ParamSpec::integer("bits", 63, "bits B of the query hash", 1, 64),
       ParamSpec::boolean("hash_bias", true, "random bias in the hash planes"),
       ParamSpec::real("softmax_temp", std::nullopt, "scale of the scores q·k; default 1/sqrt(E)",
@@ -476,7 +479,9 @@ AttentionPtr build_causal_improved_clustered(const Params& p) {
 std::vector<ParamSpec> causal_improved_clustered_specs() {
   return {ParamSpec::integer("clusters", 100,
                              "number of query clusters C (clamped to the valid queries)", 1),
-          ParamSpec::integer("iterations", 10, "Lloyd iterations of the Hamming K-means", 0),
+          ParamSpec::integer("iterations", 10,
+                             "Lloyd iterations of the Hamming K-means (fewer once nothing changes)",
+                             0, double(kMaxClusterIterations)),
           ParamSpec::integer("bits", 63, "bits B of the query hash", 1, 64),
           ParamSpec::boolean("hash_bias", true, "random bias in the hash planes"),
           ParamSpec::integer("topk", 32,

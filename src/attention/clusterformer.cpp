@@ -124,39 +124,42 @@ Tensor clusterformer_block_attention(const Tensor& q, const Tensor& k, const Ten
   if (key_lengths) Mask().with_key_lengths(*key_lengths).check(N, H, L, L);
   if (L == 0) return torch::zeros({N, H, 0, M}, q.options());
   const int64_t w = (L + clusters - 1) / clusters;  // tokens per block
+  // Blocks holding a token: with clusters > L the rest would be all padding
+  // (and a huge `clusters` would size the buffers), so only these are built.
+  const int64_t blocks = (L + w - 1) / w;
   const auto lopt = order.options();
-  // Slots of the query blocks (N, k, w): original positions, -1 for the padding.
-  auto slots = torch::cat({order.to(q.device()), torch::full({N, clusters * w - L}, -1, lopt)}, 1)
-                   .view({N, clusters, w});
-  // Key slots (N, k, 2w): the previous block, then the block itself; block 0
-  // has no previous block (slots -1). With one cluster only the block itself.
+  // Slots of the query blocks (N, b, w): original positions, -1 for the padding.
+  auto slots = torch::cat({order.to(q.device()), torch::full({N, blocks * w - L}, -1, lopt)}, 1)
+                   .view({N, blocks, w});
+  // Key slots (N, b, 2w): the previous block, then the block itself; block 0
+  // has no previous block (slots -1). With one block only the block itself.
   Tensor kslots = slots;
-  if (clusters > 1) {
-    auto prev = torch::cat({torch::full({N, 1, w}, -1, lopt), slots.narrow(1, 0, clusters - 1)}, 1);
+  if (blocks > 1) {
+    auto prev = torch::cat({torch::full({N, 1, w}, -1, lopt), slots.narrow(1, 0, blocks - 1)}, 1);
     kslots = torch::cat({prev, slots}, 2);
   }
   const int64_t kw = kslots.size(2);
-  // Keep mask (N·k, w, kw): existing, unpadded keys; causal by original position.
+  // Keep mask (N·b, w, kw): existing, unpadded keys; causal by original position.
   auto keep = kslots.ge(0);
   if (key_lengths) keep = keep & kslots.lt(key_lengths->to(lopt).view({N, 1, 1}));
-  keep = keep.unsqueeze(2).expand({N, clusters, w, kw});
+  keep = keep.unsqueeze(2).expand({N, blocks, w, kw});
   if (causal) keep = keep & kslots.unsqueeze(2).le(slots.unsqueeze(3));
-  keep = keep.reshape({N * clusters, w, kw});
-  // Blocks as a batch of N·k: (N, H, k·w, E) -> (N·k, H, w, E).
+  keep = keep.reshape({N * blocks, w, kw});
+  // Blocks as a batch of N·b: (N, H, b·w, E) -> (N·b, H, w, E).
   auto to_blocks = [&](const Tensor& x, const Tensor& idx, int64_t width) {
     const int64_t F = x.size(3);
     return gather_tokens(x, idx.reshape({N, -1}))
-        .view({N, H, clusters, width, F})
+        .view({N, H, blocks, width, F})
         .permute({0, 2, 1, 3, 4})
-        .reshape({N * clusters, H, width, F});
+        .reshape({N * blocks, H, width, F});
   };
   auto qb = to_blocks(q, slots, w);
   auto kb = to_blocks(k, kslots, kw);
   auto vb = to_blocks(v, kslots, kw);
   const double temp = softmax_temp.value_or(1.0 / std::sqrt(static_cast<double>(E)));
-  auto ob = full_attention(qb, kb, vb, keep, std::nullopt, false, temp);  // (N·k, H, w, M)
+  auto ob = full_attention(qb, kb, vb, keep, std::nullopt, false, temp);  // (N·b, H, w, M)
   auto sorted =
-      ob.view({N, clusters, H, w, M}).permute({0, 2, 1, 3, 4}).reshape({N, H, clusters * w, M});
+      ob.view({N, blocks, H, w, M}).permute({0, 2, 1, 3, 4}).reshape({N, H, blocks * w, M});
   // Unsort: the slot of every original position.
   auto inverse = torch::empty({N, L}, lopt);
   inverse.scatter_(1, order.to(q.device()), torch::arange(L, lopt).view({1, L}).expand({N, L}));
@@ -168,7 +171,8 @@ Tensor clusterformer_block_attention(const Tensor& q, const Tensor& k, const Ten
 ClusterFormerAttention::ClusterFormerAttention(ClusterFormerOptions options,
                                                const AttentionDims& dims)
     : options_(std::move(options)), dim_(dims.heads * dims.query_dim) {
-  TORCH_CHECK(options_.clusters >= 1, "clusterformer: clusters must be >= 1, got ",
+  TORCH_CHECK(options_.clusters >= 1 && options_.clusters <= kMaxClusterFormerClusters,
+              "clusterformer: clusters must be in [1, ", kMaxClusterFormerClusters, "], got ",
               options_.clusters);
   TORCH_CHECK(
       std::isfinite(options_.clustering_loss_weight) && options_.clustering_loss_weight >= 0,
@@ -306,7 +310,9 @@ void register_clusterformer_attention_types(AttentionRegistry& registry) {
        "neural clustering attention (Wang et al. 2022): tokens clustered by learned centroids, "
        "sorted, each block of w = ceil(L/k) attends to itself and the previous block; returns "
        "clustering and sorting losses for training: O(L·k·D + L·w·E)",
-       {ParamSpec::integer("clusters", 8, "number of clusters k (blocks of w = ceil(L/k))", 1),
+       {ParamSpec::integer("clusters", 8,
+                           "number of clusters k (learned centroids; blocks of w = ceil(L/k))", 1,
+                           double(kMaxClusterFormerClusters)),
         ParamSpec::real("clustering_loss_weight", 0.01, "weight of the clustering loss L1", 0.0),
         ParamSpec::real("sorting_loss_weight", 0.01, "weight of the sorting loss L2", 0.0),
         ParamSpec::choice("centroid_mode", "handed", {"handed", "per-layer"},

@@ -251,7 +251,8 @@ FeatureMapPtr make_feature_map(const FeatureMapOptions& o) {
     TORCH_CHECK(std::isfinite(temp) && temp > 0, "feature_map '", o.kind,
                 "': softmax_temp must be a finite number > 0, got ", temp);
     int64_t m = o.n_features.value_or(o.query_dim);
-    TORCH_CHECK(m >= 1, "feature_map '", o.kind, "': n_features must be >= 1, got ", m);
+    TORCH_CHECK(m >= 1 && m <= kMaxRandomFeatures, "feature_map '", o.kind,
+                "': n_features must be in [1, ", kMaxRandomFeatures, "], got ", m);
     if (o.kind == "favor") {
       map = std::make_shared<FavorFeatureMap>(o.query_dim, m, temp, o.orthogonal, o.seed);
     } else if (o.kind == "generalized") {

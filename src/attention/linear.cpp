@@ -111,7 +111,9 @@ std::vector<ParamSpec> linear_params() {
                         "features), smoothed-rff (rff plus a constant feature), generalized "
                         "(Performer's generalized random features f(W x))"),
       ParamSpec::integer("n_features", std::nullopt,
-                         "random maps: number of features m (rff: even); default query_dim", 1),
+                         "random maps: number of features m (rff: even; a model size: the "
+                         "E x m matrix); default query_dim",
+                         1, double(kMaxRandomFeatures)),
       ParamSpec::real("softmax_temp", std::nullopt,
                       "favor / rff: kernel scale, exp(temp·q·k) or exp(-temp·|q-k|²/2); default "
                       "1/sqrt(E)",

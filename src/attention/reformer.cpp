@@ -25,7 +25,8 @@ ReformerAttention::ReformerAttention(ReformerOptions options) : options_(std::mo
               o.n_buckets);
   TORCH_CHECK(o.n_buckets <= (int64_t(1) << 24), who, ": n_buckets must be <= 2^24, got ",
               o.n_buckets);
-  TORCH_CHECK(o.rounds >= 1, who, ": rounds must be >= 1, got ", o.rounds);
+  TORCH_CHECK(o.rounds >= 1 && o.rounds <= kMaxReformerRounds, who, ": rounds must be in [1, ",
+              kMaxReformerRounds, "], got ", o.rounds);
   TORCH_CHECK(!o.softmax_temp || (std::isfinite(*o.softmax_temp) && *o.softmax_temp > 0), who,
               ": softmax_temp must be a finite number > 0, got ", o.softmax_temp.value_or(0.0));
   TORCH_CHECK(!o.seed || *o.seed >= 0, who, ": seed must be >= 0, got ", o.seed.value_or(0));
@@ -36,11 +37,16 @@ ReformerAttention::ReformerAttention(ReformerOptions options) : options_(std::mo
 torch::Tensor ReformerAttention::hash(const torch::Tensor& queries) {
   TORCH_CHECK(queries.dim() == 4, "reformer: queries must have shape (N, H, L, E), got ",
               queries.sizes());
-  const int64_t E = queries.size(3);
+  const int64_t E = queries.size(3), L = queries.size(2);
+  // L positions fill at most L buckets: more only cost rotation columns (and
+  // memory) without separating anything further, so n_buckets is clamped to
+  // L rounded up to even.
+  const int64_t buckets =
+      options_.n_buckets == 1 ? 1 : std::min(options_.n_buckets, std::max<int64_t>(2, L + L % 2));
   torch::Tensor rotations;
   {
     torch::NoGradGuard no_grad;
-    rotations = torch::randn({options_.rounds, E, options_.n_buckets / 2}, gen_,
+    rotations = torch::randn({options_.rounds, E, buckets / 2}, gen_,
                              torch::TensorOptions().dtype(torch::kDouble));
   }
   return lsh_hash(queries.detach(), rotations.to(queries.device(), queries.scalar_type()));
@@ -79,12 +85,14 @@ void register_reformer_attention_types(AttentionRegistry& registry) {
        "(Kitaev et al. 2020)",
        {ParamSpec::integer("chunk_size", 32,
                            "sorted positions per chunk (each chunk also sees "
-                           "the previous one)",
+                           "the previous one); clamped to L",
                            1),
         ParamSpec::integer("n_buckets", 64,
-                           "hash buckets per round: 1, or even (argmax over [xR; -xR])", 1,
-                           double(int64_t(1) << 24)),
-        ParamSpec::integer("rounds", 4, "hashing rounds, combined by their log-sum-exp", 1),
+                           "hash buckets per round: 1, or even (argmax over [xR; -xR]); "
+                           "clamped to L rounded up to even (L positions fill at most L buckets)",
+                           1, double(int64_t(1) << 24)),
+        ParamSpec::integer("rounds", 4, "hashing rounds, combined by their log-sum-exp", 1,
+                           double(kMaxReformerRounds)),
         ParamSpec::real("softmax_temp", std::nullopt, "scale of the scores q·k; default 1/sqrt(E)",
                         0.0)
             .exclusive_min(),

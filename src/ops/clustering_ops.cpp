@@ -1,7 +1,7 @@
 // The hashing and clustering operators of clustered attention:
 //   hash_queries(x (N,H,L,E), planes (B,E+1)) -> codes (N,H,L) int64
 //   cluster_codes(codes (N,H,L), lengths (N,)?, clusters, iterations, seed)
-//       -> (assignments (N,H,L) int64, counts (N,H,C) int64)
+//       -> (assignments (N,H,L) int64, counts (N,H,min(C, L)) int64)
 // Input checks, CPU implementations over src/kernels/{hashing,clustering},
 // the C++ entry points and the hashing reference. Neither op is
 // differentiable (integer outputs).
@@ -47,7 +47,8 @@ Tensor check_cluster_codes_inputs(const Tensor& codes, const c10::optional<Tenso
   TORCH_CHECK(codes.scalar_type() == torch::kLong, op, ": codes must be int64, got ",
               codes.scalar_type());
   TORCH_CHECK(clusters >= 1, op, ": clusters must be >= 1, got ", clusters);
-  TORCH_CHECK(iterations >= 0, op, ": iterations must be >= 0, got ", iterations);
+  TORCH_CHECK(iterations >= 0 && iterations <= kMaxClusterIterations, op,
+              ": iterations must be in [0, ", kMaxClusterIterations, "], got ", iterations);
   const int64_t N = codes.size(0), L = codes.size(2);
   Tensor len;
   if (lengths) {
@@ -97,9 +98,10 @@ std::tuple<Tensor, Tensor> cluster_codes_cpu(const Tensor& codes,
                                              int64_t iterations, int64_t seed) {
   const Tensor len = ops::check_cluster_codes_inputs(codes, lengths, clusters, iterations);
   const int64_t N = codes.size(0), H = codes.size(1), L = codes.size(2);
+  const int64_t C = ops::effective_clusters(clusters, L);
   auto cc = codes.contiguous();
   auto assignments = torch::empty({N, H, L}, codes.options());
-  auto counts = torch::empty({N, H, clusters}, codes.options());
+  auto counts = torch::empty({N, H, C}, codes.options());
   kernels::ClusterParams p;
   p.codes = cc.data_ptr<int64_t>();
   p.lengths = len.defined() ? len.data_ptr<int64_t>() : nullptr;
@@ -108,7 +110,7 @@ std::tuple<Tensor, Tensor> cluster_codes_cpu(const Tensor& codes,
   p.N = N;
   p.H = H;
   p.L = L;
-  p.C = clusters;
+  p.C = C;
   p.iterations = iterations;
   p.seed = static_cast<uint64_t>(seed);
   p.num_threads = at::get_num_threads();

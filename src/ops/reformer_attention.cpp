@@ -159,7 +159,7 @@ void fill_params(Args& a, const Prepared& p, int64_t chunk_size, bool causal, bo
   a.M = p.v.size(3);
   a.R = p.buckets.size(2);
   a.n_buckets = p.n_buckets;
-  a.chunk = chunk_size;
+  a.chunk = effective_chunk(chunk_size, p.q.size(2));
   a.causal = causal;
   a.mask_self = mask_self;
   a.scale = static_cast<T>(temp);

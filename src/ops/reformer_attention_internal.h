@@ -23,6 +23,13 @@ void check_hash_inputs(const torch::Tensor& x, const torch::Tensor& rotations);
 int64_t check_inputs(const torch::Tensor& q, const torch::Tensor& v, const torch::Tensor& buckets,
                      const c10::optional<torch::Tensor>& key_lengths, int64_t chunk_size);
 
+// The chunk the kernels use: chunk_size clamped to the sequence (one chunk
+// of L positions already covers every chunk_size >= L, and the kernels'
+// buffers are sized by the chunk).
+inline int64_t effective_chunk(int64_t chunk_size, int64_t L) {
+  return chunk_size < L ? chunk_size : (L > 1 ? L : 1);
+}
+
 // The backward's extra arguments: grad_out and out (N, H, L, M), stats (N, H, L, 2).
 void check_backward_inputs(const torch::Tensor& grad_out, const torch::Tensor& q,
                            const torch::Tensor& v, const torch::Tensor& out,

@@ -64,7 +64,8 @@ TORCH_LIBRARY(fastattn, m) {
   // 1 <= B <= 64 (last column: biases) -> (N,H,L) int64, bit b = x·w_b + bias_b > 0.
   m.def("hash_queries(Tensor x, Tensor planes) -> Tensor");
   // Hamming K-means per (n, h): codes (N,H,L) int64, lengths (N,) of valid
-  // queries -> assignments (N,H,L) int64 (-1 for padding), counts (N,H,C) int64.
+  // queries -> assignments (N,H,L) int64 (-1 for padding), counts (N,H,C) int64
+  // with C = min(clusters, max(L, 1)).
   m.def(
       "cluster_codes(Tensor codes, Tensor? lengths, int clusters, int iterations, int seed) "
       "-> (Tensor, Tensor)");

@@ -231,6 +231,25 @@ TEST(ClusterCodes, PaddingNeverAssignedAndClustersClamped) {
                   .item<bool>());
 }
 
+// A `clusters` beyond the sequence sizes nothing: counts has min(C, L)
+// columns and the assignments are those of C = L (no 2^40-column buffer).
+TEST(ClusterCodes, HugeClusterCountClampedToTheSequence) {
+  torch::manual_seed(1);
+  const int64_t L = 9;
+  auto codes = torch::randint(0, 1 << 30, {2, 2, L}, torch::kLong);
+  auto lengths = torch::tensor({9, 4}, torch::kLong);
+  auto [a_huge, c_huge] = cluster_codes(codes, lengths, int64_t(1) << 40, 5, 3);
+  auto [a_l, c_l] = cluster_codes(codes, lengths, L, 5, 3);
+  EXPECT_EQ(c_huge.sizes(), (std::vector<int64_t>{2, 2, L}));
+  EXPECT_TRUE(torch::equal(a_huge, a_l));
+  EXPECT_TRUE(torch::equal(c_huge, c_l));
+  // Fewer clusters than positions keep their own count.
+  EXPECT_EQ(std::get<1>(cluster_codes(codes, lengths, 3, 5, 3)).size(2), 3);
+  // L = 0: one (empty) column.
+  auto empty = torch::zeros({2, 2, 0}, torch::kLong);
+  EXPECT_EQ(std::get<1>(cluster_codes(empty, std::nullopt, int64_t(1) << 40, 5, 3)).size(2), 1);
+}
+
 TEST(ClusterCodes, EmptyClustersAreReseeded) {
   // Only 3 distinct codes for 6 clusters: the extra clusters are re-seeded
   // with duplicates, so every cluster still has a member.
@@ -290,7 +309,10 @@ TEST(ClusterCodes, BadInputsNameTheArgument) {
   EXPECT_ERROR_CONTAINS(cluster_codes(codes.to(torch::kInt), std::nullopt, 2, 1, 0),
                         "codes must be int64");
   EXPECT_ERROR_CONTAINS(cluster_codes(codes, std::nullopt, 0, 1, 0), "clusters must be >= 1");
-  EXPECT_ERROR_CONTAINS(cluster_codes(codes, std::nullopt, 2, -1, 0), "iterations must be >= 0");
+  EXPECT_ERROR_CONTAINS(cluster_codes(codes, std::nullopt, 2, -1, 0), "iterations must be in [0, ");
+  // Unbounded counts never ended where the majority update cycles.
+  EXPECT_ERROR_CONTAINS(cluster_codes(codes, std::nullopt, 2, kMaxClusterIterations + 1, 0),
+                        "iterations", "1000");
   EXPECT_ERROR_CONTAINS(cluster_codes(codes, torch::tensor({1, 6}), 2, 1, 0), "lengths must be in",
                         "[0, 5]");
   EXPECT_ERROR_CONTAINS(cluster_codes(codes, torch::tensor({1}), 2, 1, 0),

@@ -327,6 +327,7 @@ TEST(ReformerAttention, BadParamsNamed) {
   EXPECT_ERROR_CONTAINS(make_reformer({{"n_buckets", int64_t(0)}}), "n_buckets");
   EXPECT_ERROR_CONTAINS(make_reformer({{"chunk_size", int64_t(0)}}), "chunk_size");
   EXPECT_ERROR_CONTAINS(make_reformer({{"rounds", int64_t(0)}}), "rounds");
+  EXPECT_ERROR_CONTAINS(make_reformer({{"rounds", kMaxReformerRounds + 1}}), "rounds", "1024");
   EXPECT_ERROR_CONTAINS(make_reformer({{"softmax_temp", 0.0}}), "softmax_temp");
   EXPECT_ERROR_CONTAINS(make_reformer({{"seed", int64_t(-1)}}), "seed");
   EXPECT_ERROR_CONTAINS(make_reformer({{"bits", int64_t(8)}}), "bits");
@@ -338,6 +339,35 @@ TEST(ReformerAttention, BadParamsNamed) {
   EXPECT_ERROR_CONTAINS(
       attn->forward(q, q, v, Mask().with_attn_mask(torch::ones({10, 10}, torch::kBool))),
       "reformer", "attention mask");
+}
+
+// Sizes the inputs cannot use are clamped before anything is allocated: a
+// chunk_size past L is one chunk of L (it used to size the kernel's buffers:
+// 100000 ended the process in std::bad_alloc), an n_buckets past L is L
+// rounded up to even (the rotation matrix had n_buckets / 2 columns).
+TEST(ReformerAttention, HugeChunkAndBucketCountsClampedToTheSequence) {
+  torch::manual_seed(14);
+  const int64_t L = 9;
+  auto q = torch::randn({1, 2, L, 4}, torch::kDouble),
+       v = torch::randn({1, 2, L, 4}, torch::kDouble);
+  for (bool causal : {false, true}) {
+    auto mask = Mask().with_causal(causal);
+    auto run = [&](int64_t chunk, int64_t buckets) {
+      return make_reformer({{"seed", int64_t(5)}, {"chunk_size", chunk}, {"n_buckets", buckets}})
+          ->forward(q, q, v, mask);
+    };
+    const auto ref = run(L, L + 1);
+    EXPECT_TRUE(torch::equal(run(int64_t(1) << 62, L + 1), ref));
+    EXPECT_TRUE(torch::equal(run(L, int64_t(1) << 24), ref));
+    EXPECT_TRUE(torch::equal(run(100000, int64_t(1) << 24), ref));
+    // Below L nothing changes: a smaller chunk gives another result.
+    EXPECT_FALSE(torch::equal(run(2, L + 1), ref));
+  }
+  // The operator clamps the chunk too (its buffers were sized by it).
+  auto buckets = torch::randint(0, 4, {1, 2, 3, L}, torch::kLong);
+  EXPECT_TRUE(torch::equal(
+      reformer_attention(q, v, buckets, std::nullopt, int64_t(1) << 40, false, true, std::nullopt),
+      reformer_attention(q, v, buckets, std::nullopt, L, false, true, std::nullopt)));
 }
 
 TEST(ReformerAttention, Registered) {

@@ -44,10 +44,11 @@ std::tuple<Tensor, Tensor> cluster_codes_cuda_op(const Tensor& codes,
   const Tensor len = ops::check_cluster_codes_inputs(codes, lengths, clusters, iterations);
   const c10::cuda::CUDAGuard guard(codes.device());
   const int64_t N = codes.size(0), H = codes.size(1), L = codes.size(2);
+  const int64_t C = ops::effective_clusters(clusters, L);
   const auto cc = codes.contiguous();
   auto assignments = torch::empty({N, H, L}, codes.options());
-  auto counts = torch::empty({N, H, clusters}, codes.options());
-  auto workspace = torch::empty({cuda::cluster_codes_cuda_workspace_bytes(N, H, L, clusters)},
+  auto counts = torch::empty({N, H, C}, codes.options());
+  auto workspace = torch::empty({cuda::cluster_codes_cuda_workspace_bytes(N, H, L, C)},
                                 codes.options().dtype(torch::kByte));
   cuda::ClusterCodesCudaArgs a;
   a.codes = cc.data_ptr<int64_t>();
@@ -58,7 +59,7 @@ std::tuple<Tensor, Tensor> cluster_codes_cuda_op(const Tensor& codes,
   a.N = N;
   a.H = H;
   a.L = L;
-  a.C = clusters;
+  a.C = C;
   a.iterations = iterations;
   a.seed = static_cast<uint64_t>(seed);
   cuda::cluster_codes_cuda(a, ops::cuda::current_stream());

@@ -92,7 +92,7 @@ void fill_params(kernels::ReformerCudaParams& a, const Prepared& p, int64_t chun
   a.E = p.q.size(3);
   a.M = p.v.size(3);
   a.R = p.perm.size(2);
-  a.chunk = chunk_size;
+  a.chunk = effective_chunk(chunk_size, p.q.size(2));
   a.causal = causal;
   a.mask_self = mask_self;
   a.scale = static_cast<float>(temp);
