@@ -185,7 +185,38 @@ class GeneralizedFeatureMap : public RandomFeatureMap {
     return (f + kFloor) * (1.0 / std::sqrt(static_cast<double>(cols_)));
   }
 
+  // kernel_fn exp overflows once w·x' passes ~88 in float32 (inputs with a
+  // standard deviation of ~10 at the default temperature). As for FAVOR+,
+  // attention uses the features times exp(-c), c >= 0 taken without gradient:
+  // per query row, and per (n, h) over the kept keys, so that it cancels in
+  // the normalised attention. The floor is scaled with them.
+  Tensor forward_queries(const Tensor& x) override {
+    if (kernel_fn_ != "exp") return forward(x);
+    auto u = project(x).second;
+    return shifted_exp(u, std::get<0>(u.detach().max(-1, /*keepdim=*/true)));
+  }
+
+  Tensor forward_keys(const Tensor& x, const std::optional<Tensor>& key_keep) override {
+    if (kernel_fn_ != "exp") return forward(x);
+    auto u = project(x).second;  // (N, H, L, m)
+    if (key_keep) {
+      // Padded keys: -inf, so their features and gradients are 0 (not 0·inf).
+      const auto keep = key_keep->reshape({x.size(0), 1, x.size(2), 1});
+      u = u.masked_fill(keep.logical_not(), -std::numeric_limits<double>::infinity());
+    }
+    return shifted_exp(u,
+                       std::get<0>(u.detach().flatten(2).max(-1, /*keepdim=*/true)).unsqueeze(-1));
+  }
+
  private:
+  // (exp(u - c) + floor·exp(-c)) / sqrt(m) with c = max(offset, 0): every
+  // term <= 1 + floor, and a floor that never grows past its own size.
+  Tensor shifted_exp(const Tensor& u, const Tensor& offset) const {
+    auto c = offset.clamp_min(0.0);
+    return (torch::exp(u - c) + kFloor * torch::exp(-c)) *
+           (1.0 / std::sqrt(static_cast<double>(cols_)));
+  }
+
   static constexpr double kFloor = 1e-3;
   std::string kernel_fn_;
 };

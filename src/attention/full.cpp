@@ -15,6 +15,7 @@
 #include "fastattn/attention.h"
 #include "fastattn/ops.h"
 #include "fastattn/registry.h"
+#include "ops/op_util.h"
 
 namespace fastattn {
 
@@ -33,8 +34,8 @@ void check_attention_inputs(const torch::Tensor& queries, const torch::Tensor& k
       values.dim() == 4 && values.size(0) == N && values.size(1) == H && values.size(2) == S,
       "attention: values must have shape (N, H, S, M) = (", N, ", ", H, ", ", S, ", M), got ",
       values.sizes());
-  TORCH_CHECK(queries.is_floating_point(), "attention: queries must be floating, got ",
-              queries.scalar_type());
+  // One dtype rule for every type, whatever operators it is built from.
+  ops::check_float_dtype("attention", "queries", queries);
   TORCH_CHECK(keys.scalar_type() == queries.scalar_type(), "attention: keys must be ",
               queries.scalar_type(), " like the queries, got ", keys.scalar_type());
   TORCH_CHECK(values.scalar_type() == queries.scalar_type(), "attention: values must be ",

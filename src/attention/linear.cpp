@@ -18,6 +18,7 @@
 #include <cmath>
 
 #include "attention/builtin_types.h"
+#include "attention/normaliser_eps.h"
 #include "fastattn/attention.h"
 #include "fastattn/feature_maps.h"
 #include "fastattn/ops.h"
@@ -37,8 +38,8 @@ class NormaliseLastColumn : public torch::autograd::Function<NormaliseLastColumn
  public:
   static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& prod, double eps) {
     const int64_t M = prod.size(-1) - 1;
-    auto d = prod.narrow(-1, M, 1) + eps;  // (N, H, L, 1)
-    auto out = prod.narrow(-1, 0, M) / d;  // (N, H, L, M)
+    auto d = prod.narrow(-1, M, 1) + eps_in(eps, prod.scalar_type());  // (N, H, L, 1)
+    auto out = prod.narrow(-1, 0, M) / d;                              // (N, H, L, M)
     ctx->save_for_backward({out, d});
     return out;
   }
@@ -157,7 +158,8 @@ Tensor LinearAttention::forward(const Tensor& queries,  // (N, H, L, E)
   TORCH_CHECK(!mask.is_causal(),
               "linear: a causal mask is not supported; use the attention type 'causal-linear'");
   if (fused_elu(*feature_map_, queries)) {
-    return elu_linear_attention(queries, keys, values, mask.key_lengths(), /*causal=*/false, eps_);
+    return elu_linear_attention(queries, keys, values, mask.key_lengths(), /*causal=*/false,
+                                eps_in(eps_, queries.scalar_type()));
   }
   auto [qf, kf] = feature_mapped("linear", *feature_map_, is_training(), queries, keys, mask);
   // [phi(K)^T V | sum_j phi(K_j)] is small (F × (M + 1) per head): one product
@@ -193,7 +195,8 @@ Tensor CausalLinearAttention::forward(const Tensor& queries,  // (N, H, L, E)
               "got an attn_mask of shape ",
               mask.attn_mask()->sizes());
   if (fused_elu(*feature_map_, queries)) {
-    return elu_linear_attention(queries, keys, values, mask.key_lengths(), /*causal=*/true, eps_);
+    return elu_linear_attention(queries, keys, values, mask.key_lengths(), /*causal=*/true,
+                                eps_in(eps_, queries.scalar_type()));
   }
   auto [qf, kf] =
       feature_mapped("causal-linear", *feature_map_, is_training(), queries, keys, mask);

@@ -10,8 +10,10 @@
 #include <algorithm>
 #include <cmath>
 
+#include "attention/normaliser_eps.h"
 #include "fastattn/feature_maps.h"
 #include "fastattn/ops.h"
+#include "ops/op_util.h"
 
 namespace fastattn {
 
@@ -28,8 +30,7 @@ void check_step_inputs(const char* type, const Tensor& query, const Tensor& key,
               key.sizes());
   TORCH_CHECK(value.dim() == 3 && value.size(0) == N && value.size(1) == H, type,
               ": value must have shape (N, H, M) = (", N, ", ", H, ", M), got ", value.sizes());
-  TORCH_CHECK(query.is_floating_point(), type, ": query must be floating, got ",
-              query.scalar_type());
+  ops::check_float_dtype(type, "query", query);
   TORCH_CHECK(key.scalar_type() == query.scalar_type(), type, ": key must be ", query.scalar_type(),
               " like the query, got ", key.scalar_type());
   TORCH_CHECK(value.scalar_type() == query.scalar_type(), type, ": value must be ",
@@ -94,8 +95,9 @@ std::pair<Tensor, RecurrentState> RecurrentLinearAttention::step(const Tensor& q
     S = state.tensors[0] + torch::matmul(kf.transpose(-1, -2), value.unsqueeze(2));
     Z = state.tensors[1] + kf.squeeze(2);
   }
-  auto num = torch::matmul(qf, S).squeeze(2);                       // (N, H, M)
-  auto den = (qf.squeeze(2) * Z).sum(-1, /*keepdim=*/true) + eps_;  // (N, H, 1)
+  auto num = torch::matmul(qf, S).squeeze(2);  // (N, H, M)
+  auto den =
+      (qf.squeeze(2) * Z).sum(-1, /*keepdim=*/true) + eps_in(eps_, qf.scalar_type());  // (N, H, 1)
   return {num / den, RecurrentState{{S, Z}}};
 }
 

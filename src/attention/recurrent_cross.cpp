@@ -8,9 +8,11 @@
 // type's row for that query).
 #include <cmath>
 
+#include "attention/normaliser_eps.h"
 #include "fastattn/feature_maps.h"
 #include "fastattn/ops.h"
 #include "fastattn/recurrent.h"
+#include "ops/op_util.h"
 
 namespace fastattn {
 
@@ -28,7 +30,7 @@ void check_memory(const char* type, const Tensor& keys, const Tensor& values,
                   values.size(2) == S,
               type, ": values must have shape (N, H, S, M) = (", N, ", ", H, ", ", S,
               ", M) like the keys, got ", values.defined() ? values.sizes() : c10::IntArrayRef{});
-  TORCH_CHECK(keys.is_floating_point(), type, ": keys must be floating, got ", keys.scalar_type());
+  ops::check_float_dtype(type, "keys", keys);
   TORCH_CHECK(values.scalar_type() == keys.scalar_type(), type, ": values must be ",
               keys.scalar_type(), " like the keys, got ", values.scalar_type());
   TORCH_CHECK(values.device() == keys.device(), type, ": values must be on ", keys.device(),
@@ -127,8 +129,9 @@ Tensor RecurrentCrossLinearAttention::step(const Tensor& query,  // (N, H, E)
   TORCH_CHECK(qf.dim() == 4 && qf.size(3) == Sm.size(2), type, ": feature map '",
               feature_map_->name(), "' gave query features ", qf.sizes(), " for a memory of ",
               Sm.size(2), " features");
-  auto num = torch::matmul(qf, Sm).squeeze(2);                      // (N, H, M)
-  auto den = (qf.squeeze(2) * Z).sum(-1, /*keepdim=*/true) + eps_;  // (N, H, 1)
+  auto num = torch::matmul(qf, Sm).squeeze(2);  // (N, H, M)
+  auto den =
+      (qf.squeeze(2) * Z).sum(-1, /*keepdim=*/true) + eps_in(eps_, qf.scalar_type());  // (N, H, 1)
   return num / den;
 }
 

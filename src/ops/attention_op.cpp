@@ -26,6 +26,8 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <mutex>
+#include <new>
+#include <stdexcept>
 #include <nlohmann/json.hpp>
 
 #include "fastattn/attention.h"
@@ -66,6 +68,73 @@ void prepare_instance(torch::nn::Module& m, const at::Tensor& q) {
   if (!q.device().is_cpu()) m.to(q.device());
 }
 
+// "type 'reformer' with parameters {"rounds":2147483648}" for the messages.
+std::string type_and_params(const std::string& type, const std::string& params_json) {
+  std::string s = "type '" + type + "'";
+  if (!params_json.empty() && params_json != "{}") s += " with parameters " + params_json;
+  return s;
+}
+
+bool is_allocation_failure(const c10::Error& e) {
+  const std::string what = e.what_without_backtrace();
+  for (const char* sign : {"can't allocate memory", "Storage size calculation overflowed",
+                           "out of memory", "Out of memory"}) {
+    if (what.find(sign) != std::string::npos) return true;
+  }
+  return false;
+}
+
+// Runs fn (building and running a type); an allocation that fails (too much
+// memory asked by a parameter for these inputs) becomes one error that names
+// the type, its parameters and the inputs, rather than an allocator message
+// that names none of them.
+template <typename Fn>
+auto naming_allocation_failures(const std::string& op, const std::string& type,
+                                const std::string& params_json, const at::Tensor& q,
+                                const at::Tensor& k, const at::Tensor& v, Fn&& fn) {
+  std::string detail;
+  try {
+    return fn();
+  } catch (const std::bad_alloc&) {
+    detail = "std::bad_alloc";
+  } catch (const std::length_error& e) {
+    detail = std::string("std::length_error: ") + e.what();
+  } catch (const c10::Error& e) {
+    if (!is_allocation_failure(e)) throw;
+    detail = e.what_without_backtrace();
+  }
+  TORCH_CHECK(false, op, ": ", type_and_params(type, params_json),
+              " could not allocate the memory it needs for q ", q.sizes(), ", k ", k.sizes(),
+              ", v ", v.sizes(), " (", detail,
+              "); a parameter that sets a size (such as clusters, n_features, rounds, topk) is "
+              "too large for this machine, or the inputs are");
+}
+
+// Output that is not finite although q, k and v are (scores past the dtype's
+// range, an exponential that overflows): an error that says so, rather than
+// NaN or inf handed on silently. On the CPU only: on CUDA the check would
+// synchronise the stream at every call.
+void check_finite_result(const char* op, const std::string& type, const std::string& params_json,
+                         const at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
+                         const at::Tensor& v, at::TensorList other_inputs = {}) {
+  if (!out.device().is_cpu() || !out.is_floating_point() || out.numel() == 0) return;
+  if (torch::isfinite(out).all().item<bool>()) return;
+  auto finite = [](const at::Tensor& t) {
+    return !t.defined() || !t.is_floating_point() || torch::isfinite(t).all().item<bool>();
+  };
+  if (!finite(q) || !finite(k) || !finite(v)) return;  // non-finite in, non-finite out
+  for (const auto& t : other_inputs) {  // an additive mask (-inf drops a key), a state
+    if (t.is_floating_point() && (t.isnan().any().item<bool>() || t.isposinf().any().item<bool>()))
+      return;
+  }
+  auto largest = [](const at::Tensor& t) { return t.numel() ? t.abs().max().item<double>() : 0.0; };
+  TORCH_CHECK(false, op, ": ", type_and_params(type, params_json), " overflowed ",
+              out.scalar_type(), " on finite inputs (largest |q| = ", largest(q),
+              ", |k| = ", largest(k), ", |v| = ", largest(v),
+              "): the output would hold inf or NaN. Scale the inputs down, lower softmax_temp, "
+              "or use float64");
+}
+
 // The type's forward: `str` arguments as std::string, accepted by the
 // dispatcher on LibTorch 1.13 and 2.x alike.
 at::Tensor run_type(const std::string& type, const at::Tensor& q, const at::Tensor& k,
@@ -81,15 +150,16 @@ at::Tensor run_type(const std::string& type, const at::Tensor& q, const at::Tens
 
   // The registry names the type or parameter in its errors (unknown type,
   // unknown parameter, wrong kind, out of range).
-  AttentionPtr attn =
-      AttentionRegistry::global().build(type, parse_params(type, params_json), dims_of(q, v));
-  prepare_instance(*attn, q);
-
-  Mask mask;
-  if (causal) mask = mask.with_causal(true);
-  if (key_lengths.has_value()) mask = mask.with_key_lengths(*key_lengths);
-  if (attn_mask.has_value()) mask = mask.with_attn_mask(*attn_mask);
-  return attn->forward(q, k, v, mask);
+  const ParamMap params = parse_params(type, params_json);
+  return naming_allocation_failures("fastattn::attention", type, params_json, q, k, v, [&] {
+    AttentionPtr attn = AttentionRegistry::global().build(type, params, dims_of(q, v));
+    prepare_instance(*attn, q);
+    Mask mask;
+    if (causal) mask = mask.with_causal(true);
+    if (key_lengths.has_value()) mask = mask.with_key_lengths(*key_lengths);
+    if (attn_mask.has_value()) mask = mask.with_attn_mask(*attn_mask);
+    return attn->forward(q, k, v, mask);
+  });
 }
 
 // The default CPU generator's state, and a scope that replays from a saved
@@ -117,12 +187,16 @@ class ReplayRng {
   at::Tensor saved_;
 };
 
-std::tuple<at::Tensor, at::Tensor> attention_forward(
-    std::string type, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
-    const c10::optional<at::Tensor>& key_lengths, const c10::optional<at::Tensor>& attn_mask,
-    std::string params_json) {
+std::tuple<at::Tensor, at::Tensor> attention_forward(std::string type, const at::Tensor& q,
+                                                     const at::Tensor& k, const at::Tensor& v,
+                                                     bool causal,
+                                                     const c10::optional<at::Tensor>& key_lengths,
+                                                     const c10::optional<at::Tensor>& attn_mask,
+                                                     std::string params_json) {
   auto rng = rng_state();
   auto out = run_type(type, q, k, v, causal, key_lengths, attn_mask, params_json);
+  check_finite_result("fastattn::attention", type, params_json, out, q, k, v,
+                      attn_mask ? at::TensorList(*attn_mask) : at::TensorList());
   // An operator's output must not share memory with its inputs, and has the
   // layout its fake implementation promises (contiguous).
   if (out.is_alias_of(q) || out.is_alias_of(k) || out.is_alias_of(v)) out = out.clone();
@@ -132,8 +206,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     std::string type, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
     const at::Tensor& v, bool causal, const c10::optional<at::Tensor>& key_lengths,
-    const c10::optional<at::Tensor>& attn_mask, std::string params_json,
-    const at::Tensor& rng) {
+    const c10::optional<at::Tensor>& attn_mask, std::string params_json, const at::Tensor& rng) {
   at::AutoGradMode grad_mode(true);
   auto qd = q.detach().requires_grad_(true), kd = k.detach().requires_grad_(true),
        vd = v.detach().requires_grad_(true);
@@ -183,11 +256,10 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     auto opt = [](const c10::IValue& t) {
       return t.toTensor().defined() ? c10::optional<at::Tensor>(t.toTensor()) : c10::nullopt;
     };
-    auto [gq, gk, gv] =
-        op.call(ctx->saved_data["type"].toStringRef(), grads[0], saved[0], saved[1], saved[2],
-                ctx->saved_data["causal"].toBool(), opt(ctx->saved_data["key_lengths"]),
-                opt(ctx->saved_data["attn_mask"]), ctx->saved_data["params"].toStringRef(),
-                saved[3]);
+    auto [gq, gk, gv] = op.call(
+        ctx->saved_data["type"].toStringRef(), grads[0], saved[0], saved[1], saved[2],
+        ctx->saved_data["causal"].toBool(), opt(ctx->saved_data["key_lengths"]),
+        opt(ctx->saved_data["attn_mask"]), ctx->saved_data["params"].toStringRef(), saved[3]);
     return {at::Tensor(), gq, gk, gv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
@@ -219,11 +291,16 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> attention_step(
               " dimensions ", q.sizes());
   TORCH_CHECK(v.dim() == 3, "fastattn::attention_step: v must have shape (N, H, M), got ", v.dim(),
               " dimensions ", v.sizes());
-  auto attn = make_recurrent_attention(type, parse_params(type, params_json), dims_of(q, v));
-  prepare_instance(*attn, q);
-  RecurrentState in;
-  in.tensors.assign(state.begin(), state.end());
-  auto [out, next] = attn->step(q, k, v, in);
+  const ParamMap params = parse_params(type, params_json);
+  auto [out, next] =
+      naming_allocation_failures("fastattn::attention_step", type, params_json, q, k, v, [&] {
+        auto attn = make_recurrent_attention(type, params, dims_of(q, v));
+        prepare_instance(*attn, q);
+        RecurrentState in;
+        in.tensors.assign(state.begin(), state.end());
+        return attn->step(q, k, v, in);
+      });
+  check_finite_result("fastattn::attention_step", type, params_json, out, q, k, v, state);
   return {out, next.tensors};
 }
 

@@ -119,7 +119,9 @@ T centroid_weights(const ClusteredTopkParams<T>& a, int64_t nh, int64_t c, int64
   T mass = 0;
   for (int64_t t = 0; t < Kp; ++t) {
     if (!w.keep[t]) continue;  // also every key when lse = -inf (no kept key)
-    w.pc[t] = std::exp(a.scale * simd_dot(cen, w.ks.data() + t * E, E) - lse);
+    // <= 0 in exact arithmetic (lse is the log-sum-exp over these keys and
+    // more); rounding at large scores (|s| ~ 1e10) must not push it to +inf.
+    w.pc[t] = std::exp(std::min(T(0), a.scale * simd_dot(cen, w.ks.data() + t * E, E) - lse));
     mass += w.pc[t];
   }
   if (want_rest) {

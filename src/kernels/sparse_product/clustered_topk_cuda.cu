@@ -223,7 +223,7 @@ __global__ void __launch_bounds__(kThreads) weights_kernel(ClusteredTopkCudaArgs
       float d = 0.f;
       for (int64_t x = lane; x < E; x += 32) d += to_float(cen[x]) * to_float(k[kk * E + x]);
       d = warp_sum(d);
-      p = expf(a.scale * d - lse);
+      p = expf(fminf(a.scale * d - lse, 0.f));  // <= 0 but for rounding
     }
     if (lane == 0) pc[t] = p;
   }
