@@ -9,7 +9,10 @@
 #include <functional>
 #include <optional>
 #include <sstream>
+#include <variant>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "../tests/cpp/attention_cases.h"
 #include "fastattn/ops.h"
@@ -437,15 +440,17 @@ void fuzz_clustering(Bytes& b, Setup s) {
   FUZZ_CHECK(torch::equal(codes.masked_select(clear), ref.masked_select(clear)),
              "hash_queries disagrees with the reference");
   check_shape(asg, {s.N, s.H, s.L}, "cluster_codes assignments");
-  check_shape(counts, {s.N, s.H, C}, "cluster_codes counts");
+  // The count columns: C clamped to L (at least one).
+  const int64_t Ce = std::min(C, std::max<int64_t>(s.L, 1));
+  check_shape(counts, {s.N, s.H, Ce}, "cluster_codes counts");
   auto valid = lengths ? torch::arange(s.L).view({1, 1, s.L}) < lengths->view({s.N, 1, 1})
                        : torch::ones({s.N, 1, s.L}, torch::kBool);
   valid = valid.expand({s.N, s.H, s.L});
   FUZZ_CHECK(torch::equal(asg.ge(0), valid), "cluster_codes: -1 iff padding");
   FUZZ_CHECK(asg.lt(C).all().item<bool>(), "cluster_codes: assignment >= clusters");
-  auto onehot = torch::zeros({s.N, s.H, C + 1}, torch::kLong)
+  auto onehot = torch::zeros({s.N, s.H, Ce + 1}, torch::kLong)
                     .scatter_add_(2, (asg + 1).clamp_min(0), torch::ones_like(asg));
-  FUZZ_CHECK(torch::equal(onehot.narrow(2, 1, C), counts), "cluster_codes: counts disagree");
+  FUZZ_CHECK(torch::equal(onehot.narrow(2, 1, Ce), counts), "cluster_codes: counts disagree");
 }
 
 void fuzz_reformer(Bytes& b, Setup s) {
@@ -559,6 +564,131 @@ void fuzz_type(Bytes& b, Setup s) {
     check_close(out, reference::full_attention(t.q, t.k, t.v, std::nullopt, kl, causal), "full");
   }
   check_backward(out, {t.q, t.k, t.v}, name.c_str());
+}
+
+// ---- parameters at and past their ranges, inputs at large scales -----------
+
+// One value for a numeric parameter spec, chosen by `kind`: at the range's
+// ends, just past them, huge, tiny, negative or ordinary. `in_range` says
+// whether the spec admits it (the registry must reject it otherwise).
+ParamValue edge_value(const ParamSpec& spec, int kind, bool& in_range) {
+  const bool is_int = spec.type == ParamType::Int;
+  double x = 0;
+  switch (kind) {
+    case 0:
+      x = spec.min.value_or(1.0);
+      break;
+    case 1:
+      x = spec.max.value_or(is_int ? double(int64_t(1) << 40) : 1e30);
+      break;
+    case 2:
+      x = spec.min ? *spec.min - (is_int ? 1.0 : 1e-9) : -1.0;
+      break;
+    case 3:
+      x = spec.max ? *spec.max + (is_int ? 1.0 : 1e-9) : 1e300;
+      break;
+    case 4:
+      x = is_int ? double(int64_t(1) << 62) : 1e300;
+      break;
+    case 5:
+      x = is_int ? 1.0 : 1e-300;
+      break;
+    case 6:
+      x = -1.0;
+      break;
+    default:
+      x = is_int ? 2.0 : 0.5;
+      break;
+  }
+  in_range = true;
+  if (spec.min) in_range = in_range && (spec.min_exclusive ? x > *spec.min : x >= *spec.min);
+  if (spec.max) in_range = in_range && (spec.max_exclusive ? x < *spec.max : x <= *spec.max);
+  if (is_int) return static_cast<int64_t>(x);
+  return x;
+}
+
+// The registry operator (torch.ops.fastattn.attention) with one or two
+// parameters at or past their ranges and inputs scaled by up to 1e20. It
+// must return a finite (N, H, L, M) output or raise a c10::Error: one that
+// names the parameter when its value is out of range, and otherwise the type
+// or the parameter (a refused combination, or a size this machine cannot
+// hold); an "overflowed" refusal only for inputs or parameters near the
+// dtype's range. Nothing else may escape: no std::bad_alloc, no abort, no
+// allocation sized by a parameter rather than the inputs (libFuzzer's
+// -rss_limit_mb catches those).
+void fuzz_type_params(Bytes& b, Setup s) {
+  const auto names = cases::registered_types();
+  const auto& name = names[b.range(0, static_cast<int64_t>(names.size()) - 1)];
+  const auto type = AttentionRegistry::global().get(name);
+  const bool causal = b.flag();
+  if (causal || b.flag()) s.S = s.L;
+  static const double kFactors[] = {1.0, 1.0, 1e3, 1e7, 1e20};
+  const double factor = kFactors[b.range(0, 4)];
+  s.scale *= factor;
+  bool extreme = factor >= 1e20;
+  auto t = make_qkv(b, s, false);
+  nlohmann::json params = nlohmann::json::object();
+  std::vector<std::string> out_of_range;  // parameters given a value their spec refuses
+  for (int n = b.range(1, 2); n > 0; --n) {
+    const auto& spec = type.params[b.range(0, static_cast<int64_t>(type.params.size()) - 1)];
+    if (spec.type == ParamType::Int || spec.type == ParamType::Float) {
+      bool in_range = true;
+      const int kind = b.range(0, 7);
+      const ParamValue v = edge_value(spec, kind, in_range);
+      if (std::holds_alternative<int64_t>(v)) {
+        params[spec.name] = std::get<int64_t>(v);
+      } else {
+        params[spec.name] = std::get<double>(v);
+        extreme = extreme || std::abs(std::get<double>(v)) >= 1e10;
+      }
+      if (!in_range) out_of_range.push_back(spec.name);
+    } else if (spec.type == ParamType::Choice) {
+      const int64_t c = b.range(0, static_cast<int64_t>(spec.choices.size()));
+      if (c == static_cast<int64_t>(spec.choices.size())) {
+        params[spec.name] = "no-such-" + spec.name;
+        out_of_range.push_back(spec.name);
+      } else {
+        params[spec.name] = spec.choices[c];
+      }
+    } else if (spec.type == ParamType::Bool) {
+      params[spec.name] = b.flag();
+    }
+  }
+  // The byte of the seed of the global generator (types without their own).
+  torch::manual_seed(b.byte());
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("fastattn::attention", "")
+          .typed<Tensor(std::string, const Tensor&, const Tensor&, const Tensor&, bool,
+                        const c10::optional<Tensor>&, const c10::optional<Tensor>&, std::string)>();
+  const std::string json = params.dump();
+  Tensor out;
+  try {
+    out = op.call(name, t.q, t.k, t.v, causal, c10::nullopt, c10::nullopt, json);
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what_without_backtrace();
+    if (!out_of_range.empty()) {
+      const bool named =
+          std::any_of(out_of_range.begin(), out_of_range.end(),
+                      [&](const std::string& p) { return msg.find(p) != std::string::npos; });
+      FUZZ_CHECK(named, name << " " << json << ": the out-of-range " << out_of_range.front()
+                             << " was refused without naming it: " << msg);
+      return;
+    }
+    bool named = msg.find(name) != std::string::npos;
+    for (const auto& [key, value] : params.items())
+      named = named || msg.find(key) != std::string::npos;
+    FUZZ_CHECK(named,
+               name << " " << json << ": refused without naming the type or a parameter: " << msg);
+    FUZZ_CHECK(extreme || msg.find("overflowed") == std::string::npos,
+               name << " " << json << " at input scale " << s.scale
+                    << ": overflowed at an ordinary scale: " << msg);
+    return;
+  }
+  FUZZ_CHECK(out_of_range.empty(),
+             name << " " << json << ": accepted the out-of-range " << out_of_range.front());
+  check_shape(out, {s.N, s.H, s.L, s.M}, name.c_str());
+  FUZZ_CHECK(finite(out), name << " " << json << ": output not finite");
 }
 
 // full_attention_lse_topk: out as full attention (key lengths, not causal), lse
@@ -901,6 +1031,7 @@ const OpEntry kOps[] = {
     {"full_attention_lse_topk", fuzz_full_lse_topk},
     {"improved_clustered_attention", fuzz_improved_clustered},
     {"attention_step", fuzz_attention_step},
+    {"attention types, parameters at their limits", fuzz_type_params},
 };
 constexpr int kOpCount = sizeof(kOps) / sizeof(kOps[0]);
 

@@ -7,6 +7,11 @@
 // masks, values (finite, magnitudes up to ~1e3 so that |q·k| reaches ~1e6),
 // layouts (contiguous or not) and, sometimes, one deliberate corruption
 // (a shape, dtype, range or parameter that the operator must reject).
+// One choice, the registry operator with parameters at and past their
+// ranges (ends, one past, huge, tiny, negative, unknown choices) and inputs
+// scaled by up to 1e20, checks that out-of-range values are refused naming
+// the parameter, that other refusals name the type or a parameter, and that
+// outputs are finite (an "overflowed" refusal only near the dtype's range).
 // It calls the operator and checks:
 //   - a corrupted input raises a c10::Error; a valid one raises nothing;
 //   - the output of a valid input is finite and has the promised shape;
