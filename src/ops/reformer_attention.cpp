@@ -31,12 +31,7 @@ void check_hash_inputs(const Tensor& x, const Tensor& rotations) {
               ": x and rotations must be defined tensors");
   TORCH_CHECK(x.dim() == 4, kHashOp, ": x must have shape (N, H, L, E), got ", x.dim(),
               " dimensions ", x.sizes());
-  if (x.is_cuda()) {
-    check_float_dtype(kHashOp, "x", x);  // float32, float16 or bfloat16
-  } else {
-    TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kDouble, kHashOp,
-                ": x must be float32 or float64, got ", x.scalar_type());
-  }
+  check_float_dtype(kHashOp, "x", x);  // float32/float64 on the CPU, float32/16, bfloat16 on CUDA
   TORCH_CHECK(rotations.dim() == 3 && rotations.size(1) == x.size(3), kHashOp,
               ": rotations must have shape (R, E, n_buckets / 2) with E = ", x.size(3), ", got ",
               rotations.sizes());
@@ -57,12 +52,7 @@ int64_t check_inputs(const Tensor& q, const Tensor& v, const Tensor& buckets,
   TORCH_CHECK(q.dim() == 4, kOp, ": q must have shape (N, H, L, E), got ", q.dim(), " dimensions ",
               q.sizes());
   TORCH_CHECK(q.size(3) >= 1, kOp, ": q's head dimension E must be >= 1, got ", q.size(3));
-  if (q.is_cuda()) {
-    check_float_dtype(kOp, "q", q);  // float32, float16 or bfloat16
-  } else {
-    TORCH_CHECK(q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kDouble, kOp,
-                ": q must be float32 or float64, got ", q.scalar_type());
-  }
+  check_float_dtype(kOp, "q", q);  // float32/float64 on the CPU, float32/16, bfloat16 on CUDA
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2);
   TORCH_CHECK(v.dim() == 4 && v.size(0) == N && v.size(1) == H && v.size(2) == L, kOp,
               ": v must have shape (N, H, L, M) = (", N, ", ", H, ", ", L,
