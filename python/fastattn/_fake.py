@@ -29,9 +29,16 @@ def _out(q, v):
     return q.new_empty(q.shape[:-1] + v.shape[-1:])
 
 
-def _rows(q):
-    """(N, H, L): one value per query row."""
-    return q.new_empty(q.shape[:-1])
+def _stats_dtype(q):
+    """Saved softmax statistics (lse, normalisers): float32 for float16 and
+    bfloat16 inputs (the CUDA kernels accumulate and save them in float32),
+    q's dtype otherwise (float32, and float64 on the CPU)."""
+    return torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+
+
+def _stats(q, shape=None):
+    """(N, H, L) statistics, one per query row (or of ``shape``)."""
+    return q.new_empty(q.shape[:-1] if shape is None else shape, dtype=_stats_dtype(q))
 
 
 def register():
@@ -45,7 +52,7 @@ def register():
 
     @fake("fastattn::full_attention_forward")
     def _(q, k, v, attn_mask, key_lengths, causal, softmax_temp):
-        return _out(q, v), _rows(q)
+        return _out(q, v), _stats(q)
 
     @fake("fastattn::full_attention_backward")
     def _(grad_out, q, k, v, out, lse, attn_mask, key_lengths, causal, softmax_temp,
@@ -53,7 +60,7 @@ def register():
         return _like(q), _like(k), _like(v)
 
     def lse_topk(q, k, v, key_lengths=None, softmax_temp=None, topk=0):
-        return _out(q, v), _rows(q), q.new_empty(q.shape[:-1] + (topk,), dtype=_LONG)
+        return _out(q, v), _stats(q), q.new_empty(q.shape[:-1] + (topk,), dtype=_LONG)
 
     fake("fastattn::full_attention_lse_topk")(lse_topk)
     fake("fastattn::full_attention_lse_topk_forward")(lse_topk)
@@ -75,7 +82,7 @@ def register():
 
     @fake("fastattn::elu_linear_attention_forward")
     def _(q, k, v, key_lengths, causal, eps):
-        return _out(q, v), _rows(q)
+        return _out(q, v), _stats(q)
 
     @fake("fastattn::elu_linear_attention_backward")
     def _(grad_out, q, k, v, out, den, key_lengths, causal, eps):
@@ -120,7 +127,7 @@ def register():
         return (
             _out(q, v),
             centroids,
-            q.new_empty(q.shape[:2] + (clusters,)),
+            _stats(q, q.shape[:2] + (clusters,)),
             q.new_empty(q.shape[:2] + (clusters, v.shape[-1])),
             q.new_empty(q.shape[:2] + (clusters, topk), dtype=_LONG),
         )
@@ -138,7 +145,7 @@ def register():
 
     @fake("fastattn::hard_retrieval_attention_forward")
     def _(q, k, v, attn_mask, key_lengths, causal, sample, softmax_temp, seed, need_lse):
-        lse = _rows(q) if (sample or need_lse) else q.new_empty((0,))
+        lse = _stats(q) if (sample or need_lse) else _stats(q, (0,))
         return _out(q, v), q.new_empty(q.shape[:-1], dtype=_LONG), lse
 
     @fake("fastattn::hard_retrieval_attention_backward")
@@ -152,7 +159,7 @@ def register():
 
     @fake("fastattn::block_sparse_attention_forward")
     def _(q, k, v, pattern, params, key_lengths, causal, softmax_temp):
-        return _out(q, v), _rows(q)
+        return _out(q, v), _stats(q)
 
     @fake("fastattn::block_sparse_attention_backward")
     def _(grad_out, q, k, v, out, lse, pattern, params, key_lengths, causal, softmax_temp):

@@ -44,7 +44,7 @@ TEST(CudaSparseProduct, ClusteredTopkForwardAndGradients) {
         const auto [a, counts] = random_clusters(N, H, L, C);
         std::optional<Tensor> kl, kl_gpu;
         if (lengths) {
-          kl = torch::tensor({S, 17}, torch::kLong);
+          kl = torch::tensor({S, int64_t{17}}, torch::kLong);
           kl_gpu = kl->cuda();
         }
         const double temp = 0.3;
