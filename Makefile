@@ -96,9 +96,11 @@ test-asan: deps
 	  ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	  ./fastattn_cuda_emu_tests --gtest_brief=1; fi
 
-# On a machine with an NVIDIA GPU and a CUDA build of PyTorch: builds against
-# it, runs the CUDA backend-comparison tests and the GPU benchmarks
-# (scripts/gpu_session.sh, docs/cuda.md).
+# On a machine with an NVIDIA GPU and a CUDA build of PyTorch: the CUDA tests,
+# the CUDA opcheck and nn tests, the GPU benchmarks and an Nsight Compute
+# profile, with binaries prepared on this machine by
+# `scripts/gpu_session.sh --prepare-build PYTHON` or built there
+# (scripts/gpu_session.sh, docs/cuda.md "On a GPU machine").
 gpu-session:
 	bash scripts/gpu_session.sh
 
