@@ -36,14 +36,8 @@ def reference_layer(layer, queries, keys, values, **masks):
     return layer.out_projection(out.transpose(1, 2).reshape(queries.shape[0], queries.shape[1], -1))
 
 
-@pytest.fixture(autouse=True)
-def float64_and_seeded():
-    """Modules and tensors made in float64 (the references' precision)."""
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    torch.manual_seed(0)
-    yield
-    torch.set_default_dtype(before)
+# Modules and tensors in float64, seed 0 (tests/python/conftest.py).
+pytestmark = pytest.mark.usefixtures("float64_and_seeded")
 
 
 def test_attention_layer_matches_the_reference_with_every_mask():

@@ -1,0 +1,200 @@
+"""fast_transformers.attention: the attention layer and the inner attentions.
+
+Inner attentions take and return fast-transformers' layout ``(N, L, H, E)``
+and its masks (``attn_mask``: FullMask / TriangularCausalMask;
+``query_lengths``, ``key_lengths``: LengthMask) and run fastattn's registered
+types. Differences (docs/python.md, "compat"): attention dropout is not
+applied (a warning says so in training mode), padded queries are clustered
+with the real ones, and Reformer hashes with fastattn's angular LSH.
+"""
+
+import warnings
+
+import torch
+from torch import nn
+
+from ... import attention as _attention
+from .masking import FullMask, LengthMask, TriangularCausalMask
+
+__all__ = ["AttentionLayer", "FullAttention", "LinearAttention", "CausalLinearAttention",
+           "ClusteredAttention", "ImprovedClusteredAttention",
+           "ImprovedClusteredCausalAttention", "ReformerAttention", "ExactTopKAttention",
+           "LocalAttention", "ConditionalFullAttention"]
+
+
+def fastattn_masks(attn_mask, key_lengths, S, where):
+    """(attn_mask tensor or None, key_lengths tensor or None, causal) for fastattn."""
+    causal, mask = False, None
+    if isinstance(attn_mask, TriangularCausalMask):
+        causal = True
+    elif attn_mask is not None:
+        if not isinstance(attn_mask, FullMask) and not hasattr(attn_mask, "bool_matrix"):
+            raise TypeError("%s: attn_mask must be a fast_transformers mask, got %s"
+                            % (where, type(attn_mask).__name__))
+        if not attn_mask.all_ones:
+            if attn_mask.lower_triangular and attn_mask.shape[-1] == S:
+                causal = True
+            else:
+                mask = attn_mask.bool_matrix
+    lengths = None
+    if key_lengths is not None:
+        if not isinstance(key_lengths, LengthMask):
+            raise TypeError("%s: key_lengths must be a LengthMask, got %s"
+                            % (where, type(key_lengths).__name__))
+        if not (key_lengths.all_ones and key_lengths.max_len == S):
+            lengths = key_lengths.lengths
+    return mask, lengths, causal
+
+
+class _Inner(nn.Module):
+    """An inner attention running fastattn type ``kind`` with ``params``."""
+
+    kind = None
+
+    def __init__(self, attention_dropout=0.0, event_dispatcher="", **params):
+        super().__init__()
+        self.params = {k: v for k, v in params.items() if v is not None}
+        self.attention_dropout = float(attention_dropout)
+        self._warned = False
+
+    def _type(self):
+        return self.kind
+
+    def forward(self, queries, keys, values, attn_mask=None, query_lengths=None,
+                key_lengths=None):
+        where = type(self).__name__
+        if self.training and self.attention_dropout > 0 and not self._warned:
+            warnings.warn("%s: attention_dropout=%g is not applied by fastattn (its operators run "
+                          "the attention types without dropout)" % (where, self.attention_dropout))
+            self._warned = True
+        mask, lengths, causal = fastattn_masks(attn_mask, key_lengths, keys.shape[1], where)
+        out = _attention(self._type(), queries.transpose(1, 2), keys.transpose(1, 2),
+                         values.transpose(1, 2), causal=causal, key_lengths=lengths,
+                         attn_mask=mask, **self.params)
+        return out.transpose(1, 2).contiguous()
+
+
+class FullAttention(_Inner):
+    kind = "full"
+
+    def __init__(self, softmax_temp=None, attention_dropout=0.1, event_dispatcher=""):
+        super().__init__(attention_dropout, softmax_temp=softmax_temp)
+
+
+class _Linear(_Inner):
+    def __init__(self, query_dimensions, feature_map=None, eps=1e-6, event_dispatcher=""):
+        from .feature_maps import elu_feature_map
+
+        fmap = (feature_map or elu_feature_map)(query_dimensions)
+        super().__init__(0.0, eps=eps, **fmap.fastattn_params())
+        self.feature_map = fmap
+
+
+class LinearAttention(_Linear):
+    kind = "linear"
+
+
+class CausalLinearAttention(_Linear):
+    """Needs a TriangularCausalMask (as in fast-transformers)."""
+
+    kind = "causal-linear"
+
+
+class ClusteredAttention(_Inner):
+    kind = "clustered"
+
+    def __init__(self, clusters, iterations=10, bits=32, hash_bias=True, softmax_temp=None,
+                 attention_dropout=0.1, event_dispatcher=""):
+        super().__init__(attention_dropout, clusters=clusters, iterations=iterations, bits=bits,
+                         hash_bias=hash_bias, softmax_temp=softmax_temp)
+
+
+class ImprovedClusteredAttention(_Inner):
+    kind = "improved-clustered"
+
+    def __init__(self, clusters, iterations=10, bits=32, hash_bias=True, topk=32,
+                 softmax_temp=None, attention_dropout=0.1, event_dispatcher=""):
+        super().__init__(attention_dropout, clusters=clusters, iterations=iterations, bits=bits,
+                         hash_bias=hash_bias, topk=topk, softmax_temp=softmax_temp)
+
+
+class ImprovedClusteredCausalAttention(ImprovedClusteredAttention):
+    """Needs a TriangularCausalMask."""
+
+    kind = "causal-improved-clustered"
+
+
+class ReformerAttention(_Inner):
+    """``bits`` hash bits give 2**bits buckets (fastattn: angular LSH; at most
+    2**24, and fastattn clamps the count to the sequence length anyway, as
+    L positions fill at most L buckets)."""
+
+    kind = "reformer"
+
+    def __init__(self, chunk_size=32, bits=8, rounds=4, masked=False, softmax_temp=None,
+                 attention_dropout=0.1, event_dispatcher=""):
+        super().__init__(attention_dropout, chunk_size=chunk_size, n_buckets=2 ** min(int(bits), 24),
+                         rounds=rounds, masked=masked, softmax_temp=softmax_temp)
+
+
+class ExactTopKAttention(_Inner):
+    kind = "exact-topk"
+
+    def __init__(self, topk=32, softmax_temp=None, attention_dropout=0.1, event_dispatcher=""):
+        super().__init__(attention_dropout, topk=topk, softmax_temp=softmax_temp)
+
+
+class LocalAttention(_Inner):
+    """``local_context`` keys around each query (fastattn's ``local`` window)."""
+
+    kind = "local"
+
+    def __init__(self, local_context, softmax_temp=None, attention_dropout=0.1,
+                 event_dispatcher=""):
+        super().__init__(attention_dropout, window=local_context, softmax_temp=softmax_temp)
+
+
+class ConditionalFullAttention(_Inner):
+    """Full attention up to ``length_limit`` keys, ``other_attention`` beyond."""
+
+    def __init__(self, other_attention, length_limit=512, softmax_temp=None,
+                 attention_dropout=0.1, event_dispatcher=""):
+        if not isinstance(other_attention, _Inner) or other_attention.kind is None:
+            raise TypeError("ConditionalFullAttention: other_attention must be one of this "
+                            "module's attentions, got %s" % type(other_attention).__name__)
+        self.other = other_attention.kind
+        params = dict(other_attention.params, length_limit=length_limit)
+        super().__init__(attention_dropout, **params)
+
+    def _type(self):
+        return "conditional-full:" + self.other
+
+
+class AttentionLayer(nn.Module):
+    """Projections around an inner attention: fast-transformers'
+    ``AttentionLayer(attention, d_model, n_heads, d_keys=None, d_values=None,
+    event_dispatcher="")``, with its weight names (``query_projection``,
+    ``key_projection``, ``value_projection``, ``out_projection``,
+    ``inner_attention``)."""
+
+    def __init__(self, attention, d_model, n_heads, d_keys=None, d_values=None,
+                 event_dispatcher=""):
+        super().__init__()
+        d_keys = d_keys or (d_model // n_heads)
+        d_values = d_values or (d_model // n_heads)
+        self.inner_attention = attention
+        self.query_projection = nn.Linear(d_model, d_keys * n_heads)
+        self.key_projection = nn.Linear(d_model, d_keys * n_heads)
+        self.value_projection = nn.Linear(d_model, d_values * n_heads)
+        self.out_projection = nn.Linear(d_values * n_heads, d_model)
+        self.n_heads = n_heads
+
+    def forward(self, queries, keys, values, attn_mask, query_lengths, key_lengths):
+        N, L, _ = queries.shape
+        S = keys.shape[1]
+        H = self.n_heads
+        q = self.query_projection(queries).view(N, L, H, -1)
+        k = self.key_projection(keys).view(N, S, H, -1)
+        v = self.value_projection(values).view(N, S, H, -1)
+        out = self.inner_attention(q, k, v, attn_mask, query_lengths, key_lengths)
+        return self.out_projection(out.reshape(N, L, -1))

@@ -1,0 +1,188 @@
+"""Tests of fastattn.compat.fast_transformers: programs written against the
+published fast-transformers 0.4 API (its README quick start and docs pages)
+run unchanged, and give what fastattn's own modules give with the same
+weights; masks; recurrent twins; errors for what cannot be matched.
+
+Run: ctest -R python_tests, or
+  PYTHONPATH=python FASTATTN_LIBRARY=build/libfastattn.so /usr/bin/python3 -m pytest \
+      tests/python/test_compat_fast_transformers.py
+"""
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import fastattn.nn as fnn
+from fastattn.compat.fast_transformers.attention import AttentionLayer, FullAttention, \
+    LinearAttention
+from fastattn.compat.fast_transformers.builders import (RecurrentDecoderBuilder,
+                                                        RecurrentEncoderBuilder,
+                                                        TransformerDecoderBuilder,
+                                                        TransformerEncoderBuilder)
+from fastattn.compat.fast_transformers.feature_maps import (ActivationFunctionFeatureMap, Favor,
+                                                            elu_feature_map)
+from fastattn.compat.fast_transformers.masking import FullMask, LengthMask, TriangularCausalMask
+from test_ops import reference
+
+
+# Modules and tensors in float64, seed 0 (tests/python/conftest.py).
+pytestmark = pytest.mark.usefixtures("float64_and_seeded")
+
+
+def quick_start_builder():
+    # The README's quick start, smaller.
+    return TransformerEncoderBuilder.from_kwargs(
+        n_layers=2, n_heads=4, query_dimensions=8, value_dimensions=8,
+        feed_forward_dimensions=64)
+
+
+def test_quick_start_program_runs_every_attention_type():
+    builder = quick_start_builder()
+    x = torch.rand(2, 40, 4 * 8)
+    lengths = LengthMask(torch.tensor([40, 23]), max_len=40)
+    for kind in ["full", "linear", "clustered", "improved-clustered", "reformer", "exact-topk",
+                 "local", "conditional-full:improved-clustered"]:
+        builder.attention_type = kind
+        builder.clusters = 5
+        model = builder.get().eval()
+        y = model(x, length_mask=lengths)
+        assert y.shape == x.shape and torch.isfinite(y).all(), kind
+    for kind in ["causal-linear", "improved-causal"]:
+        builder.attention_type = kind
+        y = builder.get().eval()(x, attn_mask=TriangularCausalMask(40), length_mask=lengths)
+        assert torch.isfinite(y).all(), kind
+
+
+def test_encoder_equals_fastattn_nn_with_the_same_weights():
+    builder = quick_start_builder()
+    builder.attention_type = "full"
+    builder.dropout = 0.0
+    model = builder.get().eval()
+    ours = fnn.build_encoder(n_layers=2, n_heads=4, query_dimensions=8,
+                             feed_forward_dimensions=64).eval()
+    assert list(model.state_dict()) == list(ours.state_dict())
+    ours.load_state_dict(model.state_dict())
+    x = torch.rand(3, 17, 32)
+    lengths = torch.tensor([17, 9, 1])
+    want = ours(x, key_lengths=lengths)
+    got = model(x, length_mask=LengthMask(lengths))
+    assert (got - want).abs().max() < 1e-12
+
+
+def test_inner_attention_layout_and_masks_match_the_reference():
+    attention = FullAttention(softmax_temp=0.3).eval()
+    q, k, v = torch.randn(2, 7, 3, 5), torch.randn(2, 9, 3, 5), torch.randn(2, 9, 3, 4)
+    keep = torch.rand(7, 9) > 0.3
+    lengths = torch.tensor([9, 6])
+
+    def ref(**masks):
+        out = reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                        softmax_temp=0.3, **masks)
+        return out.transpose(1, 2)
+
+    got = attention(q, k, v, FullMask(keep), LengthMask(torch.tensor([7, 7])),
+                    LengthMask(lengths, max_len=9))
+    assert got.shape == (2, 7, 3, 4)
+    assert (got - ref(attn_mask=keep, key_lengths=lengths)).abs().max() < 1e-12
+    got = attention(q, k, v, FullMask(7, 9), None, None)
+    assert (got - ref()).abs().max() < 1e-12
+
+
+def test_masks_views():
+    m = LengthMask(torch.tensor([3, 1]), max_len=4)
+    assert m.bool_matrix.tolist() == [[True, True, True, False], [True, False, False, False]]
+    assert m.lengths.tolist() == [3, 1] and not m.all_ones
+    assert torch.equal(m.additive_matrix[1], torch.tensor([0.0, -float("inf"), -float("inf"),
+                                                           -float("inf")], dtype=torch.float32))
+    c = TriangularCausalMask(3)
+    assert c.lower_triangular and c.lengths.tolist() == [1, 2, 3]
+    f = FullMask(2, 5)
+    assert f.shape == (2, 5) and f.all_ones
+    assert FullMask(c.bool_matrix).lower_triangular
+
+
+def test_recurrent_encoder_program_decodes_the_causal_rows():
+    # A fast-transformers-style generation loop: train-time model with
+    # causal-linear attention, the recurrent builder with the same kwargs,
+    # load_state_dict, one position per call.
+    kwargs = dict(n_layers=2, n_heads=2, query_dimensions=6, value_dimensions=6,
+                  feed_forward_dimensions=24, attention_type="causal-linear", dropout=0.0)
+    model = TransformerEncoderBuilder.from_kwargs(**kwargs).get().eval()
+    recurrent = RecurrentEncoderBuilder.from_kwargs(**kwargs).get().eval()
+    recurrent.load_state_dict(model.state_dict())
+    x = torch.rand(2, 12, 12)
+    want = model(x, attn_mask=TriangularCausalMask(12))
+    memory = None
+    for i in range(12):
+        y, memory = recurrent(x[:, i], memory)
+        assert (y - want[:, i]).abs().max() < 1e-9, i
+
+
+def test_recurrent_decoder_program_decodes_the_causal_rows():
+    kwargs = dict(n_layers=2, n_heads=2, query_dimensions=4, value_dimensions=4,
+                  feed_forward_dimensions=16, self_attention_type="full",
+                  cross_attention_type="linear", dropout=0.0)
+    model = TransformerDecoderBuilder.from_kwargs(**kwargs).get().eval()
+    recurrent = RecurrentDecoderBuilder.from_kwargs(**kwargs).get().eval()
+    recurrent.load_state_dict(model.state_dict())
+    x, memory = torch.rand(2, 8, 8), torch.rand(2, 11, 8)
+    mlen = LengthMask(torch.tensor([11, 6]))
+    want = model(x, memory, x_mask=TriangularCausalMask(8), memory_length_mask=mlen)
+    state = None
+    for i in range(8):
+        y, state = recurrent(x[:, i], memory, memory_length_mask=mlen, state=state)
+        assert (y - want[:, i]).abs().max() < 1e-9, i
+
+
+def test_feature_map_factories_are_fastattn_feature_maps():
+    q, k, v = torch.randn(1, 6, 2, 8), torch.randn(1, 6, 2, 8), torch.randn(1, 6, 2, 8)
+    favor = LinearAttention(8, feature_map=Favor.factory(n_dims=16))
+    ours = fnn.Attention("linear", feature_map="favor", n_features=16, orthogonal=False)
+    want = ours(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    assert (favor(q, k, v, None, None, None) - want).abs().max() < 1e-12
+    elu = LinearAttention(8, feature_map=elu_feature_map)
+    assert torch.equal(elu(q, k, v, None, None, None), LinearAttention(8)(q, k, v, None, None,
+                                                                          None))
+    with pytest.raises(ValueError, match="elu\\(x\\) \\+ 1 .* and relu"):
+        ActivationFunctionFeatureMap.factory(lambda x: x * x)(8)
+
+
+def test_what_cannot_be_matched_is_named():
+    with pytest.raises(ValueError, match="unknown argument 'n_layer'.*n_layers"):
+        TransformerEncoderBuilder.from_kwargs(n_layer=2)
+    builder = TransformerEncoderBuilder.from_kwargs(n_layer=2, strict=False)
+    builder.attention_type = "linformer"
+    with pytest.raises(ValueError, match="attention_type 'linformer' is not available.*full"):
+        builder.get()
+    with pytest.raises(ValueError, match="attention_type 'clustered' is not available.*full"):
+        RecurrentEncoderBuilder.from_kwargs(attention_type="clustered").get()
+    layer = AttentionLayer(FullAttention(), 8, 2)
+    x = torch.rand(1, 3, 8)
+    with pytest.warns(UserWarning, match="attention_dropout=0.1 is not applied"):
+        layer(x, x, x, None, None, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer.eval()(x, x, x, None, None, None)
+
+
+def test_install_makes_import_fast_transformers_resolve_here():
+    program = (
+        "import fastattn.compat.fast_transformers as ft; ft.install()\n"
+        "import fast_transformers\n"
+        "from fast_transformers.builders import TransformerEncoderBuilder\n"
+        "from fast_transformers.masking import LengthMask\n"
+        "from fast_transformers.recurrent.transformers import RecurrentTransformerEncoder\n"
+        "assert fast_transformers is ft\n"
+        "import torch\n"
+        "m = TransformerEncoderBuilder.from_kwargs(n_layers=1, n_heads=2, query_dimensions=4,"
+        " value_dimensions=4).get()\n"
+        "print(tuple(m(torch.rand(1, 5, 8), length_mask=LengthMask(torch.tensor([3]))).shape))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                         env=dict(os.environ), timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "(1, 5, 8)"
