@@ -220,9 +220,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     grads = torch::autograd::grad({out}, {qd, kd, vd}, {grad_out}, /*retain_graph=*/false,
                                   /*create_graph=*/false, /*allow_unused=*/true);
   }
+  // Contiguous, as the fake implementation promises: autograd gives the
+  // gradient of a strided input (a transposed (N, L, H, E) projection, say)
+  // that input's strides, and inductor asserts the promised ones.
   const at::Tensor* inputs[3] = {&q, &k, &v};
   for (int i = 0; i < 3; ++i) {
-    if (!grads[i].defined()) grads[i] = torch::zeros_like(*inputs[i]);
+    grads[i] = grads[i].defined() ? grads[i].contiguous()
+                                  : at::zeros(inputs[i]->sizes(), inputs[i]->options());
   }
   return {grads[0], grads[1], grads[2]};
 }

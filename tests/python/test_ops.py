@@ -368,3 +368,23 @@ def test_readme_python_example_runs(index):
     if "torch.compile" in block and not hasattr(torch.library, "register_fake"):
         pytest.skip("torch.compile with fastattn needs torch >= 2.4")
     exec(compile(block, "README.md", "exec"), {})
+
+
+@pytest.mark.parametrize("type,params", [("full", "{}"), ("reformer", '{"seed": 1, "chunk_size": 4}'),
+                                         ("linear", "{}"), ("local", '{"window": 3}')])
+def test_registry_backward_returns_contiguous_gradients_for_strided_inputs(type, params):
+    # The fake implementation (and inductor, which asserts it) promises
+    # contiguous gradients; q, k, v are often permuted views of a projection.
+    # Reformer's autograd gave q's gradient q's strides.
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 8, 3, 4).transpose(1, 2) for _ in range(3))  # (N, H, L, E) views
+    assert not q.is_contiguous()
+    ops = torch.ops.fastattn
+    out, rng = ops.attention_forward(type, q, k, v, False, None, None, params)
+    grad_out = torch.randn_like(out)
+    grads = ops.attention_backward(type, grad_out, q, k, v, False, None, None, params, rng)
+    dense = ops.attention_backward(type, grad_out, q.contiguous(), k.contiguous(), v.contiguous(),
+                                   False, None, None, params, rng)
+    for g, d, x in zip(grads, dense, (q, k, v)):
+        assert g.shape == x.shape and g.is_contiguous(), (type, g.stride())
+        torch.testing.assert_close(g, d, rtol=1e-5, atol=1e-6)
