@@ -146,7 +146,8 @@ TEST(CudaFullAttention, LseTopk) {
     auto v = random_pair({N, H, S, M}, dtype);
     auto go = random_pair({N, H, C, M}, dtype);
     auto gl = random_pair({N, H, C}, dtype);
-    auto len = torch::tensor({S, int64_t{11}, int64_t{90}}, torch::kLong);  // row 1: fewer keys than topk
+    // Row 1: fewer keys than topk.
+    auto len = torch::tensor({S, int64_t{11}, int64_t{90}}, torch::kLong);
     const double temp = 0.25;
     auto qg = qi.to(torch::kCUDA, dtype).requires_grad_(),
          kg = ki.to(torch::kCUDA, dtype).requires_grad_(), vg = v.gpu.clone().requires_grad_();
