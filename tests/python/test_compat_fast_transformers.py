@@ -103,6 +103,9 @@ def test_masks_views():
     f = FullMask(2, 5)
     assert f.shape == (2, 5) and f.all_ones
     assert FullMask(c.bool_matrix).lower_triangular
+    # The encoders' default FullMask(L) is never materialised (10^12 bools here).
+    big = FullMask(10**6)
+    assert big.all_ones and big.shape == (10**6, 10**6) and fnn.FullMask(N=10**6).all_ones
 
 
 def test_recurrent_encoder_program_decodes_the_causal_rows():

@@ -39,13 +39,18 @@ class FullMask:
                 raise ValueError(
                     "FullMask: mask must be (L, S) or (N, L, S), got shape %s" % tuple(mask.shape)
                 )
-        elif N is not None:
-            mask = torch.ones(N, M if M is not None else N, dtype=torch.bool, device=device)
         self._mask = mask
+        # Sizes alone: every key kept; the (N, M) matrix is made only when
+        # bool_matrix is read, never to decide all_ones (an L x L bool tensor
+        # per forward at long L).
+        self._shape = (N, M if M is not None else N) if mask is None and N is not None else None
+        self._device = device
 
     @property
     def bool_matrix(self):
         """The boolean matrix (None for a mask made with no arguments)."""
+        if self._mask is None and self._shape is not None:
+            return torch.ones(self._shape, dtype=torch.bool, device=self._device)
         return self._mask
 
     @property

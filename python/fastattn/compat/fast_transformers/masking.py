@@ -8,6 +8,8 @@ them into fastattn's ``attn_mask`` / ``key_lengths`` / ``causal`` arguments.
 
 import torch
 
+from ...nn.masking import FullMask as _NnFullMask
+
 __all__ = ["BaseMask", "FullMask", "LengthMask", "TriangularCausalMask"]
 
 
@@ -52,8 +54,9 @@ class BaseMask:
         return m.dim() == 2 and m.shape[0] == m.shape[1] and torch.equal(m, m.tril())
 
 
-class FullMask(BaseMask):
-    """A boolean (N, M) attention matrix; all True when only sizes are given.
+class FullMask(_NnFullMask, BaseMask):
+    """A boolean (N, M) attention matrix; all True when only sizes are given
+    (made only if ``bool_matrix`` is read).
 
     ``FullMask(mask=None, N=None, M=None, device="cpu")``; as in
     fast-transformers, an int as the first argument is N (``FullMask(L)``).
@@ -62,18 +65,16 @@ class FullMask(BaseMask):
     def __init__(self, mask=None, N=None, M=None, device="cpu"):
         if isinstance(mask, int):  # FullMask(N), FullMask(N, M)
             mask, N, M = None, mask, (N if M is None else M)
-        if mask is None:
-            if N is None:
-                raise ValueError("FullMask: give either mask or N (and optionally M)")
-            mask = torch.ones(N, M if M is not None else N, dtype=torch.bool, device=device)
-        elif not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 2:
+        if mask is None and N is None:
+            raise ValueError("FullMask: give either mask or N (and optionally M)")
+        if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
             raise ValueError("FullMask: mask must be a 2-D bool tensor (True keeps), got %s"
                              % (tuple(mask.shape) if isinstance(mask, torch.Tensor) else mask))
-        self._mask = mask
+        super().__init__(mask, N, M, device)
 
     @property
-    def bool_matrix(self):
-        return self._mask
+    def shape(self):
+        return torch.Size(self._shape) if self._mask is None else self._mask.shape
 
 
 class LengthMask(BaseMask):
