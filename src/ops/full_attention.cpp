@@ -3,6 +3,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <limits>
+
 #include "fastattn/ops.h"
 #include "kernels/full/full_attention.h"
 #include "ops/full_attention_internal.h"
@@ -317,6 +319,59 @@ void check_lse_topk_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
   check_masks(kLseTopkOp, q, k.size(2), std::nullopt, to_std(key_lengths));
   TORCH_CHECK(topk >= 0 && topk <= k.size(2), kLseTopkOp, ": topk must be in [0, S] = [0, ",
               k.size(2), "], got ", topk);
+}
+
+Tensor stable_topk_indices(const Tensor& scores, int64_t k) {
+  const int64_t S = scores.size(-1);
+  TORCH_CHECK(k >= 1 && k <= S, "stable_topk_indices: k must be in [1, S] = [1, ", S, "], got ", k);
+  const auto t = std::get<0>(scores.topk(k, -1, /*largest=*/true, /*sorted=*/false))
+                     .amin(-1, /*keepdim=*/true);  // the k-th largest value
+  // Running count of the selected columns: all above t, then the first
+  // k - #(above t) equal to t. It steps by one exactly at a selected column.
+  auto count = scores.gt(t).cumsum(-1, torch::kInt);
+  const auto need = count.narrow(-1, S - 1, 1).neg().add_(k);
+  auto at_t = scores.eq(t).cumsum(-1, torch::kInt);
+  at::minimum_out(at_t, at_t, need);
+  count.add_(at_t);
+  at_t = Tensor();
+  auto shape = scores.sizes().vec();
+  shape.back() = k;
+  const auto targets =
+      torch::arange(1, k + 1, count.options()).expand(shape).contiguous();  // 1, ..., k
+  // Columns in increasing order; clamped for rows holding NaN (never all selected).
+  auto idx = torch::searchsorted(count, targets).clamp_max_(S - 1);
+  const auto order =
+      std::get<1>(scores.gather(-1, idx).sort(/*stable=*/true, /*dim=*/-1, /*descending=*/true));
+  return idx.gather(-1, order);
+}
+
+std::tuple<Tensor, Tensor, Tensor> full_attention_dense(const Tensor& q, const Tensor& k,
+                                                        const Tensor& v,
+                                                        const c10::optional<Tensor>& key_lengths,
+                                                        bool causal, double softmax_temp,
+                                                        int64_t topk) {
+  check_lse_topk_inputs(q, k, v, key_lengths, topk);
+  TORCH_CHECK(!causal || topk == 0, "full_attention_dense: no top-k with the causal mask");
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
+  auto scores = torch::matmul(q.to(torch::kFloat), k.to(torch::kFloat).transpose(-1, -2))
+                    .mul_(softmax_temp);  // (N, H, L, S)
+  constexpr double kMinusInf = -std::numeric_limits<double>::infinity();
+  const auto cols = torch::arange(S, q.options().dtype(torch::kLong));
+  if (key_lengths) {
+    const auto len = key_lengths->to(q.device(), torch::kLong).view({N, 1, 1, 1});
+    scores.masked_fill_(cols.view({1, 1, 1, S}).ge(len), kMinusInf);
+  }
+  if (causal) {  // query i keeps the keys j <= i + S - L
+    const auto last = torch::arange(S - L, S, cols.options()).view({L, 1});
+    scores.masked_fill_(cols.view({1, S}).gt(last), kMinusInf);
+  }
+  auto idx = topk > 0 && N * H * L > 0
+                 ? stable_topk_indices(scores, topk)
+                 : torch::empty({N, H, L, 0}, q.options().dtype(torch::kLong));
+  auto lse = scores.logsumexp(-1);  // -inf for rows without a kept key
+  scores.sub_(lse.masked_fill(lse.isinf(), 0).unsqueeze(-1)).exp_();
+  auto out = torch::matmul(scores, v.to(torch::kFloat)).to(q.scalar_type());
+  return {out, lse, idx};
 }
 
 Tensor full_attention_no_grad_entry(const Tensor& q, const Tensor& k, const Tensor& v,

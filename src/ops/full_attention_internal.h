@@ -47,6 +47,27 @@ void check_full_attention_grads(const torch::Tensor& grad_out, const torch::Tens
 void check_lse_topk_inputs(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                            const c10::optional<torch::Tensor>& key_lengths, int64_t topk);
 
+// The column indices of the k largest entries of each row of scores
+// (..., S), k in [1, S], ordered as the first k of a stable descending sort
+// (ties: lower index first; -inf entries are ordinary values). ATen only
+// (any device), no host synchronisation: the k-th largest value t from
+// topk, then the selected columns (all above t, the lowest-index ones equal
+// to t) found by binary search of their running count.
+torch::Tensor stable_topk_indices(const torch::Tensor& scores, int64_t k);
+
+// Full attention computed from the materialised float32 scores (N, H, L, S)
+// with ATen (any device): out in q's dtype, lse float32 (-inf and zero
+// output for rows without a kept key), the top-k indices (int64, topk in
+// [0, S]; not causal then). Key lengths and the causal mask (offset S - L)
+// only. The CUDA ops use it where the fused kernel would run too few blocks
+// (N·H·ceil(L/64) below the SM count: the centroids of clustering, decoding
+// one token), and for full_attention_lse_topk, whose top-k needs the scores
+// anyway.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> full_attention_dense(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+    const c10::optional<torch::Tensor>& key_lengths, bool causal, double softmax_temp,
+    int64_t topk);
+
 // The no-grad composite entries of full_attention and full_attention_lse_topk
 // (they call the _forward ops through the dispatcher): registered under CPU
 // and CUDA.

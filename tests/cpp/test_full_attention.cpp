@@ -7,6 +7,7 @@
 
 #include "fastattn/ops.h"
 #include "op_harness.h"
+#include "ops/full_attention_internal.h"
 
 namespace fastattn {
 namespace {
@@ -282,6 +283,69 @@ TEST(FullAttentionLseTopk, RowsWithFewerKeysAreCompletedAndLseIsMinusInfinity) {
   }
   EXPECT_TRUE(torch::isinf(lse[1]).all().item<bool>());
   EXPECT_EQ(out[1].abs().sum().item<double>(), 0.0);
+}
+
+// The ATen selection used by the CUDA op (ops::stable_topk_indices) on the
+// CPU: equal to the first k of a stable descending sort, on scores full of
+// ties (small integers) and -inf entries, k from 1 to S.
+TEST(FullAttentionLseTopk, StableTopkIndicesEqualAStableSort) {
+  torch::manual_seed(11);
+  for (int64_t S : {1, 7, 300}) {
+    for (auto dtype : {torch::kFloat, torch::kDouble}) {
+      auto scores = torch::randint(-3, 4, {2, 3, 5, S}).to(dtype);
+      scores.masked_fill_(torch::rand({2, 3, 5, S}) < 0.2, -INFINITY);
+      scores[0][0][0].fill_(-INFINITY);  // a row without a kept key
+      scores[0][0][1].fill_(1.0);        // a row of equal scores
+      const auto sorted = std::get<1>(scores.sort(/*stable=*/true, -1, /*descending=*/true));
+      for (int64_t k : {int64_t(1), (S + 1) / 2, S}) {
+        SCOPED_TRACE("S " + std::to_string(S) + " k " + std::to_string(k));
+        const auto idx = fastattn::ops::stable_topk_indices(scores, k);
+        EXPECT_TRUE(torch::equal(idx, sorted.narrow(-1, 0, k)));
+      }
+    }
+  }
+  EXPECT_THROW(fastattn::ops::stable_topk_indices(torch::zeros({2, 3}), 4), c10::Error);
+}
+
+// The dense form of full_attention_lse_topk_forward (the CUDA op's) against
+// the fused CPU kernel in float64: out, lse (-inf for an element without
+// keys) and indices.
+TEST(FullAttentionLseTopk, DenseFormMatchesTheFusedKernel) {
+  torch::manual_seed(5);
+  auto q = torch::randn({3, 2, 9, 16}, torch::kDouble),
+       k = torch::randn({3, 2, 130, 16}, torch::kDouble),
+       v = torch::randn({3, 2, 130, 6}, torch::kDouble);
+  const auto lengths = torch::tensor({130, 0, 41}, torch::kLong);
+  for (int64_t topk : {0, 5, 130}) {
+    SCOPED_TRACE("topk " + std::to_string(topk));
+    auto [out, lse, idx] = fastattn::ops::full_attention_dense(q, k, v, lengths, false, 0.3, topk);
+    auto [out_r, lse_r, idx_r] = full_attention_lse_topk(q, k, v, lengths, 0.3, topk);
+    EXPECT_EQ(out.scalar_type(), torch::kDouble);
+    EXPECT_EQ(lse.scalar_type(), torch::kFloat);
+    EXPECT_LT((out - out_r).abs().max().item<double>(), 1e-5);
+    EXPECT_TRUE(torch::isinf(lse[1]).all().item<bool>());
+    EXPECT_EQ(out[1].abs().sum().item<double>(), 0.0);
+    const auto kept = lse_r.isfinite();
+    EXPECT_LT((lse.to(torch::kDouble) - lse_r).masked_select(kept).abs().max().item<double>(),
+              1e-5);
+    EXPECT_TRUE(torch::equal(idx, idx_r));
+  }
+}
+
+// ... and with the causal mask (offset S - L: fewer, as many and more
+// queries than keys; rows without a key give zeros).
+TEST(FullAttentionLseTopk, DenseFormMatchesTheFusedKernelCausal) {
+  torch::manual_seed(6);
+  for (int64_t L : {3, 40, 55}) {
+    SCOPED_TRACE("L " + std::to_string(L));
+    auto q = torch::randn({2, 2, L, 8}, torch::kDouble),
+         k = torch::randn({2, 2, 40, 8}, torch::kDouble),
+         v = torch::randn({2, 2, 40, 5}, torch::kDouble);
+    const auto lengths = torch::tensor({40, 17}, torch::kLong);
+    auto out = std::get<0>(fastattn::ops::full_attention_dense(q, k, v, lengths, true, 0.5, 0));
+    auto ref = full_attention(q, k, v, std::nullopt, lengths, /*causal=*/true, 0.5);
+    EXPECT_LT((out - ref).abs().max().item<double>(), 1e-5);
+  }
 }
 
 TEST(FullAttentionLseTopk, BadInputsNameTheArgument) {

@@ -88,6 +88,9 @@ TEST(CudaFullAttention, MasksLengthsCausal) {
     compare_full(dtype, {1, 2, 100, 260, 64, 64}, true, 0, false, std::nullopt, "causal L<S");
     compare_full(dtype, {1, 2, 150, 70, 64, 64}, true, 0, false, std::nullopt, "causal L>S");
     compare_full(dtype, {3, 2, 129, 129, 64, 64}, true, 2, true, std::nullopt, "everything");
+    // Few query blocks over S >= 4096 keys: the dense route (full_attention_dense).
+    compare_full(dtype, {3, 2, 7, 4100, 64, 64}, false, 0, true, std::nullopt, "few queries");
+    compare_full(dtype, {1, 2, 3, 4100, 32, 32}, true, 0, false, 0.3, "few queries causal");
   }
 }
 

@@ -12,7 +12,9 @@
 //   seed     one block per (n, h): farthest-first seeding
 //            (inherently sequential in the C_eff centroids: per step one pass
 //            over contiguous per-thread chunks of the queries, a block max,
-//            a scan of the tie counts, the owner of the r-th tie picks it);
+//            a scan of the tie counts, the owner of the r-th tie picks it;
+//            the chunks' codes and distances sit thread-major in the
+//            workspace so each pass is coalesced and stays in L2);
 //   assign   blocks of 256 threads over tiles of 1024 queries: nearest
 //            centroid (centroids in shared memory), the per-tile member
 //            counts and bit counts (shared atomics, rows padded to 65
@@ -42,6 +44,7 @@ constexpr int kAssignThreads = 256;
 constexpr int64_t kTile = 1024;  // queries per assign block
 constexpr int kOnesStride = 65;  // bit counters per cluster in shared memory (64 + padding)
 constexpr int64_t kMaxSharedBytes = 48 * 1024;
+constexpr int64_t kMaxSeedThreads = 1024;
 
 struct SplitMix64 {
   uint64_t state;
@@ -59,19 +62,24 @@ __host__ __device__ inline int64_t num_tiles(int64_t L) { return (L + kTile - 1)
 
 // One (n, h)'s state in the workspace.
 struct State {
-  int* dist;       // (L): distance of each query to its centroid (seeding: to the nearest so far)
+  int* dist;       // (L): distance of each query to its centroid
   uint64_t* cent;  // (C): centroids
   int* cnt;        // (C): members per cluster
   int* ones;       // (C, 64): members with each bit set
   int* part_cnt;   // (tiles, C): the assign blocks' member counts
   int* part_ones;  // (tiles, C, 64): the assign blocks' bit counts
   int* flags;      // [changed, done]
+  // Seeding, thread-major (thread t's i-th query at i·threads + t, so the
+  // block's loads are coalesced): distance to the nearest centroid so far
+  // (-1: chosen) and the query's code.
+  int* seed_dist;        // (L + kMaxSeedThreads)
+  uint64_t* seed_codes;  // (L + kMaxSeedThreads)
 };
 
 __host__ __device__ inline int64_t state_bytes(int64_t L, int64_t C) {
   const int64_t T = num_tiles(L);
   return align8(L * 4) + C * 8 + align8(C * 4) + C * 64 * 4 + align8(T * C * 4) + T * C * 64 * 4 +
-         8;
+         8 + (L + kMaxSeedThreads) * 8 + align8((L + kMaxSeedThreads) * 4);
 }
 
 __host__ __device__ inline State state_of(void* workspace, int64_t nh, int64_t L, int64_t C) {
@@ -91,6 +99,10 @@ __host__ __device__ inline State state_of(void* workspace, int64_t nh, int64_t L
   s.part_ones = reinterpret_cast<int*>(p);
   p += T * C * 64 * 4;
   s.flags = reinterpret_cast<int*>(p);
+  p += 8;
+  s.seed_codes = reinterpret_cast<uint64_t*>(p);
+  p += (L + kMaxSeedThreads) * 8;
+  s.seed_dist = reinterpret_cast<int*>(p);
   return s;
 }
 
@@ -191,13 +203,20 @@ __global__ void __launch_bounds__(kSeedThreads) seed_kernel(ClusterCodesCudaArgs
   }
   if (Ce == 0) return;  // uniform
 
-  // Thread t owns the contiguous queries [q0, q1) (the ties are picked in
-  // query order: a scan over the threads' tie counts finds the r-th).
+  // Thread t owns the contiguous queries [q0, q0 + n) (the ties are picked in
+  // query order: a scan over the threads' tie counts finds the r-th), held
+  // thread-major in the workspace: its i-th at i·kSeedThreads + t.
   SplitMix64 rng{p.seed ^ (0xD1B54A32D192ED03ull * static_cast<uint64_t>(nh + 1))};  // thread 0's
   const int64_t chunk = (Lv + kSeedThreads - 1) / kSeedThreads;
-  const int64_t q0 = tid * chunk < Lv ? tid * chunk : Lv, q1 = q0 + chunk < Lv ? q0 + chunk : Lv;
-  int* dist = st.dist;
-  for (int64_t l = q0; l < q1; ++l) dist[l] = INT_MAX;
+  const int64_t q0 = tid * chunk < Lv ? tid * chunk : Lv;
+  const int64_t n = (q0 + chunk < Lv ? q0 + chunk : Lv) - q0;
+  int* dist = st.seed_dist;
+  uint64_t* mine = st.seed_codes;
+  for (int64_t l = tid; l < Lv; l += kSeedThreads) {  // coalesced reads, scattered writes
+    const int64_t at = (l % chunk) * kSeedThreads + l / chunk;
+    mine[at] = codes[l];
+    dist[at] = INT_MAX;
+  }
   if (tid == 0) s_pick = static_cast<int>(rng.below(static_cast<uint64_t>(Lv)));
   __syncthreads();
   for (int64_t j = 0; j < Ce; ++j) {
@@ -208,11 +227,12 @@ __global__ void __launch_bounds__(kSeedThreads) seed_kernel(ClusterCodesCudaArgs
     // Distances to the nearest centroid so far (-1: chosen), this thread's
     // largest and how many of its queries have it.
     int local = -1, local_n = 0;
-    for (int64_t l = q0; l < q1; ++l) {
-      int d = dist[l];
-      const int h = __popcll(codes[l] ^ centroid);
-      d = l == pick ? -1 : (h < d ? h : d);
-      dist[l] = d;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t at = i * kSeedThreads + tid;
+      const int old = dist[at];
+      const int h = __popcll(mine[at] ^ centroid);
+      const int d = q0 + i == pick ? -1 : (h < old ? h : old);
+      if (d != old) dist[at] = d;
       if (d > local) {
         local = d;
         local_n = 1;
@@ -221,18 +241,18 @@ __global__ void __launch_bounds__(kSeedThreads) seed_kernel(ClusterCodesCudaArgs
       }
     }
     const int best = block_max_int<kWarps>(local, red);
-    const int mine = local == best ? local_n : 0;
+    const int own = local == best ? local_n : 0;
     int ties = 0;
-    const int before = block_exclusive_scan<kWarps>(mine, red, &ties);
+    const int before = block_exclusive_scan<kWarps>(own, red, &ties);
     if (tid == 0) s_r = static_cast<int>(rng.below(static_cast<uint64_t>(ties)));
     __syncthreads();
     const int r = s_r;  // s_r is rewritten only after two more barriers
-    if (r >= before && r < before + mine) {
+    if (r >= before && r < before + own) {
       int left = r - before;
-      for (int64_t l = q0; l < q1; ++l) {
-        if (dist[l] != best) continue;
+      for (int64_t i = 0; i < n; ++i) {
+        if (dist[i * kSeedThreads + tid] != best) continue;
         if (left-- == 0) {
-          s_pick = static_cast<int>(l);
+          s_pick = static_cast<int>(q0 + i);
           break;
         }
       }
