@@ -20,8 +20,9 @@ root="$PWD"
 venv="${FASTATTN_VENV:-$root/.venv}"
 wheels="${FASTATTN_WHEELS:-${XDG_CACHE_HOME:-$HOME/.cache}/fastattn/wheels}"
 torch_req="${FASTATTN_TORCH:-torch}"
-# What the tests need beside torch; scikit-build-core builds the package.
-reqs=("$torch_req" numpy pytest "scikit-build-core>=0.10")
+# What the tests need beside torch (transformers: tests/python/test_hf.py, the
+# fastattn.hf backend); scikit-build-core builds the package.
+reqs=("$torch_req" numpy pytest "transformers>=5.0" "scikit-build-core>=0.10")
 
 stamp() { printf '[pip_env %s] %s\n' "$(date +%T)" "$*"; }
 

@@ -13,13 +13,33 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+try:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+except ImportError:
+    pytest.skip("transformers %s has no AttentionInterface / AttentionMaskInterface "
+                "(fastattn.hf needs 5.0+)" % transformers.__version__, allow_module_level=True)
 
 import fastattn  # noqa: E402
 import fastattn.hf as fhf  # noqa: E402
-from transformers import AttentionInterface  # noqa: E402
-from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 
 TYPES = [t["name"] for t in fastattn.attention_types()["types"]]
+
+
+def _routes(model):
+    """Whether transformers' `model` sends its attention through
+    AttentionInterface (the BERT family from 5.0, T5 from 5.15): otherwise
+    it keeps its own attention whatever attn_implementation says."""
+    import importlib
+
+    module = importlib.import_module("transformers.models.%s.modeling_%s" % (model, model))
+    return hasattr(module, "ALL_ATTENTION_FUNCTIONS")
+
+
+needs_bert = pytest.mark.skipif(not _routes("bert"), reason="transformers %s: BERT does not use "
+                                "AttentionInterface (5.0+ does)" % transformers.__version__)
+needs_t5 = pytest.mark.skipif(not _routes("t5"), reason="transformers %s: T5 does not use "
+                              "AttentionInterface (5.15+ does)" % transformers.__version__)
 
 
 def _bert_config(**kw):
@@ -54,6 +74,17 @@ def _run(model, impl, **inputs):
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out.logits
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: these models are tiny, and on a 2-core machine
+    alternating OpenMP-parallel attention ops with MKL's linear layers costs
+    milliseconds per switch (thread pools spinning against each other)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def padded_batch():
     """Token ids (3, 24) and a right-padding mask: lengths 24, 17, 5."""
@@ -77,12 +108,12 @@ def _valid_diff(got, want, mask):
 
 def test_every_type_is_registered_with_both_interfaces():
     names = {"fastattn-" + t for t in TYPES}
-    assert set(fhf.registered()) == names
+    assert names <= set(fhf.registered())
     for name in names:
         assert name in AttentionInterface._global_mapping
         assert name in AttentionMaskInterface._global_mapping
     before = {n: AttentionInterface._global_mapping[n] for n in names}
-    assert fhf.register() == sorted(names)  # idempotent
+    assert fhf.register() == fhf.registered()  # idempotent
     assert all(AttentionInterface._global_mapping[n] is f for n, f in before.items())
     with pytest.raises(ValueError, match="no-such-type"):
         fhf.register("no-such-type")
@@ -161,6 +192,7 @@ def test_masks_from_hf_passes_other_masks_on():
 # Encoders: BERT
 
 
+@needs_bert
 def test_bert_full_equals_eager_with_padding(padded_batch):
     ids, mask = padded_batch
     model = _bert()
@@ -174,6 +206,7 @@ def test_bert_full_equals_eager_with_padding(padded_batch):
     assert (got - want).abs().max().item() <= 1e-5
 
 
+@needs_bert
 def test_bert_left_padding_goes_to_full_as_a_mask(padded_batch):
     ids, mask = padded_batch
     left = mask.flip(-1)
@@ -183,6 +216,7 @@ def test_bert_left_padding_goes_to_full_as_a_mask(padded_batch):
     assert _valid_diff(got, want, left) <= 1e-5
 
 
+@needs_bert
 def test_unsupported_mask_is_a_clear_error(padded_batch):
     ids, mask = padded_batch
     model = _bert()
@@ -204,12 +238,13 @@ SMALL = {
     "linear": {},
     "reformer": {"chunk_size": 4, "n_buckets": 2, "seed": 0},
     "clusterformer": {"clusters": 3, "seed": 0},
-    "sparse-fixed": {"stride": 4},
+    "sparse-fixed": {"stride": 6, "summary": 1},
     "sparse-strided": {"stride": 4},
     "hard-retrieval": {},
 }
 
 
+@needs_bert
 @pytest.mark.parametrize("kind", sorted(SMALL))
 def test_bert_other_types_run(kind, padded_batch):
     ids, mask = padded_batch
@@ -225,9 +260,10 @@ def test_bert_other_types_run(kind, padded_batch):
     assert _valid_diff(got, want, mask) > 1e-4
 
 
+@needs_bert
 def test_fastattn_params_reach_the_type(padded_batch):
     ids, mask = padded_batch
-    model = _bert()
+    model = _bert(initializer_range=0.2)
     want = _run(model, "eager", input_ids=ids, attention_mask=mask)
     # A window covering every key is full attention; a small one is not.
     model.config.fastattn_params = {"window": 64}
@@ -243,37 +279,68 @@ def test_fastattn_params_reach_the_type(padded_batch):
     assert _valid_diff(_run(model, "fastattn-full", input_ids=ids, attention_mask=mask),
                        want, mask) <= 1e-5
     # softmax_temp from the parameters wins over the model's scaling.
-    model.config.fastattn_params = {"softmax_temp": 0.01}
+    model.config.fastattn_params = {"softmax_temp": 0.02}
     flat = _run(model, "fastattn-full", input_ids=ids, attention_mask=mask)
     assert _valid_diff(flat, want, mask) > 1e-3
     # fastattn validates them: a bad value, an unknown name.
     model.config.fastattn_params = {"clusters": 0}
     with pytest.raises(RuntimeError, match="clusters"):
         _run(model, "fastattn-improved-clustered", input_ids=ids, attention_mask=mask)
-    model.config.fastattn_params = {"window": 4}
+    model.config.fastattn_params = {"full": {"window": 4}}
     with pytest.raises(RuntimeError, match="window"):
         _run(model, "fastattn-full", input_ids=ids, attention_mask=mask)
+    # Flat entries are defaults for the types that have them: local's window
+    # does not reach full; a name no type has is refused.
+    model.config.fastattn_params = {"window": 2}
+    assert _valid_diff(_run(model, "fastattn-full", input_ids=ids, attention_mask=mask),
+                       want, mask) <= 1e-5
+    model.config.fastattn_params = {"windw": 2}
+    with pytest.raises(ValueError, match="'windw', which is a parameter of no fastattn type"):
+        _run(model, "fastattn-local", input_ids=ids, attention_mask=mask)
     model.config.fastattn_params = {"no-such-type": {"x": 1}}
     with pytest.raises(ValueError, match="no-such-type"):
         _run(model, "fastattn-full", input_ids=ids, attention_mask=mask)
 
 
+@needs_bert
+def test_decorated_type_can_be_registered(padded_batch):
+    ids, mask = padded_batch
+    name = "fastattn-conditional-full:local"
+    assert name in fhf.register("conditional-full:local")
+    assert name in AttentionInterface._global_mapping
+    assert name in AttentionMaskInterface._global_mapping
+    model = _bert(initializer_range=0.2)
+    want = _run(model, "eager", input_ids=ids, attention_mask=mask)
+    # Full attention up to length_limit keys, the inner type beyond.
+    model.config.fastattn_params = {name[len("fastattn-"):]: {"length_limit": 64, "window": 2}}
+    assert _valid_diff(_run(model, name, input_ids=ids, attention_mask=mask), want, mask) <= 1e-5
+    model.config.fastattn_params = {name[len("fastattn-"):]: {"length_limit": 8, "window": 2}}
+    assert _valid_diff(_run(model, name, input_ids=ids, attention_mask=mask), want, mask) > 1e-3
+    with pytest.raises(ValueError, match="unknown attention type 'bogus:local'"):
+        fhf.register("bogus:local")
+
+
+@needs_bert
 def test_training_backward_and_dropout(padded_batch):
     ids, mask = padded_batch
     grads = {}
+    probe = torch.randn(3, 24, 32, generator=torch.Generator().manual_seed(2))
     for impl in ("eager", "fastattn-full"):
-        model = _bert(attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0).train()
+        model = _bert(attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0,
+                      initializer_range=0.2).train()
         model.set_attn_implementation(impl)
         out = model(input_ids=ids, attention_mask=mask).last_hidden_state
-        (out * mask[..., None]).square().sum().backward()
+        (out * mask[..., None] * probe).sum().backward()
         grads[impl] = model.encoder.layer[0].attention.self.query.weight.grad
-    assert (grads["eager"] - grads["fastattn-full"]).abs().max().item() <= 1e-4
-    assert grads["eager"].abs().max().item() > 1e-3
+    scale = grads["eager"].abs().max().item()
+    assert scale > 1e-2
+    assert (grads["eager"] - grads["fastattn-full"]).abs().max().item() <= 1e-5 * scale
     model = _bert("fastattn-full", attention_probs_dropout_prob=0.1).train()
     with pytest.raises(ValueError, match=r"fastattn-full: attention dropout p=0.1"):
         model(input_ids=ids, attention_mask=mask)
 
 
+@needs_bert
 def test_from_config_takes_the_name(padded_batch):
     ids, mask = padded_batch
     cfg = _bert_config()
@@ -328,11 +395,14 @@ def test_llama_generate_with_cache_gives_eager_tokens(padded_batch, monkeypatch)
     got = model.generate(prompts, attention_mask=prompt_mask, **kw)
     assert torch.equal(got, want)
     assert (1, 17) in shapes  # decoding steps: one query over the cached keys
-    # One prompt without padding: HF builds no mask at all.
-    model.set_attn_implementation("eager")
-    want = model.generate(ids[:1, :6], **kw)
-    model.set_attn_implementation("fastattn-full")
-    assert torch.equal(model.generate(ids[:1, :6], **kw), want)
+    # One prompt without padding: HF builds no mask at all; and a static
+    # cache, whose prefill comes with keys beyond the queries (empty slots)
+    # and no mask, the causal pattern then aligned at the first key.
+    for cache in (None, "static"):
+        model.set_attn_implementation("eager")
+        want = model.generate(ids[:1, :6], cache_implementation=cache, **kw)
+        model.set_attn_implementation("fastattn-full")
+        assert torch.equal(model.generate(ids[:1, :6], cache_implementation=cache, **kw), want)
 
 
 def test_type_without_incremental_form_is_a_clear_error(padded_batch):
@@ -351,6 +421,25 @@ def test_type_without_incremental_form_is_a_clear_error(padded_batch):
         model(input_ids=ids[:1, :6])
 
 
+@pytest.mark.parametrize("kind,params", [("local", {"window": 3}),
+                                         ("sparse-strided", {"stride": 3}),
+                                         ("hard-retrieval", {})])
+def test_incremental_types_decode_as_they_recompute(kind, params, padded_batch):
+    """With the KV cache (one query over the cached keys), a type with an
+    incremental form gives the tokens of recomputing the whole sequence."""
+    ids, _ = padded_batch
+    model = _llama("fastattn-" + kind)
+    model.config.fastattn_params = params
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    cached = model.generate(ids[:2, :6], **kw)
+    assert torch.equal(cached, model.generate(ids[:2, :6], use_cache=False, **kw))
+    if kind.startswith("sparse"):  # without a stride, its default depends on L
+        model.config.fastattn_params = {}
+        with pytest.raises(ValueError, match=r"fastattn-sparse-strided: .*'stride'"):
+            model.generate(ids[:2, :6], **kw)
+
+
+@needs_t5
 def test_t5_position_bias_and_cross_attention(padded_batch):
     """An encoder-decoder with relative position biases (added to the scores
     as a float mask) and cross-attention (L != S, not causal)."""
@@ -413,7 +502,8 @@ def test_capabilities_match_fastattn(kind):
     float_mask = torch.randn(2, 2, 12, 12, generator=g)
     assert _accepts(lambda: run(attn_mask=bool_mask, causal=causal)) == \
         (caps["attn_mask"] in ("any", "bool"))
-    assert _accepts(lambda: run(attn_mask=float_mask, causal=causal)) == (caps["attn_mask"] == "any")
+    assert _accepts(lambda: run(attn_mask=float_mask, causal=causal)) == \
+        (caps["attn_mask"] == "any")
     if not causal:
         assert caps["incremental"] is False
         return
@@ -470,6 +560,54 @@ PASSAGES = [
 ]
 
 
+CORPUS = os.path.join(
+    os.environ.get("FASTATTN_CACHE") or os.path.expanduser("~/.cache/fastattn"),
+    "debian", "Translation-en")
+
+
+def _debian_passages(path, passages=300, min_words=40):
+    """The passages `fastattn approx` selects (docs/approx.md, "The corpus"):
+    short + long description, at least min_words words, repeated long
+    descriptions dropped, sorted by package name, `passages` evenly spaced."""
+    entries, cur, in_description = [], {}, False
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            line = line.rstrip("\r\n")
+            if not line:
+                if cur.get("package") and cur.get("long"):
+                    entries.append((cur["package"], cur["short"], cur["long"]))
+                cur, in_description = {}, False
+            elif line[0] in " \t":
+                text = line[1:]
+                if not in_description:
+                    continue
+                if text == ".":
+                    cur["long"] = cur.get("long", "") + "\n"
+                elif text.strip(" \t"):
+                    long = cur.get("long", "")
+                    cur["long"] = long + (" " if long and not long.endswith("\n") else "") \
+                        + text.lstrip(" \t")
+            else:
+                in_description = False
+                field, sep, value = line.partition(":")
+                if field == "Package":
+                    cur["package"] = value.strip(" \t")
+                elif field in ("Description-en", "Description"):
+                    cur["short"], in_description = value.strip(" \t"), True
+    if cur.get("package") and cur.get("long"):
+        entries.append((cur["package"], cur["short"], cur["long"]))
+    entries.sort(key=lambda e: e[0].encode())
+    seen, candidates = set(), []
+    for _, short, long in entries:
+        long = long.rstrip("\n ")
+        if len(long.split()) >= min_words and long not in seen:
+            seen.add(long)
+            candidates.append(short + "\n" + long)
+    K = len(candidates)
+    n = min(passages, K)
+    return [candidates[i * K // n] for i in range(n)]
+
+
 def _embed(model, tok, texts, impl):
     """Sentence embeddings: mean of the last hidden states over the valid
     tokens, L2-normalised (sentence-transformers' Pooling + Normalize)."""
@@ -482,7 +620,11 @@ def _embed(model, tok, texts, impl):
     return torch.nn.functional.normalize(emb, dim=-1)
 
 
+@needs_bert
 def test_minilm_sentence_embeddings():
+    """all-MiniLM-L6-v2 loaded with transformers.BertModel: fastattn-full
+    gives eager's sentence embeddings; improved-clustered with 25 clusters
+    gives docs/approx.md's figures on its corpus, within noise."""
     files = [os.path.join(MINILM, f) for f in ("model.safetensors", "config.json", "vocab.txt")]
     if not all(os.path.isfile(f) for f in files):
         pytest.skip("all-MiniLM-L6-v2 not found in %s (scripts/fetch_minilm.sh --model-only)"
@@ -490,19 +632,32 @@ def test_minilm_sentence_embeddings():
     model = transformers.BertModel.from_pretrained(MINILM).eval()
     tok = transformers.BertTokenizer.from_pretrained(MINILM)
     eager = _embed(model, tok, PASSAGES, "eager")
-    full = _embed(model, tok, PASSAGES, "fastattn-full")  # padded batch: key lengths
+    full = _embed(model, tok, PASSAGES, "fastattn-full")  # a padded batch: key lengths
     assert (eager * full).sum(-1).min().item() >= 0.99999
-    # Improved clustered with 25 clusters, one passage at a time as `fastattn
-    # approx` runs it (padding is never clustered there; fastattn.attention
-    # has no query lengths, so padded queries would join the clusters).
+
+    # Every 10th of the 300 passages of docs/approx.md when the corpus is
+    # there (scripts/fetch_minilm.sh without --model-only), else PASSAGES.
+    on_corpus = os.path.isfile(CORPUS)
+    texts = _debian_passages(CORPUS)[::10] if on_corpus else PASSAGES
+    eager = torch.cat([_embed(model, tok, texts[i:i + 8], "eager")
+                       for i in range(0, len(texts), 8)])
+    # One passage at a time, as `fastattn approx` runs it (padding is never
+    # clustered there; fastattn.attention has no query lengths, so padded
+    # queries would join the clusters). The same seed in every layer, 0.
     model.config.fastattn_params = {"seed": 0, "improved-clustered": {"clusters": 25, "topk": 32},
                                     "clustered": {"clusters": 5}}
     cos = {}
     for kind in ("improved-clustered", "clustered"):
-        emb = torch.cat([_embed(model, tok, [p], "fastattn-" + kind) for p in PASSAGES])
+        emb = torch.cat([_embed(model, tok, [t], "fastattn-" + kind) for t in texts])
         cos[kind] = (eager * emb).sum(-1)
-    # docs/approx.md: improved-clustered-25 mean cosine 0.9965, worst 0.9785
-    # over 300 passages; clustered-5 mean 0.86.
-    assert cos["improved-clustered"].mean().item() >= 0.99
-    assert cos["improved-clustered"].min().item() >= 0.97
-    assert cos["clustered"].mean().item() < cos["improved-clustered"].mean().item() - 0.02
+    improved, clustered = cos["improved-clustered"], cos["clustered"]
+    # docs/approx.md over the 300 passages: improved-clustered-25 mean cosine
+    # 0.9965, worst 0.9785; clustered-5 mean 0.8600 (the paper's pattern:
+    # improved clustered reproduces the model, clustered degrades).
+    if on_corpus:
+        assert abs(improved.mean().item() - 0.9965) <= 0.004, improved
+        assert improved.min().item() >= 0.9785 - 0.01, improved
+        assert abs(clustered.mean().item() - 0.8600) <= 0.04, clustered
+    else:  # shorter passages (about 80 tokens): closer to full, the same pattern
+        assert improved.mean().item() >= 0.99 and improved.min().item() >= 0.97, improved
+        assert clustered.mean().item() < improved.mean().item() - 0.05, clustered
