@@ -345,6 +345,30 @@ Tensor stable_topk_indices(const Tensor& scores, int64_t k) {
   return idx.gather(-1, order);
 }
 
+namespace {
+
+// a (..., M, K) · b (..., K, N) for few rows M and a long K: batched GEMMs
+// over slices of 1024 of K, summed (cuBLAS runs the plain product's few
+// output tiles over the whole K: 0.64 ms for 8 × (100 × 16384 · 16384 × 64)
+// in float32 on an H200).
+Tensor matmul_split_k(const Tensor& a, const Tensor& b) {
+  constexpr int64_t kSlice = 1024;
+  const int64_t K = a.size(-1), slices = K / kSlice, K0 = slices * kSlice;
+  if (slices < 2) return torch::matmul(a, b);
+  auto a_sizes = a.sizes().vec(), b_sizes = b.sizes().vec();
+  a_sizes.back() = kSlice;  // (..., M, K0) -> (..., M, slices, kSlice)
+  a_sizes.insert(a_sizes.end() - 1, slices);
+  b_sizes[b_sizes.size() - 2] = kSlice;  // (..., K0, N) -> (..., slices, kSlice, N)
+  b_sizes.insert(b_sizes.end() - 2, slices);
+  const auto as = a.narrow(-1, 0, K0).reshape(a_sizes).transpose(-3, -2);
+  const auto bs = b.narrow(-2, 0, K0).reshape(b_sizes);
+  auto out = torch::matmul(as, bs).sum(-3);  // (..., M, N)
+  if (K0 < K) out.add_(torch::matmul(a.narrow(-1, K0, K - K0), b.narrow(-2, K0, K - K0)));
+  return out;
+}
+
+}  // namespace
+
 std::tuple<Tensor, Tensor, Tensor> full_attention_dense(const Tensor& q, const Tensor& k,
                                                         const Tensor& v,
                                                         const c10::optional<Tensor>& key_lengths,
@@ -370,7 +394,7 @@ std::tuple<Tensor, Tensor, Tensor> full_attention_dense(const Tensor& q, const T
                  : torch::empty({N, H, L, 0}, q.options().dtype(torch::kLong));
   auto lse = scores.logsumexp(-1);  // -inf for rows without a kept key
   scores.sub_(lse.masked_fill(lse.isinf(), 0).unsqueeze(-1)).exp_();
-  auto out = torch::matmul(scores, v.to(torch::kFloat)).to(q.scalar_type());
+  auto out = matmul_split_k(scores, v.to(torch::kFloat)).to(q.scalar_type());
   return {out, lse, idx};
 }
 

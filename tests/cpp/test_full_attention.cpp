@@ -310,26 +310,30 @@ TEST(FullAttentionLseTopk, StableTopkIndicesEqualAStableSort) {
 // The dense form of full_attention_lse_topk_forward (the CUDA op's) against
 // the fused CPU kernel in float64: out, lse (-inf for an element without
 // keys) and indices.
+// S = 2500: the products over slices of 1024 keys plus the rest. Small
+// integers for q and k: exact scores in float32 and float64, with ties.
 TEST(FullAttentionLseTopk, DenseFormMatchesTheFusedKernel) {
-  torch::manual_seed(5);
-  auto q = torch::randn({3, 2, 9, 16}, torch::kDouble),
-       k = torch::randn({3, 2, 130, 16}, torch::kDouble),
-       v = torch::randn({3, 2, 130, 6}, torch::kDouble);
-  const auto lengths = torch::tensor({130, 0, 41}, torch::kLong);
-  for (int64_t topk : {0, 5, 130}) {
-    SCOPED_TRACE("topk " + std::to_string(topk));
-    auto [out, lse, idx] = fastattn::ops::full_attention_dense(q, k, v, lengths, false, 0.3, topk);
-    auto [out_r, lse_r, idx_r] = full_attention_lse_topk(q, k, v, lengths, 0.3, topk);
-    EXPECT_EQ(out.scalar_type(), torch::kDouble);
-    EXPECT_EQ(lse.scalar_type(), torch::kFloat);
-    EXPECT_LT((out - out_r).abs().max().item<double>(), 1e-5);
-    EXPECT_TRUE(torch::isinf(lse[1]).all().item<bool>());
-    EXPECT_EQ(out[1].abs().sum().item<double>(), 0.0);
-    const auto kept = lse_r.isfinite();
-    EXPECT_LT((lse.to(torch::kDouble) - lse_r).masked_select(kept).abs().max().item<double>(),
-              1e-5);
-    EXPECT_TRUE(torch::equal(idx, idx_r));
-  }
+  for (int64_t S : {130, 2500})
+    for (int64_t topk : {int64_t(0), int64_t(5), S}) {
+      SCOPED_TRACE("S " + std::to_string(S) + " topk " + std::to_string(topk));
+      torch::manual_seed(5);
+      auto q = torch::randint(-2, 3, {3, 2, 9, 16}, torch::kDouble),
+           k = torch::randint(-2, 3, {3, 2, S, 16}, torch::kDouble),
+           v = torch::randn({3, 2, S, 6}, torch::kDouble);
+      const auto lengths = torch::tensor({S, int64_t(0), int64_t(41)}, torch::kLong);
+      auto [out, lse, idx] =
+          fastattn::ops::full_attention_dense(q, k, v, lengths, false, 0.25, topk);
+      auto [out_r, lse_r, idx_r] = full_attention_lse_topk(q, k, v, lengths, 0.25, topk);
+      EXPECT_EQ(out.scalar_type(), torch::kDouble);
+      EXPECT_EQ(lse.scalar_type(), torch::kFloat);
+      EXPECT_LT((out - out_r).abs().max().item<double>(), 1e-5);
+      EXPECT_TRUE(torch::isinf(lse[1]).all().item<bool>());
+      EXPECT_EQ(out[1].abs().sum().item<double>(), 0.0);
+      const auto kept = lse_r.isfinite();
+      EXPECT_LT((lse.to(torch::kDouble) - lse_r).masked_select(kept).abs().max().item<double>(),
+                1e-5);
+      EXPECT_TRUE(torch::equal(idx, idx_r));
+    }
 }
 
 // ... and with the causal mask (offset S - L: fewer, as many and more

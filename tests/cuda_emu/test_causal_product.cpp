@@ -92,7 +92,7 @@ void check_all_shapes() {
   check_case<T>(1, 1, 1, 1, 1, 16, 5);
   check_case<T>(1, 1, 45, 40, 150, 32, 6);  // column blocks of 48 (F) and 80 (M)
   check_case<T>(1, 1, 150, 8, 16, 16, 7);   // 10 chunks: the scan's groups of 8
-  // Chunks of 64 (the ops'): the tensor-core passes for float16/bfloat16.
+  // Chunks of 64 (the ops').
   check_case<T>(1, 1, 130, 80, 150, 64, 8);  // state rows in two slices, two column blocks
   check_case<T>(2, 1, 65, 1, 3, 64, 9);      // one-column slices and blocks
 }

@@ -134,7 +134,7 @@ void check_all(bool causal) {
   check_case<T>({1, 1, 1, 1, 1, 1, causal, {}, 16}, seed++);
   check_case<T>({1, 1, 20, 20, 8, 128, causal, {}, 16}, seed++);         // M + 1 = 129: two blocks
   check_case<T>({2, 1, 150, 150, 8, 8, causal, {150, 77}, 16}, seed++);  // 10 chunks
-  // Chunks of 64 (the ops'): the tensor-core passes for float16/bfloat16.
+  // Chunks of 64 (the ops').
   check_case<T>({2, 1, 150, causal ? 150 : 130, 64, 64, causal, {150, 77}, 64}, seed++);
   check_case<T>({1, 1, 40, 40, 80, 130, causal, {}, 64}, seed++);  // two slices, two blocks
 }

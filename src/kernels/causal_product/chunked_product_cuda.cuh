@@ -32,12 +32,9 @@
 // Column blocks are BW = 16·JC wide (JC = 1..5), as few and as narrow as
 // cover Wc: 64 -> one of 64, 65 (the [V, 1] of the elu attention) -> one of
 // 80, 129 -> two of 80. Shared memory below 48 KiB (static) for every C, JC.
-// float32 storage: SIMT float32 arithmetic (operands converted on load; the
-// state always float32). float16/bfloat16 storage with C = 64 (the ops'
-// chunk) on sm_80+: passes 1 and 3 on tensor cores (chunk_sums_tc_kernel,
-// chunk_output_tc_kernel below: split bfloat16 pairs, three MMAs per
-// product, float32 accumulation, so about 16 significant bits per operand
-// against the SIMT path's 24); other chunks and older GPUs run SIMT.
+// SIMT float32 arithmetic for every dtype (operands converted on load; the
+// state always float32): the ops' products are 64-deep, where the tensor-core
+// version (fa_wmma) is the next step for float16/bfloat16 speed.
 //
 // Cost per head: passes 1 and 3 do 2·L·Wf·Wc + 2·L·C·(Wf + Wc) flops (the
 // C × C products whole, then masked; recomputed per column block of Cv);
@@ -287,223 +284,6 @@ __global__ void __launch_bounds__(kChunkThreads) chunk_output_kernel(ChunkProble
   }
 }
 
-// ---- tensor-core passes 1 and 3 (float16 / bfloat16 storage, C = 64) -----------
-// Every operand tile is held in shared memory as a pair of bfloat16 tiles,
-// hi = bf16(x) and lo = bf16(x - hi) (about 16 significant bits and float32's
-// range: the float32 state and workspaces keep nearly their precision,
-// float16 values are held exactly), and every product is three MMAs,
-// hi·hi + hi·lo + lo·hi, accumulated in float32. 4 warps; warp w owns rows
-// 16w..16w+15 of the block's 64-row outputs. Shared memory is dynamic
-// (about 60 KiB); pass 3's second phase reuses the first phase's buffers.
-
-using TcBf = __nv_bfloat16;
-constexpr int kTcThreads = 128;  // 4 warps
-constexpr int kTcC = 64;         // chunk rows
-constexpr int kTcSlice = 64;     // columns of A and B (rows of the state) per step
-constexpr int kTcLdA = kTcSlice + 8;
-using TcAcc = fa_wmma::fragment<fa_wmma::accumulator, 16, 16, 16, float>;
-
-__host__ __device__ constexpr int tc_ld_c(int JC) { return 16 * JC + 8; }
-__host__ __device__ constexpr int tc_ld_f(int JC) { return (16 * JC > kTcC ? 16 * JC : kTcC) + 4; }
-
-// Pass 1: B slice pair (C × kTcLdA), Cv pair (C × LDC), staging (C × LDF floats).
-__host__ __device__ constexpr int64_t tc_sums_bytes(int JC) {
-  return 2 * kTcC * kTcLdA * 2 + 2 * kTcC * tc_ld_c(JC) * 2 + kTcC * tc_ld_f(JC) * 4;
-}
-// Pass 3: phase 1 A, B pairs (C × kTcLdA) and the state pair (kTcSlice × LDC);
-// phase 2 the masked scores' pair (C × kTcLdA), the Cv pair and the staging.
-__host__ __device__ constexpr int64_t tc_output_bytes(int JC) {
-  return (4 * kTcC * kTcLdA * 2 + 2 * kTcSlice * tc_ld_c(JC) * 2) >
-                 (2 * kTcC * kTcLdA * 2 + 2 * kTcC * tc_ld_c(JC) * 2 + kTcC * tc_ld_f(JC) * 4)
-             ? (4 * kTcC * kTcLdA * 2 + 2 * kTcSlice * tc_ld_c(JC) * 2)
-             : (2 * kTcC * kTcLdA * 2 + 2 * kTcC * tc_ld_c(JC) * 2 + kTcC * tc_ld_f(JC) * 4);
-}
-
-// x as the pair (hi, lo) at element `at` of both tiles.
-__device__ __forceinline__ void put_split(TcBf* hi, TcBf* lo, int at, float x) {
-  const TcBf h = from_float<TcBf>(x);
-  hi[at] = h;
-  lo[at] = from_float<TcBf>(x - to_float(h));
-}
-
-// acc += A·B for 16×16 tiles of split pairs (A at ah/al with leading dim
-// lda in layout LA, B likewise): three MMAs.
-template <typename LA, typename LB>
-__device__ __forceinline__ void mma_split(TcAcc& acc, const TcBf* ah, const TcBf* al, int lda,
-                                          const TcBf* bh, const TcBf* bl, int ldb) {
-  fa_wmma::fragment<fa_wmma::matrix_a, 16, 16, 16, TcBf, LA> a_hi, a_lo;
-  fa_wmma::fragment<fa_wmma::matrix_b, 16, 16, 16, TcBf, LB> b_hi, b_lo;
-  fa_wmma::load_matrix_sync(a_hi, ah, static_cast<unsigned>(lda));
-  fa_wmma::load_matrix_sync(a_lo, al, static_cast<unsigned>(lda));
-  fa_wmma::load_matrix_sync(b_hi, bh, static_cast<unsigned>(ldb));
-  fa_wmma::load_matrix_sync(b_lo, bl, static_cast<unsigned>(ldb));
-  fa_wmma::mma_sync(acc, a_hi, b_hi, acc);
-  fa_wmma::mma_sync(acc, a_hi, b_lo, acc);
-  fa_wmma::mma_sync(acc, a_lo, b_hi, acc);
-}
-
-// Rows [r0, r0 + C) × columns [c0, c0 + width) of operand o (width a
-// multiple of 16, zeros outside) into a split pair with leading dim ld.
-template <typename T>
-__device__ __forceinline__ void load_split(TcBf* hi, TcBf* lo, int ld, const ChunkOperand& o,
-                                           int64_t nh, int64_t rows, int64_t valid, int64_t r0,
-                                           int64_t c0, int width) {
-  for (int idx = threadIdx.x; idx < kTcC * width; idx += kTcThreads) {
-    const int r = idx / width, c = idx % width;
-    put_split(hi, lo, r * ld + c, load_operand<T>(o, nh, rows, valid, r0 + r, c0 + c));
-  }
-}
-
-template <typename T, int JC>
-__device__ void chunk_sums_tc(const ChunkProblem& p) {
-  constexpr int BW = 16 * JC, LDC = tc_ld_c(JC), LDF = tc_ld_f(JC);
-  FA_DYNAMIC_SHARED(unsigned char, smem);
-  TcBf* bh = reinterpret_cast<TcBf*>(smem);
-  TcBf* bl = bh + kTcC * kTcLdA;
-  TcBf* ch = bl + kTcC * kTcLdA;
-  TcBf* cl = ch + kTcC * LDC;
-  float* fs = reinterpret_cast<float*>(cl + kTcC * LDC);
-  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-  const int64_t nh = blockIdx.z, r0 = static_cast<int64_t>(blockIdx.x) * kTcC;
-  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * BW;
-  const int64_t Wf = p.b.cols(), Wc = p.c.cols();
-  const int64_t nc = ceil_div(p.Lb, kTcC) > 0 ? ceil_div(p.Lb, kTcC) : 1;
-  const int64_t vb = valid_rows(p, p.b, nh, p.Lb), vc = valid_rows(p, p.c, nh, p.Lb);
-  load_split<T>(ch, cl, LDC, p.c, nh, p.Lb, vc, r0, m0, BW);
-  float* state = p.state + (nh * nc + blockIdx.x) * Wf * Wc;
-  for (int64_t f0 = 0; f0 < Wf; f0 += kTcSlice) {
-    const int kf = static_cast<int>(ceil_div(Wf - f0 < kTcSlice ? Wf - f0 : kTcSlice, 16)) * 16;
-    load_split<T>(bh, bl, kTcLdA, p.b, nh, p.Lb, vb, r0, f0, kf);
-    __syncthreads();
-    if (16 * warp < kf) {  // state rows f0 + 16w.. = (B_c^T)(rows) · Cv_c
-      TcAcc acc[JC];
-      for (int j = 0; j < JC; ++j) fa_wmma::fill_fragment(acc[j], 0.f);
-      for (int k = 0; k < kTcC; k += 16)
-        for (int j = 0; j < JC; ++j)
-          mma_split<fa_wmma::col_major, fa_wmma::row_major>(
-              acc[j], bh + k * kTcLdA + 16 * warp, bl + k * kTcLdA + 16 * warp, kTcLdA,
-              ch + k * LDC + 16 * j, cl + k * LDC + 16 * j, LDC);
-      float* rows = fs + 16 * warp * LDF;
-      for (int j = 0; j < JC; ++j)
-        fa_wmma::store_matrix_sync(rows + 16 * j, acc[j], LDF, fa_wmma::mem_row_major);
-      __syncwarp();
-      for (int e = lane; e < 16 * BW; e += 32) {
-        const int r = e / BW, m = e % BW;
-        const int64_t f = f0 + 16 * warp + r;
-        if (f < Wf && m0 + m < Wc) state[f * Wc + m0 + m] = rows[r * LDF + m];
-      }
-    }
-    __syncthreads();
-  }
-}
-
-template <typename T, int JC>
-__device__ void chunk_output_tc(const ChunkProblem& p) {
-  constexpr int BW = 16 * JC, LDC = tc_ld_c(JC), LDF = tc_ld_f(JC);
-  FA_DYNAMIC_SHARED(unsigned char, smem);
-  // Phase 1.
-  TcBf* ah = reinterpret_cast<TcBf*>(smem);
-  TcBf* al = ah + kTcC * kTcLdA;
-  TcBf* bh = al + kTcC * kTcLdA;
-  TcBf* bl = bh + kTcC * kTcLdA;
-  TcBf* sh = bl + kTcC * kTcLdA;
-  TcBf* sl = sh + kTcSlice * LDC;
-  // Phase 2 (the same memory).
-  TcBf* ph = reinterpret_cast<TcBf*>(smem);
-  TcBf* pl = ph + kTcC * kTcLdA;
-  TcBf* ch = pl + kTcC * kTcLdA;
-  TcBf* cl = ch + kTcC * LDC;
-  float* fs = reinterpret_cast<float*>(cl + kTcC * LDC);
-
-  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-  const int64_t nh = blockIdx.z, i0 = static_cast<int64_t>(blockIdx.x) * kTcC;
-  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * BW;
-  const int64_t Wf = p.a.cols(), Wc = p.c.cols();
-  const int64_t nc = ceil_div(p.Lb, kTcC) > 0 ? ceil_div(p.Lb, kTcC) : 1;
-  const bool full = p.mode == ChunkMode::kFull;
-  const int64_t va = valid_rows(p, p.a, nh, p.La), vb = valid_rows(p, p.b, nh, p.Lb);
-  const int64_t vc = valid_rows(p, p.c, nh, p.Lb);
-  const float* state = p.state + (nh * nc + (full ? 0 : blockIdx.x)) * Wf * Wc;
-
-  TcAcc acc[JC], sc[kTcC / 16];
-  for (int j = 0; j < JC; ++j) fa_wmma::fill_fragment(acc[j], 0.f);
-  for (int t = 0; t < kTcC / 16; ++t) fa_wmma::fill_fragment(sc[t], 0.f);
-  for (int64_t f0 = 0; f0 < Wf; f0 += kTcSlice) {
-    const int kf = static_cast<int>(ceil_div(Wf - f0 < kTcSlice ? Wf - f0 : kTcSlice, 16)) * 16;
-    if (f0 > 0) __syncthreads();  // the previous slice is consumed
-    load_split<T>(ah, al, kTcLdA, p.a, nh, p.La, va, i0, f0, kf);
-    if (!full) load_split<T>(bh, bl, kTcLdA, p.b, nh, p.Lb, vb, i0, f0, kf);
-    for (int idx = threadIdx.x; idx < kf * BW; idx += kTcThreads) {
-      const int f = idx / BW, m = idx % BW;
-      const int64_t gf = f0 + f, gm = m0 + m;
-      put_split(sh, sl, f * LDC + m, gf < Wf && gm < Wc ? state[gf * Wc + gm] : 0.f);
-    }
-    __syncthreads();
-    const TcBf* arow_h = ah + 16 * warp * kTcLdA;
-    const TcBf* arow_l = al + 16 * warp * kTcLdA;
-    for (int k = 0; k < kf; k += 16) {
-      for (int j = 0; j < JC; ++j)
-        mma_split<fa_wmma::row_major, fa_wmma::row_major>(acc[j], arow_h + k, arow_l + k, kTcLdA,
-                                                          sh + k * LDC + 16 * j,
-                                                          sl + k * LDC + 16 * j, LDC);
-      if (!full)
-        for (int t = 0; t < kTcC / 16; ++t)
-          mma_split<fa_wmma::row_major, fa_wmma::col_major>(sc[t], arow_h + k, arow_l + k, kTcLdA,
-                                                            bh + 16 * t * kTcLdA + k,
-                                                            bl + 16 * t * kTcLdA + k, kTcLdA);
-    }
-  }
-  __syncthreads();                     // phase 1's buffers are free
-  float* rows = fs + 16 * warp * LDF;  // this warp's rows of the staging
-  if (!full) {
-    // The warp's rows of the masked scores, as a split pair (read only by it).
-    for (int t = 0; t < kTcC / 16; ++t)
-      fa_wmma::store_matrix_sync(rows + 16 * t, sc[t], LDF, fa_wmma::mem_row_major);
-    __syncwarp();
-    const bool causal = p.mode == ChunkMode::kCausal;
-    for (int e = lane; e < 16 * kTcC; e += 32) {
-      const int r = e / kTcC, j = e % kTcC, i = 16 * warp + r;
-      put_split(ph, pl, i * kTcLdA + j, (causal ? j <= i : j >= i) ? rows[r * LDF + j] : 0.f);
-    }
-    load_split<T>(ch, cl, LDC, p.c, nh, p.Lb, vc, i0, m0, BW);
-    __syncthreads();
-    for (int k = 0; k < kTcC; k += 16)
-      for (int j = 0; j < JC; ++j)
-        mma_split<fa_wmma::row_major, fa_wmma::row_major>(
-            acc[j], ph + 16 * warp * kTcLdA + k, pl + 16 * warp * kTcLdA + k, kTcLdA,
-            ch + k * LDC + 16 * j, cl + k * LDC + 16 * j, LDC);
-    __syncwarp();  // the staging rows were read by the whole warp
-  }
-  for (int j = 0; j < JC; ++j)
-    fa_wmma::store_matrix_sync(rows + 16 * j, acc[j], LDF, fa_wmma::mem_row_major);
-  __syncwarp();
-  for (int e = lane; e < 16 * BW; e += 32) {
-    const int r = e / BW, m = e % BW;
-    const int64_t i = i0 + 16 * warp + r, gm = m0 + m;
-    if (i >= p.La || gm >= p.out_cols) continue;
-    float o = rows[r * LDF + m];
-    if (p.dphi)
-      o *= elu_plus_one_grad_f(
-          to_float(static_cast<const T*>(p.dphi)[(nh * p.La + i) * p.dphi_ld + gm]));
-    const int64_t at = (nh * p.La + i) * p.out_ld + gm;
-    if (p.out_is_float) {
-      static_cast<float*>(p.out)[at] = o;
-    } else {
-      static_cast<T*>(p.out)[at] = from_float<T>(o);
-    }
-  }
-}
-
-template <typename T, int JC>
-__global__ void __launch_bounds__(kTcThreads) chunk_sums_tc_kernel(ChunkProblem p) {
-  if constexpr (wmma_compiled<TcBf>()) chunk_sums_tc<T, JC>(p);
-}
-
-template <typename T, int JC>
-__global__ void __launch_bounds__(kTcThreads) chunk_output_tc_kernel(ChunkProblem p) {
-  if constexpr (wmma_compiled<TcBf>()) chunk_output_tc<T, JC>(p);
-}
-
 // Workspace floats of a product with Lb rows of B, Wf × Wc states.
 inline int64_t chunk_state_floats(int64_t NH, int64_t Lb, int64_t Wf, int64_t Wc, int chunk) {
   const int64_t nc = ceil_div(Lb, chunk);
@@ -515,22 +295,11 @@ void run_chunked_product_cj(const ChunkProblem& p, cudaStream_t stream) {
   const int64_t Wf = p.a.cols(), Wc = p.c.cols();
   const int64_t nc_real = ceil_div(p.Lb, C);
   const int64_t col_blocks = ceil_div(Wc, 16 * JC);
-  const dim3 sums_grid(static_cast<unsigned>(nc_real), static_cast<unsigned>(col_blocks),
-                       static_cast<unsigned>(p.NH));
-  const dim3 out_grid(static_cast<unsigned>(ceil_div(p.La, C)), static_cast<unsigned>(col_blocks),
-                      static_cast<unsigned>(p.NH));
-  bool tc = false;  // tensor cores: half types, 64-row chunks, an sm_80+ image
-  if constexpr (C == kTcC && !std::is_same<T, float>::value) {
-    tc = FA_USE_TENSOR_CORES(TcBf, "chunked_product", chunk_output_tc_kernel<T, JC>);
-  }
   if (nc_real > 0 && Wf > 0) {
-    if (tc) {
-      FA_SET_MAX_DYNAMIC_SHARED(tc_sums_bytes(JC), chunk_sums_tc_kernel<T, JC>);
-      FA_LAUNCH(sums_grid, dim3(kTcThreads), tc_sums_bytes(JC), stream, chunk_sums_tc_kernel<T, JC>)
-      (p);
-    } else {
-      FA_LAUNCH(sums_grid, dim3(kChunkThreads), 0, stream, chunk_sums_kernel<T, C, JC>)(p);
-    }
+    FA_LAUNCH(dim3(static_cast<unsigned>(nc_real), static_cast<unsigned>(col_blocks),
+                   static_cast<unsigned>(p.NH)),
+              dim3(kChunkThreads), 0, stream, chunk_sums_kernel<T, C, JC>)
+    (p);
     FA_CHECK_LAUNCH("chunk_sums_kernel");
   }
   if (Wf > 0) {
@@ -540,14 +309,10 @@ void run_chunked_product_cj(const ChunkProblem& p, cudaStream_t stream) {
     (p.state, p.NH, elems, nc_real, p.mode);
     FA_CHECK_LAUNCH("chunk_scan_kernel");
   }
-  if (tc) {
-    FA_SET_MAX_DYNAMIC_SHARED(tc_output_bytes(JC), chunk_output_tc_kernel<T, JC>);
-    FA_LAUNCH(out_grid, dim3(kTcThreads), tc_output_bytes(JC), stream,
-              chunk_output_tc_kernel<T, JC>)
-    (p);
-  } else {
-    FA_LAUNCH(out_grid, dim3(kChunkThreads), 0, stream, chunk_output_kernel<T, C, JC>)(p);
-  }
+  FA_LAUNCH(dim3(static_cast<unsigned>(ceil_div(p.La, C)), static_cast<unsigned>(col_blocks),
+                 static_cast<unsigned>(p.NH)),
+            dim3(kChunkThreads), 0, stream, chunk_output_kernel<T, C, JC>)
+  (p);
   FA_CHECK_LAUNCH("chunk_output_kernel");
 }
 
