@@ -324,22 +324,28 @@ void check_lse_topk_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
 Tensor stable_topk_indices(const Tensor& scores, int64_t k) {
   const int64_t S = scores.size(-1);
   TORCH_CHECK(k >= 1 && k <= S, "stable_topk_indices: k must be in [1, S] = [1, ", S, "], got ", k);
-  const auto t = std::get<0>(scores.topk(k, -1, /*largest=*/true, /*sorted=*/false))
-                     .amin(-1, /*keepdim=*/true);  // the k-th largest value
-  // Running count of the selected columns: all above t, then the first
-  // k - #(above t) equal to t. It steps by one exactly at a selected column.
-  auto count = scores.gt(t).cumsum(-1, torch::kInt);
-  const auto need = count.narrow(-1, S - 1, 1).neg().add_(k);
-  auto at_t = scores.eq(t).cumsum(-1, torch::kInt);
-  at::minimum_out(at_t, at_t, need);
-  count.add_(at_t);
-  at_t = Tensor();
-  auto shape = scores.sizes().vec();
-  shape.back() = k;
-  const auto targets =
-      torch::arange(1, k + 1, count.options()).expand(shape).contiguous();  // 1, ..., k
-  // Columns in increasing order; clamped for rows holding NaN (never all selected).
-  auto idx = torch::searchsorted(count, targets).clamp_max_(S - 1);
+  Tensor idx;  // the selected columns in increasing order
+#ifdef FASTATTN_WITH_CUDA
+  if (scores.is_cuda()) idx = stable_topk_select_cuda(scores, k);
+#endif
+  if (!idx.defined()) {
+    const auto t = std::get<0>(scores.topk(k, -1, /*largest=*/true, /*sorted=*/false))
+                       .amin(-1, /*keepdim=*/true);  // the k-th largest value
+    // Running count of the selected columns: all above t, then the first
+    // k - #(above t) equal to t. It steps by one exactly at a selected column.
+    auto count = scores.gt(t).cumsum(-1, torch::kInt);
+    const auto need = count.narrow(-1, S - 1, 1).neg().add_(k);
+    auto at_t = scores.eq(t).cumsum(-1, torch::kInt);
+    at::minimum_out(at_t, at_t, need);
+    count.add_(at_t);
+    at_t = Tensor();
+    auto shape = scores.sizes().vec();
+    shape.back() = k;
+    const auto targets =
+        torch::arange(1, k + 1, count.options()).expand(shape).contiguous();  // 1, ..., k
+    // Clamped for rows holding NaN (never all selected).
+    idx = torch::searchsorted(count, targets).clamp_max_(S - 1);
+  }
   const auto order =
       std::get<1>(scores.gather(-1, idx).sort(/*stable=*/true, /*dim=*/-1, /*descending=*/true));
   return idx.gather(-1, order);

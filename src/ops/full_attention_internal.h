@@ -49,11 +49,20 @@ void check_lse_topk_inputs(const torch::Tensor& q, const torch::Tensor& k, const
 
 // The column indices of the k largest entries of each row of scores
 // (..., S), k in [1, S], ordered as the first k of a stable descending sort
-// (ties: lower index first; -inf entries are ordinary values). ATen only
-// (any device), no host synchronisation: the k-th largest value t from
-// topk, then the selected columns (all above t, the lowest-index ones equal
-// to t) found by binary search of their running count.
+// (ties: lower index first; -inf entries are ordinary values), with no host
+// synchronisation. The selected columns are all above the k-th largest value
+// t and the lowest-index ones equal to t: on the CPU (any device) with ATen
+// (t from topk, the columns by binary search of their running count), on
+// CUDA by one kernel (radix select of t, ordered compaction); then the k are
+// sorted.
 torch::Tensor stable_topk_indices(const torch::Tensor& scores, int64_t k);
+
+#ifdef FASTATTN_WITH_CUDA
+// Its selection on CUDA (cuda/full_attention_cuda.cpp, the kernel of
+// src/kernels/sparse_product/stable_topk_cuda.cu): the k columns of each row
+// of float32 scores (..., S) in increasing column order, int64.
+torch::Tensor stable_topk_select_cuda(const torch::Tensor& scores, int64_t k);
+#endif
 
 // Full attention computed from the materialised float32 scores (N, H, L, S)
 // with ATen (any device): out in q's dtype, lse float32 (-inf and zero

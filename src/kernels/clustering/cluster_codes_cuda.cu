@@ -32,6 +32,7 @@
 
 #include <climits>
 
+#include "kernels/common/block_scan.cuh"
 #include "kernels/common/cuda_compat.cuh"
 
 namespace fastattn::cuda {
@@ -155,30 +156,6 @@ __device__ unsigned long long block_max_u64(unsigned long long x, unsigned long 
   }
   __syncthreads();
   return r;
-}
-
-// Exclusive prefix sum of x over the block's threads in thread order; *total
-// gets the sum.
-template <int kWarps>
-__device__ int block_exclusive_scan(int x, int* red, int* total) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int incl = x;
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += y;
-  }
-  if (lane == 31) red[warp] = incl;
-  __syncthreads();
-  const int t = lane < kWarps ? red[lane] : 0;
-  int ti = t;  // inclusive scan of the warp totals across the lanes
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, ti, o);
-    if (lane >= o) ti += y;
-  }
-  *total = __shfl_sync(0xffffffffu, ti, 31);
-  const int before = __shfl_sync(0xffffffffu, ti - t, warp);
-  __syncthreads();
-  return before + incl - x;
 }
 
 // ---- seeding ------------------------------------------------------------------------
@@ -326,6 +303,19 @@ __global__ void __launch_bounds__(kAssignThreads) assign_kernel(ClusterCodesCuda
 
 // ---- finalisation: re-seeding, counts, convergence, centroid update ---------------
 
+// x[0] + x[stride] + ... (n terms), eight loads in flight at a time.
+__device__ __forceinline__ int sum_tiles(const int* x, int64_t stride, int64_t n) {
+  int s = 0;
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) {
+    int v[8];
+    for (int u = 0; u < 8; ++u) v[u] = x[(t + u) * stride];
+    for (int u = 0; u < 8; ++u) s += v[u];
+  }
+  for (; t < n; ++t) s += x[t * stride];
+  return s;
+}
+
 // remaining: assignments still queued after this one; check: stop when the
 // assignment changed nothing (not after the first, as in the CPU kernel).
 template <int kFinalThreads>
@@ -341,16 +331,9 @@ __global__ void __launch_bounds__(kFinalThreads)
   int64_t Lv, Ce;
   valid_sizes(p, nh, &Lv, &Ce);
   const int64_t Tv = (Lv + kTile - 1) / kTile;  // tiles holding valid queries
-  for (int64_t c = tid; c < Ce; c += kFinalThreads) {
-    int s = 0;
-    for (int64_t t = 0; t < Tv; ++t) s += st.part_cnt[t * C + c];
-    st.cnt[c] = s;
-  }
-  for (int64_t i = tid; i < Ce * 64; i += kFinalThreads) {
-    int s = 0;
-    for (int64_t t = 0; t < Tv; ++t) s += st.part_ones[t * C * 64 + i];
-    st.ones[i] = s;
-  }
+  for (int64_t c = tid; c < Ce; c += kFinalThreads) st.cnt[c] = sum_tiles(st.part_cnt + c, C, Tv);
+  for (int64_t i = tid; i < Ce * 64; i += kFinalThreads)
+    st.ones[i] = sum_tiles(st.part_ones + i, C * 64, Tv);
   if (tid == 0) s_changed = st.flags[0];
   __syncthreads();
   const uint64_t* codes = reinterpret_cast<const uint64_t*>(p.codes + nh * L);
@@ -389,12 +372,13 @@ __global__ void __launch_bounds__(kFinalThreads)
     if ((check && !changed) || remaining == 0) st.flags[1] = 1;
   }
   if ((check && !changed) || remaining == 0) return;  // uniform
-  for (int64_t c = tid; c < Ce; c += kFinalThreads) {
-    uint64_t centroid = 0;
-    for (int b = 0; b < 64; ++b)
-      centroid |= static_cast<uint64_t>(2 * static_cast<int64_t>(st.ones[c * 64 + b]) > st.cnt[c])
-                  << b;
-    st.cent[c] = centroid;
+  // Thread i: bit i % 64 of centroid i / 64; a warp's ballot is one half of
+  // a centroid (Ce·64 and the block are multiples of 32: whole warps).
+  unsigned* halves = reinterpret_cast<unsigned*>(st.cent);  // little-endian halves
+  for (int64_t i = tid; i < Ce * 64; i += kFinalThreads) {
+    const unsigned bits =
+        __ballot_sync(0xffffffffu, 2 * static_cast<int64_t>(st.ones[i]) > st.cnt[i / 64]);
+    if ((tid & 31) == 0) halves[i / 32] = bits;
   }
 }
 
