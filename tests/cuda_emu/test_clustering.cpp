@@ -97,6 +97,12 @@ TEST(ClusteredEmuClusterCodes, SeveralAssignmentTilesWithLengths) {
   check_cluster(2, 1, 2100, 6, 3, {2100, 1500}, Codes::kPrototypes, 11);
 }
 
+TEST(ClusteredEmuClusterCodes, SeedingTenQueriesPerThread) {
+  // 1024-thread seeding with 10 and 9 queries per thread (thread-major in the
+  // workspace), few distinct codes: ties in the farthest-first picks.
+  check_cluster(2, 1, 10000, 9, 1, {10000, 8500}, Codes::kFewDistinct, 12);
+}
+
 TEST(ClusteredEmuClusterCodes, LongSequenceTablePath) {
   check_cluster(1, 1, 1100, 12, 4, {}, Codes::kPrototypes, 10);
 }

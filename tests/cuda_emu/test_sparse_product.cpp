@@ -165,6 +165,13 @@ void check_topk(const Case& cs) {
   fc.out = out_ref.data();
   fastattn::kernels::clustered_topk_forward_cpu(fc);
   expect_close(to_double(out), out_ref, tol_for<T>(), "out");
+  // Again with the grouping that call left in the workspace (as
+  // cluster_means_cuda leaves it for the improved op): the same output.
+  std::vector<T> out_grouped(NH * L * M, fastattn::cuda::from_float<T>(0.f));
+  fa.out = out_grouped.data();
+  fa.grouped = true;
+  fastattn::cuda::clustered_topk_forward_cuda(fa, nullptr);
+  EXPECT_EQ(to_double(out_grouped), to_double(out)) << "forward on a grouped workspace";
 
   // Backward.
   std::vector<float> gq(NH * L * E, 0.f), gk(NH * S * E, 0.f), gv(NH * S * M, 0.f),

@@ -59,6 +59,7 @@ TEST(CudaEmuStableTopk, MatchesAStableSort) {
   uint32_t seed = 1;
   for (int64_t S : {1, 7, 256, 300, 1000, 2500})
     for (int64_t k : {int64_t(1), std::min<int64_t>(S, 32), (S + 1) / 2, S}) check(5, S, k, seed++);
+  check(4, 25000, 32, seed++);  // above the 24k columns staged in shared memory
 }
 
 }  // namespace

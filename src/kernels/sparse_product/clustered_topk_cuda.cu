@@ -666,7 +666,7 @@ void clustered_topk_forward_cuda(const ClusteredTopkForwardCudaArgs& a, cudaStre
   const int64_t NH = a.N * a.H;
   if (NH == 0 || a.L == 0 || a.M == 0 || a.C == 0) return;
   const Workspace w = carve(a.workspace, NH, a.L, a.C, a.K, a.M, nullptr);
-  launch_group(a.assignments, NH, a.L, a.C, w, stream);
+  if (!a.grouped) launch_group(a.assignments, NH, a.L, a.C, w, stream);
   const int64_t shared = checked_shared(a.E, a.M, false);
   const dim3 grid = cluster_grid(a.C, NH);
   FA_DISPATCH_FLOAT_TYPES(a.dtype, "clustered_topk_forward", [&] {

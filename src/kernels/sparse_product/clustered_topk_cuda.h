@@ -31,6 +31,9 @@ struct ClusteredTopkCudaArgs {
   DType dtype = DType::kFloat32;
   // clustered_topk_cuda_workspace_bytes(N, H, L, C, K, M) bytes, no initialisation needed.
   void* workspace = nullptr;
+  // The workspace already holds these assignments' grouping (cluster_means_cuda
+  // ran on it): the forward skips its own.
+  bool grouped = false;
 };
 
 struct ClusteredTopkForwardCudaArgs : ClusteredTopkCudaArgs {

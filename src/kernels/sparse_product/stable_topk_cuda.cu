@@ -2,13 +2,15 @@
 // One block of 256 threads per row:
 //   1. radix select of the k-th largest score t over order-preserving 32-bit
 //      keys (-0 taken as +0, so equal floats have equal keys), four passes of
-//      8 bits with per-warp shared histograms; it also gives need, how many
-//      columns equal to t belong to the top k (k minus those above t);
+//      8 bits with per-warp shared histograms and a scan over the bins; it
+//      also gives need, how many columns equal to t belong to the top k (k
+//      minus those above t);
 //   2. one pass over the row in column order (4 consecutive columns per
 //      thread) keeping every column above t and the first `need` equal to t,
 //      compacted by block-wide scans, until k are kept.
-// The row is read five times (from L2 for the rows of improved clustering's
-// centroids); no workspace. NaN keys order above +inf.
+// Rows up to 24k columns are read once, as keys into shared memory (96 KiB),
+// longer ones five times from global memory; no workspace. NaN keys order
+// above +inf.
 // Tested by tests/cuda_emu/test_stable_topk.cpp against a stable sort.
 #include "kernels/sparse_product/stable_topk_cuda.h"
 
@@ -20,7 +22,10 @@ namespace {
 
 constexpr int kThreads = 256, kWarps = kThreads / 32, kBins = 256;
 constexpr int kPer = 4;  // consecutive columns per thread in the compaction
-static_assert(kThreads == kBins, "thread b sums bin b");
+static_assert(kThreads == kBins, "a thread per bin");
+// Rows up to this many columns are read once into shared memory as keys
+// (96 KiB: two blocks per SM), longer ones from global memory at each pass.
+constexpr int64_t kMaxStaged = 24 * 1024;
 
 // Larger float -> larger key; -0 and +0 share one.
 __device__ __forceinline__ unsigned order_key(float x) {
@@ -28,8 +33,10 @@ __device__ __forceinline__ unsigned order_key(float x) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-__global__ void __launch_bounds__(kThreads) stable_topk_select_kernel(StableTopkCudaArgs a) {
-  __shared__ int warp_hist[kWarps][kBins];  // one histogram per warp: fewer colliding atomics
+__global__ void __launch_bounds__(kThreads)
+    stable_topk_select_kernel(StableTopkCudaArgs a, bool staged) {
+  FA_DYNAMIC_SHARED(unsigned, staged_keys);  // staged: the row's S keys
+  __shared__ int warp_hist[kWarps][kBins];   // one histogram per warp: fewer colliding atomics
   __shared__ int red[kWarps];
   __shared__ unsigned s_prefix;
   __shared__ long long s_rank;
@@ -37,6 +44,11 @@ __global__ void __launch_bounds__(kThreads) stable_topk_select_kernel(StableTopk
   const int64_t S = a.S, k = a.k;
   const float* row = a.scores + static_cast<int64_t>(blockIdx.x) * S;
   int64_t* out = a.out + static_cast<int64_t>(blockIdx.x) * k;
+  if (staged) {
+    for (int64_t j = tid; j < S; j += kThreads) staged_keys[j] = order_key(row[j]);
+    __syncthreads();
+  }
+  auto key_at = [&](int64_t j) { return staged ? staged_keys[j] : order_key(row[j]); };
 
   // 1. The key of the k-th largest: digit by digit from the top, `rank` the
   // rank still sought among the keys that share the prefix found so far.
@@ -49,7 +61,7 @@ __global__ void __launch_bounds__(kThreads) stable_topk_select_kernel(StableTopk
     __syncwarp();
     for (int64_t j0 = 0; j0 < S; j0 += kThreads) {  // whole warps in every iteration
       const int64_t j = j0 + tid;
-      const unsigned u = j < S ? order_key(row[j]) : 0u;
+      const unsigned u = j < S ? key_at(j) : 0u;
       const bool in = j < S && (u & mask) == prefix;
       const unsigned bin = (u >> shift) & 0xffu;
       const unsigned lead = __shfl_sync(0xffffffffu, bin, 0);
@@ -58,20 +70,19 @@ __global__ void __launch_bounds__(kThreads) stable_topk_select_kernel(StableTopk
       if (in && bin != lead) atomicAdd(&warp_hist[warp][bin], 1);
     }
     __syncthreads();
-    int count = 0;  // thread b: bin b over the warps (kThreads == kBins)
-    for (int w = 0; w < kWarps; ++w) count += warp_hist[w][tid];
-    __syncthreads();
-    warp_hist[0][tid] = count;
-    __syncthreads();
-    if (tid == 0) {
-      int64_t above = 0;
-      int b = kBins - 1;
-      for (; b > 0 && above + warp_hist[0][b] < rank; --b) above += warp_hist[0][b];
+    // Thread t takes bin 255 - t: its count, and by a scan the count of the
+    // bins above it; the bin holding the rank-th largest key is the one
+    // where that rank falls.
+    const int b = kBins - 1 - tid;
+    int count = 0, total = 0;
+    for (int w = 0; w < kWarps; ++w) count += warp_hist[w][b];
+    const int above = block_exclusive_scan<kWarps>(count, red, &total);
+    if (above < rank && rank <= above + count) {
       s_prefix = prefix | (static_cast<unsigned>(b) << shift);
       s_rank = rank - above;
     }
     __syncthreads();
-    prefix = s_prefix;  // rewritten by thread 0 only after three more barriers
+    prefix = s_prefix;  // rewritten only after three more barriers
     rank = s_rank;
     mask |= 0xffu << shift;
   }
@@ -84,7 +95,7 @@ __global__ void __launch_bounds__(kThreads) stable_topk_select_kernel(StableTopk
     unsigned key[kPer];
     int n_equal = 0;
     for (int e = 0; e < kPer; ++e) {
-      key[e] = jt + e < S ? order_key(row[jt + e]) : 0u;
+      key[e] = jt + e < S ? key_at(jt + e) : 0u;
       n_equal += jt + e < S && key[e] == prefix;
     }
     int equal_total = 0, kept_total = 0;
@@ -111,9 +122,12 @@ void stable_topk_select_cuda(const StableTopkCudaArgs& a, cudaStream_t stream) {
   if (a.rows == 0 || a.k == 0) return;
   if (a.rows > 2147483647LL)
     throw std::runtime_error("fastattn CUDA kernel stable_topk_select: too many rows");
-  FA_LAUNCH(dim3(static_cast<unsigned>(a.rows)), dim3(kThreads), 0, stream,
+  const bool staged = a.S <= kMaxStaged;
+  const size_t bytes = staged ? static_cast<size_t>(a.S) * sizeof(unsigned) : 0;
+  if (bytes > 48 * 1024) FA_SET_MAX_DYNAMIC_SHARED(bytes, stable_topk_select_kernel);
+  FA_LAUNCH(dim3(static_cast<unsigned>(a.rows)), dim3(kThreads), bytes, stream,
             stable_topk_select_kernel)
-  (a);
+  (a, staged);
   FA_CHECK_LAUNCH("stable_topk_select");
 }
 

@@ -150,8 +150,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> improved_forward_cuda_op(
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), E = q.size(3), C = counts.size(2);
   const auto stream = ops::cuda::current_stream();
   auto centroids = torch::empty({N, H, C, E}, q.options());
+  // One workspace: the means' grouping of the queries serves the top-k pass.
+  const auto ws = workspace_for(q, L, C, topk, v.size(3));
   {
-    const auto ws = workspace_for(q, L, C, 0, 0);
     cuda::ClusterMeansCudaArgs a;
     a.q = q.data_ptr();
     a.assignments = assignments.data_ptr<int64_t>();
@@ -177,9 +178,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> improved_forward_cuda_op(
   const auto lse_f = lse.to(torch::kFloat).contiguous();
   const auto out_cc = out_c.contiguous(), idx = top_idx.contiguous();
   auto out = torch::zeros({N, H, L, v.size(3)}, q.options());
-  const auto ws = workspace_for(q, L, C, idx.size(3), v.size(3));
   cuda::ClusteredTopkForwardCudaArgs a;
   fill_common(a, op, q, k, v, idx, assignments, lengths, softmax_temp, ws);
+  a.grouped = true;
   a.centroids = centroids.data_ptr();
   a.lse = lse_f.data_ptr<float>();
   a.out_c = out_cc.data_ptr();
