@@ -1,7 +1,8 @@
 // WordPiece tokenizer (include/fastattn/wordpiece.h). Cost: O(characters) for
-// the basic steps; word pieces are a greedy longest match, O(w^2) hash
-// look-ups for a word of w <= max_chars_per_word code points.
-// Tests: ./build/fastattn_tests --gtest_filter='WordPiece*'
+// the basic steps (times the 5 special tokens for step 1); word pieces are a
+// greedy longest match, O(w^2) hash look-ups for a word of w <=
+// max_chars_per_word code points.
+// Tests: ./build/fastattn_tests --gtest_filter='WordPiece*:MiniLM*'
 #include "fastattn/wordpiece.h"
 
 #include <c10/util/Exception.h>
@@ -36,6 +37,8 @@ bool is_whitespace(char32_t c) {
 }
 bool is_control(char32_t c) { return in_ranges(kControlRanges, c); }  // tab etc. excluded
 bool is_cjk(char32_t c) { return in_ranges(kCjkRanges, c); }
+bool is_case_ignorable(char32_t c) { return in_ranges(kCaseIgnorableRanges, c); }
+bool is_cased(char32_t c) { return in_ranges(kCasedRanges, c); }  // and not case-ignorable
 bool is_punctuation(char32_t c) {
   if ((c >= 33 && c <= 47) || (c >= 58 && c <= 64) || (c >= 91 && c <= 96) ||
       (c >= 123 && c <= 126))
@@ -66,6 +69,21 @@ void fold(char32_t c, std::u32string& out) {
   } else {
     out.push_back(c);
   }
+}
+
+// Whether the capital sigma at w[k] lower-cases to final sigma (U+03C2) in the
+// whitespace-separated token w[begin, end), as Python's str.lower() decides
+// (Unicode's Final_Sigma condition): skipping case-ignorable code points, a
+// cased one comes before it and none comes after it. Each scan stops at the
+// first code point that is not case-ignorable, so the cost over a token is
+// linear in its length.
+bool final_sigma_at(const std::u32string& w, size_t begin, size_t end, size_t k) {
+  size_t b = k;
+  while (b > begin && is_case_ignorable(w[b - 1])) --b;
+  if (b == begin || !is_cased(w[b - 1])) return false;
+  size_t a = k + 1;
+  while (a < end && is_case_ignorable(w[a])) ++a;
+  return a == end || !is_cased(w[a]);
 }
 
 }  // namespace
@@ -169,6 +187,15 @@ WordPieceTokenizer::WordPieceTokenizer(std::vector<std::string> vocab,
   cls_id_ = id(options_.cls_token);
   sep_id_ = id(options_.sep_token);
   pad_id_ = id(options_.pad_token);
+  auto mask = ids_.find(options_.mask_token);
+  if (mask != ids_.end()) mask_id_ = mask->second;
+  for (const std::string* t : {&options_.unk_token, &options_.cls_token, &options_.sep_token,
+                               &options_.pad_token, &options_.mask_token}) {
+    if (!ids_.count(*t)) continue;  // only the mask token is optional
+    bool seen = false;
+    for (const auto& sp : specials_) seen = seen || sp.token == *t;
+    if (!seen) specials_.push_back({*t, utf8_decode(*t), ids_.at(*t)});
+  }
 }
 
 int64_t WordPieceTokenizer::id(const std::string& token) const {
@@ -184,10 +211,47 @@ const std::string& WordPieceTokenizer::token(int64_t id) const {
   return vocab_[static_cast<size_t>(id)];
 }
 
-std::vector<std::u32string> WordPieceTokenizer::basic_words(const std::string& text) const {
-  // 1-2: clean-up and CJK spacing, on the raw code points.
+const WordPieceTokenizer::Special* WordPieceTokenizer::special_at(const std::u32string& text,
+                                                                  size_t i) const {
+  const Special* best = nullptr;
+  for (const auto& sp : specials_) {
+    if (text.compare(i, sp.text.size(), sp.text) == 0 &&
+        (!best || sp.text.size() > best->text.size()))
+      best = &sp;
+  }
+  return best;
+}
+
+std::vector<WordPieceTokenizer::Word> WordPieceTokenizer::basic_words(
+    const std::string& text) const {
+  std::vector<Word> words;
+  const std::u32string cps = utf8_decode(text);
+  // 1: special tokens written in the text are words of their own; the text
+  // between them goes through steps 2-5 piece by piece.
+  size_t from = 0;
+  if (!options_.split_special_tokens) {
+    for (size_t i = 0; i < cps.size();) {
+      const Special* sp = special_at(cps, i);
+      if (!sp) {
+        ++i;
+        continue;
+      }
+      basic_segment(cps, from, i, words);
+      words.push_back({sp->text, sp->id});
+      i += sp->text.size();
+      from = i;
+    }
+  }
+  basic_segment(cps, from, cps.size(), words);
+  return words;
+}
+
+void WordPieceTokenizer::basic_segment(const std::u32string& text, size_t begin, size_t end,
+                                       std::vector<Word>& words) const {
+  // 2-3: clean-up and CJK spacing, on the raw code points.
   std::u32string clean;
-  for (char32_t c : utf8_decode(text)) {
+  for (size_t k = begin; k < end; ++k) {
+    const char32_t c = text[k];
     if (c == 0 || c == 0xFFFD || is_control(c)) continue;
     if (is_whitespace(c)) {
       clean.push_back(' ');
@@ -199,12 +263,12 @@ std::vector<std::u32string> WordPieceTokenizer::basic_words(const std::string& t
       clean.push_back(c);
     }
   }
-  std::vector<std::u32string> words;
   std::u32string folded, word;
   auto flush = [&] {
-    if (!word.empty()) words.push_back(std::move(word));
+    if (!word.empty()) words.push_back({std::move(word), -1});
     word.clear();
   };
+  const bool sigma_rule = options_.lower_case && options_.final_sigma;
   size_t i = 0;
   while (i < clean.size()) {
     if (is_split_space(clean[i])) {
@@ -213,20 +277,23 @@ std::vector<std::u32string> WordPieceTokenizer::basic_words(const std::string& t
     }
     size_t j = i;
     while (j < clean.size() && !is_split_space(clean[j])) ++j;
-    // 3: lower-case and strip accents, for the whole whitespace-separated token.
+    // 4: lower-case and strip accents, for the whole whitespace-separated
+    // token (the final sigma depends on its neighbours in it).
     folded.clear();
     for (size_t k = i; k < j; ++k) {
-      if (options_.lower_case) {
-        fold(clean[k], folded);
-      } else {
+      if (!options_.lower_case) {
         folded.push_back(clean[k]);
+      } else if (clean[k] == 0x3A3 && sigma_rule) {
+        folded.push_back(final_sigma_at(clean, i, j, k) ? 0x3C2 : 0x3C3);
+      } else {
+        fold(clean[k], folded);
       }
     }
-    // 4: punctuation characters are words of their own.
+    // 5: punctuation characters are words of their own.
     for (char32_t c : folded) {
       if (is_punctuation(c)) {
         flush();
-        words.push_back(std::u32string(1, c));
+        words.push_back({std::u32string(1, c), -1});
       } else {
         word.push_back(c);
       }
@@ -234,12 +301,11 @@ std::vector<std::u32string> WordPieceTokenizer::basic_words(const std::string& t
     flush();
     i = j;
   }
-  return words;
 }
 
 std::vector<std::string> WordPieceTokenizer::basic_tokenize(const std::string& text) const {
   std::vector<std::string> out;
-  for (const auto& w : basic_words(text)) out.push_back(utf8_encode(w));
+  for (const auto& w : basic_words(text)) out.push_back(utf8_encode(w.text));
   return out;
 }
 
@@ -275,7 +341,13 @@ void WordPieceTokenizer::word_pieces(const std::u32string& word,
 
 std::vector<std::string> WordPieceTokenizer::tokenize(const std::string& text) const {
   std::vector<std::string> out;
-  for (const auto& w : basic_words(text)) word_pieces(w, out);
+  for (const auto& w : basic_words(text)) {
+    if (w.special >= 0) {
+      out.push_back(vocab_[static_cast<size_t>(w.special)]);
+    } else {
+      word_pieces(w.text, out);
+    }
+  }
   return out;
 }
 

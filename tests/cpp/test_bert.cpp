@@ -12,6 +12,7 @@
 #include <torch/torch.h>
 
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 
 #include "expect_error.h"
@@ -140,6 +141,160 @@ TEST(WordPieceTest, Utf8RoundTrip) {
                         "x\xED\xA0\x80"
                         "y\x80"),
             (std::u32string{0xFFFD, U'x', 0xFFFD, U'y', 0xFFFD}));
+}
+
+// Expected words, pieces and ids in the tests below were produced by Hugging Face
+// transformers 5.24.0's pure-Python BERT tokenizer (BertTokenizerLegacy, the
+// BertTokenizer of 4.x; do_lower_case=True) under Python 3.11 (Unicode 14.0).
+
+namespace {
+
+// hf_test_vocab() and what the special-token and sigma tests need.
+std::vector<std::string> parity_test_vocab() {
+  auto v = hf_test_vocab();  // ids 0-17 unchanged
+  for (const char* t :
+       {"[MASK]", "[", "]", "sep", "mask", "x", "world", "\xCE\xB1" /* α */, "##\xCF\x83" /* ##σ */,
+        "##\xCF\x82" /* ##ς */, "\xCF\x83" /* σ */, "\xCF\x82" /* ς */})
+    v.push_back(t);
+  return v;
+}
+
+}  // namespace
+
+TEST(WordPieceTest, CapitalSigmaLowerCasesAsPythonDoes) {
+  WordPieceTokenizer tok(parity_test_vocab());
+  using V = std::vector<std::string>;
+  // ΟΔΥΣΣΕΥΣ ΑΣ. ΑΣ.Β ΣΑ Σ: final sigma at the end of a word, also before
+  // case-ignorable punctuation ('.'), not before a letter or alone.
+  EXPECT_EQ(
+      tok.basic_tokenize("\xCE\x9F\xCE\x94\xCE\xA5\xCE\xA3\xCE\xA3\xCE\x95\xCE\xA5\xCE\xA3 "
+                         "\xCE\x91\xCE\xA3. \xCE\x91\xCE\xA3.\xCE\x92 \xCE\xA3\xCE\x91 \xCE\xA3"),
+      (V{"\xCE\xBF\xCE\xB4\xCF\x85\xCF\x83\xCF\x83\xCE\xB5\xCF\x85\xCF\x82", "\xCE\xB1\xCF\x82",
+         ".", "\xCE\xB1\xCF\x83", ".", "\xCE\xB2", "\xCF\x83\xCE\xB1", "\xCF\x83"}));
+  // Α'Σ Σ'Α ΑΣ' ΑΣ-Β 1Σ ΑΣ1: the apostrophe is case-ignorable, '-' and
+  // digits are not, and a digit is not cased.
+  EXPECT_EQ(tok.basic_tokenize("\xCE\x91'\xCE\xA3 \xCE\xA3'\xCE\x91 \xCE\x91\xCE\xA3' "
+                               "\xCE\x91\xCE\xA3-\xCE\x92 1\xCE\xA3 \xCE\x91\xCE\xA3"
+                               "1"),
+            (V{"\xCE\xB1", "'", "\xCF\x82", "\xCF\x83", "'", "\xCE\xB1", "\xCE\xB1\xCF\x82", "'",
+               "\xCE\xB1\xCF\x82", "-", "\xCE\xB2", "1\xCF\x83",
+               "\xCE\xB1\xCF\x82"
+               "1"}));
+  // Ά+U+0301 Σ, Α+soft hyphen+Σ (dropped by the clean-up first), ΑΣ·Β (middle
+  // dot: case-ignorable punctuation), ʰΣ (modifier letter: case-ignorable,
+  // so nothing cased before), ⒶΣ (circled A: cased, category So).
+  EXPECT_EQ(
+      tok.basic_tokenize("\xCE\x86\xCC\x81\xCE\xA3 \xCE\x91\xC2\xAD\xCE\xA3 "
+                         "\xCE\x91\xCE\xA3\xC2\xB7\xCE\x92 \xCA\xB0\xCE\xA3 \xE2\x92\xB6\xCE\xA3"),
+      (V{"\xCE\xB1\xCF\x82", "\xCE\xB1\xCF\x82", "\xCE\xB1\xCF\x83", "\xC2\xB7", "\xCE\xB2",
+         "\xCA\xB0\xCF\x83", "\xE2\x93\x90\xCF\x82"}));
+  // ΑΣ[SEP]Β ΑΣ中 ΣΣ ΌΣΟΣ: a special token and a CJK ideograph end the
+  // word the sigma's context is read in.
+  EXPECT_EQ(tok.basic_tokenize("\xCE\x91\xCE\xA3[SEP]\xCE\x92 \xCE\x91\xCE\xA3\xE4\xB8\xAD "
+                               "\xCE\xA3\xCE\xA3 \xCE\x8C\xCE\xA3\xCE\x9F\xCE\xA3"),
+            (V{"\xCE\xB1\xCF\x82", "[SEP]", "\xCE\xB2", "\xCE\xB1\xCF\x82", "\xE4\xB8\xAD",
+               "\xCF\x83\xCF\x82", "\xCE\xBF\xCF\x83\xCE\xBF\xCF\x82"}));
+  // ΑΣ ΑΣΣ Σ: the pieces and ids.
+  EXPECT_EQ(tok.tokenize("\xCE\x91\xCE\xA3 \xCE\x91\xCE\xA3\xCE\xA3 \xCE\xA3"),
+            (V{"\xCE\xB1", "##\xCF\x82", "\xCE\xB1", "##\xCF\x83", "##\xCF\x82", "\xCF\x83"}));
+  EXPECT_EQ(tok.encode("\xCE\x91\xCE\xA3 \xCE\x91\xCE\xA3\xCE\xA3 \xCE\xA3").ids,
+            (std::vector<int64_t>{2, 25, 27, 25, 26, 27, 28, 3}));
+  // final_sigma = false: sigma everywhere (Hugging Face's Rust tokenizer).
+  WordPieceOptions o;
+  o.final_sigma = false;
+  WordPieceTokenizer rust_like(parity_test_vocab(), o);
+  EXPECT_EQ(rust_like.basic_tokenize("\xCE\x9F\xCE\xA3 \xCE\x91\xCE\xA3."),
+            (V{"\xCE\xBF\xCF\x83", "\xCE\xB1\xCF\x83", "."}));
+  // Without lower-casing the capital stays.
+  o.lower_case = false;
+  o.final_sigma = true;
+  EXPECT_EQ(WordPieceTokenizer(parity_test_vocab(), o).basic_tokenize("\xCE\x91\xCE\xA3"),
+            (V{"\xCE\x91\xCE\xA3"}));
+}
+
+TEST(WordPieceTest, SpecialTokensWrittenInTheTextStayWhole) {
+  WordPieceTokenizer tok(parity_test_vocab());
+  using V = std::vector<std::string>;
+  using Ids = std::vector<int64_t>;
+  EXPECT_EQ(tok.mask_id(), 18);
+  EXPECT_EQ(tok.tokenize("hello[SEP]world [MASK] x[mask]!"),
+            (V{"hello", "[SEP]", "world", "[MASK]", "x", "[", "mask", "]", "!"}));
+  EXPECT_EQ(tok.encode("hello[SEP]world [MASK] x[mask]!").ids,
+            (Ids{2, 14, 3, 24, 18, 23, 19, 22, 20, 15, 3}));
+  EXPECT_EQ(tok.tokenize("[CLS][PAD] [UNK] [SEP ] [[SEP]]"),
+            (V{"[CLS]", "[PAD]", "[UNK]", "[", "sep", "]", "[", "[SEP]", "]"}));
+  EXPECT_EQ(tok.encode("[CLS][PAD] [UNK] [SEP ] [[SEP]]").ids,
+            (Ids{2, 2, 0, 1, 19, 21, 20, 19, 3, 20, 3}));
+  // Case-sensitive; a special token ends the word before it (ΑΣ -> ας).
+  EXPECT_EQ(tok.tokenize("[Sep] [sep] [MASK [SEP]\xCE\x91\xCE\xA3[SEP]"),
+            (V{"[", "sep", "]", "[", "sep", "]", "[", "mask", "[SEP]", "\xCE\xB1", "##\xCF\x82",
+               "[SEP]"}));
+  EXPECT_EQ(tok.encode("[Sep] [sep] [MASK [SEP]\xCE\x91\xCE\xA3[SEP]").ids,
+            (Ids{2, 19, 21, 20, 19, 21, 20, 19, 22, 3, 25, 27, 3, 3}));
+  // Matched in the raw text, before the clean-up: cafe+U+0301 [MASK] NUL
+  // [SEP] ideographic space, NEL (a control character), x.
+  const std::string raw = std::string("cafe\xCC\x81[MASK]") + '\0' +
+                          "[SEP]\xE3\x80\x80\xC2\x85"
+                          "x";
+  EXPECT_EQ(tok.tokenize(raw), (V{"cafe", "[MASK]", "[SEP]", "x"}));
+  EXPECT_EQ(tok.encode(raw).ids, (Ids{2, 17, 18, 3, 23, 3}));
+  EXPECT_EQ(tok.basic_tokenize("a[UNK]b"), (V{"a", "[UNK]", "b"}));
+  // Truncation counts a special token as one piece.
+  WordPieceOptions o;
+  o.max_length = 4;
+  const auto e = WordPieceTokenizer(parity_test_vocab(), o).encode("[MASK][MASK] x");
+  EXPECT_EQ(e.ids, (Ids{2, 18, 18, 3}));
+  EXPECT_EQ(e.truncated, 1);
+  // split_special_tokens = true: written special tokens are plain text.
+  o = WordPieceOptions();
+  o.split_special_tokens = true;
+  EXPECT_EQ(WordPieceTokenizer(parity_test_vocab(), o).tokenize("x[SEP]x"),
+            (V{"x", "[", "sep", "]", "x"}));
+  // A vocabulary without [MASK]: it is not special (Hugging Face would append
+  // it to the vocabulary as a new token).
+  WordPieceTokenizer no_mask(hf_test_vocab());
+  EXPECT_EQ(no_mask.mask_id(), -1);
+  EXPECT_EQ(no_mask.basic_tokenize("[MASK][SEP]"), (V{"[", "mask", "]", "[SEP]"}));
+  // Other special tokens: the longest match at the leftmost position (as
+  // Hugging Face's added-token trie, with "<s>" and "<s></s>" added).
+  o = WordPieceOptions();
+  o.cls_token = "<s>";
+  o.sep_token = "<s></s>";
+  WordPieceTokenizer custom({"[PAD]", "[UNK]", "<s>", "<s></s>", "a"}, o);
+  EXPECT_EQ(custom.tokenize("a<s></s>a<s>a</s>"),
+            (V{"a", "<s></s>", "a", "<s>", "a", "[UNK]", "[UNK]", "[UNK]", "[UNK]"}));
+}
+
+// The whole comparison that scripts/tokenizer_parity.py prepares (thousands of
+// texts, optionally every code point); skipped unless FASTATTN_TOKENIZER_PARITY
+// names its output.
+TEST(WordPieceTest, MatchesParityFile) {
+  const char* path = std::getenv("FASTATTN_TOKENIZER_PARITY");
+  if (!path || !*path)
+    GTEST_SKIP() << "set FASTATTN_TOKENIZER_PARITY to the output of scripts/tokenizer_parity.py";
+  std::ifstream in(path);
+  ASSERT_TRUE(in) << path;
+  const auto j = nlohmann::json::parse(in);
+  WordPieceOptions o;
+  o.max_length = std::numeric_limits<int32_t>::max();  // Hugging Face does not truncate
+  const auto tok = WordPieceTokenizer::from_file(j.at("vocab").get<std::string>(), o);
+  size_t differ = 0;
+  const auto& cases = j.at("cases");
+  for (const auto& c : cases) {
+    const auto text = c.at("text").get<std::string>();
+    const auto want = c.at("ids").get<std::vector<int64_t>>();
+    const auto got = tok.encode(text).ids;
+    if (got != want && ++differ <= 20) {
+      ADD_FAILURE() << "text " << nlohmann::json(text).dump() << "\n  Hugging Face "
+                    << nlohmann::json(want).dump() << "\n  fastattn     "
+                    << nlohmann::json(got).dump();
+    }
+  }
+  EXPECT_EQ(differ, 0u);
+  std::cout << "[          ] compared " << cases.size() << " texts with "
+            << j.value("tokenizer", std::string("?")) << " (transformers "
+            << j.value("transformers", std::string("?")) << ", Unicode "
+            << j.value("unicode", std::string("?")) << "): " << differ << " differ\n";
 }
 
 // ---- BERT encoder (random weights) ------------------------------------------------------
@@ -417,6 +572,10 @@ std::vector<std::string> tricky_strings() {
       "ligature \xE2\x84\xA2 \xC2\xBD \xE2\x91\xA0",
       "",
       "   ",
+      // ΟΔΥΣΣΕΥΣ ΑΣ. ΣΑ: final and non-final sigmas.
+      "\xCE\x9F\xCE\x94\xCE\xA5\xCE\xA3\xCE\xA3\xCE\x95\xCE\xA5\xCE\xA3 \xCE\x91\xCE\xA3. "
+      "\xCE\xA3\xCE\x91",
+      "fill the [MASK] here[SEP]and [mask] [CLS][PAD] [UNK]",
   };
 }
 
@@ -451,6 +610,80 @@ TEST(MiniLMTest, TokenizerMatchesReference) {
   }
   std::cout << "[          ] compared " << strings.size() << " strings (" << truncated
             << " truncated to 256 tokens)\n";
+}
+
+// Token ids of the all-MiniLM-L6-v2 vocabulary from transformers 5.24.0's
+// pure-Python BERT tokenizer (BertTokenizerLegacy, do_lower_case=True; Python
+// 3.11). The Rust tokenizer (transformers 5.x BertTokenizer) gives other ids
+// for the first two (no final sigma) and the tenth (it keeps the unassigned
+// U+0378).
+TEST(MiniLMTest, TokenizerMatchesHuggingFace) {
+  MINILM_DIR_OR_SKIP(dir);
+  const auto tok = WordPieceTokenizer::from_file(dir + "/vocab.txt");
+  const std::vector<std::pair<std::string, std::vector<int64_t>>> cases = {
+      {"\xCE\x9F\xCE\x94\xCE\xA5\xCE\xA3\xCE\xA3\xCE\x95\xCE\xA5\xCE\xA3 \xCE\x9A\xCE\x91\xCE\x99 "
+       "\xCE\x8C\xCE\xA3\xCE\x9F\xCE\xA3: \xCE\x91\xCE\xA3. \xCE\x91\xCE\xA3.\xCE\x92 "
+       "\xCE\xA3\xCE\x91 \xCE\xA3",
+       {101,  1169,  29722, 29735, 29733, 29733, 29723, 29735, 19579,
+        1164, 14608, 18199, 1169,  29733, 15297, 1024,  1155,  19579,
+        1012, 1155,  29733, 1012,  1156,  1173,  14608, 1173,  102}},
+      {"\xCE\x91'\xCE\xA3 \xCE\xA3'\xCE\x91 1\xCE\xA3 \xCE\x91\xCE\xA3-\xCE\x92 "
+       "\xCE\x91\xCE\xA3\xC2\xB7\xCE\x92 \xE2\x92\xB6\xCE\xA3",
+       {101, 1155, 1005, 1172, 1173, 1005, 1155, 1015, 29733, 1155, 19579, 1011, 1156, 1155, 29733,
+        1087, 1156, 100, 102}},
+      {"hello[SEP]world [MASK] x[mask] [CLS][PAD] [UNK]!",
+       {101, 7592, 102, 2088, 103, 1060, 1031, 7308, 1033, 101, 0, 100, 999, 102}},
+      {"[unused1] [SEP ] [[SEP]] a[SEP]b [Sep]",
+       {101, 1031, 15171, 2487, 1033, 1031, 19802, 1033, 1031, 102, 1033, 1037, 102, 1038, 1031,
+        19802, 1033, 102}},
+      {"Cr\xC3\xA8me Br\xC3\xBBl\xC3\xA9"
+       "e na\xC3\xAFve \xC3\x85ngstr\xC3\xB6m \xC3\x98l stra\xC3\x9F"
+       "e \xE1\xBA\x9E \xC3\xA6 \xC5\x93",
+       {101, 13675, 21382, 7987, 9307, 2063, 15743, 17076, 15687, 1100, 2140, 2358, 27807, 1096,
+        1097, 1107, 102}},
+      {"e\xCC\x81t\xCC\x81 \xE2\x84\xAB \xE2\x84\xA6 \xE2\x84\xAA \xC2\xB5 \xC5\xBF "
+       "\xC4\xB0stanbul \xC4\xB1 I\xCC\x87",
+       {101, 3802, 1037, 1179, 1047, 1085, 100, 9960, 1104, 1045, 102}},
+      {"\xEF\xAC\x81 \xEF\xAC\x82 \xEF\xAC\x80 \xEF\xAC\x83 \xC7\x84 \xC7\x85 \xC5\x89 \xC7\xB0 "
+       "\xCE\x90 \xE1\xBE\xBC",
+       {101, 1984, 1985, 100, 100, 100, 100, 100, 1046, 1163, 1155, 102}},
+      {"\xE4\xB8\xAD\xE6\x96\x87\xE5\xAD\x97 mixed \xED\x95\x9C\xEA\xB5\xAD\xEC\x96\xB4 "
+       "\xE3\x81\x82\xE3\x82\xA2 \xEF\xA4\x80 \xF0\xAF\xA0\x80",
+       {101, 1746, 1861, 100, 3816, 1469, 30006, 30021, 29991, 30014, 30020, 29999, 30008, 1646,
+        30219, 100, 100, 102}},
+      {"tab\there\nnew\x0D\nline\x0Bvt\x0C"
+       "ff\xC2\x85nel\xC2\xA0nbsp\xE2\x80\xA8ls\xE3\x80\x80ideo\xE2\x80\xAFnnbsp",
+       {101,  21628, 2182, 2047, 2240, 2615, 24475, 2546,  11877, 1050,
+        5910, 2361,  1048, 2015, 8909, 8780, 1050,  27698, 13102, 102}},
+      {"zero\xE2\x80\x8Bwidth\xE2\x80\x8Djoiner\xEF\xBB\xBF"
+       "bom\xC2\xADsoft\x07"
+       "bel\x7F"
+       "del\xEF\xBF\xBDrep\xEE\x80\x80pua\xCD\xB8",
+       {101, 5717, 9148, 11927, 2232, 5558, 26455, 5092, 5244, 15794, 8671, 9247, 2890, 9397, 6692,
+        102}},
+      {"emoji \xF0\x9F\x98\x80 \xF0\x9F\x91\x8D\xF0\x9F\x8F\xBD "
+       "\xF0\x9F\x91\xA8\xE2\x80\x8D\xF0\x9F\x91\xA9 \xF0\x9F\x87\xAB\xF0\x9F\x87\xB7 "
+       "\xE2\x9D\xA4\xEF\xB8\x8F",
+       {101, 7861, 29147, 2072, 100, 100, 100, 100, 100, 102}},
+      {"\xE2\x80\x9Cquotes\xE2\x80\x9D \xE2\x80\x94 dash\xE2\x80\xA6 \xC2\xAB\xC2\xBB "
+       "\xC2\xBF\xC2\xA1 \xE3\x80\x81\xE3\x80\x82 $5^x`y \xE2\x82\xAC\xC2\xA3 \xE2\x84\xA2 "
+       "\xC2\xBD \xE2\x91\xA0",
+       {101,  1523, 16614, 1524, 1517, 11454, 1529, 1077,  1090, 1094, 1067, 1635, 1636,
+        1002, 1019, 1034,  1060, 1036, 1061,  1574, 29646, 1580, 1092, 100,  102}},
+      {"\xE0\xA4\x95\xE0\xA4\xBE \xE0\xA5\x98 \xE0\xB8\x81\xE0\xB8\xB1\xE0\xB9\x88 "
+       "\xD7\xA9\xD6\xB8\xD7\x81 \xD9\x85\xD9\x8E\xD8\xB1\xD8\xAD\xD8\xA8\xD9\x8B\xD8\xA7",
+       {101, 1315, 29876, 1315, 1409, 1266, 1295, 17149, 29820, 29816, 25573, 102}},
+  };
+  for (const auto& [text, ids] : cases) EXPECT_EQ(tok.encode(text).ids, ids) << text;
+  // Words of 100 and 101 code points (the second is [UNK]), and one of 101
+  // once its accents are stripped.
+  std::string long_e;
+  for (int i = 0; i < 101; ++i) long_e += "e\xCC\x81";
+  std::vector<int64_t> want = {101, 22038};  // xx ##xx ... ##xx
+  want.insert(want.end(), 49, 20348);
+  want.insert(want.end(), {100, 100, 102});
+  EXPECT_EQ(tok.encode(std::string(100, 'x') + " " + std::string(101, 'x') + " " + long_e).ids,
+            want);
 }
 
 TEST(MiniLMTest, EncoderMatchesFloat64Reference) {

@@ -81,7 +81,32 @@ def is_cjk(cp):
             or 0xF900 <= cp <= 0xFAFF or 0x2F800 <= cp <= 0x2FA1F)
 
 
+SPECIAL = ("[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]")
+
+
+def split_special(text):
+    """Text pieces and special tokens written in it (kept whole), left to right."""
+    out, start, i = [], 0, 0
+    while i < len(text):
+        hit = max((t for t in SPECIAL if text.startswith(t, i)), key=len, default=None)
+        if hit is None:
+            i += 1
+            continue
+        out += [(text[start:i], False), (hit, True)]
+        i += len(hit)
+        start = i
+    out.append((text[start:], False))
+    return out
+
+
 def basic_tokenize(text):
+    words = []
+    for piece, special in split_special(text):
+        words += [piece] if special else basic_tokenize_text(piece)
+    return words
+
+
+def basic_tokenize_text(text):
     out = []
     for c in text:
         cp = ord(c)
@@ -95,7 +120,9 @@ def basic_tokenize(text):
             out.append(c)
     words = []
     for token in "".join(out).split():
-        token = "".join(ch for ch in unicodedata.normalize("NFD", "".join(ch.lower() for ch in token))
+        # str.lower() of the whole token: a capital sigma's final form depends on
+        # its neighbours.
+        token = "".join(ch for ch in unicodedata.normalize("NFD", token.lower())
                         if unicodedata.category(ch) != "Mn")
         cur = ""
         for ch in token:
@@ -112,6 +139,8 @@ def basic_tokenize(text):
 
 
 def wordpiece(word, vocab):
+    if word in SPECIAL:
+        return [word]
     if len(word) > 100:
         return ["[UNK]"]
     pieces, start = [], 0
