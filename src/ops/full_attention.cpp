@@ -397,7 +397,7 @@ std::tuple<Tensor, Tensor, Tensor> full_attention_dense(const Tensor& q, const T
   }
   auto idx = topk > 0 && N * H * L > 0
                  ? stable_topk_indices(scores, topk)
-                 : torch::empty({N, H, L, 0}, q.options().dtype(torch::kLong));
+                 : torch::empty({N, H, L, topk}, q.options().dtype(torch::kLong));
   auto lse = scores.logsumexp(-1);  // -inf for rows without a kept key
   scores.sub_(lse.masked_fill(lse.isinf(), 0).unsqueeze(-1)).exp_();
   auto out = matmul_split_k(scores, v.to(torch::kFloat)).to(q.scalar_type());

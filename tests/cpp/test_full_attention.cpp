@@ -336,6 +336,15 @@ TEST(FullAttentionLseTopk, DenseFormMatchesTheFusedKernel) {
     }
 }
 
+TEST(FullAttentionLseTopk, DenseFormWithoutQueries) {
+  auto q = torch::randn({2, 3, 0, 4}), k = torch::randn({2, 3, 9, 4}),
+       v = torch::randn({2, 3, 9, 5});
+  auto [out, lse, idx] = fastattn::ops::full_attention_dense(q, k, v, c10::nullopt, false, 1.0, 6);
+  EXPECT_EQ(out.sizes(), (std::vector<int64_t>{2, 3, 0, 5}));
+  EXPECT_EQ(lse.sizes(), (std::vector<int64_t>{2, 3, 0}));
+  EXPECT_EQ(idx.sizes(), (std::vector<int64_t>{2, 3, 0, 6}));
+}
+
 // ... and with the causal mask (offset S - L: fewer, as many and more
 // queries than keys; rows without a key give zeros).
 TEST(FullAttentionLseTopk, DenseFormMatchesTheFusedKernelCausal) {
