@@ -32,6 +32,7 @@
 // Tested by tests/cuda_emu/test_sparse_product.cpp against the CPU kernels.
 #include "kernels/sparse_product/clustered_topk_cuda.h"
 
+#include "kernels/common/block_scan.cuh"
 #include "kernels/common/cuda_compat.cuh"
 
 namespace fastattn::cuda {
@@ -78,26 +79,6 @@ __host__ __device__ inline Workspace carve(void* base, int64_t NH, int64_t L, in
 }
 
 // ---- grouping: queries sorted by cluster, stable ---------------------------------
-
-// Exclusive prefix sum over the block's threads (kGroupThreads), *total = sum.
-__device__ int group_block_scan(int x, int* red, int* total) {
-  const int lane = threadIdx.x & 31;
-  int incl = x;
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += y;
-  }
-  if (lane == 31) red[threadIdx.x >> 5] = incl;
-  __syncthreads();
-  int before = 0, all = 0;
-  for (int w = 0; w < kGroupWarps; ++w) {
-    if (w < static_cast<int>(threadIdx.x >> 5)) before += red[w];
-    all += red[w];
-  }
-  __syncthreads();
-  *total = all;
-  return before + incl - x;
-}
 
 // Rank of the lane's cluster c among the lower lanes with the same cluster,
 // and whether no higher lane has it.
@@ -154,7 +135,7 @@ __global__ void __launch_bounds__(kGroupThreads)
   int mine = 0;
   for (int64_t c = c0; c < c1; ++c) mine += start[c + 1];
   int total;
-  int run = group_block_scan(mine, red, &total);
+  int run = block_exclusive_scan<kGroupWarps>(mine, red, &total);
   for (int64_t c = c0; c < c1; ++c) {
     run += start[c + 1];
     start[c + 1] = run;
