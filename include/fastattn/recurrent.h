@@ -72,6 +72,20 @@ class RecurrentAttentionBase : public torch::nn::Module {
                                                         const RecurrentState& state) = 0;
   // The registry name of the batch type this is the step form of.
   virtual std::string type_name() const = 0;
+
+  // Fixed-size stepping (torch.compile, static decoding loops): a zero state
+  // for N sequences of H heads with room for `capacity` positions where the
+  // state grows with them (key/value caches; constant-size states ignore
+  // it). Tensors on `options`' dtype and device, except fill counters (int64
+  // scalars on the CPU).
+  virtual std::vector<torch::Tensor> make_state(int64_t N, int64_t H, int64_t E, int64_t M,
+                                                int64_t capacity,
+                                                const torch::TensorOptions& options) const = 0;
+  // One step that updates a make_state state in place -> output (N, H, M),
+  // the output step() gives for the same positions. Throws, naming the
+  // capacity, when a cache is full.
+  virtual torch::Tensor step_in_place(const torch::Tensor& query, const torch::Tensor& key,
+                                      const torch::Tensor& value, torch::TensorList state) = 0;
 };
 using RecurrentAttentionPtr = std::shared_ptr<RecurrentAttentionBase>;
 
@@ -92,6 +106,12 @@ class RecurrentLinearAttention : public RecurrentAttentionBase {
                                                 const torch::Tensor& value,
                                                 const RecurrentState& state) override;
   std::string type_name() const override { return "causal-linear"; }
+  // {S (N, H, F, M), Z (N, H, F)} zeros; updated by step_in_place.
+  std::vector<torch::Tensor> make_state(int64_t N, int64_t H, int64_t E, int64_t M,
+                                        int64_t capacity,
+                                        const torch::TensorOptions& options) const override;
+  torch::Tensor step_in_place(const torch::Tensor& query, const torch::Tensor& key,
+                              const torch::Tensor& value, torch::TensorList state) override;
   const std::shared_ptr<FeatureMap>& feature_map() const { return feature_map_; }
 
  private:
@@ -99,10 +119,12 @@ class RecurrentLinearAttention : public RecurrentAttentionBase {
   double eps_;
 };
 
-// full (causal) softmax attention with a key/value cache.
+// The key/value cache the step forms of full and hard-retrieval share.
 //
-// State: empty, or {K (N, H, t, E), V (N, H, t, M)} (a cache the caller
-// built, e.g. from a prefix: copied into new buffers at the next step), or
+// State for step(): empty, or {K (N, H, t, E), V (N, H, t, M)} (a cache the
+// caller built, e.g. from a prefix, or the compact state of the
+// attention_step operator: copied into new buffers of exactly t + 1 rows at
+// the next step), or
 // what step returns: {K, V, K buffer (N, H, capacity, E), V buffer
 // (N, H, capacity, M), filled (int64 scalar)}, where K and V are views of the
 // first t rows of the buffers and `filled` counts the buffer rows written by
@@ -112,7 +134,21 @@ class RecurrentLinearAttention : public RecurrentAttentionBase {
 // capacity 2·(t + 1). Rows a state sees are never overwritten, so the state
 // stays an input that is not modified (only the shared `filled` counter
 // moves).
-class RecurrentFullAttention : public RecurrentAttentionBase {
+//
+// State for step_in_place(): {K buffer (N, H, capacity, E), V buffer
+// (N, H, capacity, M), filled (int64 scalar on the CPU)} from make_state; a
+// step writes row `filled` and counts it.
+class RecurrentCacheAttention : public RecurrentAttentionBase {
+ public:
+  std::vector<torch::Tensor> make_state(int64_t N, int64_t H, int64_t E, int64_t M,
+                                        int64_t capacity,
+                                        const torch::TensorOptions& options) const override;
+  torch::Tensor step_in_place(const torch::Tensor& query, const torch::Tensor& key,
+                              const torch::Tensor& value, torch::TensorList state) override;
+};
+
+// full (causal) softmax attention with a key/value cache (above).
+class RecurrentFullAttention : public RecurrentCacheAttention {
  public:
   explicit RecurrentFullAttention(std::optional<double> softmax_temp = std::nullopt);
   // The new state has t + 1 rows in K and V.
@@ -133,7 +169,7 @@ class RecurrentFullAttention : public RecurrentAttentionBase {
 // Only the retrieved value rows are read: a caller that caches the layer's
 // inputs instead of projected values can call retrieve() and project just
 // those rows (H per step instead of t), as the paper suggests.
-class RecurrentHardRetrievalAttention : public RecurrentAttentionBase {
+class RecurrentHardRetrievalAttention : public RecurrentCacheAttention {
  public:
   RecurrentHardRetrievalAttention() = default;
   // state: empty or the cache of RecurrentFullAttention ({K (N, H, t, E),

@@ -36,6 +36,8 @@ import torch
 __all__ = [
     "attention",
     "attention_step",
+    "attention_step_",
+    "attention_step_state",
     "full_attention",
     "attention_types",
     "ops",
@@ -120,9 +122,9 @@ library_path, build_info = _load()
 __version__ = build_info.get("fastattn", "unknown")
 
 # Shapes of every operator's outputs for torch.compile / torch.export (torch >= 2.4).
-if hasattr(torch.library, "register_fake"):
-    from . import _fake
+from . import _fake  # noqa: E402  (also describes step states; registers where torch can)
 
+if hasattr(torch.library, "register_fake"):
     _fake.register()
 
 #: Every fastattn operator: ``ops.full_attention``, ``ops.attention``,
@@ -229,7 +231,14 @@ def attention_step(type, q, k, v, state=None, **params):
         **params: the type's parameters, as for :func:`attention`.
 
     Returns:
-        ``(out (N, H, M), state)``.
+        ``(out (N, H, M), state)``; the given state is not modified, so two
+        steps from one state give two independent continuations. A cache
+        state (``full``, ``hard-retrieval``) is the keys (N, H, t + 1, E) and
+        values (N, H, t + 1, M): eagerly, views of buffers that grow by
+        doubling (amortised O(1) a step); under ``torch.compile``, new tensors
+        (the operator copies the t rows a step). Compiled decoding loops
+        should use the fixed-size :func:`attention_step_state` and
+        :func:`attention_step_` (no copies, the same shapes every step).
 
     Example::
 
@@ -238,7 +247,87 @@ def attention_step(type, q, k, v, state=None, **params):
             out, state = fastattn.attention_step("causal-linear", q[:, :, t], k[:, :, t],
                                                  v[:, :, t], state)
     """
-    return ops.attention_step(type, q, k, v, list(state or []), _params_json(params))
+    params_json = _params_json(params)
+    if not _compiling() and _grows(type, q, v, params_json):
+        return _cache_step(type, q, k, v, state, params_json)
+    return ops.attention_step(type, q, k, v, list(state or []), params_json)
+
+
+def _compiling():
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and getattr(compiler, "is_compiling", lambda: False)())
+
+
+def _grows(type, q, v, params_json):
+    """Whether the type's step state is a cache that grows with the positions
+    (full, hard-retrieval), from the C++ description of its state."""
+    if q.dim() != 3 or v.dim() != 3:
+        return False  # the operator names the problem
+    spec = _fake._state_spec(type, q.shape[-1], v.shape[-1], params_json)
+    return any(-1 in e["shape"] for e in spec)
+
+
+class _CacheState(list):
+    """The eager state of a cache type: the compact ``[K (N, H, t, E), V
+    (N, H, t, M)]`` as views of buffers with room to grow, which the next
+    step appends to in place (amortised O(1), not a copy of the t rows)."""
+
+    __slots__ = ("buffers",)
+
+
+def _cache_step(type, q, k, v, state, params_json):
+    # The buffers ([K, V, filled], capacity on dimension 2) take row t in
+    # place when they have room and no other state stepped from this one
+    # (filled == t): every state returned stays valid and unmodified.
+    t = state[0].shape[2] if state else 0
+    buffers = getattr(state, "buffers", None)
+    if buffers is None or t >= buffers[0].shape[2] or int(buffers[2]) != t:
+        if state and len(state) != 2:
+            raise RuntimeError(
+                "fastattn.attention_step: state must be empty or the two tensors the previous "
+                "step returned, got %d tensors (attention_step_ steps the fixed-size state of "
+                "attention_step_state in place)" % len(state))
+        buffers = ops.attention_step_state(type, q, v, max(16, 2 * (t + 1)), params_json)
+        if t:
+            buffers[0][:, :, :t].copy_(state[0])
+            buffers[1][:, :, :t].copy_(state[1])
+            buffers[2].fill_(t)
+    out = ops.attention_step_(type, q, k, v, buffers, params_json)
+    new = _CacheState([buffers[0][:, :, : t + 1], buffers[1][:, :, : t + 1]])
+    new.buffers = buffers
+    return out, new
+
+
+def attention_step_state(type, q, v, capacity, **params):
+    """A zero state for :func:`attention_step_`, sized like ``q (N, H, E)``
+    and ``v (N, H, M)`` with room for ``capacity`` positions.
+
+    ``causal-linear``: ``[S (N, H, F, M), Z (N, H, F)]`` (constant size;
+    ``capacity`` is not used). ``full``, ``hard-retrieval``: ``[K (N, H,
+    capacity, E), V (N, H, capacity, M), filled]`` where ``filled`` is an
+    int64 scalar on the CPU counting the positions written (set it to 0 to
+    reuse the state). Allocate it outside a compiled function, like Hugging
+    Face's static cache.
+    """
+    return ops.attention_step_state(type, q, v, int(capacity), _params_json(params))
+
+
+def attention_step_(type, q, k, v, state, **params):
+    """One step that updates ``state`` (from :func:`attention_step_state`) in
+    place; returns ``out (N, H, M)``, equal to :func:`attention_step`'s.
+
+    Nothing is copied or reallocated, so every step has the same shapes: a
+    decoding loop compiles once (``torch.compile(fullgraph=True)``). A full
+    cache raises an error naming its capacity.
+
+    Example::
+
+        state = fastattn.attention_step_state("full", q[:, :, 0], v[:, :, 0], capacity=T)
+        step = torch.compile(fastattn.attention_step_, fullgraph=True)
+        for t in range(T):
+            out = step("full", q[:, :, t], k[:, :, t], v[:, :, t], state)
+    """
+    return ops.attention_step_(type, q, k, v, state, _params_json(params))
 
 
 def full_attention(q, k, v, attn_mask=None, key_lengths=None, causal=False, softmax_temp=None):

@@ -13,6 +13,9 @@ shapes. Registered on import of ``fastattn`` where torch has
 operator: it compares these with the real kernels' outputs.
 """
 
+import functools
+import json
+
 import torch
 
 _LONG = torch.int64
@@ -39,6 +42,30 @@ def _stats_dtype(q):
 def _stats(q, shape=None):
     """(N, H, L) statistics, one per query row (or of ``shape``)."""
     return q.new_empty(q.shape[:-1] if shape is None else shape, dtype=_stats_dtype(q))
+
+
+@functools.lru_cache(maxsize=None)
+def _state_spec(type, E, M, params_json):
+    """What ``attention_step_state`` returns for head widths E, M (a list of
+    {shape after (N, H) with -1 for the capacity, batched, dtype, device}),
+    from the C++ side: only it knows a type's state (feature counts)."""
+    return tuple(json.loads(torch.ops.fastattn.attention_step_state_spec(type, E, M, params_json)))
+
+
+def _step_state(type, q, v, capacity, params_json, batched_only=False):
+    """Fake tensors of a type's fixed-size step state (``capacity`` may be
+    symbolic); ``batched_only`` keeps the (N, H, ...) tensors, the
+    functional step's compact state."""
+    N, H, E = q.shape
+    state = []
+    for entry in _state_spec(type, int(E), int(v.shape[-1]), params_json):
+        dtype = q.dtype if entry["dtype"] == "query" else _LONG
+        shape = tuple(capacity if d == -1 else d for d in entry["shape"])
+        if entry["batched"]:
+            state.append(q.new_empty((N, H) + shape, dtype=dtype))
+        elif not batched_only:
+            state.append(torch.empty(shape, dtype=dtype, device=entry["device"]))
+    return state
 
 
 def register():
@@ -205,3 +232,22 @@ def register():
     @fake("fastattn::attention_backward")
     def _(type, grad_out, q, k, v, causal, key_lengths, attn_mask, params_json, rng_state):
         return _like(q), _like(k), _like(v)
+
+    # ---- recurrent steps -----------------------------------------------------
+    @fake("fastattn::attention_step")
+    def _(type, q, k, v, state, params_json="{}"):
+        # The compact state of t + 1 positions: a cache's rows grow by one
+        # (dimension 2 of the spec's capacity), constant states keep theirs.
+        spec = _state_spec(type, int(q.shape[-1]), int(v.shape[-1]), params_json)
+        grows = [e for e in spec if e["batched"] and -1 in e["shape"]]
+        t = state[0].shape[2 + grows[0]["shape"].index(-1)] if state and grows else 0
+        return q.new_empty(q.shape[:2] + v.shape[-1:]), _step_state(
+            type, q, v, t + 1, params_json, batched_only=True)
+
+    @fake("fastattn::attention_step_state")
+    def _(type, q, v, capacity, params_json="{}"):
+        return _step_state(type, q, v, capacity, params_json)
+
+    @fake("fastattn::attention_step_")
+    def _(type, q, k, v, state, params_json="{}"):
+        return q.new_empty(q.shape[:2] + v.shape[-1:])

@@ -101,6 +101,23 @@ std::pair<Tensor, RecurrentState> RecurrentLinearAttention::step(const Tensor& q
   return {num / den, RecurrentState{{S, Z}}};
 }
 
+std::vector<Tensor> RecurrentLinearAttention::make_state(
+    int64_t N, int64_t H, int64_t /*E*/, int64_t M, int64_t /*capacity*/,
+    const torch::TensorOptions& options) const {
+  const int64_t F = feature_map_->output_dim();
+  return {torch::zeros({N, H, F, M}, options), torch::zeros({N, H, F}, options)};
+}
+
+Tensor RecurrentLinearAttention::step_in_place(const Tensor& query, const Tensor& key,
+                                               const Tensor& value, torch::TensorList state) {
+  TORCH_CHECK(state.size() == 2, "recurrent causal-linear: an in-place state must hold {S (N, H, ",
+              "F, M), Z (N, H, F)} from make_state, got ", state.size(), " tensors");
+  auto [out, next] = step(query, key, value, RecurrentState{{state[0], state[1]}});
+  state[0].copy_(next.tensors[0]);
+  state[1].copy_(next.tensors[1]);
+  return out;
+}
+
 // ---- full -------------------------------------------------------------------
 
 RecurrentFullAttention::RecurrentFullAttention(std::optional<double> softmax_temp)
@@ -115,10 +132,9 @@ namespace {
 // Smallest buffer a cache starts with (rows).
 constexpr int64_t kMinCacheCapacity = 16;
 
-// New buffers of capacity max(16, 2·(t + 1)) holding the t rows of K and V:
+// New buffers of capacity `cap` > t holding the t rows of K and V:
 // {K view, V view, K buffer, V buffer, filled = t}.
-RecurrentState grow_cache(const Tensor& K, const Tensor& V, int64_t t) {
-  const int64_t cap = std::max(kMinCacheCapacity, 2 * (t + 1));
+RecurrentState grow_cache(const Tensor& K, const Tensor& V, int64_t t, int64_t cap) {
   auto kb = torch::empty({K.size(0), K.size(1), cap, K.size(3)}, K.options());
   auto vb = torch::empty({V.size(0), V.size(1), cap, V.size(3)}, V.options());
   if (t > 0) {
@@ -141,7 +157,7 @@ RecurrentState append_to_cache(const char* type, const Tensor& query, const Tens
   int64_t t = 0;
   if (state.empty()) {
     cache = grow_cache(torch::empty({N, H, 0, E}, query.options()),
-                       torch::empty({N, H, 0, M}, query.options()), 0);
+                       torch::empty({N, H, 0, M}, query.options()), 0, kMinCacheCapacity);
   } else {
     TORCH_CHECK(state.tensors.size() == 2 || state.tensors.size() == 5, type,
                 ": state must be empty or hold {K (N, H, t, E), V (N, H, t, M)} (optionally "
@@ -159,8 +175,12 @@ RecurrentState append_to_cache(const char* type, const Tensor& query, const Tens
                   ", ", E, "), got ", kb.defined() ? kb.sizes() : c10::IntArrayRef{});
       check_state_tensor(type, "K buffer", kb, {N, H, cap, E}, query);
       check_state_tensor(type, "V buffer", vb, {N, H, cap, M}, query);
-      TORCH_CHECK(K0.data_ptr() == kb.data_ptr() && state.tensors[1].data_ptr() == vb.data_ptr(),
-                  type, ": state K and V must be views of the first t rows of the K and V buffers");
+      // Same storage and start (data_ptr() is null for an empty view in torch 2.x).
+      const auto starts_at = [](const Tensor& view, const Tensor& buffer) {
+        return view.is_alias_of(buffer) && view.storage_offset() == buffer.storage_offset();
+      };
+      TORCH_CHECK(starts_at(K0, kb) && starts_at(state.tensors[1], vb), type,
+                  ": state K and V must be views of the first t rows of the K and V buffers");
       TORCH_CHECK(filled.defined() && filled.numel() == 1 && filled.scalar_type() == torch::kLong,
                   type, ": state fill count must be one int64, got ",
                   filled.defined() ? filled.sizes() : c10::IntArrayRef{});
@@ -168,7 +188,12 @@ RecurrentState append_to_cache(const char* type, const Tensor& query, const Tens
       in_place = t < cap && filled.item<int64_t>() == t;
       if (in_place) cache = state;
     }
-    if (!in_place) cache = grow_cache(K0, state.tensors[1], t);
+    // A compact {K, V} grows by exactly its new row (the attention_step
+    // operator's functional state); a buffer state doubles (amortised O(1)).
+    if (!in_place)
+      cache =
+          grow_cache(K0, state.tensors[1], t,
+                     state.tensors.size() == 2 ? t + 1 : std::max(kMinCacheCapacity, 2 * (t + 1)));
   }
   auto &kb = cache.tensors[2], &vb = cache.tensors[3];
   kb.select(2, t).copy_(key);
@@ -185,6 +210,41 @@ Tensor filled_rows(const RecurrentState& cache) {
 }
 
 }  // namespace
+
+std::vector<Tensor> RecurrentCacheAttention::make_state(int64_t N, int64_t H, int64_t E, int64_t M,
+                                                        int64_t capacity,
+                                                        const torch::TensorOptions& options) const {
+  TORCH_CHECK(capacity >= 1, "recurrent ", type_name(),
+              ": capacity must be >= 1 (the positions the cache holds), got ", capacity);
+  return {torch::zeros({N, H, capacity, E}, options), torch::zeros({N, H, capacity, M}, options),
+          torch::zeros({}, torch::TensorOptions().dtype(torch::kLong))};
+}
+
+Tensor RecurrentCacheAttention::step_in_place(const Tensor& query, const Tensor& key,
+                                              const Tensor& value, torch::TensorList state) {
+  const std::string type = "recurrent " + type_name();
+  TORCH_CHECK(state.size() == 3, type,
+              ": an in-place state must hold {K buffer (N, H, capacity, E), V buffer (N, H, "
+              "capacity, M), filled (int64 scalar)} from make_state, got ",
+              state.size(), " tensors");
+  const auto &kb = state[0], &vb = state[1], &filled = state[2];
+  TORCH_CHECK(
+      kb.defined() && kb.dim() == 4 && vb.defined() && vb.dim() == 4 && vb.size(2) == kb.size(2),
+      type, ": state K and V buffers must have shapes (N, H, capacity, E) and (N, H, ",
+      "capacity, M), got ", kb.defined() ? kb.sizes() : c10::IntArrayRef{}, " and ",
+      vb.defined() ? vb.sizes() : c10::IntArrayRef{});
+  TORCH_CHECK(filled.defined() && filled.numel() == 1 && filled.scalar_type() == torch::kLong, type,
+              ": state fill count must be one int64, got ",
+              filled.defined() ? filled.sizes() : c10::IntArrayRef{});
+  const int64_t t = filled.item<int64_t>(), capacity = kb.size(2);
+  TORCH_CHECK(t >= 0, type, ": state fill count must be >= 0, got ", t);
+  TORCH_CHECK(t < capacity, type, ": the state is full: it holds ", capacity, " positions and ", t,
+              " are filled; allocate it with a larger capacity (or reset its fill count to 0)");
+  // The buffer form step() appends to in place (filled == t < capacity).
+  return step(query, key, value,
+              RecurrentState{{kb.narrow(2, 0, t), vb.narrow(2, 0, t), kb, vb, filled}})
+      .first;
+}
 
 std::pair<Tensor, RecurrentState> RecurrentFullAttention::step(const Tensor& query,  // (N, H, E)
                                                                const Tensor& key,    // (N, H, E)

@@ -8,6 +8,10 @@
 //   attention_backward(type, grad_out, q, k, v, ..., rng_state) -> (grad_q, grad_k, grad_v)
 //   attention_step(type, q (N,H,E), k (N,H,E), v (N,H,M), state, params_json)
 //     -> (out (N,H,M), state): one step of make_recurrent_attention(type);
+//   attention_step_state(type, q, v, capacity, params_json) -> state and
+//   attention_step_(type, q, k, v, state!, params_json) -> out: the same step
+//     on a fixed-size state updated in place (static shapes for compiled
+//     decoding loops); attention_step_state_spec describes that state;
 //   attention_types() -> str
 //     the registry's describe() JSON.
 //
@@ -286,26 +290,97 @@ at::Tensor attention_no_grad(std::string type, const at::Tensor& q, const at::Te
   return std::get<0>(op.call(type, q, k, v, causal, key_lengths, attn_mask, params_json));
 }
 
-// One step of make_recurrent_attention(type): a fresh instance per call, like
-// `attention`; the state round-trips as its tensors.
+void check_step_shapes(const char* op, const at::Tensor& q, const at::Tensor& v) {
+  TORCH_CHECK(q.dim() == 3, op, ": q must have shape (N, H, E), got ", q.dim(), " dimensions ",
+              q.sizes());
+  TORCH_CHECK(v.dim() == 3, op, ": v must have shape (N, H, M), got ", v.dim(), " dimensions ",
+              v.sizes());
+}
+
+// The step form of `type` for q (N, H, E) and v (N, H, M): a fresh instance
+// per call, like `attention`, on q's device.
+RecurrentAttentionPtr recurrent_instance(const std::string& type, const std::string& params_json,
+                                         const at::Tensor& q, const at::Tensor& v) {
+  auto attn = make_recurrent_attention(type, parse_params(type, params_json), dims_of(q, v));
+  prepare_instance(*attn, q);
+  return attn;
+}
+
+// One step of make_recurrent_attention(type), functional: the returned state
+// ({S, Z}, or a cache {K, V} of t + 1 rows) shares no memory with the inputs,
+// so torch.compile can trace it (a cache step copies the t cached rows).
 std::tuple<at::Tensor, std::vector<at::Tensor>> attention_step(
     std::string type, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     at::TensorList state, std::string params_json) {
-  TORCH_CHECK(q.dim() == 3, "fastattn::attention_step: q must have shape (N, H, E), got ", q.dim(),
-              " dimensions ", q.sizes());
-  TORCH_CHECK(v.dim() == 3, "fastattn::attention_step: v must have shape (N, H, M), got ", v.dim(),
-              " dimensions ", v.sizes());
-  const ParamMap params = parse_params(type, params_json);
-  auto [out, next] =
-      naming_allocation_failures("fastattn::attention_step", type, params_json, q, k, v, [&] {
-        auto attn = make_recurrent_attention(type, params, dims_of(q, v));
-        prepare_instance(*attn, q);
-        RecurrentState in;
-        in.tensors.assign(state.begin(), state.end());
-        return attn->step(q, k, v, in);
-      });
-  check_finite_result("fastattn::attention_step", type, params_json, out, q, k, v, state);
-  return {out, next.tensors};
+  constexpr const char* op = "fastattn::attention_step";
+  check_step_shapes(op, q, v);
+  TORCH_CHECK(state.size() <= 2, op,
+              ": state must be empty or the two tensors the previous step returned, got ",
+              state.size(),
+              " tensors (attention_step_ steps the fixed-size state of "
+              "attention_step_state in place)");
+  auto [out, next] = naming_allocation_failures(op, type, params_json, q, k, v, [&] {
+    auto attn = recurrent_instance(type, params_json, q, v);
+    return attn->step(q, k, v, RecurrentState{{state.begin(), state.end()}});
+  });
+  check_finite_result(op, type, params_json, out, q, k, v, state);
+  // The compact state: a cache step returns views of its new buffers (exactly
+  // t + 1 rows from a compact state, 16 from an empty one).
+  return {out, {next.tensors[0].contiguous(), next.tensors[1].contiguous()}};
+}
+
+// A zero state for attention_step_ (see make_state).
+std::vector<at::Tensor> attention_step_state(std::string type, const at::Tensor& q,
+                                             const at::Tensor& v, int64_t capacity,
+                                             std::string params_json) {
+  constexpr const char* op = "fastattn::attention_step_state";
+  check_step_shapes(op, q, v);
+  return naming_allocation_failures(op, type, params_json, q, q, v, [&] {
+    return recurrent_instance(type, params_json, q, v)
+        ->make_state(q.size(0), q.size(1), q.size(2), v.size(2), capacity, q.options());
+  });
+}
+
+// One step that updates an attention_step_state state in place.
+at::Tensor attention_step_in_place(std::string type, const at::Tensor& q, const at::Tensor& k,
+                                   const at::Tensor& v, at::TensorList state,
+                                   std::string params_json) {
+  constexpr const char* op = "fastattn::attention_step_";
+  check_step_shapes(op, q, v);
+  auto out = naming_allocation_failures(op, type, params_json, q, k, v, [&] {
+    return recurrent_instance(type, params_json, q, v)->step_in_place(q, k, v, state);
+  });
+  check_finite_result(op, type, params_json, out, q, k, v, state);
+  return out;
+}
+
+// What attention_step_state returns, for the fake implementations: a JSON
+// list, per tensor, of {"shape": sizes after (N, H) (-1: the capacity) or
+// all sizes when not "batched", "dtype": "query" | "int64", "device":
+// "query" | "cpu"}. Built from make_state on the meta device (no memory).
+std::string attention_step_state_spec(std::string type, int64_t E, int64_t M,
+                                      std::string params_json) {
+  AttentionDims dims;
+  dims.heads = 1;
+  dims.query_dim = E;
+  dims.value_dim = M;
+  auto attn = make_recurrent_attention(type, parse_params(type, params_json), dims);
+  const auto meta = at::TensorOptions().dtype(at::kFloat).device(at::kMeta);
+  // Two capacities tell the capacity dimensions apart.
+  const auto one = attn->make_state(1, 1, E, M, 1, meta),
+             two = attn->make_state(1, 1, E, M, 2, meta);
+  auto spec = nlohmann::json::array();
+  for (size_t i = 0; i < one.size(); ++i) {
+    const bool on_query = one[i].device().is_meta();
+    std::vector<int64_t> shape;
+    for (int64_t d = on_query ? 2 : 0; d < one[i].dim(); ++d)
+      shape.push_back(one[i].size(d) == two[i].size(d) ? one[i].size(d) : -1);
+    spec.push_back({{"shape", shape},
+                    {"batched", on_query},
+                    {"dtype", one[i].scalar_type() == at::kFloat ? "query" : "int64"},
+                    {"device", on_query ? "query" : "cpu"}});
+  }
+  return spec.dump();
 }
 
 std::string attention_types() { return AttentionRegistry::global().describe().dump(); }
@@ -323,8 +398,15 @@ TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
   m.impl("attention", &fastattn::ops::attention_autograd);
 }
 
-TORCH_LIBRARY_IMPL(fastattn, CompositeImplicitAutograd, m) {
+TORCH_LIBRARY_IMPL(fastattn, CompositeExplicitAutograd, m) {
+  // Inference only: no autograd kernel (gradients through a step are refused).
   m.impl("attention_step", &fastattn::ops::attention_step);
+  m.impl("attention_step_", &fastattn::ops::attention_step_in_place);
+  m.impl("attention_step_state", &fastattn::ops::attention_step_state);
+}
+
+TORCH_LIBRARY_IMPL(fastattn, CompositeImplicitAutograd, m) {
+  m.impl("attention_step_state_spec", &fastattn::ops::attention_step_state_spec);
   // attention_types has no tensor argument, so the dispatcher computes an
   // empty key set and looks up the Undefined key; a CompositeImplicitAutograd
   // kernel is also installed there (checked on LibTorch 1.13 by

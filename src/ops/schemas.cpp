@@ -192,6 +192,17 @@ TORCH_LIBRARY(fastattn, m) {
   m.def(
       "attention_step(str type, Tensor q, Tensor k, Tensor v, Tensor[] state, "
       "str params_json='{}') -> (Tensor, Tensor[])");
+  // Fixed-size stepping: a zero state with room for `capacity` positions
+  // (shapes as q (N,H,E), v (N,H,M)), and one step that updates it in place
+  // -> out (N,H,M).
+  m.def(
+      "attention_step_state(str type, Tensor q, Tensor v, int capacity, "
+      "str params_json='{}') -> Tensor[]");
+  m.def(
+      "attention_step_(str type, Tensor q, Tensor k, Tensor v, Tensor(a!)[] state, "
+      "str params_json='{}') -> Tensor");
+  // JSON: the tensors attention_step_state returns, for the fake kernels.
+  m.def("attention_step_state_spec(str type, int E, int M, str params_json='{}') -> str");
   // JSON description of every registered type and its parameters.
   m.def("attention_types() -> str");
 }

@@ -3,7 +3,9 @@
 // (float64; elu and relu maps exactly, FAVOR+ up to its documented key
 // offset); the recurrent full form with a key/value cache equals batch full
 // attention under a causal mask; state shapes; the state is an input, not
-// modified; bad inputs and names give errors naming the argument.
+// modified; the fixed-size state stepped in place gives the same outputs and
+// refuses a step past its capacity; bad inputs and names give errors naming
+// the argument.
 // RecurrentEncoder with a batch encoder's weights (copied by name) reproduces
 // the causal batch encoder at every position (full and causal-linear, pre-
 // and post-norm).
@@ -12,6 +14,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <string>
 
 #include "expect_error.h"
@@ -197,12 +200,58 @@ TEST(RecurrentFull, CacheGrowsInPlaceAndBranchesCopy) {
                             Mask::causal_mask());
   EXPECT_LE((a12 - ref.select(2, 11)).abs().max().item<double>(), 1e-12);
 
-  // A cache the caller built ({K, V} only, e.g. a prefill) is copied once.
+  // A cache the caller built ({K, V} only, e.g. a prefill) is copied once,
+  // into buffers of exactly one more row (the attention_step operator's
+  // compact state), which share nothing with it.
   RecurrentState prefill{{x.k.narrow(2, 0, 30), x.v.narrow(2, 0, 30)}};
   auto [o30, s31] = step_at(prefill, 30);
   EXPECT_LE((o30 - steps.select(2, 30)).abs().max().item<double>(), 1e-12);
-  EXPECT_EQ(s31.tensors.size(), 5u);
+  ASSERT_EQ(s31.tensors.size(), 5u);
+  EXPECT_EQ(s31.tensors[2].size(2), 31);
+  EXPECT_FALSE(s31.tensors[2].is_alias_of(x.k));
+  EXPECT_TRUE(torch::equal(prefill.tensors[0], x.k.narrow(2, 0, 30)));
 }
+
+// ---- fixed-size state, stepped in place -------------------------------------
+
+class RecurrentInPlaceCases : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(RecurrentInPlaceCases, EqualsStepAndUpdatesTheSameTensors) {
+  const Shape s{2, 3, 11, 5, 4};
+  const std::string type = GetParam();
+  auto rec = make_recurrent_attention(type, {}, {s.H, s.E, s.M});
+  const auto x = random_qkv(s, 21);
+  const auto steps = run_steps(*rec, x, nullptr);
+  auto state = rec->make_state(s.N, s.H, s.E, s.M, s.L, torch::kDouble);
+  std::vector<void*> where;
+  for (const auto& t : state) where.push_back(t.data_ptr());
+  for (int64_t i = 0; i < s.L; ++i) {
+    auto out = rec->step_in_place(x.q.select(2, i), x.k.select(2, i), x.v.select(2, i), state);
+    EXPECT_LE((out - steps.select(2, i)).abs().max().item<double>(), 1e-12) << "position " << i;
+  }
+  for (size_t j = 0; j < state.size(); ++j) EXPECT_EQ(state[j].data_ptr(), where[j]);
+  if (type == "causal-linear") return;  // constant size: no capacity
+  EXPECT_EQ(state[2].item<int64_t>(), s.L);
+  // Full: the error names the capacity; nothing is written.
+  const auto before = state[0].clone();
+  EXPECT_ERROR_CONTAINS(
+      rec->step_in_place(x.q.select(2, 0), x.k.select(2, 0), x.v.select(2, 0), state),
+      "the state is full: it holds 11 positions");
+  EXPECT_TRUE(torch::equal(state[0], before));
+  // Reset: the fill count back to 0 starts a new sequence in the same buffers.
+  state[2].fill_(0);
+  auto out = rec->step_in_place(x.q.select(2, 0), x.k.select(2, 0), x.v.select(2, 0), state);
+  EXPECT_LE((out - steps.select(2, 0)).abs().max().item<double>(), 1e-12);
+  EXPECT_THROW(rec->make_state(1, 1, s.E, s.M, 0, torch::kDouble), c10::Error);
+}
+
+INSTANTIATE_TEST_SUITE_P(Types, RecurrentInPlaceCases,
+                         ::testing::Values("causal-linear", "full", "hard-retrieval"),
+                         [](const auto& info) {
+                           std::string n = info.param;
+                           std::replace(n.begin(), n.end(), '-', '_');
+                           return n;
+                         });
 
 INSTANTIATE_TEST_SUITE_P(Shapes, RecurrentFullCases, ::testing::ValuesIn(kShapes),
                          [](const auto& info) { return shape_name(info.param); });

@@ -121,7 +121,40 @@ def op_cases():
     return cases
 
 
-CASES = op_cases() if hasattr(torch.library, "opcheck") else []
+STEP_TYPES = [
+    ("causal-linear", {}),
+    ("causal-linear", dict(feature_map="favor", n_features=6)),
+    ("full", dict(softmax_temp=0.5)),
+    ("hard-retrieval", {}),
+]
+STEP_IDS = ["causal-linear", "causal-linear-favor", "full", "hard-retrieval"]
+
+
+def step_cases():
+    """The recurrent step operators: the functional step from an empty and
+    from a two-position state, the fixed-size state and its in-place step."""
+    ops = torch.ops.fastattn
+    cases = []
+    for dt in DTYPES:
+        d = str(dt).split(".")[-1]
+        q, k, v = (t[:, :, 0].detach() for t in qkv(dt, grad=False))  # (N, H, E|M)
+        for (type, params), name in zip(STEP_TYPES, STEP_IDS):
+            pj = fastattn._params_json(params)
+            _, one = ops.attention_step(type, q, k, v, [], pj)
+            _, two = ops.attention_step(type, q, k, v, one, pj)
+            # Room for every run opcheck makes of the in-place step.
+            fixed = ops.attention_step_state(type, q, v, 64, pj)
+            cases += [
+                (f"step-{name}-empty-{d}", ops.attention_step, (type, q, k, v, [], pj), {}),
+                (f"step-{name}-{d}", ops.attention_step, (type, q, k, v, two, pj), {}),
+                (f"step-state-{name}-{d}", ops.attention_step_state, (type, q, v, 5, pj), {}),
+                (f"step-in-place-{name}-{d}", ops.attention_step_, (type, q, k, v, fixed, pj),
+                 {}),
+            ]
+    return cases
+
+
+CASES = op_cases() + step_cases() if hasattr(torch.library, "opcheck") else []
 
 HAVE_CUDA = bool(fastattn.build_info.get("cuda")) and torch.cuda.is_available()
 
@@ -316,3 +349,75 @@ def test_export_of_encoder():
     exported = torch.export.export(model, (x, klen))
     assert any("fastattn" in str(n.target) for n in exported.graph.nodes)
     torch.testing.assert_close(exported.module()(x, klen), model(x, klen))
+
+
+def decode(step, type, params, q, k, v, state):
+    """Positions 0..S-1 through ``step``: (N, H, S, M)."""
+    outs = [step(type, q[:, :, t], k[:, :, t], v[:, :, t], state, **params)
+            for t in range(q.shape[2])]
+    return torch.stack(outs, 2)
+
+
+@pytest.mark.parametrize("type,params", STEP_TYPES, ids=STEP_IDS)
+def test_decoding_loop_in_place_compiles_once(type, params):
+    # The fixed-size state keeps every step's shapes: one graph, no break,
+    # no recompilation over the whole loop, and eager's outputs.
+    q, k, v = qkv(torch.float64, l=S, grad=False)
+    state = fastattn.attention_step_state(type, q[:, :, 0], v[:, :, 0], S, **params)
+    explained = torch._dynamo.explain(fastattn.attention_step_)(
+        type, q[:, :, 0], k[:, :, 0], v[:, :, 0], state, **params)
+    assert explained.graph_break_count == 0, explained.break_reasons
+
+    state = fastattn.attention_step_state(type, q[:, :, 0], v[:, :, 0], S, **params)
+    eager = decode(fastattn.attention_step_, type, params, q, k, v, state)
+    functional = []
+    state = None
+    for t in range(S):
+        out, state = fastattn.attention_step(type, q[:, :, t], k[:, :, t], v[:, :, t], state,
+                                             **params)
+        functional.append(out)
+    torch.testing.assert_close(eager, torch.stack(functional, 2), rtol=0, atol=1e-12)
+
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()  # compilations of the other cases count towards the recompile limit
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(fastattn.attention_step_, fullgraph=True, backend=counter)
+    state = fastattn.attention_step_state(type, q[:, :, 0], v[:, :, 0], S, **params)
+    torch.testing.assert_close(decode(compiled, type, params, q, k, v, state), eager,
+                               rtol=0, atol=1e-12)
+    assert counter.frame_count == 1
+
+
+def test_decoding_loop_with_inductor():
+    # Inductor functionalises the in-place step (a mutated list of tensors).
+    q, k, v = qkv(torch.float32, l=S, grad=False)
+    state = fastattn.attention_step_state("full", q[:, :, 0], v[:, :, 0], S)
+    eager = decode(fastattn.attention_step_, "full", {}, q, k, v, state)
+    state = fastattn.attention_step_state("full", q[:, :, 0], v[:, :, 0], S)
+    compiled = torch.compile(fastattn.attention_step_, fullgraph=True)
+    torch.testing.assert_close(decode(compiled, "full", {}, q, k, v, state), eager)
+    assert state[2].item() == S
+
+
+@pytest.mark.parametrize("type,params", STEP_TYPES, ids=STEP_IDS)
+def test_functional_step_compiles_fullgraph(type, params):
+    # The functional step's cache grows by a row a step: dynamic shapes after
+    # the first recompilation, eager's outputs.
+    q, k, v = qkv(torch.float64, l=S, grad=False)
+
+    def steps(compiled_step):
+        state, outs = None, []
+        for t in range(S):
+            out, state = compiled_step(type, q[:, :, t], k[:, :, t], v[:, :, t], state, **params)
+            outs.append(out)
+        return torch.stack(outs, 2)
+
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()  # compilations of the other cases count towards the recompile limit
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(fastattn.attention_step, fullgraph=True, backend=counter)
+    torch.testing.assert_close(steps(compiled), steps(fastattn.attention_step), rtol=0,
+                               atol=1e-12)
+    assert counter.frame_count <= 3

@@ -353,6 +353,55 @@ def test_attention_step_errors_name_the_problem():
         fastattn.attention_step("full", q[0], q, q)
     with pytest.raises(RuntimeError, match="bogus"):
         fastattn.attention_step("full", q, q, q, bogus=1)
+    # The functional step takes the two tensors it returned, not a fixed state.
+    fixed = fastattn.attention_step_state("full", q, q, 2)
+    with pytest.raises(RuntimeError, match="got 3 tensors .*attention_step_"):
+        fastattn.attention_step("full", q, q, q, fixed)
+    with pytest.raises(RuntimeError, match="capacity must be >= 1"):
+        fastattn.attention_step_state("full", q, q, 0)
+    with pytest.raises(RuntimeError, match="in-place state must hold"):
+        fastattn.attention_step_("full", q, q, q, fixed[:2])
+    with pytest.raises(RuntimeError, match="in-place state must hold"):
+        fastattn.attention_step_("causal-linear", q, q, q, fixed)
+    fastattn.attention_step_("full", q, q, q, fixed)
+    fastattn.attention_step_("full", q, q, q, fixed)
+    with pytest.raises(RuntimeError, match="the state is full: it holds 2 positions"):
+        fastattn.attention_step_("full", q, q, q, fixed)
+
+
+def test_attention_step_cache_grows_by_doubling():
+    # 100 eager steps of a cache type: a handful of buffers (16, 34, 70, 142
+    # rows), not one copy of the cache per step.
+    x = torch.randn(1, 2, 100, 4)
+    state, buffers = None, set()
+    for t in range(100):
+        _, state = fastattn.attention_step("full", x[:, :, t], x[:, :, t], x[:, :, t], state)
+        assert state[0].shape == (1, 2, t + 1, 4)
+        buffers.add(state[0].data_ptr())
+    assert len(buffers) == 4
+
+
+@pytest.mark.parametrize("type,params", [("causal-linear", {}), ("full", {}),
+                                         ("hard-retrieval", {})])
+def test_attention_step_state_is_not_modified(type, params):
+    # A state stepped twice (two branches from one prefix) gives independent
+    # continuations, and stepping never changes a state it was given.
+    torch.manual_seed(3)
+    x = [torch.randn(2, 3, 4, dtype=torch.float64) for _ in range(5)]
+    _, state = fastattn.attention_step(type, x[0], x[0], x[0], None, **params)
+    copies = [s.clone() for s in state]
+    out_a, next_a = fastattn.attention_step(type, x[1], x[2], x[3], state, **params)
+    out_b, next_b = fastattn.attention_step(type, x[1], x[4], x[4], state, **params)
+    for s, c in zip(state, copies):
+        assert torch.equal(s, c)
+    a_copies = [s.clone() for s in next_a]
+    again, _ = fastattn.attention_step(type, x[1], x[2], x[3], state, **params)
+    assert torch.equal(again, out_a)
+    for s, c in zip(next_a, a_copies):
+        assert torch.equal(s, c)
+    if type != "causal-linear":  # caches: each branch holds its own key at row 1
+        assert torch.equal(next_a[0][:, :, 1], x[2])
+        assert torch.equal(next_b[0][:, :, 1], x[4])
 
 
 def readme_python_blocks():
