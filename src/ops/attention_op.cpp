@@ -211,17 +211,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     std::string type, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
     const at::Tensor& v, bool causal, const c10::optional<at::Tensor>& key_lengths,
     const c10::optional<at::Tensor>& attn_mask, std::string params_json, const at::Tensor& rng) {
+  // Autograd records even where the caller runs in inference mode (a
+  // compiled graph, torch.inference_mode): leave it, and copy the inference
+  // tensors, which autograd may not save.
+  c10::InferenceMode not_inference(false);
   at::AutoGradMode grad_mode(true);
-  auto qd = q.detach().requires_grad_(true), kd = k.detach().requires_grad_(true),
-       vd = v.detach().requires_grad_(true);
+  const auto usable = [](const at::Tensor& t) { return t.is_inference() ? t.clone() : t; };
+  const auto usable_opt = [&](const c10::optional<at::Tensor>& t) {
+    return t.has_value() ? c10::optional<at::Tensor>(usable(*t)) : t;
+  };
+  auto qd = usable(q).detach().requires_grad_(true), kd = usable(k).detach().requires_grad_(true),
+       vd = usable(v).detach().requires_grad_(true);
   at::Tensor out;
   {
     ReplayRng replay(rng);
-    out = run_type(type, qd, kd, vd, causal, key_lengths, attn_mask, params_json);
+    out = run_type(type, qd, kd, vd, causal, usable_opt(key_lengths), usable_opt(attn_mask),
+                   params_json);
   }
   std::vector<at::Tensor> grads(3);
   if (out.requires_grad()) {
-    grads = torch::autograd::grad({out}, {qd, kd, vd}, {grad_out}, /*retain_graph=*/false,
+    grads = torch::autograd::grad({out}, {qd, kd, vd}, {usable(grad_out)},
+                                  /*retain_graph=*/false,
                                   /*create_graph=*/false, /*allow_unused=*/true);
   }
   // Contiguous, as the fake implementation promises: autograd gives the

@@ -192,6 +192,43 @@ def test_opcheck_kernel_ops(name, op, args, kwargs):
     torch.library.opcheck(op, args, kwargs)
 
 
+def inner_calls(op, args, kwargs):
+    """The fastattn operators a differentiable operator calls in an eager
+    forward and backward (its _forward and _backward operators), with the
+    arguments they were given, tensors detached."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, a=(), kw=None):
+            if func.namespace == "fastattn" and func._overloadpacket is not op:
+                detach = lambda x: x.detach() if isinstance(x, torch.Tensor) else x
+                calls.append((func, torch.utils._pytree.tree_map(detach, (a, kw or {}))))
+            return func(*a, **(kw or {}))
+
+    with Record():
+        out = op(*args, **kwargs)
+        outs = [o for o in (out if isinstance(out, (tuple, list)) else [out])
+                if isinstance(o, torch.Tensor) and o.requires_grad]
+        if outs:
+            torch.autograd.backward(outs, [torch.randn_like(o) for o in outs])
+    return calls
+
+
+@pytest.mark.parametrize("name,op,args,kwargs", CASES, ids=[c[0] for c in CASES])
+def test_opcheck_forward_and_backward_ops(name, op, args, kwargs):
+    # Every differentiable operator's own _forward and _backward operators,
+    # opchecked with the arguments the autograd function gives them.
+    calls = inner_calls(op, args, kwargs)
+    if not any(isinstance(a, torch.Tensor) and a.requires_grad
+               for a in torch.utils._pytree.tree_leaves((args, kwargs))):
+        assert not calls
+        return
+    for func, (a, kw) in calls:
+        torch.library.opcheck(func, a, kw)
+
+
 @pytest.mark.skipif(not HAVE_CUDA, reason="no CUDA operators built, or no GPU")
 @pytest.mark.parametrize("name,op,args,kwargs", CUDA_CASES or [("none", None, (), {})],
                          ids=[c[0] for c in CUDA_CASES] or ["none"])
@@ -244,12 +281,15 @@ def test_opcheck_attention_every_type(name, type, params, dtype):
     for kw in variants:
         if not supported(type, q, k, v, **kw, **params):
             continue
-        torch.library.opcheck(
-            torch.ops.fastattn.attention,
-            (type, q, k, v),
-            dict(causal=kw.get("causal", False), key_lengths=kw.get("key_lengths"),
-                 params_json=json.dumps(params)),
-        )
+        args = (type, q, k, v)
+        kwargs = dict(causal=kw.get("causal", False), key_lengths=kw.get("key_lengths"),
+                      params_json=json.dumps(params))
+        torch.library.opcheck(torch.ops.fastattn.attention, args, kwargs)
+        if not ran:  # its attention_forward and attention_backward
+            calls = inner_calls(torch.ops.fastattn.attention, args, kwargs)
+            assert len(calls) >= 2
+            for func, (a, kw_) in calls:
+                torch.library.opcheck(func, a, kw_)
         ran += 1
     assert ran > 0, f"{type} ran in none of {variants}"
 

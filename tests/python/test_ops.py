@@ -345,6 +345,25 @@ def test_attention_step_equals_causal_batch_rows(type, params):
     assert all(isinstance(s, torch.Tensor) for s in state)
 
 
+@pytest.mark.parametrize("type", ["full", "linear"])
+def test_attention_backward_under_inference_mode(type):
+    # Compiled graphs may run the backward operator in inference mode, with
+    # inference tensors: it must still differentiate (it returned zeros).
+    torch.manual_seed(4)
+    q, k, v = (torch.randn(2, 2, 5, 3, dtype=torch.float64) for _ in range(3))
+    lengths = torch.tensor([5, 3])
+    args = (False, lengths, None, "{}")
+    out, rng = fastattn.ops.attention_forward(type, q, k, v, *args)
+    g = torch.randn_like(out)
+    ref = fastattn.ops.attention_backward(type, g, q, k, v, *args, rng)
+    with torch.inference_mode():
+        qi, ki, vi, gi, li = (t.clone() for t in (q, k, v, g, lengths))
+        got = fastattn.ops.attention_backward(type, gi, qi, ki, vi, False, li, None, "{}", rng)
+    for a, b in zip(ref, got):
+        assert a.abs().max() > 0
+        assert torch.equal(a, b)
+
+
 def test_attention_step_errors_name_the_problem():
     q = torch.randn(1, 2, 4)
     with pytest.raises(RuntimeError, match="causal-linear, full"):
