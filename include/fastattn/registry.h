@@ -84,11 +84,79 @@ class Params {
 
 using AttentionFactory = std::function<AttentionPtr(const Params&, const AttentionDims&)>;
 
+class RecurrentAttentionBase;
+// The step form of a type (make_recurrent_attention), from the same
+// validated parameters as its batch factory.
+using RecurrentFactory =
+    std::function<std::shared_ptr<RecurrentAttentionBase>(const Params&, const AttentionDims&)>;
+
+// What a type can do, declared with its entry: `fastattn list`, the Python
+// bindings (fastattn.hf, fastattn.nn) and the recurrent code read it, and
+// tests/cpp/test_capabilities.cpp holds every type to it (what is declared
+// runs; what is not is refused with an error).
+struct Capabilities {
+  bool causal = true;         // takes a causal mask
+  bool bidirectional = true;  // runs without one
+  // Masks besides causal and key lengths: "any" (bool or additive float),
+  // "bool", or "none".
+  std::string attn_mask = "none";
+  // Causal attention of fewer queries than keys (L < S: the last L
+  // positions, as with a key/value cache) gives the rows of the whole causal
+  // computation: "yes", "no", or "stride" (only with an explicit `stride`).
+  std::string incremental = "no";
+  bool learned = false;  // holds trained parameters (ClusterFormer's centroids)
+  // The type that does this one's job in the other direction, if any
+  // ("linear" -> causal "causal-linear"), for suggestions in errors.
+  std::string causal_form;
+  std::string bidirectional_form;
+  // Compute-bound reference rather than a speed-up (exact-topk builds the
+  // L x S scores): said in `fastattn list`.
+  bool oracle = false;
+
+  // Builders for the declarations: Capabilities().masks("any").rows("yes").
+  Capabilities causal_only(std::string bidirectional_twin) const {
+    auto c = *this;
+    c.bidirectional = false;
+    c.bidirectional_form = std::move(bidirectional_twin);
+    return c;
+  }
+  Capabilities bidirectional_only(std::string causal_twin) const {
+    auto c = *this;
+    c.causal = false;
+    c.causal_form = std::move(causal_twin);
+    return c;
+  }
+  Capabilities masks(std::string kinds) const {
+    auto c = *this;
+    c.attn_mask = std::move(kinds);
+    return c;
+  }
+  Capabilities rows(std::string how) const {
+    auto c = *this;
+    c.incremental = std::move(how);
+    return c;
+  }
+  Capabilities with_learned_parameters() const {
+    auto c = *this;
+    c.learned = true;
+    return c;
+  }
+  Capabilities as_oracle() const {
+    auto c = *this;
+    c.oracle = true;
+    return c;
+  }
+
+  nlohmann::json to_json() const;
+};
+
 struct AttentionType {
   std::string name;
   std::string description;
   std::vector<ParamSpec> params;
   AttentionFactory factory;
+  Capabilities capabilities;
+  RecurrentFactory recurrent;  // empty: no step form
 };
 
 class AttentionRegistry {
@@ -105,10 +173,13 @@ class AttentionRegistry {
   Params validate(const std::string& name, const ParamMap& params) const;
   AttentionPtr build(const std::string& name, const ParamMap& params = {},
                      const AttentionDims& dims = {}) const;
+  // The names of the types with a step form, sorted.
+  std::vector<std::string> recurrent_names() const;
   // Every type with its specs, as JSON (what `fastattn list --json` prints):
   //   {"types": [{"name", "description", "params": [{"name", "type", "default"
   //   (null when optional), "help", and where they apply "min", "max",
-  //   "min_exclusive", "max_exclusive", "choices"}]}],
+  //   "min_exclusive", "max_exclusive", "choices"}], "capabilities":
+  //   {Capabilities' fields, "recurrent": bool}}],
   //    "decorators": [{"name": "conditional-full:<type>", "description",
   //   "params": [the parameters it adds to the inner type's]}]}
   nlohmann::json describe() const;

@@ -27,6 +27,7 @@ Layout: queries ``(N, H, L, E)``, keys ``(N, H, S, E)``, values ``(N, H, S, M)``
 outputs ``(N, H, L, M)``. Masks follow "true means keep".
 """
 
+import functools
 import json
 import math
 import os
@@ -40,6 +41,7 @@ __all__ = [
     "attention_step_state",
     "full_attention",
     "attention_types",
+    "capabilities",
     "ops",
     "library_path",
     "build_info",
@@ -360,3 +362,17 @@ def attention_types():
     ``fastattn list --json``.
     """
     return json.loads(ops.attention_types())
+
+
+def capabilities():
+    """What each registered type can do, from its registry entry:
+    ``{type: {"causal", "bidirectional", "attn_mask" ("any" | "bool" |
+    "none"), "incremental" ("yes" | "no" | "stride"), "recurrent",
+    "learned", "causal_form", "bidirectional_form", "oracle"}}`` (see
+    ``fastattn list``)."""
+    return {name: dict(caps) for name, caps in _capabilities().items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _capabilities():
+    return {t["name"]: t["capabilities"] for t in attention_types()["types"]}

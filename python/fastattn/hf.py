@@ -91,6 +91,7 @@ if _release(transformers.__version__) < _release(MIN_TRANSFORMERS):
         % (transformers.__version__, MIN_TRANSFORMERS), stacklevel=2)
 
 from . import attention as _attention
+from . import _capabilities
 from . import attention_types as _attention_types
 
 __all__ = [
@@ -109,8 +110,9 @@ __all__ = [
 #: The prefix of the names under which the types are registered.
 PREFIX = "fastattn-"
 
-#: What each built-in type can do behind a Hugging Face model, as checked
-#: against fastattn by tests/python/test_hf.py:
+#: What each registered type can do behind a Hugging Face model, read from
+#: its registry entry (``fastattn.capabilities()``; tests/cpp/test_capabilities.cpp
+#: and tests/python/test_hf.py hold every type to it):
 #:
 #: - ``causal``: causal attention (decoders); ``bidirectional``: without it
 #:   (encoders);
@@ -121,35 +123,20 @@ PREFIX = "fastattn-"
 #:   KV-cache decoding of ``generate``) giving the rows of the full causal
 #:   computation: True, False, or ``"stride"`` (only with an explicit
 #:   ``stride`` parameter: its default depends on L).
-#:
-#: A type not listed (registered later) is passed through unchecked:
-#: fastattn's own errors apply.
 CAPABILITIES = {
-    "full": dict(causal=True, bidirectional=True, attn_mask="any", incremental=True),
-    "hard-retrieval": dict(causal=True, bidirectional=True, attn_mask="bool", incremental=True),
-    "local": dict(causal=True, bidirectional=True, attn_mask=None, incremental=True),
-    "sparse-fixed": dict(causal=True, bidirectional=True, attn_mask=None, incremental="stride"),
-    "sparse-strided": dict(causal=True, bidirectional=True, attn_mask=None,
-                           incremental="stride"),
-    "causal-linear": dict(causal=True, bidirectional=False, attn_mask=None, incremental=False),
-    "causal-improved-clustered": dict(causal=True, bidirectional=False, attn_mask=None,
-                                      incremental=False),
-    "reformer": dict(causal=True, bidirectional=True, attn_mask=None, incremental=False),
-    "clusterformer": dict(causal=True, bidirectional=True, attn_mask=None, incremental=False),
-    "clustered": dict(causal=False, bidirectional=True, attn_mask=None, incremental=False),
-    "improved-clustered": dict(causal=False, bidirectional=True, attn_mask=None,
-                               incremental=False),
-    "exact-topk": dict(causal=False, bidirectional=True, attn_mask=None, incremental=False),
-    "linear": dict(causal=False, bidirectional=True, attn_mask=None, incremental=False),
+    name: dict(causal=c["causal"], bidirectional=c["bidirectional"],
+               attn_mask=None if c["attn_mask"] == "none" else c["attn_mask"],
+               incremental={"yes": True, "no": False}.get(c["incremental"], c["incremental"]))
+    for name, c in _capabilities().items()
 }
 
 # Types whose modules hold learned parameters: the operator builds a fresh
 # instance per call, so they cannot be trained from Python (as fastattn.nn).
-_LEARNED_TYPES = ("clusterformer",)
-# The types with a causal form, for the suggestions in errors.
-_CAUSAL_TWIN = {"linear": "causal-linear", "improved-clustered": "causal-improved-clustered",
-                "clustered": "causal-improved-clustered"}
-_BIDIRECTIONAL_TWIN = {v: k for k, v in _CAUSAL_TWIN.items() if k != "clustered"}
+_LEARNED_TYPES = tuple(n for n, c in _capabilities().items() if c["learned"])
+# The types with a form in the other direction, for the suggestions in errors.
+_CAUSAL_TWIN = {n: c["causal_form"] for n, c in _capabilities().items() if c["causal_form"]}
+_BIDIRECTIONAL_TWIN = {n: c["bidirectional_form"] for n, c in _capabilities().items()
+                       if c["bidirectional_form"]}
 
 
 @functools.lru_cache(maxsize=None)

@@ -507,19 +507,22 @@ void register_clustered_attention_types(AttentionRegistry& registry) {
                 "queries hashed and clustered (Hamming K-means); attention once per centroid, "
                 "broadcast to the members: O(L·C) (Vyas et al. 2020)",
                 clustered_specs(false),
-                [](const Params& p, const AttentionDims&) { return build_clustered(p, false); }});
+                [](const Params& p, const AttentionDims&) { return build_clustered(p, false); },
+                Capabilities().bidirectional_only("causal-improved-clustered")});
   registry.add({"improved-clustered",
                 "clustered attention with exact per-query weights on each cluster's top-k keys "
                 "(Vyas et al. 2020, eq. 9-10)",
                 clustered_specs(true),
-                [](const Params& p, const AttentionDims&) { return build_clustered(p, true); }});
-  registry.add({"causal-improved-clustered",
-                "causal improved clustered attention: exact softmax over the cluster's top-k "
-                "keys chosen before the query's block plus a local causal window; no key after "
-                "a query reaches its output",
-                causal_improved_clustered_specs(), [](const Params& p, const AttentionDims&) {
-                  return build_causal_improved_clustered(p);
-                }});
+                [](const Params& p, const AttentionDims&) { return build_clustered(p, true); },
+                Capabilities().bidirectional_only("causal-improved-clustered")});
+  registry.add(
+      {"causal-improved-clustered",
+       "causal improved clustered attention: exact softmax over the cluster's top-k "
+       "keys chosen before the query's block plus a local causal window; no key after "
+       "a query reaches its output",
+       causal_improved_clustered_specs(),
+       [](const Params& p, const AttentionDims&) { return build_causal_improved_clustered(p); },
+       Capabilities().causal_only("improved-clustered")});
   registry.add({"exact-topk",
                 "each query attends to its own top-k keys by exact score (softmax over those k); "
                 "O(L·S) to select them, O(L·k) memory",
@@ -530,7 +533,8 @@ void register_clustered_attention_types(AttentionRegistry& registry) {
                 [](const Params& p, const AttentionDims&) -> AttentionPtr {
                   return std::make_shared<ExactTopkAttention>(p.get_int("topk"),
                                                               p.get_optional_float("softmax_temp"));
-                }});
+                },
+                Capabilities().bidirectional_only("").as_oracle()});
 }
 
 }  // namespace fastattn

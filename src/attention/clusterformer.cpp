@@ -333,7 +333,8 @@ void register_clusterformer_attention_types(AttentionRegistry& registry) {
          o.softmax_temp = p.get_optional_float("softmax_temp");
          o.seed = p.get_optional_int("seed");
          return std::make_shared<ClusterFormerAttention>(o, dims);
-       }});
+       },
+       Capabilities().with_learned_parameters()});
 }
 
 }  // namespace fastattn

@@ -14,6 +14,7 @@
 #include "attention/builtin_types.h"
 #include "fastattn/attention.h"
 #include "fastattn/ops.h"
+#include "fastattn/recurrent.h"
 #include "fastattn/registry.h"
 #include "ops/op_util.h"
 
@@ -148,6 +149,12 @@ void register_full_attention_types(AttentionRegistry& registry) {
                 [](const Params& p, const AttentionDims&) -> AttentionPtr {
                   return std::make_shared<FullAttention>(p.get_optional_float("softmax_temp"),
                                                          p.get_float("attention_dropout"));
+                },
+                Capabilities().masks("any").rows("yes"),
+                [](const Params& p, const AttentionDims&) -> RecurrentAttentionPtr {
+                  // attention_dropout is accepted; steps never drop (inference).
+                  return std::make_shared<RecurrentFullAttention>(
+                      p.get_optional_float("softmax_temp"));
                 }});
 }
 

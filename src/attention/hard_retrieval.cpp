@@ -11,6 +11,7 @@
 
 #include "attention/builtin_types.h"
 #include "fastattn/ops.h"
+#include "fastattn/recurrent.h"
 #include "fastattn/registry.h"
 
 namespace fastattn {
@@ -81,6 +82,10 @@ void register_hard_retrieval_attention_types(AttentionRegistry& registry) {
          return std::make_shared<HardRetrievalAttention>(p.get_string("train_mode"),
                                                          p.get_optional_float("softmax_temp"),
                                                          p.get_optional_int("seed"));
+       },
+       Capabilities().masks("bool").rows("yes"),
+       [](const Params&, const AttentionDims&) -> RecurrentAttentionPtr {
+         return std::make_shared<RecurrentHardRetrievalAttention>();  // steps take the argmax
        }});
 }
 

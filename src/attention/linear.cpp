@@ -22,6 +22,7 @@
 #include "fastattn/attention.h"
 #include "fastattn/feature_maps.h"
 #include "fastattn/ops.h"
+#include "fastattn/recurrent.h"
 #include "fastattn/registry.h"
 
 namespace fastattn {
@@ -212,16 +213,26 @@ void register_linear_attention_types(AttentionRegistry& registry) {
   registry.add({"linear",
                 "linear attention phi(Q)(phi(K)^T V), normalised: O(L·F·M) time, no L×S "
                 "matrix (no attn_mask, no causal: see causal-linear)",
-                linear_params(), [](const Params& p, const AttentionDims& dims) -> AttentionPtr {
+                linear_params(),
+                [](const Params& p, const AttentionDims& dims) -> AttentionPtr {
                   const auto o = linear_options(p, dims);
                   return std::make_shared<LinearAttention>(make_feature_map(o.map), o.eps);
-                }});
+                },
+                Capabilities().bidirectional_only("causal-linear")});
   registry.add({"causal-linear",
                 "causal linear attention through the chunked causal_linear_product operator "
                 "(needs a causal mask and S == L)",
-                linear_params(), [](const Params& p, const AttentionDims& dims) -> AttentionPtr {
+                linear_params(),
+                [](const Params& p, const AttentionDims& dims) -> AttentionPtr {
                   const auto o = linear_options(p, dims);
                   return std::make_shared<CausalLinearAttention>(make_feature_map(o.map), o.eps);
+                },
+                Capabilities().causal_only("linear"),
+                [](const Params& p, const AttentionDims& dims) -> RecurrentAttentionPtr {
+                  // The same parameters give the same feature map (and weights) as
+                  // the batch type.
+                  const auto o = linear_options(p, dims);
+                  return std::make_shared<RecurrentLinearAttention>(make_feature_map(o.map), o.eps);
                 }});
 }
 

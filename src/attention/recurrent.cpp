@@ -290,30 +290,20 @@ Tensor RecurrentHardRetrievalAttention::retrieve(const Tensor& query,   // (N, H
 // ---- construction by name ---------------------------------------------------
 
 const std::vector<std::string>& recurrent_attention_names() {
-  static const std::vector<std::string> names = {"causal-linear", "full", "hard-retrieval"};
+  static const std::vector<std::string> names = AttentionRegistry::global().recurrent_names();
   return names;
 }
 
 RecurrentAttentionPtr make_recurrent_attention(const std::string& name, const ParamMap& params,
                                                const AttentionDims& dims) {
-  if (name == "causal-linear") {
-    // Build the batch type and take its feature map: the same parameters give
-    // the same map (and weights) as make_attention("causal-linear", ...).
-    auto batch =
-        std::dynamic_pointer_cast<CausalLinearAttention>(make_attention(name, params, dims));
-    TORCH_CHECK(batch,
-                "make_recurrent_attention: 'causal-linear' did not build a "
-                "CausalLinearAttention");
-    const auto p = AttentionRegistry::global().validate(name, params);
-    return std::make_shared<RecurrentLinearAttention>(batch->feature_map(), p.get_float("eps"));
-  }
-  if (name == "full") {
-    const auto p = AttentionRegistry::global().validate(name, params);
-    return std::make_shared<RecurrentFullAttention>(p.get_optional_float("softmax_temp"));
-  }
-  if (name == "hard-retrieval") {
-    AttentionRegistry::global().validate(name, params);  // same specs; steps take the argmax
-    return std::make_shared<RecurrentHardRetrievalAttention>();
+  const auto& registry = AttentionRegistry::global();
+  if (registry.contains(name)) {
+    const auto type = registry.get(name);
+    if (type.recurrent) {
+      auto attn = type.recurrent(registry.validate(name, params), dims);
+      TORCH_CHECK(attn, "make_recurrent_attention: the step factory of '", name, "' returned null");
+      return attn;
+    }
   }
   std::string supported;
   for (const auto& n : recurrent_attention_names()) {

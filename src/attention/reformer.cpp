@@ -111,7 +111,8 @@ void register_reformer_attention_types(AttentionRegistry& registry) {
          o.seed = p.get_optional_int("seed");
          o.masked = p.get_bool("masked");
          return std::make_shared<ReformerAttention>(o);
-       }});
+       },
+       Capabilities()});
 }
 
 }  // namespace fastattn

@@ -311,6 +311,18 @@ void AttentionRegistry::add(AttentionType type) {
               "' is already registered");
   TORCH_CHECK(type.factory, "AttentionRegistry::add: attention type '", name,
               "' needs a factory, got none");
+  const auto& caps = type.capabilities;
+  TORCH_CHECK(caps.causal || caps.bidirectional, "AttentionRegistry::add: attention type '", name,
+              "' must run causal, bidirectional or both");
+  TORCH_CHECK(caps.attn_mask == "any" || caps.attn_mask == "bool" || caps.attn_mask == "none",
+              "AttentionRegistry::add: attention type '", name,
+              "': capabilities.attn_mask must be any, bool or none, got '", caps.attn_mask, "'");
+  TORCH_CHECK(caps.incremental == "yes" || caps.incremental == "no" || caps.incremental == "stride",
+              "AttentionRegistry::add: attention type '", name,
+              "': capabilities.incremental must be yes, no or stride, got '", caps.incremental,
+              "'");
+  TORCH_CHECK(caps.causal || caps.incremental == "no", "AttentionRegistry::add: attention type '",
+              name, "': incremental rows need causal attention");
   std::set<std::string> seen;
   for (const auto& spec : type.params) {
     TORCH_CHECK(!spec.name.empty(), "AttentionRegistry::add: attention type '", name,
@@ -333,6 +345,40 @@ bool AttentionRegistry::contains(const std::string& name) const {
     return !is_conditional(inner) && types_.count(inner) > 0 && types_.count("full") > 0;
   }
   return types_.count(name) > 0;
+}
+
+nlohmann::json Capabilities::to_json() const {
+  return {{"causal", causal},
+          {"bidirectional", bidirectional},
+          {"attn_mask", attn_mask},
+          {"incremental", incremental},
+          {"learned", learned},
+          {"causal_form", causal_form},
+          {"bidirectional_form", bidirectional_form},
+          {"oracle", oracle}};
+}
+
+namespace {
+
+// conditional-full:<type> runs full or <type> by length: it can do what both can.
+Capabilities both(const Capabilities& a, const Capabilities& b) {
+  Capabilities c;
+  c.causal = a.causal && b.causal;
+  c.bidirectional = a.bidirectional && b.bidirectional;
+  const auto mask_rank = [](const std::string& m) { return m == "any" ? 2 : m == "bool" ? 1 : 0; };
+  c.attn_mask = mask_rank(a.attn_mask) <= mask_rank(b.attn_mask) ? a.attn_mask : b.attn_mask;
+  c.incremental = a.incremental == b.incremental ? a.incremental : "no";
+  c.learned = a.learned || b.learned;
+  return c;
+}
+
+}  // namespace
+
+std::vector<std::string> AttentionRegistry::recurrent_names() const {
+  std::vector<std::string> out;
+  for (const auto& kv : types_)
+    if (kv.second.recurrent) out.push_back(kv.first);
+  return out;
 }
 
 std::vector<std::string> AttentionRegistry::names() const {
@@ -378,6 +424,7 @@ AttentionType AttentionRegistry::get(const std::string& name) const {
     if (!find_spec(inner.params, spec.name)) t.params.push_back(spec);
   }
   t.params.push_back(length_limit_spec());
+  t.capabilities = both(inner.capabilities, full.capabilities);
   t.factory = [inner, full](const Params& p, const AttentionDims& dims) -> AttentionPtr {
     auto inner_module = inner.factory(subset(p, inner.params), dims);
     auto full_module =
@@ -422,8 +469,12 @@ nlohmann::json AttentionRegistry::describe() const {
   for (const auto& kv : types_) {
     nlohmann::json params = nlohmann::json::array();
     for (const auto& s : kv.second.params) params.push_back(spec_json(s));
-    types.push_back(
-        {{"name", kv.first}, {"description", kv.second.description}, {"params", params}});
+    auto caps = kv.second.capabilities.to_json();
+    caps["recurrent"] = static_cast<bool>(kv.second.recurrent);
+    types.push_back({{"name", kv.first},
+                     {"description", kv.second.description},
+                     {"params", params},
+                     {"capabilities", caps}});
   }
   nlohmann::json added = nlohmann::json::array({spec_json(length_limit_spec())});
   auto full = types_.find("full");

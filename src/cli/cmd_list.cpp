@@ -45,9 +45,32 @@ std::string default_text(const nlohmann::json& p) {
   return d.is_string() ? d.get<std::string>() : d.dump();
 }
 
-// One type or decorator: its name, description and a table of parameters.
+// "causal and bidirectional; masks: any; incremental rows; step form" from
+// the capabilities of describe().
+std::string capabilities_text(const nlohmann::json& c) {
+  const bool causal = c.value("causal", false), bidirectional = c.value("bidirectional", false);
+  std::string out = causal && bidirectional ? "causal and bidirectional"
+                    : causal                ? "causal only"
+                                            : "bidirectional only";
+  const auto twin = c.value(causal ? "bidirectional_form" : "causal_form", std::string());
+  if (!twin.empty())
+    out += " (" + std::string(causal ? "bidirectional" : "causal") + ": " + twin + ")";
+  out += "; attn_mask: " + c.value("attn_mask", std::string("none"));
+  const auto rows = c.value("incremental", std::string("no"));
+  if (rows != "no")
+    out += std::string("; L < S rows") + (rows == "stride" ? " (explicit stride)" : "");
+  if (c.value("recurrent", false)) out += "; step form";
+  if (c.value("learned", false)) out += "; learned parameters";
+  if (c.value("oracle", false)) out += "; an exact oracle, not a speed-up";
+  return out;
+}
+
+// One type or decorator: its name, description, capabilities and a table of
+// parameters.
 void print_entry(const nlohmann::json& t) {
   std::cout << "\n" << t.value("name", "?") << ": " << t.value("description", "") << "\n";
+  if (t.contains("capabilities"))
+    std::cout << "  can: " << capabilities_text(t["capabilities"]) << "\n";
   const auto params = t.value("params", nlohmann::json::array());
   if (params.empty()) {
     std::cout << "  (no parameters)\n";

@@ -13,6 +13,7 @@ from torch import nn
 
 from .. import attention as _attention
 from .. import attention_step as _attention_step
+from .. import _capabilities
 from .. import attention_types as _attention_types
 from .feature_maps import FeatureMap
 from .masking import resolve_masks
@@ -25,12 +26,13 @@ __all__ = [
     "STEP_TYPES",
 ]
 
-#: Types with a recurrent (token-by-token) form through ``fastattn.attention_step``.
-STEP_TYPES = ("causal-linear", "full", "hard-retrieval")
+#: Types with a recurrent (token-by-token) form through ``fastattn.attention_step``
+#: (declared by the registry).
+STEP_TYPES = tuple(sorted(n for n, c in _capabilities().items() if c["recurrent"]))
 # Types whose modules hold learned parameters. The registry operator builds a
 # fresh instance for every call, so those parameters would be re-initialised
 # each time and never trained: refused in training mode.
-_LEARNED_TYPES = ("clusterformer",)
+_LEARNED_TYPES = tuple(n for n, c in _capabilities().items() if c["learned"])
 
 
 @functools.lru_cache(maxsize=None)
