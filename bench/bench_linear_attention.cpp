@@ -8,7 +8,7 @@
 // `linear` forward, `causal-linear` forward, `causal-linear` forward+backward,
 // and the bare causal_linear_product operator forward and forward+backward
 // with their GFLOP/s (flops as computed, per head 2·L·(2·F·M + C·(F+M)) forward and
-// 2·L·(5·F·M + 3·C·(F+M)) backward, chunks of C = 64 there), each also in ms per
+// 2·L·(5·F·M + 3·C·(F+M)) backward, C its chunk), each also in ms per
 // 1k tokens: a flat column shows linear scaling. Then a finiteness check of
 // causal-linear in float32 at the longest length with unnormalised inputs
 // (|x| ~ 100·sqrt(E)), and the process's peak resident memory (an L×L matrix
@@ -61,7 +61,7 @@ int main(int argc, char** argv) {
   causal->eval();
   const auto causal_mask = fastattn::Mask::causal_mask();
 
-  const double C = 64;  // the operator's chunk
+  const double C = fastattn::kCausalLinearProductChunk;
   std::printf("%7s  %-34s %10s %11s %9s\n", "L", "what", "ms", "ms/1k tok", "GFLOP/s");
   auto report = [](int64_t L, const char* what, double t, double flops) {
     std::printf("%7lld  %-34s %10.2f %11.3f", static_cast<long long>(L), what, t * 1e3,

@@ -1025,24 +1025,31 @@ const OpEntry kOps[] = {
     {"lsh_hash+reformer_attention", fuzz_reformer},
     {"gather_tokens+elu_feature_map", fuzz_gather},
     {"attention types (registry)", fuzz_type},
-    // Appended: corpus files whose first byte is below an earlier count keep
-    // their operator (the others now decode to another one, still a valid
-    // regression input).
     {"full_attention_lse_topk", fuzz_full_lse_topk},
     {"improved_clustered_attention", fuzz_improved_clustered},
     {"attention_step", fuzz_attention_step},
     {"attention types, parameters at their limits", fuzz_type_params},
 };
 constexpr int kOpCount = sizeof(kOps) / sizeof(kOps[0]);
+// Stable operator ids: the first byte modulo kIdSpace is the index into kOps
+// (append new operators only), and an id past the list skips the input. An
+// operator added later takes a free id, so every corpus file keeps the
+// operator it was found with (with byte % kOpCount they all moved whenever an
+// operator was added).
+constexpr int kIdSpace = 32;
+static_assert(kOpCount <= kIdSpace, "fuzz operator ids: raise kIdSpace (and keep the corpus ids)");
 
 }  // namespace
 
 int fuzz_op_count() { return kOpCount; }
-const char* fuzz_op_name(int op) { return kOps[op % kOpCount].name; }
+const char* fuzz_op_name(int op) {
+  return op >= 0 && op < kOpCount ? kOps[op].name : "(no operator)";
+}
 
 std::string check_fuzz_input(const uint8_t* data, size_t size) {
   Bytes b(data, size);
-  const int op = b.byte() % kOpCount;
+  const int op = b.byte() % kIdSpace;
+  if (op >= kOpCount) return "";  // a free id: no operator yet
   try {
     Setup s = decode_setup(b);
     kOps[op].fn(b, s);

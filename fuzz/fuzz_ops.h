@@ -28,7 +28,8 @@
 
 namespace fastattn::fuzz {
 
-// Number of operator choices the first byte selects among.
+// Number of operators; the first byte modulo 32 is an operator's stable id
+// (ids from this count up select nothing yet: the input is skipped).
 int fuzz_op_count();
 // The name of choice `op` (for reports and docs).
 const char* fuzz_op_name(int op);

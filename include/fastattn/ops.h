@@ -55,6 +55,9 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> full_attention_lse_topk(
 // Requires the same length L for q, k and v. Gradients flow to q, k and v.
 torch::Tensor causal_linear_product(const torch::Tensor& q, const torch::Tensor& k,
                                     const torch::Tensor& v);
+// Its rows per chunk C on the CPU (the C×C tiles stay in L1/L2; flop counts
+// of benchmarks use it).
+inline constexpr int64_t kCausalLinearProductChunk = 64;
 
 // Normalised linear attention with phi(x) = elu(x) + 1 (the default map of the
 // `linear` and `causal-linear` types), fused into one kernel per pass:

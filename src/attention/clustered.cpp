@@ -508,13 +508,15 @@ void register_clustered_attention_types(AttentionRegistry& registry) {
                 "broadcast to the members: O(L·C) (Vyas et al. 2020)",
                 clustered_specs(false),
                 [](const Params& p, const AttentionDims&) { return build_clustered(p, false); },
-                Capabilities().bidirectional_only("causal-improved-clustered")});
+                Capabilities().bidirectional_only("causal-improved-clustered"),
+                /*recurrent=*/nullptr});
   registry.add({"improved-clustered",
                 "clustered attention with exact per-query weights on each cluster's top-k keys "
                 "(Vyas et al. 2020, eq. 9-10)",
                 clustered_specs(true),
                 [](const Params& p, const AttentionDims&) { return build_clustered(p, true); },
-                Capabilities().bidirectional_only("causal-improved-clustered")});
+                Capabilities().bidirectional_only("causal-improved-clustered"),
+                /*recurrent=*/nullptr});
   registry.add(
       {"causal-improved-clustered",
        "causal improved clustered attention: exact softmax over the cluster's top-k "
@@ -522,7 +524,7 @@ void register_clustered_attention_types(AttentionRegistry& registry) {
        "a query reaches its output",
        causal_improved_clustered_specs(),
        [](const Params& p, const AttentionDims&) { return build_causal_improved_clustered(p); },
-       Capabilities().causal_only("improved-clustered")});
+       Capabilities().causal_only("improved-clustered"), /*recurrent=*/nullptr});
   registry.add({"exact-topk",
                 "each query attends to its own top-k keys by exact score (softmax over those k); "
                 "O(L·S) to select them, O(L·k) memory",
@@ -534,7 +536,8 @@ void register_clustered_attention_types(AttentionRegistry& registry) {
                   return std::make_shared<ExactTopkAttention>(p.get_int("topk"),
                                                               p.get_optional_float("softmax_temp"));
                 },
-                Capabilities().bidirectional_only("").as_oracle()});
+                Capabilities().bidirectional_only("").as_oracle(),
+                /*recurrent=*/nullptr});
 }
 
 }  // namespace fastattn

@@ -21,7 +21,6 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 constexpr const char* kOp = "fastattn::causal_linear_product";
-constexpr int64_t kChunk = 64;  // rows per chunk: C×C tiles stay in L1/L2
 
 void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v) {
   ops::check_causal_product_inputs(kOp, q, k, v);
@@ -37,7 +36,7 @@ void fill_params(Args& a, const Tensor& q, const Tensor& k, const Tensor& v) {
   a.L = q.size(2);
   a.F = q.size(3);
   a.M = v.size(3);
-  a.chunk = kChunk;
+  a.chunk = kCausalLinearProductChunk;
   a.num_threads = at::get_num_threads();
 }
 

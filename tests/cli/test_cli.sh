@@ -48,7 +48,10 @@ expect 0 "TYPE\[:PARAM=VALUE" -- bench -h
 expect 0 "softmax_temp +float +\(none\) +> 0" -- list
 expect 0 "conditional-full:<type>" -- list
 expect 0 '"types"' -- list --json
-expect 0 "full +48 +backward" -- --threads 1 bench --attention full,conditional-full:full:length_limit=32 \
+# conditional-full:local runs full at 16 and local at 48, whose causal window
+# of 128 holds every earlier key there: both equal full up to rounding.
+expect 0 "full +48 +backward" -- --threads 1 bench \
+  --attention full,conditional-full:local:length_limit=32:window=128 \
   --length 16,48 --pass both --causal --repeat 1 --heads 2 --dim 8 --dtype float64 --json "$tmp/b.json"
 
 # The JSON file: 2 specs x 2 lengths x 2 passes = 8 records with the fields.
@@ -59,8 +62,8 @@ else
   echo "FAIL: bench --json records"; cat "$tmp/b.json" 2>/dev/null | head -40
   failures=$((failures + 1))
 fi
-# float64 errors (full against the reference, conditional-full against full)
-# must be at rounding level.
+# float64 errors (full against the reference, conditional-full:local against
+# full on both sides of its length limit) must be at rounding level.
 if ! grep -o '"max_abs_error": [^,}]*' "$tmp/b.json" |
      awk '{ if ($2 + 0 > 1e-9) bad = 1 } END { exit bad }'; then
   echo "FAIL: a max_abs_error is above 1e-9"; grep '"max_abs_error"' "$tmp/b.json"

@@ -162,7 +162,8 @@ TEST(CapabilitiesRegistry, AddRefusesInconsistentDeclarations) {
         "test",
         {},
         [](const Params&, const AttentionDims&) -> AttentionPtr { return nullptr; },
-        std::move(caps)};
+        std::move(caps),
+        /*recurrent=*/nullptr};
   };
   auto neither = Capabilities().causal_only("");
   neither.causal = false;

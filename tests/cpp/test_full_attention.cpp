@@ -5,6 +5,7 @@
 
 #include <set>
 
+#include "expect_error.h"
 #include "fastattn/ops.h"
 #include "op_harness.h"
 #include "ops/full_attention_internal.h"
@@ -168,31 +169,21 @@ TEST(FullAttention, NonContiguousInputs) {
 }
 
 // Bad input: the message names the argument.
-void expect_error(const std::function<void()>& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "no error; expected one mentioning '" << needle << "'";
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
-        << "message '" << e.what_without_backtrace() << "' does not mention '" << needle << "'";
-  }
-}
-
 TEST(FullAttention, BadInputsNameTheArgument) {
   auto q = torch::randn({1, 2, 5, 4}), k = torch::randn({1, 2, 6, 4}),
        v = torch::randn({1, 2, 6, 3});
-  expect_error([&] { full_attention(q[0], k, v); }, "q must have shape");
-  expect_error([&] { full_attention(q, k.narrow(3, 0, 3), v); }, "k must agree with q");
-  expect_error([&] { full_attention(q, k, v.narrow(2, 0, 5)); }, "v must agree with k");
-  expect_error([&] { full_attention(q, k.to(torch::kDouble), v); }, "one dtype");
-  expect_error([&] { full_attention(q.to(torch::kInt), k, v); }, "q must be float32 or float64");
-  expect_error([&] { full_attention(q, k, v, torch::ones({5, 5}, torch::kBool)); }, "attn_mask");
-  expect_error([&] { full_attention(q, k, v, torch::ones({5, 6}, torch::kInt)); }, "attn_mask");
-  expect_error([&] { full_attention(q, k, v, std::nullopt, torch::tensor({7}, torch::kLong)); },
-               "key_lengths");
-  expect_error([&] { full_attention(q, k, v, std::nullopt, torch::tensor({1.0})); }, "key_lengths");
-  expect_error([&] { full_attention(q, k, v, std::nullopt, std::nullopt, false, -1.0); },
-               "softmax_temp");
+  EXPECT_ERROR_CONTAINS(full_attention(q[0], k, v), "q must have shape");
+  EXPECT_ERROR_CONTAINS(full_attention(q, k.narrow(3, 0, 3), v), "k must agree with q");
+  EXPECT_ERROR_CONTAINS(full_attention(q, k, v.narrow(2, 0, 5)), "v must agree with k");
+  EXPECT_ERROR_CONTAINS(full_attention(q, k.to(torch::kDouble), v), "one dtype");
+  EXPECT_ERROR_CONTAINS(full_attention(q.to(torch::kInt), k, v), "q must be float32 or float64");
+  EXPECT_ERROR_CONTAINS(full_attention(q, k, v, torch::ones({5, 5}, torch::kBool)), "attn_mask");
+  EXPECT_ERROR_CONTAINS(full_attention(q, k, v, torch::ones({5, 6}, torch::kInt)), "attn_mask");
+  EXPECT_ERROR_CONTAINS(full_attention(q, k, v, std::nullopt, torch::tensor({7}, torch::kLong)),
+                        "key_lengths");
+  EXPECT_ERROR_CONTAINS(full_attention(q, k, v, std::nullopt, torch::tensor({1.0})), "key_lengths");
+  EXPECT_ERROR_CONTAINS(full_attention(q, k, v, std::nullopt, std::nullopt, false, -1.0),
+                        "softmax_temp");
 }
 
 TEST(FullAttention, EmptyInputs) {
@@ -364,12 +355,12 @@ TEST(FullAttentionLseTopk, DenseFormMatchesTheFusedKernelCausal) {
 TEST(FullAttentionLseTopk, BadInputsNameTheArgument) {
   auto q = torch::randn({1, 2, 5, 4}), k = torch::randn({1, 2, 6, 4}),
        v = torch::randn({1, 2, 6, 3});
-  expect_error([&] { full_attention_lse_topk(q, k, v, std::nullopt, std::nullopt, 7); },
-               "topk must be in [0, S] = [0, 6], got 7");
-  expect_error([&] { full_attention_lse_topk(q, k, v, std::nullopt, std::nullopt, -1); }, "topk");
-  expect_error([&] { full_attention_lse_topk(q, k.narrow(3, 0, 3), v); }, "k must agree with q");
-  expect_error(
-      [&] { full_attention_lse_topk(q, k, v, torch::tensor({7}, torch::kLong), std::nullopt, 1); },
+  EXPECT_ERROR_CONTAINS(full_attention_lse_topk(q, k, v, std::nullopt, std::nullopt, 7),
+                        "topk must be in [0, S] = [0, 6], got 7");
+  EXPECT_ERROR_CONTAINS(full_attention_lse_topk(q, k, v, std::nullopt, std::nullopt, -1), "topk");
+  EXPECT_ERROR_CONTAINS(full_attention_lse_topk(q, k.narrow(3, 0, 3), v), "k must agree with q");
+  EXPECT_ERROR_CONTAINS(
+      full_attention_lse_topk(q, k, v, torch::tensor({7}, torch::kLong), std::nullopt, 1),
       "key_lengths");
 }
 
