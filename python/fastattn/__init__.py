@@ -277,18 +277,26 @@ class _CacheState(list):
     __slots__ = ("buffers",)
 
 
+def _is_cache(state, q, k, v):
+    """Whether state is a cache [K (N, H, t, E), V (N, H, t, M)] for q, k, v."""
+    if len(state) != 2 or q.dim() != 3 or k.shape != q.shape or v.dim() != 3:
+        return False
+    K, V = state
+    N, H, E = q.shape
+    return (K.dim() == 4 and V.dim() == 4 and K.shape[:2] == (N, H) and K.shape[3] == E
+            and V.shape[:3] == K.shape[:3] and V.shape[3] == v.shape[2]
+            and all(t.dtype == q.dtype and t.device == q.device for t in (K, V, k, v)))
+
+
 def _cache_step(type, q, k, v, state, params_json):
     # The buffers ([K, V, filled], capacity on dimension 2) take row t in
     # place when they have room and no other state stepped from this one
     # (filled == t): every state returned stays valid and unmodified.
+    if state and not _is_cache(state, q, k, v):
+        return ops.attention_step(type, q, k, v, list(state), params_json)  # names the problem
     t = state[0].shape[2] if state else 0
     buffers = getattr(state, "buffers", None)
     if buffers is None or t >= buffers[0].shape[2] or int(buffers[2]) != t:
-        if state and len(state) != 2:
-            raise RuntimeError(
-                "fastattn.attention_step: state must be empty or the two tensors the previous "
-                "step returned, got %d tensors (attention_step_ steps the fixed-size state of "
-                "attention_step_state in place)" % len(state))
         buffers = ops.attention_step_state(type, q, v, max(16, 2 * (t + 1)), params_json)
         if t:
             buffers[0][:, :, :t].copy_(state[0])

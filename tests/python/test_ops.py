@@ -372,6 +372,12 @@ def test_attention_step_errors_name_the_problem():
         fastattn.attention_step("full", q[0], q, q)
     with pytest.raises(RuntimeError, match="bogus"):
         fastattn.attention_step("full", q, q, q, bogus=1)
+    # A cache state of the wrong shape or dtype is named (eagerly too).
+    _, state = fastattn.attention_step("full", q, q, q)
+    with pytest.raises(RuntimeError, match="state V must have shape"):
+        fastattn.attention_step("full", q, q, q, [state[0], state[1][..., :2]])
+    with pytest.raises(RuntimeError, match="state K must be Double"):
+        fastattn.attention_step("full", q.double(), q.double(), q.double(), state)
     # The functional step takes the two tensors it returned, not a fixed state.
     fixed = fastattn.attention_step_state("full", q, q, 2)
     with pytest.raises(RuntimeError, match="got 3 tensors .*attention_step_"):
