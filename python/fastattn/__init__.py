@@ -238,7 +238,8 @@ def attention_step(type, q, k, v, state=None, **params):
         state (``full``, ``hard-retrieval``) is the keys (N, H, t + 1, E) and
         values (N, H, t + 1, M): eagerly, views of buffers that grow by
         doubling (amortised O(1) a step); under ``torch.compile``, new tensors
-        (the operator copies the t rows a step). Compiled decoding loops
+        (the operator copies the t rows a step), and also where gradients are
+        recorded (the step is differentiable). Compiled decoding loops
         should use the fixed-size :func:`attention_step_state` and
         :func:`attention_step_` (no copies, the same shapes every step).
 
@@ -250,7 +251,7 @@ def attention_step(type, q, k, v, state=None, **params):
                                                  v[:, :, t], state)
     """
     params_json = _params_json(params)
-    if not _compiling() and _grows(type, q, v, params_json):
+    if not _compiling() and not _needs_grad(q, k, v, state) and _grows(type, q, v, params_json):
         return _cache_step(type, q, k, v, state, params_json)
     return ops.attention_step(type, q, k, v, list(state or []), params_json)
 
@@ -258,6 +259,14 @@ def attention_step(type, q, k, v, state=None, **params):
 def _compiling():
     compiler = getattr(torch, "compiler", None)
     return bool(compiler is not None and getattr(compiler, "is_compiling", lambda: False)())
+
+
+def _needs_grad(*tensors):
+    """Whether autograd records a step of these (then the functional operator,
+    which is differentiable, takes it)."""
+    leaves = [t for x in tensors for t in (x if isinstance(x, (list, tuple)) else [x])
+              if isinstance(t, torch.Tensor)]
+    return torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
 
 
 def _grows(type, q, v, params_json):

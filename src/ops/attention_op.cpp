@@ -364,6 +364,45 @@ at::Tensor attention_step_in_place(std::string type, const at::Tensor& q, const 
   return out;
 }
 
+// Whether autograd records a step of these inputs.
+bool step_needs_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     at::TensorList state) {
+  bool needs = q.requires_grad() || k.requires_grad() || v.requires_grad();
+  for (const auto& t : state) needs = needs || t.requires_grad();
+  return needs && at::GradMode::is_enabled();
+}
+
+// The Autograd kernels of the step operators. Without gradients to record,
+// the call goes on below autograd (to the kernel, or to the fake
+// implementation when torch.compile traces). With them, attention_step runs
+// here and autograd records the ATen operations it is made of (eager only: a
+// compiled step is not differentiable), and attention_step_ refuses, rather
+// than returning an output that silently does not depend on q, k, v.
+std::tuple<at::Tensor, std::vector<at::Tensor>> attention_step_autograd(
+    std::string type, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    at::TensorList state, std::string params_json) {
+  if (step_needs_grad(q, k, v, state)) return attention_step(type, q, k, v, state, params_json);
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastattn::attention_step", "")
+                       .typed<decltype(attention_step)>();
+  at::AutoDispatchBelowAutograd below;
+  return op.call(type, q, k, v, state, params_json);
+}
+
+at::Tensor attention_step_in_place_autograd(std::string type, const at::Tensor& q,
+                                            const at::Tensor& k, const at::Tensor& v,
+                                            at::TensorList state, std::string params_json) {
+  TORCH_CHECK(!step_needs_grad(q, k, v, state),
+              "fastattn::attention_step_ steps a state in place for inference and has no "
+              "gradients: run it under torch.no_grad(), or use attention_step (functional, "
+              "differentiable)");
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastattn::attention_step_", "")
+                       .typed<decltype(attention_step_in_place)>();
+  at::AutoDispatchBelowAutograd below;
+  return op.call(type, q, k, v, state, params_json);
+}
+
 // What attention_step_state returns, for the fake implementations: a JSON
 // list, per tensor, of {"shape": sizes after (N, H) (-1: the capacity) or
 // all sizes when not "batched", "dtype": "query" | "int64", "device":
@@ -406,10 +445,12 @@ TORCH_LIBRARY_IMPL(fastattn, CompositeExplicitAutograd, m) {
 
 TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
   m.impl("attention", &fastattn::ops::attention_autograd);
+  m.impl("attention_step", &fastattn::ops::attention_step_autograd);
+  m.impl("attention_step_", &fastattn::ops::attention_step_in_place_autograd);
+  m.impl("attention_step_state", torch::CppFunction::makeFallthrough());
 }
 
 TORCH_LIBRARY_IMPL(fastattn, CompositeExplicitAutograd, m) {
-  // Inference only: no autograd kernel (gradients through a step are refused).
   m.impl("attention_step", &fastattn::ops::attention_step);
   m.impl("attention_step_", &fastattn::ops::attention_step_in_place);
   m.impl("attention_step_state", &fastattn::ops::attention_step_state);

@@ -394,6 +394,26 @@ def test_attention_step_errors_name_the_problem():
         fastattn.attention_step_("full", q, q, q, fixed)
 
 
+@pytest.mark.parametrize("type", ["causal-linear", "full"])
+def test_attention_step_gradients(type):
+    # The functional step is differentiable (gradcheck through two steps);
+    # the in-place one refuses gradients rather than dropping them.
+    torch.manual_seed(5)
+    x = [torch.randn(1, 2, 3, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+
+    def two_steps(q, k, v):
+        _, state = fastattn.attention_step(type, q * 0.5, k * 0.5, v * 0.5)
+        out, _ = fastattn.attention_step(type, q, k, v, state)
+        return out
+
+    assert torch.autograd.gradcheck(two_steps, x)
+    state = fastattn.attention_step_state(type, x[0].detach(), x[2].detach(), 2)
+    with pytest.raises(RuntimeError, match="no gradients: run it under torch.no_grad"):
+        fastattn.attention_step_(type, *x, state)
+    with torch.no_grad():
+        fastattn.attention_step_(type, *x, state)
+
+
 def test_attention_step_cache_grows_by_doubling():
     # 100 eager steps of a cache type: a handful of buffers (16, 34, 70, 142
     # rows), not one copy of the cache per step.
