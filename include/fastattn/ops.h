@@ -269,4 +269,21 @@ namespace reference {
 torch::Tensor gather_tokens(const torch::Tensor& x, const torch::Tensor& index);
 }  // namespace reference
 
+// ---- CPU instruction set ---------------------------------------------------
+// The CPU kernels are compiled for several instruction-set levels and pick the
+// best one this CPU runs: "default" (portable, scalar), "avx2" (AVX2 + FMA),
+// "avx512" (AVX-512 F/BW/DQ/VL). The environment variable
+// FASTATTN_CPU_CAPABILITY, read at the first kernel call, or
+// set_cpu_capability() choose a lower one (for tests and for reproducing
+// figures). torch.ops.fastattn.cpu_capability / set_cpu_capability in Python.
+
+// The level in use (an unknown or unsupported FASTATTN_CPU_CAPABILITY throws,
+// naming the variable and the supported levels).
+std::string cpu_capability();
+// The levels this CPU and build support, lowest first.
+std::vector<std::string> supported_cpu_capabilities();
+// Uses `level` from now on, process-wide; an unknown or unsupported level
+// throws, naming the supported ones.
+void set_cpu_capability(const std::string& level);
+
 }  // namespace fastattn

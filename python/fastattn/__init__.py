@@ -42,6 +42,9 @@ __all__ = [
     "full_attention",
     "attention_types",
     "capabilities",
+    "cpu_capability",
+    "supported_cpu_capabilities",
+    "set_cpu_capability",
     "ops",
     "library_path",
     "build_info",
@@ -379,6 +382,29 @@ def attention_types():
     ``fastattn list --json``.
     """
     return json.loads(ops.attention_types())
+
+
+def cpu_capability():
+    """The instruction set the CPU kernels use: ``"default"`` (portable),
+    ``"avx2"`` or ``"avx512"``. The best this CPU runs unless the environment
+    variable ``FASTATTN_CPU_CAPABILITY`` (read at the first kernel call) or
+    :func:`set_cpu_capability` chose a lower one."""
+    return ops.cpu_capability()
+
+
+def supported_cpu_capabilities():
+    """The instruction sets this CPU and build support, lowest first."""
+    return list(ops.supported_cpu_capabilities())
+
+
+def set_cpu_capability(level):
+    """Runs the CPU kernels at ``level`` (one of
+    :func:`supported_cpu_capabilities`) from now on, process-wide: for
+    reproducing figures and testing the lower levels. Any other value raises
+    ``RuntimeError`` naming the supported ones."""
+    if not isinstance(level, str):
+        raise TypeError(f"set_cpu_capability: level must be a str, got {type(level).__name__}")
+    ops.set_cpu_capability(level)
 
 
 def capabilities():

@@ -221,7 +221,8 @@ class BenchCommand : public Command {
 
     std::cout << "bench: N=" << c.batch << " H=" << c.heads << " E=M=" << c.dim << " "
               << c.dtype_name << (c.causal ? " causal" : "") << ", " << c.threads
-              << " threads, median of " << c.repeat << " after 1 warm-up\n\n";
+              << " threads, CPU kernels " << cpu_capability() << ", median of " << c.repeat
+              << " after 1 warm-up\n\n";
     size_t label_w = std::string("attention").size();
     for (const auto& s : c.specs) label_w = std::max(label_w, s.text.size());
     const std::vector<size_t> widths = {label_w, 7, 8, 11, 9, 11, 9};
@@ -255,12 +256,19 @@ class BenchCommand : public Command {
           for (const auto& kv : spec.params) {
             std::visit([&](const auto& x) { params[kv.first] = x; }, kv.second);
           }
-          nlohmann::json rec = {{"attention", spec.text}, {"type", spec.type},
-                                {"params", params},       {"batch", c.batch},
-                                {"heads", c.heads},       {"length", L},
-                                {"dim", c.dim},           {"dtype", c.dtype_name},
-                                {"causal", c.causal},     {"pass", p},
-                                {"threads", c.threads},   {"repeat", c.repeat}};
+          nlohmann::json rec = {{"attention", spec.text},
+                                {"type", spec.type},
+                                {"params", params},
+                                {"batch", c.batch},
+                                {"heads", c.heads},
+                                {"length", L},
+                                {"dim", c.dim},
+                                {"dtype", c.dtype_name},
+                                {"causal", c.causal},
+                                {"pass", p},
+                                {"threads", c.threads},
+                                {"repeat", c.repeat},
+                                {"cpu_capability", cpu_capability()}};
           if (result.contains("error")) {
             rec["error"] = result["error"];
             ++failures;

@@ -2,7 +2,8 @@
 // and main(). Commands live one per file in src/cli/cmd_*.cpp and register
 // themselves with FASTATTN_REGISTER_COMMAND.
 //
-//   fastattn --help | fastattn <command> --help | fastattn [--threads N] <command> [flags]
+//   fastattn --help | fastattn --version | fastattn <command> --help
+//   fastattn [--threads N] [--cpu-capability LEVEL] <command> [flags]
 //
 // Exit codes: 0 success, 1 runtime error, 2 bad command line.
 #include <sched.h>
@@ -16,7 +17,11 @@
 #include <sstream>
 #include <thread>
 
+#include <torch/version.h>
+
 #include "cli/command.h"
+#include "fastattn/ops.h"
+#include "kernels/common/cpu_isa.h"
 
 namespace fastattn::cli {
 
@@ -249,10 +254,26 @@ int64_t machine_cores() {
 
 }  // namespace
 
+std::string best_cpu_capability() { return supported_cpu_capabilities().back(); }
+
+void print_version() {
+  std::string supported;
+  for (const auto& s : supported_cpu_capabilities())
+    supported += (supported.empty() ? "" : ", ") + s;
+  const std::string active = cpu_capability();  // may throw: print nothing then
+  std::cout << "fastattn " << FASTATTN_VERSION_STRING << " (LibTorch " << TORCH_VERSION
+            << ")\nCPU kernels: " << active << " (this CPU and build: " << supported << ")\n";
+}
+
 std::vector<FlagSpec> global_flags() {
   return {FlagSpec::value("threads", "N",
                           "intra-op threads for LibTorch and our kernels (at::set_num_threads)",
                           std::to_string(machine_cores()) + ", this machine's cores"),
+          FlagSpec::value("cpu-capability", "LEVEL",
+                          "instruction set of the CPU kernels: default, avx2 or avx512 (as "
+                          "FASTATTN_CPU_CAPABILITY)",
+                          "the best this CPU runs, " + best_cpu_capability()),
+          FlagSpec::boolean("version", "print the version and the CPU kernels' instruction set"),
           FlagSpec::boolean("help", "show help (also -h)")};
 }
 
@@ -282,7 +303,7 @@ std::string command_names(const std::vector<std::unique_ptr<Command>>& cmds) {
 
 void print_main_help(const std::vector<std::unique_ptr<Command>>& cmds) {
   std::cout << "fastattn: efficient transformer attention for LibTorch\n\n"
-            << "usage: fastattn [--threads N] <command> [flags]\n"
+            << "usage: fastattn [--threads N] [--cpu-capability LEVEL] <command> [flags]\n"
             << "       fastattn <command> --help\n\ncommands:\n";
   size_t width = 0;
   for (const auto& c : cmds) width = std::max(width, c->name().size());
@@ -304,6 +325,15 @@ void print_command_help(const Command& c) {
   std::cout << "\nglobal flags:\n" << flags_help(global_flags());
 }
 
+// --cpu-capability: a level this CPU does not run is a command-line error.
+void apply_cpu_capability(const std::string& level) {
+  try {
+    kernels::set_cpu_isa(kernels::parse_cpu_isa(level, "--cpu-capability"));
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(e.what());
+  }
+}
+
 int run_main(const std::vector<std::string>& argv) {
   auto cmds = all_commands();
   // Global flags before the command name.
@@ -312,10 +342,16 @@ int run_main(const std::vector<std::string>& argv) {
   while (i < argv.size() && argv[i].size() > 0 && argv[i][0] == '-') {
     before.push_back(argv[i]);
     // A value flag given as "--threads N" takes the next token along.
-    if (argv[i] == "--threads" && i + 1 < argv.size()) before.push_back(argv[++i]);
+    if ((argv[i] == "--threads" || argv[i] == "--cpu-capability") && i + 1 < argv.size())
+      before.push_back(argv[++i]);
     ++i;
   }
   Args global = parse_flags(before, global_flags(), false, "fastattn");
+  if (global.has("cpu-capability")) apply_cpu_capability(global.get("cpu-capability"));
+  if (global.get_bool("version")) {
+    print_version();
+    return 0;
+  }
   if (i == argv.size()) {
     print_main_help(cmds);
     if (global.get_bool("help")) return 0;
@@ -353,6 +389,15 @@ int run_main(const std::vector<std::string>& argv) {
   Args args = parse_flags(rest, specs, cmd->allow_positional(), "fastattn " + name);
   if (args.get_bool("help") || global.get_bool("help")) {
     print_command_help(*cmd);
+    return 0;
+  }
+  if (args.has("cpu-capability")) {
+    if (global.has("cpu-capability"))
+      throw UsageError("--cpu-capability given twice (before and after the command)");
+    apply_cpu_capability(args.get("cpu-capability"));
+  }
+  if (args.get_bool("version")) {
+    print_version();
     return 0;
   }
   if (global.has("threads") && args.has("threads")) {

@@ -207,8 +207,16 @@ std::tuple<Tensor, Tensor, Tensor> hard_retrieval_attention_backward_cpu(
     f.grad_v = gv_soft.data_ptr<T>();
     kernels::full_attention_backward_cpu(f);
 
-    kernels::hard_retrieval_grad_v_cpu(go.data_ptr<T>(), idx.data_ptr<int64_t>(), N * H, L, S, M,
-                                       gv.data_ptr<T>(), d.num_threads);
+    kernels::HardRetrievalGradVArgs<T> g;
+    g.grad_out = go.data_ptr<T>();
+    g.index = idx.data_ptr<int64_t>();
+    g.grad_v = gv.data_ptr<T>();
+    g.NH = N * H;
+    g.L = L;
+    g.S = S;
+    g.M = M;
+    g.num_threads = d.num_threads;
+    kernels::hard_retrieval_grad_v_cpu(g);
   });
   return {gq, gk, gv};
 }

@@ -205,4 +205,8 @@ TORCH_LIBRARY(fastattn, m) {
   m.def("attention_step_state_spec(str type, int E, int M, str params_json='{}') -> str");
   // JSON description of every registered type and its parameters.
   m.def("attention_types() -> str");
+  // The CPU kernels' instruction set (cpu_capability.cpp).
+  m.def("cpu_capability() -> str");
+  m.def("supported_cpu_capabilities() -> str[]");
+  m.def("set_cpu_capability(str level) -> ()");
 }

@@ -222,7 +222,8 @@ void run_case(const Case& c) {
   b.grad_k = gk_ref.data();
   b.grad_v = gv_soft.data();
   full_attention_backward_cpu(b);
-  hard_retrieval_grad_v_cpu(god.data(), idx_ref.data(), N * H, L, S, M, gv_ref.data(), 1);
+  hard_retrieval_grad_v_cpu(
+      HardRetrievalGradVArgs<double>{god.data(), idx_ref.data(), gv_ref.data(), N * H, L, S, M, 1});
 
   std::vector<float> ws_out(N * H * L * M), ws_lse(N * H * L), ws_delta(N * H * L);
   std::vector<float> gq(qd.size(), 0.f), gk(kd.size(), 0.f), gv(vd.size(), 0.f);

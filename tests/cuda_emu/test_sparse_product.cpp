@@ -270,8 +270,8 @@ void check_means(int64_t N, int64_t H, int64_t L, int64_t C, int64_t E, uint32_t
   a.workspace = ws.data();
   fastattn::cuda::cluster_means_cuda(a, nullptr);
   std::vector<double> want(NH * C * E);
-  fastattn::kernels::cluster_means_cpu(q.ref.data(), assignments.data(), counts.data(), want.data(),
-                                       NH, L, C, E, 1);
+  fastattn::kernels::cluster_means_cpu(fastattn::kernels::ClusterMeansArgs<double>{
+      q.ref.data(), assignments.data(), counts.data(), want.data(), NH, L, C, E, 1});
   expect_close(to_double(cen), want, tol_for<T>(), "centroids");
 
   // grad_q += table[a_l] / count.
@@ -291,8 +291,8 @@ void check_means(int64_t N, int64_t H, int64_t L, int64_t C, int64_t E, uint32_t
   g.C = C;
   g.E = E;
   fastattn::cuda::add_centroid_grads_cuda(g, nullptr);
-  fastattn::kernels::add_centroid_grads_cpu(gq_d.data(), table_d.data(), assignments.data(),
-                                            counts.data(), NH, L, C, E, 1);
+  fastattn::kernels::add_centroid_grads_cpu(fastattn::kernels::CentroidGradsArgs<double>{
+      gq_d.data(), table_d.data(), assignments.data(), counts.data(), NH, L, C, E, 1});
   expect_close(std::vector<double>(gq.begin(), gq.end()), gq_d, {1e-6, 1e-6}, "grad_q");
 }
 

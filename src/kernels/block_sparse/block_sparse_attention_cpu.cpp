@@ -21,12 +21,13 @@
 #include <numeric>
 #include <vector>
 
+#include "kernels/common/isa_target.h"
 #include "kernels/common/gemm.h"
 #include "kernels/common/parallel.h"
 #include "kernels/common/simd.h"
 #include "kernels/common/softmax_rows.h"
 
-namespace fastattn::kernels {
+FASTATTN_ISA_BEGIN
 
 // ---- patterns -> parts --------------------------------------------------------
 
@@ -722,9 +723,26 @@ void block_sparse_attention_backward_cpu(const BlockSparseBackwardArgs<T>& a) {
   }
 }
 
-template void block_sparse_attention_forward_cpu<float>(const BlockSparseForwardArgs<float>&);
-template void block_sparse_attention_forward_cpu<double>(const BlockSparseForwardArgs<double>&);
-template void block_sparse_attention_backward_cpu<float>(const BlockSparseBackwardArgs<float>&);
-template void block_sparse_attention_backward_cpu<double>(const BlockSparseBackwardArgs<double>&);
+FASTATTN_ISA_END
 
+FASTATTN_CPU_KERNEL(block_sparse_attention_forward_cpu, BlockSparseForwardArgs)
+FASTATTN_CPU_KERNEL(block_sparse_attention_backward_cpu, BlockSparseBackwardArgs)
+
+// Planning is not vector code: the public functions are the default level's.
+#if FASTATTN_ISA_LEVEL == 0
+namespace fastattn::kernels {
+std::vector<SparsePart> make_sparse_parts(int pattern, const std::vector<int64_t>& params,
+                                          bool causal, int64_t H) {
+  return isa_default::make_sparse_parts(pattern, params, causal, H);
+}
+std::vector<SparsePartPlan> make_sparse_plans(const std::vector<SparsePart>& parts, int64_t H,
+                                              int64_t L, int64_t S, int64_t bq, int64_t bk) {
+  return isa_default::make_sparse_plans(parts, H, L, S, bq, bk);
+}
+std::vector<int64_t> flatten_sparse_plans(const std::vector<SparsePartPlan>& plans, int64_t H,
+                                          int64_t L, int64_t S, int64_t bq, int64_t bk,
+                                          std::vector<SparsePlanLayout>* layouts) {
+  return isa_default::flatten_sparse_plans(plans, H, L, S, bq, bk, layouts);
+}
 }  // namespace fastattn::kernels
+#endif

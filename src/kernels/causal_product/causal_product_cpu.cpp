@@ -19,10 +19,11 @@
 #include <algorithm>
 #include <vector>
 
+#include "kernels/common/isa_target.h"
 #include "kernels/common/gemm.h"
 #include "kernels/common/parallel.h"
 
-namespace fastattn::kernels {
+FASTATTN_ISA_BEGIN
 namespace {
 
 template <typename T>
@@ -164,9 +165,7 @@ void causal_product_backward_cpu(const CausalProductBackwardArgs<T>& a) {
       });
 }
 
-template void causal_product_forward_cpu<float>(const CausalProductForwardArgs<float>&);
-template void causal_product_forward_cpu<double>(const CausalProductForwardArgs<double>&);
-template void causal_product_backward_cpu<float>(const CausalProductBackwardArgs<float>&);
-template void causal_product_backward_cpu<double>(const CausalProductBackwardArgs<double>&);
+FASTATTN_ISA_END
 
-}  // namespace fastattn::kernels
+FASTATTN_CPU_KERNEL(causal_product_forward_cpu, CausalProductForwardArgs)
+FASTATTN_CPU_KERNEL(causal_product_backward_cpu, CausalProductBackwardArgs)

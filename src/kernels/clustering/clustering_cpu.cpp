@@ -20,10 +20,11 @@
 #include <limits>
 #include <vector>
 
+#include "kernels/common/isa_target.h"
 #include "kernels/common/parallel.h"
 #include "kernels/common/simd.h"
 
-namespace fastattn::kernels {
+FASTATTN_ISA_BEGIN
 namespace {
 
 inline int hamming(uint64_t a, uint64_t b) { return __builtin_popcountll(a ^ b); }
@@ -299,4 +300,6 @@ void cluster_codes_cpu(const ClusterParams& p) {
       });
 }
 
-}  // namespace fastattn::kernels
+FASTATTN_ISA_END
+
+FASTATTN_CPU_KERNEL_PLAIN(cluster_codes_cpu, ClusterParams)

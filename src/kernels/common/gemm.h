@@ -12,9 +12,10 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/common/isa_target.h"
 #include "kernels/common/simd.h"
 
-namespace fastattn::kernels {
+FASTATTN_ISA_BEGIN
 
 template <typename T>
 constexpr int panel_width() {
@@ -176,4 +177,4 @@ inline void keep_upper_triangle(T* a, int64_t rows, int64_t lda) {
   for (int64_t r = 0; r < rows; ++r) std::fill(a + r * lda, a + r * lda + r, T(0));
 }
 
-}  // namespace fastattn::kernels
+FASTATTN_ISA_END

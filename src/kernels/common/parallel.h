@@ -8,7 +8,9 @@
 
 #include <omp.h>
 
-namespace fastattn::kernels {
+#include "kernels/common/isa_target.h"
+
+FASTATTN_ISA_BEGIN
 
 // Calls init(thread_scratch&) once per thread, then body(item, scratch) for
 // every item in [0, n), dynamically scheduled (work items may differ in cost,
@@ -55,4 +57,4 @@ void parallel_items(int64_t n, int num_threads, Init init, Body body) {
   if (error) std::rethrow_exception(error);
 }
 
-}  // namespace fastattn::kernels
+FASTATTN_ISA_END

@@ -1,29 +1,107 @@
 // Minimal SIMD layer for fastattn's CPU kernels: one vector type per scalar
 // type with the few operations the kernels need (load/store, fma, max, exp,
-// horizontal reductions). AVX2+FMA when the translation unit is built for it
-// (FASTATTN_ARCH, -march=native by default), otherwise a scalar fallback of
-// width 1 with the same interface, so every kernel has one code path.
+// horizontal reductions), for the level the translation unit is compiled for
+// (kernels/common/isa_target.h): AVX-512 (16 floats / 8 doubles), AVX2+FMA
+// (8 / 4), or a scalar fallback of width 1 with the same interface, so every
+// kernel has one code path.
 //
 // exp: Cody-Waite range reduction and a polynomial (float: degree 6, relative
 // error ~2 ulp; double: degree 11, ~1 ulp). Inputs below the underflow limit,
 // -inf included, give exactly 0.
 #pragma once
 
-#include <cmath>
-#include <cstdint>
-#include <limits>
+#include "kernels/common/isa_target.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define FASTATTN_SIMD_AVX2 1
-#endif
-
-namespace fastattn::kernels {
+FASTATTN_ISA_BEGIN
 
 template <typename T>
 struct Simd;
 
-#if FASTATTN_SIMD_AVX2
+#if FASTATTN_SIMD_AVX512
+
+template <>
+struct Simd<float> {
+  using V = __m512;
+  static constexpr int W = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }  // a*b + c
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }            // b where either is NaN
+  static float hsum(V v) {
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static float hmax(V v) {
+    __m256 h = _mm256_max_ps(_mm512_castps512_ps256(v),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  // exp_poly's pieces: clamp, round to an integer, 2^n · p, 0 below lo.
+  static V clamp(V x, V lo, V hi) { return _mm512_min_ps(_mm512_max_ps(x, lo), hi); }
+  static V fnma(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a*b
+  static V round(V x) {
+    return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  static V times_pow2(V p, V n) {
+    const __m512i ni = _mm512_cvtps_epi32(n);
+    const __m512i n1 = _mm512_srai_epi32(ni, 1);
+    const __m512i n2 = _mm512_sub_epi32(ni, n1);
+    const V s1 =
+        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n1, _mm512_set1_epi32(127)), 23));
+    const V s2 =
+        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n2, _mm512_set1_epi32(127)), 23));
+    return _mm512_mul_ps(_mm512_mul_ps(p, s1), s2);
+  }
+  static V zero_below(V x, V lo, V y) {  // also where x is -inf
+    return _mm512_maskz_mov_ps(static_cast<__mmask16>(~_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ)), y);
+  }
+  static V exp(V x);
+};
+
+template <>
+struct Simd<double> {
+  using V = __m512d;
+  static constexpr int W = 8;
+  static V zero() { return _mm512_setzero_pd(); }
+  static V set1(double x) { return _mm512_set1_pd(x); }
+  static V load(const double* p) { return _mm512_loadu_pd(p); }
+  static void store(double* p, V v) { _mm512_storeu_pd(p, v); }
+  static V add(V a, V b) { return _mm512_add_pd(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_pd(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_pd(a, b); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_pd(a, b, c); }
+  static V max(V a, V b) { return _mm512_max_pd(a, b); }
+  static double hsum(V v) {
+    __m256d h = _mm256_add_pd(_mm512_castpd512_pd256(v), _mm512_extractf64x4_pd(v, 1));
+    __m128d s = _mm_add_pd(_mm256_castpd256_pd128(h), _mm256_extractf128_pd(h, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
+  }
+  static double hmax(V v) {
+    __m256d h = _mm256_max_pd(_mm512_castpd512_pd256(v), _mm512_extractf64x4_pd(v, 1));
+    __m128d s = _mm_max_pd(_mm256_castpd256_pd128(h), _mm256_extractf128_pd(h, 1));
+    return _mm_cvtsd_f64(_mm_max_sd(s, _mm_unpackhi_pd(s, s)));
+  }
+  static V exp(V x) {  // lane by lane, as at the AVX2 level
+    alignas(64) double a[8];
+    _mm512_store_pd(a, x);
+    for (double& e : a) e = std::exp(e);
+    return _mm512_load_pd(a);
+  }
+};
+
+#elif FASTATTN_SIMD_AVX2
 
 template <>
 struct Simd<float> {
@@ -50,23 +128,13 @@ struct Simd<float> {
     s = _mm_max_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
-  static V exp(V x) {
-    const V lo = set1(-87.33654f), hi = set1(88.72283f);
-    const V under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);  // also catches -inf
-    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
-    const V n = _mm256_round_ps(_mm256_mul_ps(x, set1(1.44269504088896341f)),
-                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    V r = _mm256_fnmadd_ps(n, set1(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, set1(-2.12194440e-4f), r);
-    V p = set1(1.9875691500e-4f);
-    p = fma(p, r, set1(1.3981999507e-3f));
-    p = fma(p, r, set1(8.3334519073e-3f));
-    p = fma(p, r, set1(4.1665795894e-2f));
-    p = fma(p, r, set1(1.6666665459e-1f));
-    p = fma(p, r, set1(5.0000001201e-1f));
-    p = fma(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, set1(1.0f)));
-    // 2^n by building the exponent; n in [-126, 128] after the clamp, so split
-    // it in two halves to stay in range.
+  // exp_poly's pieces: clamp, round to an integer, 2^n · p, 0 below lo.
+  static V clamp(V x, V lo, V hi) { return _mm256_min_ps(_mm256_max_ps(x, lo), hi); }
+  static V fnma(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a*b
+  static V round(V x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V times_pow2(V p, V n) {
+    // 2^n by building the exponent; n in [-126, 128] after the clamp, so
+    // split it in two halves to stay in range.
     const __m256i ni = _mm256_cvtps_epi32(n);
     const __m256i n1 = _mm256_srai_epi32(ni, 1);
     const __m256i n2 = _mm256_sub_epi32(ni, n1);
@@ -74,9 +142,12 @@ struct Simd<float> {
         _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, _mm256_set1_epi32(127)), 23));
     const V s2 =
         _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, _mm256_set1_epi32(127)), 23));
-    p = _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
-    return _mm256_andnot_ps(under, p);
+    return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
   }
+  static V zero_below(V x, V lo, V y) {  // also where x is -inf
+    return _mm256_andnot_ps(_mm256_cmp_ps(x, lo, _CMP_LT_OQ), y);
+  }
+  static V exp(V x);
 };
 
 template <>
@@ -136,6 +207,29 @@ struct Simd<double> : ScalarSimd<double> {};
 
 #endif
 
+#if FASTATTN_SIMD_AVX2  // AVX2 and AVX-512
+// exp of float vectors: Cody-Waite range reduction and a degree-6 polynomial,
+// from the vector type's pieces (clamp, round, fnma, times_pow2, zero_below).
+template <typename S>
+inline typename S::V exp_poly(typename S::V x) {
+  using V = typename S::V;
+  const V lo = S::set1(-87.33654f), hi = S::set1(88.72283f);
+  const V xc = S::clamp(x, lo, hi);
+  const V n = S::round(S::mul(xc, S::set1(1.44269504088896341f)));
+  V r = S::fnma(n, S::set1(0.693359375f), xc);
+  r = S::fnma(n, S::set1(-2.12194440e-4f), r);
+  V p = S::set1(1.9875691500e-4f);
+  p = S::fma(p, r, S::set1(1.3981999507e-3f));
+  p = S::fma(p, r, S::set1(8.3334519073e-3f));
+  p = S::fma(p, r, S::set1(4.1665795894e-2f));
+  p = S::fma(p, r, S::set1(1.6666665459e-1f));
+  p = S::fma(p, r, S::set1(5.0000001201e-1f));
+  p = S::fma(p, S::mul(r, r), S::add(r, S::set1(1.0f)));
+  return S::zero_below(x, lo, S::times_pow2(p, n));
+}
+inline Simd<float>::V Simd<float>::exp(V x) { return exp_poly<Simd<float>>(x); }
+#endif
+
 // a·b over n values: one vector accumulator and a scalar tail (summation
 // order differs from a sequential loop by rounding only).
 template <typename T>
@@ -149,4 +243,4 @@ inline T simd_dot(const T* a, const T* b, int64_t n) {
   return s;
 }
 
-}  // namespace fastattn::kernels
+FASTATTN_ISA_END

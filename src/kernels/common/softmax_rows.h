@@ -6,9 +6,10 @@
 #include <cstdint>
 #include <limits>
 
+#include "kernels/common/isa_target.h"
 #include "kernels/common/simd.h"
 
-namespace fastattn::kernels {
+FASTATTN_ISA_BEGIN
 
 template <typename T>
 constexpr T neg_inf() {
@@ -40,4 +41,4 @@ inline T exp_shift_sum(T* row, int64_t width, T shift) {
   return S::hsum(sum);
 }
 
-}  // namespace fastattn::kernels
+FASTATTN_ISA_END

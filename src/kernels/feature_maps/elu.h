@@ -9,9 +9,10 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kernels/common/isa_target.h"
 #include "kernels/common/simd.h"
 
-namespace fastattn::kernels {
+FASTATTN_ISA_BEGIN
 
 // exp(min(x, 0)) with NaN propagated through max's second operand.
 template <typename T>
@@ -50,4 +51,4 @@ inline void elu_plus_one_backward(const T* x, const T* g, T* out, int64_t n) {
   }
 }
 
-}  // namespace fastattn::kernels
+FASTATTN_ISA_END

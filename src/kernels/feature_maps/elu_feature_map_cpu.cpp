@@ -3,10 +3,11 @@
 
 #include <algorithm>
 
+#include "kernels/common/isa_target.h"
 #include "kernels/common/parallel.h"
 #include "kernels/feature_maps/elu.h"
 
-namespace fastattn::kernels {
+FASTATTN_ISA_BEGIN
 namespace {
 
 constexpr int64_t kBlock = 16384;  // elements per work item
@@ -38,9 +39,7 @@ void elu_feature_map_backward_cpu(const EluFeatureMapArgs<T>& a) {
   run<T, true>(a);
 }
 
-template void elu_feature_map_forward_cpu<float>(const EluFeatureMapArgs<float>&);
-template void elu_feature_map_forward_cpu<double>(const EluFeatureMapArgs<double>&);
-template void elu_feature_map_backward_cpu<float>(const EluFeatureMapArgs<float>&);
-template void elu_feature_map_backward_cpu<double>(const EluFeatureMapArgs<double>&);
+FASTATTN_ISA_END
 
-}  // namespace fastattn::kernels
+FASTATTN_CPU_KERNEL(elu_feature_map_forward_cpu, EluFeatureMapArgs)
+FASTATTN_CPU_KERNEL(elu_feature_map_backward_cpu, EluFeatureMapArgs)

@@ -20,12 +20,13 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/common/isa_target.h"
 #include "kernels/common/gemm.h"
 #include "kernels/common/parallel.h"
 #include "kernels/common/simd.h"
 #include "kernels/common/softmax_rows.h"
 
-namespace fastattn::kernels {
+FASTATTN_ISA_BEGIN
 namespace {
 
 constexpr int64_t kFwdBr = 96;   // queries per forward tile (a multiple of 6)
@@ -379,9 +380,7 @@ void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& a) {
   }
 }
 
-template void full_attention_forward_cpu<float>(const FullAttentionForwardArgs<float>&);
-template void full_attention_forward_cpu<double>(const FullAttentionForwardArgs<double>&);
-template void full_attention_backward_cpu<float>(const FullAttentionBackwardArgs<float>&);
-template void full_attention_backward_cpu<double>(const FullAttentionBackwardArgs<double>&);
+FASTATTN_ISA_END
 
-}  // namespace fastattn::kernels
+FASTATTN_CPU_KERNEL(full_attention_forward_cpu, FullAttentionForwardArgs)
+FASTATTN_CPU_KERNEL(full_attention_backward_cpu, FullAttentionBackwardArgs)

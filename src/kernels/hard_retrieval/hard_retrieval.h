@@ -74,11 +74,28 @@ void hard_retrieval_delta_cpu(const HardRetrievalDeltaArgs<T>& args);
 // grad_v (N, H, S, M), overwritten: grad_v[n, h, index[n,h,i]] += grad_out[n, h, i] for every
 // i with index >= 0 (the straight-through gradient of V: an index-add).
 template <typename T>
-void hard_retrieval_grad_v_cpu(const T* grad_out, const int64_t* index, int64_t NH, int64_t L,
-                               int64_t S, int64_t M, T* grad_v, int num_threads);
+struct HardRetrievalGradVArgs {
+  const T* grad_out = nullptr;     // (NH, L, M) contiguous
+  const int64_t* index = nullptr;  // (NH, L): the retrieved key, -1 for none
+  T* grad_v = nullptr;             // (NH, S, M), written
+  int64_t NH = 0, L = 0, S = 0, M = 0;
+  int num_threads = 1;
+};
+template <typename T>
+void hard_retrieval_grad_v_cpu(const HardRetrievalGradVArgs<T>& args);
 
 // The sampler's uniform in [0, 1) for (seed, query row, key tile, draw):
-// SplitMix64 mixing of the counters (exposed for tests).
-double hard_retrieval_uniform(uint64_t seed, uint64_t row, uint64_t tile, uint64_t draw);
+// SplitMix64 mixing of the counters (the CUDA kernel's is tested against it).
+inline uint64_t hard_retrieval_splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+inline double hard_retrieval_uniform(uint64_t seed, uint64_t row, uint64_t tile, uint64_t draw) {
+  const auto mix = hard_retrieval_splitmix64;
+  const uint64_t h = mix(mix(mix(seed) ^ row) ^ (tile * 2 + draw));
+  return static_cast<double>(h >> 11) * 0x1.0p-53;
+}
 
 }  // namespace fastattn::kernels

@@ -17,12 +17,13 @@
 #include <memory>
 #include <vector>
 
+#include "kernels/common/isa_target.h"
 #include "kernels/common/gemm.h"
 #include "kernels/common/parallel.h"
 #include "kernels/common/simd.h"
 #include "kernels/common/softmax_rows.h"
 
-namespace fastattn::kernels {
+FASTATTN_ISA_BEGIN
 namespace {
 
 constexpr int64_t kBr = 48;         // queries per tile (a multiple of 6)
@@ -30,13 +31,6 @@ constexpr int64_t kBc = 128;        // keys per tile (a multiple of every panel 
 constexpr int64_t kDirectRows = 6;  // below this many queries, no packing of K
 constexpr int64_t kDeltaBr = 48;    // queries per delta tile
 constexpr int64_t kDeltaBc = 64;    // keys per delta tile
-
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
 
 // Number of keys query i may see within [j0, j0 + cols): causal cut-off.
 inline int64_t visible_cols(bool causal, int64_t i, int64_t offset, int64_t j0, int64_t cols) {
@@ -99,11 +93,6 @@ inline void tile_scores(const T* q, int64_t rows, int64_t E, const T* kh, const 
 }
 
 }  // namespace
-
-double hard_retrieval_uniform(uint64_t seed, uint64_t row, uint64_t tile, uint64_t draw) {
-  const uint64_t h = splitmix64(splitmix64(splitmix64(seed) ^ row) ^ (tile * 2 + draw));
-  return static_cast<double>(h >> 11) * 0x1.0p-53;
-}
 
 template <typename T>
 void hard_retrieval_forward_cpu(const HardRetrievalForwardArgs<T>& a) {
@@ -265,31 +254,26 @@ void hard_retrieval_delta_cpu(const HardRetrievalDeltaArgs<T>& a) {
 }
 
 template <typename T>
-void hard_retrieval_grad_v_cpu(const T* grad_out, const int64_t* index, int64_t NH, int64_t L,
-                               int64_t S, int64_t M, T* grad_v, int num_threads) {
-  std::fill(grad_v, grad_v + NH * S * M, T(0));
+void hard_retrieval_grad_v_cpu(const HardRetrievalGradVArgs<T>& a) {
+  const int64_t L = a.L, S = a.S, M = a.M;
+  std::fill(a.grad_v, a.grad_v + a.NH * S * M, T(0));
   struct None {};
   // One head per work item: no two items write the same rows.
   parallel_items<None>(
-      NH, num_threads, [](None&) {},
+      a.NH, a.num_threads, [](None&) {},
       [&](int64_t nh, None&) {
         for (int64_t i = 0; i < L; ++i) {
-          const int64_t idx = index[nh * L + i];
+          const int64_t idx = a.index[nh * L + i];
           if (idx < 0) continue;
-          const T* src = grad_out + (nh * L + i) * M;
-          T* dst = grad_v + (nh * S + idx) * M;
+          const T* src = a.grad_out + (nh * L + i) * M;
+          T* dst = a.grad_v + (nh * S + idx) * M;
           for (int64_t c = 0; c < M; ++c) dst[c] += src[c];
         }
       });
 }
 
-template void hard_retrieval_forward_cpu<float>(const HardRetrievalForwardArgs<float>&);
-template void hard_retrieval_forward_cpu<double>(const HardRetrievalForwardArgs<double>&);
-template void hard_retrieval_delta_cpu<float>(const HardRetrievalDeltaArgs<float>&);
-template void hard_retrieval_delta_cpu<double>(const HardRetrievalDeltaArgs<double>&);
-template void hard_retrieval_grad_v_cpu<float>(const float*, const int64_t*, int64_t, int64_t,
-                                               int64_t, int64_t, float*, int);
-template void hard_retrieval_grad_v_cpu<double>(const double*, const int64_t*, int64_t, int64_t,
-                                                int64_t, int64_t, double*, int);
+FASTATTN_ISA_END
 
-}  // namespace fastattn::kernels
+FASTATTN_CPU_KERNEL(hard_retrieval_forward_cpu, HardRetrievalForwardArgs)
+FASTATTN_CPU_KERNEL(hard_retrieval_delta_cpu, HardRetrievalDeltaArgs)
+FASTATTN_CPU_KERNEL(hard_retrieval_grad_v_cpu, HardRetrievalGradVArgs)

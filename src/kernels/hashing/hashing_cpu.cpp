@@ -11,10 +11,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels/common/isa_target.h"
 #include "kernels/common/parallel.h"
 #include "kernels/common/simd.h"
 
-namespace fastattn::kernels {
+FASTATTN_ISA_BEGIN
 namespace {
 
 constexpr int64_t kRowsPerItem = 256;
@@ -91,7 +92,6 @@ void hash_queries_cpu(const HashParams<T>& p) {
       });
 }
 
-template void hash_queries_cpu<float>(const HashParams<float>&);
-template void hash_queries_cpu<double>(const HashParams<double>&);
+FASTATTN_ISA_END
 
-}  // namespace fastattn::kernels
+FASTATTN_CPU_KERNEL(hash_queries_cpu, HashParams)

@@ -8,12 +8,13 @@
 #include <algorithm>
 #include <vector>
 
+#include "kernels/common/isa_target.h"
 #include "kernels/common/gemm.h"
 #include "kernels/common/parallel.h"
 #include "kernels/common/simd.h"
 #include "kernels/feature_maps/elu.h"
 
-namespace fastattn::kernels {
+FASTATTN_ISA_BEGIN
 namespace {
 
 template <typename T>
@@ -367,9 +368,7 @@ void elu_linear_attention_backward_cpu(const EluLinearBackwardArgs<T>& p) {
   });
 }
 
-template void elu_linear_attention_forward_cpu<float>(const EluLinearForwardArgs<float>&);
-template void elu_linear_attention_forward_cpu<double>(const EluLinearForwardArgs<double>&);
-template void elu_linear_attention_backward_cpu<float>(const EluLinearBackwardArgs<float>&);
-template void elu_linear_attention_backward_cpu<double>(const EluLinearBackwardArgs<double>&);
+FASTATTN_ISA_END
 
-}  // namespace fastattn::kernels
+FASTATTN_CPU_KERNEL(elu_linear_attention_forward_cpu, EluLinearForwardArgs)
+FASTATTN_CPU_KERNEL(elu_linear_attention_backward_cpu, EluLinearBackwardArgs)

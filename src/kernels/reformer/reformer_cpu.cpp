@@ -20,12 +20,13 @@
 #include <memory>
 #include <vector>
 
+#include "kernels/common/isa_target.h"
 #include "kernels/common/gemm.h"
 #include "kernels/common/parallel.h"
 #include "kernels/common/simd.h"
 #include "kernels/common/softmax_rows.h"
 
-namespace fastattn::kernels {
+FASTATTN_ISA_BEGIN
 namespace {
 
 constexpr double kNormEps = 1e-12;  // keys: q / max(|q|, eps)
@@ -370,11 +371,8 @@ void reformer_backward_cpu(const ReformerBackwardArgs<T>& a) {
       });
 }
 
-template void lsh_hash_cpu<float>(const LshHashArgs<float>&);
-template void lsh_hash_cpu<double>(const LshHashArgs<double>&);
-template void reformer_forward_cpu<float>(const ReformerForwardArgs<float>&);
-template void reformer_forward_cpu<double>(const ReformerForwardArgs<double>&);
-template void reformer_backward_cpu<float>(const ReformerBackwardArgs<float>&);
-template void reformer_backward_cpu<double>(const ReformerBackwardArgs<double>&);
+FASTATTN_ISA_END
 
-}  // namespace fastattn::kernels
+FASTATTN_CPU_KERNEL(lsh_hash_cpu, LshHashArgs)
+FASTATTN_CPU_KERNEL(reformer_forward_cpu, ReformerForwardArgs)
+FASTATTN_CPU_KERNEL(reformer_backward_cpu, ReformerBackwardArgs)

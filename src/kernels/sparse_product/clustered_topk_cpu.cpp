@@ -21,12 +21,13 @@
 #include <cmath>
 #include <vector>
 
+#include "kernels/common/isa_target.h"
 #include "kernels/common/gemm.h"
 #include "kernels/common/parallel.h"
 #include "kernels/common/simd.h"
 #include "kernels/common/softmax_rows.h"
 
-namespace fastattn::kernels {
+FASTATTN_ISA_BEGIN
 namespace {
 
 constexpr int64_t kRows = 96;  // queries per block (a multiple of the micro-kernel's 6)
@@ -307,57 +308,48 @@ void clustered_topk_backward_cpu(const ClusteredTopkBackwardArgs<T>& a) {
 }
 
 template <typename T>
-void cluster_means_cpu(const T* q, const int64_t* assignments, const int64_t* counts, T* centroids,
-                       int64_t NH, int64_t L, int64_t C, int64_t E, int num_threads) {
+void cluster_means_cpu(const ClusterMeansArgs<T>& a) {
+  const int64_t L = a.L, C = a.C, E = a.E;
   struct None {};
   parallel_items<None>(
-      NH, num_threads, [](None&) {},
+      a.NH, a.num_threads, [](None&) {},
       [&](int64_t nh, None&) {
-        T* cen = centroids + nh * C * E;
+        T* cen = a.centroids + nh * C * E;
         std::fill(cen, cen + C * E, T(0));
         for (int64_t l = 0; l < L; ++l) {
-          const int64_t c = assignments[nh * L + l];
+          const int64_t c = a.assignments[nh * L + l];
           if (c < 0) continue;
-          const T* src = q + (nh * L + l) * E;
+          const T* src = a.q + (nh * L + l) * E;
           for (int64_t x = 0; x < E; ++x) cen[c * E + x] += src[x];
         }
         for (int64_t c = 0; c < C; ++c) {
-          const T inv = T(1) / static_cast<T>(std::max<int64_t>(1, counts[nh * C + c]));
+          const T inv = T(1) / static_cast<T>(std::max<int64_t>(1, a.counts[nh * C + c]));
           for (int64_t x = 0; x < E; ++x) cen[c * E + x] *= inv;
         }
       });
 }
 
 template <typename T>
-void add_centroid_grads_cpu(T* grad_q, const T* table, const int64_t* assignments,
-                            const int64_t* counts, int64_t NH, int64_t L, int64_t C, int64_t E,
-                            int num_threads) {
+void add_centroid_grads_cpu(const CentroidGradsArgs<T>& a) {
+  const int64_t L = a.L, C = a.C, E = a.E;
   struct None {};
   parallel_items<None>(
-      NH, num_threads, [](None&) {},
+      a.NH, a.num_threads, [](None&) {},
       [&](int64_t nh, None&) {
         for (int64_t l = 0; l < L; ++l) {
-          const int64_t c = assignments[nh * L + l];
+          const int64_t c = a.assignments[nh * L + l];
           if (c < 0) continue;
-          const T inv = T(1) / static_cast<T>(std::max<int64_t>(1, counts[nh * C + c]));
-          const T* src = table + (nh * C + c) * E;
-          T* dst = grad_q + (nh * L + l) * E;
+          const T inv = T(1) / static_cast<T>(std::max<int64_t>(1, a.counts[nh * C + c]));
+          const T* src = a.table + (nh * C + c) * E;
+          T* dst = a.grad_q + (nh * L + l) * E;
           for (int64_t x = 0; x < E; ++x) dst[x] += inv * src[x];
         }
       });
 }
 
-template void cluster_means_cpu<float>(const float*, const int64_t*, const int64_t*, float*,
-                                       int64_t, int64_t, int64_t, int64_t, int);
-template void cluster_means_cpu<double>(const double*, const int64_t*, const int64_t*, double*,
-                                        int64_t, int64_t, int64_t, int64_t, int);
-template void add_centroid_grads_cpu<float>(float*, const float*, const int64_t*, const int64_t*,
-                                            int64_t, int64_t, int64_t, int64_t, int);
-template void add_centroid_grads_cpu<double>(double*, const double*, const int64_t*, const int64_t*,
-                                             int64_t, int64_t, int64_t, int64_t, int);
-template void clustered_topk_forward_cpu<float>(const ClusteredTopkForwardArgs<float>&);
-template void clustered_topk_forward_cpu<double>(const ClusteredTopkForwardArgs<double>&);
-template void clustered_topk_backward_cpu<float>(const ClusteredTopkBackwardArgs<float>&);
-template void clustered_topk_backward_cpu<double>(const ClusteredTopkBackwardArgs<double>&);
+FASTATTN_ISA_END
 
-}  // namespace fastattn::kernels
+FASTATTN_CPU_KERNEL(cluster_means_cpu, ClusterMeansArgs)
+FASTATTN_CPU_KERNEL(add_centroid_grads_cpu, CentroidGradsArgs)
+FASTATTN_CPU_KERNEL(clustered_topk_forward_cpu, ClusteredTopkForwardArgs)
+FASTATTN_CPU_KERNEL(clustered_topk_backward_cpu, ClusteredTopkBackwardArgs)

@@ -4,9 +4,10 @@
 #include <algorithm>
 #include <cstring>
 
+#include "kernels/common/isa_target.h"
 #include "kernels/common/parallel.h"
 
-namespace fastattn::kernels {
+FASTATTN_ISA_BEGIN
 
 template <typename T>
 void token_gather_forward_cpu(const TokenGatherArgs<T>& a) {
@@ -50,9 +51,7 @@ void token_gather_backward_cpu(const TokenGatherArgs<T>& a) {
       });
 }
 
-template void token_gather_forward_cpu<float>(const TokenGatherArgs<float>&);
-template void token_gather_forward_cpu<double>(const TokenGatherArgs<double>&);
-template void token_gather_backward_cpu<float>(const TokenGatherArgs<float>&);
-template void token_gather_backward_cpu<double>(const TokenGatherArgs<double>&);
+FASTATTN_ISA_END
 
-}  // namespace fastattn::kernels
+FASTATTN_CPU_KERNEL(token_gather_forward_cpu, TokenGatherArgs)
+FASTATTN_CPU_KERNEL(token_gather_backward_cpu, TokenGatherArgs)

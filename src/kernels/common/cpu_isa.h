@@ -1,0 +1,107 @@
+// Run-time choice of the CPU kernels' instruction set. Every CPU kernel is
+// compiled once per level (CMakeLists.txt: fastattn_cpu_kernels_<level>,
+// each translation unit inside kernels/common/isa_target.h's namespace and
+// target region), and each entry point dispatches on cpu_isa():
+//   default  x86-64 baseline (SSE2) or any other CPU: the scalar code path
+//   avx2     AVX2 + FMA (+ BMI1/2, POPCNT): 8 floats per vector
+//   avx512   AVX-512 F/BW/DQ/VL/CD on top of avx2: 16 floats per vector
+// The best level the CPU runs is used unless the environment variable
+// FASTATTN_CPU_CAPABILITY (read once, at the first kernel call) or
+// set_cpu_isa() asks for a lower one, as PyTorch's ATEN_CPU_CAPABILITY does:
+// for tests and for reproducing figures.
+#pragma once
+
+#include <string>
+#include <vector>
+
+// Highest level compiled into this build (0 off x86-64); set by CMake.
+#ifndef FASTATTN_CPU_ISA_MAX
+#define FASTATTN_CPU_ISA_MAX 0
+#endif
+
+namespace fastattn::kernels {
+
+enum class CpuIsa : int { kDefault = 0, kAvx2 = 1, kAvx512 = 2 };
+
+constexpr int kCompiledIsaMax = FASTATTN_CPU_ISA_MAX;
+
+// "default", "avx2", "avx512".
+const char* cpu_isa_name(CpuIsa isa);
+// The level of a name (case-insensitive); std::invalid_argument naming
+// `what` and the accepted names otherwise.
+CpuIsa parse_cpu_isa(const std::string& name, const std::string& what = "cpu capability");
+// Compiled into this build and runnable on this CPU (and enabled by its OS).
+bool cpu_isa_supported(CpuIsa isa);
+// The supported levels, lowest first.
+std::vector<CpuIsa> supported_cpu_isas();
+// The level the kernels use now: FASTATTN_CPU_CAPABILITY if set (an unknown
+// or unsupported value throws std::invalid_argument, on every call), else the
+// best supported one.
+CpuIsa cpu_isa();
+// Uses `isa` from now on, for every thread; std::invalid_argument if it is not
+// supported.
+void set_cpu_isa(CpuIsa isa);
+
+}  // namespace fastattn::kernels
+
+// ---- entry points ----------------------------------------------------------
+// At the end of a kernel translation unit, after FASTATTN_ISA_END, one line per
+// entry point declared in the kernel's header:
+//   FASTATTN_CPU_KERNEL(full_attention_forward_cpu, FullAttentionForwardArgs)
+// for `template <typename T> void name(const Args<T>&)` (T = float, double), or
+//   FASTATTN_CPU_KERNEL_PLAIN(cluster_codes_cpu, ClusterParams)
+// for `void name(const Params&)`. In the default-level compile it defines the
+// public fastattn::kernels::name, which calls the active level's definition;
+// in the others it instantiates that level's.
+#define FASTATTN_CPU_KERNEL_DISPATCH_(call)                                             \
+  switch (::fastattn::kernels::cpu_isa()) {                                             \
+    case ::fastattn::kernels::CpuIsa::kAvx512:                                          \
+      if constexpr (::fastattn::kernels::kCompiledIsaMax >= 2) return isa_avx512::call; \
+      [[fallthrough]];                                                                  \
+    case ::fastattn::kernels::CpuIsa::kAvx2:                                            \
+      if constexpr (::fastattn::kernels::kCompiledIsaMax >= 1) return isa_avx2::call;   \
+      [[fallthrough]];                                                                  \
+    default:                                                                            \
+      return isa_default::call;                                                         \
+  }
+
+#if !defined(FASTATTN_ISA_LEVEL) || FASTATTN_ISA_LEVEL == 0
+#define FASTATTN_CPU_KERNEL(name, Args)            \
+  namespace fastattn::kernels {                    \
+  namespace isa_default {                          \
+  template void name<float>(const Args<float>&);   \
+  template void name<double>(const Args<double>&); \
+  }                                                \
+  namespace isa_avx2 {                             \
+  template <typename T>                            \
+  void name(const Args<T>&);                       \
+  }                                                \
+  namespace isa_avx512 {                           \
+  template <typename T>                            \
+  void name(const Args<T>&);                       \
+  }                                                \
+  template <typename T>                            \
+  void name(const Args<T>& args) {                 \
+    FASTATTN_CPU_KERNEL_DISPATCH_(name<T>(args))   \
+  }                                                \
+  template void name<float>(const Args<float>&);   \
+  template void name<double>(const Args<double>&); \
+  }
+#define FASTATTN_CPU_KERNEL_PLAIN(name, Params)                               \
+  namespace fastattn::kernels {                                               \
+  namespace isa_avx2 {                                                        \
+  void name(const Params&);                                                   \
+  }                                                                           \
+  namespace isa_avx512 {                                                      \
+  void name(const Params&);                                                   \
+  }                                                                           \
+  void name(const Params& args) { FASTATTN_CPU_KERNEL_DISPATCH_(name(args)) } \
+  }
+#else
+#define FASTATTN_CPU_KERNEL(name, Args)            \
+  namespace fastattn::kernels::FASTATTN_ISA_NS {   \
+  template void name<float>(const Args<float>&);   \
+  template void name<double>(const Args<double>&); \
+  }
+#define FASTATTN_CPU_KERNEL_PLAIN(name, Params)
+#endif

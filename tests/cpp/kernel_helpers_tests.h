@@ -1,0 +1,173 @@
+// The kernels' shared helpers (src/kernels/common/) against plain loops:
+// transpose (8x8 AVX2 blocks plus scalar edges), simd_dot, the vector exp,
+// and the register-blocked products, on awkward shapes in float32 and
+// float64, and parallel_items' exception handling. Included by
+// test_kernel_helpers_<level>.cpp once per instruction-set level, with
+// FASTATTN_ISA_LEVEL set; a level this CPU does not run is skipped.
+//   build/fastattn_tests --gtest_filter='KernelHelpers*'
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <new>
+#include <random>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include "kernels/common/cpu_isa.h"
+#include "kernels/common/gemm.h"
+#include "kernels/common/parallel.h"
+#include "kernels/common/simd.h"
+
+#define FASTATTN_KH_CAT2_(a, b) a##b
+#define FASTATTN_KH_CAT_(a, b) FASTATTN_KH_CAT2_(a, b)
+// KernelHelpers_isa_default, KernelHelpers_isa_avx2, KernelHelpers_isa_avx512.
+#define FASTATTN_KH_SUITE FASTATTN_KH_CAT_(KernelHelpers_, FASTATTN_ISA_NS)
+// The level's code runs only where the CPU runs it.
+#define FASTATTN_KH_REQUIRE_LEVEL()                                \
+  if (!cpu_isa_supported(static_cast<CpuIsa>(FASTATTN_ISA_LEVEL))) \
+  GTEST_SKIP() << "this CPU does not run " << cpu_isa_name(static_cast<CpuIsa>(FASTATTN_ISA_LEVEL))
+
+// y = exp(x) through the level's vectors (std::exp for a tail shorter than a
+// vector), compiled in the level's target region: vector values cross no call
+// between it and the tests.
+FASTATTN_ISA_BEGIN
+template <typename T>
+void simd_exp_for_test(const T* x, T* y, int64_t n) {
+  using S = Simd<T>;
+  int64_t i = 0;
+  for (; i + S::W <= n; i += S::W) S::store(y + i, S::exp(S::load(x + i)));
+  for (; i < n; ++i) y[i] = std::exp(x[i]);
+}
+FASTATTN_ISA_END
+
+namespace fastattn::kernels {
+namespace {
+
+using namespace FASTATTN_ISA_NS;  // the level's helpers
+
+template <typename T>
+std::vector<T> random_values(size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> d;
+  std::vector<T> v(n);
+  for (auto& x : v) x = static_cast<T>(d(rng));
+  return v;
+}
+
+template <typename T>
+void check_transpose() {
+  for (auto [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{
+           {8, 8}, {16, 24}, {13, 21}, {1, 9}, {9, 1}, {33, 16}, {7, 7}}) {
+    const int64_t ldx = cols + 3, ldo = rows + 5;  // strides wider than the block
+    auto x = random_values<T>(rows * ldx, rows * 100 + cols);
+    std::vector<T> out(cols * ldo, T(-1));
+    transpose(x.data(), rows, cols, ldx, out.data(), ldo);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c)
+        ASSERT_EQ(out[c * ldo + r], x[r * ldx + c])
+            << rows << "x" << cols << " at " << r << "," << c;
+    // Nothing outside the (cols x rows) block is written.
+    for (int64_t c = 0; c < cols; ++c)
+      for (int64_t r = rows; r < ldo; ++r) ASSERT_EQ(out[c * ldo + r], T(-1));
+  }
+}
+
+TEST(FASTATTN_KH_SUITE, TransposeMatchesLoops) {
+  FASTATTN_KH_REQUIRE_LEVEL();
+  check_transpose<float>();
+  check_transpose<double>();
+}
+
+TEST(FASTATTN_KH_SUITE, SimdDotMatchesFloat64Sum) {
+  FASTATTN_KH_REQUIRE_LEVEL();
+  for (int64_t n : {0, 1, 7, 8, 9, 15, 16, 17, 64, 67}) {
+    auto a = random_values<float>(n, 1 + n), b = random_values<float>(n, 2 + n);
+    double ref = 0;
+    for (int64_t i = 0; i < n; ++i) ref += double(a[i]) * double(b[i]);
+    EXPECT_NEAR(simd_dot(a.data(), b.data(), n), ref, 1e-5 * (1 + std::abs(ref))) << "n=" << n;
+  }
+}
+
+// exp(x) to within a few float32 ulp over the whole range, and no more than
+// a denormal below the underflow limit and for -inf.
+TEST(FASTATTN_KH_SUITE, SimdExpMatchesStdExp) {
+  FASTATTN_KH_REQUIRE_LEVEL();
+  std::vector<float> x;
+  for (float t = -87.0f; t <= 88.5f; t += 0.173f) x.push_back(t);
+  for (float t : {0.0f, -0.0f, 1e-8f, -1e-8f, -87.3f, 88.7f}) x.push_back(t);
+  const size_t finite = x.size();
+  for (float t : {-88.0f, -100.0f, -std::numeric_limits<float>::infinity()}) x.push_back(t);
+  std::vector<float> y(x.size());
+  simd_exp_for_test(x.data(), y.data(), static_cast<int64_t>(x.size()));
+  for (size_t i = 0; i < finite; ++i) {
+    const double ref = std::exp(double(x[i]));
+    ASSERT_NEAR(y[i], ref, 4e-7 * ref) << "exp(" << x[i] << ")";
+  }
+  // Below the underflow limit: 0 (the scalar level's std::exp: a denormal).
+  for (size_t i = finite; i < x.size(); ++i) {
+    ASSERT_GE(y[i], 0.0f) << "exp(" << x[i] << ")";
+    ASSERT_LT(y[i], std::numeric_limits<float>::min()) << "exp(" << x[i] << ")";
+  }
+  std::vector<double> xd(x.begin(), x.begin() + finite), yd(finite);
+  simd_exp_for_test(xd.data(), yd.data(), static_cast<int64_t>(finite));
+  for (size_t i = 0; i < finite; ++i)
+    ASSERT_NEAR(yd[i], std::exp(xd[i]), 1e-15 * std::exp(xd[i])) << "exp(" << xd[i] << ")";
+}
+
+TEST(FASTATTN_KH_SUITE, GemmMatchesFloat64Loops) {
+  FASTATTN_KH_REQUIRE_LEVEL();
+  for (auto [M, N, K] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{{6, 16, 64},
+                                                                           {13, 37, 5},
+                                                                           {1, 1, 1},
+                                                                           {17, 8, 33},
+                                                                           {96, 64, 16},
+                                                                           {7, 48, 9},
+                                                                           {12, 33, 64}}) {
+    auto a = random_values<double>(M * K, M), b = random_values<double>(K * N, N);
+    std::vector<double> c(M * N, 0.5), ref(M * N, 0.5);
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j)
+        for (int64_t k = 0; k < K; ++k) ref[i * N + j] += a[i * K + k] * b[k * N + j];
+    gemm(M, N, K, a.data(), K, b.data(), N, c.data(), N, /*accumulate=*/true);
+    for (int64_t i = 0; i < M * N; ++i)
+      ASSERT_NEAR(c[i], ref[i], 1e-12) << M << "x" << N << "x" << K;
+  }
+}
+
+// An exception in a worker (a scratch buffer's std::bad_alloc, a failed
+// check) reaches the caller instead of ending the process in std::terminate,
+// and the remaining items are skipped.
+TEST(FASTATTN_KH_SUITE, ParallelItemsRethrowsOnTheCaller) {
+  FASTATTN_KH_REQUIRE_LEVEL();
+  struct Scratch {
+    std::vector<double> buf;
+  };
+  for (int threads : {1, 2, 4}) {
+    std::atomic<int64_t> ran{0};
+    EXPECT_THROW(parallel_items<Scratch>(
+                     1000, threads, [](Scratch&) {},
+                     [&](int64_t i, Scratch&) {
+                       ++ran;
+                       if (i == 3) throw std::runtime_error("item 3");
+                       // Slow items: the thread that took item 3 has run long
+                       // before the other threads could finish all 1000.
+                       std::this_thread::sleep_for(std::chrono::microseconds(200));
+                     }),
+                 std::runtime_error);
+    EXPECT_LT(ran.load(), 1000) << threads << " threads";
+    EXPECT_THROW(
+        parallel_items<Scratch>(
+            8, threads, [](Scratch&) { throw std::bad_alloc(); }, [](int64_t, Scratch&) {}),
+        std::bad_alloc);
+    // Without failures every item runs once.
+    std::vector<int> seen(100, 0);
+    parallel_items<Scratch>(
+        100, threads, [](Scratch&) {}, [&](int64_t i, Scratch&) { ++seen[i]; });
+    for (int x : seen) ASSERT_EQ(x, 1);
+  }
+}
+
+}  // namespace
+}  // namespace fastattn::kernels
