@@ -111,7 +111,8 @@ std::tuple<torch::Tensor, torch::Tensor> cluster_codes(const torch::Tensor& code
 // of cluster j = assignments[l] outputs
 //   mass[j] · Σ_t softmax_t(softmax_temp · q_l·k_{topk[j,t]}) v_{topk[j,t]}
 // over the keys before key_lengths[n]; padded queries (-1) output zeros.
-//   topk: (N, H, C, K) int64 key indices in [0, S); mass: (N, H, C) (q's dtype);
+//   topk: (N, H, C, K) int64 key indices in [0, S), or -1 for an empty slot
+//   (a set of fewer than K keys); mass: (N, H, C) (q's dtype);
 //   assignments: (N, H, L) int64 in [-1, C).
 // Reads keys and values in place: O(N·H·L·K·(E + M)). Gradients flow to q, k,
 // v and mass.

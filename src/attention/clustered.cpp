@@ -24,8 +24,13 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <ATen/Parallel.h>
+
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
+#include <vector>
 
 #include "attention/builtin_types.h"
 #include "fastattn/clustered.h"
@@ -73,6 +78,45 @@ std::optional<Tensor> key_keep(const std::optional<Tensor>& key_lengths, int64_t
 
 // Softmax over the last dimension of scores where `keep` (broadcastable)
 // holds; a row that keeps nothing gives zeros (and zero gradients).
+// The CPU form of causal-improved-clustered's prefix sets: for every row
+// (n, h, c) of scores (N, H, C, S) and block b >= 1, table[n, h, c, b] = the k
+// keys j < b·w of the highest scores (ties: the lower index), -1 past the
+// number of such keys; keys of score -inf (past the key lengths) are left
+// out, NaN counts as the highest. One pass over the keys with a min-heap of
+// the k best: O(S·log k) per row instead of a top-k per block.
+template <typename T>
+void prefix_topk_table(const Tensor& scores, int64_t k, int64_t w, Tensor& table) {
+  const int64_t S = scores.size(3), nb = table.size(3), rows = scores.numel() / std::max<int64_t>(S, 1);
+  const T* sc = scores.data_ptr<T>();
+  int64_t* tab = table.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<std::pair<T, int64_t>> heap;  // the worst of the best at the front
+    auto worse = [](const std::pair<T, int64_t>& a, const std::pair<T, int64_t>& b) {
+      return a.first != b.first ? a.first > b.first : a.second < b.second;  // min-heap
+    };
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* s = sc + r * S;
+      int64_t* out = tab + r * nb * k;
+      heap.clear();
+      for (int64_t b = 1; b < nb; ++b) {
+        for (int64_t j = (b - 1) * w; j < b * w; ++j) {
+          const T x = std::isnan(s[j]) ? std::numeric_limits<T>::infinity() : s[j];
+          if (x == -std::numeric_limits<T>::infinity()) continue;
+          if (static_cast<int64_t>(heap.size()) < k) {
+            heap.emplace_back(x, j);
+            std::push_heap(heap.begin(), heap.end(), worse);
+          } else if (x > heap.front().first) {  // equal scores: the earlier key stays
+            std::pop_heap(heap.begin(), heap.end(), worse);
+            heap.back() = {x, j};
+            std::push_heap(heap.begin(), heap.end(), worse);
+          }
+        }
+        for (size_t t = 0; t < heap.size(); ++t) out[b * k + t] = heap[t].second;
+      }
+    }
+  });
+}
+
 Tensor masked_softmax(const Tensor& scores, const std::optional<Tensor>& keep) {
   if (!keep) return torch::softmax(scores, -1);
   auto s = scores.masked_fill(keep->logical_not(), -std::numeric_limits<double>::infinity());
@@ -223,7 +267,7 @@ Tensor causal_improved_clustered_attention(const Tensor& queries,  // (N, H, L, 
   TORCH_CHECK(topk >= 1, who, ": topk must be >= 1, got ", topk);
   TORCH_CHECK(local_context >= 1, who, ": local_context must be >= 1, got ", local_context);
   check_clusters(who, queries, clusters);
-  const int64_t N = queries.size(0), H = queries.size(1), L = queries.size(2), E = queries.size(3),
+  const int64_t N = queries.size(0), H = queries.size(1), L = queries.size(2),
                 S = keys.size(2), M = values.size(3), C = clusters.counts.size(2);
   TORCH_CHECK(S == L, who,
               ": needs as many keys as queries (S == L) for causal masking, got L = ", L,
@@ -244,11 +288,16 @@ Tensor causal_improved_clustered_attention(const Tensor& queries,  // (N, H, L, 
     auto scores = torch::matmul(centroids, keys.detach().transpose(-1, -2));  // (N, H, C, S)
     const auto keep = key_keep(key_lengths, N, S, keys.device());             // (N, 1, 1, S)
     if (keep) scores.masked_fill_(keep->logical_not(), -std::numeric_limits<double>::infinity());
+    if (scores.is_cpu()) {
+      AT_DISPATCH_FLOATING_TYPES(scores.scalar_type(), "causal_improved_clustered_table", [&] {
+        prefix_topk_table<scalar_t>(scores.contiguous(), k, w, table);
+      });
+    }
     auto key_idx = torch::arange(S, lopt).view({1, 1, 1, S}).expand({N, H, C, S});
     auto best_s =
         torch::full({N, H, C, k}, -std::numeric_limits<double>::infinity(), scores.options());
     auto best_i = torch::full({N, H, C, k}, -1, lopt);
-    for (int64_t b = 1; b < nb; ++b) {
+    for (int64_t b = 1; b < nb && !scores.is_cpu(); ++b) {
       auto cand_s = torch::cat({best_s, scores.narrow(3, (b - 1) * w, w)}, -1);  // (N,H,C,k+w)
       auto cand_i = torch::cat({best_i, key_idx.narrow(3, (b - 1) * w, w)}, -1);
       auto top = cand_s.topk(k, -1);
@@ -259,28 +308,25 @@ Tensor causal_improved_clustered_attention(const Tensor& queries,  // (N, H, L, 
   }
 
   // Per query i (block i / w): its cluster's prefix set, keeping j <= i - w
-  // (the later keys are in the window), and the window i - w + 1 .. i.
+  // (the later keys are in the window), and the window i - w + 1 .. i; -1
+  // marks an empty slot. Every index is in [0, i]: no key after i is read.
   auto a = clusters.assignments;  // (N, H, L)
-  auto valid = a.ge(0);
   auto pos = torch::arange(L, lopt);  // (L,)
   auto row = a.clamp_min(0) * nb + torch::div(pos, w, "floor").view({1, 1, L});
   auto top = table.view({N, H, C * nb, k}).gather(2, row.unsqueeze(-1).expand({N, H, L, k}));
+  top = top.masked_fill(top.gt((pos - w).view({1, 1, L, 1})), -1);
   auto win = (pos.view({L, 1}) - (w - 1) + torch::arange(w, lopt).view({1, w}))
+                 .clamp_min(-1)
                  .view({1, 1, L, w})
                  .expand({N, H, L, w});
   auto idx = torch::cat({top, win}, -1);  // (N, H, L, k + w)
-  auto ok = torch::cat({top.ge(0).logical_and(top.le((pos - w).view({1, 1, L, 1}))), win.ge(0)},
-                       -1);  // (N, H, L, k + w)
-  if (key_lengths) {
-    ok = ok.logical_and(idx.lt(key_lengths->to(keys.device(), torch::kLong).view({N, 1, 1, 1})));
-  }
-  // Every index is in [0, i]: no key after i is even read.
-  auto rows = (torch::arange(N * H, lopt).view({N, H, 1, 1}) * S + idx.clamp_min(0)).reshape({-1});
-  auto k_sel = keys.reshape({N * H * S, E}).index_select(0, rows).view({N, H, L, k + w, E});
-  auto v_sel = values.reshape({N * H * S, M}).index_select(0, rows).view({N, H, L, k + w, M});
-  auto scores = torch::matmul(k_sel, queries.unsqueeze(-1)).squeeze(-1) * temp;  // (N,H,L,k+w)
-  auto weights = masked_softmax(scores, ok) * valid.unsqueeze(-1);
-  return torch::matmul(weights.unsqueeze(-2), v_sel).squeeze(-2);  // (N, H, L, M)
+  // One set per query: the fused top-k operator with mass 1 reads the keys in
+  // place (no (N, H, L, k + w, E) gather) and has its own backward. Padded
+  // queries (cluster -1) get no set and output zeros.
+  auto self = torch::arange(L, lopt).view({1, 1, L}).expand({N, H, L}).masked_fill(a.lt(0), -1);
+  auto mass = torch::ones({N, H, L}, queries.options());
+  return clustered_topk_attention(queries, keys, values, idx, mass, self.contiguous(), key_lengths,
+                                  temp);
 }
 
 Tensor exact_topk_attention(const Tensor& queries, const Tensor& keys, const Tensor& values,

@@ -51,8 +51,9 @@ void check_clustered_topk_inputs(const Tensor& q, const Tensor& k, const Tensor&
   TORCH_CHECK(assignments.scalar_type() == torch::kLong, kClusteredTopkOp,
               ": assignments must be int64, got ", assignments.scalar_type());
   if (topk.numel() > 0) {
-    TORCH_CHECK(topk.min().item<int64_t>() >= 0 && topk.max().item<int64_t>() < k.size(2),
-                kClusteredTopkOp, ": topk must hold key indices in [0, S) = [0, ", k.size(2), ")");
+    TORCH_CHECK(topk.min().item<int64_t>() >= -1 && topk.max().item<int64_t>() < k.size(2),
+                kClusteredTopkOp, ": topk must hold key indices in [0, S) = [0, ", k.size(2),
+                ") or -1 (an empty slot)");
   }
   if (assignments.numel() > 0) {
     TORCH_CHECK(
@@ -274,9 +275,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> improved_clustered_forward_cp
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), E = q.size(3), C = counts.size(2);
   auto centroids = torch::empty({N, H, C, E}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "improved_clustered_centroids", [&] {
-    kernels::cluster_means_cpu(q.data_ptr<scalar_t>(), assignments.data_ptr<int64_t>(),
-                               counts.data_ptr<int64_t>(), centroids.data_ptr<scalar_t>(), N * H, L,
-                               C, E, at::get_num_threads());
+    kernels::ClusterMeansArgs<scalar_t> m;
+    m.q = q.data_ptr<scalar_t>();
+    m.assignments = assignments.data_ptr<int64_t>();
+    m.counts = counts.data_ptr<int64_t>();
+    m.centroids = centroids.data_ptr<scalar_t>();
+    m.NH = N * H;
+    m.L = L;
+    m.C = C;
+    m.E = E;
+    m.num_threads = at::get_num_threads();
+    kernels::cluster_means_cpu(m);
   });
   static auto lse_topk = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("fastattn::full_attention_lse_topk_forward", "")
@@ -330,10 +339,17 @@ std::tuple<Tensor, Tensor, Tensor> improved_clustered_backward_cpu(
   ops::full_attention_backward_accumulate(g_out_c, g_lse, centroids, k, v, out_c, lse,
                                           to_std(key_lengths), softmax_temp, g_cen, gk, gv);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "improved_clustered_centroid_grads", [&] {
-    kernels::add_centroid_grads_cpu(gq.data_ptr<scalar_t>(), g_cen.data_ptr<scalar_t>(),
-                                    assignments.data_ptr<int64_t>(), counts.data_ptr<int64_t>(),
-                                    q.size(0) * q.size(1), q.size(2), counts.size(2), q.size(3),
-                                    at::get_num_threads());
+    kernels::CentroidGradsArgs<scalar_t> g;
+    g.grad_q = gq.data_ptr<scalar_t>();
+    g.table = g_cen.data_ptr<scalar_t>();
+    g.assignments = assignments.data_ptr<int64_t>();
+    g.counts = counts.data_ptr<int64_t>();
+    g.NH = q.size(0) * q.size(1);
+    g.L = q.size(2);
+    g.C = counts.size(2);
+    g.E = q.size(3);
+    g.num_threads = at::get_num_threads();
+    kernels::add_centroid_grads_cpu(g);
   });
   return {gq, gk, gv};
 }

@@ -23,7 +23,7 @@ struct ClusteredTopkParams {
   const T* q = nullptr;                  // (N, H, L, E) contiguous
   const T* k = nullptr;                  // (N, H, S, E) contiguous
   const T* v = nullptr;                  // (N, H, S, M) contiguous
-  const int64_t* topk = nullptr;         // (N, H, C, K) key indices in [0, S)
+  const int64_t* topk = nullptr;         // (N, H, C, K) key indices in [0, S), -1: empty slot
   const T* mass = nullptr;               // (N, H, C): centroid mass on its top-k keys
   const int64_t* assignments = nullptr;  // (N, H, L): cluster in [0, C) or -1
   const int64_t* key_lengths = nullptr;  // (N,) or nullptr for S
@@ -61,15 +61,30 @@ struct ClusteredTopkBackwardArgs : ClusteredTopkParams<T> {
 // centroids (N, H, C, E) = the mean of each cluster's queries (zeros for an
 // empty cluster); assignments a_l in [-1, C), -1 for padding.
 template <typename T>
-void cluster_means_cpu(const T* q, const int64_t* assignments, const int64_t* counts, T* centroids,
-                       int64_t NH, int64_t L, int64_t C, int64_t E, int num_threads);
+struct ClusterMeansArgs {
+  const T* q = nullptr;                  // (NH, L, E) contiguous
+  const int64_t* assignments = nullptr;  // (NH, L)
+  const int64_t* counts = nullptr;       // (NH, C): members of each cluster
+  T* centroids = nullptr;                // (NH, C, E), written
+  int64_t NH = 0, L = 0, C = 0, E = 0;
+  int num_threads = 1;
+};
+template <typename T>
+void cluster_means_cpu(const ClusterMeansArgs<T>& args);
 
 // grad_q (N, H, L, E) += table[n, h, a_l] / counts[n, h, a_l] for every query
 // l with a cluster a_l >= 0: the gradient of centroid = mean of its members.
 template <typename T>
-void add_centroid_grads_cpu(T* grad_q, const T* table, const int64_t* assignments,
-                            const int64_t* counts, int64_t NH, int64_t L, int64_t C, int64_t E,
-                            int num_threads);
+struct CentroidGradsArgs {
+  T* grad_q = nullptr;                   // (NH, L, E), added to
+  const T* table = nullptr;              // (NH, C, E): the centroids' gradients
+  const int64_t* assignments = nullptr;  // (NH, L)
+  const int64_t* counts = nullptr;       // (NH, C)
+  int64_t NH = 0, L = 0, C = 0, E = 0;
+  int num_threads = 1;
+};
+template <typename T>
+void add_centroid_grads_cpu(const CentroidGradsArgs<T>& args);
 
 template <typename T>
 void clustered_topk_forward_cpu(const ClusteredTopkForwardArgs<T>& a);

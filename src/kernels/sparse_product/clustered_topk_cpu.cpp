@@ -141,6 +141,70 @@ void gather_rows(const T* src, int64_t D, const int64_t* rows, int64_t n, T* dst
   for (int64_t r = 0; r < n; ++r) std::copy(src + rows[r] * D, src + rows[r] * D + D, dst + r * D);
 }
 
+// A cluster of one query (exact-topk, causal-improved-clustered: one key set
+// per query): the softmax weights of its K keys, read in place (no gather or
+// packing), into p[0, K); dropped keys (-1, past len) get 0. Returns false
+// when no key is kept (the row is zeros).
+template <typename T>
+bool single_query_weights(const T* qrow, const int64_t* idx, int64_t K, int64_t len, const T* k,
+                          int64_t E, T scale, T* p) {
+  T mx = neg_inf<T>();
+  for (int64_t t = 0; t < K; ++t) {
+    p[t] = idx[t] >= 0 && idx[t] < len ? scale * simd_dot(qrow, k + idx[t] * E, E) : neg_inf<T>();
+    mx = std::max(mx, p[t]);
+  }
+  if (mx == neg_inf<T>()) {
+    std::fill(p, p + K, T(0));
+    return false;
+  }
+  T sum = 0;
+  for (int64_t t = 0; t < K; ++t) sum += p[t] = p[t] == neg_inf<T>() ? T(0) : std::exp(p[t] - mx);
+  const T inv = T(1) / sum;
+  for (int64_t t = 0; t < K; ++t) p[t] *= inv;
+  return true;
+}
+
+// out (M) = m · Σ_t p_t v_{idx[t]}.
+template <typename T>
+void single_query_forward(const T* qrow, const int64_t* idx, int64_t K, int64_t len, const T* k,
+                          const T* v, int64_t E, int64_t M, T scale, T m, T* p, T* out) {
+  if (!single_query_weights(qrow, idx, K, len, k, E, scale, p)) return;  // out stays zero
+  for (int64_t t = 0; t < K; ++t) {
+    if (p[t] == T(0)) continue;
+    const T w = m * p[t];
+    const T* vt = v + idx[t] * M;
+    for (int64_t x = 0; x < M; ++x) out[x] += w * vt[x];
+  }
+}
+
+// The single query's gradients, added into grad_q's row, grad_k and grad_v
+// in place; returns d mass = Σ_t p_t (g·v_t).
+template <typename T>
+T single_query_backward(const T* qrow, const T* grow, const int64_t* idx, int64_t K, int64_t len,
+                        const T* k, const T* v, int64_t E, int64_t M, T scale, T m, T* p, T* gv,
+                        T* gq_row, T* gk, T* gvals) {
+  if (!single_query_weights(qrow, idx, K, len, k, E, scale, p)) return T(0);
+  T row_dot = 0;
+  for (int64_t t = 0; t < K; ++t) {
+    gv[t] = p[t] == T(0) ? T(0) : simd_dot(grow, v + idx[t] * M, M);
+    row_dot += p[t] * gv[t];
+  }
+  for (int64_t t = 0; t < K; ++t) {
+    if (p[t] == T(0)) continue;
+    const T ds = p[t] * (gv[t] - row_dot) * m * scale;
+    const T* kt = k + idx[t] * E;
+    T* dk = gk + idx[t] * E;
+    for (int64_t x = 0; x < E; ++x) {
+      gq_row[x] += ds * kt[x];
+      dk[x] += ds * qrow[x];
+    }
+    const T w = m * p[t];
+    T* dv = gvals + idx[t] * M;
+    for (int64_t x = 0; x < M; ++x) dv[x] += w * grow[x];
+  }
+  return row_dot;
+}
+
 }  // namespace
 
 template <typename T>
@@ -161,12 +225,19 @@ void clustered_topk_forward_cpu(const ClusteredTopkForwardArgs<T>& a) {
         T* out = a.out + nh * L * M;
         std::fill(out, out + L * M, T(0));  // padded queries stay zero
         w.groups.build(a.assignments + nh * L, L, C);
+        const bool improved = a.centroids != nullptr;
         for (int64_t c = 0; c < C; ++c) {
           const int64_t b = w.groups.start[c], e = w.groups.start[c + 1];
           if (b == e) continue;
+          if (e - b == 1 && !improved) {
+            const int64_t l = w.groups.order[b];
+            single_query_forward(q + l * E, a.topk + (nh * C + c) * K, K, len, a.k + nh * S * E,
+                                 a.v + nh * S * M, E, M, a.scale, a.mass[nh * C + c], w.s.data(),
+                                 out + l * M);
+            continue;
+          }
           const int64_t Kp = gather_cluster(a.topk + (nh * C + c) * K, K, len, a.k + nh * S * E,
                                             a.v + nh * S * M, E, M, false, w);
-          const bool improved = a.centroids != nullptr;
           const T m = improved ? centroid_weights(a, nh, c, Kp, true, w) : a.mass[nh * C + c];
           for (int64_t r0 = b; r0 < e; r0 += kRows) {
             const int64_t rows = std::min(kRows, e - r0);
@@ -228,6 +299,13 @@ void clustered_topk_backward_cpu(const ClusteredTopkBackwardArgs<T>& a) {
           const int64_t b = w.groups.start[c], e = w.groups.start[c + 1];
           if (b == e) continue;
           const int64_t* idx = a.topk + (nh * C + c) * K;
+          if (e - b == 1 && !improved) {
+            const int64_t l = w.groups.order[b];
+            a.grad_mass[nh * C + c] = single_query_backward(
+                q + l * E, g + l * M, idx, K, len, a.k + nh * S * E, a.v + nh * S * M, E, M,
+                a.scale, a.mass[nh * C + c], w.s.data(), w.o.data(), gq + l * E, gk, gv);
+            continue;
+          }
           const int64_t Kp =
               gather_cluster(idx, K, len, a.k + nh * S * E, a.v + nh * S * M, E, M, true, w);
           const T m = improved ? centroid_weights(a, nh, c, Kp, false, w) : a.mass[nh * C + c];
