@@ -8,8 +8,9 @@ medians of wall-clock times after one warm-up; the ratio is SDPA's time over
 fastattn's (> 1: fastattn is faster). Outputs are compared first (float64
 reference of the first length) so that both compute the same thing.
 
-Usage (in the pip environment, `make pip-env`):
-  .venv/bin/python bench/python/bench_sdpa_cpu.py [--threads 2] [--lengths 1024 4096 16384]
+Usage (in the pip environment, `make pip-env`; FASTATTN_CPU_CAPABILITY and
+ATEN_CPU_CAPABILITY choose lower instruction sets for either side):
+  .venv/bin/python bench/python/bench_sdpa_cpu.py [--threads 2] [--lengths 512 1024 4096 16384]
       [--heads 8] [--dim 64] [--json out.json]
 """
 
@@ -50,7 +51,7 @@ def timed(fn, reps):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 4096, 16384])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--dim", type=int, default=64)
@@ -58,8 +59,11 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model, isa = cpu_model()
+    level = fastattn.cpu_capability()
     print(f"torch {torch.__version__}, fastattn {fastattn.__version__}, {args.threads} threads, "
-          f"CPU: {model} ({isa}), N={args.batch} H={args.heads} E={args.dim} float32")
+          f"CPU: {model} ({isa}), fastattn CPU kernels: {level}, torch CPU capability: "
+          f"{torch.backends.cpu.get_cpu_capability()}, N={args.batch} H={args.heads} "
+          f"E={args.dim} float32")
 
     # Same result first (small length, float64 against SDPA in float64).
     q, k, v = (torch.randn(1, 2, 300, 32, dtype=torch.float64) for _ in range(3))
@@ -96,6 +100,7 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(torch=torch.__version__, cpu=model, isa=isa, threads=args.threads,
+                           cpu_capability=level,
                            heads=args.heads, dim=args.dim, batch=args.batch, rows=rows), f, indent=1)
 
 

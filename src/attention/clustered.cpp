@@ -86,7 +86,8 @@ std::optional<Tensor> key_keep(const std::optional<Tensor>& key_lengths, int64_t
 // the k best: O(S·log k) per row instead of a top-k per block.
 template <typename T>
 void prefix_topk_table(const Tensor& scores, int64_t k, int64_t w, Tensor& table) {
-  const int64_t S = scores.size(3), nb = table.size(3), rows = scores.numel() / std::max<int64_t>(S, 1);
+  const int64_t S = scores.size(3), nb = table.size(3),
+                rows = scores.numel() / std::max<int64_t>(S, 1);
   const T* sc = scores.data_ptr<T>();
   int64_t* tab = table.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
@@ -267,8 +268,8 @@ Tensor causal_improved_clustered_attention(const Tensor& queries,  // (N, H, L, 
   TORCH_CHECK(topk >= 1, who, ": topk must be >= 1, got ", topk);
   TORCH_CHECK(local_context >= 1, who, ": local_context must be >= 1, got ", local_context);
   check_clusters(who, queries, clusters);
-  const int64_t N = queries.size(0), H = queries.size(1), L = queries.size(2),
-                S = keys.size(2), M = values.size(3), C = clusters.counts.size(2);
+  const int64_t N = queries.size(0), H = queries.size(1), L = queries.size(2), S = keys.size(2),
+                M = values.size(3), C = clusters.counts.size(2);
   TORCH_CHECK(S == L, who,
               ": needs as many keys as queries (S == L) for causal masking, got L = ", L,
               " and S = ", S);
@@ -310,7 +311,7 @@ Tensor causal_improved_clustered_attention(const Tensor& queries,  // (N, H, L, 
   // Per query i (block i / w): its cluster's prefix set, keeping j <= i - w
   // (the later keys are in the window), and the window i - w + 1 .. i; -1
   // marks an empty slot. Every index is in [0, i]: no key after i is read.
-  auto a = clusters.assignments;  // (N, H, L)
+  auto a = clusters.assignments;      // (N, H, L)
   auto pos = torch::arange(L, lopt);  // (L,)
   auto row = a.clamp_min(0) * nb + torch::div(pos, w, "floor").view({1, 1, L});
   auto top = table.view({N, H, C * nb, k}).gather(2, row.unsqueeze(-1).expand({N, H, L, k}));

@@ -11,7 +11,8 @@ constexpr const char* kClusteredTopkOp = "fastattn::clustered_topk_attention";
 constexpr const char* kImprovedClusteredOp = "fastattn::improved_clustered_attention";
 
 // q, k, v, key_lengths (check_qkv, check_masks), topk (N, H, C, K) int64 in
-// [0, S) or -1 (an empty slot), mass (N, H, C) of q's dtype, assignments (N, H, L) int64 in [-1, C).
+// [0, S) or -1 (an empty slot), mass (N, H, C) of q's dtype, assignments (N, H, L) int64 in [-1,
+// C).
 void check_clustered_topk_inputs(const torch::Tensor& q, const torch::Tensor& k,
                                  const torch::Tensor& v, const torch::Tensor& topk,
                                  const torch::Tensor& mass, const torch::Tensor& assignments,
