@@ -163,7 +163,6 @@ std::tuple<Tensor, Tensor, Tensor> hard_retrieval_attention_backward_cpu(
   auto lse_c = lse.contiguous();
   auto delta = torch::empty({N, H, L}, q.options());
   auto gq = torch::empty_like(p.q), gk = torch::empty_like(p.k), gv = torch::empty_like(p.v);
-  auto gv_soft = torch::empty_like(p.v);  // the full kernel's P^T dout, discarded
   // The full-attention kernel takes an additive mask: 0 keeps, -inf drops.
   Tensor additive;
   if (attn_mask) {
@@ -204,7 +203,7 @@ std::tuple<Tensor, Tensor, Tensor> hard_retrieval_attention_backward_cpu(
     f.delta = d.delta;
     f.grad_q = gq.data_ptr<T>();
     f.grad_k = gk.data_ptr<T>();
-    f.grad_v = gv_soft.data_ptr<T>();
+    f.grad_v = nullptr;  // V's gradient is the straight-through one below
     kernels::full_attention_backward_cpu(f);
 
     kernels::HardRetrievalGradVArgs<T> g;

@@ -49,7 +49,7 @@ struct FullAttentionBackwardArgs : FullAttentionParams<T> {
   const T* delta = nullptr;
   T* grad_q = nullptr;      // (N, H, L, E), written
   T* grad_k = nullptr;      // (N, H, S, E), written
-  T* grad_v = nullptr;      // (N, H, S, M), written
+  T* grad_v = nullptr;      // (N, H, S, M), written; nullptr: not computed (saves a fifth)
   bool accumulate = false;  // add to grad_q, grad_k and grad_v instead of overwriting them
 };
 

@@ -273,7 +273,7 @@ void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& a) {
   if (!a.accumulate) {
     std::fill(a.grad_q, a.grad_q + NH * L * E, T(0));
     std::fill(a.grad_k, a.grad_k + NH * S * E, T(0));
-    std::fill(a.grad_v, a.grad_v + NH * S * M, T(0));
+    if (a.grad_v) std::fill(a.grad_v, a.grad_v + NH * S * M, T(0));
   }
   if (NH == 0 || L == 0 || S == 0) return;
   constexpr int64_t NR = panel_width<T>();
@@ -339,8 +339,10 @@ void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& a) {
               exp_shift_sum(row, width, lse[i]);
             }
             // dV_j += P^T dO_i
-            transpose(w.p.data(), rows, cols, kBwdBc, w.pt.data(), kBwdBr);
-            gemm(cols, M, rows, w.pt.data(), kBwdBr, doi, M, w.dv.data(), M, true);
+            if (a.grad_v) {
+              transpose(w.p.data(), rows, cols, kBwdBc, w.pt.data(), kBwdBr);
+              gemm(cols, M, rows, w.pt.data(), kBwdBr, doi, M, w.dv.data(), M, true);
+            }
             // dP = dO_i V_j^T, then dS = P ∘ (dP - delta) · scale (in w.dp)
             gemm_packed(rows, width, M, doi, M, w.vp.data(), w.dp.data(), kBwdBc, false);
             for (int64_t r = 0; r < rows; ++r) {
@@ -355,13 +357,14 @@ void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& a) {
             gemm(cols, E, rows, w.dst.data(), kBwdBr, qi, E, w.dk.data(), E, true);
           }
           T* gk = a.grad_k + (nh * S + j0) * E;
-          T* gv = a.grad_v + (nh * S + j0) * M;
+          T* gv = a.grad_v ? a.grad_v + (nh * S + j0) * M : nullptr;
           if (a.accumulate) {
             for (int64_t x = 0; x < cols * E; ++x) gk[x] += w.dk[x];
-            for (int64_t x = 0; x < cols * M; ++x) gv[x] += w.dv[x];
+            if (gv)
+              for (int64_t x = 0; x < cols * M; ++x) gv[x] += w.dv[x];
           } else {
             std::copy(w.dk.begin(), w.dk.begin() + cols * E, gk);
-            std::copy(w.dv.begin(), w.dv.begin() + cols * M, gv);
+            if (gv) std::copy(w.dv.begin(), w.dv.begin() + cols * M, gv);
           }
         }
       });
