@@ -51,6 +51,8 @@
     "FASTATTN_ISA_LEVEL is not set: CPU kernel sources are compiled through CMakeLists.txt's per-level targets"
 #endif
 
+// A _Pragma takes one string literal, not a concatenation: no reflowing.
+// clang-format off
 #if FASTATTN_ISA_LEVEL == 0
 #define FASTATTN_ISA_NS isa_default
 #define FASTATTN_ISA_PUSH_
@@ -59,10 +61,7 @@
 #define FASTATTN_ISA_NS isa_avx2
 #define FASTATTN_SIMD_AVX2 1
 #if defined(__clang__)
-#define FASTATTN_ISA_PUSH_                                                                      \
-  _Pragma(                                                                                      \
-      "clang attribute push(__attribute__((target(\"avx2,fma,bmi,bmi2,popcnt\"))), apply_to = " \
-      "function)")
+#define FASTATTN_ISA_PUSH_ _Pragma("clang attribute push(__attribute__((target(\"avx2,fma,bmi,bmi2,popcnt\"))), apply_to = function)")
 #else
 #define FASTATTN_ISA_PUSH_ \
   _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma,bmi,bmi2,popcnt\")")
@@ -72,11 +71,7 @@
 #define FASTATTN_SIMD_AVX2 1
 #define FASTATTN_SIMD_AVX512 1
 #if defined(__clang__)
-#define FASTATTN_ISA_PUSH_                                                                        \
-  _Pragma(                                                                                        \
-      "clang attribute "                                                                          \
-      "push(__attribute__((target(\"avx2,fma,bmi,bmi2,popcnt,avx512f,avx512bw,avx512dq,avx512vl," \
-      "avx512cd\"))), apply_to = function)")
+#define FASTATTN_ISA_PUSH_ _Pragma("clang attribute push(__attribute__((target(\"avx2,fma,bmi,bmi2,popcnt,avx512f,avx512bw,avx512dq,avx512vl,avx512cd\"))), apply_to = function)")
 #else
 #define FASTATTN_ISA_PUSH_             \
   _Pragma("GCC push_options") _Pragma( \
@@ -85,6 +80,7 @@
 #else
 #error "FASTATTN_ISA_LEVEL must be 0 (default), 1 (avx2) or 2 (avx512)"
 #endif
+// clang-format on
 
 #if FASTATTN_ISA_LEVEL > 0
 #if defined(__clang__)
