@@ -76,8 +76,6 @@ std::optional<Tensor> key_keep(const std::optional<Tensor>& key_lengths, int64_t
       .lt(len);
 }
 
-// Softmax over the last dimension of scores where `keep` (broadcastable)
-// holds; a row that keeps nothing gives zeros (and zero gradients).
 // The CPU form of causal-improved-clustered's prefix sets: for every row
 // (n, h, c) of scores (N, H, C, S) and block b >= 1, table[n, h, c, b] = the k
 // keys j < b·w of the highest scores (ties: the lower index), -1 past the
@@ -118,6 +116,8 @@ void prefix_topk_table(const Tensor& scores, int64_t k, int64_t w, Tensor& table
   });
 }
 
+// Softmax over the last dimension of scores where `keep` (broadcastable)
+// holds; a row that keeps nothing gives zeros (and zero gradients).
 Tensor masked_softmax(const Tensor& scores, const std::optional<Tensor>& keep) {
   if (!keep) return torch::softmax(scores, -1);
   auto s = scores.masked_fill(keep->logical_not(), -std::numeric_limits<double>::infinity());
@@ -293,18 +293,19 @@ Tensor causal_improved_clustered_attention(const Tensor& queries,  // (N, H, L, 
       AT_DISPATCH_FLOATING_TYPES(scores.scalar_type(), "causal_improved_clustered_table", [&] {
         prefix_topk_table<scalar_t>(scores.contiguous(), k, w, table);
       });
-    }
-    auto key_idx = torch::arange(S, lopt).view({1, 1, 1, S}).expand({N, H, C, S});
-    auto best_s =
-        torch::full({N, H, C, k}, -std::numeric_limits<double>::infinity(), scores.options());
-    auto best_i = torch::full({N, H, C, k}, -1, lopt);
-    for (int64_t b = 1; b < nb && !scores.is_cpu(); ++b) {
-      auto cand_s = torch::cat({best_s, scores.narrow(3, (b - 1) * w, w)}, -1);  // (N,H,C,k+w)
-      auto cand_i = torch::cat({best_i, key_idx.narrow(3, (b - 1) * w, w)}, -1);
-      auto top = cand_s.topk(k, -1);
-      best_s = std::get<0>(top);
-      best_i = cand_i.gather(-1, std::get<1>(top));
-      table.select(3, b).copy_(best_i);
+    } else {  // a torch top-k per block
+      auto key_idx = torch::arange(S, lopt).view({1, 1, 1, S}).expand({N, H, C, S});
+      auto best_s =
+          torch::full({N, H, C, k}, -std::numeric_limits<double>::infinity(), scores.options());
+      auto best_i = torch::full({N, H, C, k}, -1, lopt);
+      for (int64_t b = 1; b < nb; ++b) {
+        auto cand_s = torch::cat({best_s, scores.narrow(3, (b - 1) * w, w)}, -1);  // (N,H,C,k+w)
+        auto cand_i = torch::cat({best_i, key_idx.narrow(3, (b - 1) * w, w)}, -1);
+        auto top = cand_s.topk(k, -1);
+        best_s = std::get<0>(top);
+        best_i = cand_i.gather(-1, std::get<1>(top));
+        table.select(3, b).copy_(best_i);
+      }
     }
   }
 
