@@ -5,10 +5,12 @@
 // Layout: queries (N, H, L, E), keys (N, H, S, E), values (N, H, S, M),
 // outputs (N, H, L, M).
 //
-// Devices and dtypes: CPU tensors in float32 or float64; CUDA tensors (when
-// the library is built with CUDA, docs/cuda.md) in float32, float16 or
-// bfloat16 with float32 arithmetic. Where a comment below says "float32 or
-// float64", CUDA reads "float32, float16 or bfloat16". CUDA head-dimension
+// Devices and dtypes: CPU tensors in float32 or float64, and float16 or
+// bfloat16 computed in float32 (widened copies, results rounded once, saved
+// statistics float32); CUDA tensors (when the library is built with CUDA,
+// docs/cuda.md) in float32, float16 or bfloat16 with float32 arithmetic.
+// Where a comment below says "float32 or float64", read "float32, float64,
+// float16 or bfloat16" on the CPU and "float32, float16 or bfloat16" on CUDA. CUDA head-dimension
 // limits: full attention E, M <= 128; block-sparse, hard-retrieval and
 // Reformer E, M <= 256.
 #pragma once

@@ -112,6 +112,10 @@ struct Capabilities {
   // Compute-bound reference rather than a speed-up (exact-topk builds the
   // L x S scores): said in `fastattn list`.
   bool oracle = false;
+  // Picks keys, clusters or buckets from scores or hashes (clustering, top-k,
+  // LSH, argmax): in float16 / bfloat16 a near-tie may pick differently from
+  // float32, so its results there follow the picks, not float32's.
+  bool selects = false;
 
   // Builders for the declarations: Capabilities().masks("any").rows("yes").
   Capabilities causal_only(std::string bidirectional_twin) const {
@@ -144,6 +148,11 @@ struct Capabilities {
   Capabilities as_oracle() const {
     auto c = *this;
     c.oracle = true;
+    return c;
+  }
+  Capabilities selecting() const {
+    auto c = *this;
+    c.selects = true;
     return c;
   }
 

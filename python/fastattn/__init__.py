@@ -411,8 +411,9 @@ def capabilities():
     """What each registered type can do, from its registry entry:
     ``{type: {"causal", "bidirectional", "attn_mask" ("any" | "bool" |
     "none"), "incremental" ("yes" | "no" | "stride"), "recurrent",
-    "learned", "causal_form", "bidirectional_form", "oracle"}}`` (see
-    ``fastattn list``)."""
+    "learned", "causal_form", "bidirectional_form", "oracle", "selects"}}``
+    (see ``fastattn list``; "selects": picks keys, clusters or buckets, so
+    float16 / bfloat16 results follow their own picks)."""
     return {name: dict(caps) for name, caps in _capabilities().items()}
 
 

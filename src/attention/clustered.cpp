@@ -290,9 +290,12 @@ Tensor causal_improved_clustered_attention(const Tensor& queries,  // (N, H, L, 
     const auto keep = key_keep(key_lengths, N, S, keys.device());             // (N, 1, 1, S)
     if (keep) scores.masked_fill_(keep->logical_not(), -std::numeric_limits<double>::infinity());
     if (scores.is_cpu()) {
-      AT_DISPATCH_FLOATING_TYPES(scores.scalar_type(), "causal_improved_clustered_table", [&] {
-        prefix_topk_table<scalar_t>(scores.contiguous(), k, w, table);
-      });
+      // float16 / bfloat16 scores rank the same widened (exactly) to float32.
+      const bool reduced =
+          scores.scalar_type() == torch::kHalf || scores.scalar_type() == torch::kBFloat16;
+      const Tensor ranked = (reduced ? scores.to(torch::kFloat) : scores).contiguous();
+      AT_DISPATCH_FLOATING_TYPES(ranked.scalar_type(), "causal_improved_clustered_table",
+                                 [&] { prefix_topk_table<scalar_t>(ranked, k, w, table); });
     } else {  // a torch top-k per block
       auto key_idx = torch::arange(S, lopt).view({1, 1, 1, S}).expand({N, H, C, S});
       auto best_s =
@@ -556,14 +559,14 @@ void register_clustered_attention_types(AttentionRegistry& registry) {
                 "broadcast to the members: O(L·C) (Vyas et al. 2020)",
                 clustered_specs(false),
                 [](const Params& p, const AttentionDims&) { return build_clustered(p, false); },
-                Capabilities().bidirectional_only("causal-improved-clustered"),
+                Capabilities().bidirectional_only("causal-improved-clustered").selecting(),
                 /*recurrent=*/nullptr});
   registry.add({"improved-clustered",
                 "clustered attention with exact per-query weights on each cluster's top-k keys "
                 "(Vyas et al. 2020, eq. 9-10)",
                 clustered_specs(true),
                 [](const Params& p, const AttentionDims&) { return build_clustered(p, true); },
-                Capabilities().bidirectional_only("causal-improved-clustered"),
+                Capabilities().bidirectional_only("causal-improved-clustered").selecting(),
                 /*recurrent=*/nullptr});
   registry.add(
       {"causal-improved-clustered",
@@ -572,7 +575,8 @@ void register_clustered_attention_types(AttentionRegistry& registry) {
        "a query reaches its output",
        causal_improved_clustered_specs(),
        [](const Params& p, const AttentionDims&) { return build_causal_improved_clustered(p); },
-       Capabilities().causal_only("improved-clustered"), /*recurrent=*/nullptr});
+       Capabilities().causal_only("improved-clustered").selecting(),
+       /*recurrent=*/nullptr});
   registry.add({"exact-topk",
                 "each query attends to its own top-k keys by exact score (softmax over those k); "
                 "O(L·S) to select them, O(L·k) memory",
@@ -584,7 +588,7 @@ void register_clustered_attention_types(AttentionRegistry& registry) {
                   return std::make_shared<ExactTopkAttention>(p.get_int("topk"),
                                                               p.get_optional_float("softmax_temp"));
                 },
-                Capabilities().bidirectional_only("").as_oracle(),
+                Capabilities().bidirectional_only("").as_oracle().selecting(),
                 /*recurrent=*/nullptr});
 }
 

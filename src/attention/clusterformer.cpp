@@ -334,7 +334,7 @@ void register_clusterformer_attention_types(AttentionRegistry& registry) {
          o.seed = p.get_optional_int("seed");
          return std::make_shared<ClusterFormerAttention>(o, dims);
        },
-       Capabilities().with_learned_parameters(),
+       Capabilities().with_learned_parameters().selecting(),
        /*recurrent=*/nullptr});
 }
 

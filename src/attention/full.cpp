@@ -36,7 +36,7 @@ void check_attention_inputs(const torch::Tensor& queries, const torch::Tensor& k
       "attention: values must have shape (N, H, S, M) = (", N, ", ", H, ", ", S, ", M), got ",
       values.sizes());
   // One dtype rule for every type, whatever operators it is built from.
-  ops::check_float_dtype("attention", "queries", queries);
+  ops::check_attention_dtype("attention", "queries", queries);
   TORCH_CHECK(keys.scalar_type() == queries.scalar_type(), "attention: keys must be ",
               queries.scalar_type(), " like the queries, got ", keys.scalar_type());
   TORCH_CHECK(values.scalar_type() == queries.scalar_type(), "attention: values must be ",

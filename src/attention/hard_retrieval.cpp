@@ -83,7 +83,7 @@ void register_hard_retrieval_attention_types(AttentionRegistry& registry) {
                                                          p.get_optional_float("softmax_temp"),
                                                          p.get_optional_int("seed"));
        },
-       Capabilities().masks("bool").rows("yes"),
+       Capabilities().masks("bool").rows("yes").selecting(),
        [](const Params&, const AttentionDims&) -> RecurrentAttentionPtr {
          return std::make_shared<RecurrentHardRetrievalAttention>();  // steps take the argmax
        }});

@@ -30,7 +30,7 @@ void check_step_inputs(const char* type, const Tensor& query, const Tensor& key,
               key.sizes());
   TORCH_CHECK(value.dim() == 3 && value.size(0) == N && value.size(1) == H, type,
               ": value must have shape (N, H, M) = (", N, ", ", H, ", M), got ", value.sizes());
-  ops::check_float_dtype(type, "query", query);
+  ops::check_attention_dtype(type, "query", query);
   TORCH_CHECK(key.scalar_type() == query.scalar_type(), type, ": key must be ", query.scalar_type(),
               " like the query, got ", key.scalar_type());
   TORCH_CHECK(value.scalar_type() == query.scalar_type(), type, ": value must be ",

@@ -30,7 +30,7 @@ void check_memory(const char* type, const Tensor& keys, const Tensor& values,
                   values.size(2) == S,
               type, ": values must have shape (N, H, S, M) = (", N, ", ", H, ", ", S,
               ", M) like the keys, got ", values.defined() ? values.sizes() : c10::IntArrayRef{});
-  ops::check_float_dtype(type, "keys", keys);
+  ops::check_attention_dtype(type, "keys", keys);
   TORCH_CHECK(values.scalar_type() == keys.scalar_type(), type, ": values must be ",
               keys.scalar_type(), " like the keys, got ", values.scalar_type());
   TORCH_CHECK(values.device() == keys.device(), type, ": values must be on ", keys.device(),

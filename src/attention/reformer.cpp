@@ -112,7 +112,7 @@ void register_reformer_attention_types(AttentionRegistry& registry) {
          o.masked = p.get_bool("masked");
          return std::make_shared<ReformerAttention>(o);
        },
-       Capabilities(),
+       Capabilities().selecting(),
        /*recurrent=*/nullptr});
 }
 

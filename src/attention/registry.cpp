@@ -355,7 +355,8 @@ nlohmann::json Capabilities::to_json() const {
           {"learned", learned},
           {"causal_form", causal_form},
           {"bidirectional_form", bidirectional_form},
-          {"oracle", oracle}};
+          {"oracle", oracle},
+          {"selects", selects}};
 }
 
 namespace {
@@ -369,6 +370,7 @@ Capabilities both(const Capabilities& a, const Capabilities& b) {
   c.attn_mask = mask_rank(a.attn_mask) <= mask_rank(b.attn_mask) ? a.attn_mask : b.attn_mask;
   c.incremental = a.incremental == b.incremental ? a.incremental : "no";
   c.learned = a.learned || b.learned;
+  c.selects = a.selects || b.selects;
   return c;
 }
 

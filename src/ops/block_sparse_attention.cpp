@@ -115,6 +115,9 @@ std::tuple<Tensor, Tensor> forward_cpu(const Tensor& q, const Tensor& k, const T
                                        const c10::optional<Tensor>& key_lengths, bool causal,
                                        double softmax_temp) {
   const auto p = prepare(q, k, v, std::string(pattern), params, key_lengths, causal);
+  if (ops::is_reduced_float(q))
+    return ops::in_float32<1>(q.scalar_type(), forward_cpu, q, k, v, pattern, params, key_lengths,
+                              causal, softmax_temp);
   auto out = torch::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   auto lse = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "block_sparse_attention_forward_cpu", [&] {
@@ -135,6 +138,9 @@ std::tuple<Tensor, Tensor, Tensor> backward_cpu(const Tensor& grad_out, const Te
                                                 bool causal, double softmax_temp) {
   const auto p = prepare(q, k, v, std::string(pattern), params, key_lengths, causal);
   ops::check_block_sparse_backward(kOp, grad_out, out, lse);
+  if (ops::is_reduced_float(q))
+    return ops::in_float32(q.scalar_type(), backward_cpu, grad_out, q, k, v, out, lse, pattern,
+                           params, key_lengths, causal, softmax_temp);
   auto go = grad_out.to(q.scalar_type()).contiguous();
   auto delta = (go * out).sum(-1).contiguous();  // (N, H, L)
   auto lse_c = lse.contiguous();

@@ -43,6 +43,8 @@ void fill_params(Args& a, const Tensor& q, const Tensor& k, const Tensor& v) {
 Tensor causal_linear_product_forward_cpu(const Tensor& q_in, const Tensor& k_in,
                                          const Tensor& v_in) {
   check_inputs(q_in, k_in, v_in);
+  if (ops::is_reduced_float(q_in))
+    return ops::in_float32(q_in.scalar_type(), causal_linear_product_forward_cpu, q_in, k_in, v_in);
   const auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   auto out = torch::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "causal_linear_product_forward_cpu", [&] {
@@ -60,6 +62,9 @@ std::tuple<Tensor, Tensor, Tensor> causal_linear_product_backward_cpu(const Tens
                                                                       const Tensor& v_in) {
   check_inputs(q_in, k_in, v_in);
   ops::check_causal_product_grad(kOp, grad_out, q_in, v_in);
+  if (ops::is_reduced_float(q_in))
+    return ops::in_float32(q_in.scalar_type(), causal_linear_product_backward_cpu, grad_out, q_in,
+                           k_in, v_in);
   const auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   const auto go = grad_out.to(q.scalar_type()).contiguous();
   auto gq = torch::empty_like(q), gk = torch::empty_like(k), gv = torch::empty_like(v);

@@ -146,6 +146,9 @@ Tensor clustered_topk_attention_cpu(const Tensor& q, const Tensor& k, const Tens
                                     const c10::optional<Tensor>& key_lengths, double softmax_temp) {
   ops::check_clustered_topk_inputs(q, k, v, topk, mass, assignments, key_lengths);
   ops::resolve_softmax_temp(kOp, q, softmax_temp);  // checks it is finite and > 0
+  if (ops::is_reduced_float(q))
+    return ops::in_float32(q.scalar_type(), clustered_topk_attention_cpu, q, k, v, topk, mass,
+                           assignments, key_lengths, softmax_temp);
   const auto p = prepare(q, k, v, topk, mass, assignments, key_lengths);
   auto out = torch::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "clustered_topk_attention_cpu", [&] {
@@ -166,6 +169,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> clustered_topk_attention_backward_cpu
                   grad_out.size(1) == q.size(1) && grad_out.size(2) == q.size(2) &&
                   grad_out.size(3) == v.size(3),
               kOp, ": grad_out must have shape (N, H, L, M), got ", grad_out.sizes());
+  if (ops::is_reduced_float(q))
+    return ops::in_float32(q.scalar_type(), clustered_topk_attention_backward_cpu, grad_out, q, k,
+                           v, topk, mass, assignments, key_lengths, softmax_temp);
   const auto p = prepare(q, k, v, topk, mass, assignments, key_lengths);
   auto go = grad_out.to(q.scalar_type()).contiguous();
   auto gq = torch::empty_like(p.q), gk = torch::empty_like(p.k), gv = torch::empty_like(p.v),
@@ -268,6 +274,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> improved_clustered_forward_cp
   ops::check_improved_clusters(q_in, assignments_in, counts_in);
   TORCH_CHECK(topk >= 1 && topk <= k_in.size(2), kImprovedOp, ": topk must be in [1, S] = [1, ",
               k_in.size(2), "], got ", topk);
+  if (ops::is_reduced_float(q_in))
+    return ops::in_float32<2>(q_in.scalar_type(), improved_clustered_forward_cpu, q_in, k_in, v_in,
+                              assignments_in, counts_in, topk, key_lengths, softmax_temp);
   auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   auto assignments = assignments_in.contiguous(), counts = counts_in.contiguous();
   Tensor lengths;
@@ -313,6 +322,10 @@ std::tuple<Tensor, Tensor, Tensor> improved_clustered_backward_cpu(
     const c10::optional<Tensor>& key_lengths, double softmax_temp) {
   ops::check_qkv(kImprovedOp, q_in, k_in, v_in);
   ops::check_improved_clusters(q_in, assignments_in, counts_in);
+  if (ops::is_reduced_float(q_in))
+    return ops::in_float32(q_in.scalar_type(), improved_clustered_backward_cpu, grad_out, q_in,
+                           k_in, v_in, assignments_in, counts_in, centroids, lse, out_c, top_idx,
+                           key_lengths, softmax_temp);
   auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   auto assignments = assignments_in.contiguous(), counts = counts_in.contiguous();
   auto go = grad_out.to(q.scalar_type()).contiguous();

@@ -76,6 +76,8 @@ using torch::Tensor;
 
 Tensor hash_queries_cpu(const Tensor& x, const Tensor& planes) {
   ops::check_hash_inputs(x, planes);
+  if (ops::is_reduced_float(x))
+    return ops::in_float32(x.scalar_type(), hash_queries_cpu, x, planes);
   auto xc = x.contiguous();
   auto pc = planes.contiguous();
   auto codes = torch::empty({x.size(0), x.size(1), x.size(2)}, x.options().dtype(torch::kLong));

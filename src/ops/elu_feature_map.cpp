@@ -46,6 +46,7 @@ Tensor run(const Tensor& x_in, const Tensor& grad_in) {
 
 Tensor elu_feature_map_cpu(const Tensor& x) {
   check_input("x", x);
+  if (ops::is_reduced_float(x)) return ops::in_float32(x.scalar_type(), elu_feature_map_cpu, x);
   return run<false>(x, Tensor());
 }
 
@@ -53,6 +54,8 @@ Tensor elu_feature_map_backward_cpu(const Tensor& grad_out, const Tensor& x) {
   check_input("x", x);
   TORCH_CHECK(grad_out.sizes() == x.sizes(), kOp, ": grad_out must have the shape of x ", x.sizes(),
               ", got ", grad_out.sizes());
+  if (ops::is_reduced_float(x))
+    return ops::in_float32(x.scalar_type(), elu_feature_map_backward_cpu, grad_out, x);
   return run<true>(x, grad_out);
 }
 

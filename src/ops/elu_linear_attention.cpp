@@ -68,6 +68,9 @@ std::tuple<Tensor, Tensor> elu_linear_attention_forward_cpu(
     const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
     const c10::optional<Tensor>& key_lengths, bool causal, double eps) {
   check_inputs(q_in, k_in, v_in, key_lengths, causal, eps);
+  if (ops::is_reduced_float(q_in))
+    return ops::in_float32<1>(q_in.scalar_type(), elu_linear_attention_forward_cpu, q_in, k_in,
+                              v_in, key_lengths, causal, eps);
   const auto p = prepare(q_in, k_in, v_in, key_lengths);
   const int64_t N = p.q.size(0), H = p.q.size(1), L = p.q.size(2);
   auto out = torch::empty({N, H, L, p.v.size(3)}, p.q.options());
@@ -88,6 +91,9 @@ std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_backward_cpu(
     bool causal, double eps) {
   check_inputs(q_in, k_in, v_in, key_lengths, causal, eps);
   ops::check_elu_linear_grad(kOp, grad_out, out_in, den_in, q_in, v_in);
+  if (ops::is_reduced_float(q_in))
+    return ops::in_float32(q_in.scalar_type(), elu_linear_attention_backward_cpu, grad_out, q_in,
+                           k_in, v_in, out_in, den_in, key_lengths, causal, eps);
   const auto p = prepare(q_in, k_in, v_in, key_lengths);
   const auto dtype = p.q.scalar_type();
   const auto go = grad_out.to(dtype).contiguous();

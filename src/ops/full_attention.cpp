@@ -72,6 +72,9 @@ std::tuple<Tensor, Tensor> full_attention_forward_cpu(const Tensor& q, const Ten
                                                       const c10::optional<Tensor>& key_lengths,
                                                       bool causal, double softmax_temp) {
   check_inputs(q, k, v, attn_mask, key_lengths);
+  if (ops::is_reduced_float(q))
+    return ops::in_float32<1>(q.scalar_type(), full_attention_forward_cpu, q, k, v, attn_mask,
+                              key_lengths, causal, softmax_temp);
   const auto p = prepare(q, k, v, attn_mask, key_lengths);
   auto out = torch::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   auto lse = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
@@ -93,6 +96,9 @@ std::tuple<Tensor, Tensor, Tensor> full_attention_backward_cpu(
   check_inputs(q, k, v, attn_mask, key_lengths);
   const auto p = prepare(q, k, v, attn_mask, key_lengths);
   ops::check_full_attention_grads(grad_out, out, lse, grad_lse);
+  if (ops::is_reduced_float(q))
+    return ops::in_float32(q.scalar_type(), full_attention_backward_cpu, grad_out, q, k, v, out,
+                           lse, attn_mask, key_lengths, causal, softmax_temp, grad_lse);
   auto go = grad_out.to(q.scalar_type()).contiguous();
   // d lse / d score_j = P_j: a gradient on lse enters as -grad_lse in delta.
   auto delta = (go * out).sum(-1);  // (N, H, L)
@@ -176,6 +182,9 @@ std::tuple<Tensor, Tensor, Tensor> full_attention_lse_topk_forward_cpu(
     const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& key_lengths,
     double softmax_temp, int64_t topk) {
   ops::check_lse_topk_inputs(q, k, v, key_lengths, topk);
+  if (ops::is_reduced_float(q))
+    return ops::in_float32<1>(q.scalar_type(), full_attention_lse_topk_forward_cpu, q, k, v,
+                              key_lengths, softmax_temp, topk);
   const auto p = prepare(q, k, v, c10::nullopt, key_lengths);
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2);
   auto out = torch::empty({N, H, L, v.size(3)}, q.options());

@@ -50,7 +50,8 @@ void check_hard_retrieval_inputs(const char* op, const torch::Tensor& q, const t
 void check_hard_retrieval_backward(const char* op, const torch::Tensor& grad_out,
                                    const torch::Tensor& q, const torch::Tensor& k,
                                    const torch::Tensor& v, const torch::Tensor& index,
-                                   const torch::Tensor& lse, torch::ScalarType lse_dtype) {
+                                   const torch::Tensor& lse) {
+  const auto lse_dtype = stats_dtype(q);
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), M = v.size(3);
   TORCH_CHECK(grad_out.dim() == 4 && grad_out.size(0) == N && grad_out.size(1) == H &&
                   grad_out.size(2) == L && grad_out.size(3) == M,
@@ -131,6 +132,9 @@ std::tuple<Tensor, Tensor, Tensor> hard_retrieval_attention_forward_cpu(
     int64_t seed, bool need_lse) {
   check_inputs(q, k, v, attn_mask, key_lengths);
   ops::resolve_softmax_temp(kOp, q, softmax_temp);
+  if (ops::is_reduced_float(q))
+    return ops::in_float32<2>(q.scalar_type(), hard_retrieval_attention_forward_cpu, q, k, v,
+                              attn_mask, key_lengths, causal, sample, softmax_temp, seed, need_lse);
   const auto p = prepare(q, k, v, attn_mask, key_lengths);
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2);
   auto out = torch::empty({N, H, L, v.size(3)}, q.options());
@@ -155,7 +159,10 @@ std::tuple<Tensor, Tensor, Tensor> hard_retrieval_attention_backward_cpu(
     const Tensor& lse, const c10::optional<Tensor>& attn_mask,
     const c10::optional<Tensor>& key_lengths, bool causal, double softmax_temp) {
   check_inputs(q, k, v, attn_mask, key_lengths);
-  ops::check_hard_retrieval_backward(kOp, grad_out, q, k, v, index, lse, q.scalar_type());
+  ops::check_hard_retrieval_backward(kOp, grad_out, q, k, v, index, lse);
+  if (ops::is_reduced_float(q))
+    return ops::in_float32(q.scalar_type(), hard_retrieval_attention_backward_cpu, grad_out, q, k,
+                           v, index, lse, attn_mask, key_lengths, causal, softmax_temp);
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), M = v.size(3);
   const auto p = prepare(q, k, v, attn_mask, key_lengths);
   auto go = grad_out.to(q.scalar_type()).contiguous();

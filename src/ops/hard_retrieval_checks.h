@@ -13,10 +13,10 @@ void check_hard_retrieval_inputs(const char* op, const torch::Tensor& q, const t
                                  const c10::optional<torch::Tensor>& key_lengths);
 
 // The backward's extra checks: grad_out (N, H, L, M), index int64 (N, H, L)
-// in [-1, S), lse (N, H, L) of dtype lse_dtype (q's on the CPU, float32 on CUDA).
+// in [-1, S), lse (N, H, L) of dtype stats_dtype(q) (op_util.h).
 void check_hard_retrieval_backward(const char* op, const torch::Tensor& grad_out,
                                    const torch::Tensor& q, const torch::Tensor& k,
                                    const torch::Tensor& v, const torch::Tensor& index,
-                                   const torch::Tensor& lse, torch::ScalarType lse_dtype);
+                                   const torch::Tensor& lse);
 
 }  // namespace fastattn::ops

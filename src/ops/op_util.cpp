@@ -35,16 +35,32 @@ void check_qkv(const char* op, const torch::Tensor& q, const torch::Tensor& k,
               v.device());
 }
 
+bool is_reduced_float(const torch::Tensor& t) {
+  const auto d = t.scalar_type();
+  return d == torch::kHalf || d == torch::kBFloat16;
+}
+
 bool is_supported_float(const torch::Tensor& t) {
   const auto d = t.scalar_type();
-  if (t.is_cuda()) return d == torch::kFloat || d == torch::kHalf || d == torch::kBFloat16;
-  return d == torch::kFloat || d == torch::kDouble;
+  return d == torch::kFloat || is_reduced_float(t) || (d == torch::kDouble && !t.is_cuda());
+}
+
+torch::ScalarType stats_dtype(const torch::Tensor& q) {
+  return is_reduced_float(q) ? torch::kFloat : q.scalar_type();
 }
 
 void check_float_dtype(const char* op, const char* name, const torch::Tensor& t) {
   TORCH_CHECK(is_supported_float(t), op, ": ", name,
               t.is_cuda() ? " must be float32, float16 or bfloat16 on CUDA, got "
-                          : " must be float32 or float64 on the CPU, got ",
+                          : " must be float32, float64, float16 or bfloat16 on the CPU, got ",
+              t.scalar_type());
+}
+
+void check_attention_dtype(const char* who, const char* name, const torch::Tensor& t) {
+  TORCH_CHECK(is_supported_float(t) && (t.is_cuda() || t.scalar_type() != torch::kHalf), who, ": ",
+              name,
+              t.is_cuda() ? " must be float32, float16 or bfloat16 on CUDA, got "
+                          : " must be float32, float64 or bfloat16 on the CPU, got ",
               t.scalar_type());
 }
 

@@ -6,6 +6,9 @@
 #include <functional>
 #include <initializer_list>
 #include <optional>
+#include <tuple>
+#include <type_traits>
+#include <utility>
 
 namespace fastattn {
 
@@ -27,10 +30,73 @@ namespace ops {
 void check_qkv(const char* op, const torch::Tensor& q, const torch::Tensor& k,
                const torch::Tensor& v);
 
-// The floating dtypes of the kernels: float32 and float64 on the CPU;
+// The floating dtypes of the operators: float32, float64, float16 and
+// bfloat16 on the CPU (the last two computed in float32, see in_float32);
 // float32, float16 and bfloat16 on CUDA. check_float_dtype names `name`.
 bool is_supported_float(const torch::Tensor& t);
 void check_float_dtype(const char* op, const char* name, const torch::Tensor& t);
+
+// The dtypes of the attention types and layers (src/attention/): float32,
+// float64 and bfloat16 on the CPU (float16 is not: LibTorch 1.13's CPU
+// matmul and elu, which composite types use, lack it); float32, float16 and
+// bfloat16 on CUDA. The message names `who` and `name`.
+void check_attention_dtype(const char* who, const char* name, const torch::Tensor& t);
+
+// float16 or bfloat16 (either device).
+bool is_reduced_float(const torch::Tensor& t);
+
+// The dtype of the softmax statistics an operator saves for its backward
+// (lse, normalisers): float32 for float16 and bfloat16 inputs, on both
+// devices (a bfloat16 lse of ~10 is off by up to 0.03, and exp() turns that
+// into errors of up to 3% in the recomputed probabilities); q's dtype
+// otherwise.
+torch::ScalarType stats_dtype(const torch::Tensor& q);
+
+namespace detail {
+inline torch::Tensor widen(const torch::Tensor& t) {
+  return t.defined() && is_reduced_float(t) ? t.to(torch::kFloat) : t;
+}
+inline c10::optional<torch::Tensor> widen(const c10::optional<torch::Tensor>& t) {
+  return t ? c10::optional<torch::Tensor>(widen(*t)) : c10::nullopt;
+}
+template <typename T, typename = std::enable_if_t<!std::is_same_v<std::decay_t<T>, torch::Tensor>>>
+const T& widen(const T& x) {
+  return x;
+}
+template <typename T>
+T narrow(T x, torch::ScalarType, bool) {
+  return x;
+}
+inline torch::Tensor narrow(torch::Tensor t, torch::ScalarType dtype, bool keep) {
+  return keep || !t.defined() || t.scalar_type() != torch::kFloat ? t : t.to(dtype);
+}
+template <size_t... Stats>
+constexpr bool is_stat(size_t i) {
+  return ((i == Stats) || ...);
+}
+template <size_t... Stats, typename... T, size_t... I>
+std::tuple<T...> narrow_all(std::tuple<T...> r, torch::ScalarType dtype,
+                            std::index_sequence<I...>) {
+  return std::tuple<T...>(narrow(std::get<I>(std::move(r)), dtype, is_stat<Stats...>(I))...);
+}
+}  // namespace detail
+
+// A CPU operator on float16 / bfloat16 inputs: `fn` (the same operator) on
+// float32 copies of every float16 / bfloat16 tensor argument, its float32
+// results rounded back to `dtype` except the outputs at the indices `Stats`
+// (saved statistics, float32 as stats_dtype says). Integer and float64
+// results pass through. Call it after the operator's own checks, so that
+// messages name the caller's dtypes.
+template <size_t... Stats, typename Fn, typename... Args>
+auto in_float32(torch::ScalarType dtype, Fn&& fn, const Args&... args) {
+  auto r = fn(detail::widen(args)...);
+  if constexpr (std::is_same_v<decltype(r), torch::Tensor>) {
+    return detail::narrow(std::move(r), dtype, false);
+  } else {
+    return detail::narrow_all<Stats...>(std::move(r), dtype,
+                                        std::make_index_sequence<std::tuple_size_v<decltype(r)>>());
+  }
+}
 
 // Checks that every tensor argument of a public entry point is defined (the
 // dispatcher would otherwise fail with "tensor does not have a device");

@@ -31,7 +31,7 @@ void check_hash_inputs(const Tensor& x, const Tensor& rotations) {
               ": x and rotations must be defined tensors");
   TORCH_CHECK(x.dim() == 4, kHashOp, ": x must have shape (N, H, L, E), got ", x.dim(),
               " dimensions ", x.sizes());
-  check_float_dtype(kHashOp, "x", x);  // float32/float64 on the CPU, float32/16, bfloat16 on CUDA
+  check_float_dtype(kHashOp, "x", x);  // op_util.h: the dtypes of each device
   TORCH_CHECK(rotations.dim() == 3 && rotations.size(1) == x.size(3), kHashOp,
               ": rotations must have shape (R, E, n_buckets / 2) with E = ", x.size(3), ", got ",
               rotations.sizes());
@@ -52,7 +52,7 @@ int64_t check_inputs(const Tensor& q, const Tensor& v, const Tensor& buckets,
   TORCH_CHECK(q.dim() == 4, kOp, ": q must have shape (N, H, L, E), got ", q.dim(), " dimensions ",
               q.sizes());
   TORCH_CHECK(q.size(3) >= 1, kOp, ": q's head dimension E must be >= 1, got ", q.size(3));
-  check_float_dtype(kOp, "q", q);  // float32/float64 on the CPU, float32/16, bfloat16 on CUDA
+  check_float_dtype(kOp, "q", q);  // op_util.h: the dtypes of each device
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2);
   TORCH_CHECK(v.dim() == 4 && v.size(0) == N && v.size(1) == H && v.size(2) == L, kOp,
               ": v must have shape (N, H, L, M) = (", N, ", ", H, ", ", L,
@@ -100,6 +100,7 @@ using namespace ops::reformer;
 
 Tensor lsh_hash_cpu(const Tensor& x, const Tensor& rotations) {
   check_hash_inputs(x, rotations);
+  if (ops::is_reduced_float(x)) return ops::in_float32(x.scalar_type(), lsh_hash_cpu, x, rotations);
   auto xc = x.contiguous();
   auto rc = rotations.contiguous();
   const int64_t R = rotations.size(0);
@@ -161,7 +162,10 @@ std::tuple<Tensor, Tensor> reformer_attention_forward_cpu(const Tensor& q, const
                                                           const c10::optional<Tensor>& key_lengths,
                                                           int64_t chunk_size, bool causal,
                                                           bool mask_self, double softmax_temp) {
-  const auto p = prepare(q, v, buckets, key_lengths, chunk_size);
+  const auto p = prepare(q, v, buckets, key_lengths, chunk_size);  // checks the arguments
+  if (ops::is_reduced_float(q))
+    return ops::in_float32(q.scalar_type(), reformer_attention_forward_cpu, q, v, buckets,
+                           key_lengths, chunk_size, causal, mask_self, softmax_temp);
   auto out = torch::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   auto stats =
       torch::empty({q.size(0), q.size(1), q.size(2), 2}, q.options().dtype(torch::kDouble));
@@ -183,6 +187,10 @@ std::tuple<Tensor, Tensor> reformer_attention_backward_cpu(const Tensor& grad_ou
                                                            bool mask_self, double softmax_temp) {
   const auto p = prepare(q, v, buckets, key_lengths, chunk_size);
   check_backward_inputs(grad_out, q, v, out, stats);
+  if (ops::is_reduced_float(q))
+    return ops::in_float32(q.scalar_type(), reformer_attention_backward_cpu, grad_out, q, v,
+                           buckets, out, stats, key_lengths, chunk_size, causal, mask_self,
+                           softmax_temp);
   auto go = grad_out.to(q.scalar_type()).contiguous();
   auto delta = (go * out).sum(-1).contiguous();  // (N, H, L)
   auto stats_c = stats.to(torch::kDouble).contiguous();

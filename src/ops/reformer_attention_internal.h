@@ -14,8 +14,8 @@ constexpr const char* kOp = "fastattn::reformer_attention";
 // Bound on bucket values (the CPU counting sort keeps a table of this many).
 constexpr int64_t kMaxBuckets = int64_t(1) << 24;
 
-// lsh_hash's x (N, H, L, E) and rotations (R, E, B2): shapes, dtypes (float32
-// or float64 on the CPU; float32, float16 or bfloat16 on CUDA), one device.
+// lsh_hash's x (N, H, L, E) and rotations (R, E, B2): shapes, dtypes
+// (check_float_dtype, one for both), one device.
 void check_hash_inputs(const torch::Tensor& x, const torch::Tensor& rotations);
 
 // Checks q, v, buckets, key_lengths and chunk_size; returns the bucket bound

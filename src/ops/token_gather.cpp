@@ -49,6 +49,8 @@ constexpr const char* kOp = ops::kGatherTokensOp;
 Tensor gather_tokens_cpu(const Tensor& x_in, const Tensor& index_in) {
   ops::check_gather_x("x", x_in);
   ops::check_gather_index(index_in, x_in.size(0), x_in.size(2));
+  if (ops::is_reduced_float(x_in))
+    return ops::in_float32(x_in.scalar_type(), gather_tokens_cpu, x_in, index_in);
   const auto x = x_in.contiguous();
   const auto index = index_in.contiguous();
   auto out = torch::empty({x.size(0), x.size(1), index.size(1), x.size(3)}, x.options());
@@ -76,6 +78,9 @@ Tensor gather_tokens_backward_cpu(const Tensor& grad_out_in, const Tensor& index
   TORCH_CHECK(grad_out_in.size(2) == index_in.size(1), kOp,
               ": grad_out must have T = index.size(1) = ", index_in.size(1), " rows, got ",
               grad_out_in.sizes());
+  if (ops::is_reduced_float(grad_out_in))
+    return ops::in_float32(grad_out_in.scalar_type(), gather_tokens_backward_cpu, grad_out_in,
+                           index_in, length);
   const auto g = grad_out_in.contiguous();
   const auto index = index_in.contiguous();
   auto out = torch::empty({g.size(0), g.size(1), length, g.size(3)}, g.options());

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "fastattn/mask.h"
 #include "fastattn/registry.h"
 
 namespace fastattn::cases {
@@ -58,6 +59,44 @@ inline AttentionPtr build_type(const std::string& name, const AttentionDims& d,
   auto a = make_attention(name, params, d);
   a->eval();
   return a;
+}
+
+// One forward and backward of `name` in `dtype` (seeded defaults, small
+// clusters / top-k / windows so that every path is taken; causal where the
+// type is, with key lengths) on shapes that leave vector tails (N=2, H=3,
+// L=S=45, E=40, M=24). The inputs, the loss weights and the type's
+// parameters are bfloat16-representable, so runs in any dtype see the same
+// values. Returns out, then grad q, k, v (zeros where a type has none).
+inline std::vector<torch::Tensor> run_small_case(const std::string& name, torch::ScalarType dtype) {
+  const auto& type = AttentionRegistry::global().get(name);
+  ParamMap params;
+  const ParamMap small = {
+      {"clusters", int64_t{5}}, {"topk", int64_t{7}},       {"window", int64_t{9}},
+      {"bits", int64_t{31}},    {"chunk_size", int64_t{8}}, {"n_buckets", int64_t{4}},
+      {"stride", int64_t{6}},   {"seed", int64_t{3}},       {"length_limit", int64_t{8}}};
+  for (const auto& spec : type.params)
+    if (auto it = small.find(spec.name); it != small.end()) params.emplace(*it);
+  const int64_t N = 2, H = 3, L = 45, E = 40, M = 24;
+  auto attn = build_type(name, dims(H, E, M), params);
+  attn->to(torch::kBFloat16);
+  attn->to(dtype);
+  torch::manual_seed(11);
+  auto rounded = [&](std::initializer_list<int64_t> shape) {
+    return torch::randn(shape, torch::kFloat64).to(torch::kBFloat16).to(dtype);
+  };
+  torch::Tensor q = rounded({N, H, L, E}).requires_grad_(),
+                k = rounded({N, H, L, E}).requires_grad_(),
+                v = rounded({N, H, L, M}).requires_grad_();
+  const torch::Tensor w = rounded({N, H, L, M});
+  Mask mask = type.capabilities.bidirectional ? Mask::none() : Mask::causal_mask();
+  mask = mask.with_key_lengths(torch::tensor({L, L - 13}));
+  std::vector<torch::Tensor> r;
+  torch::Tensor out = attn->forward(q, k, v, mask);
+  r.push_back(out.detach().clone());
+  (out * w).sum().backward();
+  for (const torch::Tensor& x : {q, k, v})
+    r.push_back(x.grad().defined() ? x.grad().clone() : torch::zeros_like(x));
+  return r;
 }
 
 // Attention rows (N, H, L, S) of full, clustered and improved clustered

@@ -85,7 +85,7 @@ TEST(HashQueries, BadInputsNameTheArgument) {
   EXPECT_ERROR_CONTAINS(hash_queries(x, torch::randn({65, 5})), "1 to 64", "65");
   EXPECT_ERROR_CONTAINS(hash_queries(x, torch::randn({3, 5}, torch::kDouble)), "planes must be");
   EXPECT_ERROR_CONTAINS(hash_queries(x.to(torch::kInt), torch::randn({3, 5})),
-                        "float32 or float64");
+                        "float32, float64, float16 or bfloat16");
 }
 
 // ---- clustering ---------------------------------------------------------------

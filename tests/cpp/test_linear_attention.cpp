@@ -112,7 +112,7 @@ TEST(CausalLinearProduct, BadInputsNameTheArgument) {
   EXPECT_ERROR_CONTAINS(causal_linear_product(q[0], q, v), "q must have shape");
   EXPECT_ERROR_CONTAINS(causal_linear_product(q, q.to(torch::kDouble), v), "one dtype");
   EXPECT_ERROR_CONTAINS(causal_linear_product(q.to(torch::kInt), q.to(torch::kInt), v),
-                        "q must be float32 or float64");
+                        "q must be float32, float64, float16 or bfloat16");
 }
 
 TEST(CausalLinearProduct, EmptyInputs) {

@@ -260,10 +260,10 @@ TEST(AttentionInputs, BadInputsNameTheArgument) {
                         "Double");
   EXPECT_ERROR_CONTAINS(
       check_attention_inputs(q.to(torch::kLong), k.to(torch::kLong), v.to(torch::kLong), Mask()),
-      "queries", "float32 or float64", "Long");
+      "queries", "float32, float64 or bfloat16 on the CPU", "Long");
   EXPECT_ERROR_CONTAINS(
       check_attention_inputs(q.to(torch::kHalf), k.to(torch::kHalf), v.to(torch::kHalf), Mask()),
-      "queries", "float32 or float64", "Half");
+      "queries", "float32, float64 or bfloat16 on the CPU", "Half");
   EXPECT_ERROR_CONTAINS(
       check_attention_inputs(q, k, v, Mask().with_key_lengths(torch::tensor({7, 1}))),
       "key_lengths", "[0, 6]");

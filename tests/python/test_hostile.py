@@ -305,12 +305,22 @@ def test_recurrent_generalized_exp_steps(worker):
 
 
 @pytest.mark.parametrize("name", TYPES)
-@pytest.mark.parametrize("dtype,word", [("f16", "Half"), ("bf16", "BFloat16"), ("i64", "Long")])
+@pytest.mark.parametrize("dtype,word", [("f16", "Half"), ("i64", "Long")])
 def test_unsupported_dtypes_say_what_is_taken(worker, name, dtype, word):
     # float16 gave "elu_cpu" not implemented for 'Half' (linear),
-    # addmm_impl_cpu_ (clusterformer), bmm (exact-topk).
+    # addmm_impl_cpu_ (clusterformer), bmm (exact-topk) under LibTorch 1.13.
     case = {"type": name, "dtype": dtype, "causal": causal_for(name)}
-    check(worker, case, error=["float32 or float64", word])
+    check(worker, case, error=["float32, float64 or bfloat16 on the CPU", word])
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_bfloat16_runs_every_type(worker, name):
+    check(worker, {"type": name, "dtype": "bf16", "causal": causal_for(name)}, ok=True)
+
+
+@pytest.mark.parametrize("name", [n for n in TYPES if fastattn.capabilities()[n]["recurrent"]])
+def test_bfloat16_steps_every_recurrent_type(worker, name):
+    check(worker, {"type": name, "dtype": "bf16", "step": True}, ok=True)
 
 
 # ---- every numeric parameter at the ends of its range and past them ---------

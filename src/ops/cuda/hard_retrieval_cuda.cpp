@@ -100,7 +100,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& grad_out, const T
                                                  bool causal, double softmax_temp) {
   c10::cuda::CUDAGuard guard(q.device());
   const auto p = prepare(q, k, v, attn_mask, key_lengths, causal, softmax_temp);
-  ops::check_hard_retrieval_backward(kOp, grad_out, q, k, v, index, lse, torch::kFloat);
+  ops::check_hard_retrieval_backward(kOp, grad_out, q, k, v, index, lse);
   ops::cuda::check_same_device(kOp, "grad_out", grad_out, q.device());
   ops::cuda::check_same_device(kOp, "index", index, q.device());
   ops::cuda::check_same_device(kOp, "lse", lse, q.device());
