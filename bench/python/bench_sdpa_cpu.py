@@ -11,7 +11,7 @@ reference of the first length) so that both compute the same thing.
 Usage (in the pip environment, `make pip-env`; FASTATTN_CPU_CAPABILITY and
 ATEN_CPU_CAPABILITY choose lower instruction sets for either side):
   .venv/bin/python bench/python/bench_sdpa_cpu.py [--threads 2] [--lengths 512 1024 4096 16384]
-      [--heads 8] [--dim 64] [--json out.json]
+      [--heads 8] [--dim 64] [--dtype float32|bfloat16] [--json out.json]
 """
 
 import argparse
@@ -55,15 +55,17 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
     model, isa = cpu_model()
     level = fastattn.cpu_capability()
     print(f"torch {torch.__version__}, fastattn {fastattn.__version__}, {args.threads} threads, "
           f"CPU: {model} ({isa}), fastattn CPU kernels: {level}, torch CPU capability: "
           f"{torch.backends.cpu.get_cpu_capability()}, N={args.batch} H={args.heads} "
-          f"E={args.dim} float32")
+          f"E={args.dim} {args.dtype}")
 
     # Same result first (small length, float64 against SDPA in float64).
     q, k, v = (torch.randn(1, 2, 300, 32, dtype=torch.float64) for _ in range(3))
@@ -77,8 +79,8 @@ def main():
     for L in args.lengths:
         reps = 5 if L <= 4096 else 2
         shape = (args.batch, args.heads, L, args.dim)
-        q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
-        g = torch.randn(shape)
+        q, k, v = (torch.randn(shape, dtype=dtype, requires_grad=True) for _ in range(3))
+        g = torch.randn(shape, dtype=dtype)
         for causal in (False, True):
             def fa():
                 return fastattn.full_attention(q, k, v, causal=causal)
@@ -100,7 +102,7 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(torch=torch.__version__, cpu=model, isa=isa, threads=args.threads,
-                           cpu_capability=level,
+                           cpu_capability=level, dtype=args.dtype,
                            heads=args.heads, dim=args.dim, batch=args.batch, rows=rows), f, indent=1)
 
 

@@ -71,6 +71,7 @@ nlohmann::json run_case(const BenchConfig& c, const AttentionSpec& spec, int64_t
   dims.query_dim = c.dim;
   dims.value_dim = c.dim;
   AttentionPtr attn = AttentionRegistry::global().build(spec.type, spec.params, dims);
+  attn->to(c.dtype);  // learned parameters (ClusterFormer) in the inputs' dtype
   const Mask mask = Mask().with_causal(c.causal);
   nlohmann::json out = nlohmann::json::object();
 
@@ -162,7 +163,7 @@ class BenchCommand : public Command {
                         "forward"),
         FlagSpec::boolean("causal", "causal masking"),
         FlagSpec::value("repeat", "R", "timed calls per case (median reported)", "3"),
-        FlagSpec::value("dtype", "T", "float32 or float64", "float32"),
+        FlagSpec::value("dtype", "T", "float32, float64 or bfloat16", "float32"),
         FlagSpec::value("error-max-length", "L",
                         "compute the error against full attention only up to this length", "4096"),
         FlagSpec::value("seed", "S", "seed of the random inputs and types", "0"),
@@ -206,8 +207,10 @@ class BenchCommand : public Command {
       c.dtype = torch::kFloat;
     } else if (c.dtype_name == "float64") {
       c.dtype = torch::kDouble;
+    } else if (c.dtype_name == "bfloat16") {
+      c.dtype = torch::kBFloat16;
     } else {
-      throw UsageError("--dtype must be float32 or float64, got '" + c.dtype_name + "'");
+      throw UsageError("--dtype must be float32, float64 or bfloat16, got '" + c.dtype_name + "'");
     }
     c.error_max_length = args.get_int("error-max-length", 4096);
     c.seed = args.get_int("seed", 0);

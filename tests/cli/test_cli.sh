@@ -48,6 +48,11 @@ expect 2 "--threads must be >= 1" -- list --threads=0
 expect 2 "given twice" -- bench --length 4 --length 8
 expect 2 "--length must be an integer, got 'x'" -- bench --length 4,x
 expect 2 "needs a value" -- bench --dtype
+expect 2 "--dtype must be float32, float64 or bfloat16, got 'half'" -- bench --dtype half
+# bfloat16 through every kind of type: fused (full), composite (linear),
+# learned parameters (clusterformer, cast with the module).
+expect 0 "clusterformer:clusters=2 +16 +backward" -- bench --attention full,linear,clusterformer:clusters=2 \
+  --length 16 --pass both --repeat 1 --heads 2 --dim 8 --dtype bfloat16
 expect 2 "--pass must be forward, backward or both" -- bench --pass up
 expect 2 "--causal must be true or false" -- bench --causal=maybe
 expect 2 "unknown attention type 'nope'" -- bench --attention nope
