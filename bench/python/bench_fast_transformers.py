@@ -94,7 +94,8 @@ def main():
                     return module(q, k, v, attn, ql, kl)
 
             def fwd_bwd():
-                return torch.autograd.grad(module(q, k, v, attn, ql, kl), (q, k, v), g)
+                return torch.autograd.grad(module(q, k, v, attn, ql, kl), (q, k, v), g,
+                                           allow_unused=True)  # reformer: shared QK
 
             times[package] = (timed(fwd, args.reps), timed(fwd_bwd, args.reps))
         for i, pass_ in enumerate(("fwd", "fwd+bwd")):
