@@ -36,6 +36,7 @@
 #include "fastattn/clustered.h"
 #include "fastattn/ops.h"
 #include "fastattn/registry.h"
+#include "ops/op_util.h"
 
 namespace fastattn {
 namespace {
@@ -291,9 +292,8 @@ Tensor causal_improved_clustered_attention(const Tensor& queries,  // (N, H, L, 
     if (keep) scores.masked_fill_(keep->logical_not(), -std::numeric_limits<double>::infinity());
     if (scores.is_cpu()) {
       // float16 / bfloat16 scores rank the same widened (exactly) to float32.
-      const bool reduced =
-          scores.scalar_type() == torch::kHalf || scores.scalar_type() == torch::kBFloat16;
-      const Tensor ranked = (reduced ? scores.to(torch::kFloat) : scores).contiguous();
+      const Tensor ranked =
+          (ops::is_reduced_float(scores) ? scores.to(torch::kFloat) : scores).contiguous();
       AT_DISPATCH_FLOATING_TYPES(ranked.scalar_type(), "causal_improved_clustered_table",
                                  [&] { prefix_topk_table<scalar_t>(ranked, k, w, table); });
     } else {  // a torch top-k per block
