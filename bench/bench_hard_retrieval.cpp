@@ -41,7 +41,7 @@
 
 #include "bench_util.h"
 #include "fastattn/ops.h"
-#include "fastattn/train.h"
+#include "fastattn/experiments/train.h"
 
 using fastattn::bench::time_median;
 

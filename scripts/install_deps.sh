@@ -44,7 +44,7 @@ fi
 # shipped by Debian's python3-sklearn. Installing that package pulls scipy and
 # more (~100 MB), so unless it is installed we download its .deb (2 MB) and
 # extract only this file to $digits_dir (one of the places the task looks:
-# src/train/lm_tasks.cpp, digits_search_path()).
+# src/experiments/train/lm_tasks.cpp, digits_search_path()).
 sklearn_digits=/usr/lib/python3/dist-packages/sklearn/datasets/data/digits.csv.gz
 digits_dir=/usr/local/share/fastattn/data
 if [ ! -f "$sklearn_digits" ] && [ ! -f "$digits_dir/digits.csv.gz" ]; then

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Expected token ids from Hugging Face's pure-Python BERT tokenizer, for the
-parity check of fastattn's WordPiece tokenizer (include/fastattn/wordpiece.h):
+parity check of fastattn's WordPiece tokenizer (include/fastattn/experiments/wordpiece.h):
 
     .venv/bin/python scripts/tokenizer_parity.py VOCAB.txt OUT.json \\
         [--random N] [--seed S] [--corpus FILE] [--paragraphs N] [--every-code-point]

@@ -1,5 +1,8 @@
 // fastattn: efficient transformer attention for LibTorch. One include for the
-// whole public API.
+// whole public API of the core library (libfastattn). The experiments built on
+// it (training, tasks, BERT, WordPiece, the MiniLM approximation) are a library
+// of their own, libfastattn_experiments, with headers under
+// fastattn/experiments/.
 #pragma once
 
 #include "fastattn/attention.h"
@@ -17,4 +20,3 @@
 #include "fastattn/sparse.h"
 #include "fastattn/transformer.h"
 #include "fastattn/safetensors.h"
-#include "fastattn/train.h"

@@ -15,7 +15,7 @@
 
 #include "cli/attention_spec.h"
 #include "cli/command.h"
-#include "fastattn/approx.h"
+#include "fastattn/experiments/approx.h"
 
 namespace fastattn::cli {
 namespace {

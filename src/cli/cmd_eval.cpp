@@ -2,8 +2,8 @@
 // optionally with other attention types than they were trained with (the
 // clustered paper's cross-evaluation; hard retrieval's train soft / decode
 // hard), and times greedy decoding of transduction models.
-//   fastattn eval --checkpoint runs/soft --decoder-attention hard-retrieval \
-//       --cross-attention hard-retrieval
+//   fastattn eval --checkpoint runs/soft --decoder-attention hard-retrieval
+//       --cross-attention hard-retrieval   (one command line)
 #include <chrono>
 #include <fstream>
 #include <iostream>
@@ -11,7 +11,7 @@
 
 #include "cli/attention_spec.h"
 #include "cli/command.h"
-#include "fastattn/train.h"
+#include "fastattn/experiments/train.h"
 
 namespace fastattn::cli {
 namespace {

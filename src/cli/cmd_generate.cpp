@@ -33,7 +33,7 @@
 #include "cli/command.h"
 #include "cli/measure.h"
 #include "fastattn/generation.h"
-#include "fastattn/lm_tasks.h"
+#include "fastattn/experiments/lm_tasks.h"
 #include "fastattn/recurrent.h"
 
 namespace fastattn::cli {

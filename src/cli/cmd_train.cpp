@@ -1,6 +1,6 @@
 // `fastattn train`: trains a model on a built-in task (masked copy, sequence
 // transduction, digits generation, character-level language modelling) with
-// the Trainer (include/fastattn/train.h, lm_tasks.h): checkpoints, exact
+// the Trainer (include/fastattn/experiments/train.h, lm_tasks.h): checkpoints, exact
 // resume, a time budget, JSON-lines metrics, a progress bar on a terminal.
 //   fastattn train --task copy --attention improved-clustered:clusters=15 --steps 2000
 #include <unistd.h>
@@ -16,9 +16,9 @@
 #include "cli/attention_spec.h"
 #include "cli/command.h"
 #include "cli/dist_launch.h"
-#include "fastattn/distributed.h"
-#include "fastattn/lm_tasks.h"
-#include "fastattn/train.h"
+#include "fastattn/experiments/distributed.h"
+#include "fastattn/experiments/lm_tasks.h"
+#include "fastattn/experiments/train.h"
 
 namespace fastattn::cli {
 namespace {

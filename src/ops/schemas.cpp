@@ -170,7 +170,7 @@ TORCH_LIBRARY(fastattn, m) {
   // ---- registry access (Python mirrors the C++ registry through these) -----
   // Any registered attention type by name; params_json is a JSON object of the
   // type's parameters. One opaque operator with its own backward
-  // (src/ops/attention_op.cpp).
+  // (src/attention/attention_op.cpp).
   m.def(
       "attention(str type, Tensor q, Tensor k, Tensor v, bool causal=False, "
       "Tensor? key_lengths=None, Tensor? attn_mask=None, str params_json='{}') -> Tensor");

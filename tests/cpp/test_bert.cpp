@@ -17,10 +17,10 @@
 
 #include "expect_error.h"
 #include "temp_files.h"
-#include "fastattn/approx.h"
-#include "fastattn/bert.h"
+#include "fastattn/experiments/approx.h"
+#include "fastattn/experiments/bert.h"
 #include "fastattn/safetensors.h"
-#include "fastattn/wordpiece.h"
+#include "fastattn/experiments/wordpiece.h"
 
 using namespace fastattn;
 

@@ -16,9 +16,9 @@
 #include <string>
 
 #include "expect_error.h"
-#include "fastattn/distributed.h"
+#include "fastattn/experiments/distributed.h"
 #include "fastattn/safetensors.h"
-#include "fastattn/train.h"
+#include "fastattn/experiments/train.h"
 
 using namespace fastattn;
 using namespace fastattn::train;

@@ -17,7 +17,7 @@
 
 #include "expect_error.h"
 #include "temp_files.h"
-#include "fastattn/lm_tasks.h"
+#include "fastattn/experiments/lm_tasks.h"
 #include "fastattn/safetensors.h"
 
 using namespace fastattn;

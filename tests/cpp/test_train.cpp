@@ -19,7 +19,7 @@
 #include "temp_files.h"
 #include "fastattn/registry.h"
 #include "fastattn/safetensors.h"
-#include "fastattn/train.h"
+#include "fastattn/experiments/train.h"
 
 using namespace fastattn;
 using namespace fastattn::train;

@@ -3,7 +3,7 @@
 // (default: the fortunes package), their models (CausalLanguageModel), and
 // sampling from trained checkpoints (recurrent form where the attention type
 // has one). Tested by tests/cpp/test_lm_tasks.cpp.
-#include "fastattn/lm_tasks.h"
+#include "fastattn/experiments/lm_tasks.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <zlib.h>

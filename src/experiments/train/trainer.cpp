@@ -14,9 +14,9 @@
 #include <sstream>
 
 #include "fastattn/attention.h"
-#include "fastattn/distributed.h"
+#include "fastattn/experiments/distributed.h"
 #include "fastattn/safetensors.h"
-#include "fastattn/train.h"
+#include "fastattn/experiments/train.h"
 
 namespace fastattn::train {
 

@@ -18,7 +18,7 @@
 //  4. lower-case, decompose (NFD) and drop non-spacing marks (Mn), so accents
 //     go: "Crème Brûlée" -> "creme brulee". Tables for every code point (not
 //     only Latin) are generated from Python's unicodedata and str.lower() by
-//     scripts/gen_unicode_tables.py (src/io/unicode_tables.inc); Hangul
+//     scripts/gen_unicode_tables.py (src/experiments/unicode_tables.inc); Hangul
 //     syllables decompose to jamo algorithmically. A capital sigma becomes a
 //     final sigma (ς, U+03C2) where str.lower() makes it one in the
 //     whitespace-separated token (after a cased letter and not before one,

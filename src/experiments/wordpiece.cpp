@@ -1,9 +1,9 @@
-// WordPiece tokenizer (include/fastattn/wordpiece.h). Cost: O(characters) for
+// WordPiece tokenizer (include/fastattn/experiments/wordpiece.h). Cost: O(characters) for
 // the basic steps (times the 5 special tokens for step 1); word pieces are a
 // greedy longest match, O(w^2) hash look-ups for a word of w <=
 // max_chars_per_word code points.
 // Tests: ./build/fastattn_tests --gtest_filter='WordPiece*:MiniLM*'
-#include "fastattn/wordpiece.h"
+#include "fastattn/experiments/wordpiece.h"
 
 #include <c10/util/Exception.h>
 
@@ -23,7 +23,7 @@ struct FoldEntry {
   char32_t out[3];
 };
 
-#include "io/unicode_tables.inc"
+#include "experiments/unicode_tables.inc"
 
 template <size_t K>
 bool in_ranges(const CodeRange (&table)[K], char32_t c) {

@@ -15,9 +15,9 @@
 #include <string>
 #include <vector>
 
-#include "fastattn/bert.h"
+#include "fastattn/experiments/bert.h"
 #include "fastattn/registry.h"
-#include "fastattn/wordpiece.h"
+#include "fastattn/experiments/wordpiece.h"
 
 namespace fastattn {
 

@@ -1,8 +1,8 @@
-// The approximation experiment (include/fastattn/approx.h): Debian
+// The approximation experiment (include/fastattn/experiments/approx.h): Debian
 // description corpus, sentence embeddings in length-sorted batches, and the
 // comparison of attention types against full attention on the same weights.
 // Tests: ./build/fastattn_tests --gtest_filter='Approx*:MiniLM*'
-#include "fastattn/approx.h"
+#include "fastattn/experiments/approx.h"
 
 #include <algorithm>
 #include <chrono>

@@ -1,4 +1,4 @@
-// Data-parallel training over c10d (include/fastattn/distributed.h): TCPStore
+// Data-parallel training over c10d (include/fastattn/experiments/distributed.h): TCPStore
 // rendezvous, a Gloo process group (NCCL when built for CUDA), bucketed
 // gradient all-reduce launched from autograd hooks, and the small collectives
 // the Trainer needs (loss mean, stop flag, generator states for checkpoints).
@@ -13,7 +13,7 @@
 // ProcessGroupGloo/NCCL derive from. The calls used here (constructor,
 // Options::create(timeout), allreduce/broadcast/allgather/barrier returning
 // c10d::Work) are the same on both; only the base class name differs.
-#include "fastattn/distributed.h"
+#include "fastattn/experiments/distributed.h"
 
 #include <torch/version.h>
 

@@ -1,8 +1,8 @@
 // BERT encoder over any registered attention type, Hugging Face weight
-// loading and mean pooling (include/fastattn/bert.h). Cost per layer:
+// loading and mean pooling (include/fastattn/experiments/bert.h). Cost per layer:
 // O(N·L·D²) for the projections and feed-forward plus the attention type's.
 // Tests: ./build/fastattn_tests --gtest_filter='Bert*:MiniLM*'
-#include "fastattn/bert.h"
+#include "fastattn/experiments/bert.h"
 
 #include <nlohmann/json.hpp>
 

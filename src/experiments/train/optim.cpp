@@ -5,7 +5,7 @@
 #include <sstream>
 #include <type_traits>
 
-#include "fastattn/train.h"
+#include "fastattn/experiments/train.h"
 
 namespace fastattn::train {
 

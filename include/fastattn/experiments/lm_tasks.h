@@ -37,7 +37,7 @@
 #include <vector>
 
 #include "fastattn/generation.h"
-#include "fastattn/train.h"
+#include "fastattn/experiments/train.h"
 
 namespace fastattn::train {
 

@@ -5,8 +5,8 @@
 #include <cmath>
 #include <nlohmann/json.hpp>
 
-#include "fastattn/lm_tasks.h"
-#include "fastattn/train.h"
+#include "fastattn/experiments/lm_tasks.h"
+#include "fastattn/experiments/train.h"
 
 namespace fastattn::train {
 

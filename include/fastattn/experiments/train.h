@@ -275,7 +275,7 @@ class TransductionTask : public Task {
 
 // ---- trainer ------------------------------------------------------------------------
 
-class DataParallel;  // fastattn/distributed.h
+class DataParallel;  // fastattn/experiments/distributed.h
 
 struct TrainConfig {
   nlohmann::json task = {{"name", "copy"}};
@@ -317,7 +317,7 @@ struct StepRecord {
 // generator's state is swapped in around each step and swapped out after, so
 // several trainers in one process do not disturb each other.
 //
-// With a DataParallel (fastattn/distributed.h, docs/distributed.md) the
+// With a DataParallel (fastattn/experiments/distributed.h, docs/distributed.md) the
 // trainer is one rank of W: batch_size is per rank, every rank draws the same
 // batch of W·batch_size from the data generator and keeps its slice, so W
 // ranks see exactly the batch one process with batch W·batch_size sees;
