@@ -58,7 +58,8 @@ class EvalCommand : public Command {
     if (!args.has("checkpoint")) throw UsageError("eval: --checkpoint DIR is required");
     const std::string dir = args.get("checkpoint");
     auto c = registry_call([&] { return train::Trainer::checkpoint_config(dir); });
-    const bool seq2seq = c.task.value("name", "") == "transduction";
+    const auto* type = train::find_task_type(c.task.value("name", ""));
+    const bool seq2seq = type != nullptr && type->encoder_decoder;
     nlohmann::json overrides = nlohmann::json::object();
     auto set_attention = [&](const char* flag, nlohmann::json& part, const char* key) {
       if (!args.has(flag)) return;

@@ -61,6 +61,91 @@ std::ostream& null_stream() {
   return sink;
 }
 
+// ---- task types (train::task_types()) as flags and help ------------------------------
+
+const train::TaskSetting* setting(const train::TaskType& type, const std::string& flag) {
+  for (const auto& s : type.settings)
+    if (s.flag == flag) return &s;
+  return nullptr;
+}
+
+// "copy or charlm": the task types that have --flag.
+std::string types_with(const std::string& flag) {
+  std::string out;
+  for (const auto& t : train::task_types())
+    if (setting(t, flag) != nullptr) out += (out.empty() ? "" : " or ") + t.name;
+  return out;
+}
+
+// "transduction": the task types whose models have a decoder with cross-attention.
+std::string encoder_decoder_types() {
+  std::string out;
+  for (const auto& t : train::task_types())
+    if (t.encoder_decoder) out += (out.empty() ? "" : " or ") + t.name;
+  return out;
+}
+
+// One flag per setting name, in order of first appearance: "copy,
+// transduction: number of symbols" with its default where the types agree,
+// else each type's ("copy: symbols per half (32); charlm: window (256)").
+std::vector<FlagSpec> task_flag_specs() {
+  std::vector<std::string> names;
+  for (const auto& t : train::task_types())
+    for (const auto& s : t.settings)
+      if (std::find(names.begin(), names.end(), s.flag) == names.end()) names.push_back(s.flag);
+  std::vector<FlagSpec> out;
+  for (const auto& name : names) {
+    std::vector<std::pair<const train::TaskType*, const train::TaskSetting*>> uses;
+    for (const auto& t : train::task_types())
+      if (const auto* s = setting(t, name)) uses.emplace_back(&t, s);
+    const auto* first = uses.front().second;
+    bool same = true;  // one help and default for all: "copy, transduction: ..."
+    for (const auto& use : uses)
+      same = same && use.second->help == first->help &&
+             use.second->default_text == first->default_text;
+    std::string help;
+    for (const auto& [t, s] : uses) {
+      if (same) {
+        help += (help.empty() ? "" : ", ") + t->name;
+        continue;
+      }
+      help += (help.empty() ? "" : "; ") + t->name + ": " + s->help;
+      if (!s->default_text.empty()) help += " (" + s->default_text + ")";
+    }
+    if (same) help += ": " + first->help;
+    if (first->kind == train::TaskSetting::Kind::Boolean) {
+      out.push_back(FlagSpec::boolean(name, help));
+    } else {
+      out.push_back(FlagSpec::value(name, first->metavar, help, same ? first->default_text : ""));
+    }
+  }
+  return out;
+}
+
+// The "Tasks:" paragraphs of the help, each description wrapped at 80 columns.
+std::string task_list() {
+  const size_t indent = 16, width = 80;
+  std::string out;
+  for (const auto& t : train::task_types()) {
+    std::string line = "  " + t.name;
+    line += std::string(line.size() < indent ? indent - line.size() : 1, ' ');
+    std::istringstream words(t.description);
+    std::string word;
+    bool first_word = true;
+    while (words >> word) {
+      if (!first_word && line.size() + 1 + word.size() > width) {
+        out += line + "\n";
+        line = std::string(indent, ' ') + word;
+      } else {
+        line += (first_word ? "" : " ") + word;
+      }
+      first_word = false;
+    }
+    out += line + "\n";
+  }
+  return out;
+}
+
 class TrainCommand : public Command {
  public:
   std::string name() const override { return "train"; }
@@ -70,21 +155,8 @@ class TrainCommand : public Command {
   }
   std::string usage() const override {
     return "Trains a transformer on a synthetic task and reports evaluation metrics.\n\n"
-           "Tasks:\n"
-           "  copy          masked copy (clustered attention paper, appendix C.2): input\n"
-           "                [sep, x, sep, x] with --mask-fraction of each half masked (never\n"
-           "                the same position in both); an encoder predicts the masked\n"
-           "                symbols. Metric: accuracy on the masked positions.\n"
-           "  transduction  encoder-decoder: the output is the reverse (--mode reverse) or\n"
-           "                the sorted copy (--mode sort) of a sequence of --min-length to\n"
-           "                --max-length symbols. Metric: exact match under greedy decoding.\n"
-           "  digits        decoder-only: the 8x8 digits of scikit-learn (Debian's\n"
-           "                python3-sklearn; scripts/install_deps.sh extracts the file), pixel\n"
-           "                by pixel over 17 grey levels; --conditional makes the label the\n"
-           "                first token. Metric: bits per dimension on the last 297 images.\n"
-           "  charlm        decoder-only: bytes of a text corpus (--data, default the\n"
-           "                `fortunes` package), random windows of --length. Metric: bits per\n"
-           "                character on the held-out split (every 10th 10 kB block).\n"
+           "Tasks:\n" +
+           task_list() +
            "  (decoder-only tasks need a causal attention type: full, causal-linear,\n"
            "  causal-improved-clustered, ...; sample with `fastattn generate --checkpoint`.)\n\n"
            "The model comes from the size flags, or from --config FILE: builder JSON\n"
@@ -116,20 +188,10 @@ class TrainCommand : public Command {
            "  fastattn train --task copy --nproc 2 --batch 16 --checkpoint runs/dp\n";
   }
   std::vector<FlagSpec> flags() const override {
-    return {
-        FlagSpec::value("task", "NAME", "copy, transduction, digits or charlm", "copy"),
-        FlagSpec::value("length", "N", "copy: symbols per half (32); charlm: window (256)"),
-        FlagSpec::value("vocab", "V", "number of symbols", "10"),
-        FlagSpec::value("mask-fraction", "F", "copy: fraction masked in each half, (0, 0.5]",
-                        "0.2"),
-        FlagSpec::value("mode", "M", "transduction: reverse or sort", "reverse"),
-        FlagSpec::value("min-length", "N", "transduction: shortest sequence", "20"),
-        FlagSpec::value("max-length", "N", "transduction: longest sequence", "60"),
-        FlagSpec::value("data", "PATH",
-                        "digits: the digits.csv.gz file (default: searched); charlm: a text "
-                        "file or directory",
-                        "/usr/share/games/fortunes"),
-        FlagSpec::boolean("conditional", "digits: the first token is the image's label"),
+    std::vector<FlagSpec> out = {FlagSpec::value("task", "NAME", train::task_type_names(), "copy")};
+    const auto task_flags = task_flag_specs();
+    out.insert(out.end(), task_flags.begin(), task_flags.end());
+    const std::vector<FlagSpec> rest = {
         FlagSpec::value("attention", "SPEC", "encoder self-attention", "full"),
         FlagSpec::value("decoder-attention", "SPEC",
                         "transduction: decoder self-attention (causal)", "full"),
@@ -142,7 +204,7 @@ class TrainCommand : public Command {
         FlagSpec::value("config", "FILE", "model config JSON (instead of the size flags)"),
         FlagSpec::value("steps", "N", "optimiser steps", "1000"),
         FlagSpec::value("batch", "B", "sequences per step", "32"),
-        FlagSpec::value("optimizer", "NAME", "adam, adamw or radam", "radam"),
+        FlagSpec::value("optimizer", "NAME", train::optimizer_names(), "radam"),
         FlagSpec::value("lr", "LR", "peak learning rate", "0.001"),
         FlagSpec::value("weight-decay", "W", "L2 (adam, radam) or decoupled (adamw)", "0"),
         FlagSpec::value("warmup", "N", "linear warm-up steps", "0"),
@@ -169,6 +231,8 @@ class TrainCommand : public Command {
                         "stop after S seconds of training (summed over resumes; 0: no limit)", "0"),
         FlagSpec::value("result", "FILE", "write the final evaluation as JSON"),
     };
+    out.insert(out.end(), rest.begin(), rest.end());
+    return out;
   }
 
   int run(const Args& args) override {
@@ -186,46 +250,38 @@ class TrainCommand : public Command {
     // ---- task
     const std::string task =
         resume && !args.has("task") ? c.task.value("name", "copy") : args.get("task", "copy");
-    if (task != "copy" && task != "transduction" && task != "digits" && task != "charlm") {
-      throw UsageError("--task must be copy, transduction, digits or charlm, got '" + task + "'");
-    }
+    const train::TaskType* type = train::find_task_type(task);
+    if (type == nullptr)
+      throw UsageError("--task must be " + train::task_type_names() + ", got '" + task + "'");
     nlohmann::json t =
         resume && c.task.value("name", "") == task ? c.task : nlohmann::json{{"name", task}};
-    auto task_int = [&](const char* flag, const char* key, int64_t def) {
-      if (given(flag)) t[key] = int_flag(flag, def);
-    };
-    // Flags that belong to other tasks are errors, not silently ignored.
-    const std::map<std::string, std::vector<std::string>> task_flags = {
-        {"vocab", {"copy", "transduction"}}, {"length", {"copy", "charlm"}},
-        {"mask-fraction", {"copy"}},         {"mode", {"transduction"}},
-        {"min-length", {"transduction"}},    {"max-length", {"transduction"}},
-        {"data", {"digits", "charlm"}},      {"conditional", {"digits"}}};
-    for (const auto& [flag, tasks] : task_flags) {
-      if (args.has(flag) && std::find(tasks.begin(), tasks.end(), task) == tasks.end()) {
-        std::string list;
-        for (const auto& x : tasks) list += (list.empty() ? "" : " or ") + x;
-        throw UsageError("--" + flag + " applies to --task " + list);
-      }
+    // Flags that belong to other task types are errors, not silently ignored;
+    // those not given keep the stored value (resume) or the task's default.
+    for (const auto& f : task_flag_specs()) {
+      if (args.has(f.name) && setting(*type, f.name) == nullptr)
+        throw UsageError("--" + f.name + " applies to --task " + types_with(f.name));
     }
-    if (task == "copy" || task == "transduction") task_int("vocab", "vocab", 10);
-    if (task == "digits") {
-      if (args.has("data")) t["path"] = args.get("data");
-      if (args.has("conditional")) t["conditional"] = args.get_bool("conditional");
-    } else if (task == "charlm") {
-      task_int("length", "length", 256);
-      if (args.has("data")) t["path"] = args.get("data");
-    } else if (task == "copy") {
-      task_int("length", "length", 32);
-      if (given("mask-fraction")) t["mask_fraction"] = args.get_double("mask-fraction", 0.2);
-    } else {
-      if (given("mode")) t["mode"] = args.get("mode", "reverse");
-      task_int("min-length", "min_length", 20);
-      task_int("max-length", "max_length", 60);
+    for (const auto& s : type->settings) {
+      if (!args.has(s.flag)) continue;
+      switch (s.kind) {
+        case train::TaskSetting::Kind::Integer:
+          t[s.key] = args.get_int(s.flag, 0);
+          break;
+        case train::TaskSetting::Kind::Number:
+          t[s.key] = args.get_double(s.flag, 0);
+          break;
+        case train::TaskSetting::Kind::Text:
+          t[s.key] = args.get(s.flag);
+          break;
+        case train::TaskSetting::Kind::Boolean:
+          t[s.key] = args.get_bool(s.flag);
+          break;
+      }
     }
     c.task = t;
 
     // ---- model
-    const bool seq2seq = task == "transduction";
+    const bool seq2seq = type->encoder_decoder;
     if (args.has("config")) {
       for (const char* f : {"attention", "decoder-attention", "cross-attention", "layers", "heads",
                             "d-model", "d-ff", "dropout"}) {
@@ -274,7 +330,8 @@ class TrainCommand : public Command {
       } else {
         for (const char* f : {"decoder-attention", "cross-attention"}) {
           if (args.has(f))
-            throw UsageError(std::string("--") + f + " applies to --task transduction");
+            throw UsageError(std::string("--") + f + " applies to --task " +
+                             encoder_decoder_types());
         }
       }
     }
@@ -297,8 +354,9 @@ class TrainCommand : public Command {
     const int64_t log_every = int_flag("log-every", 10);
     if (log_every < 1)
       throw UsageError("--log-every must be >= 1, got " + std::to_string(log_every));
-    if (c.optimizer.name != "adam" && c.optimizer.name != "adamw" && c.optimizer.name != "radam") {
-      throw UsageError("--optimizer must be adam, adamw or radam, got '" + c.optimizer.name + "'");
+    if (!train::is_optimizer_name(c.optimizer.name)) {
+      throw UsageError("--optimizer must be " + train::optimizer_names() + ", got '" +
+                       c.optimizer.name + "'");
     }
     if (c.schedule.decay != "constant" && c.schedule.decay != "linear" &&
         c.schedule.decay != "cosine") {

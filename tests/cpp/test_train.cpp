@@ -420,6 +420,51 @@ TEST(CopyTaskTest, SamplesMaskedCopies) {
   EXPECT_ERROR_CONTAINS(make_task({{"name", "nope"}}), "copy, transduction");
 }
 
+TEST(TaskTypesTest, BuiltinsFirstAndRegisteredOnesByName) {
+  EXPECT_EQ(task_type_names().rfind("copy, transduction, digits", 0), 0u) << task_type_names();
+  ASSERT_NE(find_task_type("transduction"), nullptr);
+  EXPECT_TRUE(find_task_type("transduction")->encoder_decoder);
+  EXPECT_FALSE(find_task_type("copy")->encoder_decoder);
+  EXPECT_EQ(find_task_type("short-copy"), nullptr);
+  // A new task type, named in the JSON like a built-in one.
+  register_task_type(TaskType{"short-copy",
+                              "the copy task over 3 symbols",
+                              false,
+                              {{"vocab", "vocab", TaskSetting::Kind::Integer, "V", "symbols", "4"}},
+                              [](const nlohmann::json& j) {
+                                CopyTaskOptions o;
+                                o.length = 3;
+                                o.vocab = j.value("vocab", int64_t{4});
+                                return std::unique_ptr<Task>(std::make_unique<CopyTask>(o));
+                              }});
+  auto task = make_task({{"name", "short-copy"}, {"vocab", 6}});
+  EXPECT_EQ(task->config().at("length"), 3);
+  EXPECT_EQ(task->config().at("vocab"), 6);
+  EXPECT_NE(task_type_names().find("short-copy"), std::string::npos);
+  EXPECT_ERROR_CONTAINS(
+      register_task_type(
+          TaskType{"short-copy", "", false, {}, [](auto&) { return std::unique_ptr<Task>(); }}),
+      "task type 'short-copy' is already registered");
+  EXPECT_ERROR_CONTAINS(register_task_type(TaskType{"no-factory", "", false, {}, nullptr}),
+                        "needs a factory");
+  EXPECT_ERROR_CONTAINS(make_task({{"name", "nope"}}), "short-copy, got 'nope'");
+}
+
+TEST(OptimizerNamesTest, EveryNameBuildsAndOthersAreRefused) {
+  EXPECT_EQ(optimizer_names(), "adam, adamw or radam");
+  auto w = torch::zeros({2}, torch::requires_grad());
+  for (const std::string name : {"adam", "adamw", "radam"}) {
+    EXPECT_TRUE(is_optimizer_name(name));
+    OptimizerConfig c;
+    c.name = name;
+    EXPECT_NE(make_optimizer(c, {w}), nullptr);
+  }
+  EXPECT_FALSE(is_optimizer_name("dam"));
+  OptimizerConfig c;
+  c.name = "sgd";
+  EXPECT_ERROR_CONTAINS(make_optimizer(c, {w}), "one of adam, adamw, radam, got 'sgd'");
+}
+
 TEST(TransductionTaskTest, SamplesReverseAndSort) {
   for (const std::string mode : {"reverse", "sort"}) {
     TransductionTask task({mode, /*vocab=*/5, /*min_length=*/3, /*max_length=*/9});

@@ -90,6 +90,9 @@ struct OptimizerConfig {
 // Builds the optimiser over `params`; throws naming a bad setting.
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerConfig& config,
                                                         std::vector<torch::Tensor> params);
+// The names make_optimizer takes: "adam, adamw or radam".
+std::string optimizer_names(const char* last_separator = " or ");
+bool is_optimizer_name(const std::string& name);
 
 // The optimiser's per-parameter state as named tensors "<prefix><i>.<field>"
 // (i = the parameter's index over all groups; fields exp_avg, exp_avg_sq,
@@ -198,9 +201,43 @@ class Task {
                                                 at::Generator& gen) const;
 };
 
-// {"name": "copy", ...} or {"name": "transduction", ...}; unknown names or
-// keys are errors listing the valid ones.
+// The task of {"name": NAME, ...} for any registered task type (below);
+// unknown names or keys are errors listing the valid ones.
 std::unique_ptr<Task> make_task(const nlohmann::json& config);
+
+// ---- task types by name --------------------------------------------------------------
+
+// A setting of a task type that `fastattn train` offers as --flag: it sets
+// `key` of the task's JSON.
+struct TaskSetting {
+  enum class Kind { Integer, Number, Text, Boolean };
+  std::string flag;  // "mask-fraction"
+  std::string key;   // "mask_fraction"
+  Kind kind = Kind::Integer;
+  std::string metavar;       // "F" (booleans take none)
+  std::string help;          // "fraction masked in each half, (0, 0.5]"
+  std::string default_text;  // "0.2"; "" where the default is not one value
+};
+
+// What make_task builds for {"name": name, ...}, and what `fastattn train`
+// says about it.
+struct TaskType {
+  std::string name;
+  std::string description;       // a paragraph of `fastattn train --help`
+  bool encoder_decoder = false;  // its model JSON is {"encoder": {...}, "decoder": {...}}
+  std::vector<TaskSetting> settings;
+  std::function<std::unique_ptr<Task>(const nlohmann::json&)> make;
+};
+
+// Every task type: the built-ins (copy, transduction, digits, charlm), then
+// those added by register_task_type, in order. Register before training
+// starts, not from several threads at once.
+const std::vector<TaskType>& task_types();
+const TaskType* find_task_type(const std::string& name);  // nullptr if none
+// A name already taken, an empty name or no factory is an error.
+void register_task_type(TaskType type);
+// "copy, transduction, digits or charlm"
+std::string task_type_names(const char* last_separator = " or ");
 
 // Masked copy (clustered attention paper, appendix C.2). Tokens: 0 separator,
 // 1..vocab symbols, vocab+1 mask. A random x of `length` symbols gives the

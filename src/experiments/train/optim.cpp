@@ -160,6 +160,42 @@ void RAdam::load(torch::serialize::InputArchive& archive) {
 
 // ---- factory ------------------------------------------------------------------------
 
+namespace {
+
+using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(
+    const OptimizerConfig&, std::vector<torch::Tensor>)>;
+
+// The optimisers by name. Checkpoints hold their state as tensors (below).
+const std::vector<std::pair<std::string, OptimizerFactory>>& optimizer_table() {
+  static const std::vector<std::pair<std::string, OptimizerFactory>> table = {
+      {"adam",
+       [](const OptimizerConfig& c, std::vector<torch::Tensor> params) {
+         return std::unique_ptr<torch::optim::Optimizer>(
+             std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(c.lr)
+                                                              .betas({c.beta1, c.beta2})
+                                                              .eps(c.eps)
+                                                              .weight_decay(c.weight_decay)));
+       }},
+      {"adamw",
+       [](const OptimizerConfig& c, std::vector<torch::Tensor> params) {
+         return std::unique_ptr<torch::optim::Optimizer>(
+             std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(c.lr)
+                                                               .betas({c.beta1, c.beta2})
+                                                               .eps(c.eps)
+                                                               .weight_decay(c.weight_decay)));
+       }},
+      {"radam",
+       [](const OptimizerConfig& c, std::vector<torch::Tensor> params) {
+         return std::unique_ptr<torch::optim::Optimizer>(std::make_unique<RAdam>(
+             params,
+             RAdamOptions(c.lr).betas({c.beta1, c.beta2}).eps(c.eps).weight_decay(c.weight_decay)));
+       }},
+  };
+  return table;
+}
+
+}  // namespace
+
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerConfig& c,
                                                         std::vector<torch::Tensor> params) {
   TORCH_CHECK(std::isfinite(c.lr) && c.lr > 0, "optimizer: lr must be a number > 0, got ", c.lr);
@@ -167,22 +203,24 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerConfig& c
   TORCH_CHECK(c.beta2 >= 0 && c.beta2 < 1, "optimizer: beta2 must be in [0, 1), got ", c.beta2);
   TORCH_CHECK(c.eps >= 0, "optimizer: eps must be >= 0, got ", c.eps);
   TORCH_CHECK(c.weight_decay >= 0, "optimizer: weight_decay must be >= 0, got ", c.weight_decay);
-  const auto betas = std::make_tuple(c.beta1, c.beta2);
-  if (c.name == "adam") {
-    return std::make_unique<torch::optim::Adam>(
-        params,
-        torch::optim::AdamOptions(c.lr).betas(betas).eps(c.eps).weight_decay(c.weight_decay));
-  }
-  if (c.name == "adamw") {
-    return std::make_unique<torch::optim::AdamW>(
-        params,
-        torch::optim::AdamWOptions(c.lr).betas(betas).eps(c.eps).weight_decay(c.weight_decay));
-  }
-  if (c.name == "radam") {
-    return std::make_unique<RAdam>(
-        params, RAdamOptions(c.lr).betas(betas).eps(c.eps).weight_decay(c.weight_decay));
-  }
-  TORCH_CHECK(false, "optimizer: name must be one of adam, adamw, radam, got '", c.name, "'");
+  for (const auto& [name, make] : optimizer_table())
+    if (name == c.name) return make(c, std::move(params));
+  TORCH_CHECK(false, "optimizer: name must be one of ", optimizer_names(", "), ", got '", c.name,
+              "'");
+}
+
+std::string optimizer_names(const char* last_separator) {
+  const auto& table = optimizer_table();
+  std::string out;
+  for (size_t i = 0; i < table.size(); ++i)
+    out += (i == 0 ? "" : i + 1 == table.size() ? last_separator : ", ") + table[i].first;
+  return out;
+}
+
+bool is_optimizer_name(const std::string& name) {
+  for (const auto& entry : optimizer_table())
+    if (entry.first == name) return true;
+  return false;
 }
 
 // ---- state as tensors ---------------------------------------------------------------

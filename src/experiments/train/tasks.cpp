@@ -353,55 +353,136 @@ std::vector<Batch> Task::evaluation_batches(int64_t batch_size, int64_t count,
   return out;
 }
 
-// ---- factory ------------------------------------------------------------------------
+// ---- task types ----------------------------------------------------------------------
+
+namespace {
+
+using Kind = TaskSetting::Kind;
+
+std::vector<TaskType> builtin_task_types() {
+  std::vector<TaskType> out;
+  out.push_back(
+      TaskType{"copy",
+               "masked copy (clustered attention paper, appendix C.2): input [sep, x, sep, x] with "
+               "--mask-fraction of each half masked (never the same position in both); an encoder "
+               "predicts the masked symbols. Metric: accuracy on the masked positions.",
+               false,
+               {{"length", "length", Kind::Integer, "N", "symbols per half", "32"},
+                {"vocab", "vocab", Kind::Integer, "V", "number of symbols", "10"},
+                {"mask-fraction", "mask_fraction", Kind::Number, "F",
+                 "fraction masked in each half, (0, 0.5]", "0.2"}},
+               [](const nlohmann::json& j) {
+                 check_keys("copy task", j, {"name", "length", "vocab", "mask_fraction", "loss"});
+                 CopyTaskOptions o;
+                 o.length = get_int("copy task", j, "length", o.length);
+                 o.vocab = get_int("copy task", j, "vocab", o.vocab);
+                 o.mask_fraction = get_double("copy task", j, "mask_fraction", o.mask_fraction);
+                 o.loss = get_string("copy task", j, "loss", o.loss);
+                 return std::unique_ptr<Task>(std::make_unique<CopyTask>(o));
+               }});
+  out.push_back(TaskType{
+      "transduction",
+      "encoder-decoder: the output is the reverse (--mode reverse) or the sorted copy (--mode "
+      "sort) of a sequence of --min-length to --max-length symbols. Metric: exact match under "
+      "greedy decoding.",
+      true,
+      {{"vocab", "vocab", Kind::Integer, "V", "number of symbols", "10"},
+       {"mode", "mode", Kind::Text, "M", "reverse or sort", "reverse"},
+       {"min-length", "min_length", Kind::Integer, "N", "shortest sequence", "20"},
+       {"max-length", "max_length", Kind::Integer, "N", "longest sequence", "60"}},
+      [](const nlohmann::json& j) {
+        check_keys("transduction task", j, {"name", "mode", "vocab", "min_length", "max_length"});
+        TransductionTaskOptions o;
+        o.mode = get_string("transduction task", j, "mode", o.mode);
+        o.vocab = get_int("transduction task", j, "vocab", o.vocab);
+        o.min_length = get_int("transduction task", j, "min_length", o.min_length);
+        o.max_length = get_int("transduction task", j, "max_length", o.max_length);
+        return std::unique_ptr<Task>(std::make_unique<TransductionTask>(o));
+      }});
+  out.push_back(TaskType{
+      "digits",
+      "decoder-only: the 8x8 digits of scikit-learn (Debian's python3-sklearn; "
+      "scripts/install_deps.sh extracts the file), pixel by pixel over 17 grey levels; "
+      "--conditional makes the label the first token. Metric: bits per dimension on the last "
+      "297 images.",
+      false,
+      {{"data", "path", Kind::Text, "PATH", "the digits.csv.gz file", "searched"},
+       {"conditional", "conditional", Kind::Boolean, "", "the first token is the image's label",
+        ""}},
+      [](const nlohmann::json& j) {
+        check_keys("digits task", j, {"name", "path", "conditional", "test_size"});
+        DigitsTaskOptions o;
+        o.path = get_string("digits task", j, "path", o.path);
+        if (j.contains("conditional")) {
+          TORCH_CHECK(j["conditional"].is_boolean(),
+                      "digits task: 'conditional' must be true or false, got ",
+                      j["conditional"].dump());
+          o.conditional = j["conditional"].get<bool>();
+        }
+        o.test_size = get_int("digits task", j, "test_size", o.test_size);
+        return std::unique_ptr<Task>(std::make_unique<DigitsTask>(o));
+      }});
+  out.push_back(TaskType{
+      "charlm",
+      "decoder-only: bytes of a text corpus (--data, default the `fortunes` package), random "
+      "windows of --length. Metric: bits per character on the held-out split (every 10th 10 kB "
+      "block).",
+      false,
+      {{"length", "length", Kind::Integer, "N", "window", "256"},
+       {"data", "path", Kind::Text, "PATH", "a text file or directory",
+        "/usr/share/games/fortunes"}},
+      [](const nlohmann::json& j) {
+        check_keys("charlm task", j, {"name", "path", "length", "vocabulary"});
+        CharLMTaskOptions o;
+        o.path = get_string("charlm task", j, "path", o.path);
+        o.length = get_int("charlm task", j, "length", o.length);
+        if (j.contains("vocabulary")) o.vocabulary = get_string("charlm task", j, "vocabulary", "");
+        return std::unique_ptr<Task>(std::make_unique<CharLMTask>(o));
+      }});
+  return out;
+}
+
+std::vector<TaskType>& task_type_table() {
+  static std::vector<TaskType> table = builtin_task_types();
+  return table;
+}
+
+}  // namespace
+
+const std::vector<TaskType>& task_types() { return task_type_table(); }
+
+const TaskType* find_task_type(const std::string& name) {
+  for (const auto& t : task_type_table())
+    if (t.name == name) return &t;
+  return nullptr;
+}
+
+void register_task_type(TaskType type) {
+  TORCH_CHECK(!type.name.empty(), "register_task_type: the name must not be empty");
+  TORCH_CHECK(type.make, "register_task_type: task type '", type.name, "' needs a factory");
+  TORCH_CHECK(find_task_type(type.name) == nullptr, "register_task_type: task type '", type.name,
+              "' is already registered");
+  task_type_table().push_back(std::move(type));
+}
+
+std::string task_type_names(const char* last_separator) {
+  const auto& types = task_type_table();
+  std::string out;
+  for (size_t i = 0; i < types.size(); ++i) {
+    if (i > 0) out += i + 1 == types.size() ? last_separator : ", ";
+    out += types[i].name;
+  }
+  return out;
+}
 
 std::unique_ptr<Task> make_task(const nlohmann::json& j) {
   TORCH_CHECK(j.is_object() && j.contains("name") && j["name"].is_string(),
-              "task: expected {\"name\": \"copy\" | \"transduction\" | \"digits\" | "
-              "\"charlm\", ...}, got ",
-              j.dump());
+              "task: expected {\"name\": ", task_type_names(" | "), ", ...}, got ", j.dump());
   const auto name = j["name"].get<std::string>();
-  if (name == "copy") {
-    check_keys("copy task", j, {"name", "length", "vocab", "mask_fraction", "loss"});
-    CopyTaskOptions o;
-    o.length = get_int("copy task", j, "length", o.length);
-    o.vocab = get_int("copy task", j, "vocab", o.vocab);
-    o.mask_fraction = get_double("copy task", j, "mask_fraction", o.mask_fraction);
-    o.loss = get_string("copy task", j, "loss", o.loss);
-    return std::make_unique<CopyTask>(o);
-  }
-  if (name == "transduction") {
-    check_keys("transduction task", j, {"name", "mode", "vocab", "min_length", "max_length"});
-    TransductionTaskOptions o;
-    o.mode = get_string("transduction task", j, "mode", o.mode);
-    o.vocab = get_int("transduction task", j, "vocab", o.vocab);
-    o.min_length = get_int("transduction task", j, "min_length", o.min_length);
-    o.max_length = get_int("transduction task", j, "max_length", o.max_length);
-    return std::make_unique<TransductionTask>(o);
-  }
-  if (name == "digits") {
-    check_keys("digits task", j, {"name", "path", "conditional", "test_size"});
-    DigitsTaskOptions o;
-    o.path = get_string("digits task", j, "path", o.path);
-    if (j.contains("conditional")) {
-      TORCH_CHECK(j["conditional"].is_boolean(),
-                  "digits task: 'conditional' must be true or false, got ",
-                  j["conditional"].dump());
-      o.conditional = j["conditional"].get<bool>();
-    }
-    o.test_size = get_int("digits task", j, "test_size", o.test_size);
-    return std::make_unique<DigitsTask>(o);
-  }
-  if (name == "charlm") {
-    check_keys("charlm task", j, {"name", "path", "length", "vocabulary"});
-    CharLMTaskOptions o;
-    o.path = get_string("charlm task", j, "path", o.path);
-    o.length = get_int("charlm task", j, "length", o.length);
-    if (j.contains("vocabulary")) o.vocabulary = get_string("charlm task", j, "vocabulary", "");
-    return std::make_unique<CharLMTask>(o);
-  }
-  TORCH_CHECK(false, "task: name must be one of copy, transduction, digits, charlm, got '", name,
+  const TaskType* type = find_task_type(name);
+  TORCH_CHECK(type != nullptr, "task: name must be one of ", task_type_names(", "), ", got '", name,
               "'");
+  return type->make(j);
 }
 
 }  // namespace fastattn::train
