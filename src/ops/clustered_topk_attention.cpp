@@ -1,5 +1,5 @@
 // The clustered top-k operators, with input checks, CPU implementations of
-// the forward/backward kernels (src/kernels/sparse_product/) and autograd:
+// the forward/backward kernels (src/kernels/clustered_topk/) and autograd:
 //  - clustered_topk_attention (the per-query sparse part of improved
 //    clustered attention, given masses; exact-topk uses it):
 //      q (N,H,L,E), k (N,H,S,E), v (N,H,S,M), topk (N,H,C,K) int64,
@@ -16,7 +16,7 @@
 #include <torch/library.h>
 
 #include "fastattn/ops.h"
-#include "kernels/sparse_product/clustered_topk.h"
+#include "kernels/clustered_topk/clustered_topk.h"
 #include "ops/clustered_topk_checks.h"
 #include "ops/full_attention_internal.h"
 #include "ops/mask_util.h"

@@ -59,7 +59,7 @@ torch::Tensor stable_topk_indices(const torch::Tensor& scores, int64_t k);
 
 #ifdef FASTATTN_WITH_CUDA
 // Its selection on CUDA (cuda/full_attention_cuda.cpp, the kernel of
-// src/kernels/sparse_product/stable_topk_cuda.cu): the k columns of each row
+// src/kernels/clustered_topk/stable_topk_cuda.cu): the k columns of each row
 // of float32 scores (..., S) in increasing column order, int64.
 torch::Tensor stable_topk_select_cuda(const torch::Tensor& scores, int64_t k);
 #endif

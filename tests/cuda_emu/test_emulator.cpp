@@ -1,4 +1,4 @@
-// The CUDA emulator itself (src/kernels/common/cuda_emulator.h): barriers,
+// The CUDA emulator itself (tests/cuda_emu/support/cuda_emulator.h): barriers,
 // shared memory, warp shuffles and votes, WMMA tiles and its misuse checks,
 // on small kernels written here.
 #include <gtest/gtest.h>

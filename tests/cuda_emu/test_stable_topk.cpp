@@ -1,4 +1,4 @@
-// The stable top-k selection CUDA kernel (src/kernels/sparse_product/
+// The stable top-k selection CUDA kernel (src/kernels/clustered_topk/
 // stable_topk_cuda.cu) run by the emulator, against std::stable_sort: the
 // first k columns of a stable descending sort, in increasing column order.
 // Rows full of ties (small integers, -0 beside +0), -inf entries (dropped
@@ -12,7 +12,7 @@
 #include <random>
 #include <vector>
 
-#include "kernels/sparse_product/stable_topk_cuda.h"
+#include "kernels/clustered_topk/stable_topk_cuda.h"
 
 namespace {
 

@@ -3,7 +3,7 @@
 // Every kernel source includes this header first and is compiled two ways:
 //   * by nvcc (CUDA language, when the build has nvcc) into the library, and
 //   * by the host C++ compiler with FASTATTN_CUDA_EMULATION defined, into the
-//     emulation tests (tests/cuda_emu/), where src/kernels/common/cuda_emulator.h
+//     emulation tests (tests/cuda_emu/), where tests/cuda_emu/support/cuda_emulator.h
 //     runs every thread block on the CPU: one fiber per CUDA thread, real
 //     barriers, warp shuffles and WMMA tiles. That is how the kernels' logic is
 //     tested on machines without a GPU (CI); the backend-comparison tests
@@ -166,7 +166,7 @@ inline int kernel_arch(const void* kernel, const char* what) {
 
 #else  // FASTATTN_CUDA_EMULATION: the host compiler, kernels run by the emulator
 
-#include "kernels/common/cuda_emulator.h"
+#include "cuda_emulator.h"
 
 namespace fastattn::cuda::detail {
 // The emulated build's architecture for every kernel (emu::set_architecture).

@@ -2,7 +2,7 @@
 // src/ops/schemas.cpp; CPU side, checks and autograd in
 // src/ops/clustered_topk_attention.cpp):
 //  - clustered_topk_attention / _backward: the per-cluster top-k kernels of
-//    src/kernels/sparse_product/clustered_topk_cuda.cu in their plain form
+//    src/kernels/clustered_topk/clustered_topk_cuda.cu in their plain form
 //    (masses given; used as float32 by the kernel).
 //  - improved_clustered_attention (no-grad composite), _forward, _backward:
 //    centroids = member means (our kernel), the centroid pass through the
@@ -16,7 +16,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
-#include "kernels/sparse_product/clustered_topk_cuda.h"
+#include "kernels/clustered_topk/clustered_topk_cuda.h"
 #include "ops/clustered_topk_checks.h"
 #include "ops/cuda/cuda_op_util.h"
 #include "ops/mask_util.h"

@@ -18,7 +18,7 @@
 #include <torch/library.h>
 
 #include "kernels/full/full_attention_cuda.h"
-#include "kernels/sparse_product/stable_topk_cuda.h"
+#include "kernels/clustered_topk/stable_topk_cuda.h"
 #include "ops/cuda/cuda_op_util.h"
 #include "ops/full_attention_internal.h"
 #include "ops/mask_util.h"

@@ -15,7 +15,7 @@
 // computes its centroid's weights on the gathered keys, its mass and its rest
 // (centroid_weights); the backward then adds the rest's and the masses'
 // gradients to the keys, values, centroids, lse and centroid outputs.
-#include "kernels/sparse_product/clustered_topk.h"
+#include "kernels/clustered_topk/clustered_topk.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,4 +1,4 @@
-// The clustered top-k kernels (src/kernels/sparse_product/clustered_topk_cuda.cu)
+// The clustered top-k kernels (src/kernels/clustered_topk/clustered_topk_cuda.cu)
 // under the emulator against the CPU kernels (clustered_topk.h) in float64 on
 // the same rounded inputs: forward and backward in the plain form (given
 // masses) and the improved form (centroids, lse, centroid outputs), the
@@ -19,8 +19,8 @@
 #include <random>
 
 #include "emu_test_util.h"
-#include "kernels/sparse_product/clustered_topk.h"
-#include "kernels/sparse_product/clustered_topk_cuda.h"
+#include "kernels/clustered_topk/clustered_topk.h"
+#include "kernels/clustered_topk/clustered_topk_cuda.h"
 
 namespace {
 

@@ -1,6 +1,6 @@
 // The CUDA emulator's scheduler (see cuda_emulator.h): fibers on ucontext,
 // block and warp barriers, warp exchanges.
-#include "kernels/common/cuda_emulator.h"
+#include "cuda_emulator.h"
 
 #include <ucontext.h>
 

@@ -29,8 +29,8 @@
 // (everything else is deterministic).
 // Cost: forward 2·N·H·L·K·(E + M) flops, backward about 3x that (the scores
 // are recomputed in both passes), plus N·H·C·K·(E + M) for the weights.
-// Tested by tests/cuda_emu/test_sparse_product.cpp against the CPU kernels.
-#include "kernels/sparse_product/clustered_topk_cuda.h"
+// Tested by tests/cuda_emu/test_clustered_topk.cpp against the CPU kernels.
+#include "kernels/clustered_topk/clustered_topk_cuda.h"
 
 #include "kernels/common/block_scan.cuh"
 #include "kernels/common/cuda_compat.cuh"

@@ -12,7 +12,7 @@
 // longer ones five times from global memory; no workspace. NaN keys order
 // above +inf.
 // Tested by tests/cuda_emu/test_stable_topk.cpp against a stable sort.
-#include "kernels/sparse_product/stable_topk_cuda.h"
+#include "kernels/clustered_topk/stable_topk_cuda.h"
 
 #include "kernels/common/block_scan.cuh"
 #include "kernels/common/cuda_compat.cuh"
