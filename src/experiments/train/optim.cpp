@@ -165,31 +165,21 @@ namespace {
 using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(
     const OptimizerConfig&, std::vector<torch::Tensor>)>;
 
+// Adam, AdamW and RAdam take the same settings.
+template <class Optimizer, class Options>
+OptimizerFactory adam_family() {
+  return [](const OptimizerConfig& c, std::vector<torch::Tensor> params) {
+    return std::unique_ptr<torch::optim::Optimizer>(std::make_unique<Optimizer>(
+        params, Options(c.lr).betas({c.beta1, c.beta2}).eps(c.eps).weight_decay(c.weight_decay)));
+  };
+}
+
 // The optimisers by name. Checkpoints hold their state as tensors (below).
 const std::vector<std::pair<std::string, OptimizerFactory>>& optimizer_table() {
   static const std::vector<std::pair<std::string, OptimizerFactory>> table = {
-      {"adam",
-       [](const OptimizerConfig& c, std::vector<torch::Tensor> params) {
-         return std::unique_ptr<torch::optim::Optimizer>(
-             std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(c.lr)
-                                                              .betas({c.beta1, c.beta2})
-                                                              .eps(c.eps)
-                                                              .weight_decay(c.weight_decay)));
-       }},
-      {"adamw",
-       [](const OptimizerConfig& c, std::vector<torch::Tensor> params) {
-         return std::unique_ptr<torch::optim::Optimizer>(
-             std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(c.lr)
-                                                               .betas({c.beta1, c.beta2})
-                                                               .eps(c.eps)
-                                                               .weight_decay(c.weight_decay)));
-       }},
-      {"radam",
-       [](const OptimizerConfig& c, std::vector<torch::Tensor> params) {
-         return std::unique_ptr<torch::optim::Optimizer>(std::make_unique<RAdam>(
-             params,
-             RAdamOptions(c.lr).betas({c.beta1, c.beta2}).eps(c.eps).weight_decay(c.weight_decay)));
-       }},
+      {"adam", adam_family<torch::optim::Adam, torch::optim::AdamOptions>()},
+      {"adamw", adam_family<torch::optim::AdamW, torch::optim::AdamWOptions>()},
+      {"radam", adam_family<RAdam, RAdamOptions>()},
   };
   return table;
 }
