@@ -89,6 +89,12 @@ class RecurrentAttentionBase;
 // validated parameters as its batch factory.
 using RecurrentFactory =
     std::function<std::shared_ptr<RecurrentAttentionBase>(const Params&, const AttentionDims&)>;
+class RecurrentCrossAttentionBase;
+// A dedicated cross-attention step form over a cached memory
+// (make_recurrent_cross_attention); types without one run their batch form
+// over the memory.
+using RecurrentCrossFactory = std::function<std::shared_ptr<RecurrentCrossAttentionBase>(
+    const Params&, const AttentionDims&)>;
 
 // What a type can do, declared with its entry: `fastattn list`, the Python
 // bindings (fastattn.hf, fastattn.nn) and the recurrent code read it, and
@@ -165,7 +171,8 @@ struct AttentionType {
   std::vector<ParamSpec> params;
   AttentionFactory factory;
   Capabilities capabilities;
-  RecurrentFactory recurrent;  // empty: no step form
+  RecurrentFactory recurrent;             // empty: no step form
+  RecurrentCrossFactory recurrent_cross;  // empty: the batch form over the memory
 };
 
 class AttentionRegistry {

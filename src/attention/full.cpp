@@ -136,26 +136,29 @@ std::string ConditionalFullAttention::type_name() const {
 // ---- registration ---------------------------------------------------------
 
 void register_full_attention_types(AttentionRegistry& registry) {
-  registry.add({"full",
-                "exact softmax attention, fused (online softmax, O(N·H·L) extra memory)",
-                {ParamSpec::real("softmax_temp", std::nullopt,
-                                 "scale of the scores q·k; default 1/sqrt(E)", 0.0)
-                     .exclusive_min(),
-                 ParamSpec::real("attention_dropout", 0.0,
-                                 "dropout on the attention weights in training (then the L×S "
-                                 "matrix is materialised)",
-                                 0.0, 1.0)
-                     .exclusive_max()},
-                [](const Params& p, const AttentionDims&) -> AttentionPtr {
-                  return std::make_shared<FullAttention>(p.get_optional_float("softmax_temp"),
-                                                         p.get_float("attention_dropout"));
-                },
-                Capabilities().masks("any").rows("yes"),
-                [](const Params& p, const AttentionDims&) -> RecurrentAttentionPtr {
-                  // attention_dropout is accepted; steps never drop (inference).
-                  return std::make_shared<RecurrentFullAttention>(
-                      p.get_optional_float("softmax_temp"));
-                }});
+  registry.add(
+      {"full",
+       "exact softmax attention, fused (online softmax, O(N·H·L) extra memory)",
+       {ParamSpec::real("softmax_temp", std::nullopt, "scale of the scores q·k; default 1/sqrt(E)",
+                        0.0)
+            .exclusive_min(),
+        ParamSpec::real("attention_dropout", 0.0,
+                        "dropout on the attention weights in training (then the L×S "
+                        "matrix is materialised)",
+                        0.0, 1.0)
+            .exclusive_max()},
+       [](const Params& p, const AttentionDims&) -> AttentionPtr {
+         return std::make_shared<FullAttention>(p.get_optional_float("softmax_temp"),
+                                                p.get_float("attention_dropout"));
+       },
+       Capabilities().masks("any").rows("yes"),
+       [](const Params& p, const AttentionDims&) -> RecurrentAttentionPtr {
+         // attention_dropout is accepted; steps never drop (inference).
+         return std::make_shared<RecurrentFullAttention>(p.get_optional_float("softmax_temp"));
+       },
+       [](const Params& p, const AttentionDims&) -> RecurrentCrossAttentionPtr {
+         return std::make_shared<RecurrentCrossFullAttention>(p.get_optional_float("softmax_temp"));
+       }});
 }
 
 }  // namespace fastattn

@@ -86,6 +86,9 @@ void register_hard_retrieval_attention_types(AttentionRegistry& registry) {
        Capabilities().masks("bool").rows("yes").selecting(),
        [](const Params&, const AttentionDims&) -> RecurrentAttentionPtr {
          return std::make_shared<RecurrentHardRetrievalAttention>();  // steps take the argmax
+       },
+       [](const Params&, const AttentionDims&) -> RecurrentCrossAttentionPtr {
+         return std::make_shared<RecurrentCrossHardRetrievalAttention>();  // the argmax
        }});
 }
 

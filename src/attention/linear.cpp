@@ -218,7 +218,13 @@ void register_linear_attention_types(AttentionRegistry& registry) {
                   const auto o = linear_options(p, dims);
                   return std::make_shared<LinearAttention>(make_feature_map(o.map), o.eps);
                 },
-                Capabilities().bidirectional_only("causal-linear"), /*recurrent=*/nullptr});
+                Capabilities().bidirectional_only("causal-linear"), /*recurrent=*/nullptr,
+                [](const Params& p, const AttentionDims& dims) -> RecurrentCrossAttentionPtr {
+                  // The batch type's feature map: the same parameters give the same map.
+                  const auto o = linear_options(p, dims);
+                  return std::make_shared<RecurrentCrossLinearAttention>(make_feature_map(o.map),
+                                                                         o.eps);
+                }});
   registry.add({"causal-linear",
                 "causal linear attention through the chunked causal_linear_product operator "
                 "(needs a causal mask and S == L)",

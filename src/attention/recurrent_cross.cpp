@@ -229,26 +229,19 @@ Tensor RecurrentCrossGenericAttention::step(const Tensor& query,  // (N, H, E)
 RecurrentCrossAttentionPtr make_recurrent_cross_attention(const std::string& name,
                                                           const ParamMap& params,
                                                           const AttentionDims& dims) {
-  TORCH_CHECK(name.rfind("causal-", 0) != 0,
+  const auto& registry = AttentionRegistry::global();
+  TORCH_CHECK(registry.contains(name), "make_recurrent_cross_attention: unknown attention type '",
+              name, "'");
+  const AttentionType type = registry.get(name);
+  const auto& caps = type.capabilities;
+  TORCH_CHECK(caps.bidirectional,
               "make_recurrent_cross_attention: name must be a type that attends to a whole "
               "memory, got the causal type '",
-              name, "' (for linear cross-attention use 'linear')");
-  if (name == "linear") {
-    // The batch type's feature map: the same parameters give the same map.
-    auto batch = std::dynamic_pointer_cast<LinearAttention>(make_attention(name, params, dims));
-    TORCH_CHECK(batch, "make_recurrent_cross_attention: 'linear' did not build a LinearAttention");
-    const auto p = AttentionRegistry::global().validate(name, params);
-    return std::make_shared<RecurrentCrossLinearAttention>(batch->feature_map(),
-                                                           p.get_float("eps"));
-  }
-  if (name == "full") {
-    const auto p = AttentionRegistry::global().validate(name, params);
-    return std::make_shared<RecurrentCrossFullAttention>(p.get_optional_float("softmax_temp"));
-  }
-  if (name == "hard-retrieval") {
-    AttentionRegistry::global().validate(name, params);  // same specs; steps take the argmax
-    return std::make_shared<RecurrentCrossHardRetrievalAttention>();
-  }
+              name, "'",
+              caps.bidirectional_form.empty()
+                  ? std::string()
+                  : " (for cross-attention use '" + caps.bidirectional_form + "')");
+  if (type.recurrent_cross) return type.recurrent_cross(registry.validate(name, params), dims);
   return std::make_shared<RecurrentCrossGenericAttention>(make_attention(name, params, dims));
 }
 

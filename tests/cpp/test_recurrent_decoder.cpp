@@ -140,6 +140,23 @@ TEST(RecurrentCross, GenericKeepsTheBatchParameterNames) {
   EXPECT_FALSE(batch->is_training());
 }
 
+TEST(RecurrentCross, DedicatedStepFormsAreDeclaredInTheRegistry) {
+  const auto& registry = AttentionRegistry::global();
+  std::vector<std::string> dedicated;
+  for (const auto& name : registry.names()) {
+    const auto type = registry.get(name);
+    if (!type.capabilities.bidirectional) continue;
+    auto rec = make_recurrent_cross_attention(name, {}, {2, 4, 3});
+    const bool generic = std::dynamic_pointer_cast<RecurrentCrossGenericAttention>(rec) != nullptr;
+    EXPECT_EQ(generic, !type.recurrent_cross) << name;
+    if (!generic) dedicated.push_back(name);
+  }
+  EXPECT_EQ(dedicated, (std::vector<std::string>{"full", "hard-retrieval", "linear"}));
+  EXPECT_NE(std::dynamic_pointer_cast<RecurrentCrossLinearAttention>(
+                make_recurrent_cross_attention("linear", {}, {2, 4, 3})),
+            nullptr);
+}
+
 TEST(RecurrentCross, Errors) {
   auto lin = make_recurrent_cross_attention("linear", {}, {2, 4, 3});
   auto full = make_recurrent_cross_attention("full", {}, {2, 4, 3});
@@ -161,8 +178,9 @@ TEST(RecurrentCross, Errors) {
                           "got Float");
   }
   EXPECT_ERROR_CONTAINS(make_recurrent_cross_attention("causal-linear"),
-                        "make_recurrent_cross_attention", "causal type 'causal-linear'");
-  EXPECT_ERROR_CONTAINS(make_recurrent_cross_attention("nope"), "nope");
+                        "make_recurrent_cross_attention", "causal type 'causal-linear'",
+                        "use 'linear'");
+  EXPECT_ERROR_CONTAINS(make_recurrent_cross_attention("nope"), "unknown attention type 'nope'");
   EXPECT_ERROR_CONTAINS(make_recurrent_cross_attention("full", {{"bogus", 1.0}}), "bogus");
 }
 
