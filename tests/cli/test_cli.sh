@@ -63,6 +63,7 @@ expect 0 "usage: fastattn bench.*" -- bench --help
 expect 0 "TYPE\[:PARAM=VALUE" -- bench -h
 expect 0 "softmax_temp +float +\(none\) +> 0" -- list
 expect 0 "conditional-full:<type>" -- list
+expect 0 "attn_mask: bool; L < S rows; step form; selects \(in float16" -- list
 expect 0 '"types"' -- list --json
 # conditional-full:local runs full at 16 and local at 48, whose causal window
 # of 128 holds every earlier key there: both equal full up to rounding.
