@@ -9,6 +9,7 @@
 #include <csignal>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -69,19 +70,11 @@ const train::TaskSetting* setting(const train::TaskType& type, const std::string
   return nullptr;
 }
 
-// "copy or charlm": the task types that have --flag.
-std::string types_with(const std::string& flag) {
+// "copy or charlm": the names of the task types for which `has` holds.
+std::string task_types_where(const std::function<bool(const train::TaskType&)>& has) {
   std::string out;
   for (const auto& t : train::task_types())
-    if (setting(t, flag) != nullptr) out += (out.empty() ? "" : " or ") + t.name;
-  return out;
-}
-
-// "transduction": the task types whose models have a decoder with cross-attention.
-std::string encoder_decoder_types() {
-  std::string out;
-  for (const auto& t : train::task_types())
-    if (t.encoder_decoder) out += (out.empty() ? "" : " or ") + t.name;
+    if (has(t)) out += (out.empty() ? "" : " or ") + t.name;
   return out;
 }
 
@@ -259,7 +252,9 @@ class TrainCommand : public Command {
     // those not given keep the stored value (resume) or the task's default.
     for (const auto& f : task_flag_specs()) {
       if (args.has(f.name) && setting(*type, f.name) == nullptr)
-        throw UsageError("--" + f.name + " applies to --task " + types_with(f.name));
+        throw UsageError(
+            "--" + f.name + " applies to --task " +
+            task_types_where([&](const train::TaskType& other) { return setting(other, f.name); }));
     }
     for (const auto& s : type->settings) {
       if (!args.has(s.flag)) continue;
@@ -330,8 +325,9 @@ class TrainCommand : public Command {
       } else {
         for (const char* f : {"decoder-attention", "cross-attention"}) {
           if (args.has(f))
-            throw UsageError(std::string("--") + f + " applies to --task " +
-                             encoder_decoder_types());
+            throw UsageError(
+                std::string("--") + f + " applies to --task " +
+                task_types_where([](const train::TaskType& t) { return t.encoder_decoder; }));
         }
       }
     }
