@@ -184,7 +184,8 @@ TEST(FullAttention, BadInputsNameTheArgument) {
   EXPECT_ERROR_CONTAINS(full_attention(q, k.narrow(3, 0, 3), v), "k must agree with q");
   EXPECT_ERROR_CONTAINS(full_attention(q, k, v.narrow(2, 0, 5)), "v must agree with k");
   EXPECT_ERROR_CONTAINS(full_attention(q, k.to(torch::kDouble), v), "one dtype");
-  EXPECT_ERROR_CONTAINS(full_attention(q.to(torch::kInt), k, v), "q must be float32, float64, float16 or bfloat16");
+  EXPECT_ERROR_CONTAINS(full_attention(q.to(torch::kInt), k, v),
+                        "q must be float32, float64, float16 or bfloat16");
   EXPECT_ERROR_CONTAINS(full_attention(q, k, v, torch::ones({5, 5}, torch::kBool)), "attn_mask");
   EXPECT_ERROR_CONTAINS(full_attention(q, k, v, torch::ones({5, 6}, torch::kInt)), "attn_mask");
   EXPECT_ERROR_CONTAINS(full_attention(q, k, v, std::nullopt, torch::tensor({7}, torch::kLong)),
