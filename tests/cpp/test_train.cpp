@@ -448,6 +448,7 @@ TEST(TaskTypesTest, BuiltinsFirstAndRegisteredOnesByName) {
   EXPECT_ERROR_CONTAINS(register_task_type(TaskType{"no-factory", "", false, {}, nullptr}),
                         "needs a factory");
   EXPECT_ERROR_CONTAINS(make_task({{"name", "nope"}}), "short-copy, got 'nope'");
+  EXPECT_ERROR_CONTAINS(make_task({{"length", 3}}), "TYPE one of copy, transduction, digits");
 }
 
 TEST(OptimizerNamesTest, EveryNameBuildsAndOthersAreRefused) {

@@ -477,7 +477,8 @@ std::string task_type_names(const char* last_separator) {
 
 std::unique_ptr<Task> make_task(const nlohmann::json& j) {
   TORCH_CHECK(j.is_object() && j.contains("name") && j["name"].is_string(),
-              "task: expected {\"name\": ", task_type_names(" | "), ", ...}, got ", j.dump());
+              "task: expected {\"name\": TYPE, ...} with TYPE one of ", task_type_names(", "),
+              "; got ", j.dump());
   const auto name = j["name"].get<std::string>();
   const TaskType* type = find_task_type(name);
   TORCH_CHECK(type != nullptr, "task: name must be one of ", task_type_names(", "), ", got '", name,
