@@ -32,6 +32,26 @@ def _out(q, v):
     return q.new_empty(q.shape[:-1] + v.shape[-1:])
 
 
+def _rows_like(like, cols, rows=None):
+    """(N, H, rows, cols) laid out as ``ops::empty_rows_like`` (src/ops/op_util.cpp)
+    lays it out: (N, rows, H, cols) viewed as (N, H, rows, cols) when like's
+    heads lie within its rows (the layers' (N, L, H, E) projections viewed as
+    (N, H, L, E)), contiguous otherwise. The linear attention kernels write
+    their outputs and gradients so, and the registry operator returns them so."""
+    N, H, R = like.shape[:3]
+    rows = R if rows is None else rows
+    if H > 1 and R > 1 and like.stride(1) < like.stride(2):
+        # Not a transposed view of an (N, rows, H, cols) tensor: inductor
+        # takes a fake output that is a view for a contiguous one.
+        return like.new_empty_strided((N, H, rows, cols), (rows * H * cols, cols, H * cols, 1))
+    return like.new_empty((N, H, rows, cols))
+
+
+def _row_grads(q, k, v):
+    """Gradients of q, k, v in their row layouts (_rows_like)."""
+    return tuple(_rows_like(t, t.shape[-1]) for t in (q, k, v))
+
+
 def _stats_dtype(q):
     """Saved softmax statistics (lse, normalisers): float32 for float16 and
     bfloat16 inputs (the CUDA kernels accumulate and save them in float32),
@@ -75,16 +95,16 @@ def register():
     # ---- full attention ----------------------------------------------------
     @fake("fastattn::full_attention")
     def _(q, k, v, attn_mask=None, key_lengths=None, causal=False, softmax_temp=None):
-        return _out(q, v)
+        return _rows_like(q, v.shape[-1])
 
     @fake("fastattn::full_attention_forward")
     def _(q, k, v, attn_mask, key_lengths, causal, softmax_temp):
-        return _out(q, v), _stats(q)
+        return _rows_like(q, v.shape[-1]), _stats(q)
 
     @fake("fastattn::full_attention_backward")
     def _(grad_out, q, k, v, out, lse, attn_mask, key_lengths, causal, softmax_temp,
           grad_lse=None):
-        return _like(q), _like(k), _like(v)
+        return _row_grads(q, k, v)
 
     def lse_topk(q, k, v, key_lengths=None, softmax_temp=None, topk=0):
         return _out(q, v), _stats(q), q.new_empty(q.shape[:-1] + (topk,), dtype=_LONG)
@@ -105,15 +125,15 @@ def register():
 
     @fake("fastattn::elu_linear_attention")
     def _(q, k, v, key_lengths=None, causal=False, eps=1e-6):
-        return _out(q, v)
+        return _rows_like(q, v.shape[-1])
 
     @fake("fastattn::elu_linear_attention_forward")
     def _(q, k, v, key_lengths, causal, eps):
-        return _out(q, v), _stats(q)
+        return _rows_like(q, v.shape[-1]), _stats(q)
 
     @fake("fastattn::elu_linear_attention_backward")
     def _(grad_out, q, k, v, out, den, key_lengths, causal, eps):
-        return _like(q), _like(k), _like(v)
+        return _row_grads(q, k, v)
 
     @fake("fastattn::elu_feature_map")
     def _(x):
@@ -223,15 +243,16 @@ def register():
     # ---- any registered type (fastattn.attention) --------------------------
     @fake("fastattn::attention")
     def _(type, q, k, v, causal=False, key_lengths=None, attn_mask=None, params_json="{}"):
-        return _out(q, v)
+        return _rows_like(q, v.shape[-1])
 
     @fake("fastattn::attention_forward")
     def _(type, q, k, v, causal, key_lengths, attn_mask, params_json):
-        return _out(q, v), q.new_empty(_RNG_STATE_SHAPE, dtype=torch.uint8, device="cpu")
+        return (_rows_like(q, v.shape[-1]),
+                q.new_empty(_RNG_STATE_SHAPE, dtype=torch.uint8, device="cpu"))
 
     @fake("fastattn::attention_backward")
     def _(type, grad_out, q, k, v, causal, key_lengths, attn_mask, params_json, rng_state):
-        return _like(q), _like(k), _like(v)
+        return _row_grads(q, k, v)
 
     # ---- recurrent steps -----------------------------------------------------
     @fake("fastattn::attention_step")

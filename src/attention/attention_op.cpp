@@ -39,6 +39,7 @@
 #include "fastattn/mask.h"
 #include "fastattn/recurrent.h"
 #include "fastattn/registry.h"
+#include "ops/op_util.h"
 
 namespace fastattn::ops {
 namespace {
@@ -208,9 +209,11 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(std::string type, const at:
   check_finite_result("fastattn::attention", type, params_json, out, q, k, v,
                       attn_mask ? at::TensorList(*attn_mask) : at::TensorList());
   // An operator's output must not share memory with its inputs, and has the
-  // layout its fake implementation promises (contiguous).
+  // layout its fake implementation promises: q's row layout (ops::empty_rows_like),
+  // which the linear types' kernels write, so that a layer's transpose of a
+  // (N, L, H, E) projection's result back is a view.
   if (out.is_alias_of(q) || out.is_alias_of(k) || out.is_alias_of(v)) out = out.clone();
-  return {out.contiguous(), rng};
+  return {ops::in_rows_layout_of(out, q), rng};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
@@ -240,13 +243,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
                                   /*retain_graph=*/false,
                                   /*create_graph=*/false, /*allow_unused=*/true);
   }
-  // Contiguous, as the fake implementation promises: autograd gives the
-  // gradient of a strided input (a transposed (N, L, H, E) projection, say)
-  // that input's strides, and inductor asserts the promised ones.
+  // In the inputs' row layouts, as the fake implementation promises
+  // (inductor asserts the strides): autograd gives most gradients of a strided
+  // input (a transposed (N, L, H, E) projection, say) that input's strides.
   const at::Tensor* inputs[3] = {&q, &k, &v};
   for (int i = 0; i < 3; ++i) {
-    grads[i] = grads[i].defined() ? grads[i].contiguous()
-                                  : at::zeros(inputs[i]->sizes(), inputs[i]->options());
+    const auto g =
+        grads[i].defined() ? grads[i] : at::zeros(inputs[i]->sizes(), inputs[i]->options());
+    grads[i] = ops::in_rows_layout_of(g, *inputs[i]);
   }
   return {grads[0], grads[1], grads[2]};
 }

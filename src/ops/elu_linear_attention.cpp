@@ -41,7 +41,7 @@ struct Prepared {
 
 Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v,
                  const c10::optional<Tensor>& key_lengths) {
-  Prepared p{q.contiguous(), k.contiguous(), v.contiguous(), {}};
+  Prepared p{ops::rows_contiguous(q), ops::rows_contiguous(k), ops::rows_contiguous(v), {}};
   if (key_lengths) p.lengths = key_lengths->to(torch::kLong).contiguous();
   return p;
 }
@@ -51,6 +51,9 @@ void fill_params(Args& a, const Prepared& p, bool causal, double eps, int64_t ch
   a.q = p.q.data_ptr<T>();
   a.k = p.k.data_ptr<T>();
   a.v = p.v.data_ptr<T>();
+  a.q_rows = ops::row_strides(p.q);
+  a.k_rows = ops::row_strides(p.k);
+  a.v_rows = ops::row_strides(p.v);
   if (p.lengths.defined()) a.key_lengths = p.lengths.data_ptr<int64_t>();
   a.N = p.q.size(0);
   a.H = p.q.size(1);
@@ -68,17 +71,20 @@ std::tuple<Tensor, Tensor> elu_linear_attention_forward_cpu(
     const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
     const c10::optional<Tensor>& key_lengths, bool causal, double eps) {
   check_inputs(q_in, k_in, v_in, key_lengths, causal, eps);
-  if (ops::is_reduced_float(q_in))
-    return ops::in_float32<1>(q_in.scalar_type(), elu_linear_attention_forward_cpu, q_in, k_in,
-                              v_in, key_lengths, causal, eps);
+  if (ops::is_reduced_float(q_in)) {
+    auto [out, den] = ops::in_float32<1>(q_in.scalar_type(), elu_linear_attention_forward_cpu, q_in,
+                                         k_in, v_in, key_lengths, causal, eps);
+    return {ops::in_rows_layout_of(out, q_in), den};
+  }
   const auto p = prepare(q_in, k_in, v_in, key_lengths);
-  const int64_t N = p.q.size(0), H = p.q.size(1), L = p.q.size(2);
-  auto out = torch::empty({N, H, L, p.v.size(3)}, p.q.options());
-  auto den = torch::empty({N, H, L}, p.q.options());
+  // out in q's row layout: the layers' transpose back to (N, L, H, M) is a view.
+  auto out = ops::empty_rows_like(q_in, p.v.size(3));
+  auto den = torch::empty({p.q.size(0), p.q.size(1), p.q.size(2)}, p.q.options());
   AT_DISPATCH_FLOATING_TYPES(p.q.scalar_type(), "elu_linear_attention_forward_cpu", [&] {
     kernels::EluLinearForwardArgs<scalar_t> a;
     fill_params<scalar_t>(a, p, causal, eps, kForwardChunk);
     a.out = out.data_ptr<scalar_t>();
+    a.out_rows = ops::row_strides(out);
     a.den = den.data_ptr<scalar_t>();
     kernels::elu_linear_attention_forward_cpu(a);
   });
@@ -91,15 +97,22 @@ std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_backward_cpu(
     bool causal, double eps) {
   check_inputs(q_in, k_in, v_in, key_lengths, causal, eps);
   ops::check_elu_linear_grad(kOp, grad_out, out_in, den_in, q_in, v_in);
-  if (ops::is_reduced_float(q_in))
-    return ops::in_float32(q_in.scalar_type(), elu_linear_attention_backward_cpu, grad_out, q_in,
-                           k_in, v_in, out_in, den_in, key_lengths, causal, eps);
+  if (ops::is_reduced_float(q_in)) {
+    auto [gq, gk, gv] =
+        ops::in_float32(q_in.scalar_type(), elu_linear_attention_backward_cpu, grad_out, q_in, k_in,
+                        v_in, out_in, den_in, key_lengths, causal, eps);
+    return {ops::in_rows_layout_of(gq, q_in), ops::in_rows_layout_of(gk, k_in),
+            ops::in_rows_layout_of(gv, v_in)};
+  }
   const auto p = prepare(q_in, k_in, v_in, key_lengths);
   const auto dtype = p.q.scalar_type();
-  const auto go = grad_out.to(dtype).contiguous();
-  const auto out = out_in.to(dtype).contiguous();
+  const auto go = ops::rows_contiguous(grad_out.to(dtype));
+  const auto out = ops::rows_contiguous(out_in.to(dtype));
   const auto den = den_in.to(dtype).contiguous();
-  auto gq = torch::empty_like(p.q), gk = torch::empty_like(p.k), gv = torch::empty_like(p.v);
+  // Gradients in the row layouts of their inputs.
+  auto gq = ops::empty_rows_like(q_in, q_in.size(3));
+  auto gk = ops::empty_rows_like(k_in, k_in.size(3));
+  auto gv = ops::empty_rows_like(v_in, v_in.size(3));
   AT_DISPATCH_FLOATING_TYPES(dtype, "elu_linear_attention_backward_cpu", [&] {
     kernels::EluLinearBackwardArgs<scalar_t> a;
     fill_params<scalar_t>(a, p, causal, eps, kBackwardChunk);
@@ -109,6 +122,11 @@ std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_backward_cpu(
     a.grad_q = gq.data_ptr<scalar_t>();
     a.grad_k = gk.data_ptr<scalar_t>();
     a.grad_v = gv.data_ptr<scalar_t>();
+    a.grad_out_rows = ops::row_strides(go);
+    a.out_rows = ops::row_strides(out);
+    a.grad_q_rows = ops::row_strides(gq);
+    a.grad_k_rows = ops::row_strides(gk);
+    a.grad_v_rows = ops::row_strides(gv);
     kernels::elu_linear_attention_backward_cpu(a);
   });
   return {gq, gk, gv};

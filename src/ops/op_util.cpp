@@ -92,4 +92,43 @@ torch::Tensor additive_mask(const torch::Tensor& attn_mask, torch::ScalarType dt
   return attn_mask.to(dtype);
 }
 
+torch::Tensor rows_contiguous(const torch::Tensor& t) {
+  return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous();
+}
+
+kernels::RowStrides row_strides(const torch::Tensor& t) {
+  return {t.stride(0), t.stride(1), t.stride(2)};
+}
+
+namespace {
+
+// Whether `like` (N, H, R, C) has its heads within its rows: the layout of
+// empty_rows_like, which python/fastattn/_fake.py's _rows_like repeats.
+bool heads_within_rows(const torch::Tensor& like) {
+  return like.size(1) > 1 && like.size(2) > 1 && like.stride(1) < like.stride(2);
+}
+
+torch::Tensor empty_in_layout(bool heads_in_rows, int64_t N, int64_t H, int64_t rows, int64_t cols,
+                              const torch::TensorOptions& options) {
+  if (heads_in_rows) return torch::empty({N, rows, H, cols}, options).transpose(1, 2);
+  return torch::empty({N, H, rows, cols}, options);
+}
+
+}  // namespace
+
+torch::Tensor empty_rows_like(const torch::Tensor& like, int64_t cols, int64_t rows) {
+  return empty_in_layout(heads_within_rows(like), like.size(0), like.size(1),
+                         rows < 0 ? like.size(2) : rows, cols, like.options());
+}
+
+torch::Tensor in_rows_layout_of(const torch::Tensor& t, const torch::Tensor& like) {
+  const bool heads_in_rows = heads_within_rows(like);
+  const auto shape = t.sizes();
+  const auto laid = empty_in_layout(heads_in_rows, shape[0], shape[1], shape[2], shape[3],
+                                    t.options().device(torch::kMeta));
+  if (laid.strides() == t.strides()) return t;
+  return empty_in_layout(heads_in_rows, shape[0], shape[1], shape[2], shape[3], t.options())
+      .copy_(t);
+}
+
 }  // namespace fastattn::ops

@@ -10,6 +10,8 @@
 #include <type_traits>
 #include <utility>
 
+#include "kernels/common/rows.h"
+
 namespace fastattn {
 
 // std::optional <-> c10::optional (distinct types in LibTorch 1.13).
@@ -97,6 +99,26 @@ auto in_float32(torch::ScalarType dtype, Fn&& fn, const Args&... args) {
                                         std::make_index_sequence<std::tuple_size_v<decltype(r)>>());
   }
 }
+
+// Row layouts (kernels/common/rows.h) for the kernels that read and write
+// (N, H, rows, cols) tensors in place.
+// t itself when its last dim is contiguous (any strides elsewhere), else a
+// contiguous copy.
+torch::Tensor rows_contiguous(const torch::Tensor& t);
+// The row strides of such a tensor (N, H, rows, cols).
+kernels::RowStrides row_strides(const torch::Tensor& t);
+// An uninitialised (N, H, rows, cols) tensor of like's dtype and device, for
+// N, H of like and `rows` (default: like's): laid out (N, rows, H, cols) when
+// like's heads lie within its rows (the layers' projections viewed as
+// (N, H, L, E)), so that the caller's transpose back is a view; contiguous
+// otherwise.
+torch::Tensor empty_rows_like(const torch::Tensor& like, int64_t cols, int64_t rows = -1);
+// t (N, H, rows, cols) in the layout empty_rows_like(like, cols, rows) gives:
+// t itself when it has it, else a copy. The operators whose kernels write
+// that layout return it whatever path computed the result (float16 widened
+// to float32, CUDA), because their fake implementations promise it
+// (python/fastattn/_fake.py, `_rows_like`).
+torch::Tensor in_rows_layout_of(const torch::Tensor& t, const torch::Tensor& like);
 
 // Checks that every tensor argument of a public entry point is defined (the
 // dispatcher would otherwise fail with "tensor does not have a device");

@@ -102,4 +102,34 @@ void check_finite_differences(const OpCase& c, uint64_t seed, int directions, do
   }
 }
 
+void check_row_layouts(const QkvOp& op, int64_t N, int64_t H, int64_t L, int64_t S, int64_t E,
+                       int64_t M, double tol) {
+  const auto f64 = torch::kDouble;
+  auto q = torch::randn({N, L, H, E}, f64).transpose(1, 2).requires_grad_();
+  auto k = torch::randn({N, S, H, E + 3}, f64).narrow(3, 0, E).transpose(1, 2);
+  k = k.detach().requires_grad_();
+  auto v = torch::randn({N, 1, S, M}, f64).expand({N, H, S, M}).detach().requires_grad_();
+  const bool interleaved = H > 1 && L > 1;  // else there is nothing to interleave
+  if (interleaved) {
+    EXPECT_FALSE(q.is_contiguous());
+  }
+  auto qc = q.detach().contiguous().requires_grad_();
+  auto kc = k.detach().contiguous().requires_grad_();
+  auto vc = v.detach().contiguous().requires_grad_();
+  auto out = op(q, k, v), ref = op(qc, kc, vc);
+  EXPECT_LE(max_abs_diff(out, ref), tol) << "forward";
+  if (interleaved) {
+    EXPECT_TRUE(out.transpose(1, 2).is_contiguous()) << out.strides();
+  }
+  EXPECT_TRUE(ref.is_contiguous()) << ref.strides();
+  auto w = torch::randn(out.sizes(), f64);
+  auto g = torch::autograd::grad({(out * w).sum()}, {q, k, v});
+  auto gc = torch::autograd::grad({(ref * w).sum()}, {qc, kc, vc});
+  const char* names[] = {"grad q", "grad k", "grad v"};
+  for (int i = 0; i < 3; ++i) EXPECT_LE(max_abs_diff(g[i], gc[i]), tol) << names[i];
+  if (interleaved) {
+    EXPECT_TRUE(g[0].transpose(1, 2).is_contiguous()) << g[0].strides();
+  }
+}
+
 }  // namespace fastattn::testing

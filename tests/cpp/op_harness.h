@@ -39,6 +39,20 @@ void check_gradients_vs_reference(const OpCase& c, uint64_t seed = 0, double tol
 void check_finite_differences(const OpCase& c, uint64_t seed = 0, int directions = 3,
                               double tol = 1e-6);
 
+// An op of (q, k, v) for check_row_layouts.
+using QkvOp =
+    std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&)>;
+
+// For ops whose kernels read row layouts in place (kernels/common/rows.h):
+// op on float64 inputs q (N, H, L, E), k (N, H, S, E), v (N, H, S, M) laid
+// out as the layers lay them out and worse (q an (N, L, H, E) buffer viewed
+// as (N, H, L, E); k the same with padded rows; v broadcast over the heads,
+// stride 0) against the op on contiguous copies: outputs and the gradients of
+// a random linear loss within tol, the output and q's gradient in q's
+// (N, L, H, ·) memory order, the contiguous call's output contiguous.
+void check_row_layouts(const QkvOp& op, int64_t N, int64_t H, int64_t L, int64_t S, int64_t E,
+                       int64_t M, double tol = 1e-12);
+
 // Runs all three.
 inline void check_op(const OpCase& c, uint64_t seed = 0) {
   SCOPED_TRACE(c.name);

@@ -176,6 +176,28 @@ TEST(FullAttention, NonContiguousInputs) {
   EXPECT_LE(testing::max_abs_diff(out, ref), 1e-12);
 }
 
+TEST(FullAttention, ReadsAndWritesRowLayoutsInPlace) {
+  using torch::Tensor;
+  // Causal with a mask and key lengths; S != L over several key tiles (the
+  // backward splits them between threads when heads are few); one query per
+  // head (the decoding path).
+  auto mask = torch::rand({50, 50}) > 0.2;
+  const auto lengths = torch::tensor({int64_t(50), int64_t(33)}, torch::kLong);
+  testing::check_row_layouts(
+      [&](const Tensor& q, const Tensor& k, const Tensor& v) {
+        return full_attention(q, k, v, mask, lengths, /*causal=*/true);
+      },
+      2, 3, 50, 50, 8, 6);
+  testing::check_row_layouts(
+      [](const Tensor& q, const Tensor& k, const Tensor& v) {
+        return full_attention(q, k, v, std::nullopt, std::nullopt, false, 0.3);
+      },
+      1, 2, 200, 300, 16, 12);
+  testing::check_row_layouts(
+      [](const Tensor& q, const Tensor& k, const Tensor& v) { return full_attention(q, k, v); }, 2,
+      3, 1, 70, 8, 5);
+}
+
 // Bad input: the message names the argument.
 TEST(FullAttention, BadInputsNameTheArgument) {
   auto q = torch::randn({1, 2, 5, 4}), k = torch::randn({1, 2, 6, 4}),

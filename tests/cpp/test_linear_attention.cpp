@@ -156,7 +156,15 @@ struct EluLinearCfg {
   int64_t N, H, L, S, E, M;
   bool causal;
   std::vector<int64_t> lengths;  // empty: none
+  // Inputs laid out (N, L, H, E) and viewed as (N, H, L, E), as the layers
+  // pass them: the kernels read them in place.
+  bool heads_in_rows = false;
 };
+
+// x (N, H, L, E) copied into the (N, L, H, E) layout and viewed as (N, H, L, E).
+Tensor in_heads_in_rows_layout(const Tensor& x) {
+  return x.transpose(1, 2).contiguous().transpose(1, 2);
+}
 
 OpCase elu_linear_case(const EluLinearCfg& c) {
   OpCase oc;
@@ -165,11 +173,18 @@ OpCase elu_linear_case(const EluLinearCfg& c) {
   if (!c.lengths.empty()) lengths = torch::tensor(c.lengths, torch::kLong);
   oc.make_inputs = [c](uint64_t seed) -> Inputs {
     torch::manual_seed(seed);
-    return {torch::randn({c.N, c.H, c.L, c.E}, torch::kDouble),
-            torch::randn({c.N, c.H, c.S, c.E}, torch::kDouble),
-            torch::randn({c.N, c.H, c.S, c.M}, torch::kDouble)};
+    Inputs x{torch::randn({c.N, c.H, c.L, c.E}, torch::kDouble),
+             torch::randn({c.N, c.H, c.S, c.E}, torch::kDouble),
+             torch::randn({c.N, c.H, c.S, c.M}, torch::kDouble)};
+    if (c.heads_in_rows) {
+      for (auto& t : x) t = in_heads_in_rows_layout(t);
+    }
+    return x;
   };
   oc.op = [c, lengths](const Inputs& x) {
+    if (c.heads_in_rows) {
+      EXPECT_FALSE(x[0].is_contiguous());
+    }
     return elu_linear_attention(x[0], x[1], x[2], lengths, c.causal, 1e-6);
   };
   oc.reference = [c, lengths](const Inputs& x) {
@@ -204,7 +219,10 @@ INSTANTIATE_TEST_SUITE_P(
                       EluLinearCfg{"full_L1_S1", 1, 1, 1, 1, 3, 2, false},
                       EluLinearCfg{"full_S_ne_L", 2, 2, 37, 200, 16, 24, false},
                       EluLinearCfg{"full_1025_odd", 1, 2, 1025, 70, 33, 17, false},
-                      EluLinearCfg{"full_lengths", 4, 1, 90, 130, 8, 5, false, {130, 64, 1, 0}}),
+                      EluLinearCfg{"full_lengths", 4, 1, 90, 130, 8, 5, false, {130, 64, 1, 0}},
+                      EluLinearCfg{
+                          "causal_heads_in_rows", 2, 3, 97, 97, 16, 24, true, {97, 40}, true},
+                      EluLinearCfg{"full_heads_in_rows", 2, 3, 37, 70, 7, 5, false, {70, 1}, true}),
     [](const ::testing::TestParamInfo<EluLinearCfg>& info) { return info.param.name; });
 
 TEST(EluLinearAttentionOp, MatchesTheComposedProductPath) {
@@ -217,6 +235,26 @@ TEST(EluLinearAttentionOp, MatchesTheComposedProductPath) {
   auto composed = prod.narrow(-1, 0, 16) / (prod.narrow(-1, 16, 1) + 1e-6);
   auto fused = elu_linear_attention(q, k, v, std::nullopt, /*causal=*/true, 1e-6);
   EXPECT_LE(testing::max_abs_diff(fused, composed), 1e-5);
+}
+
+TEST(EluLinearAttentionOp, ReadsAndWritesRowLayoutsInPlace) {
+  const auto lengths = torch::tensor({int64_t(50), int64_t(21)}, torch::kLong);
+  for (bool causal : {false, true}) {
+    SCOPED_TRACE(causal ? "causal" : "not causal");
+    testing::check_row_layouts(
+        [&](const Tensor& q, const Tensor& k, const Tensor& v) {
+          return elu_linear_attention(q, k, v, lengths, causal);
+        },
+        2, 3, 50, 50, 8, 6);
+  }
+  // S != L, no lengths; one head (nothing to interleave).
+  for (int64_t H : {4, 1}) {
+    testing::check_row_layouts(
+        [](const Tensor& q, const Tensor& k, const Tensor& v) {
+          return elu_linear_attention(q, k, v, std::nullopt, false);
+        },
+        1, H, 30, 77, 5, 9);
+  }
 }
 
 TEST(EluLinearAttentionOp, SameResultWithOneOrTwoThreads) {

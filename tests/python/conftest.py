@@ -1,7 +1,16 @@
 """Shared fixtures of the Python suite."""
 
-import pytest
-import torch
+import os
+import tempfile
+
+# Inductor caches compiled graphs on disk (/tmp/torchinductor_<user>) keyed
+# without the custom operators' fake implementations: a graph compiled by an
+# earlier build asserts the output strides that build's fakes promised. Each
+# run compiles afresh in its own directory.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="fastattn-inductor-"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture

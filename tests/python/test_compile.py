@@ -366,12 +366,14 @@ def test_two_layer_encoder_compiles_fullgraph(type, params):
     torch.testing.assert_close(gx, eager_gx, rtol=1e-9, atol=1e-9)
 
 
-def test_encoder_compiles_with_inductor_and_dynamic_lengths():
+@pytest.mark.parametrize("type", ["full", "linear"])
+def test_encoder_compiles_with_inductor_and_dynamic_lengths(type):
     # Forward and backward: q, k, v are permuted views, so the registry
-    # backward must return gradients in the contiguous layout its fake
-    # implementation promises (inductor asserts the strides).
+    # operator must return its output and gradients in the row layouts its
+    # fake implementation promises (inductor asserts the strides): linear
+    # attention's kernels write them, full's output is copied into them.
     torch.manual_seed(0)
-    model = Encoder("full", {})
+    model = Encoder(type, {})
     compiled = torch.compile(model, fullgraph=True, dynamic=True)
     for l in (12, 20):
         x = torch.randn(2, l, 16, requires_grad=True)

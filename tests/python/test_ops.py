@@ -465,20 +465,29 @@ def test_readme_python_example_runs(index):
 
 
 @pytest.mark.parametrize("type,params", [("full", "{}"), ("reformer", '{"seed": 1, "chunk_size": 4}'),
-                                         ("linear", "{}"), ("local", '{"window": 3}')])
-def test_registry_backward_returns_contiguous_gradients_for_strided_inputs(type, params):
-    # The fake implementation (and inductor, which asserts it) promises
-    # contiguous gradients; q, k, v are often permuted views of a projection.
-    # Reformer's autograd gave q's gradient q's strides.
+                                         ("linear", "{}"), ("causal-linear", "{}"),
+                                         ("local", '{"window": 3}')])
+def test_registry_keeps_the_row_layout_of_strided_inputs(type, params):
+    # The fake implementation (and inductor, which asserts it) promises the
+    # output in q's row layout and each gradient in its input's: q, k, v are
+    # often (N, L, H, E) projections viewed as (N, H, L, E), and then the
+    # output is (N, L, H, M) memory, so that transposing it back is a view.
+    # Reformer's autograd gave q's gradient q's strides whatever was promised.
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 8, 3, 4).transpose(1, 2) for _ in range(3))  # (N, H, L, E) views
     assert not q.is_contiguous()
     ops = torch.ops.fastattn
-    out, rng = ops.attention_forward(type, q, k, v, False, None, None, params)
+    causal = type.startswith("causal")
+    out, rng = ops.attention_forward(type, q, k, v, causal, None, None, params)
+    assert out.transpose(1, 2).is_contiguous(), (type, out.stride())
     grad_out = torch.randn_like(out)
-    grads = ops.attention_backward(type, grad_out, q, k, v, False, None, None, params, rng)
-    dense = ops.attention_backward(type, grad_out, q.contiguous(), k.contiguous(), v.contiguous(),
-                                   False, None, None, params, rng)
+    grads = ops.attention_backward(type, grad_out, q, k, v, causal, None, None, params, rng)
+    qc, kc, vc = q.contiguous(), k.contiguous(), v.contiguous()
+    dense_out, _ = ops.attention_forward(type, qc, kc, vc, causal, None, None, params)
+    assert dense_out.is_contiguous()
+    dense = ops.attention_backward(type, grad_out, qc, kc, vc, causal, None, None, params, rng)
+    torch.testing.assert_close(out, dense_out, rtol=1e-5, atol=1e-6)
     for g, d, x in zip(grads, dense, (q, k, v)):
-        assert g.shape == x.shape and g.is_contiguous(), (type, g.stride())
+        assert g.shape == x.shape and g.stride() == x.stride(), (type, g.stride())
+        assert d.is_contiguous(), (type, d.stride())
         torch.testing.assert_close(g, d, rtol=1e-5, atol=1e-6)

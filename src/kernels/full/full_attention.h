@@ -10,13 +10,16 @@
 
 #include <cstdint>
 
+#include "kernels/common/rows.h"
+
 namespace fastattn::kernels {
 
 template <typename T>
 struct FullAttentionParams {
-  const T* q = nullptr;  // (N, H, L, E) contiguous
-  const T* k = nullptr;  // (N, H, S, E) contiguous
-  const T* v = nullptr;  // (N, H, S, M) contiguous
+  const T* q = nullptr;               // (N, H, L, E), rows at q_rows
+  const T* k = nullptr;               // (N, H, S, E), rows at k_rows
+  const T* v = nullptr;               // (N, H, S, M), rows at v_rows
+  RowStrides q_rows, k_rows, v_rows;  // kernels/common/rows.h; default: contiguous
   // Additive mask or nullptr: element (n, h, l, s) at
   // mask[n·mask_sn + h·mask_sh + l·mask_sl + s] (stride 0 on broadcast dims).
   const T* mask = nullptr;
@@ -30,8 +33,9 @@ struct FullAttentionParams {
 
 template <typename T>
 struct FullAttentionForwardArgs : FullAttentionParams<T> {
-  T* out = nullptr;  // (N, H, L, M)
-  T* lse = nullptr;  // (N, H, L): log-sum-exp of the kept scaled scores, -inf if none
+  T* out = nullptr;  // (N, H, L, M), rows at out_rows
+  T* lse = nullptr;  // (N, H, L) contiguous: log-sum-exp of the kept scaled scores, -inf if none
+  RowStrides out_rows;
   // Optional: the topk (>= 1, <= S) keys of each row with the highest kept
   // scores, by descending score (ties: lower index first), into
   // top_idx (N, H, L, topk); a row with fewer kept keys is completed with the
@@ -42,8 +46,8 @@ struct FullAttentionForwardArgs : FullAttentionParams<T> {
 
 template <typename T>
 struct FullAttentionBackwardArgs : FullAttentionParams<T> {
-  const T* grad_out = nullptr;  // (N, H, L, M) contiguous
-  const T* lse = nullptr;       // (N, H, L) from the forward
+  const T* grad_out = nullptr;  // (N, H, L, M), rows at grad_out_rows
+  const T* lse = nullptr;       // (N, H, L) contiguous, from the forward
   // (N, H, L): rowsum(grad_out ∘ out), minus the gradient of the loss with
   // respect to the forward's lse where that is an output too.
   const T* delta = nullptr;
@@ -51,6 +55,7 @@ struct FullAttentionBackwardArgs : FullAttentionParams<T> {
   T* grad_k = nullptr;      // (N, H, S, E), written
   T* grad_v = nullptr;      // (N, H, S, M), written; nullptr: not computed (saves a fifth)
   bool accumulate = false;  // add to grad_q, grad_k and grad_v instead of overwriting them
+  RowStrides grad_out_rows, grad_q_rows, grad_k_rows, grad_v_rows;  // default: contiguous
 };
 
 template <typename T>

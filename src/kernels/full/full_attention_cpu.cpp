@@ -99,6 +99,54 @@ void write_topk(std::vector<std::pair<T, int64_t>>& heap, int64_t topk, int64_t*
   heap.clear();
 }
 
+// The row layouts left at their defaults made explicit.
+template <typename T>
+FullAttentionForwardArgs<T> resolved(FullAttentionForwardArgs<T> a) {
+  a.q_rows = a.q_rows.resolved(a.H, a.L, a.E);
+  a.k_rows = a.k_rows.resolved(a.H, a.S, a.E);
+  a.v_rows = a.v_rows.resolved(a.H, a.S, a.M);
+  a.out_rows = a.out_rows.resolved(a.H, a.L, a.M);
+  return a;
+}
+template <typename T>
+FullAttentionBackwardArgs<T> resolved(FullAttentionBackwardArgs<T> a) {
+  a.q_rows = a.q_rows.resolved(a.H, a.L, a.E);
+  a.k_rows = a.k_rows.resolved(a.H, a.S, a.E);
+  a.v_rows = a.v_rows.resolved(a.H, a.S, a.M);
+  a.grad_out_rows = a.grad_out_rows.resolved(a.H, a.L, a.M);
+  a.grad_q_rows = a.grad_q_rows.resolved(a.H, a.L, a.E);
+  a.grad_k_rows = a.grad_k_rows.resolved(a.H, a.S, a.E);
+  a.grad_v_rows = a.grad_v_rows.resolved(a.H, a.S, a.M);
+  return a;
+}
+
+// dst (rows × cols, row stride ld) = src (rows × cols, contiguous), or += when add.
+template <typename T>
+void store_rows(const T* src, int64_t rows, int64_t cols, T* dst, int64_t ld, bool add) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* s = src + r * cols;
+    T* d = dst + r * ld;
+    if (add) {
+      for (int64_t c = 0; c < cols; ++c) d[c] += s[c];
+    } else {
+      std::copy(s, s + cols, d);
+    }
+  }
+}
+
+// Sets `rows` rows of `cols` entries of every head of x (layout s) to zero.
+template <typename T>
+void zero_all_rows(T* x, const RowStrides& s, int64_t NH, int64_t H, int64_t rows, int64_t cols) {
+  for (int64_t nh = 0; nh < NH; ++nh) {
+    T* head = s.head(x, nh, H);
+    if (s.sr == cols) {
+      std::fill(head, head + rows * cols, T(0));
+    } else {
+      for (int64_t r = 0; r < rows; ++r) std::fill(head + r * s.sr, head + r * s.sr + cols, T(0));
+    }
+  }
+}
+
 // out[0, NV·W) = sum_{j < rows} p[j] · v[j·ld + (0, NV·W)], accumulated in
 // NV vector registers.
 template <typename T, int NV>
@@ -127,10 +175,11 @@ void single_query_forward(const FullAttentionForwardArgs<T>& a) {
   parallel_items<std::vector<T>>(
       a.N * H, a.num_threads, [&](std::vector<T>& s) { s.resize(round_up(S, W)); },
       [&](int64_t nh, std::vector<T>& s) {
-        const T* q = a.q + nh * E;
-        const T* kh = a.k + nh * S * E;
-        const T* vh = a.v + nh * S * M;
-        T* out = a.out + nh * M;
+        const T* q = a.q_rows.head(a.q, nh, H);
+        const T* kh = a.k_rows.head(a.k, nh, H);
+        const T* vh = a.v_rows.head(a.v, nh, H);
+        T* out = a.out_rows.head(a.out, nh, H);
+        const int64_t lk = a.k_rows.sr, lv = a.v_rows.sr;
         const int64_t kend = a.key_lengths ? a.key_lengths[nh / H] : S;
         if (kend == 0) {
           std::fill(out, out + M, T(0));
@@ -140,23 +189,23 @@ void single_query_forward(const FullAttentionForwardArgs<T>& a) {
         // Scores, four keys at a time (four accumulators, one pass over q).
         int64_t j = 0;
         for (; j + 4 <= kend; j += 4) {
-          const T* k0 = kh + j * E;
+          const T* k0 = kh + j * lk;
           auto c0 = V::zero(), c1 = V::zero(), c2 = V::zero(), c3 = V::zero();
           int64_t c = 0;
           for (; c + W <= E; c += W) {
             const auto qc = V::load(q + c);
             c0 = V::fma(qc, V::load(k0 + c), c0);
-            c1 = V::fma(qc, V::load(k0 + E + c), c1);
-            c2 = V::fma(qc, V::load(k0 + 2 * E + c), c2);
-            c3 = V::fma(qc, V::load(k0 + 3 * E + c), c3);
+            c1 = V::fma(qc, V::load(k0 + lk + c), c1);
+            c2 = V::fma(qc, V::load(k0 + 2 * lk + c), c2);
+            c3 = V::fma(qc, V::load(k0 + 3 * lk + c), c3);
           }
           T d[4] = {V::hsum(c0), V::hsum(c1), V::hsum(c2), V::hsum(c3)};
           for (; c < E; ++c) {
-            for (int r = 0; r < 4; ++r) d[r] += q[c] * k0[r * E + c];
+            for (int r = 0; r < 4; ++r) d[r] += q[c] * k0[r * lk + c];
           }
           for (int r = 0; r < 4; ++r) s[j + r] = a.scale * d[r];
         }
-        for (; j < kend; ++j) s[j] = a.scale * simd_dot(q, kh + j * E, E);
+        for (; j < kend; ++j) s[j] = a.scale * simd_dot(q, kh + j * lk, E);
         const int64_t width = round_up(kend, W);
         std::fill(s.begin() + kend, s.begin() + width, neg_inf<T>());
         const T m = row_max(s.data(), width);
@@ -164,12 +213,12 @@ void single_query_forward(const FullAttentionForwardArgs<T>& a) {
         // out = sum_j p_j v_j, up to eight vectors of columns held in
         // registers over all keys (one pass over V for M <= 8 W).
         int64_t c = 0;
-        for (; c + 8 * W <= M; c += 8 * W) weighted_rows<T, 8>(s.data(), vh + c, M, kend, out + c);
-        for (; c + 4 * W <= M; c += 4 * W) weighted_rows<T, 4>(s.data(), vh + c, M, kend, out + c);
-        for (; c + W <= M; c += W) weighted_rows<T, 1>(s.data(), vh + c, M, kend, out + c);
+        for (; c + 8 * W <= M; c += 8 * W) weighted_rows<T, 8>(s.data(), vh + c, lv, kend, out + c);
+        for (; c + 4 * W <= M; c += 4 * W) weighted_rows<T, 4>(s.data(), vh + c, lv, kend, out + c);
+        for (; c + W <= M; c += W) weighted_rows<T, 1>(s.data(), vh + c, lv, kend, out + c);
         for (; c < M; ++c) {
           T o = 0;
-          for (j = 0; j < kend; ++j) o += s[j] * vh[j * M + c];
+          for (j = 0; j < kend; ++j) o += s[j] * vh[j * lv + c];
           out[c] = o;
         }
         for (c = 0; c < M; ++c) out[c] /= l;
@@ -180,7 +229,8 @@ void single_query_forward(const FullAttentionForwardArgs<T>& a) {
 }  // namespace
 
 template <typename T>
-void full_attention_forward_cpu(const FullAttentionForwardArgs<T>& a) {
+void full_attention_forward_cpu(const FullAttentionForwardArgs<T>& args) {
+  const auto a = resolved(args);
   const int64_t N = a.N, H = a.H, L = a.L, S = a.S, E = a.E, M = a.M;
   const int64_t NH = N * H;
   if (NH == 0 || L == 0) return;
@@ -209,9 +259,10 @@ void full_attention_forward_cpu(const FullAttentionForwardArgs<T>& a) {
         const int64_t nh = item / q_tiles, n = nh / H, h = nh % H;
         const int64_t i0 = (item % q_tiles) * kFwdBr;
         const int64_t rows = std::min(kFwdBr, L - i0);
-        const T* q = a.q + (nh * L + i0) * E;
-        const T* kh = a.k + nh * S * E;
-        const T* vh = a.v + nh * S * M;
+        const int64_t lq = a.q_rows.sr, lk = a.k_rows.sr, lv = a.v_rows.sr, lo = a.out_rows.sr;
+        const T* q = a.q_rows.head(a.q, nh, H) + i0 * lq;
+        const T* kh = a.k_rows.head(a.k, nh, H);
+        const T* vh = a.v_rows.head(a.v, nh, H);
         int64_t kend = a.key_lengths ? a.key_lengths[n] : S;
         if (a.causal) kend = std::min(kend, i0 + rows + offset);
         std::fill(w.o.begin(), w.o.end(), T(0));
@@ -222,8 +273,8 @@ void full_attention_forward_cpu(const FullAttentionForwardArgs<T>& a) {
           const int64_t width = round_up(cols, NR);
           // Packed per tile (32 KiB, cheap next to the tile's products) rather
           // than once per call: no S·E buffer to allocate and fault in.
-          pack_transposed_panels(kh + j0 * E, cols, E, E, width, w.kp.data());
-          gemm_packed(rows, width, E, q, E, w.kp.data(), w.s.data(), kFwdBc, false);
+          pack_transposed_panels(kh + j0 * lk, cols, E, lk, width, w.kp.data());
+          gemm_packed(rows, width, E, q, lq, w.kp.data(), w.s.data(), kFwdBc, false);
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t i = i0 + r;
             T* row = w.s.data() + r * kFwdBc;
@@ -245,14 +296,14 @@ void full_attention_forward_cpu(const FullAttentionForwardArgs<T>& a) {
               for (int64_t c = 0; c < M; ++c) orow[c] *= alpha;
             }
           }
-          gemm(rows, M, cols, w.s.data(), kFwdBc, vh + j0 * M, M, w.o.data(), M, true);
+          gemm(rows, M, cols, w.s.data(), kFwdBc, vh + j0 * lv, lv, w.o.data(), M, true);
         }
-        T* out = a.out + (nh * L + i0) * M;
+        T* out = a.out_rows.head(a.out, nh, H) + i0 * lo;
         T* lse = a.lse + nh * L + i0;
         for (int64_t r = 0; r < rows; ++r) {
           const T l = w.l[r];
           const T inv = l > T(0) ? T(1) / l : T(0);
-          for (int64_t c = 0; c < M; ++c) out[r * M + c] = w.o[r * M + c] * inv;
+          for (int64_t c = 0; c < M; ++c) out[r * lo + c] = w.o[r * M + c] * inv;
           lse[r] = l > T(0) ? w.m[r] + std::log(l) : neg_inf<T>();
           if (a.topk > 0) write_topk(w.heaps[r], a.topk, a.top_idx + (nh * L + i0 + r) * a.topk);
         }
@@ -267,13 +318,14 @@ struct BackwardScratch {
 }  // namespace
 
 template <typename T>
-void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& a) {
+void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& args) {
+  const auto a = resolved(args);
   const int64_t N = a.N, H = a.H, L = a.L, S = a.S, E = a.E, M = a.M;
   const int64_t NH = N * H;
   if (!a.accumulate) {
-    std::fill(a.grad_q, a.grad_q + NH * L * E, T(0));
-    std::fill(a.grad_k, a.grad_k + NH * S * E, T(0));
-    if (a.grad_v) std::fill(a.grad_v, a.grad_v + NH * S * M, T(0));
+    zero_all_rows(a.grad_q, a.grad_q_rows, NH, H, L, E);
+    zero_all_rows(a.grad_k, a.grad_k_rows, NH, H, S, E);
+    if (a.grad_v) zero_all_rows(a.grad_v, a.grad_v_rows, NH, H, S, M);
   }
   if (NH == 0 || L == 0 || S == 0) return;
   constexpr int64_t NR = panel_width<T>();
@@ -282,8 +334,12 @@ void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& a) {
   // Split each head's key tiles when there are fewer heads than threads.
   const int64_t splits =
       std::min<int64_t>(k_tiles, std::max<int64_t>(1, (2 * a.num_threads + NH - 1) / NH));
+  // dQ is accumulated over every key tile: into contiguous parts (one per
+  // split) summed at the end when the splits share a head or grad_q's rows
+  // are strided (re-reading strided rows per key tile cost 15% at L = 4096).
+  const bool parts = splits > 1 || a.grad_q_rows.sr != E;
   std::unique_ptr<T[]> dq_parts;
-  if (splits > 1) {
+  if (parts) {
     dq_parts.reset(new T[static_cast<size_t>(NH * splits * L * E)]());
   }
 
@@ -302,29 +358,34 @@ void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& a) {
       [&](int64_t item, BackwardScratch<T>& w) {
         const int64_t nh = item / splits, split = item % splits, n = nh / H, h = nh % H;
         const int64_t len = a.key_lengths ? a.key_lengths[n] : S;
-        const T* qh = a.q + nh * L * E;
-        const T* kh = a.k + nh * S * E;
-        const T* doh = a.grad_out + nh * L * M;
+        const int64_t lq = a.q_rows.sr, lk = a.k_rows.sr, lv = a.v_rows.sr, lg = a.grad_out_rows.sr;
+        const T* qh = a.q_rows.head(a.q, nh, H);
+        const T* kh = a.k_rows.head(a.k, nh, H);
+        const T* vh = a.v_rows.head(a.v, nh, H);
+        const T* doh = a.grad_out_rows.head(a.grad_out, nh, H);
         const T* lse = a.lse + nh * L;
         const T* delta = a.delta + nh * L;
-        T* dq = splits > 1 ? dq_parts.get() + (nh * splits + split) * L * E : a.grad_q + nh * L * E;
+        // dQ: this split's contiguous part, or grad_q's rows of the head.
+        T* dq = parts ? dq_parts.get() + (nh * splits + split) * L * E
+                      : a.grad_q_rows.head(a.grad_q, nh, H);
+        const int64_t ldq = parts ? E : a.grad_q_rows.sr;
         for (int64_t t = split; t * kBwdBc < len; t += splits) {
           const int64_t j0 = t * kBwdBc;
           const int64_t cols = std::min(kBwdBc, len - j0);
           const int64_t width = round_up(cols, NR);
           std::fill(w.dk.begin(), w.dk.end(), T(0));
           std::fill(w.dv.begin(), w.dv.end(), T(0));
-          pack_transposed_panels(kh + j0 * E, cols, E, E, width, w.kp.data());
-          pack_transposed_panels(a.v + (nh * S + j0) * M, cols, M, M, width, w.vp.data());
+          pack_transposed_panels(kh + j0 * lk, cols, E, lk, width, w.kp.data());
+          pack_transposed_panels(vh + j0 * lv, cols, M, lv, width, w.vp.data());
           // Queries that may see this tile: i >= j0 - offset when causal.
           int64_t i_start = a.causal ? std::max<int64_t>(0, j0 - offset) : 0;
           i_start = i_start / kBwdBr * kBwdBr;
           for (int64_t i0 = i_start; i0 < L; i0 += kBwdBr) {
             const int64_t rows = std::min(kBwdBr, L - i0);
-            const T* qi = qh + i0 * E;
-            const T* doi = doh + i0 * M;
+            const T* qi = qh + i0 * lq;
+            const T* doi = doh + i0 * lg;
             // P = exp(S·scale + mask - lse), zero where dropped.
-            gemm_packed(rows, width, E, qi, E, w.kp.data(), w.p.data(), kBwdBc, false);
+            gemm_packed(rows, width, E, qi, lq, w.kp.data(), w.p.data(), kBwdBc, false);
             for (int64_t r = 0; r < rows; ++r) {
               const int64_t i = i0 + r;
               T* row = w.p.data() + r * kBwdBc;
@@ -341,10 +402,10 @@ void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& a) {
             // dV_j += P^T dO_i
             if (a.grad_v) {
               transpose(w.p.data(), rows, cols, kBwdBc, w.pt.data(), kBwdBr);
-              gemm(cols, M, rows, w.pt.data(), kBwdBr, doi, M, w.dv.data(), M, true);
+              gemm(cols, M, rows, w.pt.data(), kBwdBr, doi, lg, w.dv.data(), M, true);
             }
             // dP = dO_i V_j^T, then dS = P ∘ (dP - delta) · scale (in w.dp)
-            gemm_packed(rows, width, M, doi, M, w.vp.data(), w.dp.data(), kBwdBc, false);
+            gemm_packed(rows, width, M, doi, lg, w.vp.data(), w.dp.data(), kBwdBc, false);
             for (int64_t r = 0; r < rows; ++r) {
               const T d = delta[i0 + r];
               const T* prow = w.p.data() + r * kBwdBc;
@@ -352,32 +413,29 @@ void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& a) {
               for (int64_t c = 0; c < cols; ++c) dprow[c] = prow[c] * (dprow[c] - d) * a.scale;
             }
             // dQ_i += dS K_j ; dK_j += dS^T Q_i
-            gemm(rows, E, cols, w.dp.data(), kBwdBc, kh + j0 * E, E, dq + i0 * E, E, true);
+            gemm(rows, E, cols, w.dp.data(), kBwdBc, kh + j0 * lk, lk, dq + i0 * ldq, ldq, true);
             transpose(w.dp.data(), rows, cols, kBwdBc, w.dst.data(), kBwdBr);
-            gemm(cols, E, rows, w.dst.data(), kBwdBr, qi, E, w.dk.data(), E, true);
+            gemm(cols, E, rows, w.dst.data(), kBwdBr, qi, lq, w.dk.data(), E, true);
           }
-          T* gk = a.grad_k + (nh * S + j0) * E;
-          T* gv = a.grad_v ? a.grad_v + (nh * S + j0) * M : nullptr;
-          if (a.accumulate) {
-            for (int64_t x = 0; x < cols * E; ++x) gk[x] += w.dk[x];
-            if (gv)
-              for (int64_t x = 0; x < cols * M; ++x) gv[x] += w.dv[x];
-          } else {
-            std::copy(w.dk.begin(), w.dk.begin() + cols * E, gk);
-            if (gv) std::copy(w.dv.begin(), w.dv.begin() + cols * M, gv);
-          }
+          store_rows(w.dk.data(), cols, E,
+                     a.grad_k_rows.head(a.grad_k, nh, H) + j0 * a.grad_k_rows.sr, a.grad_k_rows.sr,
+                     a.accumulate);
+          if (a.grad_v)
+            store_rows(w.dv.data(), cols, M,
+                       a.grad_v_rows.head(a.grad_v, nh, H) + j0 * a.grad_v_rows.sr,
+                       a.grad_v_rows.sr, a.accumulate);
         }
       });
 
-  if (splits > 1) {
+  if (parts) {
     struct None {};
     parallel_items<None>(
         NH, a.num_threads, [](None&) {},
         [&](int64_t nh, None&) {
-          T* dst = a.grad_q + nh * L * E;
+          T* dst = a.grad_q_rows.head(a.grad_q, nh, H);
           for (int64_t s = 0; s < splits; ++s) {
             const T* src = dq_parts.get() + (nh * splits + s) * L * E;
-            for (int64_t x = 0; x < L * E; ++x) dst[x] += src[x];
+            store_rows(src, L, E, dst, a.grad_q_rows.sr, /*add=*/true);
           }
         });
   }

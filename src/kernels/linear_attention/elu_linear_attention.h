@@ -23,6 +23,10 @@
 // each tile; dQ = dphi(Q) ∘ phi'(Q), likewise dK. Padded keys get zero
 // gradients.
 //
+// Every (N, H, rows, cols) operand but den may have any row layout
+// (kernels/common/rows.h): the layers' (N, L, H, E) projections are read and
+// the output written in place.
+//
 // Extra memory: per thread a few C×max(E, M) tiles and E×M states; never
 // L×E×M, never L×S. Tested by tests/cpp/test_linear_attention.cpp; timed by
 // bench/bench_linear_attention.cpp.
@@ -30,13 +34,16 @@
 
 #include <cstdint>
 
+#include "kernels/common/rows.h"
+
 namespace fastattn::kernels {
 
 template <typename T>
 struct EluLinearParams {
-  const T* q = nullptr;                  // (N, H, L, E) contiguous
-  const T* k = nullptr;                  // (N, H, S, E) contiguous
-  const T* v = nullptr;                  // (N, H, S, M) contiguous
+  const T* q = nullptr;                  // (N, H, L, E), rows at q_rows
+  const T* k = nullptr;                  // (N, H, S, E), rows at k_rows
+  const T* v = nullptr;                  // (N, H, S, M), rows at v_rows
+  RowStrides q_rows, k_rows, v_rows;     // default: contiguous
   const int64_t* key_lengths = nullptr;  // (N,) in [0, S], or null: all S keys
   int64_t N = 0, H = 0, L = 0, S = 0, E = 0, M = 0;
   bool causal = false;  // needs S == L
@@ -47,18 +54,21 @@ struct EluLinearParams {
 
 template <typename T>
 struct EluLinearForwardArgs : EluLinearParams<T> {
-  T* out = nullptr;  // (N, H, L, M), written
-  T* den = nullptr;  // (N, H, L), written: the normaliser including eps
+  T* out = nullptr;  // (N, H, L, M), written, rows at out_rows
+  T* den = nullptr;  // (N, H, L) contiguous, written: the normaliser including eps
+  RowStrides out_rows;
 };
 
 template <typename T>
 struct EluLinearBackwardArgs : EluLinearParams<T> {
-  const T* grad_out = nullptr;  // (N, H, L, M) contiguous
+  const T* grad_out = nullptr;  // (N, H, L, M)
   const T* out = nullptr;       // (N, H, L, M), from the forward
-  const T* den = nullptr;       // (N, H, L), from the forward
+  const T* den = nullptr;       // (N, H, L) contiguous, from the forward
   T* grad_q = nullptr;          // (N, H, L, E), written
   T* grad_k = nullptr;          // (N, H, S, E), written
   T* grad_v = nullptr;          // (N, H, S, M), written
+  // Row layouts of the tensors above but den (default: contiguous).
+  RowStrides grad_out_rows, out_rows, grad_q_rows, grad_k_rows, grad_v_rows;
 };
 
 template <typename T>

@@ -118,14 +118,18 @@ std::tuple<Tensor, Tensor> full_attention_forward_cuda(const Tensor& q, const Te
                                                        const c10::optional<Tensor>& key_lengths,
                                                        bool causal, double softmax_temp) {
   ops::check_full_attention_inputs(q, k, v, attn_mask, key_lengths);
+  Tensor out, lse;
   if (!attn_mask && few_query_blocks(q, k)) {
     check_cuda_inputs(kOp, q, k, v);  // the backward's kernels
     const c10::cuda::CUDAGuard guard(q.device());
-    auto [out, lse, idx] =
+    std::tie(out, lse, std::ignore) =
         ops::full_attention_dense(q, k, v, key_lengths, causal, softmax_temp, /*topk=*/0);
-    return {out, lse};
+  } else {
+    std::tie(out, lse) = forward_impl(kOp, q, k, v, attn_mask, key_lengths, causal, softmax_temp);
   }
-  return forward_impl(kOp, q, k, v, attn_mask, key_lengths, causal, softmax_temp);
+  // The CPU op's layout (its kernels write q's row layout), which the fake
+  // implementation promises.
+  return {ops::in_rows_layout_of(out, q), lse};
 }
 
 // The backward kernel on prepared inputs, into grad_q/k/v (contiguous, q's
@@ -171,7 +175,8 @@ std::tuple<Tensor, Tensor, Tensor> full_attention_backward_cuda(
   auto gv = torch::empty(v.sizes(), v.options());
   backward_impl(grad_out, q, k, v, out, lse, attn_mask, key_lengths, causal, softmax_temp, grad_lse,
                 gq, gk, gv, /*accumulate=*/false);
-  return {gq, gk, gv};
+  return {ops::in_rows_layout_of(gq, q), ops::in_rows_layout_of(gk, k),
+          ops::in_rows_layout_of(gv, v)};
 }
 
 std::tuple<Tensor, Tensor, Tensor> full_attention_lse_topk_forward_cuda(

@@ -70,7 +70,9 @@ std::tuple<Tensor, Tensor> elu_linear_attention_forward_cuda(
   a.out = out.data_ptr();
   a.den = den.data_ptr<float>();
   cuda::elu_linear_attention_forward_cuda(a, ops::cuda::current_stream());
-  return {out, den};
+  // The CPU op's layout (its kernels write q's row layout), which the fake
+  // implementation promises.
+  return {ops::in_rows_layout_of(out, q_in), den};
 }
 
 std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_backward_cuda(
@@ -98,7 +100,8 @@ std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_backward_cuda(
   a.grad_k = gk.data_ptr();
   a.grad_v = gv.data_ptr();
   cuda::elu_linear_attention_backward_cuda(a, ops::cuda::current_stream());
-  return {gq, gk, gv};
+  return {ops::in_rows_layout_of(gq, q_in), ops::in_rows_layout_of(gk, k_in),
+          ops::in_rows_layout_of(gv, v_in)};
 }
 
 // The top-level op below Autograd: the forward op's output.

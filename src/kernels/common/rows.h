@@ -1,0 +1,31 @@
+// The row layout of a kernel operand (N, H, R, C) whose rows are contiguous
+// but need not follow one another: row r of head (n, h) starts
+// n·sn + h·sh + r·sr elements after the data pointer. The transformer layers
+// and fast-transformers' (N, L, H, E) tensors viewed as (N, H, L, E) have
+// sr = H·E and sh = E; kernels that take a RowStrides read them in place
+// instead of the op layer copying them to the contiguous layout (three such
+// copies of fresh 32 MiB buffers took longer than linear attention itself at
+// L = 16384). Inputs may use any strides >= 0 (0 on a broadcast dim);
+// outputs must not overlap.
+#pragma once
+
+#include <cstdint>
+
+namespace fastattn::kernels {
+
+struct RowStrides {
+  // Negative (the default): the contiguous layout, resolved() fills it in.
+  int64_t sn = -1, sh = -1, sr = -1;
+
+  // These strides, or the contiguous ones of H heads of R rows of C entries.
+  RowStrides resolved(int64_t H, int64_t R, int64_t C) const {
+    return sr >= 0 ? *this : RowStrides{H * R * C, R * C, C};
+  }
+  // The first row of head nh = n·H + h.
+  template <typename T>
+  T* head(T* data, int64_t nh, int64_t H) const {
+    return data + (nh / H) * sn + (nh % H) * sh;
+  }
+};
+
+}  // namespace fastattn::kernels
