@@ -3,7 +3,12 @@
 // autograd and every registered backend apply.
 //
 // Layout: queries (N, H, L, E), keys (N, H, S, E), values (N, H, S, M),
-// outputs (N, H, L, M).
+// outputs (N, H, L, M). Inputs may have any strides; full_attention and
+// elu_linear_attention read views whose last dimension is contiguous in
+// place, and when q's heads lie within its rows (a (N, L, H·E) projection
+// viewed as (N, H, L, E): q.stride(1) < q.stride(2)) return the output in
+// that (N, L, H, M) memory order and each gradient in its input's layout
+// (reshape, not view, such outputs).
 //
 // Devices and dtypes: CPU tensors in float32 or float64, and float16 or
 // bfloat16 computed in float32 (widened copies, results rounded once, saved
