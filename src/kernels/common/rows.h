@@ -28,4 +28,13 @@ struct RowStrides {
   }
 };
 
+// The q_rows, k_rows and v_rows of a kernel's parameters (with H, L, S, E, M
+// fields) left at their defaults made explicit.
+template <typename Params>
+void resolve_qkv_rows(Params& p) {
+  p.q_rows = p.q_rows.resolved(p.H, p.L, p.E);
+  p.k_rows = p.k_rows.resolved(p.H, p.S, p.E);
+  p.v_rows = p.v_rows.resolved(p.H, p.S, p.M);
+}
+
 }  // namespace fastattn::kernels

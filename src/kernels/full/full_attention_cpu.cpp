@@ -102,17 +102,13 @@ void write_topk(std::vector<std::pair<T, int64_t>>& heap, int64_t topk, int64_t*
 // The row layouts left at their defaults made explicit.
 template <typename T>
 FullAttentionForwardArgs<T> resolved(FullAttentionForwardArgs<T> a) {
-  a.q_rows = a.q_rows.resolved(a.H, a.L, a.E);
-  a.k_rows = a.k_rows.resolved(a.H, a.S, a.E);
-  a.v_rows = a.v_rows.resolved(a.H, a.S, a.M);
+  resolve_qkv_rows(a);
   a.out_rows = a.out_rows.resolved(a.H, a.L, a.M);
   return a;
 }
 template <typename T>
 FullAttentionBackwardArgs<T> resolved(FullAttentionBackwardArgs<T> a) {
-  a.q_rows = a.q_rows.resolved(a.H, a.L, a.E);
-  a.k_rows = a.k_rows.resolved(a.H, a.S, a.E);
-  a.v_rows = a.v_rows.resolved(a.H, a.S, a.M);
+  resolve_qkv_rows(a);
   a.grad_out_rows = a.grad_out_rows.resolved(a.H, a.L, a.M);
   a.grad_q_rows = a.grad_q_rows.resolved(a.H, a.L, a.E);
   a.grad_k_rows = a.grad_k_rows.resolved(a.H, a.S, a.E);

@@ -407,19 +407,13 @@ void backward_full(const EluLinearBackwardArgs<T>& p, int64_t nh0, int64_t G, Sc
 
 // The row layouts left at their defaults made explicit.
 template <typename T>
-void resolve_rows(EluLinearParams<T>& p) {
-  p.q_rows = p.q_rows.resolved(p.H, p.L, p.E);
-  p.k_rows = p.k_rows.resolved(p.H, p.S, p.E);
-  p.v_rows = p.v_rows.resolved(p.H, p.S, p.M);
-}
-template <typename T>
 void resolve_rows(EluLinearForwardArgs<T>& p) {
-  resolve_rows<T>(static_cast<EluLinearParams<T>&>(p));
+  resolve_qkv_rows(p);
   p.out_rows = p.out_rows.resolved(p.H, p.L, p.M);
 }
 template <typename T>
 void resolve_rows(EluLinearBackwardArgs<T>& p) {
-  resolve_rows<T>(static_cast<EluLinearParams<T>&>(p));
+  resolve_qkv_rows(p);
   p.grad_out_rows = p.grad_out_rows.resolved(p.H, p.L, p.M);
   p.out_rows = p.out_rows.resolved(p.H, p.L, p.M);
   p.grad_q_rows = p.grad_q_rows.resolved(p.H, p.L, p.E);
