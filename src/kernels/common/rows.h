@@ -9,6 +9,7 @@
 // outputs must not overlap.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 namespace fastattn::kernels {
@@ -35,6 +36,19 @@ void resolve_qkv_rows(Params& p) {
   p.q_rows = p.q_rows.resolved(p.H, p.L, p.E);
   p.k_rows = p.k_rows.resolved(p.H, p.S, p.E);
   p.v_rows = p.v_rows.resolved(p.H, p.S, p.M);
+}
+
+// Sets `rows` rows of `cols` entries of every head of x (layout s) to zero.
+template <typename T>
+void zero_all_rows(T* x, const RowStrides& s, int64_t NH, int64_t H, int64_t rows, int64_t cols) {
+  for (int64_t nh = 0; nh < NH; ++nh) {
+    T* head = s.head(x, nh, H);
+    if (s.sr == cols) {
+      std::fill(head, head + rows * cols, T(0));
+    } else {
+      for (int64_t r = 0; r < rows; ++r) std::fill(head + r * s.sr, head + r * s.sr + cols, T(0));
+    }
+  }
 }
 
 }  // namespace fastattn::kernels

@@ -130,19 +130,6 @@ void store_rows(const T* src, int64_t rows, int64_t cols, T* dst, int64_t ld, bo
   }
 }
 
-// Sets `rows` rows of `cols` entries of every head of x (layout s) to zero.
-template <typename T>
-void zero_all_rows(T* x, const RowStrides& s, int64_t NH, int64_t H, int64_t rows, int64_t cols) {
-  for (int64_t nh = 0; nh < NH; ++nh) {
-    T* head = s.head(x, nh, H);
-    if (s.sr == cols) {
-      std::fill(head, head + rows * cols, T(0));
-    } else {
-      for (int64_t r = 0; r < rows; ++r) std::fill(head + r * s.sr, head + r * s.sr + cols, T(0));
-    }
-  }
-}
-
 // out[0, NV·W) = sum_{j < rows} p[j] · v[j·ld + (0, NV·W)], accumulated in
 // NV vector registers.
 template <typename T, int NV>

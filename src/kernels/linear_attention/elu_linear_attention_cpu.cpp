@@ -468,10 +468,8 @@ void elu_linear_attention_backward_cpu(const EluLinearBackwardArgs<T>& p) {
   if (p.L == 0) {
     auto z = p;
     resolve_rows(z);
-    for (int64_t nh = 0; nh < p.N * p.H; ++nh) {
-      zero_rows(z.grad_k_rows.head(p.grad_k, nh, p.H), z.grad_k_rows.sr, 0, p.S, p.E);
-      zero_rows(z.grad_v_rows.head(p.grad_v, nh, p.H), z.grad_v_rows.sr, 0, p.S, p.M);
-    }
+    zero_all_rows(p.grad_k, z.grad_k_rows, p.N * p.H, p.H, p.S, p.E);
+    zero_all_rows(p.grad_v, z.grad_v_rows, p.N * p.H, p.H, p.S, p.M);
     return;
   }
   for_each_item<T>(p, [](const EluLinearBackwardArgs<T>& a, int64_t nh0, int64_t G, Scratch<T>& w) {
