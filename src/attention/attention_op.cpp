@@ -18,9 +18,14 @@
 // `attention` is one opaque operator with its own backward, so that
 // torch.compile and torch.export see a single node with a fake (shape)
 // implementation (python/fastattn/_fake.py) whatever the type does inside
-// (K-means, hashing, data-dependent sizes). Its backward recomputes the
-// type's forward with autograd on and differentiates that (the trade of
-// activation checkpointing: one more forward, and only q, k, v saved).
+// (K-means, hashing, data-dependent sizes). Traced (fake or functional
+// tensors, a dispatch mode, functorch), its backward `attention_backward`
+// recomputes the type's forward with autograd on and differentiates that
+// (the trade of activation checkpointing: one more forward, and only q, k, v
+// saved). Run eagerly on plain tensors, the forward keeps the type's own
+// autograd graph instead, and the backward differentiates it: no second
+// forward (a third of a forward+backward for most types), at the memory of
+// whatever the type's forward saves (as any PyTorch module's does).
 // Random draws (clustering planes, Reformer rotations, types' initial
 // parameters) come from the default CPU generator; attention_forward returns
 // that generator's state as it found it and attention_backward replays from
@@ -292,11 +297,12 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
   }
 };
 
-at::Tensor attention_autograd(std::string type, const at::Tensor& q, const at::Tensor& k,
-                              const at::Tensor& v, bool causal,
-                              const c10::optional<at::Tensor>& key_lengths,
-                              const c10::optional<at::Tensor>& attn_mask, std::string params_json) {
-  return AttentionFunction::apply(type, q, k, v, causal, key_lengths, attn_mask, params_json);
+// Whether autograd records a call on these inputs.
+bool records_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  at::TensorList state = {}) {
+  bool needs = q.requires_grad() || k.requires_grad() || v.requires_grad();
+  for (const auto& t : state) needs = needs || t.requires_grad();
+  return needs && at::GradMode::is_enabled();
 }
 
 // Without autograd (inference mode, or below it): the forward alone.
@@ -308,6 +314,95 @@ at::Tensor attention_no_grad(std::string type, const at::Tensor& q, const at::Te
                        .findSchemaOrThrow("fastattn::attention_forward", "")
                        .typed<decltype(attention_forward)>();
   return std::get<0>(op.call(type, q, k, v, causal, key_lengths, attn_mask, params_json));
+}
+
+// Eager form: the forward runs the type with autograd on, on leaves that
+// share q, k and v's memory, and keeps that graph (through the saved inner
+// output); the backward differentiates it. The caller gets a detached alias
+// of the inner output, so the autograd Function never rewires the inner
+// graph's node. retain_graph on the inner graph, so a caller's
+// retain_graph=True backward can run again; its buffers go when this node
+// releases its saved variables (after a backward without retain_graph).
+class EagerAttentionFunction : public torch::autograd::Function<EagerAttentionFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, std::string type,
+                            const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            bool causal, const c10::optional<at::Tensor>& key_lengths,
+                            const c10::optional<at::Tensor>& attn_mask, std::string params_json) {
+    const auto leaf = [](const at::Tensor& t) {
+      return t.detach().requires_grad_(t.requires_grad());
+    };
+    auto ql = leaf(q), kl = leaf(k), vl = leaf(v);
+    at::Tensor inner;
+    {
+      at::AutoGradMode grad_mode(true);
+      inner = run_type(type, ql, kl, vl, causal, key_lengths, attn_mask, params_json);
+    }
+    check_finite_result("fastattn::attention", type, params_json, inner, q, k, v,
+                        attn_mask ? at::TensorList(*attn_mask) : at::TensorList());
+    ctx->save_for_backward({ql, kl, vl, inner});
+    at::Tensor out = inner.detach();
+    // Not sharing memory with the inputs, in q's row layout (as attention_forward).
+    if (out.is_alias_of(q) || out.is_alias_of(k) || out.is_alias_of(v)) out = out.clone();
+    return ops::in_rows_layout_of(out, q);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    std::vector<at::Tensor> inputs, result(3);
+    std::vector<int> index;
+    for (int i = 0; i < 3; ++i) {
+      if (saved[i].requires_grad()) {
+        inputs.push_back(saved[i]);
+        index.push_back(i);
+      }
+    }
+    if (saved[3].requires_grad() && !inputs.empty()) {
+      auto g = torch::autograd::grad({saved[3]}, inputs, {grads[0]}, /*retain_graph=*/true,
+                                     /*create_graph=*/false, /*allow_unused=*/true);
+      for (size_t j = 0; j < index.size(); ++j) result[index[j]] = g[j];
+    }
+    // Zeros for an input the output does not depend on (as attention_backward),
+    // in the inputs' row layouts.
+    for (int i = 0; i < 3; ++i) {
+      if (!saved[i].requires_grad()) continue;
+      if (!result[i].defined()) result[i] = at::zeros(saved[i].sizes(), saved[i].options());
+      result[i] = ops::in_rows_layout_of(result[i], saved[i]);
+    }
+    return {at::Tensor(), result[0], result[1], result[2], at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor()};
+  }
+};
+
+// Plain eager tensors: no Python subclass (fake, functional), no functorch
+// wrapper, no dispatch mode active. Anything else is being traced or
+// transformed and takes the opaque forward/backward pair.
+bool eager_tensors(std::initializer_list<const at::Tensor*> tensors) {
+  if (c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Python)) return false;
+  const c10::DispatchKeySet traced({c10::DispatchKey::Python, c10::DispatchKey::Functionalize,
+                                    c10::DispatchKey::FuncTorchGradWrapper,
+                                    c10::DispatchKey::FuncTorchBatched});
+  for (const at::Tensor* t : tensors) {
+    if (t == nullptr || !t->defined()) continue;
+    if (t->is_meta() || (t->key_set() & traced) != c10::DispatchKeySet()) return false;
+  }
+  return true;
+}
+
+at::Tensor attention_autograd(std::string type, const at::Tensor& q, const at::Tensor& k,
+                              const at::Tensor& v, bool causal,
+                              const c10::optional<at::Tensor>& key_lengths,
+                              const c10::optional<at::Tensor>& attn_mask, std::string params_json) {
+  if (!records_grad(q, k, v)) {
+    at::AutoDispatchBelowAutograd below;
+    return attention_no_grad(type, q, k, v, causal, key_lengths, attn_mask, params_json);
+  }
+  if (eager_tensors({&q, &k, &v, key_lengths ? &*key_lengths : nullptr,
+                     attn_mask ? &*attn_mask : nullptr}))
+    return EagerAttentionFunction::apply(type, q, k, v, causal, key_lengths, attn_mask,
+                                         params_json);
+  return AttentionFunction::apply(type, q, k, v, causal, key_lengths, attn_mask, params_json);
 }
 
 void check_step_shapes(const char* op, const at::Tensor& q, const at::Tensor& v) {
@@ -374,14 +469,6 @@ at::Tensor attention_step_in_place(std::string type, const at::Tensor& q, const 
   return out;
 }
 
-// Whether autograd records a step of these inputs.
-bool step_needs_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                     at::TensorList state) {
-  bool needs = q.requires_grad() || k.requires_grad() || v.requires_grad();
-  for (const auto& t : state) needs = needs || t.requires_grad();
-  return needs && at::GradMode::is_enabled();
-}
-
 // The Autograd kernels of the step operators. Without gradients to record,
 // the call goes on below autograd (to the kernel, or to the fake
 // implementation when torch.compile traces). With them, attention_step runs
@@ -391,7 +478,7 @@ bool step_needs_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 std::tuple<at::Tensor, std::vector<at::Tensor>> attention_step_autograd(
     std::string type, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     at::TensorList state, std::string params_json) {
-  if (step_needs_grad(q, k, v, state)) return attention_step(type, q, k, v, state, params_json);
+  if (records_grad(q, k, v, state)) return attention_step(type, q, k, v, state, params_json);
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fastattn::attention_step", "")
                        .typed<decltype(attention_step)>();
@@ -402,7 +489,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> attention_step_autograd(
 at::Tensor attention_step_in_place_autograd(std::string type, const at::Tensor& q,
                                             const at::Tensor& k, const at::Tensor& v,
                                             at::TensorList state, std::string params_json) {
-  TORCH_CHECK(!step_needs_grad(q, k, v, state),
+  TORCH_CHECK(!records_grad(q, k, v, state),
               "fastattn::attention_step_ steps a state in place for inference and has no "
               "gradients: run it under torch.no_grad(), or use attention_step (functional, "
               "differentiable)");

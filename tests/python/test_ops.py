@@ -491,3 +491,52 @@ def test_registry_keeps_the_row_layout_of_strided_inputs(type, params):
         assert g.shape == x.shape and g.stride() == x.stride(), (type, g.stride())
         assert d.is_contiguous(), (type, d.stride())
         torch.testing.assert_close(g, d, rtol=1e-5, atol=1e-6)
+
+
+def test_eager_backward_does_not_rerun_the_forward():
+    # Eagerly, `attention` keeps the type's autograd graph from the forward:
+    # the backward differentiates it rather than running the forward again
+    # (which the traced attention_backward operator does).
+    q, k, v = (t.requires_grad_(True) for t in make_inputs(1, 2, 16, 16, 4, 4, seed=2))
+    with torch.profiler.profile() as prof:
+        out = fastattn.attention("full", q, k, v, causal=True)
+        out.backward(torch.ones_like(out))
+    names = [e.name for e in prof.events()]
+    assert names.count("fastattn::full_attention_forward") == 1, names
+    assert names.count("fastattn::full_attention_backward") == 1, names
+
+
+@pytest.mark.parametrize("type,params", [("full", {}), ("linear", {}), ("causal-linear", {}),
+                                         ("clustered", {"clusters": 3, "seed": 1}),
+                                         ("reformer", {"seed": 1, "chunk_size": 4}),
+                                         ("local", {"window": 3})])
+@pytest.mark.parametrize("wanted", ["qkv", "k", "qv"])
+def test_eager_gradients_equal_the_traced_operators(type, params, wanted):
+    # The eager graph and the traced pair (attention_forward, then
+    # attention_backward recomputing the forward) give the same output and
+    # gradients, for strided inputs and for any subset of inputs that
+    # requires a gradient (the others get none).
+    torch.manual_seed(0)
+    base = [torch.randn(2, 12, 3, 4, dtype=torch.float64) for _ in range(3)]
+    q, k, v = (b.transpose(1, 2) for b in base)  # the layers' (N, H, L, E) views
+    causal = type.startswith("causal")
+    params_json = fastattn._params_json(params)
+    lengths = torch.tensor([12, 9])
+    out, rng = fastattn.ops.attention_forward(type, q, k, v, causal, lengths, None, params_json)
+    g = torch.randn_like(out)
+    want = fastattn.ops.attention_backward(type, g, q, k, v, causal, lengths, None, params_json,
+                                           rng)
+    leaves = [t.detach().clone().requires_grad_(name in wanted) for t, name in zip((q, k, v), "qkv")]
+    got_out = fastattn.attention(type, *leaves, causal=causal, key_lengths=lengths, **params)
+    torch.testing.assert_close(got_out, out, rtol=1e-12, atol=1e-12)
+    assert got_out.stride() == out.stride()
+    for retained in (True, False):  # a retained graph runs its backward again
+        for t in leaves:
+            t.grad = None
+        got_out.backward(g, retain_graph=retained)
+        for t, name, w in zip(leaves, "qkv", want):
+            if name not in wanted:
+                assert t.grad is None
+                continue
+            assert t.grad.stride() == t.stride(), (type, name, t.grad.stride())
+            torch.testing.assert_close(t.grad, w, rtol=1e-9, atol=1e-10)
