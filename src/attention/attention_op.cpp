@@ -370,8 +370,8 @@ class EagerAttentionFunction : public torch::autograd::Function<EagerAttentionFu
       if (!result[i].defined()) result[i] = at::zeros(saved[i].sizes(), saved[i].options());
       result[i] = ops::in_rows_layout_of(result[i], saved[i]);
     }
-    return {at::Tensor(), result[0], result[1], result[2], at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor()};
+    return {at::Tensor(), result[0],    result[1],    result[2],
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -398,8 +398,8 @@ at::Tensor attention_autograd(std::string type, const at::Tensor& q, const at::T
     at::AutoDispatchBelowAutograd below;
     return attention_no_grad(type, q, k, v, causal, key_lengths, attn_mask, params_json);
   }
-  if (eager_tensors({&q, &k, &v, key_lengths ? &*key_lengths : nullptr,
-                     attn_mask ? &*attn_mask : nullptr}))
+  if (eager_tensors(
+          {&q, &k, &v, key_lengths ? &*key_lengths : nullptr, attn_mask ? &*attn_mask : nullptr}))
     return EagerAttentionFunction::apply(type, q, k, v, causal, key_lengths, attn_mask,
                                          params_json);
   return AttentionFunction::apply(type, q, k, v, causal, key_lengths, attn_mask, params_json);

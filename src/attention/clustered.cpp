@@ -48,12 +48,15 @@ double temp_or_default(const Tensor& q, std::optional<double> softmax_temp) {
 }
 
 // Row index of each query's cluster in a flat (N·H·C + 1) table; padded
-// queries point at the last row (a zero row / a sink). (N·H·L,) int64.
-Tensor flat_cluster_index(const QueryClusters& c) {
+// queries point at the last row (a zero row / a sink). (N·H·L,) int64, in
+// the (N, L, H) order when heads_in_rows (the memory order of the layers'
+// (N, L, H, E) projections viewed as (N, H, L, E): ops::heads_within_rows).
+Tensor flat_cluster_index(const QueryClusters& c, bool heads_in_rows = false) {
   const auto& a = c.assignments;
   const int64_t N = a.size(0), H = a.size(1), C = c.counts.size(2);
   auto base = torch::arange(N * H, a.options()).view({N, H, 1}) * C;
-  return torch::where(a.ge(0), base + a, torch::full({}, N * H * C, a.options())).reshape({-1});
+  auto index = torch::where(a.ge(0), base + a, torch::full({}, N * H * C, a.options()));
+  return (heads_in_rows ? index.transpose(1, 2) : index).reshape({-1});
 }
 
 void check_clusters(const char* what, const Tensor& q, const QueryClusters& c) {
@@ -131,12 +134,17 @@ Tensor maybe_dropout(const Tensor& x, double p) {
   return p > 0 ? torch::dropout(x, p, /*train=*/true) : x;
 }
 
-// Centroid values (N, H, C, M) -> per query (N, H, L, M), zeros for padding.
-Tensor broadcast_to_queries(const Tensor& centroid_values, const QueryClusters& c) {
+// Centroid values (N, H, C, M) -> per query (N, H, L, M), zeros for padding,
+// in the row layout of the queries (ops::empty_rows_like's rule), so that
+// the layers' transpose back is a view.
+Tensor broadcast_to_queries(const Tensor& centroid_values, const QueryClusters& c,
+                            const Tensor& queries) {
   const int64_t N = centroid_values.size(0), H = centroid_values.size(1),
                 C = centroid_values.size(2), M = centroid_values.size(3), L = c.assignments.size(2);
   auto table = torch::cat(
       {centroid_values.reshape({N * H * C, M}), torch::zeros({1, M}, centroid_values.options())});
+  if (ops::heads_within_rows(queries))
+    return table.index_select(0, flat_cluster_index(c, true)).view({N, L, H, M}).transpose(1, 2);
   return table.index_select(0, flat_cluster_index(c)).view({N, H, L, M});
 }
 
@@ -195,8 +203,11 @@ Tensor cluster_centroids(const Tensor& queries, const QueryClusters& clusters) {
   check_clusters("cluster_centroids", queries, clusters);
   const int64_t N = queries.size(0), H = queries.size(1), E = queries.size(3),
                 C = clusters.counts.size(2);
+  // The rows in memory order: the layers' (N, L, H, E) views are summed in place.
+  const bool heads_in_rows = ops::heads_within_rows(queries);
+  const auto rows = (heads_in_rows ? queries.transpose(1, 2) : queries).reshape({-1, E});
   auto sums = torch::zeros({N * H * C + 1, E}, queries.options())
-                  .index_add(0, flat_cluster_index(clusters), queries.reshape({-1, E}));
+                  .index_add(0, flat_cluster_index(clusters, heads_in_rows), rows);
   auto counts = clusters.counts.clamp_min(1).to(queries.scalar_type()).unsqueeze(-1);
   return sums.narrow(0, 0, N * H * C).view({N, H, C, E}) / counts;
 }
@@ -217,7 +228,7 @@ Tensor clustered_attention(const Tensor& queries, const Tensor& keys, const Tens
     centroid_values = full_attention(centroids, keys, values, std::nullopt, key_lengths,
                                      /*causal=*/false, softmax_temp);
   }
-  return broadcast_to_queries(centroid_values, clusters);
+  return broadcast_to_queries(centroid_values, clusters, queries);
 }
 
 Tensor improved_clustered_attention(const Tensor& queries, const Tensor& keys, const Tensor& values,
@@ -243,7 +254,7 @@ Tensor improved_clustered_attention(const Tensor& queries, const Tensor& keys, c
     auto rest_values = torch::matmul(maybe_dropout(rest, dropout), values);  // (N, H, C, M)
     return top_part_with_dropout(queries, keys, values, clusters, top_idx, mass, key_lengths, temp,
                                  dropout) +
-           broadcast_to_queries(rest_values, clusters);
+           broadcast_to_queries(rest_values, clusters, queries);
   }
   // The fused operator: one pass of the centroids over the keys (output,
   // log-sum-exp and top-k keys of each, never (N, H, C, S)), then per cluster

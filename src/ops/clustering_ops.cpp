@@ -78,7 +78,7 @@ Tensor hash_queries_cpu(const Tensor& x, const Tensor& planes) {
   ops::check_hash_inputs(x, planes);
   if (ops::is_reduced_float(x))
     return ops::in_float32(x.scalar_type(), hash_queries_cpu, x, planes);
-  auto xc = x.contiguous();
+  auto xc = ops::rows_contiguous(x);  // the layers' (N, L, H, E) views read in place
   auto pc = planes.contiguous();
   auto codes = torch::empty({x.size(0), x.size(1), x.size(2)}, x.options().dtype(torch::kLong));
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "hash_queries_cpu", [&] {
@@ -88,6 +88,9 @@ Tensor hash_queries_cpu(const Tensor& x, const Tensor& planes) {
     p.codes = codes.data_ptr<int64_t>();
     p.rows = x.size(0) * x.size(1) * x.size(2);
     p.E = x.size(3);
+    p.x_rows = ops::row_strides(xc);
+    p.H = x.size(1);
+    p.L = x.size(2);
     p.B = static_cast<int>(planes.size(0));
     p.num_threads = at::get_num_threads();
     kernels::hash_queries_cpu(p);

@@ -102,12 +102,6 @@ kernels::RowStrides row_strides(const torch::Tensor& t) {
 
 namespace {
 
-// Whether `like` (N, H, R, C) has its heads within its rows: the layout of
-// empty_rows_like, which python/fastattn/_fake.py's _rows_like repeats.
-bool heads_within_rows(const torch::Tensor& like) {
-  return like.size(1) > 1 && like.size(2) > 1 && like.stride(1) < like.stride(2);
-}
-
 torch::Tensor empty_in_layout(bool heads_in_rows, int64_t N, int64_t H, int64_t rows, int64_t cols,
                               const torch::TensorOptions& options) {
   if (heads_in_rows) return torch::empty({N, rows, H, cols}, options).transpose(1, 2);
@@ -115,6 +109,10 @@ torch::Tensor empty_in_layout(bool heads_in_rows, int64_t N, int64_t H, int64_t 
 }
 
 }  // namespace
+
+bool heads_within_rows(const torch::Tensor& like) {
+  return like.size(1) > 1 && like.size(2) > 1 && like.stride(1) < like.stride(2);
+}
 
 torch::Tensor empty_rows_like(const torch::Tensor& like, int64_t cols, int64_t rows) {
   return empty_in_layout(heads_within_rows(like), like.size(0), like.size(1),

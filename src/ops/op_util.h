@@ -107,6 +107,11 @@ auto in_float32(torch::ScalarType dtype, Fn&& fn, const Args&... args) {
 torch::Tensor rows_contiguous(const torch::Tensor& t);
 // The row strides of such a tensor (N, H, rows, cols).
 kernels::RowStrides row_strides(const torch::Tensor& t);
+// Whether `like` (N, H, R, C) has its heads within its rows: the layout of
+// the layers' (N, L, H, E) projections viewed as (N, H, L, E), in which
+// like.transpose(1, 2) lists the rows in memory order. empty_rows_like's
+// rule, which python/fastattn/_fake.py's _rows_like repeats.
+bool heads_within_rows(const torch::Tensor& like);
 // An uninitialised (N, H, rows, cols) tensor of like's dtype and device, for
 // N, H of like and `rows` (default: like's): laid out (N, rows, H, cols) when
 // like's heads lie within its rows (the layers' projections viewed as

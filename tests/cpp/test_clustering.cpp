@@ -78,6 +78,24 @@ TEST(HashQueries, NonContiguousAndEmpty) {
   EXPECT_EQ(hash_queries(torch::randn({1, 2, 0, 8}), torch::randn({3, 9})).numel(), 0);
 }
 
+TEST(HashQueries, ReadsRowLayoutsInPlace) {
+  // The layers' (N, L, H, E) buffers viewed as (N, H, L, E), with padded
+  // rows, and a head broadcast with stride 0: read in place (the kernel takes
+  // row strides), the same codes as the contiguous copy. L odd and more rows
+  // than one work item, so row pairs and items cross head boundaries.
+  torch::manual_seed(3);
+  auto planes = torch::randn({37, 9}, torch::kDouble);
+  for (auto dtype : {torch::kDouble, torch::kFloat}) {
+    auto padded = torch::randn({2, 301, 3, 11}, dtype).narrow(3, 0, 8).transpose(1, 2);
+    auto broadcast = torch::randn({2, 1, 301, 8}, dtype).expand({2, 3, 301, 8});
+    for (const auto& x : {padded, broadcast}) {
+      ASSERT_FALSE(x.is_contiguous());
+      const auto p = planes.to(dtype);
+      EXPECT_TRUE(torch::equal(hash_queries(x, p), hash_queries(x.contiguous(), p)));
+    }
+  }
+}
+
 TEST(HashQueries, BadInputsNameTheArgument) {
   auto x = torch::randn({1, 2, 5, 4});
   EXPECT_ERROR_CONTAINS(hash_queries(x[0], torch::randn({3, 5})), "x must have shape");

@@ -14,6 +14,9 @@
 
 namespace fastattn::kernels {
 
+// Queries per forward tile: each tile reads all of K and V.
+inline constexpr int64_t kFullForwardQueryTile = 96;
+
 template <typename T>
 struct FullAttentionParams {
   const T* q = nullptr;               // (N, H, L, E), rows at q_rows

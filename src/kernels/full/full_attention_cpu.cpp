@@ -29,10 +29,10 @@
 FASTATTN_ISA_BEGIN
 namespace {
 
-constexpr int64_t kFwdBr = 96;   // queries per forward tile (a multiple of 6)
-constexpr int64_t kFwdBc = 128;  // keys per forward tile
-constexpr int64_t kBwdBr = 48;   // queries per backward tile
-constexpr int64_t kBwdBc = 64;   // keys per backward tile
+constexpr int64_t kFwdBr = kFullForwardQueryTile;  // a multiple of 6
+constexpr int64_t kFwdBc = 128;                    // keys per forward tile
+constexpr int64_t kBwdBr = 48;                     // queries per backward tile
+constexpr int64_t kBwdBc = 64;                     // keys per backward tile
 
 // Number of keys query i may see within [j0, j0 + cols): causal cut-off.
 inline int64_t visible_cols(bool causal, int64_t i, int64_t offset, int64_t j0, int64_t cols) {

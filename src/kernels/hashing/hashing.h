@@ -10,14 +10,20 @@
 
 #include <cstdint>
 
+#include "kernels/common/rows.h"
+
 namespace fastattn::kernels {
 
 template <typename T>
 struct HashParams {
-  const T* x = nullptr;       // (rows, E) contiguous: rows = N·H·L
+  const T* x = nullptr;       // (N, H, L, E), rows at x_rows: rows = N·H·L
   const T* planes = nullptr;  // (B, E + 1) contiguous: w_b = planes[b, :E], bias_b = planes[b, E]
-  int64_t* codes = nullptr;   // (rows,), written
+  int64_t* codes = nullptr;   // (rows,) contiguous, written
   int64_t rows = 0, E = 0;
+  // Default: the rows follow one another. Otherwise row (n, h, l) = r of
+  // x at x_rows (kernels/common/rows.h), r = (n·H + h)·L + l.
+  RowStrides x_rows;
+  int64_t H = 1, L = 1;
   int B = 0;  // bits, in [1, 64]
   int num_threads = 1;
 };

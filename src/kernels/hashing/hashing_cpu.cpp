@@ -54,6 +54,9 @@ void hash_queries_cpu(const HashParams<T>& p) {
   std::vector<T> pt(static_cast<size_t>((E + 1) * B_pad), T(0));
   for (int b = 0; b < B; ++b)
     for (int64_t e = 0; e <= E; ++e) pt[e * B_pad + b] = p.planes[b * (E + 1) + e];
+  const RowStrides xr = p.x_rows.resolved(1, p.rows, E);  // sr = E when not given
+  const int64_t L = p.x_rows.sr >= 0 ? p.L : p.rows;
+  const auto row = [&](int64_t r) { return xr.head(p.x, r / L, p.H) + (r % L) * xr.sr; };
   const int64_t items = (p.rows + kRowsPerItem - 1) / kRowsPerItem;
   struct Scratch {
     std::vector<T> acc;  // (2, B_pad)
@@ -65,8 +68,8 @@ void hash_queries_cpu(const HashParams<T>& p) {
         for (int64_t r = item * kRowsPerItem; r < r1; r += 2) {
           // The second row repeats the first when the item has an odd row out.
           const bool pair = r + 1 < r1;
-          const T* x0 = p.x + r * E;
-          const T* x1 = pair ? x0 + E : x0;
+          const T* x0 = row(r);
+          const T* x1 = pair ? row(r + 1) : x0;
           for (int64_t b0 = 0; b0 < B_pad; b0 += kGroup) {
             const T* w = pt.data() + b0;
             V a[4], c[4];
