@@ -86,7 +86,8 @@ Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v, const std::s
                  c10::IntArrayRef params, const c10::optional<Tensor>& key_lengths, bool causal) {
   const std::vector<int64_t> pv(params.begin(), params.end());
   const int kind = ops::check_block_sparse_inputs(kOp, q, k, v, pattern, pv, key_lengths);
-  Prepared p{q.contiguous(), k.contiguous(), v.contiguous(), {}, {}};
+  // Rows read in place (the layers' (N, L, H, E) views): the kernel takes row strides.
+  Prepared p{ops::rows_contiguous(q), ops::rows_contiguous(k), ops::rows_contiguous(v), {}, {}};
   if (key_lengths) p.lengths = key_lengths->to(torch::kLong).contiguous();
   p.parts = kernels::make_sparse_parts(kind, pv, causal, q.size(1));
   return p;
@@ -97,6 +98,9 @@ void fill_params(Args& a, const Prepared& p, double temp) {
   a.q = p.q.data_ptr<T>();
   a.k = p.k.data_ptr<T>();
   a.v = p.v.data_ptr<T>();
+  a.q_rows = ops::row_strides(p.q);
+  a.k_rows = ops::row_strides(p.k);
+  a.v_rows = ops::row_strides(p.v);
   a.N = p.q.size(0);
   a.H = p.q.size(1);
   a.L = p.q.size(2);
@@ -115,15 +119,19 @@ std::tuple<Tensor, Tensor> forward_cpu(const Tensor& q, const Tensor& k, const T
                                        const c10::optional<Tensor>& key_lengths, bool causal,
                                        double softmax_temp) {
   const auto p = prepare(q, k, v, std::string(pattern), params, key_lengths, causal);
-  if (ops::is_reduced_float(q))
-    return ops::in_float32<1>(q.scalar_type(), forward_cpu, q, k, v, pattern, params, key_lengths,
-                              causal, softmax_temp);
-  auto out = torch::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+  if (ops::is_reduced_float(q)) {
+    auto [out, lse] = ops::in_float32<1>(q.scalar_type(), forward_cpu, q, k, v, pattern, params,
+                                         key_lengths, causal, softmax_temp);
+    return {ops::in_rows_layout_of(out, q), lse};
+  }
+  // out in q's row layout: the layers' transpose back to (N, L, H, M) is a view.
+  auto out = ops::empty_rows_like(q, v.size(3));
   auto lse = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "block_sparse_attention_forward_cpu", [&] {
     kernels::BlockSparseForwardArgs<scalar_t> a;
     fill_params<scalar_t>(a, p, softmax_temp);
     a.out = out.data_ptr<scalar_t>();
+    a.out_rows = ops::row_strides(out);
     a.lse = lse.data_ptr<scalar_t>();
     kernels::block_sparse_attention_forward_cpu(a);
   });
@@ -138,13 +146,18 @@ std::tuple<Tensor, Tensor, Tensor> backward_cpu(const Tensor& grad_out, const Te
                                                 bool causal, double softmax_temp) {
   const auto p = prepare(q, k, v, std::string(pattern), params, key_lengths, causal);
   ops::check_block_sparse_backward(kOp, grad_out, out, lse);
-  if (ops::is_reduced_float(q))
-    return ops::in_float32(q.scalar_type(), backward_cpu, grad_out, q, k, v, out, lse, pattern,
-                           params, key_lengths, causal, softmax_temp);
-  auto go = grad_out.to(q.scalar_type()).contiguous();
+  if (ops::is_reduced_float(q)) {
+    auto [gq, gk, gv] = ops::in_float32(q.scalar_type(), backward_cpu, grad_out, q, k, v, out, lse,
+                                        pattern, params, key_lengths, causal, softmax_temp);
+    return {ops::in_rows_layout_of(gq, q), ops::in_rows_layout_of(gk, k),
+            ops::in_rows_layout_of(gv, v)};
+  }
+  auto go = ops::rows_contiguous(grad_out.to(q.scalar_type()));
   auto delta = (go * out).sum(-1).contiguous();  // (N, H, L)
   auto lse_c = lse.contiguous();
-  auto gq = torch::empty_like(p.q), gk = torch::empty_like(p.k), gv = torch::empty_like(p.v);
+  // Gradients in the inputs' row layouts (as the fake implementation promises).
+  auto gq = ops::empty_rows_like(q, q.size(3)), gk = ops::empty_rows_like(k, k.size(3)),
+       gv = ops::empty_rows_like(v, v.size(3));
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "block_sparse_attention_backward_cpu", [&] {
     kernels::BlockSparseBackwardArgs<scalar_t> a;
     fill_params<scalar_t>(a, p, softmax_temp);
@@ -154,6 +167,10 @@ std::tuple<Tensor, Tensor, Tensor> backward_cpu(const Tensor& grad_out, const Te
     a.grad_q = gq.data_ptr<scalar_t>();
     a.grad_k = gk.data_ptr<scalar_t>();
     a.grad_v = gv.data_ptr<scalar_t>();
+    a.grad_out_rows = ops::row_strides(go);
+    a.grad_q_rows = ops::row_strides(gq);
+    a.grad_k_rows = ops::row_strides(gk);
+    a.grad_v_rows = ops::row_strides(gv);
     kernels::block_sparse_attention_backward_cpu(a);
   });
   return {gq, gk, gv};

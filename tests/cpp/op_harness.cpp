@@ -122,7 +122,9 @@ void check_row_layouts(const QkvOp& op, int64_t N, int64_t H, int64_t L, int64_t
     EXPECT_TRUE(out.transpose(1, 2).is_contiguous()) << out.strides();
   }
   EXPECT_TRUE(ref.is_contiguous()) << ref.strides();
-  auto w = torch::randn(out.sizes(), f64);
+  // The loss's gradient in the layers' layout too: grad_out read in place.
+  auto w = interleaved ? torch::randn({N, L, H, M}, f64).transpose(1, 2)
+                       : torch::randn({N, H, L, M}, f64);
   auto g = torch::autograd::grad({(out * w).sum()}, {q, k, v});
   auto gc = torch::autograd::grad({(ref * w).sum()}, {qc, kc, vc});
   const char* names[] = {"grad q", "grad k", "grad v"};

@@ -48,8 +48,9 @@ using QkvOp =
 // out as the layers lay them out and worse (q an (N, L, H, E) buffer viewed
 // as (N, H, L, E); k the same with padded rows; v broadcast over the heads,
 // stride 0) against the op on contiguous copies: outputs and the gradients of
-// a random linear loss within tol, the output and q's gradient in q's
-// (N, L, H, ·) memory order, the contiguous call's output contiguous.
+// a random linear loss (whose gradient, grad_out, is in the (N, L, H, M)
+// order too) within tol, the output and q's gradient in q's (N, L, H, ·)
+// memory order, the contiguous call's output contiguous.
 void check_row_layouts(const QkvOp& op, int64_t N, int64_t H, int64_t L, int64_t S, int64_t E,
                        int64_t M, double tol = 1e-12);
 

@@ -174,6 +174,28 @@ TEST(SparseAttention, EqualsFullAttentionWithDenseMask) {
   }
 }
 
+// The layers' (N, L, H, E) views, padded rows and heads broadcast with
+// stride 0 are read and written in place (the kernel takes row strides), as
+// the contiguous copies give: the identity order (local, several query and
+// key tiles, S != L), the residue and summary orders (strided, fixed) that
+// gather rows, two parts per head, causal, key lengths.
+TEST(SparseAttention, ReadsAndWritesRowLayoutsInPlace) {
+  using torch::Tensor;
+  const auto lengths = torch::tensor({int64_t(150), int64_t(97)}, torch::kLong);
+  const std::vector<std::pair<std::string, std::vector<int64_t>>> patterns = {
+      {"local", {37}}, {"strided", {9, 0}}, {"fixed", {10, 3, 3, 0}}};
+  for (const auto& [pattern, params] : patterns) {
+    for (bool causal : {false, true}) {
+      SCOPED_TRACE(pattern + " causal=" + std::to_string(causal));
+      testing::check_row_layouts(
+          [&](const Tensor& q, const Tensor& k, const Tensor& v) {
+            return block_sparse_attention(q, k, v, pattern, params, lengths, causal);
+          },
+          2, 3, causal ? 150 : 130, 150, 8, 6);
+    }
+  }
+}
+
 // local equals full attention with a band mask built here from its definition.
 TEST(LocalAttention, EqualsFullWithBandMask) {
   const int64_t L = 97, S = 97, w = 10;

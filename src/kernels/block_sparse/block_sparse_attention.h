@@ -27,6 +27,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernels/common/rows.h"
+
 namespace fastattn::kernels {
 
 enum class SparsePartKind : int {
@@ -62,9 +64,10 @@ enum SparsePattern : int { kLocalPattern = 0, kStridedPattern = 1, kFixedPattern
 
 template <typename T>
 struct BlockSparseParams {
-  const T* q = nullptr;                  // (N, H, L, E) contiguous
-  const T* k = nullptr;                  // (N, H, S, E) contiguous
-  const T* v = nullptr;                  // (N, H, S, M) contiguous
+  const T* q = nullptr;                  // (N, H, L, E), rows at q_rows
+  const T* k = nullptr;                  // (N, H, S, E), rows at k_rows
+  const T* v = nullptr;                  // (N, H, S, M), rows at v_rows
+  RowStrides q_rows, k_rows, v_rows;     // kernels/common/rows.h; default: contiguous
   const int64_t* key_lengths = nullptr;  // (N,) in [0, S], or nullptr for S
   int64_t N = 0, H = 0, L = 0, S = 0, E = 0, M = 0;
   T scale = 1;  // softmax temperature applied to q·k
@@ -75,18 +78,20 @@ struct BlockSparseParams {
 
 template <typename T>
 struct BlockSparseForwardArgs : BlockSparseParams<T> {
-  T* out = nullptr;  // (N, H, L, M)
-  T* lse = nullptr;  // (N, H, L): log-sum-exp of the kept scaled scores, -inf if none
+  T* out = nullptr;  // (N, H, L, M), rows at out_rows
+  T* lse = nullptr;  // (N, H, L) contiguous: log-sum-exp of the kept scaled scores, -inf if none
+  RowStrides out_rows;
 };
 
 template <typename T>
 struct BlockSparseBackwardArgs : BlockSparseParams<T> {
-  const T* grad_out = nullptr;  // (N, H, L, M) contiguous
-  const T* lse = nullptr;       // (N, H, L) from the forward
-  const T* delta = nullptr;     // (N, H, L): rowsum(grad_out ∘ out)
+  const T* grad_out = nullptr;  // (N, H, L, M), rows at grad_out_rows
+  const T* lse = nullptr;       // (N, H, L) contiguous, from the forward
+  const T* delta = nullptr;     // (N, H, L) contiguous: rowsum(grad_out ∘ out)
   T* grad_q = nullptr;          // (N, H, L, E), written
   T* grad_k = nullptr;          // (N, H, S, E), written
   T* grad_v = nullptr;          // (N, H, S, M), written
+  RowStrides grad_out_rows, grad_q_rows, grad_k_rows, grad_v_rows;  // default: contiguous
 };
 
 // ---- the parts as plain arrays (what the CUDA kernels read) --------------------

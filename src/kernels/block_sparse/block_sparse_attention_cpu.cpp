@@ -256,8 +256,9 @@ struct OrderedKeys {
 };
 
 template <typename T>
-OrderedKeys<T> order_keys(const T* x, const PartGeometries& pg, int64_t N, int64_t H, int64_t S,
-                          int64_t D, bool want_panels, bool want_rows, int num_threads) {
+OrderedKeys<T> order_keys(const T* x, const RowStrides& xr, const PartGeometries& pg, int64_t N,
+                          int64_t H, int64_t S, int64_t D, bool want_panels, bool want_rows,
+                          int num_threads) {
   constexpr int64_t NR = panel_width<T>();
   int64_t Sp = 0;
   bool identity = true;
@@ -277,8 +278,9 @@ OrderedKeys<T> order_keys(const T* x, const PartGeometries& pg, int64_t N, int64
       [&](int64_t nh, Gather& w) {
         const Geometry* g = pg.of(nh % H);
         if (g == nullptr) return;
-        const T* src = x + nh * S * D;
+        const T* src = xr.head(x, nh, H);  // row j at src + j·sr
         const T* ordered = src;
+        int64_t ld = xr.sr;
         if (!g->k_order.empty()) {
           T* dst = ok.rows ? ok.rows.get() + nh * Sp * D : nullptr;
           if (dst == nullptr) {
@@ -286,20 +288,29 @@ OrderedKeys<T> order_keys(const T* x, const PartGeometries& pg, int64_t N, int64
             dst = w.buf.data();
           }
           for (int64_t t = 0; t < g->Sp; ++t)
-            std::copy(src + g->k_order[t] * D, src + g->k_order[t] * D + D, dst + t * D);
+            std::copy(src + g->k_order[t] * xr.sr, src + g->k_order[t] * xr.sr + D, dst + t * D);
           ordered = dst;
+          ld = D;
         }
         if (ok.panels)
-          pack_transposed_panels(ordered, g->Sp, D, D, ok.S_pad,
+          pack_transposed_panels(ordered, g->Sp, D, ld, ok.S_pad,
                                  ok.panels.get() + nh * ok.S_pad * D);
       });
   return ok;
 }
 
+// Head nh's keys (or values) in the part's order, row t at rows + t·ld: the
+// ordered copy, or the input in place when the order is the identity.
 template <typename T>
-const T* ordered_rows(const OrderedKeys<T>& ok, const T* x, int64_t nh, int64_t S, int64_t Sp,
-                      int64_t D) {
-  return ok.rows ? ok.rows.get() + nh * Sp * D : x + nh * S * D;
+struct Rows {
+  const T* rows;
+  int64_t ld;
+};
+template <typename T>
+Rows<T> ordered_rows(const OrderedKeys<T>& ok, const T* x, const RowStrides& xr, int64_t nh,
+                     int64_t H, int64_t Sp, int64_t D) {
+  if (ok.rows) return {ok.rows.get() + nh * Sp * D, D};
+  return {xr.head(x, nh, H), xr.sr};
 }
 
 int64_t max_sp(const PartGeometries& pg) {
@@ -352,14 +363,15 @@ struct TileRows {
     kb_hi = hi < 0 ? -1 : hi / kBk;
   }
 
-  // Rows of x (nh's (L, D) block) for this tile: in place when the order is
-  // the identity, else gathered into buf.
+  // Rows of x (nh's L rows of D entries, sr apart) for this tile, D apart: in
+  // place when the order is the identity and the rows follow one another,
+  // else gathered into buf.
   template <typename T>
-  const T* gather(const T* x, int64_t D, std::vector<T>& buf) const {
-    if (identity) return x + qidx[0] * D;
+  const T* gather(const T* x, int64_t sr, int64_t D, std::vector<T>& buf) const {
+    if (identity && sr == D) return x + qidx[0] * D;
     buf.resize(kBq * D);
     for (int64_t r = 0; r < rows; ++r)
-      std::copy(x + qidx[r] * D, x + qidx[r] * D + D, buf.data() + r * D);
+      std::copy(x + qidx[r] * sr, x + qidx[r] * sr + D, buf.data() + r * D);
     return buf.data();
   }
 
@@ -489,13 +501,17 @@ std::vector<int64_t> flatten_sparse_plans(const std::vector<SparsePartPlan>& pla
 }
 
 template <typename T>
-void block_sparse_attention_forward_cpu(const BlockSparseForwardArgs<T>& a) {
+void block_sparse_attention_forward_cpu(const BlockSparseForwardArgs<T>& args) {
+  BlockSparseForwardArgs<T> a = args;
+  resolve_qkv_rows(a);
+  a.out_rows = a.out_rows.resolved(a.H, a.L, a.M);
   const int64_t N = a.N, H = a.H, L = a.L, S = a.S, E = a.E, M = a.M, NH = N * H;
   if (NH == 0 || L == 0) return;
   constexpr int64_t NR = panel_width<T>();
   const int64_t q_tiles = (L + kBq - 1) / kBq;
+  const int64_t osr = a.out_rows.sr;
   // Heads that no part covers (none today) output zeros.
-  std::fill(a.out, a.out + NH * L * M, T(0));
+  zero_all_rows(a.out, a.out_rows, NH, H, L, M);
   std::fill(a.lse, a.lse + NH * L, neg_inf<T>());
   std::vector<T> lsum(a.num_parts > 1 ? NH * L : 0);
 
@@ -503,8 +519,8 @@ void block_sparse_attention_forward_cpu(const BlockSparseForwardArgs<T>& a) {
     const SparsePart& part = a.parts[k];
     const auto pg = make_part_geometries(part, H, L, S, false);
     const int64_t Sp = max_sp(pg);
-    const auto kk = order_keys(a.k, pg, N, H, S, E, true, false, a.num_threads);
-    const auto vv = order_keys(a.v, pg, N, H, S, M, false, true, a.num_threads);
+    const auto kk = order_keys(a.k, a.k_rows, pg, N, H, S, E, true, false, a.num_threads);
+    const auto vv = order_keys(a.v, a.v_rows, pg, N, H, S, M, false, true, a.num_threads);
     parallel_items<ForwardScratch<T>>(
         NH * q_tiles, a.num_threads,
         [&](ForwardScratch<T>& w) {
@@ -522,7 +538,7 @@ void block_sparse_attention_forward_cpu(const BlockSparseForwardArgs<T>& a) {
           tile.init(*g, t, len);
           const int64_t rows = tile.rows;
           const bool first = first_for(a.parts, k, h), last = last_for(a.parts, a.num_parts, k, h);
-          T* out = a.out + nh * L * M;
+          T* out = a.out_rows.head(a.out, nh, H);  // row i at out + i·osr
           T* lse = a.lse + nh * L;
           T* ls = lsum.empty() ? nullptr : lsum.data() + nh * L;
           for (int64_t r = 0; r < rows; ++r) {
@@ -532,15 +548,15 @@ void block_sparse_attention_forward_cpu(const BlockSparseForwardArgs<T>& a) {
               w.m[r] = neg_inf<T>();
               w.l[r] = T(0);
             } else {
-              std::copy(out + i * M, out + i * M + M, w.o.begin() + r * M);
+              std::copy(out + i * osr, out + i * osr + M, w.o.begin() + r * M);
               w.m[r] = lse[i];
               w.l[r] = ls[i];
             }
           }
           if (tile.kb_hi >= tile.kb_lo) {
-            const T* q = tile.gather(a.q + nh * L * E, E, w.qbuf);
+            const T* q = tile.gather(a.q_rows.head(a.q, nh, H), a.q_rows.sr, E, w.qbuf);
             const T* kp = kk.panels.get() + nh * kk.S_pad * E;
-            const T* vo = ordered_rows(vv, a.v, nh, S, Sp, M);
+            const Rows<T> vo = ordered_rows(vv, a.v, a.v_rows, nh, H, Sp, M);
             for (int64_t kb = tile.kb_lo; kb <= tile.kb_hi; ++kb) {
               const int64_t j0 = kb * kBk;
               const int64_t cols = std::min(kBk, g->Sp - j0);
@@ -564,7 +580,8 @@ void block_sparse_attention_forward_cpu(const BlockSparseForwardArgs<T>& a) {
                   for (int64_t c = 0; c < M; ++c) orow[c] *= alpha;
                 }
               }
-              gemm(rows, M, cols, w.s.data(), kBk, vo + j0 * M, M, w.o.data(), M, true);
+              gemm(rows, M, cols, w.s.data(), kBk, vo.rows + j0 * vo.ld, vo.ld, w.o.data(), M,
+                   true);
             }
           }
           for (int64_t r = 0; r < rows; ++r) {
@@ -572,10 +589,10 @@ void block_sparse_attention_forward_cpu(const BlockSparseForwardArgs<T>& a) {
             if (last) {
               const T l = w.l[r];
               const T inv = l > T(0) ? T(1) / l : T(0);
-              for (int64_t c = 0; c < M; ++c) out[i * M + c] = w.o[r * M + c] * inv;
+              for (int64_t c = 0; c < M; ++c) out[i * osr + c] = w.o[r * M + c] * inv;
               lse[i] = l > T(0) ? w.m[r] + std::log(l) : neg_inf<T>();
             } else {
-              std::copy(w.o.begin() + r * M, w.o.begin() + r * M + M, out + i * M);
+              std::copy(w.o.begin() + r * M, w.o.begin() + r * M + M, out + i * osr);
               lse[i] = w.m[r];
               ls[i] = w.l[r];
             }
@@ -619,11 +636,17 @@ void tile_p_ds(const BlockSparseBackwardArgs<T>& a, BackwardScratch<T>& w, const
 }  // namespace
 
 template <typename T>
-void block_sparse_attention_backward_cpu(const BlockSparseBackwardArgs<T>& a) {
+void block_sparse_attention_backward_cpu(const BlockSparseBackwardArgs<T>& args) {
+  BlockSparseBackwardArgs<T> a = args;
+  resolve_qkv_rows(a);
+  a.grad_out_rows = a.grad_out_rows.resolved(a.H, a.L, a.M);
+  a.grad_q_rows = a.grad_q_rows.resolved(a.H, a.L, a.E);
+  a.grad_k_rows = a.grad_k_rows.resolved(a.H, a.S, a.E);
+  a.grad_v_rows = a.grad_v_rows.resolved(a.H, a.S, a.M);
   const int64_t N = a.N, H = a.H, L = a.L, S = a.S, E = a.E, M = a.M, NH = N * H;
-  std::fill(a.grad_q, a.grad_q + NH * L * E, T(0));
-  std::fill(a.grad_k, a.grad_k + NH * S * E, T(0));
-  std::fill(a.grad_v, a.grad_v + NH * S * M, T(0));
+  zero_all_rows(a.grad_q, a.grad_q_rows, NH, H, L, E);
+  zero_all_rows(a.grad_k, a.grad_k_rows, NH, H, S, E);
+  zero_all_rows(a.grad_v, a.grad_v_rows, NH, H, S, M);
   if (NH == 0 || L == 0 || S == 0) return;
   const int64_t q_tiles = (L + kBq - 1) / kBq;
   auto init = [&](BackwardScratch<T>& w) {
@@ -647,8 +670,15 @@ void block_sparse_attention_backward_cpu(const BlockSparseBackwardArgs<T>& a) {
     const SparsePart& part = a.parts[k];
     const auto pg = make_part_geometries(part, H, L, S, true);
     const int64_t Sp = max_sp(pg);
-    const auto kk = order_keys(a.k, pg, N, H, S, E, true, true, a.num_threads);
-    const auto vv = order_keys(a.v, pg, N, H, S, M, true, false, a.num_threads);
+    const auto kk = order_keys(a.k, a.k_rows, pg, N, H, S, E, true, true, a.num_threads);
+    const auto vv = order_keys(a.v, a.v_rows, pg, N, H, S, M, true, false, a.num_threads);
+    // The tile's rows of q and dO, D apart.
+    auto tile_q = [&](BackwardScratch<T>& w, int64_t nh) {
+      return w.tile.gather(a.q_rows.head(a.q, nh, H), a.q_rows.sr, E, w.qbuf);
+    };
+    auto tile_grad_out = [&](BackwardScratch<T>& w, int64_t nh) {
+      return w.tile.gather(a.grad_out_rows.head(a.grad_out, nh, H), a.grad_out_rows.sr, M, w.dobuf);
+    };
 
     // dQ: per query tile.
     parallel_items<BackwardScratch<T>>(
@@ -661,21 +691,22 @@ void block_sparse_attention_backward_cpu(const BlockSparseBackwardArgs<T>& a) {
           if (w.tile.kb_hi < w.tile.kb_lo) return;
           const int64_t rows = w.tile.rows;
           load_rows(w, nh);
-          const T* q = w.tile.gather(a.q + nh * L * E, E, w.qbuf);
-          const T* dO = w.tile.gather(a.grad_out + nh * L * M, M, w.dobuf);
+          const T* q = tile_q(w, nh);
+          const T* dO = tile_grad_out(w, nh);
           const T* kp = kk.panels.get() + nh * kk.S_pad * E;
           const T* vp = vv.panels.get() + nh * vv.S_pad * M;
-          const T* ko = ordered_rows(kk, a.k, nh, S, Sp, E);
+          const Rows<T> ko = ordered_rows(kk, a.k, a.k_rows, nh, H, Sp, E);
           std::fill(w.acc1.begin(), w.acc1.end(), T(0));
           for (int64_t kb = w.tile.kb_lo; kb <= w.tile.kb_hi; ++kb) {
             const int64_t j0 = kb * kBk, cols = std::min(kBk, g->Sp - j0);
             if (cols <= 0 || !w.tile.reaches(j0, cols)) continue;
             tile_p_ds(a, w, q, dO, kp, vp, j0, cols);
-            gemm(rows, E, cols, w.dp.data(), kBk, ko + j0 * E, E, w.acc1.data(), E, true);
+            gemm(rows, E, cols, w.dp.data(), kBk, ko.rows + j0 * ko.ld, ko.ld, w.acc1.data(), E,
+                 true);
           }
-          T* gq = a.grad_q + nh * L * E;
+          T* gq = a.grad_q_rows.head(a.grad_q, nh, H);
           for (int64_t r = 0; r < rows; ++r) {
-            T* dst = gq + w.tile.qidx[r] * E;
+            T* dst = gq + w.tile.qidx[r] * a.grad_q_rows.sr;
             const T* src = w.acc1.data() + r * E;
             for (int64_t c = 0; c < E; ++c) dst[c] += src[c];
           }
@@ -703,8 +734,8 @@ void block_sparse_attention_backward_cpu(const BlockSparseBackwardArgs<T>& a) {
             any = true;
             const int64_t rows = w.tile.rows;
             load_rows(w, nh);
-            const T* q = w.tile.gather(a.q + nh * L * E, E, w.qbuf);
-            const T* dO = w.tile.gather(a.grad_out + nh * L * M, M, w.dobuf);
+            const T* q = tile_q(w, nh);
+            const T* dO = tile_grad_out(w, nh);
             tile_p_ds(a, w, q, dO, kp, vp, j0, cols);
             transpose(w.p.data(), rows, cols, kBk, w.pt.data(), kBq);
             gemm(cols, M, rows, w.pt.data(), kBq, dO, M, w.acc2.data(), M, true);
@@ -712,12 +743,14 @@ void block_sparse_attention_backward_cpu(const BlockSparseBackwardArgs<T>& a) {
             gemm(cols, E, rows, w.dst.data(), kBq, q, E, w.acc1.data(), E, true);
           }
           if (!any) return;
-          T* gk = a.grad_k + nh * S * E;
-          T* gv = a.grad_v + nh * S * M;
+          T* gk = a.grad_k_rows.head(a.grad_k, nh, H);
+          T* gv = a.grad_v_rows.head(a.grad_v, nh, H);
           for (int64_t c = 0; c < cols; ++c) {
             const int64_t j = g->k_order.empty() ? j0 + c : g->k_order[j0 + c];
-            for (int64_t x = 0; x < E; ++x) gk[j * E + x] += w.acc1[c * E + x];
-            for (int64_t x = 0; x < M; ++x) gv[j * M + x] += w.acc2[c * M + x];
+            T* dk = gk + j * a.grad_k_rows.sr;
+            T* dv = gv + j * a.grad_v_rows.sr;
+            for (int64_t x = 0; x < E; ++x) dk[x] += w.acc1[c * E + x];
+            for (int64_t x = 0; x < M; ++x) dv[x] += w.acc2[c * M + x];
           }
         });
   }

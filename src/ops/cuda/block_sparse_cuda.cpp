@@ -139,7 +139,8 @@ std::tuple<Tensor, Tensor> forward_cuda(const Tensor& q, const Tensor& k, const 
     a.ws_ml = ws_ml.data_ptr<float>();
   }
   kernels::block_sparse_attention_forward_cuda(a, ops::cuda::current_stream());
-  return {out, lse};
+  // In q's row layout, as the CPU op writes it and the fake promises.
+  return {ops::in_rows_layout_of(out, q), lse};
 }
 
 std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& grad_out, const Tensor& q,
@@ -169,7 +170,9 @@ std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& grad_out, const T
   a.grad_k = gk.data_ptr<float>();
   a.grad_v = gv.data_ptr<float>();
   kernels::block_sparse_attention_backward_cuda(a, ops::cuda::current_stream());
-  return {gq.to(q.scalar_type()), gk.to(q.scalar_type()), gv.to(q.scalar_type())};
+  return {ops::in_rows_layout_of(gq.to(q.scalar_type()), q),
+          ops::in_rows_layout_of(gk.to(q.scalar_type()), k),
+          ops::in_rows_layout_of(gv.to(q.scalar_type()), v)};
 }
 
 // The top-level op without autograd (the CPU registration's twin): the forward
