@@ -220,16 +220,16 @@ def register():
     @fake("fastattn::reformer_attention")
     def _(q, v, buckets, key_lengths=None, chunk_size=32, causal=False, mask_self=True,
           softmax_temp=None):
-        return _out(q, v)
+        return _rows_like(q, v.shape[-1])
 
     @fake("fastattn::reformer_attention_forward")
     def _(q, v, buckets, key_lengths, chunk_size, causal, mask_self, softmax_temp):
-        return _out(q, v), q.new_empty(q.shape[:-1] + (2,), dtype=torch.float64)
+        return _rows_like(q, v.shape[-1]), q.new_empty(q.shape[:-1] + (2,), dtype=torch.float64)
 
     @fake("fastattn::reformer_attention_backward")
     def _(grad_out, q, v, buckets, out, stats, key_lengths, chunk_size, causal, mask_self,
           softmax_temp):
-        return _like(q), _like(v)
+        return _rows_like(q, q.shape[-1]), _rows_like(v, v.shape[-1])
 
     # ---- ClusterFormer token gather ----------------------------------------
     @fake("fastattn::gather_tokens")

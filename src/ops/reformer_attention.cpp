@@ -101,7 +101,7 @@ using namespace ops::reformer;
 Tensor lsh_hash_cpu(const Tensor& x, const Tensor& rotations) {
   check_hash_inputs(x, rotations);
   if (ops::is_reduced_float(x)) return ops::in_float32(x.scalar_type(), lsh_hash_cpu, x, rotations);
-  auto xc = x.contiguous();
+  auto xc = ops::rows_contiguous(x);  // rows read in place
   auto rc = rotations.contiguous();
   const int64_t R = rotations.size(0);
   auto buckets =
@@ -109,6 +109,7 @@ Tensor lsh_hash_cpu(const Tensor& x, const Tensor& rotations) {
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "lsh_hash_cpu", [&] {
     kernels::LshHashArgs<scalar_t> a;
     a.x = xc.data_ptr<scalar_t>();
+    a.x_rows = ops::row_strides(xc);
     a.rotations = rc.data_ptr<scalar_t>();
     a.buckets = buckets.data_ptr<int64_t>();
     a.N = x.size(0);
@@ -130,7 +131,8 @@ struct Prepared {
 
 Prepared prepare(const Tensor& q, const Tensor& v, const Tensor& buckets,
                  const c10::optional<Tensor>& key_lengths, int64_t chunk_size) {
-  Prepared p{q.contiguous(), v.contiguous(), buckets.contiguous(), {}, 1};
+  // Rows read in place (the layers' (N, L, H, E) views): the kernels take row strides.
+  Prepared p{ops::rows_contiguous(q), ops::rows_contiguous(v), buckets.contiguous(), {}, 1};
   p.n_buckets = check_inputs(q, v, buckets, key_lengths, chunk_size);
   if (key_lengths) p.lengths = key_lengths->to(torch::kLong).contiguous();
   return p;
@@ -141,6 +143,8 @@ void fill_params(Args& a, const Prepared& p, int64_t chunk_size, bool causal, bo
                  double temp) {
   a.q = p.q.data_ptr<T>();
   a.v = p.v.data_ptr<T>();
+  a.q_rows = ops::row_strides(p.q);
+  a.v_rows = ops::row_strides(p.v);
   a.buckets = p.buckets.data_ptr<int64_t>();
   a.lengths = p.lengths.defined() ? p.lengths.data_ptr<int64_t>() : nullptr;
   a.N = p.q.size(0);
@@ -163,16 +167,21 @@ std::tuple<Tensor, Tensor> reformer_attention_forward_cpu(const Tensor& q, const
                                                           int64_t chunk_size, bool causal,
                                                           bool mask_self, double softmax_temp) {
   const auto p = prepare(q, v, buckets, key_lengths, chunk_size);  // checks the arguments
-  if (ops::is_reduced_float(q))
-    return ops::in_float32(q.scalar_type(), reformer_attention_forward_cpu, q, v, buckets,
-                           key_lengths, chunk_size, causal, mask_self, softmax_temp);
-  auto out = torch::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+  if (ops::is_reduced_float(q)) {
+    auto [out, stats] =
+        ops::in_float32(q.scalar_type(), reformer_attention_forward_cpu, q, v, buckets, key_lengths,
+                        chunk_size, causal, mask_self, softmax_temp);
+    return {ops::in_rows_layout_of(out, q), stats};
+  }
+  // out in q's row layout: the layers' transpose back to (N, L, H, M) is a view.
+  auto out = ops::empty_rows_like(q, v.size(3));
   auto stats =
       torch::empty({q.size(0), q.size(1), q.size(2), 2}, q.options().dtype(torch::kDouble));
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "reformer_attention_forward_cpu", [&] {
     kernels::ReformerForwardArgs<scalar_t> a;
     fill_params<scalar_t>(a, p, chunk_size, causal, mask_self, softmax_temp);
     a.out = out.data_ptr<scalar_t>();
+    a.out_rows = ops::row_strides(out);
     a.stats = stats.data_ptr<double>();
     kernels::reformer_forward_cpu(a);
   });
@@ -187,14 +196,17 @@ std::tuple<Tensor, Tensor> reformer_attention_backward_cpu(const Tensor& grad_ou
                                                            bool mask_self, double softmax_temp) {
   const auto p = prepare(q, v, buckets, key_lengths, chunk_size);
   check_backward_inputs(grad_out, q, v, out, stats);
-  if (ops::is_reduced_float(q))
-    return ops::in_float32(q.scalar_type(), reformer_attention_backward_cpu, grad_out, q, v,
-                           buckets, out, stats, key_lengths, chunk_size, causal, mask_self,
-                           softmax_temp);
-  auto go = grad_out.to(q.scalar_type()).contiguous();
+  if (ops::is_reduced_float(q)) {
+    auto [gq, gv] =
+        ops::in_float32(q.scalar_type(), reformer_attention_backward_cpu, grad_out, q, v, buckets,
+                        out, stats, key_lengths, chunk_size, causal, mask_self, softmax_temp);
+    return {ops::in_rows_layout_of(gq, q), ops::in_rows_layout_of(gv, v)};
+  }
+  auto go = ops::rows_contiguous(grad_out.to(q.scalar_type()));
   auto delta = (go * out).sum(-1).contiguous();  // (N, H, L)
   auto stats_c = stats.to(torch::kDouble).contiguous();
-  auto gq = torch::empty_like(p.q), gv = torch::empty_like(p.v);
+  // Gradients in the inputs' row layouts (as the fake implementation promises).
+  auto gq = ops::empty_rows_like(q, q.size(3)), gv = ops::empty_rows_like(v, v.size(3));
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "reformer_attention_backward_cpu", [&] {
     kernels::ReformerBackwardArgs<scalar_t> a;
     fill_params<scalar_t>(a, p, chunk_size, causal, mask_self, softmax_temp);
@@ -203,6 +215,9 @@ std::tuple<Tensor, Tensor> reformer_attention_backward_cpu(const Tensor& grad_ou
     a.delta = delta.data_ptr<scalar_t>();
     a.grad_q = gq.data_ptr<scalar_t>();
     a.grad_v = gv.data_ptr<scalar_t>();
+    a.grad_out_rows = ops::row_strides(go);
+    a.grad_q_rows = ops::row_strides(gq);
+    a.grad_v_rows = ops::row_strides(gv);
     kernels::reformer_backward_cpu(a);
   });
   return {gq, gv};

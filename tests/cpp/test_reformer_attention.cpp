@@ -38,6 +38,16 @@ TEST(ReformerHash, MatchesReference) {
   }
 }
 
+TEST(ReformerHash, ReadsRowLayoutsInPlace) {
+  // The layers' (N, L, H, E) buffers viewed as (N, H, L, E), rows padded:
+  // hashed in place, the same buckets as the contiguous copy.
+  torch::manual_seed(4);
+  auto x = torch::randn({2, 97, 3, 20}, torch::kDouble).narrow(3, 0, 17).transpose(1, 2);
+  auto rot = torch::randn({3, 17, 8}, torch::kDouble);
+  ASSERT_FALSE(x.is_contiguous());
+  EXPECT_TRUE(lsh_hash(x, rot).equal(lsh_hash(x.contiguous(), rot)));
+}
+
 TEST(ReformerHash, BadInputsNamed) {
   auto x = torch::randn({1, 1, 4, 8});
   EXPECT_ERROR_CONTAINS(lsh_hash(x, torch::randn({2, 7, 4})), "rotations", "(R, E, n_buckets / 2)");
@@ -81,6 +91,25 @@ OpCase make_case(const OpCfg& c) {
   // and sums over at most 2·chunk keys per round in float32; outputs are O(1).
   oc.f32_tol = 2e-5;
   return oc;
+}
+
+// Shared-QK: the op reads q (both roles) and v; k is the harness's third
+// input, which the op ignores (no gradient). Causal and not, padding, several
+// chunks and rounds.
+TEST(ReformerOp, ReadsAndWritesRowLayoutsInPlace) {
+  using torch::Tensor;
+  const int64_t N = 2, H = 3, L = 97;
+  torch::manual_seed(6);
+  auto buckets = torch::randint(0, 4, {N, H, 3, L}, torch::kLong);
+  const auto lengths = torch::tensor({int64_t(97), int64_t(60)}, torch::kLong);
+  for (bool causal : {false, true}) {
+    SCOPED_TRACE(causal ? "causal" : "not causal");
+    testing::check_row_layouts(
+        [&](const Tensor& q, const Tensor&, const Tensor& v) {
+          return reformer_attention(q, v, buckets, lengths, 8, causal);
+        },
+        N, H, L, L, 8, 6);
+  }
 }
 
 class ReformerOpCases : public ::testing::TestWithParam<OpCfg> {};

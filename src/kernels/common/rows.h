@@ -27,6 +27,11 @@ struct RowStrides {
   T* head(T* data, int64_t nh, int64_t H) const {
     return data + (nh / H) * sn + (nh % H) * sh;
   }
+  // Row r of head nh.
+  template <typename T>
+  T* row(T* data, int64_t nh, int64_t H, int64_t r) const {
+    return head(data, nh, H) + r * sr;
+  }
 };
 
 // The q_rows, k_rows and v_rows of a kernel's parameters (with H, L, S, E, M

@@ -29,11 +29,14 @@
 
 #include <cstdint>
 
+#include "kernels/common/rows.h"
+
 namespace fastattn::kernels {
 
 template <typename T>
 struct LshHashArgs {
-  const T* x = nullptr;          // (N, H, L, E) contiguous
+  const T* x = nullptr;          // (N, H, L, E), rows at x_rows
+  RowStrides x_rows;             // kernels/common/rows.h; default: contiguous
   const T* rotations = nullptr;  // (R, E, B2) contiguous
   int64_t* buckets = nullptr;    // (N, H, R, L), written: values in [0, max(1, 2·B2))
   int64_t N = 0, H = 0, L = 0, E = 0, R = 0, B2 = 0;
@@ -45,8 +48,9 @@ void lsh_hash_cpu(const LshHashArgs<T>& args);
 
 template <typename T>
 struct ReformerParams {
-  const T* q = nullptr;              // (N, H, L, E) contiguous: queries and (normalised) keys
-  const T* v = nullptr;              // (N, H, L, M) contiguous
+  const T* q = nullptr;              // (N, H, L, E), rows at q_rows: queries and (normalised) keys
+  const T* v = nullptr;              // (N, H, L, M), rows at v_rows
+  RowStrides q_rows, v_rows;         // kernels/common/rows.h; default: contiguous
   const int64_t* buckets = nullptr;  // (N, H, R, L) in [0, n_buckets)
   const int64_t* lengths = nullptr;  // (N,) in [0, L], or nullptr for L
   int64_t N = 0, H = 0, L = 0, E = 0, M = 0, R = 0;
@@ -60,7 +64,8 @@ struct ReformerParams {
 
 template <typename T>
 struct ReformerForwardArgs : ReformerParams<T> {
-  T* out = nullptr;  // (N, H, L, M), written (0 at padded positions)
+  T* out = nullptr;  // (N, H, L, M), rows at out_rows, written (0 at padded positions)
+  RowStrides out_rows;
   // (N, H, L, 2), written: the log-sum-exp over rounds and keys as two parts,
   // [max score, log(sum of exp(score - max))] ([-inf, 0] at padding). Kept
   // apart because a position that sees only itself has a max of -1e5, where
@@ -70,11 +75,12 @@ struct ReformerForwardArgs : ReformerParams<T> {
 
 template <typename T>
 struct ReformerBackwardArgs : ReformerParams<T> {
-  const T* grad_out = nullptr;    // (N, H, L, M) contiguous
-  const double* stats = nullptr;  // (N, H, L, 2) from the forward
-  const T* delta = nullptr;       // (N, H, L): rowsum(grad_out ∘ out)
-  T* grad_q = nullptr;            // (N, H, L, E), written (both roles of q)
-  T* grad_v = nullptr;            // (N, H, L, M), written
+  const T* grad_out = nullptr;                         // (N, H, L, M), rows at grad_out_rows
+  const double* stats = nullptr;                       // (N, H, L, 2) from the forward
+  const T* delta = nullptr;                            // (N, H, L): rowsum(grad_out ∘ out)
+  T* grad_q = nullptr;                                 // (N, H, L, E), written (both roles of q)
+  T* grad_v = nullptr;                                 // (N, H, L, M), written
+  RowStrides grad_out_rows, grad_q_rows, grad_v_rows;  // default: contiguous
 };
 
 template <typename T>

@@ -66,13 +66,13 @@ Prepared<T> prepare(const ReformerParams<T>& a) {
   parallel_items<None>(
       NH, a.num_threads, [](None&) {},
       [&](int64_t nh, None&) {
-        const T* q = a.q + nh * L * E;
         T* k = p.keys.get() + nh * L * E;
         for (int64_t i = 0; i < L; ++i) {
+          const T* q = a.q_rows.row(a.q, nh, a.H, i);
           T ss = 0;
-          for (int64_t e = 0; e < E; ++e) ss += q[i * E + e] * q[i * E + e];
+          for (int64_t e = 0; e < E; ++e) ss += q[e] * q[e];
           const T inv = T(1) / std::max<T>(std::sqrt(ss), T(kNormEps));
-          for (int64_t e = 0; e < E; ++e) k[i * E + e] = q[i * E + e] * inv;
+          for (int64_t e = 0; e < E; ++e) k[i * E + e] = q[e] * inv;
         }
       });
   // Counting sort per (n, h, r): stable, so ties in the bucket keep position order.
@@ -126,16 +126,18 @@ struct Scratch {
   std::vector<T> qb, kb, kp, vb, vp, s, o, m, lr, dob, dp, t, dqb, dkb, dvb;
 };
 
-// Gathers rows idx[0..n) of x (rows of D values) into out (n x D).
+// Gathers rows idx[0..n) of x (rows of D values, sr apart) into out (n x D).
 template <typename T>
-inline void gather_rows(const T* x, const int64_t* idx, int64_t n, int64_t D, T* out) {
-  for (int64_t r = 0; r < n; ++r) std::copy(x + idx[r] * D, x + idx[r] * D + D, out + r * D);
+inline void gather_rows(const T* x, int64_t sr, const int64_t* idx, int64_t n, int64_t D, T* out) {
+  for (int64_t r = 0; r < n; ++r) std::copy(x + idx[r] * sr, x + idx[r] * sr + D, out + r * D);
 }
 
+// Adds the rows of x (n x D) to rows idx[0..n) of out (rows sr apart).
 template <typename T>
-inline void scatter_add_rows(const T* x, const int64_t* idx, int64_t n, int64_t D, T* out) {
+inline void scatter_add_rows(const T* x, const int64_t* idx, int64_t n, int64_t D, T* out,
+                             int64_t sr) {
   for (int64_t r = 0; r < n; ++r) {
-    T* dst = out + idx[r] * D;
+    T* dst = out + idx[r] * sr;
     const T* src = x + r * D;
     for (int64_t d = 0; d < D; ++d) dst[d] += src[d];
   }
@@ -144,7 +146,9 @@ inline void scatter_add_rows(const T* x, const int64_t* idx, int64_t n, int64_t 
 }  // namespace
 
 template <typename T>
-void lsh_hash_cpu(const LshHashArgs<T>& a) {
+void lsh_hash_cpu(const LshHashArgs<T>& args) {
+  LshHashArgs<T> a = args;
+  a.x_rows = a.x_rows.resolved(a.H, a.L, a.E);
   const int64_t NH = a.N * a.H, L = a.L, E = a.E, R = a.R, B2 = a.B2;
   if (NH == 0 || L == 0 || R == 0) return;
   if (B2 == 0) {  // one bucket
@@ -158,9 +162,9 @@ void lsh_hash_cpu(const LshHashArgs<T>& a) {
       [&](int64_t item, std::vector<T>& w) {
         const int64_t nh = item / blocks, l0 = (item % blocks) * kRows;
         const int64_t rows = std::min(kRows, L - l0);
-        const T* x = a.x + (nh * L + l0) * E;
+        const T* x = a.x_rows.row(a.x, nh, a.H, l0);
         for (int64_t r = 0; r < R; ++r) {
-          gemm(rows, B2, E, x, E, a.rotations + r * E * B2, B2, w.data(), B2, false);
+          gemm(rows, B2, E, x, a.x_rows.sr, a.rotations + r * E * B2, B2, w.data(), B2, false);
           int64_t* out = a.buckets + (nh * R + r) * L + l0;
           for (int64_t i = 0; i < rows; ++i) {
             const T* p = w.data() + i * B2;
@@ -176,10 +180,20 @@ void lsh_hash_cpu(const LshHashArgs<T>& a) {
       });
 }
 
+// The row layouts of a kernel's arguments made explicit.
+template <typename Args>
+void resolve_rows(Args& a) {
+  a.q_rows = a.q_rows.resolved(a.H, a.L, a.E);
+  a.v_rows = a.v_rows.resolved(a.H, a.L, a.M);
+}
+
 template <typename T>
-void reformer_forward_cpu(const ReformerForwardArgs<T>& a) {
-  const int64_t NH = a.N * a.H, L = a.L, E = a.E, M = a.M, R = a.R, C = a.chunk;
-  std::fill(a.out, a.out + NH * L * M, T(0));
+void reformer_forward_cpu(const ReformerForwardArgs<T>& args) {
+  ReformerForwardArgs<T> a = args;
+  resolve_rows(a);
+  a.out_rows = a.out_rows.resolved(a.H, a.L, a.M);
+  const int64_t NH = a.N * a.H, H = a.H, L = a.L, E = a.E, M = a.M, R = a.R, C = a.chunk;
+  zero_all_rows(a.out, a.out_rows, NH, H, L, M);
   for (int64_t x = 0; x < NH * L; ++x) {
     a.stats[2 * x] = neg_inf<double>();
     a.stats[2 * x + 1] = 0;
@@ -210,9 +224,9 @@ void reformer_forward_cpu(const ReformerForwardArgs<T>& a) {
           const int64_t* perm = p.perm.get() + (nh * R + r) * L;
           const int64_t* qpos = perm + win.t0;
           const int64_t* kpos = perm + win.k0;
-          gather_rows(a.q + nh * L * E, qpos, win.rows, E, w.qb.data());
-          gather_rows(p.keys.get() + nh * L * E, kpos, win.cols, E, w.kb.data());
-          gather_rows(a.v + nh * L * M, kpos, win.cols, M, w.vb.data());
+          gather_rows(a.q_rows.head(a.q, nh, H), a.q_rows.sr, qpos, win.rows, E, w.qb.data());
+          gather_rows(p.keys.get() + nh * L * E, E, kpos, win.cols, E, w.kb.data());
+          gather_rows(a.v_rows.head(a.v, nh, H), a.v_rows.sr, kpos, win.cols, M, w.vb.data());
           pack_transposed_panels(w.kb.data(), win.cols, E, E, width, w.kp.data());
           gemm_packed(win.rows, width, E, w.qb.data(), E, w.kp.data(), w.s.data(), Wd, false);
           T* m_row = w.m.data();     // row max of this round's scores
@@ -228,7 +242,7 @@ void reformer_forward_cpu(const ReformerForwardArgs<T>& a) {
           // out the unnormalised sum (normalised after the last round).
           for (int64_t i = 0; i < win.rows; ++i) {
             const int64_t pos = nh * L + qpos[i];
-            T* out = a.out + pos * M;
+            T* out = a.out_rows.row(a.out, nh, H, qpos[i]);
             double* st = a.stats + 2 * pos;
             const T* o = w.o.data() + i * M;
             const double m = m_row[i];
@@ -259,7 +273,7 @@ void reformer_forward_cpu(const ReformerForwardArgs<T>& a) {
           double* st = a.stats + 2 * (nh * L + i);
           if (st[0] == neg_inf<double>()) continue;  // padding
           const T inv = static_cast<T>(1.0 / st[1]);
-          T* out = a.out + (nh * L + i) * M;
+          T* out = a.out_rows.row(a.out, nh, H, i);
           for (int64_t d = 0; d < M; ++d) out[d] *= inv;
           st[1] = std::log(st[1]);
         }
@@ -267,10 +281,15 @@ void reformer_forward_cpu(const ReformerForwardArgs<T>& a) {
 }
 
 template <typename T>
-void reformer_backward_cpu(const ReformerBackwardArgs<T>& a) {
-  const int64_t NH = a.N * a.H, L = a.L, E = a.E, M = a.M, R = a.R, C = a.chunk;
-  std::fill(a.grad_q, a.grad_q + NH * L * E, T(0));
-  std::fill(a.grad_v, a.grad_v + NH * L * M, T(0));
+void reformer_backward_cpu(const ReformerBackwardArgs<T>& args) {
+  ReformerBackwardArgs<T> a = args;
+  resolve_rows(a);
+  a.grad_out_rows = a.grad_out_rows.resolved(a.H, a.L, a.M);
+  a.grad_q_rows = a.grad_q_rows.resolved(a.H, a.L, a.E);
+  a.grad_v_rows = a.grad_v_rows.resolved(a.H, a.L, a.M);
+  const int64_t NH = a.N * a.H, H = a.H, L = a.L, E = a.E, M = a.M, R = a.R, C = a.chunk;
+  zero_all_rows(a.grad_q, a.grad_q_rows, NH, H, L, E);
+  zero_all_rows(a.grad_v, a.grad_v_rows, NH, H, L, M);
   if (NH == 0 || L == 0) return;
   const auto p = prepare(a);
   std::unique_ptr<T[]> grad_k(new T[static_cast<size_t>(NH * L * E)]());  // d loss / d keys
@@ -304,10 +323,11 @@ void reformer_backward_cpu(const ReformerBackwardArgs<T>& a) {
             const int64_t* perm = p.perm.get() + (nh * R + r) * L;
             const int64_t* qpos = perm + win.t0;
             const int64_t* kpos = perm + win.k0;
-            gather_rows(a.q + nh * L * E, qpos, win.rows, E, w.qb.data());
-            gather_rows(a.grad_out + nh * L * M, qpos, win.rows, M, w.dob.data());
-            gather_rows(p.keys.get() + nh * L * E, kpos, win.cols, E, w.kb.data());
-            gather_rows(a.v + nh * L * M, kpos, win.cols, M, w.vb.data());
+            gather_rows(a.q_rows.head(a.q, nh, H), a.q_rows.sr, qpos, win.rows, E, w.qb.data());
+            gather_rows(a.grad_out_rows.head(a.grad_out, nh, H), a.grad_out_rows.sr, qpos, win.rows,
+                        M, w.dob.data());
+            gather_rows(p.keys.get() + nh * L * E, E, kpos, win.cols, E, w.kb.data());
+            gather_rows(a.v_rows.head(a.v, nh, H), a.v_rows.sr, kpos, win.cols, M, w.vb.data());
             pack_transposed_panels(w.kb.data(), win.cols, E, E, width, w.kp.data());
             pack_transposed_panels(w.vb.data(), win.cols, M, M, width, w.vp.data());
             // P = exp(S - lse) with the final (all-round) lse.
@@ -331,14 +351,16 @@ void reformer_backward_cpu(const ReformerBackwardArgs<T>& a) {
             // dV = P^T dO
             transpose(w.s.data(), win.rows, win.cols, Wd, w.t.data(), C);
             gemm(win.cols, M, win.rows, w.t.data(), C, w.dob.data(), M, w.dvb.data(), M, false);
-            scatter_add_rows(w.dvb.data(), kpos, win.cols, M, a.grad_v + nh * L * M);
+            scatter_add_rows(w.dvb.data(), kpos, win.cols, M, a.grad_v_rows.head(a.grad_v, nh, H),
+                             a.grad_v_rows.sr);
             // dQ = dS K (as queries)
             gemm(win.rows, E, win.cols, w.dp.data(), Wd, w.kb.data(), E, w.dqb.data(), E, false);
-            scatter_add_rows(w.dqb.data(), qpos, win.rows, E, a.grad_q + nh * L * E);
+            scatter_add_rows(w.dqb.data(), qpos, win.rows, E, a.grad_q_rows.head(a.grad_q, nh, H),
+                             a.grad_q_rows.sr);
             // dK = dS^T Q (as normalised keys)
             transpose(w.dp.data(), win.rows, win.cols, Wd, w.t.data(), C);
             gemm(win.cols, E, win.rows, w.t.data(), C, w.qb.data(), E, w.dkb.data(), E, false);
-            scatter_add_rows(w.dkb.data(), kpos, win.cols, E, grad_k.get() + nh * L * E);
+            scatter_add_rows(w.dkb.data(), kpos, win.cols, E, grad_k.get() + nh * L * E, E);
           });
     }
   }
@@ -350,10 +372,10 @@ void reformer_backward_cpu(const ReformerBackwardArgs<T>& a) {
       [&](int64_t nh, None&) {
         const int64_t len = valid_length(a, nh);
         for (int64_t i = 0; i < len; ++i) {
-          const T* q = a.q + (nh * L + i) * E;
+          const T* q = a.q_rows.row(a.q, nh, H, i);
           const T* k = p.keys.get() + (nh * L + i) * E;
           const T* g = grad_k.get() + (nh * L + i) * E;
-          T* dq = a.grad_q + (nh * L + i) * E;
+          T* dq = a.grad_q_rows.row(a.grad_q, nh, H, i);
           T ss = 0, dot = 0;
           for (int64_t e = 0; e < E; ++e) {
             ss += q[e] * q[e];

@@ -16,6 +16,7 @@
 
 #include "kernels/reformer/reformer_cuda.h"
 #include "ops/cuda/cuda_op_util.h"
+#include "ops/op_util.h"
 #include "ops/reformer_attention_internal.h"
 
 namespace fastattn {
@@ -118,7 +119,8 @@ std::tuple<Tensor, Tensor> reformer_attention_forward_cuda(const Tensor& q, cons
   a.stats = stats.data_ptr<double>();
   a.workspace = ws.data_ptr<float>();
   kernels::reformer_forward_cuda(a, current_stream());
-  return {out, stats};
+  // In q's row layout, as the CPU op writes it and the fake promises.
+  return {ops::in_rows_layout_of(out, q), stats};
 }
 
 std::tuple<Tensor, Tensor> reformer_attention_backward_cuda(
@@ -147,7 +149,7 @@ std::tuple<Tensor, Tensor> reformer_attention_backward_cuda(
   a.grad_v = gv.data_ptr();
   a.workspace = ws.data_ptr<float>();
   kernels::reformer_backward_cuda(a, current_stream());
-  return {gq, gv};
+  return {ops::in_rows_layout_of(gq, q), ops::in_rows_layout_of(gv, v)};
 }
 
 }  // namespace
