@@ -157,22 +157,22 @@ def register():
 
     @fake("fastattn::clustered_topk_attention")
     def _(q, k, v, topk, mass, assignments, key_lengths, softmax_temp):
-        return _out(q, v)
+        return _rows_like(q, v.shape[-1])
 
     @fake("fastattn::clustered_topk_attention_backward")
     def _(grad_out, q, k, v, topk, mass, assignments, key_lengths, softmax_temp):
-        return _like(q), _like(k), _like(v), _like(mass)
+        return _row_grads(q, k, v) + (_like(mass),)
 
     @fake("fastattn::improved_clustered_attention")
     def _(q, k, v, assignments, counts, topk, key_lengths=None, softmax_temp=None):
-        return _out(q, v)
+        return _rows_like(q, v.shape[-1])
 
     @fake("fastattn::improved_clustered_attention_forward")
     def _(q, k, v, assignments, counts, topk, key_lengths, softmax_temp):
         clusters = counts.shape[-1]
         centroids = q.new_empty(q.shape[:2] + (clusters, q.shape[-1]))
         return (
-            _out(q, v),
+            _rows_like(q, v.shape[-1]),
             centroids,
             _stats(q, q.shape[:2] + (clusters,)),
             q.new_empty(q.shape[:2] + (clusters, v.shape[-1])),
@@ -182,7 +182,7 @@ def register():
     @fake("fastattn::improved_clustered_attention_backward")
     def _(grad_out, q, k, v, assignments, counts, centroids, lse, out_c, top_idx, key_lengths,
           softmax_temp):
-        return _like(q), _like(k), _like(v)
+        return _row_grads(q, k, v)
 
     # ---- hard retrieval ----------------------------------------------------
     @fake("fastattn::hard_retrieval_attention")

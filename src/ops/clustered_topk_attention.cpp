@@ -108,9 +108,10 @@ struct Prepared {
 Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& topk,
                  const Tensor& mass, const Tensor& assignments,
                  const c10::optional<Tensor>& key_lengths) {
-  Prepared p{q.contiguous(),
-             k.contiguous(),
-             v.contiguous(),
+  // Rows read in place (the layers' (N, L, H, E) views): the kernels take row strides.
+  Prepared p{ops::rows_contiguous(q),
+             ops::rows_contiguous(k),
+             ops::rows_contiguous(v),
              topk.contiguous(),
              mass.contiguous(),
              assignments.contiguous(),
@@ -124,6 +125,9 @@ void fill_params(Args& a, const Prepared& p, double scale) {
   a.q = p.q.data_ptr<T>();
   a.k = p.k.data_ptr<T>();
   a.v = p.v.data_ptr<T>();
+  a.q_rows = ops::row_strides(p.q);
+  a.k_rows = ops::row_strides(p.k);
+  a.v_rows = ops::row_strides(p.v);
   a.topk = p.topk.data_ptr<int64_t>();
   a.mass = p.mass.data_ptr<T>();
   a.assignments = p.assignments.data_ptr<int64_t>();
@@ -140,6 +144,16 @@ void fill_params(Args& a, const Prepared& p, double scale) {
   a.num_threads = at::get_num_threads();
 }
 
+// The row layouts of grad_out and the gradients (ops::empty_rows_like).
+template <typename Args>
+void set_grad_rows(Args& a, const Tensor& go, const Tensor& gq, const Tensor& gk,
+                   const Tensor& gv) {
+  a.grad_out_rows = ops::row_strides(go);
+  a.grad_q_rows = ops::row_strides(gq);
+  a.grad_k_rows = ops::row_strides(gk);
+  a.grad_v_rows = ops::row_strides(gv);
+}
+
 Tensor clustered_topk_attention_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
                                     const Tensor& topk, const Tensor& mass,
                                     const Tensor& assignments,
@@ -147,14 +161,18 @@ Tensor clustered_topk_attention_cpu(const Tensor& q, const Tensor& k, const Tens
   ops::check_clustered_topk_inputs(q, k, v, topk, mass, assignments, key_lengths);
   ops::resolve_softmax_temp(kOp, q, softmax_temp);  // checks it is finite and > 0
   if (ops::is_reduced_float(q))
-    return ops::in_float32(q.scalar_type(), clustered_topk_attention_cpu, q, k, v, topk, mass,
-                           assignments, key_lengths, softmax_temp);
+    return ops::in_rows_layout_of(
+        ops::in_float32(q.scalar_type(), clustered_topk_attention_cpu, q, k, v, topk, mass,
+                        assignments, key_lengths, softmax_temp),
+        q);
   const auto p = prepare(q, k, v, topk, mass, assignments, key_lengths);
-  auto out = torch::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+  // out in q's row layout: the layers' transpose back to (N, L, H, M) is a view.
+  auto out = ops::empty_rows_like(q, v.size(3));
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "clustered_topk_attention_cpu", [&] {
     kernels::ClusteredTopkForwardArgs<scalar_t> a;
     fill_params<scalar_t>(a, p, softmax_temp);
     a.out = out.data_ptr<scalar_t>();
+    a.out_rows = ops::row_strides(out);
     kernels::clustered_topk_forward_cpu(a);
   });
   return out;
@@ -169,13 +187,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> clustered_topk_attention_backward_cpu
                   grad_out.size(1) == q.size(1) && grad_out.size(2) == q.size(2) &&
                   grad_out.size(3) == v.size(3),
               kOp, ": grad_out must have shape (N, H, L, M), got ", grad_out.sizes());
-  if (ops::is_reduced_float(q))
-    return ops::in_float32(q.scalar_type(), clustered_topk_attention_backward_cpu, grad_out, q, k,
-                           v, topk, mass, assignments, key_lengths, softmax_temp);
+  if (ops::is_reduced_float(q)) {
+    auto [gq, gk, gv, gm] =
+        ops::in_float32(q.scalar_type(), clustered_topk_attention_backward_cpu, grad_out, q, k, v,
+                        topk, mass, assignments, key_lengths, softmax_temp);
+    return {ops::in_rows_layout_of(gq, q), ops::in_rows_layout_of(gk, k),
+            ops::in_rows_layout_of(gv, v), gm};
+  }
   const auto p = prepare(q, k, v, topk, mass, assignments, key_lengths);
-  auto go = grad_out.to(q.scalar_type()).contiguous();
-  auto gq = torch::empty_like(p.q), gk = torch::empty_like(p.k), gv = torch::empty_like(p.v),
-       gm = torch::empty_like(p.mass);
+  auto go = ops::rows_contiguous(grad_out.to(q.scalar_type()));
+  // Gradients in the inputs' row layouts (as the fake implementation promises).
+  auto gq = ops::empty_rows_like(q, q.size(3)), gk = ops::empty_rows_like(k, k.size(3)),
+       gv = ops::empty_rows_like(v, v.size(3)), gm = torch::empty_like(p.mass);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "clustered_topk_attention_backward_cpu", [&] {
     kernels::ClusteredTopkBackwardArgs<scalar_t> a;
     fill_params<scalar_t>(a, p, softmax_temp);
@@ -184,6 +207,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> clustered_topk_attention_backward_cpu
     a.grad_k = gk.data_ptr<scalar_t>();
     a.grad_v = gv.data_ptr<scalar_t>();
     a.grad_mass = gm.data_ptr<scalar_t>();
+    set_grad_rows(a, go, gq, gk, gv);
     kernels::clustered_topk_backward_cpu(a);
   });
   return {gq, gk, gv, gm};
@@ -247,6 +271,9 @@ void fill_improved(Args& a, const Tensor& q, const Tensor& k, const Tensor& v,
   a.q = q.data_ptr<T>();
   a.k = k.data_ptr<T>();
   a.v = v.data_ptr<T>();
+  a.q_rows = ops::row_strides(q);
+  a.k_rows = ops::row_strides(k);
+  a.v_rows = ops::row_strides(v);
   a.topk = top_idx.data_ptr<int64_t>();
   a.assignments = assignments.data_ptr<int64_t>();
   a.key_lengths = lengths.defined() ? lengths.data_ptr<int64_t>() : nullptr;
@@ -274,10 +301,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> improved_clustered_forward_cp
   ops::check_improved_clusters(q_in, assignments_in, counts_in);
   TORCH_CHECK(topk >= 1 && topk <= k_in.size(2), kImprovedOp, ": topk must be in [1, S] = [1, ",
               k_in.size(2), "], got ", topk);
-  if (ops::is_reduced_float(q_in))
-    return ops::in_float32<2>(q_in.scalar_type(), improved_clustered_forward_cpu, q_in, k_in, v_in,
-                              assignments_in, counts_in, topk, key_lengths, softmax_temp);
-  auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+  if (ops::is_reduced_float(q_in)) {
+    auto [out, centroids, lse, out_c, top_idx] =
+        ops::in_float32<2>(q_in.scalar_type(), improved_clustered_forward_cpu, q_in, k_in, v_in,
+                           assignments_in, counts_in, topk, key_lengths, softmax_temp);
+    return {ops::in_rows_layout_of(out, q_in), centroids, lse, out_c, top_idx};
+  }
+  // Rows read in place (the layers' (N, L, H, E) views): the kernels take row strides.
+  auto q = ops::rows_contiguous(q_in), k = ops::rows_contiguous(k_in),
+       v = ops::rows_contiguous(v_in);
   auto assignments = assignments_in.contiguous(), counts = counts_in.contiguous();
   Tensor lengths;
   if (key_lengths) lengths = key_lengths->to(torch::kLong).contiguous();
@@ -286,6 +318,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> improved_clustered_forward_cp
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "improved_clustered_centroids", [&] {
     kernels::ClusterMeansArgs<scalar_t> m;
     m.q = q.data_ptr<scalar_t>();
+    m.q_rows = ops::row_strides(q);
+    m.H = H;
     m.assignments = assignments.data_ptr<int64_t>();
     m.counts = counts.data_ptr<int64_t>();
     m.centroids = centroids.data_ptr<scalar_t>();
@@ -304,12 +338,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> improved_clustered_forward_cp
   // Named tensors, not structured bindings: lambdas cannot capture those before C++20 (clang).
   Tensor out_c, lse, top_idx;
   std::tie(out_c, lse, top_idx) = lse_topk.call(centroids, k, v, key_lengths, softmax_temp, topk);
-  auto out = torch::empty({N, H, L, v.size(3)}, q.options());
+  auto out = ops::empty_rows_like(q, v.size(3));
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "improved_clustered_forward_cpu", [&] {
     kernels::ClusteredTopkForwardArgs<scalar_t> a;
     fill_improved<scalar_t>(a, q, k, v, assignments, top_idx, centroids, lse, out_c, lengths,
                             softmax_temp);
     a.out = out.data_ptr<scalar_t>();
+    a.out_rows = ops::row_strides(out);
     kernels::clustered_topk_forward_cpu(a);
   });
   return {out, centroids, lse, out_c, top_idx};
@@ -322,16 +357,22 @@ std::tuple<Tensor, Tensor, Tensor> improved_clustered_backward_cpu(
     const c10::optional<Tensor>& key_lengths, double softmax_temp) {
   ops::check_qkv(kImprovedOp, q_in, k_in, v_in);
   ops::check_improved_clusters(q_in, assignments_in, counts_in);
-  if (ops::is_reduced_float(q_in))
-    return ops::in_float32(q_in.scalar_type(), improved_clustered_backward_cpu, grad_out, q_in,
-                           k_in, v_in, assignments_in, counts_in, centroids, lse, out_c, top_idx,
-                           key_lengths, softmax_temp);
-  auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+  if (ops::is_reduced_float(q_in)) {
+    auto [gq, gk, gv] = ops::in_float32(q_in.scalar_type(), improved_clustered_backward_cpu,
+                                        grad_out, q_in, k_in, v_in, assignments_in, counts_in,
+                                        centroids, lse, out_c, top_idx, key_lengths, softmax_temp);
+    return {ops::in_rows_layout_of(gq, q_in), ops::in_rows_layout_of(gk, k_in),
+            ops::in_rows_layout_of(gv, v_in)};
+  }
+  auto q = ops::rows_contiguous(q_in), k = ops::rows_contiguous(k_in),
+       v = ops::rows_contiguous(v_in);
   auto assignments = assignments_in.contiguous(), counts = counts_in.contiguous();
-  auto go = grad_out.to(q.scalar_type()).contiguous();
+  auto go = ops::rows_contiguous(grad_out.to(q.scalar_type()));
   Tensor lengths;
   if (key_lengths) lengths = key_lengths->to(torch::kLong).contiguous();
-  auto gq = torch::empty_like(q), gk = torch::empty_like(k), gv = torch::empty_like(v);
+  // Gradients in the inputs' row layouts (as the fake implementation promises).
+  auto gq = ops::empty_rows_like(q_in, q.size(3)), gk = ops::empty_rows_like(k_in, k.size(3)),
+       gv = ops::empty_rows_like(v_in, v.size(3));
   auto g_cen = torch::empty_like(centroids), g_lse = torch::empty_like(lse),
        g_out_c = torch::empty_like(out_c);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "improved_clustered_backward_cpu", [&] {
@@ -345,6 +386,7 @@ std::tuple<Tensor, Tensor, Tensor> improved_clustered_backward_cpu(
     a.grad_centroids = g_cen.data_ptr<scalar_t>();
     a.grad_lse = g_lse.data_ptr<scalar_t>();
     a.grad_out_c = g_out_c.data_ptr<scalar_t>();
+    set_grad_rows(a, go, gq, gk, gv);
     kernels::clustered_topk_backward_cpu(a);
   });
   // The centroid pass: its gradients to k and v add to the top-k ones; to the
@@ -354,6 +396,8 @@ std::tuple<Tensor, Tensor, Tensor> improved_clustered_backward_cpu(
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "improved_clustered_centroid_grads", [&] {
     kernels::CentroidGradsArgs<scalar_t> g;
     g.grad_q = gq.data_ptr<scalar_t>();
+    g.grad_q_rows = ops::row_strides(gq);
+    g.H = q.size(1);
     g.table = g_cen.data_ptr<scalar_t>();
     g.assignments = assignments.data_ptr<int64_t>();
     g.counts = counts.data_ptr<int64_t>();

@@ -461,9 +461,9 @@ void full_attention_backward_accumulate(const Tensor& grad_out, const Tensor& gr
                                         const std::optional<Tensor>& key_lengths,
                                         double softmax_temp, Tensor& grad_q, Tensor& grad_k,
                                         Tensor& grad_v) {
-  TORCH_CHECK(grad_q.is_contiguous() && grad_k.is_contiguous() && grad_v.is_contiguous(),
-              "full_attention_backward_accumulate: gradient buffers must be contiguous");
   if (q.is_cuda()) {
+    TORCH_CHECK(grad_q.is_contiguous() && grad_k.is_contiguous() && grad_v.is_contiguous(),
+                "full_attention_backward_accumulate: gradient buffers must be contiguous");
 #ifdef FASTATTN_WITH_CUDA
     full_attention_backward_accumulate_cuda(grad_out, grad_lse, q, k, v, out, lse, key_lengths,
                                             softmax_temp, grad_q, grad_k, grad_v);
@@ -485,6 +485,10 @@ void full_attention_backward_accumulate(const Tensor& grad_out, const Tensor& gr
     a.grad_q = grad_q.data_ptr<scalar_t>();
     a.grad_k = grad_k.data_ptr<scalar_t>();
     a.grad_v = grad_v.data_ptr<scalar_t>();
+    // Any row layout (kernels/common/rows.h): the gradients of the layers' views.
+    a.grad_q_rows = ops::row_strides(grad_q);
+    a.grad_k_rows = ops::row_strides(grad_k);
+    a.grad_v_rows = ops::row_strides(grad_v);
     a.accumulate = true;
     kernels::full_attention_backward_cpu(a);
   });

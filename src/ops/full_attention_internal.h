@@ -12,7 +12,8 @@
 namespace fastattn::ops {
 
 // The backward of full_attention_lse_topk (key lengths only, not causal),
-// added into grad_q, grad_k, grad_v (contiguous, q's dtype and shapes):
+// added into grad_q, grad_k, grad_v (q's dtype and shapes; any row layout on
+// the CPU, contiguous on CUDA):
 // gradients of the loss with respect to out (grad_out) and lse (grad_lse).
 // CPU or CUDA tensors.
 void full_attention_backward_accumulate(const torch::Tensor& grad_out,

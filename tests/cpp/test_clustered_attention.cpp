@@ -297,6 +297,37 @@ TEST(ExactTopk, TopkSEqualsFullAndRegistry) {
                         "causal masking is not supported");
 }
 
+// The layers' (N, L, H, E) views, padded rows and heads broadcast with
+// stride 0 are read and written in place (the kernels take row strides), as
+// the contiguous copies give: clustered (hashing, centroid sums, the
+// broadcast back), improved (centroid means, the centroids' pass, clusters of
+// more than one block of members, the centroid gradients), exact top-k (one
+// query per key set) and the causal improved form; key lengths.
+TEST(Clustered, ReadsAndWritesRowLayoutsInPlace) {
+  using torch::Tensor;
+  const int64_t N = 2, H = 3, L = 230, S = 230, E = 8, M = 6;
+  torch::manual_seed(8);
+  const auto klen = torch::tensor({int64_t(230), int64_t(150)}, torch::kLong);
+  const auto cl = cluster_queries(torch::randn({N, H, L, E}, torch::kDouble), std::nullopt, 2, 10,
+                                  63, true, generator(3));
+  const std::vector<std::pair<std::string, testing::QkvOp>> ops = {
+      {"clustered", [&](const Tensor& q, const Tensor& k,
+                        const Tensor& v) { return clustered_attention(q, k, v, cl, klen); }},
+      {"improved",
+       [&](const Tensor& q, const Tensor& k, const Tensor& v) {
+         return improved_clustered_attention(q, k, v, cl, 7, klen);
+       }},
+      {"exact-topk", [&](const Tensor& q, const Tensor& k,
+                         const Tensor& v) { return exact_topk_attention(q, k, v, 5, klen); }},
+      {"causal-improved", [&](const Tensor& q, const Tensor& k, const Tensor& v) {
+         return causal_improved_clustered_attention(q, k, v, cl, 7, 16, klen);
+       }}};
+  for (const auto& [name, op] : ops) {
+    SCOPED_TRACE(name);
+    testing::check_row_layouts(op, N, H, L, S, E, M);
+  }
+}
+
 TEST(ImprovedClusteredOp, BadInputsNameTheArgument) {
   // The fused operator behind improved-clustered, called directly.
   static auto op =

@@ -467,7 +467,9 @@ def test_readme_python_example_runs(index):
 @pytest.mark.parametrize("type,params", [("full", "{}"), ("reformer", '{"seed": 1, "chunk_size": 4}'),
                                          ("linear", "{}"), ("causal-linear", "{}"),
                                          ("local", '{"window": 3}'),
-                                         ("clustered", '{"clusters": 2, "seed": 1}')])
+                                         ("clustered", '{"clusters": 2, "seed": 1}'),
+                                         ("improved-clustered", '{"clusters": 2, "topk": 3, "seed": 1}'),
+                                         ("exact-topk", '{"topk": 3}')])
 def test_registry_keeps_the_row_layout_of_strided_inputs(type, params):
     # The fake implementation (and inductor, which asserts it) promises the
     # output in q's row layout and each gradient in its input's: q, k, v are

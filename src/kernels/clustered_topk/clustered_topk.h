@@ -16,13 +16,16 @@
 
 #include <cstdint>
 
+#include "kernels/common/rows.h"
+
 namespace fastattn::kernels {
 
 template <typename T>
 struct ClusteredTopkParams {
-  const T* q = nullptr;                  // (N, H, L, E) contiguous
-  const T* k = nullptr;                  // (N, H, S, E) contiguous
-  const T* v = nullptr;                  // (N, H, S, M) contiguous
+  const T* q = nullptr;                  // (N, H, L, E), rows at q_rows
+  const T* k = nullptr;                  // (N, H, S, E), rows at k_rows
+  const T* v = nullptr;                  // (N, H, S, M), rows at v_rows
+  RowStrides q_rows, k_rows, v_rows;     // kernels/common/rows.h; default: contiguous
   const int64_t* topk = nullptr;         // (N, H, C, K) key indices in [0, S), -1: empty slot
   const T* mass = nullptr;               // (N, H, C): centroid mass on its top-k keys
   const int64_t* assignments = nullptr;  // (N, H, L): cluster in [0, C) or -1
@@ -42,16 +45,18 @@ struct ClusteredTopkParams {
 
 template <typename T>
 struct ClusteredTopkForwardArgs : ClusteredTopkParams<T> {
-  T* out = nullptr;  // (N, H, L, M), written
+  T* out = nullptr;  // (N, H, L, M), rows at out_rows, written
+  RowStrides out_rows;
 };
 
 template <typename T>
 struct ClusteredTopkBackwardArgs : ClusteredTopkParams<T> {
-  const T* grad_out = nullptr;  // (N, H, L, M) contiguous
+  const T* grad_out = nullptr;  // (N, H, L, M), rows at grad_out_rows
   T* grad_q = nullptr;          // (N, H, L, E), written
   T* grad_k = nullptr;          // (N, H, S, E), written
   T* grad_v = nullptr;          // (N, H, S, M), written
-  T* grad_mass = nullptr;       // (N, H, C), written (plain form)
+  RowStrides grad_out_rows, grad_q_rows, grad_k_rows, grad_v_rows;  // default: contiguous
+  T* grad_mass = nullptr;  // (N, H, C), written (plain form)
   // Improved form: written instead of grad_mass.
   T* grad_centroids = nullptr;  // (N, H, C, E)
   T* grad_lse = nullptr;        // (N, H, C)
@@ -62,12 +67,14 @@ struct ClusteredTopkBackwardArgs : ClusteredTopkParams<T> {
 // empty cluster); assignments a_l in [-1, C), -1 for padding.
 template <typename T>
 struct ClusterMeansArgs {
-  const T* q = nullptr;                  // (NH, L, E) contiguous
+  const T* q = nullptr;                  // (NH, L, E), rows at q_rows
   const int64_t* assignments = nullptr;  // (NH, L)
   const int64_t* counts = nullptr;       // (NH, C): members of each cluster
   T* centroids = nullptr;                // (NH, C, E), written
   int64_t NH = 0, L = 0, C = 0, E = 0;
   int num_threads = 1;
+  RowStrides q_rows;  // of H heads (NH = N·H); default: contiguous
+  int64_t H = 1;
 };
 template <typename T>
 void cluster_means_cpu(const ClusterMeansArgs<T>& args);
@@ -76,12 +83,14 @@ void cluster_means_cpu(const ClusterMeansArgs<T>& args);
 // l with a cluster a_l >= 0: the gradient of centroid = mean of its members.
 template <typename T>
 struct CentroidGradsArgs {
-  T* grad_q = nullptr;                   // (NH, L, E), added to
+  T* grad_q = nullptr;                   // (NH, L, E), rows at grad_q_rows, added to
   const T* table = nullptr;              // (NH, C, E): the centroids' gradients
   const int64_t* assignments = nullptr;  // (NH, L)
   const int64_t* counts = nullptr;       // (NH, C)
   int64_t NH = 0, L = 0, C = 0, E = 0;
   int num_threads = 1;
+  RowStrides grad_q_rows;  // of H heads (NH = N·H); default: contiguous
+  int64_t H = 1;
 };
 template <typename T>
 void add_centroid_grads_cpu(const CentroidGradsArgs<T>& args);

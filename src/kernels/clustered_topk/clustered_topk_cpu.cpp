@@ -63,11 +63,26 @@ struct Scratch {
   std::vector<T> pc, rest, grest;
 };
 
+// A head's rows (of keys, values or their gradients): row j at at + j·sr.
+template <typename T>
+struct HeadRows {
+  T* at;
+  int64_t sr;
+  T* row(int64_t j) const { return at + j * sr; }
+};
+
+// Head nh of x laid out as r (kernels/common/rows.h).
+template <typename T>
+HeadRows<T> head_rows(T* x, const RowStrides& r, int64_t nh, int64_t H) {
+  return {r.head(x, nh, H), r.sr};
+}
+
 // Gathers the cluster's keys (and values) into the scratch; returns the
 // padded K. Dropped and padding columns have zero rows and keep = 0.
 template <typename T>
-int64_t gather_cluster(const int64_t* idx, int64_t K, int64_t len, const T* k, const T* v,
-                       int64_t E, int64_t M, bool want_v_packed, Scratch<T>& w) {
+int64_t gather_cluster(const int64_t* idx, int64_t K, int64_t len, HeadRows<const T> k,
+                       HeadRows<const T> v, int64_t E, int64_t M, bool want_v_packed,
+                       Scratch<T>& w) {
   constexpr int64_t NR = panel_width<T>();
   const int64_t Kp = round_up(K, NR);
   w.ks.assign(Kp * E, T(0));
@@ -76,8 +91,8 @@ int64_t gather_cluster(const int64_t* idx, int64_t K, int64_t len, const T* k, c
   for (int64_t t = 0; t < K; ++t) {
     if (idx[t] < 0 || idx[t] >= len) continue;
     w.keep[t] = 1;
-    std::copy(k + idx[t] * E, k + idx[t] * E + E, w.ks.data() + t * E);
-    std::copy(v + idx[t] * M, v + idx[t] * M + M, w.vs.data() + t * M);
+    std::copy(k.row(idx[t]), k.row(idx[t]) + E, w.ks.data() + t * E);
+    std::copy(v.row(idx[t]), v.row(idx[t]) + M, w.vs.data() + t * M);
   }
   w.kp.resize(Kp * E);
   pack_transposed_panels(w.ks.data(), Kp, E, E, Kp, w.kp.data());
@@ -136,9 +151,10 @@ T centroid_weights(const ClusteredTopkParams<T>& a, int64_t nh, int64_t c, int64
   return mass;
 }
 
+// Rows rows[0..n) of src (D entries each) into dst, D apart.
 template <typename T>
-void gather_rows(const T* src, int64_t D, const int64_t* rows, int64_t n, T* dst) {
-  for (int64_t r = 0; r < n; ++r) std::copy(src + rows[r] * D, src + rows[r] * D + D, dst + r * D);
+void gather_rows(HeadRows<const T> src, int64_t D, const int64_t* rows, int64_t n, T* dst) {
+  for (int64_t r = 0; r < n; ++r) std::copy(src.row(rows[r]), src.row(rows[r]) + D, dst + r * D);
 }
 
 // A cluster of one query (exact-topk, causal-improved-clustered: one key set
@@ -146,11 +162,11 @@ void gather_rows(const T* src, int64_t D, const int64_t* rows, int64_t n, T* dst
 // packing), into p[0, K); dropped keys (-1, past len) get 0. Returns false
 // when no key is kept (the row is zeros).
 template <typename T>
-bool single_query_weights(const T* qrow, const int64_t* idx, int64_t K, int64_t len, const T* k,
-                          int64_t E, T scale, T* p) {
+bool single_query_weights(const T* qrow, const int64_t* idx, int64_t K, int64_t len,
+                          HeadRows<const T> k, int64_t E, T scale, T* p) {
   T mx = neg_inf<T>();
   for (int64_t t = 0; t < K; ++t) {
-    p[t] = idx[t] >= 0 && idx[t] < len ? scale * simd_dot(qrow, k + idx[t] * E, E) : neg_inf<T>();
+    p[t] = idx[t] >= 0 && idx[t] < len ? scale * simd_dot(qrow, k.row(idx[t]), E) : neg_inf<T>();
     mx = std::max(mx, p[t]);
   }
   if (mx == neg_inf<T>()) {
@@ -166,13 +182,14 @@ bool single_query_weights(const T* qrow, const int64_t* idx, int64_t K, int64_t 
 
 // out (M) = m · Σ_t p_t v_{idx[t]}.
 template <typename T>
-void single_query_forward(const T* qrow, const int64_t* idx, int64_t K, int64_t len, const T* k,
-                          const T* v, int64_t E, int64_t M, T scale, T m, T* p, T* out) {
+void single_query_forward(const T* qrow, const int64_t* idx, int64_t K, int64_t len,
+                          HeadRows<const T> k, HeadRows<const T> v, int64_t E, int64_t M, T scale,
+                          T m, T* p, T* out) {
   if (!single_query_weights(qrow, idx, K, len, k, E, scale, p)) return;  // out stays zero
   for (int64_t t = 0; t < K; ++t) {
     if (p[t] == T(0)) continue;
     const T w = m * p[t];
-    const T* vt = v + idx[t] * M;
+    const T* vt = v.row(idx[t]);
     for (int64_t x = 0; x < M; ++x) out[x] += w * vt[x];
   }
 }
@@ -181,25 +198,25 @@ void single_query_forward(const T* qrow, const int64_t* idx, int64_t K, int64_t 
 // in place; returns d mass = Σ_t p_t (g·v_t).
 template <typename T>
 T single_query_backward(const T* qrow, const T* grow, const int64_t* idx, int64_t K, int64_t len,
-                        const T* k, const T* v, int64_t E, int64_t M, T scale, T m, T* p, T* gv,
-                        T* gq_row, T* gk, T* gvals) {
+                        HeadRows<const T> k, HeadRows<const T> v, int64_t E, int64_t M, T scale,
+                        T m, T* p, T* gv, T* gq_row, HeadRows<T> gk, HeadRows<T> gvals) {
   if (!single_query_weights(qrow, idx, K, len, k, E, scale, p)) return T(0);
   T row_dot = 0;
   for (int64_t t = 0; t < K; ++t) {
-    gv[t] = p[t] == T(0) ? T(0) : simd_dot(grow, v + idx[t] * M, M);
+    gv[t] = p[t] == T(0) ? T(0) : simd_dot(grow, v.row(idx[t]), M);
     row_dot += p[t] * gv[t];
   }
   for (int64_t t = 0; t < K; ++t) {
     if (p[t] == T(0)) continue;
     const T ds = p[t] * (gv[t] - row_dot) * m * scale;
-    const T* kt = k + idx[t] * E;
-    T* dk = gk + idx[t] * E;
+    const T* kt = k.row(idx[t]);
+    T* dk = gk.row(idx[t]);
     for (int64_t x = 0; x < E; ++x) {
       gq_row[x] += ds * kt[x];
       dk[x] += ds * qrow[x];
     }
     const T w = m * p[t];
-    T* dv = gvals + idx[t] * M;
+    T* dv = gvals.row(idx[t]);
     for (int64_t x = 0; x < M; ++x) dv[x] += w * grow[x];
   }
   return row_dot;
@@ -208,7 +225,10 @@ T single_query_backward(const T* qrow, const T* grow, const int64_t* idx, int64_
 }  // namespace
 
 template <typename T>
-void clustered_topk_forward_cpu(const ClusteredTopkForwardArgs<T>& a) {
+void clustered_topk_forward_cpu(const ClusteredTopkForwardArgs<T>& args) {
+  ClusteredTopkForwardArgs<T> a = args;
+  resolve_qkv_rows(a);
+  a.out_rows = a.out_rows.resolved(a.H, a.L, a.M);
   const int64_t H = a.H, L = a.L, S = a.S, E = a.E, M = a.M, C = a.C, K = a.K;
   constexpr int64_t NR = panel_width<T>();
   const int64_t Kp_max = round_up(K, NR);
@@ -221,9 +241,12 @@ void clustered_topk_forward_cpu(const ClusteredTopkForwardArgs<T>& a) {
       },
       [&](int64_t nh, Scratch<T>& w) {
         const int64_t len = a.key_lengths ? a.key_lengths[nh / H] : S;
-        const T* q = a.q + nh * L * E;
-        T* out = a.out + nh * L * M;
-        std::fill(out, out + L * M, T(0));  // padded queries stay zero
+        const auto q = head_rows(a.q, a.q_rows, nh, H);
+        const auto k = head_rows(a.k, a.k_rows, nh, H);
+        const auto v = head_rows(a.v, a.v_rows, nh, H);
+        const auto out = head_rows(a.out, a.out_rows, nh, H);
+        for (int64_t l = 0; l < L; ++l)
+          std::fill(out.row(l), out.row(l) + M, T(0));  // padded queries stay zero
         w.groups.build(a.assignments + nh * L, L, C);
         const bool improved = a.centroids != nullptr;
         for (int64_t c = 0; c < C; ++c) {
@@ -231,13 +254,12 @@ void clustered_topk_forward_cpu(const ClusteredTopkForwardArgs<T>& a) {
           if (b == e) continue;
           if (e - b == 1 && !improved) {
             const int64_t l = w.groups.order[b];
-            single_query_forward(q + l * E, a.topk + (nh * C + c) * K, K, len, a.k + nh * S * E,
-                                 a.v + nh * S * M, E, M, a.scale, a.mass[nh * C + c], w.s.data(),
-                                 out + l * M);
+            single_query_forward(q.row(l), a.topk + (nh * C + c) * K, K, len, k, v, E, M, a.scale,
+                                 a.mass[nh * C + c], w.s.data(), out.row(l));
             continue;
           }
-          const int64_t Kp = gather_cluster(a.topk + (nh * C + c) * K, K, len, a.k + nh * S * E,
-                                            a.v + nh * S * M, E, M, false, w);
+          const int64_t Kp =
+              gather_cluster(a.topk + (nh * C + c) * K, K, len, k, v, E, M, false, w);
           const T m = improved ? centroid_weights(a, nh, c, Kp, true, w) : a.mass[nh * C + c];
           for (int64_t r0 = b; r0 < e; r0 += kRows) {
             const int64_t rows = std::min(kRows, e - r0);
@@ -246,7 +268,7 @@ void clustered_topk_forward_cpu(const ClusteredTopkForwardArgs<T>& a) {
             block_softmax(rows, Kp, E, a.scale, w);
             gemm(rows, M, Kp, w.s.data(), Kp, w.vs.data(), M, w.o.data(), M, false);
             for (int64_t r = 0; r < rows; ++r) {
-              T* dst = out + members[r] * M;
+              T* dst = out.row(members[r]);
               const T* src = w.o.data() + r * M;
               if (improved) {
                 for (int64_t x = 0; x < M; ++x) dst[x] = m * src[x] + w.rest[x];
@@ -260,7 +282,13 @@ void clustered_topk_forward_cpu(const ClusteredTopkForwardArgs<T>& a) {
 }
 
 template <typename T>
-void clustered_topk_backward_cpu(const ClusteredTopkBackwardArgs<T>& a) {
+void clustered_topk_backward_cpu(const ClusteredTopkBackwardArgs<T>& args) {
+  ClusteredTopkBackwardArgs<T> a = args;
+  resolve_qkv_rows(a);
+  a.grad_out_rows = a.grad_out_rows.resolved(a.H, a.L, a.M);
+  a.grad_q_rows = a.grad_q_rows.resolved(a.H, a.L, a.E);
+  a.grad_k_rows = a.grad_k_rows.resolved(a.H, a.S, a.E);
+  a.grad_v_rows = a.grad_v_rows.resolved(a.H, a.S, a.M);
   const int64_t H = a.H, L = a.L, S = a.S, E = a.E, M = a.M, C = a.C, K = a.K;
   constexpr int64_t NR = panel_width<T>();
   const int64_t Kp_max = round_up(K, NR);
@@ -278,15 +306,19 @@ void clustered_topk_backward_cpu(const ClusteredTopkBackwardArgs<T>& a) {
       },
       [&](int64_t nh, Scratch<T>& w) {
         const int64_t len = a.key_lengths ? a.key_lengths[nh / H] : S;
-        const T* q = a.q + nh * L * E;
-        const T* g = a.grad_out + nh * L * M;
-        T* gq = a.grad_q + nh * L * E;
-        T* gk = a.grad_k + nh * S * E;
-        T* gv = a.grad_v + nh * S * M;
+        const auto q = head_rows(a.q, a.q_rows, nh, H);
+        const auto k = head_rows(a.k, a.k_rows, nh, H);
+        const auto v = head_rows(a.v, a.v_rows, nh, H);
+        const auto g = head_rows(a.grad_out, a.grad_out_rows, nh, H);
+        const auto gq = head_rows(a.grad_q, a.grad_q_rows, nh, H);
+        const auto gk = head_rows(a.grad_k, a.grad_k_rows, nh, H);
+        const auto gv = head_rows(a.grad_v, a.grad_v_rows, nh, H);
         const bool improved = a.centroids != nullptr;
-        std::fill(gq, gq + L * E, T(0));
-        std::fill(gk, gk + S * E, T(0));
-        std::fill(gv, gv + S * M, T(0));
+        for (int64_t l = 0; l < L; ++l) std::fill(gq.row(l), gq.row(l) + E, T(0));
+        for (int64_t j = 0; j < S; ++j) {
+          std::fill(gk.row(j), gk.row(j) + E, T(0));
+          std::fill(gv.row(j), gv.row(j) + M, T(0));
+        }
         if (improved) {
           std::fill(a.grad_centroids + nh * C * E, a.grad_centroids + (nh + 1) * C * E, T(0));
           std::fill(a.grad_lse + nh * C, a.grad_lse + (nh + 1) * C, T(0));
@@ -302,12 +334,11 @@ void clustered_topk_backward_cpu(const ClusteredTopkBackwardArgs<T>& a) {
           if (e - b == 1 && !improved) {
             const int64_t l = w.groups.order[b];
             a.grad_mass[nh * C + c] = single_query_backward(
-                q + l * E, g + l * M, idx, K, len, a.k + nh * S * E, a.v + nh * S * M, E, M,
-                a.scale, a.mass[nh * C + c], w.s.data(), w.o.data(), gq + l * E, gk, gv);
+                q.row(l), g.row(l), idx, K, len, k, v, E, M, a.scale, a.mass[nh * C + c],
+                w.s.data(), w.o.data(), gq.row(l), gk, gv);
             continue;
           }
-          const int64_t Kp =
-              gather_cluster(idx, K, len, a.k + nh * S * E, a.v + nh * S * M, E, M, true, w);
+          const int64_t Kp = gather_cluster(idx, K, len, k, v, E, M, true, w);
           const T m = improved ? centroid_weights(a, nh, c, Kp, false, w) : a.mass[nh * C + c];
           std::fill(w.dk.begin(), w.dk.begin() + Kp * E, T(0));
           std::fill(w.dv.begin(), w.dv.begin() + Kp * M, T(0));
@@ -342,7 +373,7 @@ void clustered_topk_backward_cpu(const ClusteredTopkBackwardArgs<T>& a) {
             // dQ = dS·K, scattered to the members.
             gemm(rows, E, Kp, w.o.data(), Kp, w.ks.data(), E, w.dq.data(), E, false);
             for (int64_t r = 0; r < rows; ++r)
-              std::copy(w.dq.data() + r * E, w.dq.data() + r * E + E, gq + members[r] * E);
+              std::copy(w.dq.data() + r * E, w.dq.data() + r * E + E, gq.row(members[r]));
             // dK += dSᵀ·Q.
             transpose(w.o.data(), rows, Kp, Kp, w.pt.data(), rows);
             gemm(Kp, E, rows, w.pt.data(), rows, w.q.data(), E, w.dk.data(), E, true);
@@ -376,8 +407,8 @@ void clustered_topk_backward_cpu(const ClusteredTopkBackwardArgs<T>& a) {
           }
           for (int64_t t = 0; t < K; ++t) {
             if (!w.keep[t]) continue;
-            T* dk_row = gk + idx[t] * E;
-            T* dv_row = gv + idx[t] * M;
+            T* dk_row = gk.row(idx[t]);
+            T* dv_row = gv.row(idx[t]);
             for (int64_t x = 0; x < E; ++x) dk_row[x] += w.dk[t * E + x];
             for (int64_t x = 0; x < M; ++x) dv_row[x] += w.dv[t * M + x];
           }
@@ -386,7 +417,9 @@ void clustered_topk_backward_cpu(const ClusteredTopkBackwardArgs<T>& a) {
 }
 
 template <typename T>
-void cluster_means_cpu(const ClusterMeansArgs<T>& a) {
+void cluster_means_cpu(const ClusterMeansArgs<T>& args) {
+  ClusterMeansArgs<T> a = args;
+  a.q_rows = a.q_rows.resolved(a.H, a.L, a.E);
   const int64_t L = a.L, C = a.C, E = a.E;
   struct None {};
   parallel_items<None>(
@@ -397,7 +430,7 @@ void cluster_means_cpu(const ClusterMeansArgs<T>& a) {
         for (int64_t l = 0; l < L; ++l) {
           const int64_t c = a.assignments[nh * L + l];
           if (c < 0) continue;
-          const T* src = a.q + (nh * L + l) * E;
+          const T* src = a.q_rows.row(a.q, nh, a.H, l);
           for (int64_t x = 0; x < E; ++x) cen[c * E + x] += src[x];
         }
         for (int64_t c = 0; c < C; ++c) {
@@ -408,7 +441,9 @@ void cluster_means_cpu(const ClusterMeansArgs<T>& a) {
 }
 
 template <typename T>
-void add_centroid_grads_cpu(const CentroidGradsArgs<T>& a) {
+void add_centroid_grads_cpu(const CentroidGradsArgs<T>& args) {
+  CentroidGradsArgs<T> a = args;
+  a.grad_q_rows = a.grad_q_rows.resolved(a.H, a.L, a.E);
   const int64_t L = a.L, C = a.C, E = a.E;
   struct None {};
   parallel_items<None>(
@@ -419,7 +454,7 @@ void add_centroid_grads_cpu(const CentroidGradsArgs<T>& a) {
           if (c < 0) continue;
           const T inv = T(1) / static_cast<T>(std::max<int64_t>(1, a.counts[nh * C + c]));
           const T* src = a.table + (nh * C + c) * E;
-          T* dst = a.grad_q + (nh * L + l) * E;
+          T* dst = a.grad_q_rows.row(a.grad_q, nh, a.H, l);
           for (int64_t x = 0; x < E; ++x) dst[x] += inv * src[x];
         }
       });

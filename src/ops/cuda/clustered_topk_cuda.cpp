@@ -89,7 +89,7 @@ Tensor clustered_topk_forward_cuda_op(const Tensor& q_in, const Tensor& k_in, co
   a.mass = mass.data_ptr<float>();
   a.out = out.data_ptr();
   cuda::clustered_topk_forward_cuda(a, ops::cuda::current_stream());
-  return out;
+  return ops::in_rows_layout_of(out, q_in);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> clustered_topk_backward_cuda_op(
@@ -127,7 +127,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> clustered_topk_backward_cuda_op(
   a.grad_mass = gm.data_ptr<float>();
   cuda::clustered_topk_backward_cuda(a, ops::cuda::current_stream());
   const auto dt = q.scalar_type();
-  return {gq.to(dt), gk.to(dt), gv.to(dt), gm.to(mass_in.scalar_type())};
+  // In the inputs' row layouts, as the CPU op writes them and the fake promises.
+  return {ops::in_rows_layout_of(gq.to(dt), q_in), ops::in_rows_layout_of(gk.to(dt), k_in),
+          ops::in_rows_layout_of(gv.to(dt), v_in), gm.to(mass_in.scalar_type())};
 }
 
 // ---- improved_clustered_attention -------------------------------------------------
@@ -186,7 +188,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> improved_forward_cuda_op(
   a.out_c = out_cc.data_ptr();
   a.out = out.data_ptr();
   cuda::clustered_topk_forward_cuda(a, stream);
-  return {out, centroids, lse, out_c, top_idx};
+  return {ops::in_rows_layout_of(out, q_in), centroids, lse, out_c, top_idx};
 }
 
 std::tuple<Tensor, Tensor, Tensor> improved_backward_cuda_op(
@@ -266,7 +268,8 @@ std::tuple<Tensor, Tensor, Tensor> improved_backward_cuda_op(
   a.E = E;
   cuda::add_centroid_grads_cuda(a, stream);
   const auto dt = q.scalar_type();
-  return {gq.to(dt), gk.to(dt), gv.to(dt)};
+  return {ops::in_rows_layout_of(gq.to(dt), q_in), ops::in_rows_layout_of(gk.to(dt), k_in),
+          ops::in_rows_layout_of(gv.to(dt), v_in)};
 }
 
 // The no-grad composite (the CPU file's improved_clustered_no_grad): the
