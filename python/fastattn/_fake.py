@@ -193,10 +193,13 @@ def register():
     @fake("fastattn::hard_retrieval_attention_forward")
     def _(q, k, v, attn_mask, key_lengths, causal, sample, softmax_temp, seed, need_lse):
         lse = _stats(q) if (sample or need_lse) else _stats(q, (0,))
-        return _out(q, v), q.new_empty(q.shape[:-1], dtype=_LONG), lse
+        # The softmax output P V for the backward: computed by the CPU kernel only.
+        with_soft = need_lse and q.device.type == "cpu"
+        soft_out = _stats(q, q.shape[:-1] + v.shape[-1:] if with_soft else (0,))
+        return _out(q, v), q.new_empty(q.shape[:-1], dtype=_LONG), lse, soft_out
 
     @fake("fastattn::hard_retrieval_attention_backward")
-    def _(grad_out, q, k, v, index, lse, attn_mask, key_lengths, causal, softmax_temp):
+    def _(grad_out, q, k, v, index, lse, soft_out, attn_mask, key_lengths, causal, softmax_temp):
         return _like(q), _like(k), _like(v)
 
     # ---- block-sparse attention --------------------------------------------

@@ -50,7 +50,7 @@ void check_hard_retrieval_inputs(const char* op, const torch::Tensor& q, const t
 void check_hard_retrieval_backward(const char* op, const torch::Tensor& grad_out,
                                    const torch::Tensor& q, const torch::Tensor& k,
                                    const torch::Tensor& v, const torch::Tensor& index,
-                                   const torch::Tensor& lse) {
+                                   const torch::Tensor& lse, const torch::Tensor& soft_out) {
   const auto lse_dtype = stats_dtype(q);
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), M = v.size(3);
   TORCH_CHECK(grad_out.dim() == 4 && grad_out.size(0) == N && grad_out.size(1) == H &&
@@ -64,6 +64,11 @@ void check_hard_retrieval_backward(const char* op, const torch::Tensor& grad_out
   TORCH_CHECK(lse.dim() == 3 && lse.sizes() == index.sizes() && lse.scalar_type() == lse_dtype, op,
               ": lse must be ", lse_dtype, " of shape (N, H, L) = (", N, ", ", H, ", ", L,
               "), got ", lse.scalar_type(), " ", lse.sizes());
+  TORCH_CHECK(
+      soft_out.numel() == 0 || (soft_out.dim() == 4 && soft_out.sizes() == grad_out.sizes() &&
+                                soft_out.scalar_type() == lse_dtype),
+      op, ": soft_out must be empty or ", lse_dtype, " of shape (N, H, L, M) = (", N, ", ", H, ", ",
+      L, ", ", M, "), got ", soft_out.scalar_type(), " ", soft_out.sizes());
   if (index.numel() > 0) {
     TORCH_CHECK(index.min().item<int64_t>() >= -1 && index.max().item<int64_t>() < S, op,
                 ": index must be in [-1, S) = [-1, ", S, ")");
@@ -125,22 +130,27 @@ void fill_params(kernels::HardRetrievalParams<T>& a, const Prepared& p, bool cau
   a.num_threads = at::get_num_threads();
 }
 
-// (out, index, lse); lse is empty (numel 0) unless sample or need_lse.
-std::tuple<Tensor, Tensor, Tensor> hard_retrieval_attention_forward_cpu(
+// (out, index, lse, soft_out); lse is empty (numel 0) unless sample or
+// need_lse, soft_out (the softmax output P V, for the backward's delta)
+// unless need_lse.
+std::tuple<Tensor, Tensor, Tensor, Tensor> hard_retrieval_attention_forward_cpu(
     const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& attn_mask,
     const c10::optional<Tensor>& key_lengths, bool causal, bool sample, double softmax_temp,
     int64_t seed, bool need_lse) {
   check_inputs(q, k, v, attn_mask, key_lengths);
   ops::resolve_softmax_temp(kOp, q, softmax_temp);
   if (ops::is_reduced_float(q))
-    return ops::in_float32<2>(q.scalar_type(), hard_retrieval_attention_forward_cpu, q, k, v,
-                              attn_mask, key_lengths, causal, sample, softmax_temp, seed, need_lse);
+    return ops::in_float32<2, 3>(q.scalar_type(), hard_retrieval_attention_forward_cpu, q, k, v,
+                                 attn_mask, key_lengths, causal, sample, softmax_temp, seed,
+                                 need_lse);
   const auto p = prepare(q, k, v, attn_mask, key_lengths);
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2);
   auto out = torch::empty({N, H, L, v.size(3)}, q.options());
   auto index = torch::empty({N, H, L}, q.options().dtype(torch::kLong));
   const bool with_lse = sample || need_lse;
   auto lse = with_lse ? torch::empty({N, H, L}, q.options()) : torch::empty({0}, q.options());
+  auto soft_out =
+      need_lse ? torch::empty({N, H, L, v.size(3)}, q.options()) : torch::empty({0}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "hard_retrieval_attention_forward_cpu", [&] {
     kernels::HardRetrievalForwardArgs<scalar_t> a;
     fill_params<scalar_t>(a, p, causal, softmax_temp);
@@ -149,26 +159,30 @@ std::tuple<Tensor, Tensor, Tensor> hard_retrieval_attention_forward_cpu(
     a.out = out.data_ptr<scalar_t>();
     a.index = index.data_ptr<int64_t>();
     a.lse = with_lse ? lse.data_ptr<scalar_t>() : nullptr;
+    a.soft_out = need_lse ? soft_out.data_ptr<scalar_t>() : nullptr;
     kernels::hard_retrieval_forward_cpu(a);
   });
-  return {out, index, lse};
+  return {out, index, lse, soft_out};
 }
 
 std::tuple<Tensor, Tensor, Tensor> hard_retrieval_attention_backward_cpu(
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& index,
-    const Tensor& lse, const c10::optional<Tensor>& attn_mask,
+    const Tensor& lse, const Tensor& soft_out, const c10::optional<Tensor>& attn_mask,
     const c10::optional<Tensor>& key_lengths, bool causal, double softmax_temp) {
   check_inputs(q, k, v, attn_mask, key_lengths);
-  ops::check_hard_retrieval_backward(kOp, grad_out, q, k, v, index, lse);
+  ops::check_hard_retrieval_backward(kOp, grad_out, q, k, v, index, lse, soft_out);
   if (ops::is_reduced_float(q))
     return ops::in_float32(q.scalar_type(), hard_retrieval_attention_backward_cpu, grad_out, q, k,
-                           v, index, lse, attn_mask, key_lengths, causal, softmax_temp);
+                           v, index, lse, soft_out, attn_mask, key_lengths, causal, softmax_temp);
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), M = v.size(3);
   const auto p = prepare(q, k, v, attn_mask, key_lengths);
   auto go = grad_out.to(q.scalar_type()).contiguous();
   auto idx = index.contiguous();
   auto lse_c = lse.contiguous();
-  auto delta = torch::empty({N, H, L}, q.options());
+  // delta_i = dout_i·(P V)_i: from the forward's soft output, else a pass of its own.
+  const bool have_soft = soft_out.numel() > 0;
+  auto delta = have_soft ? (go * soft_out.to(q.scalar_type())).sum(-1).contiguous()
+                         : torch::empty({N, H, L}, q.options());
   auto gq = torch::empty_like(p.q), gk = torch::empty_like(p.k), gv = torch::empty_like(p.v);
   // The full-attention kernel takes an additive mask: 0 keeps, -inf drops.
   Tensor additive;
@@ -183,7 +197,7 @@ std::tuple<Tensor, Tensor, Tensor> hard_retrieval_attention_backward_cpu(
     d.lse = lse_c.data_ptr<T>();
     d.grad_out = go.data_ptr<T>();
     d.delta = delta.data_ptr<T>();
-    kernels::hard_retrieval_delta_cpu(d);
+    if (!have_soft) kernels::hard_retrieval_delta_cpu(d);
 
     kernels::FullAttentionBackwardArgs<T> f;
     f.q = d.q;
@@ -228,11 +242,12 @@ std::tuple<Tensor, Tensor, Tensor> hard_retrieval_attention_backward_cpu(
 }
 
 // Calls below autograd go through the dispatcher so each backend's kernel runs.
-std::tuple<Tensor, Tensor, Tensor> call_forward(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                const c10::optional<Tensor>& attn_mask,
-                                                const c10::optional<Tensor>& key_lengths,
-                                                bool causal, bool sample, double temp, int64_t seed,
-                                                bool need_lse) {
+std::tuple<Tensor, Tensor, Tensor, Tensor> call_forward(const Tensor& q, const Tensor& k,
+                                                        const Tensor& v,
+                                                        const c10::optional<Tensor>& attn_mask,
+                                                        const c10::optional<Tensor>& key_lengths,
+                                                        bool causal, bool sample, double temp,
+                                                        int64_t seed, bool need_lse) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fastattn::hard_retrieval_attention_forward", "")
                        .typed<decltype(hard_retrieval_attention_forward_cpu)>();
@@ -244,10 +259,9 @@ std::tuple<Tensor, Tensor> hard_retrieval_attention_no_grad(
     const c10::optional<Tensor>& key_lengths, bool causal, bool sample,
     c10::optional<double> softmax_temp, int64_t seed) {
   ops::check_qkv(kOp, q, k, v);
-  auto [out, index, lse] =
-      call_forward(q, k, v, attn_mask, key_lengths, causal, sample,
-                   ops::resolve_softmax_temp(kOp, q, softmax_temp), seed, false);
-  return {out, index};
+  auto r = call_forward(q, k, v, attn_mask, key_lengths, causal, sample,
+                        ops::resolve_softmax_temp(kOp, q, softmax_temp), seed, false);
+  return {std::get<0>(r), std::get<1>(r)};
 }
 
 class HardRetrievalFunction : public torch::autograd::Function<HardRetrievalFunction> {
@@ -260,9 +274,9 @@ class HardRetrievalFunction : public torch::autograd::Function<HardRetrievalFunc
     const bool need_lse = q.requires_grad() || k.requires_grad();
     at::AutoDispatchBelowADInplaceOrView guard;
     const double temp = ops::resolve_softmax_temp(kOp, q, softmax_temp);
-    auto [out, index, lse] =
+    auto [out, index, lse, soft_out] =
         call_forward(q, k, v, attn_mask, key_lengths, causal, sample, temp, seed, need_lse);
-    ctx->save_for_backward({q, k, v, index, lse});
+    ctx->save_for_backward({q, k, v, index, lse, soft_out});
     ctx->saved_data["attn_mask"] = attn_mask ? *attn_mask : Tensor();
     ctx->saved_data["key_lengths"] = key_lengths ? *key_lengths : Tensor();
     ctx->saved_data["causal"] = causal;
@@ -295,9 +309,8 @@ class HardRetrievalFunction : public torch::autograd::Function<HardRetrievalFunc
           2, index.clamp_min(0).unsqueeze(-1).expand_as(go), src);
       return {Tensor(), Tensor(), gv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
     }
-    const Tensor& lse = s[4];
     auto [gq, gk, gv] =
-        op.call(grads[0], s[0], s[1], s[2], s[3], lse, attn_mask, key_lengths, causal, temp);
+        op.call(grads[0], s[0], s[1], s[2], s[3], s[4], s[5], attn_mask, key_lengths, causal, temp);
     return {gq, gk, gv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };

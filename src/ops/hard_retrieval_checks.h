@@ -13,10 +13,11 @@ void check_hard_retrieval_inputs(const char* op, const torch::Tensor& q, const t
                                  const c10::optional<torch::Tensor>& key_lengths);
 
 // The backward's extra checks: grad_out (N, H, L, M), index int64 (N, H, L)
-// in [-1, S), lse (N, H, L) of dtype stats_dtype(q) (op_util.h).
+// in [-1, S), lse (N, H, L) and soft_out (N, H, L, M) or empty, both of
+// dtype stats_dtype(q) (op_util.h).
 void check_hard_retrieval_backward(const char* op, const torch::Tensor& grad_out,
                                    const torch::Tensor& q, const torch::Tensor& k,
                                    const torch::Tensor& v, const torch::Tensor& index,
-                                   const torch::Tensor& lse);
+                                   const torch::Tensor& lse, const torch::Tensor& soft_out);
 
 }  // namespace fastattn::ops

@@ -110,16 +110,19 @@ TORCH_LIBRARY(fastattn, m) {
       "hard_retrieval_attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, "
       "Tensor? key_lengths=None, bool causal=False, bool sample=False, "
       "float? softmax_temp=None, int seed=0) -> (Tensor, Tensor)");
-  // Forward kernel: (out, index, lse); lse (N,H,L) when sample or need_lse, else empty.
+  // Forward kernel: (out, index, lse, soft_out); lse (N,H,L) when sample or
+  // need_lse, else empty; soft_out (N,H,L,M), the softmax output P V, when
+  // need_lse on the CPU, else empty.
   m.def(
       "hard_retrieval_attention_forward(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, "
       "Tensor? key_lengths, bool causal, bool sample, float softmax_temp, int seed, "
-      "bool need_lse) -> (Tensor, Tensor, Tensor)");
-  // Backward kernel (straight-through): (grad_q, grad_k, grad_v).
+      "bool need_lse) -> (Tensor, Tensor, Tensor, Tensor)");
+  // Backward kernel (straight-through): (grad_q, grad_k, grad_v); soft_out
+  // from the forward, or empty (then a pass recomputes what it gives).
   m.def(
       "hard_retrieval_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, "
-      "Tensor index, Tensor lse, Tensor? attn_mask, Tensor? key_lengths, bool causal, "
-      "float softmax_temp) -> (Tensor, Tensor, Tensor)");
+      "Tensor index, Tensor lse, Tensor soft_out, Tensor? attn_mask, Tensor? key_lengths, "
+      "bool causal, float softmax_temp) -> (Tensor, Tensor, Tensor)");
 
   // ---- block-sparse attention (local, Sparse Transformer, Child et al. 2019) --
   // pattern: "local" [window], "strided" [stride, which], "fixed" [stride,

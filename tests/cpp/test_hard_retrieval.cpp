@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <ATen/core/dispatch/Dispatcher.h>
+
 #include <cmath>
 
 #include "expect_error.h"
@@ -141,6 +143,48 @@ TEST_P(HardRetrievalOpCases, StraightThroughGradientsMatchReference) {
   testing::check_gradients_vs_reference(oc, 5, 1e-10);
   oc.grad_inputs = {2};
   testing::check_finite_differences(oc, 6);
+}
+
+// The forward's soft output (what the backward's delta is read from) is the
+// softmax attention output P V with the same masks (float64 reference), and
+// the backward from it equals the backward without it (a delta pass of its own,
+// what the CUDA op does).
+TEST_P(HardRetrievalOpCases, SoftOutputIsTheSoftmaxOutput) {
+  using torch::Tensor;
+  const auto& c = GetParam();
+  const auto x = make_qkv(c, 7);
+  static auto fwd =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("fastattn::hard_retrieval_attention_forward", "")
+          .typed<std::tuple<Tensor, Tensor, Tensor, Tensor>(
+              const Tensor&, const Tensor&, const Tensor&, const c10::optional<Tensor>&,
+              const c10::optional<Tensor>&, bool, bool, double, int64_t, bool)>();
+  static auto bwd =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("fastattn::hard_retrieval_attention_backward", "")
+          .typed<std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                                    const Tensor&, const Tensor&, const Tensor&,
+                                                    const Tensor&, const c10::optional<Tensor>&,
+                                                    const c10::optional<Tensor>&, bool, double)>();
+  const auto mask = make_mask(c), lengths = make_lengths(c);
+  const c10::optional<Tensor> m = mask ? c10::optional<Tensor>(*mask) : c10::nullopt;
+  const c10::optional<Tensor> l = lengths ? c10::optional<Tensor>(*lengths) : c10::nullopt;
+  const double temp = c.temp.value_or(1.0 / std::sqrt(static_cast<double>(c.E)));
+  auto [out, index, lse, soft] =
+      fwd.call(x[0], x[1], x[2], m, l, c.causal, c.sample, temp, 5, true);
+  ASSERT_EQ(soft.sizes(), out.sizes()) << c.name;
+  auto ref = reference::full_attention(x[0], x[1], x[2], mask, lengths, c.causal, temp);
+  EXPECT_LE(testing::max_abs_diff(soft, ref), 1e-12) << c.name;
+  auto [o2, i2, lse2, none] = fwd.call(x[0], x[1], x[2], m, l, c.causal, c.sample, temp, 5, false);
+  EXPECT_EQ(none.numel(), 0) << c.name;
+  EXPECT_TRUE(torch::equal(i2, index)) << c.name;
+  auto go = torch::randn(out.sizes(), torch::kDouble);
+  auto with_soft = bwd.call(go, x[0], x[1], x[2], index, lse, soft, m, l, c.causal, temp);
+  auto with_pass = bwd.call(go, x[0], x[1], x[2], index, lse, torch::empty({0}, torch::kDouble), m,
+                            l, c.causal, temp);
+  EXPECT_LE(testing::max_abs_diff(std::get<0>(with_soft), std::get<0>(with_pass)), 1e-11) << c.name;
+  EXPECT_LE(testing::max_abs_diff(std::get<1>(with_soft), std::get<1>(with_pass)), 1e-11) << c.name;
+  EXPECT_TRUE(torch::equal(std::get<2>(with_soft), std::get<2>(with_pass))) << c.name;
 }
 
 INSTANTIATE_TEST_SUITE_P(HardRetrievalShapes, HardRetrievalOpCases, ::testing::ValuesIn(kCases),

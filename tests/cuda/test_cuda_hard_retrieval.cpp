@@ -86,7 +86,7 @@ TEST(CudaHardRetrieval, ForwardLseMatchesCpu) {
   static auto fwd =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("fastattn::hard_retrieval_attention_forward", "")
-          .typed<std::tuple<torch::Tensor, torch::Tensor, torch::Tensor>(
+          .typed<std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor>(
               const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
               const c10::optional<torch::Tensor>&, const c10::optional<torch::Tensor>&, bool, bool,
               double, int64_t, bool)>();
@@ -96,11 +96,14 @@ TEST(CudaHardRetrieval, ForwardLseMatchesCpu) {
     auto k = random_pair({1, 2, 200, 200}, dtype);
     auto v = random_pair({1, 2, 200, 8}, dtype);
     auto mask = torch::rand({30, 200}) < 0.5;
-    auto [o1, i1, lse_g] = fwd.call(q.gpu, k.gpu, v.gpu, mask.to(torch::kCUDA), c10::nullopt, true,
-                                    false, 0.3, 0, true);
-    auto [o2, i2, lse_c] =
+    auto [o1, i1, lse_g, soft_g] = fwd.call(q.gpu, k.gpu, v.gpu, mask.to(torch::kCUDA),
+                                            c10::nullopt, true, false, 0.3, 0, true);
+    auto [o2, i2, lse_c, soft_c] =
         fwd.call(q.cpu64, k.cpu64, v.cpu64, mask, c10::nullopt, true, false, 0.3, 0, true);
     EXPECT_EQ(lse_g.scalar_type(), torch::kFloat);
+    // The softmax output for the backward: the CPU kernel's; CUDA recomputes delta instead.
+    EXPECT_EQ(soft_g.numel(), 0);
+    EXPECT_EQ(soft_c.sizes(), o2.sizes());
     const auto finite = torch::isfinite(lse_c);
     EXPECT_TRUE(torch::equal(torch::isfinite(lse_g.cpu()), finite));
     expect_close(lse_g.cpu().masked_fill(finite.logical_not(), 0),

@@ -24,8 +24,9 @@
 // recomputing P per tile from the saved log-sum-exp; the rest of the softmax
 // backward is the fused full-attention backward kernel.
 //
-// Cost: forward 2·N·H·L·S·E flops (+ the exp of every score in sample mode)
-// plus an O(M) copy per query; delta 2·N·H·L·S·(E+M).
+// Cost: forward 2·N·H·L·S·E flops (+ the exp of every score in sample mode
+// or with lse; + 2·N·H·L·S·M with soft_out) plus an O(M) copy per query;
+// delta 2·N·H·L·S·(E+M).
 // Tested by tests/cpp/test_hard_retrieval.cpp; timed by bench/bench_hard_retrieval.cpp.
 #pragma once
 
@@ -58,6 +59,11 @@ struct HardRetrievalForwardArgs : HardRetrievalParams<T> {
   // (N, H, L) or nullptr: log-sum-exp of the kept scaled scores, -inf if none
   // (what the backward needs; computed in either mode when given).
   T* lse = nullptr;
+  // (N, H, L, M) or nullptr (needs lse): the softmax output P V, zeros for a
+  // query that keeps no key; the backward's delta_i is dout_i·soft_out_i, with
+  // no pass of its own. The tile's P·V product rides on the scores already
+  // computed for the argmax or the sampler.
+  T* soft_out = nullptr;
 };
 
 template <typename T>

@@ -76,6 +76,7 @@ struct RowState {
 template <typename T>
 struct ForwardScratch {
   std::vector<T> s;
+  std::vector<T> o;  // (kBr, M): the unnormalised P·V when soft_out is asked
   std::vector<RowState<T>> rows;
 };
 
@@ -107,12 +108,14 @@ void hard_retrieval_forward_cpu(const HardRetrievalForwardArgs<T>& a) {
   const int64_t q_tiles = (L + kBr - 1) / kBr;
   const int64_t offset = S - L;
   const bool need_softmax = a.sample || a.lse != nullptr;
+  const bool soft = a.soft_out != nullptr && a.lse != nullptr;
 
   parallel_items<ForwardScratch<T>>(
       NH * q_tiles, a.num_threads,
       [&](ForwardScratch<T>& w) {
         w.s.resize(kBr * kBc);
         w.rows.resize(kBr);
+        if (soft) w.o.resize(kBr * M);
       },
       [&](int64_t item, ForwardScratch<T>& w) {
         const int64_t nh = item / q_tiles, n = nh / H, h = nh % H;
@@ -124,6 +127,8 @@ void hard_retrieval_forward_cpu(const HardRetrievalForwardArgs<T>& a) {
         int64_t kend = a.key_lengths ? a.key_lengths[n] : S;
         if (a.causal) kend = std::min(kend, i0 + rows + offset);
         for (int64_t r = 0; r < rows; ++r) w.rows[r] = {neg_inf<T>(), T(0), -1, neg_inf<T>()};
+        const T* vh = a.v + nh * S * M;
+        if (soft) std::fill(w.o.begin(), w.o.begin() + rows * M, T(0));
         for (int64_t j0 = 0; j0 < kend; j0 += kBc) {
           const int64_t cols = std::min(kBc, kend - j0);
           const int64_t width = round_up(cols, NR);
@@ -149,9 +154,16 @@ void hard_retrieval_forward_cpu(const HardRetrievalForwardArgs<T>& a) {
             if (!need_softmax) continue;
             scale_and_mask(row, krow, limit, width, a.scale);
             const T m_new = std::max(st.m, row_max(row, width));
-            if (m_new == neg_inf<T>()) continue;     // nothing kept so far
+            if (m_new == neg_inf<T>()) {                    // nothing kept so far
+              if (soft) std::fill(row, row + width, T(0));  // adds nothing to P·V
+              continue;
+            }
             const T alpha = std::exp(st.m - m_new);  // 0 while m was -inf
             const T wt = exp_shift_sum(row, width, m_new);
+            if (soft && alpha != T(1)) {
+              T* orow = w.o.data() + r * M;
+              for (int64_t x = 0; x < M; ++x) orow[x] *= alpha;
+            }
             const T w_old = st.w * alpha;
             st.w = w_old + wt;
             st.m = m_new;
@@ -172,9 +184,10 @@ void hard_retrieval_forward_cpu(const HardRetrievalForwardArgs<T>& a) {
             }
             if (pick >= 0) st.best = j0 + pick;
           }
+          // The tile's exp(s - m) rows (zeros where nothing is kept) times its values.
+          if (soft) gemm(rows, M, cols, w.s.data(), kBc, vh + j0 * M, M, w.o.data(), M, true);
         }
         T* out = a.out + (nh * L + i0) * M;
-        const T* vh = a.v + nh * S * M;
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t idx = w.rows[r].best;
           a.index[nh * L + i0 + r] = idx;
@@ -186,6 +199,11 @@ void hard_retrieval_forward_cpu(const HardRetrievalForwardArgs<T>& a) {
           if (a.lse) {
             const T wsum = w.rows[r].w;
             a.lse[nh * L + i0 + r] = wsum > T(0) ? w.rows[r].m + std::log(wsum) : neg_inf<T>();
+            if (soft) {
+              const T inv = wsum > T(0) ? T(1) / wsum : T(0);
+              T* so = a.soft_out + (nh * L + i0 + r) * M;
+              for (int64_t x = 0; x < M; ++x) so[x] = w.o[r * M + x] * inv;
+            }
           }
         }
       });

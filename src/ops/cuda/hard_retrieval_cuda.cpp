@@ -66,12 +66,13 @@ Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v,
   return p;
 }
 
-// (out, index, lse); lse (float32) is empty (numel 0) unless sample or need_lse.
-std::tuple<Tensor, Tensor, Tensor> forward_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                const c10::optional<Tensor>& attn_mask,
-                                                const c10::optional<Tensor>& key_lengths,
-                                                bool causal, bool sample, double softmax_temp,
-                                                int64_t seed, bool need_lse) {
+// (out, index, lse, soft_out); lse (float32) is empty (numel 0) unless
+// sample or need_lse; soft_out is always empty here (the CUDA backward
+// recomputes delta in its own pass).
+std::tuple<Tensor, Tensor, Tensor, Tensor> forward_cuda(
+    const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& attn_mask,
+    const c10::optional<Tensor>& key_lengths, bool causal, bool sample, double softmax_temp,
+    int64_t seed, bool need_lse) {
   c10::cuda::CUDAGuard guard(q.device());
   ops::resolve_softmax_temp(kOp, q, softmax_temp);
   const auto p = prepare(q, k, v, attn_mask, key_lengths, causal, softmax_temp);
@@ -89,18 +90,16 @@ std::tuple<Tensor, Tensor, Tensor> forward_cuda(const Tensor& q, const Tensor& k
   a.index = index.data_ptr<int64_t>();
   a.lse = with_lse ? lse.data_ptr<float>() : nullptr;
   kernels::hard_retrieval_forward_cuda(a, ops::cuda::current_stream());
-  return {out, index, lse};
+  return {out, index, lse, torch::empty({0}, f32)};
 }
 
-std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& grad_out, const Tensor& q,
-                                                 const Tensor& k, const Tensor& v,
-                                                 const Tensor& index, const Tensor& lse,
-                                                 const c10::optional<Tensor>& attn_mask,
-                                                 const c10::optional<Tensor>& key_lengths,
-                                                 bool causal, double softmax_temp) {
+std::tuple<Tensor, Tensor, Tensor> backward_cuda(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& index,
+    const Tensor& lse, const Tensor& soft_out, const c10::optional<Tensor>& attn_mask,
+    const c10::optional<Tensor>& key_lengths, bool causal, double softmax_temp) {
   c10::cuda::CUDAGuard guard(q.device());
   const auto p = prepare(q, k, v, attn_mask, key_lengths, causal, softmax_temp);
-  ops::check_hard_retrieval_backward(kOp, grad_out, q, k, v, index, lse);
+  ops::check_hard_retrieval_backward(kOp, grad_out, q, k, v, index, lse, soft_out);
   ops::cuda::check_same_device(kOp, "grad_out", grad_out, q.device());
   ops::cuda::check_same_device(kOp, "index", index, q.device());
   ops::cuda::check_same_device(kOp, "lse", lse, q.device());
@@ -138,9 +137,9 @@ std::tuple<Tensor, Tensor> no_grad_cuda(const Tensor& q, const Tensor& k, const 
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fastattn::hard_retrieval_attention_forward", "")
                        .typed<decltype(forward_cuda)>();
-  auto [out, index, lse] = op.call(q, k, v, attn_mask, key_lengths, causal, sample,
-                                   ops::resolve_softmax_temp(kOp, q, softmax_temp), seed, false);
-  return {out, index};
+  auto r = op.call(q, k, v, attn_mask, key_lengths, causal, sample,
+                   ops::resolve_softmax_temp(kOp, q, softmax_temp), seed, false);
+  return {std::get<0>(r), std::get<1>(r)};
 }
 
 }  // namespace
