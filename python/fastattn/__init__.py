@@ -185,9 +185,10 @@ def attention(type, q, k, v, *, causal=False, key_lengths=None, attn_mask=None, 
     RuntimeError naming it and listing what is valid) and the dims of the
     tensors, then runs its forward. One operator (``torch.ops.fastattn.attention``)
     whatever the type: ``torch.compile`` and ``torch.export`` see a single
-    node. Its backward recomputes the type's forward with autograd and
-    differentiates it (as activation checkpointing does: one more forward,
-    only q, k and v kept between the passes).
+    node. Eagerly, the backward differentiates the type's own autograd graph
+    kept from the forward; compiled, it recomputes the type's forward with
+    autograd and differentiates that (as activation checkpointing does: one
+    more forward, only q, k and v kept between the passes).
 
     Args:
         type: the type's name, e.g. ``"full"`` or ``"conditional-full:full"``
