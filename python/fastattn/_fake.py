@@ -188,7 +188,7 @@ def register():
     @fake("fastattn::hard_retrieval_attention")
     def _(q, k, v, attn_mask=None, key_lengths=None, causal=False, sample=False,
           softmax_temp=None, seed=0):
-        return _out(q, v), q.new_empty(q.shape[:-1], dtype=_LONG)
+        return _rows_like(q, v.shape[-1]), q.new_empty(q.shape[:-1], dtype=_LONG)
 
     @fake("fastattn::hard_retrieval_attention_forward")
     def _(q, k, v, attn_mask, key_lengths, causal, sample, softmax_temp, seed, need_lse):
@@ -196,11 +196,11 @@ def register():
         # The softmax output P V for the backward: computed by the CPU kernel only.
         with_soft = need_lse and q.device.type == "cpu"
         soft_out = _stats(q, q.shape[:-1] + v.shape[-1:] if with_soft else (0,))
-        return _out(q, v), q.new_empty(q.shape[:-1], dtype=_LONG), lse, soft_out
+        return _rows_like(q, v.shape[-1]), q.new_empty(q.shape[:-1], dtype=_LONG), lse, soft_out
 
     @fake("fastattn::hard_retrieval_attention_backward")
     def _(grad_out, q, k, v, index, lse, soft_out, attn_mask, key_lengths, causal, softmax_temp):
-        return _like(q), _like(k), _like(v)
+        return _row_grads(q, k, v)
 
     # ---- block-sparse attention --------------------------------------------
     @fake("fastattn::block_sparse_attention")

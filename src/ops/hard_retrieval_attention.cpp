@@ -91,14 +91,16 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
   ops::check_hard_retrieval_inputs(kOp, q, k, v, attn_mask, key_lengths);
 }
 
-// Everything a kernel needs, made contiguous and of the kernel's types.
+// Everything a kernel needs, of the kernel's types: q, k, v with contiguous
+// rows (the kernels take row strides: the layers' (N, L, H, E) views are read
+// in place).
 struct Prepared {
   Tensor q, k, v, keep, lengths;  // keep: bool (N,H,L,S) view; lengths: int64
 };
 
 Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v,
                  const c10::optional<Tensor>& attn_mask, const c10::optional<Tensor>& key_lengths) {
-  Prepared p{q.contiguous(), k.contiguous(), v.contiguous(), {}, {}};
+  Prepared p{ops::rows_contiguous(q), ops::rows_contiguous(k), ops::rows_contiguous(v), {}, {}};
   if (attn_mask) {
     p.keep =
         ops::broadcast_mask(attn_mask->contiguous(), q.size(0), q.size(1), q.size(2), k.size(2));
@@ -112,6 +114,9 @@ void fill_params(kernels::HardRetrievalParams<T>& a, const Prepared& p, bool cau
   a.q = p.q.data_ptr<T>();
   a.k = p.k.data_ptr<T>();
   a.v = p.v.data_ptr<T>();
+  a.q_rows = ops::row_strides(p.q);
+  a.k_rows = ops::row_strides(p.k);
+  a.v_rows = ops::row_strides(p.v);
   a.N = p.q.size(0);
   a.H = p.q.size(1);
   a.L = p.q.size(2);
@@ -139,13 +144,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> hard_retrieval_attention_forward_cpu(
     int64_t seed, bool need_lse) {
   check_inputs(q, k, v, attn_mask, key_lengths);
   ops::resolve_softmax_temp(kOp, q, softmax_temp);
-  if (ops::is_reduced_float(q))
-    return ops::in_float32<2, 3>(q.scalar_type(), hard_retrieval_attention_forward_cpu, q, k, v,
-                                 attn_mask, key_lengths, causal, sample, softmax_temp, seed,
-                                 need_lse);
+  if (ops::is_reduced_float(q)) {
+    auto [out, index, lse, soft_out] =
+        ops::in_float32<2, 3>(q.scalar_type(), hard_retrieval_attention_forward_cpu, q, k, v,
+                              attn_mask, key_lengths, causal, sample, softmax_temp, seed, need_lse);
+    return {ops::in_rows_layout_of(out, q), index, lse, soft_out};
+  }
   const auto p = prepare(q, k, v, attn_mask, key_lengths);
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2);
-  auto out = torch::empty({N, H, L, v.size(3)}, q.options());
+  // out in q's row layout: the layers' transpose back to (N, L, H, M) is a view.
+  auto out = ops::empty_rows_like(q, v.size(3));
   auto index = torch::empty({N, H, L}, q.options().dtype(torch::kLong));
   const bool with_lse = sample || need_lse;
   auto lse = with_lse ? torch::empty({N, H, L}, q.options()) : torch::empty({0}, q.options());
@@ -157,6 +165,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> hard_retrieval_attention_forward_cpu(
     a.sample = sample;
     a.seed = static_cast<uint64_t>(seed);
     a.out = out.data_ptr<scalar_t>();
+    a.out_rows = ops::row_strides(out);
     a.index = index.data_ptr<int64_t>();
     a.lse = with_lse ? lse.data_ptr<scalar_t>() : nullptr;
     a.soft_out = need_lse ? soft_out.data_ptr<scalar_t>() : nullptr;
@@ -171,19 +180,25 @@ std::tuple<Tensor, Tensor, Tensor> hard_retrieval_attention_backward_cpu(
     const c10::optional<Tensor>& key_lengths, bool causal, double softmax_temp) {
   check_inputs(q, k, v, attn_mask, key_lengths);
   ops::check_hard_retrieval_backward(kOp, grad_out, q, k, v, index, lse, soft_out);
-  if (ops::is_reduced_float(q))
-    return ops::in_float32(q.scalar_type(), hard_retrieval_attention_backward_cpu, grad_out, q, k,
-                           v, index, lse, soft_out, attn_mask, key_lengths, causal, softmax_temp);
+  if (ops::is_reduced_float(q)) {
+    auto [gq, gk, gv] =
+        ops::in_float32(q.scalar_type(), hard_retrieval_attention_backward_cpu, grad_out, q, k, v,
+                        index, lse, soft_out, attn_mask, key_lengths, causal, softmax_temp);
+    return {ops::in_rows_layout_of(gq, q), ops::in_rows_layout_of(gk, k),
+            ops::in_rows_layout_of(gv, v)};
+  }
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), M = v.size(3);
   const auto p = prepare(q, k, v, attn_mask, key_lengths);
-  auto go = grad_out.to(q.scalar_type()).contiguous();
+  auto go = ops::rows_contiguous(grad_out.to(q.scalar_type()));
   auto idx = index.contiguous();
   auto lse_c = lse.contiguous();
   // delta_i = dout_i·(P V)_i: from the forward's soft output, else a pass of its own.
   const bool have_soft = soft_out.numel() > 0;
   auto delta = have_soft ? (go * soft_out.to(q.scalar_type())).sum(-1).contiguous()
                          : torch::empty({N, H, L}, q.options());
-  auto gq = torch::empty_like(p.q), gk = torch::empty_like(p.k), gv = torch::empty_like(p.v);
+  // Gradients in the inputs' row layouts (as the fake implementation promises).
+  auto gq = ops::empty_rows_like(q, q.size(3)), gk = ops::empty_rows_like(k, k.size(3)),
+       gv = ops::empty_rows_like(v, v.size(3));
   // The full-attention kernel takes an additive mask: 0 keeps, -inf drops.
   Tensor additive;
   if (attn_mask) {
@@ -196,6 +211,7 @@ std::tuple<Tensor, Tensor, Tensor> hard_retrieval_attention_backward_cpu(
     fill_params<T>(d, p, causal, softmax_temp);
     d.lse = lse_c.data_ptr<T>();
     d.grad_out = go.data_ptr<T>();
+    d.grad_out_rows = ops::row_strides(go);
     d.delta = delta.data_ptr<T>();
     if (!have_soft) kernels::hard_retrieval_delta_cpu(d);
 
@@ -203,6 +219,9 @@ std::tuple<Tensor, Tensor, Tensor> hard_retrieval_attention_backward_cpu(
     f.q = d.q;
     f.k = d.k;
     f.v = d.v;
+    f.q_rows = d.q_rows;
+    f.k_rows = d.k_rows;
+    f.v_rows = d.v_rows;
     if (additive.defined()) {
       f.mask = additive.data_ptr<T>();
       f.mask_sn = additive.stride(0);
@@ -220,17 +239,23 @@ std::tuple<Tensor, Tensor, Tensor> hard_retrieval_attention_backward_cpu(
     f.scale = d.scale;
     f.num_threads = d.num_threads;
     f.grad_out = d.grad_out;
+    f.grad_out_rows = d.grad_out_rows;
     f.lse = d.lse;
     f.delta = d.delta;
     f.grad_q = gq.data_ptr<T>();
     f.grad_k = gk.data_ptr<T>();
     f.grad_v = nullptr;  // V's gradient is the straight-through one below
+    f.grad_q_rows = ops::row_strides(gq);
+    f.grad_k_rows = ops::row_strides(gk);
     kernels::full_attention_backward_cpu(f);
 
     kernels::HardRetrievalGradVArgs<T> g;
     g.grad_out = go.data_ptr<T>();
     g.index = idx.data_ptr<int64_t>();
     g.grad_v = gv.data_ptr<T>();
+    g.grad_out_rows = d.grad_out_rows;
+    g.grad_v_rows = ops::row_strides(gv);
+    g.H = H;
     g.NH = N * H;
     g.L = L;
     g.S = S;

@@ -190,6 +190,28 @@ TEST_P(HardRetrievalOpCases, SoftOutputIsTheSoftmaxOutput) {
 INSTANTIATE_TEST_SUITE_P(HardRetrievalShapes, HardRetrievalOpCases, ::testing::ValuesIn(kCases),
                          cfg_name);
 
+// The layers' (N, L, H, E) views, padded rows and heads broadcast with
+// stride 0 are read and written in place (the kernels take row strides), as
+// the contiguous copies give: argmax and sample mode, causal with key
+// lengths, several key tiles, the unpacked path for fewer than six queries;
+// gradients through the soft output, the full-attention backward and the
+// index-add of the values.
+TEST(HardRetrievalOp, ReadsAndWritesRowLayoutsInPlace) {
+  using torch::Tensor;
+  const auto lengths = torch::tensor({int64_t(300), int64_t(170)}, torch::kLong);
+  for (bool sample : {false, true}) {
+    for (int64_t L : {int64_t(130), int64_t(3)}) {
+      SCOPED_TRACE(std::string(sample ? "sample" : "argmax") + " L=" + std::to_string(L));
+      testing::check_row_layouts(
+          [&](const Tensor& q, const Tensor& k, const Tensor& v) {
+            return std::get<0>(hard_retrieval_attention(q, k, v, std::nullopt, lengths,
+                                                        /*causal=*/true, sample, 0.4, 9));
+          },
+          2, 3, L, 300, 8, 6);
+    }
+  }
+}
+
 TEST(HardRetrievalOp, TiesGoToTheLowestIndex) {
   // Keys 2, 5 and 9 score the same maximum; key 0 scores less.
   auto q = torch::ones({1, 1, 1, 4}, torch::kDouble);

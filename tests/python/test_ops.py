@@ -469,7 +469,8 @@ def test_readme_python_example_runs(index):
                                          ("local", '{"window": 3}'),
                                          ("clustered", '{"clusters": 2, "seed": 1}'),
                                          ("improved-clustered", '{"clusters": 2, "topk": 3, "seed": 1}'),
-                                         ("exact-topk", '{"topk": 3}')])
+                                         ("exact-topk", '{"topk": 3}'),
+                                         ("hard-retrieval", '{"seed": 2}')])
 def test_registry_keeps_the_row_layout_of_strided_inputs(type, params):
     # The fake implementation (and inductor, which asserts it) promises the
     # output in q's row layout and each gradient in its input's: q, k, v are

@@ -32,13 +32,16 @@
 
 #include <cstdint>
 
+#include "kernels/common/rows.h"
+
 namespace fastattn::kernels {
 
 template <typename T>
 struct HardRetrievalParams {
-  const T* q = nullptr;  // (N, H, L, E) contiguous
-  const T* k = nullptr;  // (N, H, S, E) contiguous
-  const T* v = nullptr;  // (N, H, S, M) contiguous
+  const T* q = nullptr;               // (N, H, L, E), rows at q_rows
+  const T* k = nullptr;               // (N, H, S, E), rows at k_rows
+  const T* v = nullptr;               // (N, H, S, M), rows at v_rows
+  RowStrides q_rows, k_rows, v_rows;  // kernels/common/rows.h; default: contiguous
   // Boolean keep mask or nullptr: element (n, h, l, s) at
   // keep[n·keep_sn + h·keep_sh + l·keep_sl + s] (stride 0 on broadcast dims).
   const bool* keep = nullptr;
@@ -52,14 +55,15 @@ struct HardRetrievalParams {
 
 template <typename T>
 struct HardRetrievalForwardArgs : HardRetrievalParams<T> {
-  bool sample = false;       // true: sample from the softmax; false: argmax of raw scores
-  uint64_t seed = 0;         // sample mode: the draws are a pure function of (seed, n, h, i)
-  T* out = nullptr;          // (N, H, L, M): the retrieved value rows
+  bool sample = false;  // true: sample from the softmax; false: argmax of raw scores
+  uint64_t seed = 0;    // sample mode: the draws are a pure function of (seed, n, h, i)
+  T* out = nullptr;     // (N, H, L, M), rows at out_rows: the retrieved value rows
+  RowStrides out_rows;
   int64_t* index = nullptr;  // (N, H, L): the retrieved key, -1 when none is kept
   // (N, H, L) or nullptr: log-sum-exp of the kept scaled scores, -inf if none
   // (what the backward needs; computed in either mode when given).
   T* lse = nullptr;
-  // (N, H, L, M) or nullptr (needs lse): the softmax output P V, zeros for a
+  // (N, H, L, M) contiguous or nullptr (needs lse): the softmax output P V, zeros for a
   // query that keeps no key; the backward's delta_i is dout_i·soft_out_i, with
   // no pass of its own. The tile's P·V product rides on the scores already
   // computed for the argmax or the sampler.
@@ -69,8 +73,9 @@ struct HardRetrievalForwardArgs : HardRetrievalParams<T> {
 template <typename T>
 struct HardRetrievalDeltaArgs : HardRetrievalParams<T> {
   const T* lse = nullptr;       // (N, H, L) from the forward
-  const T* grad_out = nullptr;  // (N, H, L, M) contiguous
-  T* delta = nullptr;           // (N, H, L): sum_j P_ij (grad_out_i·v_j), 0 for empty rows
+  const T* grad_out = nullptr;  // (N, H, L, M), rows at grad_out_rows
+  RowStrides grad_out_rows;
+  T* delta = nullptr;  // (N, H, L): sum_j P_ij (grad_out_i·v_j), 0 for empty rows
 };
 
 template <typename T>
@@ -81,11 +86,13 @@ void hard_retrieval_delta_cpu(const HardRetrievalDeltaArgs<T>& args);
 // i with index >= 0 (the straight-through gradient of V: an index-add).
 template <typename T>
 struct HardRetrievalGradVArgs {
-  const T* grad_out = nullptr;     // (NH, L, M) contiguous
+  const T* grad_out = nullptr;     // (NH, L, M), rows at grad_out_rows
   const int64_t* index = nullptr;  // (NH, L): the retrieved key, -1 for none
-  T* grad_v = nullptr;             // (NH, S, M), written
+  T* grad_v = nullptr;             // (NH, S, M), rows at grad_v_rows, written
   int64_t NH = 0, L = 0, S = 0, M = 0;
   int num_threads = 1;
+  RowStrides grad_out_rows, grad_v_rows;  // of H heads (NH = N·H); default: contiguous
+  int64_t H = 1;
 };
 template <typename T>
 void hard_retrieval_grad_v_cpu(const HardRetrievalGradVArgs<T>& args);

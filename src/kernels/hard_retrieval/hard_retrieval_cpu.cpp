@@ -38,18 +38,18 @@ inline int64_t visible_cols(bool causal, int64_t i, int64_t offset, int64_t j0, 
   return std::clamp<int64_t>(i + offset + 1 - j0, 0, cols);
 }
 
-// Packs X (per (n, h): rows x D) of every head into transposed panels for
-// gemm_packed: out is (NH, rows_pad / NR panels, D, NR).
+// Packs X (per (n, h): rows x D, laid out as xr) of every head into
+// transposed panels for gemm_packed: out is (NH, rows_pad / NR panels, D, NR).
 template <typename T>
-std::unique_ptr<T[]> pack_heads(const T* x, int64_t NH, int64_t rows, int64_t D, int64_t rows_pad,
-                                int num_threads) {
+std::unique_ptr<T[]> pack_heads(const T* x, const RowStrides& xr, int64_t NH, int64_t H,
+                                int64_t rows, int64_t D, int64_t rows_pad, int num_threads) {
   std::unique_ptr<T[]> out(new T[static_cast<size_t>(std::max<int64_t>(NH * rows_pad * D, 1))]);
   T* o = out.get();
   struct None {};
   parallel_items<None>(
       NH, num_threads, [](None&) {},
       [&](int64_t nh, None&) {
-        pack_transposed_panels(x + nh * rows * D, rows, D, D, rows_pad, o + nh * rows_pad * D);
+        pack_transposed_panels(xr.head(x, nh, H), rows, D, xr.sr, rows_pad, o + nh * rows_pad * D);
       });
   return out;
 }
@@ -82,21 +82,25 @@ struct ForwardScratch {
 
 // Scores of `rows` queries against keys [j0, j0 + cols) into s (row stride
 // kBc); columns up to `width` are written (garbage past cols is masked later).
+// q's rows lq apart, kh's lk apart.
 template <typename T>
-inline void tile_scores(const T* q, int64_t rows, int64_t E, const T* kh, const T* kph, int64_t j0,
-                        int64_t cols, int64_t width, T* s) {
+inline void tile_scores(const T* q, int64_t lq, int64_t rows, int64_t E, const T* kh, int64_t lk,
+                        const T* kph, int64_t j0, int64_t cols, int64_t width, T* s) {
   if (kph != nullptr) {
-    gemm_packed(rows, width, E, q, E, kph + j0 * E, s, kBc, false);
+    gemm_packed(rows, width, E, q, lq, kph + j0 * E, s, kBc, false);
     return;
   }
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) s[r * kBc + c] = simd_dot(q + r * E, kh + (j0 + c) * E, E);
+    for (int64_t c = 0; c < cols; ++c) s[r * kBc + c] = simd_dot(q + r * lq, kh + (j0 + c) * lk, E);
 }
 
 }  // namespace
 
 template <typename T>
-void hard_retrieval_forward_cpu(const HardRetrievalForwardArgs<T>& a) {
+void hard_retrieval_forward_cpu(const HardRetrievalForwardArgs<T>& args) {
+  HardRetrievalForwardArgs<T> a = args;
+  resolve_qkv_rows(a);
+  a.out_rows = a.out_rows.resolved(a.H, a.L, a.M);
   const int64_t N = a.N, H = a.H, L = a.L, S = a.S, E = a.E, M = a.M;
   const int64_t NH = N * H;
   if (NH == 0 || L == 0) return;
@@ -104,7 +108,7 @@ void hard_retrieval_forward_cpu(const HardRetrievalForwardArgs<T>& a) {
   const bool direct = L < kDirectRows;
   const int64_t S_pad = round_up(std::max<int64_t>(S, 1), NR);
   std::unique_ptr<T[]> kp;
-  if (!direct) kp = pack_heads(a.k, NH, S, E, S_pad, a.num_threads);
+  if (!direct) kp = pack_heads(a.k, a.k_rows, NH, H, S, E, S_pad, a.num_threads);
   const int64_t q_tiles = (L + kBr - 1) / kBr;
   const int64_t offset = S - L;
   const bool need_softmax = a.sample || a.lse != nullptr;
@@ -121,19 +125,20 @@ void hard_retrieval_forward_cpu(const HardRetrievalForwardArgs<T>& a) {
         const int64_t nh = item / q_tiles, n = nh / H, h = nh % H;
         const int64_t i0 = (item % q_tiles) * kBr;
         const int64_t rows = std::min(kBr, L - i0);
-        const T* q = a.q + (nh * L + i0) * E;
-        const T* kh = a.k + nh * S * E;
+        const int64_t lq = a.q_rows.sr, lk = a.k_rows.sr, lv = a.v_rows.sr;
+        const T* q = a.q_rows.row(a.q, nh, H, i0);
+        const T* kh = a.k_rows.head(a.k, nh, H);
         const T* kph = direct ? nullptr : kp.get() + nh * S_pad * E;
         int64_t kend = a.key_lengths ? a.key_lengths[n] : S;
         if (a.causal) kend = std::min(kend, i0 + rows + offset);
         for (int64_t r = 0; r < rows; ++r) w.rows[r] = {neg_inf<T>(), T(0), -1, neg_inf<T>()};
-        const T* vh = a.v + nh * S * M;
+        const T* vh = a.v_rows.head(a.v, nh, H);
         if (soft) std::fill(w.o.begin(), w.o.begin() + rows * M, T(0));
         for (int64_t j0 = 0; j0 < kend; j0 += kBc) {
           const int64_t cols = std::min(kBc, kend - j0);
           const int64_t width = round_up(cols, NR);
           const uint64_t tile = static_cast<uint64_t>(j0 / kBc);
-          tile_scores(q, rows, E, kh, kph, j0, cols, width, w.s.data());
+          tile_scores(q, lq, rows, E, kh, lk, kph, j0, cols, width, w.s.data());
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t i = i0 + r;
             RowState<T>& st = w.rows[r];
@@ -185,16 +190,16 @@ void hard_retrieval_forward_cpu(const HardRetrievalForwardArgs<T>& a) {
             if (pick >= 0) st.best = j0 + pick;
           }
           // The tile's exp(s - m) rows (zeros where nothing is kept) times its values.
-          if (soft) gemm(rows, M, cols, w.s.data(), kBc, vh + j0 * M, M, w.o.data(), M, true);
+          if (soft) gemm(rows, M, cols, w.s.data(), kBc, vh + j0 * lv, lv, w.o.data(), M, true);
         }
-        T* out = a.out + (nh * L + i0) * M;
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t idx = w.rows[r].best;
           a.index[nh * L + i0 + r] = idx;
+          T* out = a.out_rows.row(a.out, nh, H, i0 + r);
           if (idx >= 0) {
-            std::copy(vh + idx * M, vh + (idx + 1) * M, out + r * M);
+            std::copy(vh + idx * lv, vh + idx * lv + M, out);
           } else {
-            std::fill(out + r * M, out + (r + 1) * M, T(0));
+            std::fill(out, out + M, T(0));
           }
           if (a.lse) {
             const T wsum = w.rows[r].w;
@@ -217,15 +222,18 @@ struct DeltaScratch {
 }  // namespace
 
 template <typename T>
-void hard_retrieval_delta_cpu(const HardRetrievalDeltaArgs<T>& a) {
+void hard_retrieval_delta_cpu(const HardRetrievalDeltaArgs<T>& args) {
+  HardRetrievalDeltaArgs<T> a = args;
+  resolve_qkv_rows(a);
+  a.grad_out_rows = a.grad_out_rows.resolved(a.H, a.L, a.M);
   const int64_t N = a.N, H = a.H, L = a.L, S = a.S, E = a.E, M = a.M;
   const int64_t NH = N * H;
   std::fill(a.delta, a.delta + NH * L, T(0));
   if (NH == 0 || L == 0 || S == 0) return;
   constexpr int64_t NR = panel_width<T>();
   const int64_t S_pad = round_up(S, NR);
-  const auto kp = pack_heads(a.k, NH, S, E, S_pad, a.num_threads);
-  const auto vp = pack_heads(a.v, NH, S, M, S_pad, a.num_threads);
+  const auto kp = pack_heads(a.k, a.k_rows, NH, H, S, E, S_pad, a.num_threads);
+  const auto vp = pack_heads(a.v, a.v_rows, NH, H, S, M, S_pad, a.num_threads);
   const int64_t q_tiles = (L + kDeltaBr - 1) / kDeltaBr;
   const int64_t offset = S - L;
 
@@ -240,8 +248,8 @@ void hard_retrieval_delta_cpu(const HardRetrievalDeltaArgs<T>& a) {
         const int64_t nh = item / q_tiles, n = nh / H, h = nh % H;
         const int64_t i0 = (item % q_tiles) * kDeltaBr;
         const int64_t rows = std::min(kDeltaBr, L - i0);
-        const T* q = a.q + (nh * L + i0) * E;
-        const T* dout = a.grad_out + (nh * L + i0) * M;
+        const T* q = a.q_rows.row(a.q, nh, H, i0);
+        const T* dout = a.grad_out_rows.row(a.grad_out, nh, H, i0);
         const T* lse = a.lse + nh * L + i0;
         int64_t kend = a.key_lengths ? a.key_lengths[n] : S;
         if (a.causal) kend = std::min(kend, i0 + rows + offset);
@@ -249,10 +257,10 @@ void hard_retrieval_delta_cpu(const HardRetrievalDeltaArgs<T>& a) {
         for (int64_t j0 = 0; j0 < kend; j0 += kDeltaBc) {
           const int64_t cols = std::min(kDeltaBc, kend - j0);
           const int64_t width = round_up(cols, NR);
-          gemm_packed(rows, width, E, q, E, kp.get() + nh * S_pad * E + j0 * E, w.p.data(),
-                      kDeltaBc, false);
-          gemm_packed(rows, width, M, dout, M, vp.get() + nh * S_pad * M + j0 * M, w.g.data(),
-                      kDeltaBc, false);
+          gemm_packed(rows, width, E, q, a.q_rows.sr, kp.get() + nh * S_pad * E + j0 * E,
+                      w.p.data(), kDeltaBc, false);
+          gemm_packed(rows, width, M, dout, a.grad_out_rows.sr, vp.get() + nh * S_pad * M + j0 * M,
+                      w.g.data(), kDeltaBc, false);
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t i = i0 + r;
             if (lse[r] == neg_inf<T>()) continue;
@@ -272,9 +280,12 @@ void hard_retrieval_delta_cpu(const HardRetrievalDeltaArgs<T>& a) {
 }
 
 template <typename T>
-void hard_retrieval_grad_v_cpu(const HardRetrievalGradVArgs<T>& a) {
+void hard_retrieval_grad_v_cpu(const HardRetrievalGradVArgs<T>& args) {
+  HardRetrievalGradVArgs<T> a = args;
+  a.grad_out_rows = a.grad_out_rows.resolved(a.H, a.L, a.M);
+  a.grad_v_rows = a.grad_v_rows.resolved(a.H, a.S, a.M);
   const int64_t L = a.L, S = a.S, M = a.M;
-  std::fill(a.grad_v, a.grad_v + a.NH * S * M, T(0));
+  zero_all_rows(a.grad_v, a.grad_v_rows, a.NH, a.H, S, M);
   struct None {};
   // One head per work item: no two items write the same rows.
   parallel_items<None>(
@@ -283,8 +294,8 @@ void hard_retrieval_grad_v_cpu(const HardRetrievalGradVArgs<T>& a) {
         for (int64_t i = 0; i < L; ++i) {
           const int64_t idx = a.index[nh * L + i];
           if (idx < 0) continue;
-          const T* src = a.grad_out + (nh * L + i) * M;
-          T* dst = a.grad_v + (nh * S + idx) * M;
+          const T* src = a.grad_out_rows.row(a.grad_out, nh, a.H, i);
+          T* dst = a.grad_v_rows.row(a.grad_v, nh, a.H, idx);
           for (int64_t c = 0; c < M; ++c) dst[c] += src[c];
         }
       });

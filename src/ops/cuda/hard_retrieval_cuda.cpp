@@ -90,7 +90,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> forward_cuda(
   a.index = index.data_ptr<int64_t>();
   a.lse = with_lse ? lse.data_ptr<float>() : nullptr;
   kernels::hard_retrieval_forward_cuda(a, ops::cuda::current_stream());
-  return {out, index, lse, torch::empty({0}, f32)};
+  // In q's row layout, as the CPU op writes it and the fake promises.
+  return {ops::in_rows_layout_of(out, q), index, lse, torch::empty({0}, f32)};
 }
 
 std::tuple<Tensor, Tensor, Tensor> backward_cuda(
@@ -124,7 +125,9 @@ std::tuple<Tensor, Tensor, Tensor> backward_cuda(
   a.grad_k = gk.data_ptr<float>();
   a.grad_v = gv.data_ptr<float>();
   kernels::hard_retrieval_backward_cuda(a, ops::cuda::current_stream());
-  return {gq.to(q.scalar_type()), gk.to(q.scalar_type()), gv.to(q.scalar_type())};
+  return {ops::in_rows_layout_of(gq.to(q.scalar_type()), q),
+          ops::in_rows_layout_of(gk.to(q.scalar_type()), k),
+          ops::in_rows_layout_of(gv.to(q.scalar_type()), v)};
 }
 
 // The top-level op without autograd (the CPU registration's twin).
