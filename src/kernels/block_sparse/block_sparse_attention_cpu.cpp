@@ -639,10 +639,7 @@ template <typename T>
 void block_sparse_attention_backward_cpu(const BlockSparseBackwardArgs<T>& args) {
   BlockSparseBackwardArgs<T> a = args;
   resolve_qkv_rows(a);
-  a.grad_out_rows = a.grad_out_rows.resolved(a.H, a.L, a.M);
-  a.grad_q_rows = a.grad_q_rows.resolved(a.H, a.L, a.E);
-  a.grad_k_rows = a.grad_k_rows.resolved(a.H, a.S, a.E);
-  a.grad_v_rows = a.grad_v_rows.resolved(a.H, a.S, a.M);
+  resolve_grad_rows(a);
   const int64_t N = a.N, H = a.H, L = a.L, S = a.S, E = a.E, M = a.M, NH = N * H;
   zero_all_rows(a.grad_q, a.grad_q_rows, NH, H, L, E);
   zero_all_rows(a.grad_k, a.grad_k_rows, NH, H, S, E);

@@ -285,10 +285,7 @@ template <typename T>
 void clustered_topk_backward_cpu(const ClusteredTopkBackwardArgs<T>& args) {
   ClusteredTopkBackwardArgs<T> a = args;
   resolve_qkv_rows(a);
-  a.grad_out_rows = a.grad_out_rows.resolved(a.H, a.L, a.M);
-  a.grad_q_rows = a.grad_q_rows.resolved(a.H, a.L, a.E);
-  a.grad_k_rows = a.grad_k_rows.resolved(a.H, a.S, a.E);
-  a.grad_v_rows = a.grad_v_rows.resolved(a.H, a.S, a.M);
+  resolve_grad_rows(a);
   const int64_t H = a.H, L = a.L, S = a.S, E = a.E, M = a.M, C = a.C, K = a.K;
   constexpr int64_t NR = panel_width<T>();
   const int64_t Kp_max = round_up(K, NR);

@@ -43,6 +43,16 @@ void resolve_qkv_rows(Params& p) {
   p.v_rows = p.v_rows.resolved(p.H, p.S, p.M);
 }
 
+// The grad_out_rows, grad_q_rows, grad_k_rows and grad_v_rows of a backward
+// kernel's parameters (fields as above) left at their defaults made explicit.
+template <typename Params>
+void resolve_grad_rows(Params& p) {
+  p.grad_out_rows = p.grad_out_rows.resolved(p.H, p.L, p.M);
+  p.grad_q_rows = p.grad_q_rows.resolved(p.H, p.L, p.E);
+  p.grad_k_rows = p.grad_k_rows.resolved(p.H, p.S, p.E);
+  p.grad_v_rows = p.grad_v_rows.resolved(p.H, p.S, p.M);
+}
+
 // Sets `rows` rows of `cols` entries of every head of x (layout s) to zero.
 template <typename T>
 void zero_all_rows(T* x, const RowStrides& s, int64_t NH, int64_t H, int64_t rows, int64_t cols) {

@@ -109,10 +109,7 @@ FullAttentionForwardArgs<T> resolved(FullAttentionForwardArgs<T> a) {
 template <typename T>
 FullAttentionBackwardArgs<T> resolved(FullAttentionBackwardArgs<T> a) {
   resolve_qkv_rows(a);
-  a.grad_out_rows = a.grad_out_rows.resolved(a.H, a.L, a.M);
-  a.grad_q_rows = a.grad_q_rows.resolved(a.H, a.L, a.E);
-  a.grad_k_rows = a.grad_k_rows.resolved(a.H, a.S, a.E);
-  a.grad_v_rows = a.grad_v_rows.resolved(a.H, a.S, a.M);
+  resolve_grad_rows(a);
   return a;
 }
 
