@@ -98,9 +98,7 @@ void fill_params(Args& a, const Prepared& p, double temp) {
   a.q = p.q.data_ptr<T>();
   a.k = p.k.data_ptr<T>();
   a.v = p.v.data_ptr<T>();
-  a.q_rows = ops::row_strides(p.q);
-  a.k_rows = ops::row_strides(p.k);
-  a.v_rows = ops::row_strides(p.v);
+  ops::set_qkv_rows(a, p.q, p.k, p.v);
   a.N = p.q.size(0);
   a.H = p.q.size(1);
   a.L = p.q.size(2);
@@ -147,10 +145,10 @@ std::tuple<Tensor, Tensor, Tensor> backward_cpu(const Tensor& grad_out, const Te
   const auto p = prepare(q, k, v, std::string(pattern), params, key_lengths, causal);
   ops::check_block_sparse_backward(kOp, grad_out, out, lse);
   if (ops::is_reduced_float(q)) {
-    auto [gq, gk, gv] = ops::in_float32(q.scalar_type(), backward_cpu, grad_out, q, k, v, out, lse,
-                                        pattern, params, key_lengths, causal, softmax_temp);
-    return {ops::in_rows_layout_of(gq, q), ops::in_rows_layout_of(gk, k),
-            ops::in_rows_layout_of(gv, v)};
+    return ops::in_rows_layouts_of(
+        ops::in_float32(q.scalar_type(), backward_cpu, grad_out, q, k, v, out, lse, pattern, params,
+                        key_lengths, causal, softmax_temp),
+        q, k, v);
   }
   auto go = ops::rows_contiguous(grad_out.to(q.scalar_type()));
   auto delta = (go * out).sum(-1).contiguous();  // (N, H, L)
@@ -167,10 +165,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_cpu(const Tensor& grad_out, const Te
     a.grad_q = gq.data_ptr<scalar_t>();
     a.grad_k = gk.data_ptr<scalar_t>();
     a.grad_v = gv.data_ptr<scalar_t>();
-    a.grad_out_rows = ops::row_strides(go);
-    a.grad_q_rows = ops::row_strides(gq);
-    a.grad_k_rows = ops::row_strides(gk);
-    a.grad_v_rows = ops::row_strides(gv);
+    ops::set_grad_rows(a, go, gq, gk, gv);
     kernels::block_sparse_attention_backward_cpu(a);
   });
   return {gq, gk, gv};

@@ -125,9 +125,7 @@ void fill_params(Args& a, const Prepared& p, double scale) {
   a.q = p.q.data_ptr<T>();
   a.k = p.k.data_ptr<T>();
   a.v = p.v.data_ptr<T>();
-  a.q_rows = ops::row_strides(p.q);
-  a.k_rows = ops::row_strides(p.k);
-  a.v_rows = ops::row_strides(p.v);
+  ops::set_qkv_rows(a, p.q, p.k, p.v);
   a.topk = p.topk.data_ptr<int64_t>();
   a.mass = p.mass.data_ptr<T>();
   a.assignments = p.assignments.data_ptr<int64_t>();
@@ -142,16 +140,6 @@ void fill_params(Args& a, const Prepared& p, double scale) {
   a.K = p.topk.size(3);
   a.scale = static_cast<T>(scale);
   a.num_threads = at::get_num_threads();
-}
-
-// The row layouts of grad_out and the gradients (ops::empty_rows_like).
-template <typename Args>
-void set_grad_rows(Args& a, const Tensor& go, const Tensor& gq, const Tensor& gk,
-                   const Tensor& gv) {
-  a.grad_out_rows = ops::row_strides(go);
-  a.grad_q_rows = ops::row_strides(gq);
-  a.grad_k_rows = ops::row_strides(gk);
-  a.grad_v_rows = ops::row_strides(gv);
 }
 
 Tensor clustered_topk_attention_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -207,7 +195,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> clustered_topk_attention_backward_cpu
     a.grad_k = gk.data_ptr<scalar_t>();
     a.grad_v = gv.data_ptr<scalar_t>();
     a.grad_mass = gm.data_ptr<scalar_t>();
-    set_grad_rows(a, go, gq, gk, gv);
+    ops::set_grad_rows(a, go, gq, gk, gv);
     kernels::clustered_topk_backward_cpu(a);
   });
   return {gq, gk, gv, gm};
@@ -271,9 +259,7 @@ void fill_improved(Args& a, const Tensor& q, const Tensor& k, const Tensor& v,
   a.q = q.data_ptr<T>();
   a.k = k.data_ptr<T>();
   a.v = v.data_ptr<T>();
-  a.q_rows = ops::row_strides(q);
-  a.k_rows = ops::row_strides(k);
-  a.v_rows = ops::row_strides(v);
+  ops::set_qkv_rows(a, q, k, v);
   a.topk = top_idx.data_ptr<int64_t>();
   a.assignments = assignments.data_ptr<int64_t>();
   a.key_lengths = lengths.defined() ? lengths.data_ptr<int64_t>() : nullptr;
@@ -358,11 +344,11 @@ std::tuple<Tensor, Tensor, Tensor> improved_clustered_backward_cpu(
   ops::check_qkv(kImprovedOp, q_in, k_in, v_in);
   ops::check_improved_clusters(q_in, assignments_in, counts_in);
   if (ops::is_reduced_float(q_in)) {
-    auto [gq, gk, gv] = ops::in_float32(q_in.scalar_type(), improved_clustered_backward_cpu,
-                                        grad_out, q_in, k_in, v_in, assignments_in, counts_in,
-                                        centroids, lse, out_c, top_idx, key_lengths, softmax_temp);
-    return {ops::in_rows_layout_of(gq, q_in), ops::in_rows_layout_of(gk, k_in),
-            ops::in_rows_layout_of(gv, v_in)};
+    return ops::in_rows_layouts_of(
+        ops::in_float32(q_in.scalar_type(), improved_clustered_backward_cpu, grad_out, q_in, k_in,
+                        v_in, assignments_in, counts_in, centroids, lse, out_c, top_idx,
+                        key_lengths, softmax_temp),
+        q_in, k_in, v_in);
   }
   auto q = ops::rows_contiguous(q_in), k = ops::rows_contiguous(k_in),
        v = ops::rows_contiguous(v_in);
@@ -386,7 +372,7 @@ std::tuple<Tensor, Tensor, Tensor> improved_clustered_backward_cpu(
     a.grad_centroids = g_cen.data_ptr<scalar_t>();
     a.grad_lse = g_lse.data_ptr<scalar_t>();
     a.grad_out_c = g_out_c.data_ptr<scalar_t>();
-    set_grad_rows(a, go, gq, gk, gv);
+    ops::set_grad_rows(a, go, gq, gk, gv);
     kernels::clustered_topk_backward_cpu(a);
   });
   // The centroid pass: its gradients to k and v add to the top-k ones; to the

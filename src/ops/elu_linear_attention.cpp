@@ -51,9 +51,7 @@ void fill_params(Args& a, const Prepared& p, bool causal, double eps, int64_t ch
   a.q = p.q.data_ptr<T>();
   a.k = p.k.data_ptr<T>();
   a.v = p.v.data_ptr<T>();
-  a.q_rows = ops::row_strides(p.q);
-  a.k_rows = ops::row_strides(p.k);
-  a.v_rows = ops::row_strides(p.v);
+  ops::set_qkv_rows(a, p.q, p.k, p.v);
   if (p.lengths.defined()) a.key_lengths = p.lengths.data_ptr<int64_t>();
   a.N = p.q.size(0);
   a.H = p.q.size(1);
@@ -98,11 +96,10 @@ std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_backward_cpu(
   check_inputs(q_in, k_in, v_in, key_lengths, causal, eps);
   ops::check_elu_linear_grad(kOp, grad_out, out_in, den_in, q_in, v_in);
   if (ops::is_reduced_float(q_in)) {
-    auto [gq, gk, gv] =
+    return ops::in_rows_layouts_of(
         ops::in_float32(q_in.scalar_type(), elu_linear_attention_backward_cpu, grad_out, q_in, k_in,
-                        v_in, out_in, den_in, key_lengths, causal, eps);
-    return {ops::in_rows_layout_of(gq, q_in), ops::in_rows_layout_of(gk, k_in),
-            ops::in_rows_layout_of(gv, v_in)};
+                        v_in, out_in, den_in, key_lengths, causal, eps),
+        q_in, k_in, v_in);
   }
   const auto p = prepare(q_in, k_in, v_in, key_lengths);
   const auto dtype = p.q.scalar_type();

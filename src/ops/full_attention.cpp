@@ -49,9 +49,7 @@ void fill_params(Args& a, const Prepared& p, bool causal, double temp) {
   a.q = p.q.data_ptr<T>();
   a.k = p.k.data_ptr<T>();
   a.v = p.v.data_ptr<T>();
-  a.q_rows = ops::row_strides(p.q);
-  a.k_rows = ops::row_strides(p.k);
-  a.v_rows = ops::row_strides(p.v);
+  ops::set_qkv_rows(a, p.q, p.k, p.v);
   a.N = p.q.size(0);
   a.H = p.q.size(1);
   a.L = p.q.size(2);
@@ -112,11 +110,10 @@ std::tuple<Tensor, Tensor, Tensor> full_attention_backward_cpu(
   check_inputs(q, k, v, attn_mask, key_lengths);
   ops::check_full_attention_grads(grad_out, out, lse, grad_lse);
   if (ops::is_reduced_float(q)) {
-    auto [gq, gk, gv] =
+    return ops::in_rows_layouts_of(
         ops::in_float32(q.scalar_type(), full_attention_backward_cpu, grad_out, q, k, v, out, lse,
-                        attn_mask, key_lengths, causal, softmax_temp, grad_lse);
-    return {ops::in_rows_layout_of(gq, q), ops::in_rows_layout_of(gk, k),
-            ops::in_rows_layout_of(gv, v)};
+                        attn_mask, key_lengths, causal, softmax_temp, grad_lse),
+        q, k, v);
   }
   auto p = prepare(q, k, v, attn_mask, key_lengths);
   // Every key tile reads all the queries and output gradients of its head:
@@ -135,10 +132,7 @@ std::tuple<Tensor, Tensor, Tensor> full_attention_backward_cpu(
     kernels::FullAttentionBackwardArgs<scalar_t> a;
     fill_params<scalar_t>(a, p, causal, softmax_temp);
     a.grad_out = go.data_ptr<scalar_t>();
-    a.grad_out_rows = ops::row_strides(go);
-    a.grad_q_rows = ops::row_strides(gq);
-    a.grad_k_rows = ops::row_strides(gk);
-    a.grad_v_rows = ops::row_strides(gv);
+    ops::set_grad_rows(a, go, gq, gk, gv);
     a.lse = lse_c.data_ptr<scalar_t>();
     a.delta = delta.data_ptr<scalar_t>();
     a.grad_q = gq.data_ptr<scalar_t>();

@@ -114,9 +114,7 @@ void fill_params(kernels::HardRetrievalParams<T>& a, const Prepared& p, bool cau
   a.q = p.q.data_ptr<T>();
   a.k = p.k.data_ptr<T>();
   a.v = p.v.data_ptr<T>();
-  a.q_rows = ops::row_strides(p.q);
-  a.k_rows = ops::row_strides(p.k);
-  a.v_rows = ops::row_strides(p.v);
+  ops::set_qkv_rows(a, p.q, p.k, p.v);
   a.N = p.q.size(0);
   a.H = p.q.size(1);
   a.L = p.q.size(2);
@@ -181,11 +179,10 @@ std::tuple<Tensor, Tensor, Tensor> hard_retrieval_attention_backward_cpu(
   check_inputs(q, k, v, attn_mask, key_lengths);
   ops::check_hard_retrieval_backward(kOp, grad_out, q, k, v, index, lse, soft_out);
   if (ops::is_reduced_float(q)) {
-    auto [gq, gk, gv] =
+    return ops::in_rows_layouts_of(
         ops::in_float32(q.scalar_type(), hard_retrieval_attention_backward_cpu, grad_out, q, k, v,
-                        index, lse, soft_out, attn_mask, key_lengths, causal, softmax_temp);
-    return {ops::in_rows_layout_of(gq, q), ops::in_rows_layout_of(gk, k),
-            ops::in_rows_layout_of(gv, v)};
+                        index, lse, soft_out, attn_mask, key_lengths, causal, softmax_temp),
+        q, k, v);
   }
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), M = v.size(3);
   const auto p = prepare(q, k, v, attn_mask, key_lengths);

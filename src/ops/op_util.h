@@ -124,6 +124,30 @@ torch::Tensor empty_rows_like(const torch::Tensor& like, int64_t cols, int64_t r
 // to float32, CUDA), because their fake implementations promise it
 // (python/fastattn/_fake.py, `_rows_like`).
 torch::Tensor in_rows_layout_of(const torch::Tensor& t, const torch::Tensor& like);
+// Gradients (gq, gk, gv) each in its input's layout (in_rows_layout_of): the
+// paths that compute them another way (float16 / bfloat16 widened, CUDA).
+inline std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> in_rows_layouts_of(
+    const std::tuple<torch::Tensor, torch::Tensor, torch::Tensor>& g, const torch::Tensor& q,
+    const torch::Tensor& k, const torch::Tensor& v) {
+  return {in_rows_layout_of(std::get<0>(g), q), in_rows_layout_of(std::get<1>(g), k),
+          in_rows_layout_of(std::get<2>(g), v)};
+}
+// A kernel's q_rows, k_rows, v_rows from the tensors it reads.
+template <typename Args>
+void set_qkv_rows(Args& a, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+  a.q_rows = row_strides(q);
+  a.k_rows = row_strides(k);
+  a.v_rows = row_strides(v);
+}
+// A backward kernel's grad_out_rows, grad_q_rows, grad_k_rows, grad_v_rows.
+template <typename Args>
+void set_grad_rows(Args& a, const torch::Tensor& grad_out, const torch::Tensor& gq,
+                   const torch::Tensor& gk, const torch::Tensor& gv) {
+  a.grad_out_rows = row_strides(grad_out);
+  a.grad_q_rows = row_strides(gq);
+  a.grad_k_rows = row_strides(gk);
+  a.grad_v_rows = row_strides(gv);
+}
 
 // Checks that every tensor argument of a public entry point is defined (the
 // dispatcher would otherwise fail with "tensor does not have a device");

@@ -132,7 +132,9 @@ void check_row_layouts(const QkvOp& op, int64_t N, int64_t H, int64_t L, int64_t
   const char* names[] = {"grad q", "grad k", "grad v"};
   for (int i = 0; i < 3; ++i) {
     ASSERT_EQ(g[i].defined(), gc[i].defined()) << names[i];
-    if (g[i].defined()) EXPECT_LE(max_abs_diff(g[i], gc[i]), tol) << names[i];
+    if (g[i].defined()) {
+      EXPECT_LE(max_abs_diff(g[i], gc[i]), tol) << names[i];
+    }
   }
   if (interleaved) {
     EXPECT_TRUE(g[0].transpose(1, 2).is_contiguous()) << g[0].strides();
