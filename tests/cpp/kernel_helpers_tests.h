@@ -136,6 +136,55 @@ TEST(FASTATTN_KH_SUITE, GemmMatchesFloat64Loops) {
   }
 }
 
+// pack_transposed_panels: panel p holds X's rows [p·NR, p·NR + NR) column by
+// column, zeros past the last row (a whole zero panel when padded_rows asks
+// for one more).
+template <typename T>
+void check_pack_panels() {
+  constexpr int64_t NR = panel_width<T>();
+  for (int64_t rows : {1, 7, 8, 13, 33, 64})
+    for (int64_t cols : {1, 9, 64}) {
+      const int64_t ldx = cols + 3;
+      const int64_t padded = (rows + NR - 1) / NR * NR + NR;
+      auto x = random_values<T>(rows * ldx, rows * 1000 + cols);
+      std::vector<T> out(cols * padded, T(-1));
+      pack_transposed_panels(x.data(), rows, cols, ldx, padded, out.data());
+      for (int64_t p = 0; p < padded; p += NR)
+        for (int64_t c = 0; c < cols; ++c)
+          for (int64_t r = 0; r < NR; ++r)
+            ASSERT_EQ(out[p * cols + c * NR + r], p + r < rows ? x[(p + r) * ldx + c] : T(0))
+                << rows << "x" << cols << " panel " << p << " at " << r << "," << c;
+    }
+}
+
+TEST(FASTATTN_KH_SUITE, PackTransposedPanelsMatchesLoops) {
+  FASTATTN_KH_REQUIRE_LEVEL();
+  check_pack_panels<float>();
+  check_pack_panels<double>();
+}
+
+// zero_all_rows_parallel zeroes each head's rows and nothing between them,
+// on one thread and several, below and above its serial size.
+TEST(FASTATTN_KH_SUITE, ZeroAllRowsParallelZeroesOnlyTheRows) {
+  FASTATTN_KH_REQUIRE_LEVEL();
+  for (int threads : {1, 2, 3})
+    for (int64_t rows : {5, 1000}) {
+      const int64_t N = 2, H = 3, cols = 70;
+      // (N, rows, H, cols + 2): heads interleaved in each row, 2 values of gap.
+      RowStrides s;
+      s.sr = H * (cols + 2);
+      s.sh = cols + 2;
+      s.sn = rows * s.sr;
+      std::vector<float> x(N * s.sn, -1.0f);
+      zero_all_rows_parallel(x.data(), s, N * H, H, rows, cols, threads);
+      for (int64_t i = 0; i < N * s.sn; ++i) {
+        const bool in_rows = i % s.sh < cols;
+        ASSERT_EQ(x[i], in_rows ? 0.0f : -1.0f)
+            << threads << " threads, " << rows << " rows, at " << i;
+      }
+    }
+}
+
 // An exception in a worker (a scratch buffer's std::bad_alloc, a failed
 // check) reaches the caller instead of ending the process in std::terminate,
 // and the remaining items are skipped.

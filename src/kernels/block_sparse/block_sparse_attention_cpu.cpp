@@ -511,7 +511,7 @@ void block_sparse_attention_forward_cpu(const BlockSparseForwardArgs<T>& args) {
   const int64_t q_tiles = (L + kBq - 1) / kBq;
   const int64_t osr = a.out_rows.sr;
   // Heads that no part covers (none today) output zeros.
-  zero_all_rows(a.out, a.out_rows, NH, H, L, M);
+  zero_all_rows_parallel(a.out, a.out_rows, NH, H, L, M, a.num_threads);
   std::fill(a.lse, a.lse + NH * L, neg_inf<T>());
   std::vector<T> lsum(a.num_parts > 1 ? NH * L : 0);
 
@@ -641,9 +641,9 @@ void block_sparse_attention_backward_cpu(const BlockSparseBackwardArgs<T>& args)
   resolve_qkv_rows(a);
   resolve_grad_rows(a);
   const int64_t N = a.N, H = a.H, L = a.L, S = a.S, E = a.E, M = a.M, NH = N * H;
-  zero_all_rows(a.grad_q, a.grad_q_rows, NH, H, L, E);
-  zero_all_rows(a.grad_k, a.grad_k_rows, NH, H, S, E);
-  zero_all_rows(a.grad_v, a.grad_v_rows, NH, H, S, M);
+  zero_all_rows_parallel(a.grad_q, a.grad_q_rows, NH, H, L, E, a.num_threads);
+  zero_all_rows_parallel(a.grad_k, a.grad_k_rows, NH, H, S, E, a.num_threads);
+  zero_all_rows_parallel(a.grad_v, a.grad_v_rows, NH, H, S, M, a.num_threads);
   if (NH == 0 || L == 0 || S == 0) return;
   const int64_t q_tiles = (L + kBq - 1) / kBq;
   auto init = [&](BackwardScratch<T>& w) {

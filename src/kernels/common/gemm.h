@@ -103,26 +103,6 @@ inline void gemm_packed(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda
     column_block<T, 2>(M, K, A, lda, Bp + j * K, NR, C + j, ldc, accumulate);
 }
 
-// Packs X^T into panels for gemm_packed: X is rows x cols (row stride ldx);
-// the product's B = X^T is cols x rows, so panel p holds, for every column c
-// of X, the rows [p·NR, p·NR + NR) of X. Rows past `rows` are zero-filled up
-// to padded_rows (a multiple of NR). out has cols · padded_rows values.
-template <typename T>
-inline void pack_transposed_panels(const T* X, int64_t rows, int64_t cols, int64_t ldx,
-                                   int64_t padded_rows, T* out) {
-  constexpr int NR = panel_width<T>();
-  for (int64_t p = 0; p < padded_rows; p += NR) {
-    T* panel = out + p * cols;
-    const int64_t n = std::min<int64_t>(NR, rows - p);
-    for (int64_t c = 0; c < cols; ++c) {
-      T* dst = panel + c * NR;
-      int64_t r = 0;
-      for (; r < n; ++r) dst[r] = X[(p + r) * ldx + c];
-      for (; r < NR; ++r) dst[r] = T(0);
-    }
-  }
-}
-
 // out (cols x rows, row stride ldo) = X^T for X rows x cols (row stride ldx).
 #if FASTATTN_SIMD_AVX2
 // out (8 x 8, row stride ldo) = X^T for an 8 x 8 float block (row stride ldx).
@@ -162,6 +142,28 @@ inline void transpose(const T* X, int64_t rows, int64_t cols, int64_t ldx, T* ou
       for (int64_t r = r0; r < std::min(rows, r0 + B); ++r)
         for (int64_t c = c0; c < std::min(cols, c0 + B); ++c) out[c * ldo + r] = X[r * ldx + c];
     }
+  }
+}
+
+// Packs X^T into panels for gemm_packed: X is rows x cols (row stride ldx);
+// the product's B = X^T is cols x rows, so panel p holds, for every column c
+// of X, the rows [p·NR, p·NR + NR) of X: the transpose of X's rows p.. with
+// row stride NR. Rows past `rows` are zero-filled up to padded_rows (a
+// multiple of NR). out has cols · padded_rows values. Transposing by 8 x 8
+// blocks reads X's rows in order; reading a column at a time (one value per
+// row) stalled on each row's first touch (a third of the samples outside the
+// products in full attention's backward with 100 queries, a few percent of
+// its time).
+template <typename T>
+inline void pack_transposed_panels(const T* X, int64_t rows, int64_t cols, int64_t ldx,
+                                   int64_t padded_rows, T* out) {
+  constexpr int NR = panel_width<T>();
+  for (int64_t p = 0; p < padded_rows; p += NR) {
+    T* panel = out + p * cols;
+    const int64_t n = std::clamp<int64_t>(rows - p, 0, NR);
+    if (n > 0) transpose(X + p * ldx, n, cols, ldx, panel, NR);
+    if (n < NR)
+      for (int64_t c = 0; c < cols; ++c) std::fill(panel + c * NR + n, panel + c * NR + NR, T(0));
   }
 }
 

@@ -53,17 +53,20 @@ void resolve_grad_rows(Params& p) {
   p.grad_v_rows = p.grad_v_rows.resolved(p.H, p.S, p.M);
 }
 
+// Zeroes rows x cols values, rows ld apart.
+template <typename T>
+void zero_rows(T* x, int64_t rows, int64_t cols, int64_t ld) {
+  if (ld == cols) {
+    std::fill(x, x + rows * cols, T(0));
+  } else {
+    for (int64_t r = 0; r < rows; ++r) std::fill(x + r * ld, x + r * ld + cols, T(0));
+  }
+}
+
 // Sets `rows` rows of `cols` entries of every head of x (layout s) to zero.
 template <typename T>
 void zero_all_rows(T* x, const RowStrides& s, int64_t NH, int64_t H, int64_t rows, int64_t cols) {
-  for (int64_t nh = 0; nh < NH; ++nh) {
-    T* head = s.head(x, nh, H);
-    if (s.sr == cols) {
-      std::fill(head, head + rows * cols, T(0));
-    } else {
-      for (int64_t r = 0; r < rows; ++r) std::fill(head + r * s.sr, head + r * s.sr + cols, T(0));
-    }
-  }
+  for (int64_t nh = 0; nh < NH; ++nh) zero_rows(s.head(x, nh, H), rows, cols, s.sr);
 }
 
 }  // namespace fastattn::kernels

@@ -285,12 +285,13 @@ void hard_retrieval_grad_v_cpu(const HardRetrievalGradVArgs<T>& args) {
   a.grad_out_rows = a.grad_out_rows.resolved(a.H, a.L, a.M);
   a.grad_v_rows = a.grad_v_rows.resolved(a.H, a.S, a.M);
   const int64_t L = a.L, S = a.S, M = a.M;
-  zero_all_rows(a.grad_v, a.grad_v_rows, a.NH, a.H, S, M);
   struct None {};
-  // One head per work item: no two items write the same rows.
+  // One head per work item: no two items write the same rows; each zeroes
+  // its own head first (in parallel, unlike one pass over every head).
   parallel_items<None>(
       a.NH, a.num_threads, [](None&) {},
       [&](int64_t nh, None&) {
+        zero_rows(a.grad_v_rows.head(a.grad_v, nh, a.H), S, M, a.grad_v_rows.sr);
         for (int64_t i = 0; i < L; ++i) {
           const int64_t idx = a.index[nh * L + i];
           if (idx < 0) continue;

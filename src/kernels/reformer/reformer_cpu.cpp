@@ -193,7 +193,7 @@ void reformer_forward_cpu(const ReformerForwardArgs<T>& args) {
   resolve_rows(a);
   a.out_rows = a.out_rows.resolved(a.H, a.L, a.M);
   const int64_t NH = a.N * a.H, H = a.H, L = a.L, E = a.E, M = a.M, R = a.R, C = a.chunk;
-  zero_all_rows(a.out, a.out_rows, NH, H, L, M);
+  zero_all_rows_parallel(a.out, a.out_rows, NH, H, L, M, a.num_threads);
   for (int64_t x = 0; x < NH * L; ++x) {
     a.stats[2 * x] = neg_inf<double>();
     a.stats[2 * x + 1] = 0;
