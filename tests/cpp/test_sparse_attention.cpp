@@ -55,8 +55,16 @@ OpCase make_case(const SparseCfg& c) {
 
 class SparseAttentionCases : public ::testing::TestWithParam<SparseCfg> {};
 
+// Under 1 thread the backward takes its one pass per head; under 7 (which
+// divides no case's N·H and exceeds a quarter of it) its two passes per part.
 TEST_P(SparseAttentionCases, MatchesDenseMaskedReference) {
-  testing::check_op(make_case(GetParam()));
+  const int saved = at::get_num_threads();
+  for (int threads : {1, 7}) {
+    SCOPED_TRACE(std::to_string(threads) + " threads");
+    at::set_num_threads(threads);
+    testing::check_op(make_case(GetParam()));
+  }
+  at::set_num_threads(saved);
 }
 
 // which: 0 merged, 1 A1, 2 A2, 3 split heads.
