@@ -1,10 +1,12 @@
 // CPU kernels of Reformer LSH attention (see reformer.h).
 //
-// Per chunk work item, with C = chunk and up to 2C keys (chunks c-1 and c of
-// the sorted order): gather the chunk's query rows and the window's key and
-// value rows by the round's permutation, pack K^T in panels, S = Q·K^T by the
-// register-blocked micro-kernel (kernels/common/gemm.h), scale and mask,
-// softmax with the AVX2 exp, O = P·V, then merge into the running output of
+// Per chunk, with C = chunk and up to 2C keys (chunks c-1 and c of the
+// sorted order; work items are runs of consecutive chunks, which gather the
+// rows two windows share once): gather the chunk's query rows and the
+// window's key and value rows by the round's permutation, pack K^T in
+// panels, S = Q·K^T by the register-blocked micro-kernel
+// (kernels/common/gemm.h), scale and mask, softmax with the vector exp,
+// O = P·V, then merge into the running output of
 // the earlier rounds as an online softmax over rounds: running max m and
 // sum l per position (float64), out' = out·exp(m - m') + O·exp(m_r - m')
 // (O unnormalised, m_r its row max), normalised by l after the last round.
@@ -132,6 +134,35 @@ inline void gather_rows(const T* x, int64_t sr, const int64_t* idx, int64_t n, i
   for (int64_t r = 0; r < n; ++r) std::copy(x + idx[r] * sr, x + idx[r] * sr + D, out + r * D);
 }
 
+// Chunks per work item: a run of consecutive chunks of one (n, h, round)
+// shares its windows' overlap (chunk c's rows are the second half of its
+// window and the first half of chunk c + 1's): gathered once, and in the
+// backward their dK and dV summed before one scatter. Per-chunk items
+// gathered and scattered every key and value row twice: forward+backward at
+// L = 16384, 8 heads, chunk 32, 4 rounds: 561-592 ms in runs against 629-637
+// (alternating processes); the row copies left (random rows, cache misses)
+// are still a sixth of the forward.
+constexpr int64_t kRunChunks = 8;
+
+// The keys and values of win into kb (rows E apart) and vb (M apart). With
+// `prev`, the window of the chunk just before in the same run, its own rows
+// (the second half of its buffers) become this window's first half.
+template <typename T>
+void gather_window(const Window& win, const Window* prev, const int64_t* kpos, const T* keys,
+                   const T* v, int64_t v_sr, int64_t E, int64_t M, T* kb, T* vb) {
+  int64_t have = 0;
+  if (prev != nullptr) {
+    const int64_t off = prev->t0 - prev->k0;
+    have = prev->rows;  // = win.t0 - win.k0
+    if (off > 0) {
+      std::copy(kb + off * E, kb + (off + have) * E, kb);
+      std::copy(vb + off * M, vb + (off + have) * M, vb);
+    }
+  }
+  gather_rows(keys, E, kpos + have, win.cols - have, E, kb + have * E);
+  gather_rows(v, v_sr, kpos + have, win.cols - have, M, vb + have * M);
+}
+
 // Adds the rows of x (n x D) to rows idx[0..n) of out (rows sr apart).
 template <typename T>
 inline void scatter_add_rows(const T* x, const int64_t* idx, int64_t n, int64_t D, T* out,
@@ -202,9 +233,10 @@ void reformer_forward_cpu(const ReformerForwardArgs<T>& args) {
   const auto p = prepare(a);
   constexpr int64_t NR = panel_width<T>();
   const int64_t Wd = round_up(2 * C, NR);  // score row stride
+  const int64_t runs = (p.max_chunks + kRunChunks - 1) / kRunChunks;
   for (int64_t r = 0; r < R; ++r) {
     parallel_items<Scratch<T>>(
-        NH * p.max_chunks, a.num_threads,
+        NH * runs, a.num_threads,
         [&](Scratch<T>& w) {
           w.qb.resize(C * E);
           w.kb.resize(2 * C * E);
@@ -216,51 +248,54 @@ void reformer_forward_cpu(const ReformerForwardArgs<T>& args) {
           w.lr.resize(C);
         },
         [&](int64_t item, Scratch<T>& w) {
-          const int64_t nh = item / p.max_chunks, c = item % p.max_chunks;
+          const int64_t nh = item / runs, c0 = item % runs * kRunChunks;
           const int64_t len = valid_length(a, nh);
-          if (c * C >= len) return;
-          const Window win = window(c, C, len);
-          const int64_t width = round_up(win.cols, NR);
           const int64_t* perm = p.perm.get() + (nh * R + r) * L;
-          const int64_t* qpos = perm + win.t0;
-          const int64_t* kpos = perm + win.k0;
-          gather_rows(a.q_rows.head(a.q, nh, H), a.q_rows.sr, qpos, win.rows, E, w.qb.data());
-          gather_rows(p.keys.get() + nh * L * E, E, kpos, win.cols, E, w.kb.data());
-          gather_rows(a.v_rows.head(a.v, nh, H), a.v_rows.sr, kpos, win.cols, M, w.vb.data());
-          pack_transposed_panels(w.kb.data(), win.cols, E, E, width, w.kp.data());
-          gemm_packed(win.rows, width, E, w.qb.data(), E, w.kp.data(), w.s.data(), Wd, false);
-          T* m_row = w.m.data();     // row max of this round's scores
-          T* sum_row = w.lr.data();  // sum of exp(score - max)
-          for (int64_t i = 0; i < win.rows; ++i) {
-            T* row = w.s.data() + i * Wd;
-            prepare_row(row, kpos, win.cols, width, qpos[i], win.t0 - win.k0 + i, a);
-            m_row[i] = row_max(row, width);  // finite: the query itself is kept
-            sum_row[i] = exp_shift_sum(row, width, m_row[i]);
-          }
-          gemm(win.rows, M, win.cols, w.s.data(), Wd, w.vb.data(), M, w.o.data(), M, false);
-          // Online softmax across rounds: stats hold the running max and sum,
-          // out the unnormalised sum (normalised after the last round).
-          for (int64_t i = 0; i < win.rows; ++i) {
-            const int64_t pos = nh * L + qpos[i];
-            T* out = a.out_rows.row(a.out, nh, H, qpos[i]);
-            double* st = a.stats + 2 * pos;
-            const T* o = w.o.data() + i * M;
-            const double m = m_row[i];
-            if (st[0] == neg_inf<double>()) {
-              st[0] = m;
-              st[1] = sum_row[i];
-              std::copy(o, o + M, out);
-            } else if (m <= st[0]) {
-              const double f = std::exp(m - st[0]);
-              st[1] += f * sum_row[i];
-              const T ft = static_cast<T>(f);
-              for (int64_t d = 0; d < M; ++d) out[d] += o[d] * ft;
-            } else {
-              const double f = std::exp(st[0] - m);
-              st[0] = m;
-              st[1] = st[1] * f + sum_row[i];
-              const T ft = static_cast<T>(f);
-              for (int64_t d = 0; d < M; ++d) out[d] = out[d] * ft + o[d];
+          Window prev{};
+          for (int64_t c = c0; c < c0 + kRunChunks && c * C < len; ++c) {
+            const Window win = window(c, C, len);
+            const int64_t width = round_up(win.cols, NR);
+            const int64_t* qpos = perm + win.t0;
+            const int64_t* kpos = perm + win.k0;
+            gather_rows(a.q_rows.head(a.q, nh, H), a.q_rows.sr, qpos, win.rows, E, w.qb.data());
+            gather_window(win, c > c0 ? &prev : nullptr, kpos, p.keys.get() + nh * L * E,
+                          a.v_rows.head(a.v, nh, H), a.v_rows.sr, E, M, w.kb.data(), w.vb.data());
+            prev = win;
+            pack_transposed_panels(w.kb.data(), win.cols, E, E, width, w.kp.data());
+            gemm_packed(win.rows, width, E, w.qb.data(), E, w.kp.data(), w.s.data(), Wd, false);
+            T* m_row = w.m.data();     // row max of this round's scores
+            T* sum_row = w.lr.data();  // sum of exp(score - max)
+            for (int64_t i = 0; i < win.rows; ++i) {
+              T* row = w.s.data() + i * Wd;
+              prepare_row(row, kpos, win.cols, width, qpos[i], win.t0 - win.k0 + i, a);
+              m_row[i] = row_max(row, width);  // finite: the query itself is kept
+              sum_row[i] = exp_shift_sum(row, width, m_row[i]);
+            }
+            gemm(win.rows, M, win.cols, w.s.data(), Wd, w.vb.data(), M, w.o.data(), M, false);
+            // Online softmax across rounds: stats hold the running max and sum,
+            // out the unnormalised sum (normalised after the last round).
+            for (int64_t i = 0; i < win.rows; ++i) {
+              const int64_t pos = nh * L + qpos[i];
+              T* out = a.out_rows.row(a.out, nh, H, qpos[i]);
+              double* st = a.stats + 2 * pos;
+              const T* o = w.o.data() + i * M;
+              const double m = m_row[i];
+              if (st[0] == neg_inf<double>()) {
+                st[0] = m;
+                st[1] = sum_row[i];
+                std::copy(o, o + M, out);
+              } else if (m <= st[0]) {
+                const double f = std::exp(m - st[0]);
+                st[1] += f * sum_row[i];
+                const T ft = static_cast<T>(f);
+                for (int64_t d = 0; d < M; ++d) out[d] += o[d] * ft;
+              } else {
+                const double f = std::exp(st[0] - m);
+                st[0] = m;
+                st[1] = st[1] * f + sum_row[i];
+                const T ft = static_cast<T>(f);
+                for (int64_t d = 0; d < M; ++d) out[d] = out[d] * ft + o[d];
+              }
             }
           }
         });
@@ -288,14 +323,19 @@ void reformer_backward_cpu(const ReformerBackwardArgs<T>& args) {
   a.grad_q_rows = a.grad_q_rows.resolved(a.H, a.L, a.E);
   a.grad_v_rows = a.grad_v_rows.resolved(a.H, a.L, a.M);
   const int64_t NH = a.N * a.H, H = a.H, L = a.L, E = a.E, M = a.M, R = a.R, C = a.chunk;
-  zero_all_rows(a.grad_q, a.grad_q_rows, NH, H, L, E);
-  zero_all_rows(a.grad_v, a.grad_v_rows, NH, H, L, M);
+  zero_all_rows_parallel(a.grad_q, a.grad_q_rows, NH, H, L, E, a.num_threads);
+  zero_all_rows_parallel(a.grad_v, a.grad_v_rows, NH, H, L, M, a.num_threads);
   if (NH == 0 || L == 0) return;
   const auto p = prepare(a);
-  std::unique_ptr<T[]> grad_k(new T[static_cast<size_t>(NH * L * E)]());  // d loss / d keys
+  std::unique_ptr<T[]> grad_k(new T[static_cast<size_t>(NH * L * E)]);  // d loss / d keys
+  zero_all_rows_parallel(grad_k.get(), RowStrides{}.resolved(H, L, E), NH, H, L, E, a.num_threads);
   constexpr int64_t NR = panel_width<T>();
   const int64_t Wd = round_up(2 * C, NR);
-  const int64_t half = (p.max_chunks + 1) / 2;
+  // Runs of kRunChunks chunks, even runs then odd ones: the key rows a run
+  // writes (its chunks and the one before its first) are no other same-parity
+  // run's.
+  const int64_t runs = (p.max_chunks + kRunChunks - 1) / kRunChunks;
+  const int64_t half = (runs + 1) / 2;
   for (int64_t r = 0; r < R; ++r) {
     for (int64_t parity = 0; parity < 2; ++parity) {
       parallel_items<Scratch<T>>(
@@ -315,52 +355,77 @@ void reformer_backward_cpu(const ReformerBackwardArgs<T>& args) {
             w.dvb.resize(2 * C * M);
           },
           [&](int64_t item, Scratch<T>& w) {
-            const int64_t nh = item / half, c = 2 * (item % half) + parity;
+            const int64_t nh = item / half, run = 2 * (item % half) + parity;
             const int64_t len = valid_length(a, nh);
-            if (c * C >= len) return;
-            const Window win = window(c, C, len);
-            const int64_t width = round_up(win.cols, NR);
             const int64_t* perm = p.perm.get() + (nh * R + r) * L;
-            const int64_t* qpos = perm + win.t0;
-            const int64_t* kpos = perm + win.k0;
-            gather_rows(a.q_rows.head(a.q, nh, H), a.q_rows.sr, qpos, win.rows, E, w.qb.data());
-            gather_rows(a.grad_out_rows.head(a.grad_out, nh, H), a.grad_out_rows.sr, qpos, win.rows,
-                        M, w.dob.data());
-            gather_rows(p.keys.get() + nh * L * E, E, kpos, win.cols, E, w.kb.data());
-            gather_rows(a.v_rows.head(a.v, nh, H), a.v_rows.sr, kpos, win.cols, M, w.vb.data());
-            pack_transposed_panels(w.kb.data(), win.cols, E, E, width, w.kp.data());
-            pack_transposed_panels(w.vb.data(), win.cols, M, M, width, w.vp.data());
-            // P = exp(S - lse) with the final (all-round) lse.
-            gemm_packed(win.rows, width, E, w.qb.data(), E, w.kp.data(), w.s.data(), Wd, false);
-            for (int64_t i = 0; i < win.rows; ++i) {
-              T* row = w.s.data() + i * Wd;
-              prepare_row(row, kpos, win.cols, width, qpos[i], win.t0 - win.k0 + i, a);
-              const double* st = a.stats + 2 * (nh * L + qpos[i]);
-              exp_shift2(row, width, static_cast<T>(st[0]), static_cast<T>(st[1]));
+            const int64_t c0 = run * kRunChunks, c1 = std::min(c0 + kRunChunks, (len + C - 1) / C);
+            T* gv = a.grad_v_rows.head(a.grad_v, nh, H);
+            T* gk = grad_k.get() + nh * L * E;
+            Window prev{};
+            for (int64_t c = c0; c < c1; ++c) {
+              const Window win = window(c, C, len);
+              const int64_t width = round_up(win.cols, NR);
+              const int64_t* qpos = perm + win.t0;
+              const int64_t* kpos = perm + win.k0;
+              const int64_t own = win.t0 - win.k0;  // first row of the chunk's own keys
+              gather_rows(a.q_rows.head(a.q, nh, H), a.q_rows.sr, qpos, win.rows, E, w.qb.data());
+              gather_rows(a.grad_out_rows.head(a.grad_out, nh, H), a.grad_out_rows.sr, qpos,
+                          win.rows, M, w.dob.data());
+              gather_window(win, c > c0 ? &prev : nullptr, kpos, p.keys.get() + nh * L * E,
+                            a.v_rows.head(a.v, nh, H), a.v_rows.sr, E, M, w.kb.data(), w.vb.data());
+              // dK and dV of the window: the first half carries the previous
+              // chunk's sums for its own rows (zero for a run's first chunk).
+              if (c > c0) {
+                const int64_t off = prev.t0 - prev.k0;
+                if (off > 0) {
+                  std::copy(w.dkb.begin() + off * E, w.dkb.begin() + (off + own) * E,
+                            w.dkb.begin());
+                  std::copy(w.dvb.begin() + off * M, w.dvb.begin() + (off + own) * M,
+                            w.dvb.begin());
+                }
+                std::fill(w.dkb.begin() + own * E, w.dkb.end(), T(0));
+                std::fill(w.dvb.begin() + own * M, w.dvb.end(), T(0));
+              } else {
+                std::fill(w.dkb.begin(), w.dkb.end(), T(0));
+                std::fill(w.dvb.begin(), w.dvb.end(), T(0));
+              }
+              prev = win;
+              pack_transposed_panels(w.kb.data(), win.cols, E, E, width, w.kp.data());
+              pack_transposed_panels(w.vb.data(), win.cols, M, M, width, w.vp.data());
+              // P = exp(S - lse) with the final (all-round) lse.
+              gemm_packed(win.rows, width, E, w.qb.data(), E, w.kp.data(), w.s.data(), Wd, false);
+              for (int64_t i = 0; i < win.rows; ++i) {
+                T* row = w.s.data() + i * Wd;
+                prepare_row(row, kpos, win.cols, width, qpos[i], win.t0 - win.k0 + i, a);
+                const double* st = a.stats + 2 * (nh * L + qpos[i]);
+                exp_shift2(row, width, static_cast<T>(st[0]), static_cast<T>(st[1]));
+              }
+              // dS = P ∘ (dO·V^T - delta)·scale; the replaced self score is a
+              // constant and passes no gradient.
+              gemm_packed(win.rows, width, M, w.dob.data(), M, w.vp.data(), w.dp.data(), Wd, false);
+              for (int64_t i = 0; i < win.rows; ++i) {
+                const T d = a.delta[nh * L + qpos[i]];
+                const T* prow = w.s.data() + i * Wd;
+                T* drow = w.dp.data() + i * Wd;
+                for (int64_t b = 0; b < win.cols; ++b) drow[b] = prow[b] * (drow[b] - d) * a.scale;
+                if (a.mask_self) drow[win.t0 - win.k0 + i] = T(0);
+              }
+              // dV = P^T dO
+              transpose(w.s.data(), win.rows, win.cols, Wd, w.t.data(), C);
+              gemm(win.cols, M, win.rows, w.t.data(), C, w.dob.data(), M, w.dvb.data(), M, true);
+              // dQ = dS K (as queries)
+              gemm(win.rows, E, win.cols, w.dp.data(), Wd, w.kb.data(), E, w.dqb.data(), E, false);
+              scatter_add_rows(w.dqb.data(), qpos, win.rows, E, a.grad_q_rows.head(a.grad_q, nh, H),
+                               a.grad_q_rows.sr);
+              // dK = dS^T Q (as normalised keys)
+              transpose(w.dp.data(), win.rows, win.cols, Wd, w.t.data(), C);
+              gemm(win.cols, E, win.rows, w.t.data(), C, w.qb.data(), E, w.dkb.data(), E, true);
+              // The previous chunk's rows are complete; the chunk's own rows
+              // wait for the next chunk of the run, if there is one.
+              const int64_t done = c + 1 < c1 ? own : win.cols;
+              scatter_add_rows(w.dvb.data(), kpos, done, M, gv, a.grad_v_rows.sr);
+              scatter_add_rows(w.dkb.data(), kpos, done, E, gk, E);
             }
-            // dS = P ∘ (dO·V^T - delta)·scale; the replaced self score is a
-            // constant and passes no gradient.
-            gemm_packed(win.rows, width, M, w.dob.data(), M, w.vp.data(), w.dp.data(), Wd, false);
-            for (int64_t i = 0; i < win.rows; ++i) {
-              const T d = a.delta[nh * L + qpos[i]];
-              const T* prow = w.s.data() + i * Wd;
-              T* drow = w.dp.data() + i * Wd;
-              for (int64_t b = 0; b < win.cols; ++b) drow[b] = prow[b] * (drow[b] - d) * a.scale;
-              if (a.mask_self) drow[win.t0 - win.k0 + i] = T(0);
-            }
-            // dV = P^T dO
-            transpose(w.s.data(), win.rows, win.cols, Wd, w.t.data(), C);
-            gemm(win.cols, M, win.rows, w.t.data(), C, w.dob.data(), M, w.dvb.data(), M, false);
-            scatter_add_rows(w.dvb.data(), kpos, win.cols, M, a.grad_v_rows.head(a.grad_v, nh, H),
-                             a.grad_v_rows.sr);
-            // dQ = dS K (as queries)
-            gemm(win.rows, E, win.cols, w.dp.data(), Wd, w.kb.data(), E, w.dqb.data(), E, false);
-            scatter_add_rows(w.dqb.data(), qpos, win.rows, E, a.grad_q_rows.head(a.grad_q, nh, H),
-                             a.grad_q_rows.sr);
-            // dK = dS^T Q (as normalised keys)
-            transpose(w.dp.data(), win.rows, win.cols, Wd, w.t.data(), C);
-            gemm(win.cols, E, win.rows, w.t.data(), C, w.qb.data(), E, w.dkb.data(), E, false);
-            scatter_add_rows(w.dkb.data(), kpos, win.cols, E, grad_k.get() + nh * L * E, E);
           });
     }
   }
