@@ -1,6 +1,8 @@
 // Shared input checks of the operators (see op_util.h).
 #include "ops/op_util.h"
 
+#include <ATen/Parallel.h>
+
 #include <cmath>
 
 namespace fastattn::ops {
@@ -102,9 +104,33 @@ kernels::RowStrides row_strides(const torch::Tensor& t) {
 
 namespace {
 
+// Writes one byte in each page of t's memory, the pages split between the
+// threads in contiguous ranges. A kernel that gives each thread a group of
+// heads writes, in the (N, L, H, M) layout, a part of every row: both
+// threads then take their first writes' page faults on the same pages and
+// wait on each other (linear attention's forward at L = 16384, 8 heads,
+// 2 threads: 25% slower than with each head's rows contiguous). Faulting
+// the pages in first, by address, costs no extra pass over the memory: the
+// kernel would take the same faults.
+void first_touch_pages(const torch::Tensor& t) {
+  constexpr int64_t kPage = 4096, kMinBytes = int64_t{1} << 22;
+  const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
+  if (!t.device().is_cpu() || bytes < kMinBytes) return;
+  auto* base = static_cast<char*>(t.data_ptr());
+  const int64_t pages = (bytes + kPage - 1) / kPage;
+  at::parallel_for(0, pages, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) base[p * kPage] = 0;
+  });
+  base[bytes - 1] = 0;
+}
+
 torch::Tensor empty_in_layout(bool heads_in_rows, int64_t N, int64_t H, int64_t rows, int64_t cols,
                               const torch::TensorOptions& options) {
-  if (heads_in_rows) return torch::empty({N, rows, H, cols}, options).transpose(1, 2);
+  if (heads_in_rows) {
+    auto t = torch::empty({N, rows, H, cols}, options);
+    first_touch_pages(t);
+    return t.transpose(1, 2);
+  }
   return torch::empty({N, H, rows, cols}, options);
 }
 
