@@ -11,6 +11,7 @@
 #include <cmath>
 
 #include "fastattn/ops.h"
+#include "kernels/common/cpu_isa.h"
 #include "kernels/linear_attention/elu_linear_attention.h"
 #include "ops/linear_attention_checks.h"
 #include "ops/mask_util.h"
@@ -26,8 +27,10 @@ using torch::autograd::variable_list;
 constexpr const char* kOp = "fastattn::elu_linear_attention";
 // Rows per chunk. Small chunks keep every tile in L1 and cut the intra-chunk
 // (C×C) work of the causal form; measured at L=16384, 2 threads (dev-2c):
-// forward fastest at 8 (32 ms non-causal vs 44 at 64), backward at 16.
-constexpr int64_t kForwardChunk = 8;
+// forward fastest at 8 (32 ms non-causal vs 44 at 64), backward at 16. At
+// the AVX-512 level a chunk is at least a vector of 16 floats (causal
+// forward on the layers' views, dev-2c-z4: 43-44 ms at 16, 47-55 at 8).
+int64_t forward_chunk() { return kernels::cpu_isa() == kernels::CpuIsa::kAvx512 ? 16 : 8; }
 constexpr int64_t kBackwardChunk = 16;
 
 void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -80,7 +83,7 @@ std::tuple<Tensor, Tensor> elu_linear_attention_forward_cpu(
   auto den = torch::empty({p.q.size(0), p.q.size(1), p.q.size(2)}, p.q.options());
   AT_DISPATCH_FLOATING_TYPES(p.q.scalar_type(), "elu_linear_attention_forward_cpu", [&] {
     kernels::EluLinearForwardArgs<scalar_t> a;
-    fill_params<scalar_t>(a, p, causal, eps, kForwardChunk);
+    fill_params<scalar_t>(a, p, causal, eps, forward_chunk());
     a.out = out.data_ptr<scalar_t>();
     a.out_rows = ops::row_strides(out);
     a.den = den.data_ptr<scalar_t>();

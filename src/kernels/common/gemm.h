@@ -22,58 +22,72 @@ constexpr int panel_width() {
   return 2 * Simd<T>::W;
 }
 
-// C[MR x NV·W] (+)= A[MR x K] · B[K x NV·W] with B rows ldb apart.
+// C[MR x NV·W] (+)= A[MR x K] · B[K x NV·W] with B rows ldb apart; with
+// n < W (NV = 1), only the first n columns of B and C are read and written
+// (masked vector loads and stores).
 template <typename T, int MR, int NV>
 inline void micro_kernel(int64_t K, const T* __restrict A, int64_t lda, const T* __restrict B,
-                         int64_t ldb, T* __restrict C, int64_t ldc, bool accumulate) {
+                         int64_t ldb, T* __restrict C, int64_t ldc, bool accumulate,
+                         int n = Simd<T>::W) {
   using S = Simd<T>;
   constexpr int W = S::W;
+  const bool part = NV == 1 && n < W;
+  const auto ld = [&](const T* p) { return part ? S::load_n(p, n) : S::load(p); };
   typename S::V c[MR][NV];
   for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < NV; ++v) c[i][v] = accumulate ? S::load(C + i * ldc + v * W) : S::zero();
+    for (int v = 0; v < NV; ++v) c[i][v] = accumulate ? ld(C + i * ldc + v * W) : S::zero();
   for (int64_t k = 0; k < K; ++k) {
     typename S::V b[NV];
-    for (int v = 0; v < NV; ++v) b[v] = S::load(B + k * ldb + v * W);
+    for (int v = 0; v < NV; ++v) b[v] = ld(B + k * ldb + v * W);
     for (int i = 0; i < MR; ++i) {
       const auto a = S::set1(A[i * lda + k]);
       for (int v = 0; v < NV; ++v) c[i][v] = S::fma(a, b[v], c[i][v]);
     }
   }
   for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < NV; ++v) S::store(C + i * ldc + v * W, c[i][v]);
+    for (int v = 0; v < NV; ++v) {
+      if (part) {
+        S::store_n(C + i * ldc + v * W, c[i][v], n);
+      } else {
+        S::store(C + i * ldc + v * W, c[i][v]);
+      }
+    }
 }
 
-// Rows [0, M) of one column block, in groups of 6 and a remainder.
+// Rows [0, M) of one column block, in groups of 6 and a remainder (n: as
+// micro_kernel's).
 template <typename T, int NV>
 inline void column_block(int64_t M, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb,
-                         T* C, int64_t ldc, bool accumulate) {
+                         T* C, int64_t ldc, bool accumulate, int n = Simd<T>::W) {
   int64_t i = 0;
   for (; i + 6 <= M; i += 6)
-    micro_kernel<T, 6, NV>(K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, accumulate);
+    micro_kernel<T, 6, NV>(K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, accumulate, n);
   const T* a = A + i * lda;
   T* c = C + i * ldc;
   switch (M - i) {
     case 5:
-      micro_kernel<T, 5, NV>(K, a, lda, B, ldb, c, ldc, accumulate);
+      micro_kernel<T, 5, NV>(K, a, lda, B, ldb, c, ldc, accumulate, n);
       break;
     case 4:
-      micro_kernel<T, 4, NV>(K, a, lda, B, ldb, c, ldc, accumulate);
+      micro_kernel<T, 4, NV>(K, a, lda, B, ldb, c, ldc, accumulate, n);
       break;
     case 3:
-      micro_kernel<T, 3, NV>(K, a, lda, B, ldb, c, ldc, accumulate);
+      micro_kernel<T, 3, NV>(K, a, lda, B, ldb, c, ldc, accumulate, n);
       break;
     case 2:
-      micro_kernel<T, 2, NV>(K, a, lda, B, ldb, c, ldc, accumulate);
+      micro_kernel<T, 2, NV>(K, a, lda, B, ldb, c, ldc, accumulate, n);
       break;
     case 1:
-      micro_kernel<T, 1, NV>(K, a, lda, B, ldb, c, ldc, accumulate);
+      micro_kernel<T, 1, NV>(K, a, lda, B, ldb, c, ldc, accumulate, n);
       break;
     default:
       break;
   }
 }
 
-// C = [C +] A · B, B row-major with row stride ldb.
+// C = [C +] A · B, B row-major with row stride ldb. Fewer than W columns
+// left take masked vectors (a scalar loop there made the AVX-512 level
+// slower than AVX2 on 8-column tiles: causal linear attention's chunks).
 template <typename T>
 inline void gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb,
                  T* C, int64_t ldc, bool accumulate) {
@@ -81,16 +95,9 @@ inline void gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const
   int64_t j = 0;
   for (; j + 2 * W <= N; j += 2 * W)
     column_block<T, 2>(M, K, A, lda, B + j, ldb, C + j, ldc, accumulate);
-  if (j + W <= N) {
-    column_block<T, 1>(M, K, A, lda, B + j, ldb, C + j, ldc, accumulate);
-    j += W;
-  }
-  for (; j < N; ++j) {  // fewer than W columns left
-    for (int64_t i = 0; i < M; ++i) {
-      T s = accumulate ? C[i * ldc + j] : T(0);
-      for (int64_t k = 0; k < K; ++k) s += A[i * lda + k] * B[k * ldb + j];
-      C[i * ldc + j] = s;
-    }
+  for (; j < N; j += W) {
+    column_block<T, 1>(M, K, A, lda, B + j, ldb, C + j, ldc, accumulate,
+                       static_cast<int>(std::min<int64_t>(W, N - j)));
   }
 }
 

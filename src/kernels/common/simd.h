@@ -27,6 +27,13 @@ struct Simd<float> {
   static V set1(float x) { return _mm512_set1_ps(x); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  // The first n < W lanes (the others 0 / untouched; no access past them).
+  static V load_n(const float* p, int n) {
+    return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
+  }
+  static void store_n(float* p, V v, int n) {
+    _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), v);
+  }
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
@@ -78,6 +85,12 @@ struct Simd<double> {
   static V set1(double x) { return _mm512_set1_pd(x); }
   static V load(const double* p) { return _mm512_loadu_pd(p); }
   static void store(double* p, V v) { _mm512_storeu_pd(p, v); }
+  static V load_n(const double* p, int n) {
+    return _mm512_maskz_loadu_pd(static_cast<__mmask8>((1u << n) - 1), p);
+  }
+  static void store_n(double* p, V v, int n) {
+    _mm512_mask_storeu_pd(p, static_cast<__mmask8>((1u << n) - 1), v);
+  }
   static V add(V a, V b) { return _mm512_add_pd(a, b); }
   static V sub(V a, V b) { return _mm512_sub_pd(a, b); }
   static V mul(V a, V b) { return _mm512_mul_pd(a, b); }
@@ -111,6 +124,12 @@ struct Simd<float> {
   static V set1(float x) { return _mm256_set1_ps(x); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  // The first n < W lanes (the others 0 / untouched; no access past them).
+  static __m256i lanes(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  static V load_n(const float* p, int n) { return _mm256_maskload_ps(p, lanes(n)); }
+  static void store_n(float* p, V v, int n) { _mm256_maskstore_ps(p, lanes(n), v); }
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
@@ -158,6 +177,11 @@ struct Simd<double> {
   static V set1(double x) { return _mm256_set1_pd(x); }
   static V load(const double* p) { return _mm256_loadu_pd(p); }
   static void store(double* p, V v) { _mm256_storeu_pd(p, v); }
+  static __m256i lanes(int n) {
+    return _mm256_cmpgt_epi64(_mm256_set1_epi64x(n), _mm256_setr_epi64x(0, 1, 2, 3));
+  }
+  static V load_n(const double* p, int n) { return _mm256_maskload_pd(p, lanes(n)); }
+  static void store_n(double* p, V v, int n) { _mm256_maskstore_pd(p, lanes(n), v); }
   static V add(V a, V b) { return _mm256_add_pd(a, b); }
   static V sub(V a, V b) { return _mm256_sub_pd(a, b); }
   static V mul(V a, V b) { return _mm256_mul_pd(a, b); }
@@ -191,6 +215,10 @@ struct ScalarSimd {
   static V set1(T x) { return x; }
   static V load(const T* p) { return *p; }
   static void store(T* p, V v) { *p = v; }
+  static V load_n(const T* p, int n) { return n > 0 ? *p : T(0); }
+  static void store_n(T* p, V v, int n) {
+    if (n > 0) *p = v;
+  }
   static V add(V a, V b) { return a + b; }
   static V sub(V a, V b) { return a - b; }
   static V mul(V a, V b) { return a * b; }
