@@ -145,10 +145,11 @@ inline void weighted_rows(const T* p, const T* v, int64_t ld, int64_t rows, T* o
 
 // Rows per query tile: at most max_rows (a multiple of 6, the micro-kernels'
 // row block), the L rows spread evenly over the fewest tiles, so that no tile
-// is a sliver: 100 queries (clustered attention's centroids) make tiles of 54
-// and 46, not 96 and 4. A sliver costs most of a full tile, since the forward
-// packs every key tile for it (forward at L = 100, S = 16384: 30 against
-// 34-45 ms). The backward keeps its 48-row tiles: balanced ones (36, 36, 28)
+// is a sliver: 100 queries (clustered attention's centroids, when there are
+// too few heads for one tile each) make tiles of 54 and 46, not 96 and 4. A
+// sliver costs most of a full tile, since the forward packs every key tile
+// for it (forward at L = 100, S = 16384: 30 against 34-45 ms). The backward
+// keeps its 48-row tiles: balanced ones (36, 36, 28), or one of 100 rows,
 // were no faster there, within this machine's noise.
 inline int64_t balanced_rows(int64_t L, int64_t max_rows) {
   const int64_t tiles = (L + max_rows - 1) / max_rows;
