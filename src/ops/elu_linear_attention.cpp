@@ -25,13 +25,19 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 constexpr const char* kOp = "fastattn::elu_linear_attention";
-// Rows per chunk. Small chunks keep every tile in L1 and cut the intra-chunk
-// (C×C) work of the causal form; measured at L=16384, 2 threads (dev-2c):
-// forward fastest at 8 (32 ms non-causal vs 44 at 64), backward at 16. At
-// the AVX-512 level a chunk is at least a vector of 16 floats (causal
-// forward on the layers' views, dev-2c-z4: 43-44 ms at 16, 47-55 at 8).
-int64_t forward_chunk() { return kernels::cpu_isa() == kernels::CpuIsa::kAvx512 ? 16 : 8; }
-constexpr int64_t kBackwardChunk = 16;
+// Rows per chunk. The causal form does C×C work per chunk inside it: small
+// chunks keep every tile in L1 and cut that work; measured at L=16384,
+// 2 threads (dev-2c): forward fastest at 8, backward at 16; at the AVX-512
+// level a chunk is at least a vector of 16 floats (causal forward on the
+// layers' views, dev-2c-z4: 43-44 ms at 16, 47-55 at 8). The non-causal form
+// has no such work: its chunks only bound the phi tiles, and 64 rows (one
+// 16 KiB tile, K = 64 for the state products) beat 16 on dev-2c-z4 (forward
+// 26-29 ms vs 30-33, backward 50-53 vs 62-72; docs/benchmarks.md).
+int64_t chunk_rows(bool causal, bool backward) {
+  if (!causal) return 64;
+  if (backward) return 16;
+  return kernels::cpu_isa() == kernels::CpuIsa::kAvx512 ? 16 : 8;
+}
 
 void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
                   const c10::optional<Tensor>& key_lengths, bool causal, double eps) {
@@ -83,7 +89,7 @@ std::tuple<Tensor, Tensor> elu_linear_attention_forward_cpu(
   auto den = torch::empty({p.q.size(0), p.q.size(1), p.q.size(2)}, p.q.options());
   AT_DISPATCH_FLOATING_TYPES(p.q.scalar_type(), "elu_linear_attention_forward_cpu", [&] {
     kernels::EluLinearForwardArgs<scalar_t> a;
-    fill_params<scalar_t>(a, p, causal, eps, forward_chunk());
+    fill_params<scalar_t>(a, p, causal, eps, chunk_rows(causal, /*backward=*/false));
     a.out = out.data_ptr<scalar_t>();
     a.out_rows = ops::row_strides(out);
     a.den = den.data_ptr<scalar_t>();
@@ -115,7 +121,7 @@ std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_backward_cpu(
   auto gv = ops::empty_rows_like(v_in, v_in.size(3));
   AT_DISPATCH_FLOATING_TYPES(dtype, "elu_linear_attention_backward_cpu", [&] {
     kernels::EluLinearBackwardArgs<scalar_t> a;
-    fill_params<scalar_t>(a, p, causal, eps, kBackwardChunk);
+    fill_params<scalar_t>(a, p, causal, eps, chunk_rows(causal, /*backward=*/true));
     a.grad_out = go.data_ptr<scalar_t>();
     a.out = out.data_ptr<scalar_t>();
     a.den = den.data_ptr<scalar_t>();

@@ -133,6 +133,15 @@ TEST(FASTATTN_KH_SUITE, GemmMatchesFloat64Loops) {
     gemm(M, N, K, a.data(), K, b.data(), N, c.data(), N, /*accumulate=*/true);
     for (int64_t i = 0; i < M * N; ++i)
       ASSERT_NEAR(c[i], ref[i], 1e-12) << M << "x" << N << "x" << K;
+    // gemm_tn: the same A stored transposed (K x M, rows M + 3 apart), into a
+    // C not accumulated (its old values must not leak into the result).
+    const int64_t ldt = M + 3;
+    std::vector<double> at(K * ldt, 1e300), ct(M * N, -7.0);
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t k = 0; k < K; ++k) at[k * ldt + i] = a[i * K + k];
+    gemm_tn(M, N, K, at.data(), ldt, b.data(), N, ct.data(), N, /*accumulate=*/false);
+    for (int64_t i = 0; i < M * N; ++i)
+      ASSERT_NEAR(ct[i], ref[i] - 0.5, 1e-12) << "gemm_tn " << M << "x" << N << "x" << K;
   }
 }
 

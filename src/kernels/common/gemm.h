@@ -24,8 +24,9 @@ constexpr int panel_width() {
 
 // C[MR x NV·W] (+)= A[MR x K] · B[K x NV·W] with B rows ldb apart; with
 // n < W (NV = 1), only the first n columns of B and C are read and written
-// (masked vector loads and stores).
-template <typename T, int MR, int NV>
+// (masked vector loads and stores). TA: A is given transposed (K x MR, rows
+// lda apart: A(i, k) at A[k·lda + i]).
+template <typename T, int MR, int NV, bool TA = false>
 inline void micro_kernel(int64_t K, const T* __restrict A, int64_t lda, const T* __restrict B,
                          int64_t ldb, T* __restrict C, int64_t ldc, bool accumulate,
                          int n = Simd<T>::W) {
@@ -40,7 +41,7 @@ inline void micro_kernel(int64_t K, const T* __restrict A, int64_t lda, const T*
     typename S::V b[NV];
     for (int v = 0; v < NV; ++v) b[v] = ld(B + k * ldb + v * W);
     for (int i = 0; i < MR; ++i) {
-      const auto a = S::set1(A[i * lda + k]);
+      const auto a = S::set1(TA ? A[k * lda + i] : A[i * lda + k]);
       for (int v = 0; v < NV; ++v) c[i][v] = S::fma(a, b[v], c[i][v]);
     }
   }
@@ -54,31 +55,32 @@ inline void micro_kernel(int64_t K, const T* __restrict A, int64_t lda, const T*
     }
 }
 
-// Rows [0, M) of one column block, in groups of 6 and a remainder (n: as
+// Rows [0, M) of one column block, in groups of 6 and a remainder (n, TA: as
 // micro_kernel's).
-template <typename T, int NV>
+template <typename T, int NV, bool TA = false>
 inline void column_block(int64_t M, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb,
                          T* C, int64_t ldc, bool accumulate, int n = Simd<T>::W) {
+  const int64_t row_step = TA ? 1 : lda;  // A's step from one row of C to the next
   int64_t i = 0;
   for (; i + 6 <= M; i += 6)
-    micro_kernel<T, 6, NV>(K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, accumulate, n);
-  const T* a = A + i * lda;
+    micro_kernel<T, 6, NV, TA>(K, A + i * row_step, lda, B, ldb, C + i * ldc, ldc, accumulate, n);
+  const T* a = A + i * row_step;
   T* c = C + i * ldc;
   switch (M - i) {
     case 5:
-      micro_kernel<T, 5, NV>(K, a, lda, B, ldb, c, ldc, accumulate, n);
+      micro_kernel<T, 5, NV, TA>(K, a, lda, B, ldb, c, ldc, accumulate, n);
       break;
     case 4:
-      micro_kernel<T, 4, NV>(K, a, lda, B, ldb, c, ldc, accumulate, n);
+      micro_kernel<T, 4, NV, TA>(K, a, lda, B, ldb, c, ldc, accumulate, n);
       break;
     case 3:
-      micro_kernel<T, 3, NV>(K, a, lda, B, ldb, c, ldc, accumulate, n);
+      micro_kernel<T, 3, NV, TA>(K, a, lda, B, ldb, c, ldc, accumulate, n);
       break;
     case 2:
-      micro_kernel<T, 2, NV>(K, a, lda, B, ldb, c, ldc, accumulate, n);
+      micro_kernel<T, 2, NV, TA>(K, a, lda, B, ldb, c, ldc, accumulate, n);
       break;
     case 1:
-      micro_kernel<T, 1, NV>(K, a, lda, B, ldb, c, ldc, accumulate, n);
+      micro_kernel<T, 1, NV, TA>(K, a, lda, B, ldb, c, ldc, accumulate, n);
       break;
     default:
       break;
@@ -88,17 +90,27 @@ inline void column_block(int64_t M, int64_t K, const T* A, int64_t lda, const T*
 // C = [C +] A · B, B row-major with row stride ldb. Fewer than W columns
 // left take masked vectors (a scalar loop there made the AVX-512 level
 // slower than AVX2 on 8-column tiles: causal linear attention's chunks).
-template <typename T>
+// TA: A is given transposed (gemm_tn).
+template <typename T, bool TA = false>
 inline void gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb,
                  T* C, int64_t ldc, bool accumulate) {
   constexpr int W = Simd<T>::W;
   int64_t j = 0;
   for (; j + 2 * W <= N; j += 2 * W)
-    column_block<T, 2>(M, K, A, lda, B + j, ldb, C + j, ldc, accumulate);
+    column_block<T, 2, TA>(M, K, A, lda, B + j, ldb, C + j, ldc, accumulate);
   for (; j < N; j += W) {
-    column_block<T, 1>(M, K, A, lda, B + j, ldb, C + j, ldc, accumulate,
-                       static_cast<int>(std::min<int64_t>(W, N - j)));
+    column_block<T, 1, TA>(M, K, A, lda, B + j, ldb, C + j, ldc, accumulate,
+                           static_cast<int>(std::min<int64_t>(W, N - j)));
   }
+}
+
+// C (M x N) = [C +] A^T · B for A stored K x M (row stride lda): the sums
+// over rows (states such as phi(K)^T V) without transposing A first; the
+// micro-kernel's broadcasts then read consecutive values of one row of A.
+template <typename T>
+inline void gemm_tn(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B,
+                    int64_t ldb, T* C, int64_t ldc, bool accumulate) {
+  gemm<T, true>(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
 }
 
 // C = [C +] A · B with B packed in panels (N a multiple of panel_width<T>()).

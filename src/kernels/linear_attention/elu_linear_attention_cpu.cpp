@@ -156,8 +156,7 @@ void key_states(const EluLinearParams<T>& p, int64_t nh0, int64_t G, int64_t len
       const T* k = p.k_rows.head(p.k, nh0 + g, p.H) + j0 * lk;
       const T* v = p.v_rows.head(p.v, nh0 + g, p.H) + j0 * lv;
       phi_rows(k, lk, rows, rows, E, w.kf.data());
-      transpose(w.kf.data(), rows, E, E, w.xt.data(), C);
-      gemm(E, M, rows, w.xt.data(), C, v, lv, hs.s.data(), M, true);
+      gemm_tn(E, M, rows, w.kf.data(), E, v, lv, hs.s.data(), M, true);
       add_row_sum(w.kf.data(), rows, E, hs.z.data());
     }
   }
@@ -376,8 +375,7 @@ void backward_full(const EluLinearBackwardArgs<T>& p, int64_t nh0, int64_t G, Sc
       gemm(rows, E, M, w.gn.data(), M, hs.st.data(), E, c.gq, c.lgq, false);
       add_outer(w.gd.data(), hs.z.data(), rows, E, c.gq, c.lgq);
       times_phi_prime_from_phi(w.qf.data(), rows, E, c.gq, c.lgq);
-      transpose(w.qf.data(), rows, E, E, w.xt.data(), C);
-      gemm(E, M, rows, w.xt.data(), C, w.gn.data(), M, hs.ds.data(), M, true);
+      gemm_tn(E, M, rows, w.qf.data(), E, w.gn.data(), M, hs.ds.data(), M, true);
       add_weighted_row_sum(w.qf.data(), w.gd.data(), rows, E, hs.dz.data());
     }
   }
