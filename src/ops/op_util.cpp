@@ -5,6 +5,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -128,12 +130,20 @@ void prepare_pages(const torch::Tensor& t) {
   if (!t.device().is_cpu() || bytes < kMinBytes) return;
   auto* base = static_cast<char*>(t.data_ptr());
 #ifdef MADV_HUGEPAGE
+  // FASTATTN_HUGE_PAGES=0 leaves the pages at 4 KiB: in a VM whose host takes
+  // back free memory (free page reporting, as in Firecracker), 2 MiB pages
+  // often come from memory the host must fault in again, and the first calls
+  // of a process took up to twice as long as with 4 KiB pages.
+  static const bool huge = [] {
+    const char* e = std::getenv("FASTATTN_HUGE_PAGES");
+    return !(e && std::string(e) == "0");
+  }();
   constexpr uintptr_t kHuge = uintptr_t{1} << 21;
   const auto begin = reinterpret_cast<uintptr_t>(base);
   const uintptr_t from = (begin + kHuge - 1) & ~(kHuge - 1);
   const uintptr_t to = (begin + static_cast<uintptr_t>(bytes)) & ~(kHuge - 1);
   // Advice only: where it is refused (THP off), the pages stay 4 KiB.
-  if (to > from) madvise(reinterpret_cast<void*>(from), to - from, MADV_HUGEPAGE);
+  if (huge && to > from) madvise(reinterpret_cast<void*>(from), to - from, MADV_HUGEPAGE);
 #endif
   const int64_t pages = (bytes + kPage - 1) / kPage;
   at::parallel_for(0, pages, 64, [&](int64_t first, int64_t last) {
