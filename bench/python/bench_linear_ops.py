@@ -1,0 +1,73 @@
+#!/usr/bin/env python3
+"""Before/after of fastattn library builds on the elu linear attention
+operators: forward and backward kernels (`elu_linear_attention_forward` /
+`_backward`) at N=1, H=8, E=M=64, float32, non-causal and causal, on
+contiguous (N, H, L, E) inputs and on the layers' (N, L, H, E) views. Each
+library runs in its own process, the libraries alternate --rounds times (this
+is how the figures in docs/benchmarks.md compare builds on a noisy machine).
+
+Usage (Debian's torch, libraries built against it):
+  /usr/bin/python3 bench/python/bench_linear_ops.py --library /tmp/before.so /tmp/after.so
+"""
+
+import argparse
+import subprocess
+import sys
+import time
+
+
+def measure(library, length, threads, reps):
+    import torch
+    torch.ops.load_library(library)
+    torch.set_num_threads(threads)
+    ops = torch.ops.fastattn
+    N, H, E = 1, 8, 64
+
+    def median_ms(f):
+        f()
+        f()
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t)
+        return sorted(ts)[len(ts) // 2] * 1e3
+
+    cells = []
+    for layout in ("contiguous", "views"):
+        def make():
+            if layout == "contiguous":
+                return torch.randn(N, H, length, E)
+            return torch.randn(N, length, H, E).transpose(1, 2)
+        q, k, v, g = make(), make(), make(), make()
+        for causal in (False, True):
+            out, den = ops.elu_linear_attention_forward(q, k, v, None, causal, 1e-6)
+            fwd = median_ms(lambda: ops.elu_linear_attention_forward(q, k, v, None, causal, 1e-6))
+            bwd = median_ms(lambda: ops.elu_linear_attention_backward(g, q, k, v, out, den, None,
+                                                                      causal, 1e-6))
+            cells.append(f"{layout}/{'causal' if causal else 'full'} fwd {fwd:.1f} bwd {bwd:.1f}")
+    print(f"{library}: " + " | ".join(cells), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--library", nargs="+", required=True, help="libfastattn.so builds to compare")
+    ap.add_argument("--length", type=int, default=16384)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=8, help="timed calls per cell (median)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        measure(args.child, args.length, args.threads, args.reps)
+        return
+    print(f"ms, medians of {args.reps}; L={args.length}, {args.threads} threads")
+    for _ in range(args.rounds):
+        for library in args.library:
+            subprocess.run([sys.executable, __file__, "--library", library, "--child", library,
+                            "--length", str(args.length), "--threads", str(args.threads),
+                            "--reps", str(args.reps)], check=True)
+
+
+if __name__ == "__main__":
+    main()
