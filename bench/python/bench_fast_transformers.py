@@ -24,13 +24,11 @@ Usage:
 import argparse
 import importlib
 import json
-import statistics
-import time
 
 import torch
 
 import fastattn
-from bench_sdpa_cpu import cpu_model
+from bench_sdpa_cpu import alternated, cpu_model
 
 # name -> (class, kwargs, causal): the configurations of the papers' benchmarks.
 CONFIGS = {
@@ -65,19 +63,6 @@ def masks(package, N, L, causal):
 PACKAGES = ("fastattn.compat.fast_transformers", "fast_transformers")
 
 
-def alternated(fns, reps):
-    """Median ms of each of fns, called in turn reps times after one warm-up each."""
-    for fn in fns:
-        fn()
-    times = [[] for _ in fns]
-    for _ in range(reps):
-        for fn, t in zip(fns, times):
-            t0 = time.perf_counter()
-            fn()
-            t.append((time.perf_counter() - t0) * 1e3)
-    return [statistics.median(t) for t in times]
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -103,10 +88,7 @@ def main():
         torch.manual_seed(0)
         q, k, v = (torch.randn(N, L, H, E, requires_grad=True) for _ in range(3))
         g = torch.randn(N, L, H, E)
-        # The two packages alternate call by call (after one warm-up each), so
-        # that neither pays alone for a process's first calls: on a VM whose
-        # host takes free memory back, those ran at about twice the steady
-        # time, and timing one package's calls first measured that.
+        # The two packages alternate call by call (bench_sdpa_cpu.alternated).
         passes = {}
         for package in PACKAGES:
             module, causal = build(package, name, E)

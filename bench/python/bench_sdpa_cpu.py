@@ -38,14 +38,25 @@ def cpu_model():
     return model, " ".join(isa)
 
 
-def timed(fn, reps):
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+def alternated(fns, reps):
+    """Median ms of each of fns, called in turn reps times after one warm-up
+    each (comparisons alternate so that no side alone pays for a process's
+    first calls: on a VM whose host takes free memory back, those ran at
+    about twice the steady time)."""
+    for fn in fns:
         fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    times = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, t in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            t.append((time.perf_counter() - t0) * 1e3)
+    return [statistics.median(t) for t in times]
+
+
+def timed(fn, reps):
+    """Median ms of fn over reps calls after one warm-up."""
+    return alternated([fn], reps)[0]
 
 
 def main():
