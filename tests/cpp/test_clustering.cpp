@@ -294,6 +294,45 @@ TEST(ClusterCodes, SameSeedSameResultAnyThreadCount) {
   EXPECT_FALSE(torch::equal(a1, a3));  // another seed, another initialisation
 }
 
+// The vector paths (AVX2: seeding by 8 codes at a time, the table
+// assignment's argmin over 16-bit keys, the centroid update's byte counters;
+// AVX-512: the update's mask expansion) give exactly the portable level's
+// clusters. Codes of three kinds (uniform, few distinct values: ties and
+// empty clusters everywhere, planted groups), from below to above the byte
+// tables' 1024 queries, with lengths, and up to 300 clusters (two blocks of
+// table columns).
+TEST(ClusterCodes, EveryCpuLevelGivesTheSameClusters) {
+  const auto levels = supported_cpu_capabilities();
+  if (levels.size() < 2) GTEST_SKIP() << "only the default level runs here";
+  const std::string saved = cpu_capability();
+  torch::manual_seed(11);
+  const int64_t big = int64_t(1) << 62;
+  for (int64_t L : {700, 1500, 4099}) {
+    auto uniform = torch::randint(-big, big, {2, 2, L}, torch::kLong);
+    auto few = torch::randint(0, 5, {2, 2, L}, torch::kLong);
+    auto centres = torch::randint(-big, big, {12}, torch::kLong);
+    auto planted = centres.index({torch::randint(0, 12, {2, 2, L}, torch::kLong)})
+                       .bitwise_xor(torch::ones({2, 2, L}, torch::kLong)
+                                        .bitwise_left_shift(torch::randint(0, 63, {2, 2, L}, torch::kLong)));
+    const auto lengths = torch::tensor({L, L / 2 + 1});
+    for (const auto& codes : {uniform, few, planted}) {
+      for (int64_t C : {1, 7, 100, 300}) {
+        for (int64_t iterations : {0, 3, 10}) {
+          set_cpu_capability("default");
+          auto [a0, c0] = cluster_codes(codes, lengths, C, iterations, 5);
+          for (const auto& level : levels) {
+            set_cpu_capability(level);
+            auto [a, c] = cluster_codes(codes, lengths, C, iterations, 5);
+            EXPECT_TRUE(torch::equal(a, a0) && torch::equal(c, c0))
+                << level << " L=" << L << " C=" << C << " iterations=" << iterations;
+          }
+        }
+      }
+    }
+  }
+  set_cpu_capability(saved);
+}
+
 TEST(ClusterCodes, IterationsLowerTheHammingCost) {
   // Lloyd iterations never increase the within-cluster cost (members to the
   // majority centroid) on random codes.

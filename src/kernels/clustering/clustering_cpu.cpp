@@ -72,6 +72,81 @@ struct Scratch {
 // so far (uniform among the ties; uniform among the unchosen queries when all
 // distances are 0, i.e. fewer distinct codes than clusters). A chosen query
 // has distance -1, below every unchosen one.
+#if FASTATTN_SIMD_AVX2
+// Popcount of each 64-bit lane: a nibble table, then the sum of each lane's 8 bytes.
+inline __m256i popcount_epi64(__m256i x) {
+  const __m256i nib = _mm256_setr_epi8(0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4, 0, 1, 1, 2,
+                                       1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4);
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  const __m256i lo = _mm256_shuffle_epi8(nib, _mm256_and_si256(x, low));
+  const __m256i hi = _mm256_shuffle_epi8(nib, _mm256_and_si256(_mm256_srli_epi16(x, 4), low));
+  return _mm256_sad_epu8(_mm256_add_epi8(lo, hi), _mm256_setzero_si256());
+}
+
+// Hamming distances of codes[0, 8) to c, as 8 int32 in order.
+inline __m256i hamming8(const uint64_t* codes, __m256i c) {
+  auto ld = [&](int i) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + i)); };
+  const __m256i a = popcount_epi64(_mm256_xor_si256(ld(0), c));  // int32 lanes a0 0 a1 0 ...
+  const __m256i b = popcount_epi64(_mm256_xor_si256(ld(4), c));
+  const __m256i ab = _mm256_or_si256(a, _mm256_slli_epi64(b, 32));  // a0 b0 a1 b1 ...
+  return _mm256_permutevar8x32_epi32(ab, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+}
+#endif
+
+// dist[l] = min(dist[l], hamming(codes[l], centroid)) for l < Lv; returns the largest.
+int relax_distances(const uint64_t* codes, int64_t Lv, uint64_t centroid, int* dist) {
+  int best = -1;
+  int64_t l = 0;
+#if FASTATTN_SIMD_AVX2
+  const __m256i c = _mm256_set1_epi64x(static_cast<long long>(centroid));
+  __m256i m = _mm256_set1_epi32(-1);
+  for (; l + 8 <= Lv; l += 8) {
+    auto* p = reinterpret_cast<__m256i*>(dist + l);
+    const __m256i d = _mm256_min_epi32(_mm256_loadu_si256(p), hamming8(codes + l, c));
+    _mm256_storeu_si256(p, d);
+    m = _mm256_max_epi32(m, d);
+  }
+  alignas(32) int lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), m);
+  for (int x : lanes) best = std::max(best, x);
+#endif
+  for (; l < Lv; ++l) {
+    const int d = std::min(dist[l], hamming(codes[l], centroid));
+    dist[l] = d;
+    best = std::max(best, d);
+  }
+  return best;
+}
+
+// The index of the (r+1)-th l < Lv with dist[l] == value (r = -1: the count of them).
+int64_t find_equal(const int* dist, int64_t Lv, int value, int64_t r) {
+  int64_t count = 0, l = 0;
+#if FASTATTN_SIMD_AVX2
+  const __m256i v = _mm256_set1_epi32(value);
+  for (; l + 8 <= Lv; l += 8) {
+    const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(dist + l));
+    auto bits = static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(d, v))));
+    const int n = __builtin_popcount(bits);
+    if (r >= count && r < count + n) {
+      for (int64_t skip = r - count; skip > 0; --skip) bits &= bits - 1;
+      return l + __builtin_ctz(bits);
+    }
+    count += n;
+  }
+#endif
+  for (; l < Lv; ++l) {
+    if (dist[l] != value) continue;
+    if (count == r) return l;
+    ++count;
+  }
+  return count;
+}
+
+// Farthest-first seeding of centroids[0, Ce) from codes[0, Lv): the first a
+// uniform valid query, each next the query farthest from its nearest centroid
+// so far (uniform among the ties; uniform among the unchosen queries when all
+// distances are 0, i.e. fewer distinct codes than clusters). A chosen query
+// has distance -1, below every unchosen one.
 void seed_centroids(const uint64_t* codes, int64_t Lv, int64_t Ce, SplitMix64& rng, Scratch& s) {
   int* dist = s.dist.data();
   std::fill(dist, dist + Lv, std::numeric_limits<int>::max());
@@ -81,17 +156,9 @@ void seed_centroids(const uint64_t* codes, int64_t Lv, int64_t Ce, SplitMix64& r
     s.centroids[j] = centroid;
     dist[pick] = -1;
     if (j + 1 == Ce) break;
-    int best = -1;
-    for (int64_t l = 0; l < Lv; ++l) {
-      const int d = std::min(dist[l], hamming(codes[l], centroid));
-      dist[l] = d;
-      best = std::max(best, d);
-    }
-    int64_t ties = 0;
-    for (int64_t l = 0; l < Lv; ++l) ties += dist[l] == best;
-    int64_t r = static_cast<int64_t>(rng.below(static_cast<uint64_t>(ties)));
-    for (pick = 0; dist[pick] != best || r-- > 0; ++pick) {
-    }
+    const int best = relax_distances(codes, Lv, centroid, dist);
+    const int64_t ties = find_equal(dist, Lv, best, -1);
+    pick = find_equal(dist, Lv, best, static_cast<int64_t>(rng.below(static_cast<uint64_t>(ties))));
   }
 }
 
@@ -133,36 +200,44 @@ void build_tables(const uint64_t* cent, int64_t Ce, int64_t Cp, uint8_t* tab) {
   }
 }
 
-// Distances of code x to all Cp table columns into row; returns the lowest
-// column with the smallest distance and that distance.
+// The nearest table column to code x and its distance (the lowest column on
+// ties). The distances of x are the bytewise sums of 8 table rows; the vector
+// path never stores them: each sum s of column c (in blocks of 256 columns)
+// becomes the 16-bit key s·256 + (c mod 256), whose minimum names the lowest
+// column at the smallest distance (padding columns: s = 128). The portable
+// path writes the distances to row.
 inline std::pair<int64_t, int> nearest_by_table(uint64_t x, const uint8_t* tab, int64_t Cp,
                                                 uint8_t* row) {
   const uint8_t* r[8];
   for (int b = 0; b < 8; ++b) r[b] = tab + (b * 256 + ((x >> (8 * b)) & 0xff)) * Cp;
 #if FASTATTN_SIMD_AVX2
-  __m256i m = _mm256_set1_epi8(static_cast<char>(0xff));
-  for (int64_t c0 = 0; c0 < Cp; c0 += kTableAlign) {
-    auto ld = [&](int b) {
-      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r[b] + c0));
-    };
-    const __m256i s = _mm256_add_epi8(
-        _mm256_add_epi8(_mm256_add_epi8(ld(0), ld(1)), _mm256_add_epi8(ld(2), ld(3))),
-        _mm256_add_epi8(_mm256_add_epi8(ld(4), ld(5)), _mm256_add_epi8(ld(6), ld(7))));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + c0), s);
-    m = _mm256_min_epu8(m, s);
+  (void)row;
+  const __m256i iota = _mm256_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16,
+                                        17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+  int64_t best_c = 0;
+  int best = 256;
+  for (int64_t b0 = 0; b0 < Cp; b0 += 256) {
+    const int64_t b1 = std::min<int64_t>(Cp, b0 + 256);
+    __m256i m = _mm256_set1_epi16(-1);
+    for (int64_t c0 = b0; c0 < b1; c0 += kTableAlign) {
+      auto ld = [&](int b) {
+        return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r[b] + c0));
+      };
+      const __m256i s = _mm256_add_epi8(
+          _mm256_add_epi8(_mm256_add_epi8(ld(0), ld(1)), _mm256_add_epi8(ld(2), ld(3))),
+          _mm256_add_epi8(_mm256_add_epi8(ld(4), ld(5)), _mm256_add_epi8(ld(6), ld(7))));
+      const __m256i col = _mm256_add_epi8(iota, _mm256_set1_epi8(static_cast<char>(c0 - b0)));
+      m = _mm256_min_epu16(m, _mm256_unpacklo_epi8(col, s));
+      m = _mm256_min_epu16(m, _mm256_unpackhi_epi8(col, s));
+    }
+    const __m128i h = _mm_min_epu16(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+    const int key = _mm_cvtsi128_si32(_mm_minpos_epu16(h)) & 0xffff;
+    if ((key >> 8) < best) {
+      best = key >> 8;
+      best_c = b0 + (key & 0xff);
+    }
   }
-  __m128i h = _mm_min_epu8(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
-  h = _mm_min_epu8(h, _mm_srli_si128(h, 8));
-  h = _mm_min_epu8(h, _mm_srli_si128(h, 4));
-  h = _mm_min_epu8(h, _mm_srli_si128(h, 2));
-  h = _mm_min_epu8(h, _mm_srli_si128(h, 1));
-  const int best = _mm_extract_epi8(h, 0);
-  const __m256i bv = _mm256_set1_epi8(static_cast<char>(best));
-  for (int64_t c0 = 0;; c0 += kTableAlign) {
-    const auto eq = static_cast<uint32_t>(_mm256_movemask_epi8(
-        _mm256_cmpeq_epi8(bv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c0)))));
-    if (eq) return {c0 + __builtin_ctz(eq), best};
-  }
+  return {best_c, best};
 #else
   int best = 255;
   for (int64_t c = 0; c < Cp; ++c) {
@@ -242,6 +317,28 @@ inline void flush_bytes(int64_t c, Scratch& s) {
   s.pending[c] = 0;
 }
 
+// Adds bit j of x to byte j of the 64 byte counters w (8 words).
+inline void add_bits(uint64_t x, uint64_t* w) {
+#if FASTATTN_SIMD_AVX512
+  // Byte j of the mask register's expansion is 0xff (= -1) where bit j is set.
+  auto* p = reinterpret_cast<__m512i*>(w);
+  _mm512_storeu_si512(p, _mm512_sub_epi8(_mm512_loadu_si512(p), _mm512_movm_epi8(x)));
+#elif FASTATTN_SIMD_AVX2
+  // Each half of x broadcast, byte j/8 of it moved to byte j, then tested against bit j % 8.
+  const __m256i sel = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2,
+                                       2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ull));
+  auto* p = reinterpret_cast<__m256i*>(w);
+  for (int half = 0; half < 2; ++half) {
+    const __m256i v = _mm256_set1_epi32(static_cast<int>(x >> (32 * half)));
+    const __m256i m = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(v, sel), bit), bit);
+    _mm256_storeu_si256(p + half, _mm256_sub_epi8(_mm256_loadu_si256(p + half), m));
+  }
+#else
+  for (int b = 0; b < 8; ++b) w[b] += kSpread[(x >> (8 * b)) & 0xff];
+#endif
+}
+
 // Centroid bit = majority of the members' bits (every cluster has members).
 void update(const uint64_t* codes, int64_t Lv, int64_t Ce, const int64_t* a, Scratch& s) {
   std::fill(s.ones.begin(), s.ones.begin() + Ce * 64, 0);
@@ -250,8 +347,7 @@ void update(const uint64_t* codes, int64_t Lv, int64_t Ce, const int64_t* a, Scr
   for (int64_t l = 0; l < Lv; ++l) {
     const int64_t c = a[l];
     const uint64_t x = codes[l];
-    uint64_t* w = s.bytes.data() + c * 8;
-    for (int b = 0; b < 8; ++b) w[b] += kSpread[(x >> (8 * b)) & 0xff];
+    add_bits(x, s.bytes.data() + c * 8);
     if (++s.pending[c] == 255) flush_bytes(c, s);
   }
   for (int64_t c = 0; c < Ce; ++c) {

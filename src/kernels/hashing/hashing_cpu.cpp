@@ -56,7 +56,18 @@ void hash_queries_cpu(const HashParams<T>& p) {
     for (int64_t e = 0; e <= E; ++e) pt[e * B_pad + b] = p.planes[b * (E + 1) + e];
   const RowStrides xr = p.x_rows.resolved(1, p.rows, E);  // sr = E when not given
   const int64_t L = p.x_rows.sr >= 0 ? p.L : p.rows;
-  const auto row = [&](int64_t r) { return xr.head(p.x, r / L, p.H) + (r % L) * xr.sr; };
+  // Rows in memory order: with the heads within a row ((N, L, H, E) viewed
+  // as (N, H, L, E)) the i-th row read is head i % H of position i / H (a
+  // head at a time would read 1 of every H rows, 2 per 4 KiB page at H = 8,
+  // twice as slow at L = 16384); otherwise r = i.
+  const bool heads_inside = p.H > 1 && p.x_rows.sr >= 0 && xr.sh < xr.sr;
+  const int64_t H = p.H;
+  const auto index = [&](int64_t i) {
+    if (!heads_inside) return i;
+    const int64_t n = i / (L * H), h = i % H, l = (i / H) % L;
+    return (n * H + h) * L + l;
+  };
+  const auto row = [&](int64_t r) { return xr.head(p.x, r / L, H) + (r % L) * xr.sr; };
   const int64_t items = (p.rows + kRowsPerItem - 1) / kRowsPerItem;
   struct Scratch {
     std::vector<T> acc;  // (2, B_pad)
@@ -65,11 +76,12 @@ void hash_queries_cpu(const HashParams<T>& p) {
       items, p.num_threads, [&](Scratch& s) { s.acc.resize(2 * B_pad); },
       [&](int64_t item, Scratch& s) {
         const int64_t r1 = std::min(p.rows, (item + 1) * kRowsPerItem);
-        for (int64_t r = item * kRowsPerItem; r < r1; r += 2) {
+        for (int64_t i = item * kRowsPerItem; i < r1; i += 2) {
           // The second row repeats the first when the item has an odd row out.
-          const bool pair = r + 1 < r1;
+          const bool pair = i + 1 < r1;
+          const int64_t r = index(i), r_next = pair ? index(i + 1) : r;
           const T* x0 = row(r);
-          const T* x1 = pair ? row(r + 1) : x0;
+          const T* x1 = row(r_next);
           for (int64_t b0 = 0; b0 < B_pad; b0 += kGroup) {
             const T* w = pt.data() + b0;
             V a[4], c[4];
@@ -90,7 +102,7 @@ void hash_queries_cpu(const HashParams<T>& p) {
           }
           p.codes[r] = static_cast<int64_t>(positive_bits(s.acc.data(), B_pad));
           if (pair)
-            p.codes[r + 1] = static_cast<int64_t>(positive_bits(s.acc.data() + B_pad, B_pad));
+            p.codes[r_next] = static_cast<int64_t>(positive_bits(s.acc.data() + B_pad, B_pad));
         }
       });
 }
