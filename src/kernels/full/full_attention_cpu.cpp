@@ -67,20 +67,33 @@ inline bool worse_first(const std::pair<T, int64_t>& a, const std::pair<T, int64
   return a > b;
 }
 
-// Offers the scaled, masked scores row[0, cols) of keys j0.. to a top-k heap.
+// Offers the scaled, masked scores row[0, cols) of keys j0.. to a top-k heap;
+// largest is the largest of them (or NaN). Once the heap is full, a tile row
+// or a vector of scores none of which beats the worst kept one is skipped
+// whole, as most are after the first tiles (improved-clustered's forward, 100
+// centroids keeping 32 of 16384 keys: 106-109 -> 88-100 ms).
 template <typename T>
-inline void offer_topk(const T* row, int64_t cols, int64_t j0, int64_t topk,
+inline void offer_topk(const T* row, int64_t cols, int64_t j0, int64_t topk, T largest,
                        std::vector<std::pair<T, int64_t>>& heap) {
-  for (int64_t c = 0; c < cols; ++c) {
-    const T x = row[c];
-    if (!(x > neg_inf<T>())) continue;  // dropped key (or NaN)
-    if (static_cast<int64_t>(heap.size()) < topk) {
-      heap.emplace_back(x, -(j0 + c));
-      std::push_heap(heap.begin(), heap.end(), worse_first<T>);
-    } else if (x > heap.front().first) {
-      std::pop_heap(heap.begin(), heap.end(), worse_first<T>);
-      heap.back() = {x, -(j0 + c)};
-      std::push_heap(heap.begin(), heap.end(), worse_first<T>);
+  using S = Simd<T>;
+  for (int64_t c0 = 0; c0 < cols; c0 += S::W) {
+    const int64_t c1 = std::min<int64_t>(cols, c0 + S::W);
+    if (static_cast<int64_t>(heap.size()) == topk) {
+      const T worst = heap.front().first;
+      if (largest <= worst) return;
+      if (c1 - c0 == S::W && S::hmax(S::load(row + c0)) <= worst) continue;
+    }
+    for (int64_t c = c0; c < c1; ++c) {
+      const T x = row[c];
+      if (!(x > neg_inf<T>())) continue;  // dropped key (or NaN)
+      if (static_cast<int64_t>(heap.size()) < topk) {
+        heap.emplace_back(x, -(j0 + c));
+        std::push_heap(heap.begin(), heap.end(), worse_first<T>);
+      } else if (x > heap.front().first) {
+        std::pop_heap(heap.begin(), heap.end(), worse_first<T>);
+        heap.back() = {x, -(j0 + c)};
+        std::push_heap(heap.begin(), heap.end(), worse_first<T>);
+      }
     }
   }
 }
@@ -280,8 +293,9 @@ void full_attention_forward_cpu(const FullAttentionForwardArgs<T>& args) {
             const T* mrow =
                 a.mask ? a.mask + n * a.mask_sn + h * a.mask_sh + i * a.mask_sl + j0 : nullptr;
             prepare_scores(row, mrow, visible_cols(a.causal, i, offset, j0, cols), width, a.scale);
-            if (a.topk > 0) offer_topk(row, cols, j0, a.topk, w.heaps[r]);
-            const T m_new = std::max(w.m[r], row_max(row, width));
+            const T tile_max = row_max(row, width);
+            if (a.topk > 0) offer_topk(row, cols, j0, a.topk, tile_max, w.heaps[r]);
+            const T m_new = std::max(w.m[r], tile_max);
             if (m_new == neg_inf<T>()) {  // nothing kept so far in this row
               std::fill(row, row + width, T(0));
               continue;
