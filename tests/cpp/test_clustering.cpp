@@ -311,9 +311,10 @@ TEST(ClusterCodes, EveryCpuLevelGivesTheSameClusters) {
     auto uniform = torch::randint(-big, big, {2, 2, L}, torch::kLong);
     auto few = torch::randint(0, 5, {2, 2, L}, torch::kLong);
     auto centres = torch::randint(-big, big, {12}, torch::kLong);
-    auto planted = centres.index({torch::randint(0, 12, {2, 2, L}, torch::kLong)})
-                       .bitwise_xor(torch::ones({2, 2, L}, torch::kLong)
-                                        .bitwise_left_shift(torch::randint(0, 63, {2, 2, L}, torch::kLong)));
+    auto planted =
+        centres.index({torch::randint(0, 12, {2, 2, L}, torch::kLong)})
+            .bitwise_xor(torch::ones({2, 2, L}, torch::kLong)
+                             .bitwise_left_shift(torch::randint(0, 63, {2, 2, L}, torch::kLong)));
     const auto lengths = torch::tensor({L, L / 2 + 1});
     for (const auto& codes : {uniform, few, planted}) {
       for (int64_t C : {1, 7, 100, 300}) {

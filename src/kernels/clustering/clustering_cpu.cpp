@@ -125,7 +125,8 @@ int64_t find_equal(const int* dist, int64_t Lv, int value, int64_t r) {
   const __m256i v = _mm256_set1_epi32(value);
   for (; l + 8 <= Lv; l += 8) {
     const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(dist + l));
-    auto bits = static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(d, v))));
+    auto bits =
+        static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(d, v))));
     const int n = __builtin_popcount(bits);
     if (r >= count && r < count + n) {
       for (int64_t skip = r - count; skip > 0; --skip) bits &= bits - 1;
