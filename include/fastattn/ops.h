@@ -294,4 +294,19 @@ std::vector<std::string> supported_cpu_capabilities();
 // throws, naming the supported ones.
 void set_cpu_capability(const std::string& level);
 
+// ---- CPU output cache ------------------------------------------------------
+// Outputs of 4 MiB and more that fastattn's CPU operators allocate come from a
+// cache of freed ones of the same size (rounded up to 2 MiB), so that a
+// training or inference loop does not fault in and clear fresh pages on
+// every call. The cache holds at most FASTATTN_CPU_CACHE_MB MiB of free
+// buffers (read at the first such output; default 1024, 0 turns it off);
+// what does not fit goes back to the system. torch.ops.fastattn.empty_cpu_cache
+// / cpu_cache_bytes in Python (fastattn.empty_cpu_cache()).
+
+// Gives every free cached buffer back to the system (buffers in use are not
+// affected: they return to the cache when freed).
+void empty_cpu_cache();
+// Bytes of free buffers the cache holds now.
+int64_t cpu_cache_bytes();
+
 }  // namespace fastattn

@@ -45,6 +45,8 @@ __all__ = [
     "cpu_capability",
     "supported_cpu_capabilities",
     "set_cpu_capability",
+    "empty_cpu_cache",
+    "cpu_cache_bytes",
     "ops",
     "library_path",
     "build_info",
@@ -406,6 +408,21 @@ def set_cpu_capability(level):
     if not isinstance(level, str):
         raise TypeError(f"set_cpu_capability: level must be a str, got {type(level).__name__}")
     ops.set_cpu_capability(level)
+
+
+def empty_cpu_cache():
+    """Gives the free buffers of fastattn's CPU output cache back to the
+    system. Outputs of 4 MiB and more that fastattn's CPU operators allocate
+    are reused from buffers freed earlier (no fresh pages to fault in and
+    clear on every call); the cache holds at most ``FASTATTN_CPU_CACHE_MB``
+    MiB of free buffers (default 1024; 0 turns it off). Buffers still in use
+    are not affected."""
+    ops.empty_cpu_cache()
+
+
+def cpu_cache_bytes():
+    """Bytes of free buffers fastattn's CPU output cache holds now."""
+    return int(ops.cpu_cache_bytes())
 
 
 def capabilities():

@@ -45,8 +45,8 @@ Tensor causal_linear_product_forward_cpu(const Tensor& q_in, const Tensor& k_in,
   check_inputs(q_in, k_in, v_in);
   if (ops::is_reduced_float(q_in))
     return ops::in_float32(q_in.scalar_type(), causal_linear_product_forward_cpu, q_in, k_in, v_in);
-  const auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
-  auto out = torch::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+  const auto q = ops::contiguous(q_in), k = ops::contiguous(k_in), v = ops::contiguous(v_in);
+  auto out = ops::empty_output({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "causal_linear_product_forward_cpu", [&] {
     kernels::CausalProductForwardArgs<scalar_t> a;
     fill_params<scalar_t>(a, q, k, v);
@@ -65,9 +65,11 @@ std::tuple<Tensor, Tensor, Tensor> causal_linear_product_backward_cpu(const Tens
   if (ops::is_reduced_float(q_in))
     return ops::in_float32(q_in.scalar_type(), causal_linear_product_backward_cpu, grad_out, q_in,
                            k_in, v_in);
-  const auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
-  const auto go = grad_out.to(q.scalar_type()).contiguous();
-  auto gq = torch::empty_like(q), gk = torch::empty_like(k), gv = torch::empty_like(v);
+  const auto q = ops::contiguous(q_in), k = ops::contiguous(k_in), v = ops::contiguous(v_in);
+  const auto go = ops::contiguous(grad_out.to(q.scalar_type()));
+  auto gq = ops::empty_output(q.sizes(), q.options()),
+       gk = ops::empty_output(k.sizes(), k.options()),
+       gv = ops::empty_output(v.sizes(), v.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "causal_linear_product_backward_cpu", [&] {
     kernels::CausalProductBackwardArgs<scalar_t> a;
     fill_params<scalar_t>(a, q, k, v);

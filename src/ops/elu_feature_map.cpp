@@ -24,10 +24,10 @@ void check_input(const char* name, const Tensor& x) {
 
 template <bool Backward>
 Tensor run(const Tensor& x_in, const Tensor& grad_in) {
-  const auto x = x_in.contiguous();
+  const auto x = ops::contiguous(x_in);
   Tensor g;
-  if (Backward) g = grad_in.to(x.scalar_type()).contiguous();
-  auto out = torch::empty_like(x);
+  if (Backward) g = ops::contiguous(grad_in.to(x.scalar_type()));
+  auto out = ops::empty_output(x.sizes(), x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "elu_feature_map_cpu", [&] {
     kernels::EluFeatureMapArgs<scalar_t> a;
     a.x = x.data_ptr<scalar_t>();

@@ -210,7 +210,7 @@ std::tuple<Tensor, Tensor, Tensor> full_attention_lse_topk_forward_cpu(
                               key_lengths, softmax_temp, topk);
   const auto p = prepare(q, k, v, c10::nullopt, key_lengths);
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2);
-  auto out = torch::empty({N, H, L, v.size(3)}, q.options());
+  auto out = ops::empty_output({N, H, L, v.size(3)}, q.options());
   auto lse = torch::empty({N, H, L}, q.options());
   auto idx = torch::empty({N, H, L, topk}, q.options().dtype(torch::kLong));
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "full_attention_lse_topk_forward_cpu", [&] {

@@ -2,14 +2,33 @@
 #include "ops/op_util.h"
 
 #include <ATen/Parallel.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/TensorImpl.h>
+#include <torch/library.h>
+
+#include "fastattn/ops.h"
 
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <map>
+#include <mutex>
+#include <new>
 #include <string>
+#include <vector>
 
 #if defined(__linux__)
 #include <sys/mman.h>
+#endif
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+// Cached buffers are poisoned while free: a use after free still fails.
+#define FASTATTN_POISON(p, n) ASAN_POISON_MEMORY_REGION(p, n)
+#define FASTATTN_UNPOISON(p, n) ASAN_UNPOISON_MEMORY_REGION(p, n)
+#else
+#define FASTATTN_POISON(p, n) ((void)(p), (void)(n))
+#define FASTATTN_UNPOISON(p, n) ((void)(p), (void)(n))
 #endif
 
 namespace fastattn::ops {
@@ -102,7 +121,11 @@ torch::Tensor additive_mask(const torch::Tensor& attn_mask, torch::ScalarType dt
 }
 
 torch::Tensor rows_contiguous(const torch::Tensor& t) {
-  return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous();
+  return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : contiguous(t);
+}
+
+torch::Tensor contiguous(const torch::Tensor& t) {
+  return t.is_contiguous() ? t : empty_output(t.sizes(), t.options()).copy_(t);
 }
 
 kernels::RowStrides row_strides(const torch::Tensor& t) {
@@ -111,24 +134,23 @@ kernels::RowStrides row_strides(const torch::Tensor& t) {
 
 namespace {
 
-// Fresh outputs of 4 MiB and more: first, where the kernel offers them
-// (Linux, transparent huge pages in "madvise" mode, as on Debian), ask for
-// 2 MiB pages over the buffer's 2 MiB-aligned interior. Large buffers come
-// from mmap and go back with munmap, so every call took a page fault per
-// 4 KiB of its output: at L = 16384 (a 32 MiB output) those faults took
-// about as long as linear attention's arithmetic (forward 27-32 ms, 17.6-18.5
-// ms with the faults taken out by keeping freed memory in malloc's heap).
-// Then write one byte in each page, the pages split between the threads in
+constexpr int64_t kPage = 4096, kCachedMinBytes = int64_t{1} << 22;
+constexpr size_t kHugePage = size_t{1} << 21;
+
+// Fresh buffers for outputs of 4 MiB and more: first, where the kernel offers
+// them (Linux, transparent huge pages in "madvise" mode, as on Debian), ask
+// for 2 MiB pages over the buffer's 2 MiB-aligned interior. Large buffers
+// come from mmap and go back with munmap, so every call took a page fault per
+// 4 KiB of its output: at L = 16384 (a 32 MiB output) those faults took about
+// as long as linear attention's arithmetic (forward 27-32 ms, 17.6-18.5 ms
+// with the faults taken out by keeping freed memory in malloc's heap). Then
+// write one byte in each page, the pages split between the threads in
 // contiguous ranges: a kernel that gives each thread a group of heads
 // writes, in the (N, L, H, M) layout, a part of every row, and both threads
 // would take their first writes' faults on the same pages and wait on each
 // other. Faulting the pages in first, by address, costs no extra pass over
 // the memory: the kernel would take the same faults.
-void prepare_pages(const torch::Tensor& t) {
-  constexpr int64_t kPage = 4096, kMinBytes = int64_t{1} << 22;
-  const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
-  if (!t.device().is_cpu() || bytes < kMinBytes) return;
-  auto* base = static_cast<char*>(t.data_ptr());
+void prepare_pages(char* base, int64_t bytes) {
 #ifdef MADV_HUGEPAGE
   // FASTATTN_HUGE_PAGES=0 leaves the pages at 4 KiB: in a VM whose host takes
   // back free memory (free page reporting, as in Firecracker), 2 MiB pages
@@ -138,10 +160,9 @@ void prepare_pages(const torch::Tensor& t) {
     const char* e = std::getenv("FASTATTN_HUGE_PAGES");
     return !(e && std::string(e) == "0");
   }();
-  constexpr uintptr_t kHuge = uintptr_t{1} << 21;
   const auto begin = reinterpret_cast<uintptr_t>(base);
-  const uintptr_t from = (begin + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t to = (begin + static_cast<uintptr_t>(bytes)) & ~(kHuge - 1);
+  const uintptr_t from = (begin + kHugePage - 1) & ~(kHugePage - 1);
+  const uintptr_t to = (begin + static_cast<uintptr_t>(bytes)) & ~(kHugePage - 1);
   // Advice only: where it is refused (THP off), the pages stay 4 KiB.
   if (huge && to > from) madvise(reinterpret_cast<void*>(from), to - from, MADV_HUGEPAGE);
 #endif
@@ -152,19 +173,135 @@ void prepare_pages(const torch::Tensor& t) {
   base[bytes - 1] = 0;
 }
 
+// Freed output buffers of 4 MiB and more, kept for the next output of the
+// same rounded size (up to FASTATTN_CPU_CACHE_MB MiB held, default 1024; 0
+// turns the cache off). Even with huge pages, a fresh 32 MiB buffer cost the
+// kernel's clearing of every page on first touch, a tenth to a quarter of a
+// forward+backward at L = 16384 (docs/benchmarks.md, "Output buffer cache");
+// a cached buffer is already in memory. Sizes are rounded up to 2 MiB. Freed
+// from any thread (the deleter of the tensors' storage); never destroyed, so
+// tensors freed at exit still find it.
+class OutputCache {
+ public:
+  static OutputCache& get() {
+    static auto* cache = new OutputCache();
+    return *cache;
+  }
+  size_t limit() const { return limit_; }
+  // A buffer of `bytes` (a multiple of 2 MiB), 2 MiB-aligned; fresh: not from the cache.
+  void* take(size_t bytes, bool* fresh) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      const auto it = free_.find(bytes);
+      if (it != free_.end()) {
+        void* p = it->second;
+        free_.erase(it);
+        held_ -= bytes;
+        FASTATTN_UNPOISON(p, bytes);
+        *fresh = false;
+        return p;
+      }
+    }
+    void* p = std::aligned_alloc(kHugePage, bytes);
+    if (!p) throw std::bad_alloc();
+    *fresh = true;
+    return p;
+  }
+  void give(void* p, size_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (held_ + bytes <= limit_) {
+        FASTATTN_POISON(p, bytes);
+        free_.emplace(bytes, p);
+        held_ += bytes;
+        return;
+      }
+    }
+    std::free(p);
+  }
+  void release() {
+    std::multimap<size_t, void*> old;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      old.swap(free_);
+      held_ = 0;
+    }
+    for (const auto& [bytes, p] : old) {
+      FASTATTN_UNPOISON(p, bytes);
+      std::free(p);
+    }
+  }
+  size_t held() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return held_;
+  }
+
+ private:
+  OutputCache() : limit_(limit_from_env()) {}
+  static size_t limit_from_env() {
+    const char* e = std::getenv("FASTATTN_CPU_CACHE_MB");
+    if (!e) return size_t{1024} << 20;
+    char* end = nullptr;
+    const long long mib = std::strtoll(e, &end, 10);
+    TORCH_CHECK(*e != '\0' && *end == '\0' && mib >= 0 && mib <= (int64_t{1} << 30),
+                "FASTATTN_CPU_CACHE_MB must be a whole number of MiB >= 0 (0: no cache), got '", e,
+                "'");
+    return static_cast<size_t>(mib) << 20;
+  }
+  std::mutex mutex_;
+  std::multimap<size_t, void*> free_;  // rounded size -> buffer
+  size_t held_ = 0;
+  const size_t limit_;
+};
+
+struct CachedBuffer {
+  void* data;
+  size_t bytes;
+};
+
+void return_to_cache(void* context) {
+  auto* b = static_cast<CachedBuffer*>(context);
+  OutputCache::get().give(b->data, b->bytes);
+  delete b;
+}
+
 torch::Tensor empty_in_layout(bool heads_in_rows, int64_t N, int64_t H, int64_t rows, int64_t cols,
                               const torch::TensorOptions& options) {
-  if (heads_in_rows) {
-    auto t = torch::empty({N, rows, H, cols}, options);
-    prepare_pages(t);
-    return t.transpose(1, 2);
-  }
-  auto t = torch::empty({N, H, rows, cols}, options);
-  prepare_pages(t);
-  return t;
+  const std::vector<int64_t> sizes = heads_in_rows ? std::vector<int64_t>{N, rows, H, cols}
+                                                   : std::vector<int64_t>{N, H, rows, cols};
+  auto t = empty_output(sizes, options);
+  return heads_in_rows ? t.transpose(1, 2) : t;
 }
 
 }  // namespace
+
+torch::Tensor empty_output(at::IntArrayRef sizes, const torch::TensorOptions& options) {
+  int64_t numel = 1;
+  for (int64_t s : sizes) numel *= s;
+  const int64_t bytes =
+      numel * static_cast<int64_t>(c10::elementSize(options.dtype().toScalarType()));
+  if (!options.device().is_cpu() || bytes < kCachedMinBytes) return torch::empty(sizes, options);
+  auto& cache = OutputCache::get();
+  if (cache.limit() == 0) {
+    auto t = torch::empty(sizes, options);
+    prepare_pages(static_cast<char*>(t.data_ptr()), bytes);
+    return t;
+  }
+  const size_t rounded = (static_cast<size_t>(bytes) + kHugePage - 1) / kHugePage * kHugePage;
+  bool fresh = false;
+  void* data = cache.take(rounded, &fresh);
+  if (fresh) prepare_pages(static_cast<char*>(data), static_cast<int64_t>(rounded));
+  c10::DataPtr ptr(data, new CachedBuffer{data, rounded}, &return_to_cache,
+                   c10::Device(c10::DeviceType::CPU));
+  // Resizable: a resize_ past the buffer takes memory from the CPU allocator
+  // and hands this buffer back through its deleter.
+  c10::Storage storage(c10::Storage::use_byte_size_t(), static_cast<size_t>(bytes), std::move(ptr),
+                       c10::GetCPUAllocator(), /*resizable=*/true);
+  auto impl = c10::make_intrusive<c10::TensorImpl>(
+      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU), options.dtype());
+  impl->set_sizes_contiguous(sizes);
+  return torch::Tensor(std::move(impl));
+}
 
 bool heads_within_rows(const torch::Tensor& like) {
   return like.size(1) > 1 && like.size(2) > 1 && like.stride(1) < like.stride(2);
@@ -186,3 +323,17 @@ torch::Tensor in_rows_layout_of(const torch::Tensor& t, const torch::Tensor& lik
 }
 
 }  // namespace fastattn::ops
+
+namespace fastattn {
+
+void empty_cpu_cache() { ops::OutputCache::get().release(); }
+
+int64_t cpu_cache_bytes() { return static_cast<int64_t>(ops::OutputCache::get().held()); }
+
+}  // namespace fastattn
+
+// Schemas in schemas.cpp; no tensor arguments (see cpu_capability.cpp).
+TORCH_LIBRARY_IMPL(fastattn, CompositeImplicitAutograd, m) {
+  m.impl("empty_cpu_cache", [] { fastattn::empty_cpu_cache(); });
+  m.impl("cpu_cache_bytes", [] { return fastattn::cpu_cache_bytes(); });
+}

@@ -100,6 +100,15 @@ auto in_float32(torch::ScalarType dtype, Fn&& fn, const Args&... args) {
   }
 }
 
+// A fresh tensor for an operator's output, contiguous, contents undefined
+// (torch::empty's contract). On the CPU from 4 MiB its buffer comes from
+// the output cache (op_util.cpp: freed outputs kept for the next one of the
+// same size, FASTATTN_CPU_CACHE_MB, fastattn::empty_cpu_cache) or, fresh,
+// with huge-page advice and its pages faulted in by all threads.
+torch::Tensor empty_output(at::IntArrayRef sizes, const torch::TensorOptions& options);
+// t.contiguous(), a copy's buffer from empty_output.
+torch::Tensor contiguous(const torch::Tensor& t);
+
 // Row layouts (kernels/common/rows.h) for the kernels that read and write
 // (N, H, rows, cols) tensors in place.
 // t itself when its last dim is contiguous (any strides elsewhere), else a

@@ -212,4 +212,7 @@ TORCH_LIBRARY(fastattn, m) {
   m.def("cpu_capability() -> str");
   m.def("supported_cpu_capabilities() -> str[]");
   m.def("set_cpu_capability(str level) -> ()");
+  // The CPU output cache (op_util.cpp).
+  m.def("empty_cpu_cache() -> ()");
+  m.def("cpu_cache_bytes() -> int");
 }

@@ -51,9 +51,9 @@ Tensor gather_tokens_cpu(const Tensor& x_in, const Tensor& index_in) {
   ops::check_gather_index(index_in, x_in.size(0), x_in.size(2));
   if (ops::is_reduced_float(x_in))
     return ops::in_float32(x_in.scalar_type(), gather_tokens_cpu, x_in, index_in);
-  const auto x = x_in.contiguous();
+  const auto x = ops::contiguous(x_in);
   const auto index = index_in.contiguous();
-  auto out = torch::empty({x.size(0), x.size(1), index.size(1), x.size(3)}, x.options());
+  auto out = ops::empty_output({x.size(0), x.size(1), index.size(1), x.size(3)}, x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "gather_tokens_cpu", [&] {
     kernels::TokenGatherArgs<scalar_t> a;
     a.x = x.data_ptr<scalar_t>();
@@ -81,9 +81,9 @@ Tensor gather_tokens_backward_cpu(const Tensor& grad_out_in, const Tensor& index
   if (ops::is_reduced_float(grad_out_in))
     return ops::in_float32(grad_out_in.scalar_type(), gather_tokens_backward_cpu, grad_out_in,
                            index_in, length);
-  const auto g = grad_out_in.contiguous();
+  const auto g = ops::contiguous(grad_out_in);
   const auto index = index_in.contiguous();
-  auto out = torch::empty({g.size(0), g.size(1), length, g.size(3)}, g.options());
+  auto out = ops::empty_output({g.size(0), g.size(1), length, g.size(3)}, g.options());
   AT_DISPATCH_FLOATING_TYPES(g.scalar_type(), "gather_tokens_backward_cpu", [&] {
     kernels::TokenGatherArgs<scalar_t> a;
     a.grad_out = g.data_ptr<scalar_t>();

@@ -1,6 +1,7 @@
 """The CPU kernels' instruction set from Python: the level in use, the
 supported ones, choosing a lower one, and the same outputs at every level
-(full attention here; every type is compared in C++, test_cpu_isa.cpp)."""
+(full attention here; every type is compared in C++, test_cpu_isa.cpp).
+Then the CPU output cache: reuse, emptying, FASTATTN_CPU_CACHE_MB."""
 import os
 import subprocess
 import sys
@@ -56,3 +57,48 @@ def test_environment_variable_chooses_the_level():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode != 0
     assert "FASTATTN_CPU_CAPABILITY: expected one of default, avx2, avx512; got 'bogus'" in out.stderr
+
+
+def test_output_cache_keeps_freed_outputs_until_emptied():
+    fastattn.empty_cpu_cache()
+    assert fastattn.cpu_cache_bytes() == 0
+    x = torch.randn(1, 8, 4096, 64)  # 8 MiB outputs
+    out = torch.ops.fastattn.elu_feature_map(x)
+    first = out.data_ptr()
+    del out
+    assert fastattn.cpu_cache_bytes() == 8 << 20
+    out = torch.ops.fastattn.elu_feature_map(-x)
+    assert out.data_ptr() == first
+    torch.testing.assert_close(out, torch.nn.functional.elu(-x) + 1)
+    del out
+    fastattn.empty_cpu_cache()
+    assert fastattn.cpu_cache_bytes() == 0
+
+
+def _cache_bytes_after_one_output(mib):
+    env = dict(os.environ, FASTATTN_CPU_CACHE_MB=mib)
+    code = (
+        "import torch, fastattn\n"
+        "out = torch.ops.fastattn.elu_feature_map(torch.randn(1, 8, 4096, 64))\n"
+        "del out\n"
+        "print(fastattn.cpu_cache_bytes())"
+    )
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("mib, held", [("0", 0), ("4", 0), ("8", 8 << 20), ("1024", 8 << 20)])
+def test_output_cache_size_from_the_environment(mib, held):
+    out = _cache_bytes_after_one_output(mib)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.strip()) == held
+
+
+@pytest.mark.parametrize("mib", ["lots", "-1", "1.5", ""])
+def test_output_cache_size_must_be_whole_mib(mib):
+    out = _cache_bytes_after_one_output(mib)
+    assert out.returncode != 0
+    assert (
+        f"FASTATTN_CPU_CACHE_MB must be a whole number of MiB >= 0 (0: no cache), got '{mib}'"
+        in out.stderr
+    )
+

@@ -1,0 +1,82 @@
+// The CPU output cache (src/ops/op_util.cpp, fastattn::empty_cpu_cache):
+// outputs of 4 MiB and more reuse the buffers of freed ones, whose old
+// contents never show through; smaller outputs are not cached; a cached
+// output can be resized; empty_cpu_cache gives the free buffers back.
+// FASTATTN_CPU_CACHE_MB (0, invalid values) is tested from Python
+// (tests/python/test_ops.py), in fresh processes.
+//   build/fastattn_tests --gtest_filter='OutputCache.*'
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "fastattn/ops.h"
+
+namespace fastattn {
+namespace {
+
+constexpr int64_t kMiB = int64_t{1} << 20;
+
+// elu(x) + 1 in float64, the reference of elu_feature_map.
+torch::Tensor elu_plus_one(const torch::Tensor& x) {
+  auto d = x.to(torch::kDouble);
+  return torch::where(d > 0, d + 1, torch::exp(d));
+}
+
+TEST(OutputCache, FreedOutputsAreReusedAndOverwritten) {
+  empty_cpu_cache();
+  ASSERT_EQ(cpu_cache_bytes(), 0);
+  torch::manual_seed(0);
+  // (1, 8, 4096, 64) float32: 8 MiB.
+  auto x1 = torch::randn({1, 8, 4096, 64});
+  auto x2 = torch::randn({1, 8, 4096, 64});
+  auto out1 = elu_feature_map(x1);
+  EXPECT_TRUE(torch::allclose(out1.to(torch::kDouble), elu_plus_one(x1), 1e-6, 1e-6));
+  const void* first = out1.data_ptr();
+  out1 = torch::Tensor();  // back to the cache
+  EXPECT_EQ(cpu_cache_bytes(), 8 * kMiB);
+  auto out2 = elu_feature_map(x2);
+  EXPECT_EQ(out2.data_ptr(), first) << "the freed buffer was not reused";
+  EXPECT_EQ(cpu_cache_bytes(), 0);
+  EXPECT_TRUE(torch::allclose(out2.to(torch::kDouble), elu_plus_one(x2), 1e-6, 1e-6));
+  // An output of another size (rounded to 2 MiB) takes a buffer of its own.
+  auto x3 = torch::randn({1, 8, 5000, 64});  // 9.8 MiB -> 10 MiB
+  auto out3 = elu_feature_map(x3);
+  EXPECT_NE(out3.data_ptr(), first);
+  out2 = torch::Tensor();
+  out3 = torch::Tensor();
+  EXPECT_EQ(cpu_cache_bytes(), 18 * kMiB);
+  empty_cpu_cache();
+  EXPECT_EQ(cpu_cache_bytes(), 0);
+}
+
+TEST(OutputCache, SmallOutputsAreNotCached) {
+  empty_cpu_cache();
+  auto x = torch::randn({1, 8, 1024, 64});  // 2 MiB
+  { auto out = elu_feature_map(x); }
+  EXPECT_EQ(cpu_cache_bytes(), 0);
+}
+
+TEST(OutputCache, CachedOutputsResizeAndBehaveAsTensors) {
+  empty_cpu_cache();
+  auto x = torch::randn({1, 8, 4096, 64});
+  auto out = elu_feature_map(x);
+  const auto want = out.clone();
+  // Views, in-place arithmetic and autograd leaves work as on any tensor.
+  auto view = out.transpose(1, 2);
+  view.mul_(2);
+  EXPECT_TRUE(torch::equal(out, want * 2));
+  auto leaf = out.detach().requires_grad_();
+  (leaf * 3).sum().backward();
+  EXPECT_TRUE(torch::equal(leaf.grad(), torch::full_like(want, 3)));
+  // Growing past the buffer takes new memory and returns the old buffer.
+  out.resize_({1, 8, 8192, 64});
+  EXPECT_EQ(out.numel(), 8 * 8192 * 64);
+  out.fill_(1);
+  EXPECT_EQ(out.sum().item<double>(), 8.0 * 8192 * 64);
+  view = torch::Tensor();
+  leaf = torch::Tensor();
+  EXPECT_EQ(cpu_cache_bytes(), 8 * kMiB);
+  empty_cpu_cache();
+}
+
+}  // namespace
+}  // namespace fastattn
