@@ -13,7 +13,6 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
-#include <new>
 #include <string>
 #include <vector>
 
@@ -177,7 +176,8 @@ void prepare_pages(char* base, int64_t bytes) {
 // same rounded size (up to FASTATTN_CPU_CACHE_MB MiB held, default 1024; 0
 // turns the cache off). Even with huge pages, a fresh 32 MiB buffer cost the
 // kernel's clearing of every page on first touch, a tenth to a quarter of a
-// forward+backward at L = 16384 (docs/benchmarks.md, "Output buffer cache");
+// forward+backward at L = 16384 (docs/benchmarks.md, "Clustering, top-k offers
+// and the output cache");
 // a cached buffer is already in memory. Sizes are rounded up to 2 MiB. Freed
 // from any thread (the deleter of the tensors' storage); never destroyed, so
 // tensors freed at exit still find it.
@@ -203,7 +203,11 @@ class OutputCache {
       }
     }
     void* p = std::aligned_alloc(kHugePage, bytes);
-    if (!p) throw std::bad_alloc();
+    if (!p) {  // the cached buffers of other sizes back to the system, then once more
+      release();
+      p = std::aligned_alloc(kHugePage, bytes);
+    }
+    TORCH_CHECK(p, "fastattn: not enough memory for a CPU output of ", bytes, " bytes");
     *fresh = true;
     return p;
   }
