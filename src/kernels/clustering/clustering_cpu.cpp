@@ -80,20 +80,20 @@ struct Scratch {
   std::vector<uint8_t> row;         // (Cp): distances of one query
 };
 
-// Farthest-first seeding of centroids[0, Ce) from codes[0, Lv): the first a
-// uniform valid query, each next the query farthest from its nearest centroid
-// so far (uniform among the ties; uniform among the unchosen queries when all
-// distances are 0, i.e. fewer distinct codes than clusters). A chosen query
-// has distance -1, below every unchosen one.
 #if FASTATTN_SIMD_AVX2
-// Popcount of each 64-bit lane: a nibble table, then the sum of each lane's 8 bytes.
-inline __m256i popcount_epi64(__m256i x) {
+// Popcount of each byte, by a nibble table.
+inline __m256i popcount_epi8(__m256i x) {
   const __m256i nib = _mm256_setr_epi8(0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4, 0, 1, 1, 2,
                                        1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4);
   const __m256i low = _mm256_set1_epi8(0x0f);
   const __m256i lo = _mm256_shuffle_epi8(nib, _mm256_and_si256(x, low));
   const __m256i hi = _mm256_shuffle_epi8(nib, _mm256_and_si256(_mm256_srli_epi16(x, 4), low));
-  return _mm256_sad_epu8(_mm256_add_epi8(lo, hi), _mm256_setzero_si256());
+  return _mm256_add_epi8(lo, hi);
+}
+
+// Popcount of each 64-bit lane: the sum of its 8 bytes' popcounts.
+inline __m256i popcount_epi64(__m256i x) {
+  return _mm256_sad_epu8(popcount_epi8(x), _mm256_setzero_si256());
 }
 
 // Hamming distances of codes[0, 8) to c, as 8 int32 in order.
@@ -187,9 +187,6 @@ void build_tables(const uint64_t* cent, int64_t Ce, int64_t Cp, uint8_t* tab) {
       }
       const int64_t valid = std::clamp<int64_t>(Ce - c0, 0, kTableAlign);
 #if FASTATTN_SIMD_AVX2
-      const __m256i nib = _mm256_setr_epi8(0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4, 0, 1, 1,
-                                           2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4);
-      const __m256i low = _mm256_set1_epi8(0x0f);
       const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb));
       alignas(32) uint8_t pad_mask[kTableAlign];
       for (int64_t i = 0; i < kTableAlign; ++i) pad_mask[i] = i < valid ? 0 : 0xff;
@@ -197,9 +194,7 @@ void build_tables(const uint64_t* cent, int64_t Ce, int64_t Cp, uint8_t* tab) {
       const __m256i padv = _mm256_set1_epi8(static_cast<char>(kPadDistance));
       for (int v = 0; v < 256; ++v) {
         const __m256i x = _mm256_xor_si256(c, _mm256_set1_epi8(static_cast<char>(v)));
-        const __m256i lo = _mm256_shuffle_epi8(nib, _mm256_and_si256(x, low));
-        const __m256i hi = _mm256_shuffle_epi8(nib, _mm256_and_si256(_mm256_srli_epi16(x, 4), low));
-        const __m256i d = _mm256_blendv_epi8(_mm256_add_epi8(lo, hi), padv, pm);
+        const __m256i d = _mm256_blendv_epi8(popcount_epi8(x), padv, pm);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(tab + (b * 256 + v) * Cp + c0), d);
       }
 #else
