@@ -155,6 +155,9 @@ void key_states(const EluLinearParams<T>& p, int64_t nh0, int64_t G, int64_t len
       auto& hs = w.heads[g];
       const T* k = p.k_rows.head(p.k, nh0 + g, p.H) + j0 * lk;
       const T* v = p.v_rows.head(p.v, nh0 + g, p.H) + j0 * lv;
+      const int64_t next = std::min(C, len - j0 - C);
+      prefetch_rows(k + C * lk, next, E, lk);
+      prefetch_rows(v + C * lv, next, M, lv);
       phi_rows(k, lk, rows, rows, E, w.kf.data());
       gemm_tn(E, M, rows, w.kf.data(), E, v, lv, hs.s.data(), M, true);
       add_row_sum(w.kf.data(), rows, E, hs.z.data());
@@ -184,6 +187,11 @@ void forward_causal(const EluLinearForwardArgs<T>& p, int64_t nh0, int64_t G, Sc
       const T* vc = p.v_rows.head(p.v, nh, p.H) + i0 * lv;
       T* oc = p.out_rows.head(p.out, nh, p.H) + i0 * lo;
       T* den = p.den + nh * L + i0;
+      const int64_t next = std::min(C, L - i0 - C);
+      prefetch_rows(q + C * lq, next, E, lq);
+      prefetch_rows(k + C * lk, next, E, lk);
+      prefetch_rows(vc + C * lv, next, M, lv);
+      prefetch_rows(oc + C * lo, next, M, lo, /*write=*/true);
       phi_rows(q, lq, rows, rows, E, w.qf.data());
       phi_rows(k, lk, rows, len - i0, E, w.kf.data());
       transpose(w.kf.data(), rows, E, E, w.xt.data(), C);
@@ -218,7 +226,11 @@ void forward_full(const EluLinearForwardArgs<T>& p, int64_t nh0, int64_t G, Scra
       const auto& hs = w.heads[g];
       T* oc = p.out_rows.head(p.out, nh, p.H) + i0 * lo;
       T* den = p.den + nh * L + i0;
-      phi_rows(p.q_rows.head(p.q, nh, p.H) + i0 * lq, lq, rows, rows, E, w.qf.data());
+      const T* q = p.q_rows.head(p.q, nh, p.H) + i0 * lq;
+      const int64_t next = std::min(C, L - i0 - C);
+      prefetch_rows(q + C * lq, next, E, lq);
+      prefetch_rows(oc + C * lo, next, M, lo, /*write=*/true);
+      phi_rows(q, lq, rows, rows, E, w.qf.data());
       gemm(rows, M, E, w.qf.data(), E, hs.s.data(), M, oc, lo, false);
       for (int64_t r = 0; r < rows; ++r) {
         const T d = p.eps + simd_dot(w.qf.data() + r * E, hs.z.data(), E);
@@ -258,6 +270,22 @@ struct ChunkRows {
     gk = p.grad_k_rows.head(p.grad_k, nh, p.H) + i0 * lgk;
     gv = p.grad_v_rows.head(p.grad_v, nh, p.H) + i0 * lgv;
   }
+  // Asks for `rows` rows `step` rows on (negative: back) of what a query
+  // pass reads (q, g, out) and writes (gq).
+  void prefetch_queries(int64_t step, int64_t rows, int64_t E, int64_t M) const {
+    prefetch_rows(q + step * lq, rows, E, lq);
+    prefetch_rows(g + step * lg, rows, M, lg);
+    prefetch_rows(out + step * lo, rows, M, lo);
+    prefetch_rows(gq + step * lgq, rows, E, lgq, /*write=*/true);
+  }
+  // The same for the keys' side: k, v read, gk, gv written when `write`.
+  void prefetch_keys(int64_t step, int64_t rows, int64_t E, int64_t M, bool write) const {
+    prefetch_rows(k + step * lk, rows, E, lk);
+    prefetch_rows(v + step * lv, rows, M, lv);
+    if (!write) return;
+    prefetch_rows(gk + step * lgk, rows, E, lgk, true);
+    prefetch_rows(gv + step * lgv, rows, M, lgv, true);
+  }
 };
 
 template <typename T>
@@ -279,6 +307,9 @@ void backward_causal(const EluLinearBackwardArgs<T>& p, int64_t nh0, int64_t G, 
       const ChunkRows<T> c(p, nh0 + g, i0);
       T* st = hs.st.data();
       T* vt = w.xt.data();
+      const int64_t next = std::min(C, L - i0 - C);
+      c.prefetch_queries(C, next, E, M);
+      c.prefetch_keys(C, next, E, M, /*write=*/false);
       phi_rows(c.k, c.lk, rows, len - i0, E, w.kf.data());
       scaled_grads(c.g, c.lg, c.out, c.lo, c.den, rows, M, w.gn.data(), w.gd.data());
       transpose(c.v, rows, M, c.lv, vt, C);
@@ -317,6 +348,10 @@ void backward_causal(const EluLinearBackwardArgs<T>& p, int64_t nh0, int64_t G, 
       T* r = hs.z.data();
       T* qt = w.xt.data();   // phi(Q_c)^T (E × C)
       T* gnt = w.yt.data();  // gn^T (M × C)
+      if (i0 > 0) {
+        c.prefetch_queries(-C, C, E, M);
+        c.prefetch_keys(-C, C, E, M, /*write=*/true);
+      }
       phi_rows(c.q, c.lq, rows, rows, E, w.qf.data());
       scaled_grads(c.g, c.lg, c.out, c.lo, c.den, rows, M, w.gn.data(), w.gd.data());
       transpose(w.qf.data(), rows, E, E, qt, C);
@@ -370,6 +405,7 @@ void backward_full(const EluLinearBackwardArgs<T>& p, int64_t nh0, int64_t G, Sc
     for (int64_t g = 0; g < G; ++g) {
       auto& hs = w.heads[g];
       const ChunkRows<T> c(p, nh0 + g, i0);
+      c.prefetch_queries(C, std::min(C, L - i0 - C), E, M);
       phi_rows(c.q, c.lq, rows, rows, E, w.qf.data());
       scaled_grads(c.g, c.lg, c.out, c.lo, c.den, rows, M, w.gn.data(), w.gd.data());
       gemm(rows, E, M, w.gn.data(), M, hs.st.data(), E, c.gq, c.lgq, false);
@@ -390,6 +426,7 @@ void backward_full(const EluLinearBackwardArgs<T>& p, int64_t nh0, int64_t G, Sc
     for (int64_t g = 0; g < G; ++g) {
       const auto& hs = w.heads[g];
       const ChunkRows<T> c(p, nh0 + g, j0);
+      c.prefetch_keys(C, std::min(C, S - j0 - C), E, M, /*write=*/true);
       if (valid > 0) {
         phi_rows(c.k, c.lk, valid, valid, E, w.kf.data());
         gemm(valid, M, E, w.kf.data(), E, hs.ds.data(), M, c.gv, c.lgv, false);
