@@ -3,8 +3,10 @@
 // al. 2020 sec. 3.2-3.3, and their registration.
 //
 // Pipeline: hash_queries -> cluster_codes (our kernels) -> centroids as the
-// mean of the members (index_add, differentiable) -> fused full attention of
-// the C centroids over the S keys -> broadcast to the members (index_select).
+// mean of the members -> fused full attention of the C centroids over the S
+// keys -> broadcast to the members. The mean and the broadcast are kernels
+// with autograd on the CPU (ops/cluster_members.h), ATen's index_add and
+// index_select elsewhere and for bfloat16 / float16.
 // Improved: the fused improved_clustered_attention operator given the
 // clusters (src/ops/clustered_topk_attention.cpp): one pass of the centroids
 // over the keys gives each centroid's full output, log-sum-exp and top-k keys
@@ -36,6 +38,7 @@
 #include "fastattn/clustered.h"
 #include "fastattn/ops.h"
 #include "fastattn/registry.h"
+#include "ops/cluster_members.h"
 #include "ops/op_util.h"
 
 namespace fastattn {
@@ -139,6 +142,8 @@ Tensor maybe_dropout(const Tensor& x, double p) {
 // the layers' transpose back is a view.
 Tensor broadcast_to_queries(const Tensor& centroid_values, const QueryClusters& c,
                             const Tensor& queries) {
+  if (ops::cluster_members_supports(centroid_values))
+    return ops::spread_to_members(centroid_values, c.assignments, queries);
   const int64_t N = centroid_values.size(0), H = centroid_values.size(1),
                 C = centroid_values.size(2), M = centroid_values.size(3), L = c.assignments.size(2);
   auto table = torch::cat(
@@ -201,6 +206,8 @@ QueryClusters cluster_queries(const Tensor& queries, const std::optional<Tensor>
 
 Tensor cluster_centroids(const Tensor& queries, const QueryClusters& clusters) {
   check_clusters("cluster_centroids", queries, clusters);
+  if (ops::cluster_members_supports(queries))
+    return ops::cluster_means(queries, clusters.assignments, clusters.counts);
   const int64_t N = queries.size(0), H = queries.size(1), E = queries.size(3),
                 C = clusters.counts.size(2);
   // The rows in memory order: the layers' (N, L, H, E) views are summed in place.

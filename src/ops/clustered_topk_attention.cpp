@@ -380,9 +380,9 @@ std::tuple<Tensor, Tensor, Tensor> improved_clustered_backward_cpu(
   ops::full_attention_backward_accumulate(g_out_c, g_lse, centroids, k, v, out_c, lse,
                                           to_std(key_lengths), softmax_temp, g_cen, gk, gv);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "improved_clustered_centroid_grads", [&] {
-    kernels::CentroidGradsArgs<scalar_t> g;
-    g.grad_q = gq.data_ptr<scalar_t>();
-    g.grad_q_rows = ops::row_strides(gq);
+    kernels::CentroidSpreadArgs<scalar_t> g;
+    g.dst = gq.data_ptr<scalar_t>();
+    g.dst_rows = ops::row_strides(gq);
     g.H = q.size(1);
     g.table = g_cen.data_ptr<scalar_t>();
     g.assignments = assignments.data_ptr<int64_t>();
@@ -392,7 +392,7 @@ std::tuple<Tensor, Tensor, Tensor> improved_clustered_backward_cpu(
     g.C = counts.size(2);
     g.E = q.size(3);
     g.num_threads = at::get_num_threads();
-    kernels::add_centroid_grads_cpu(g);
+    kernels::spread_centroids_cpu(g);
   });
   return {gq, gk, gv};
 }

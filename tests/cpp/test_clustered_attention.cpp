@@ -16,6 +16,7 @@
 #include "fastattn/ops.h"
 #include "fastattn/registry.h"
 #include "op_harness.h"
+#include "ops/cluster_members.h"
 
 namespace fastattn {
 namespace {
@@ -325,6 +326,60 @@ TEST(Clustered, ReadsAndWritesRowLayoutsInPlace) {
   for (const auto& [name, op] : ops) {
     SCOPED_TRACE(name);
     testing::check_row_layouts(op, N, H, L, S, E, M);
+  }
+}
+
+// The CPU kernels behind the centroids' mean and the broadcast back
+// (ops/cluster_members.h) against ATen's index_add / index_select, float64:
+// values and gradients, an empty cluster, padded rows (-1) and the layers'
+// (N, L, H, E) views.
+TEST(ClusterMembers, MatchIndexAddAndIndexSelect) {
+  using torch::Tensor;
+  const int64_t N = 2, H = 3, L = 41, C = 5, E = 7;
+  torch::manual_seed(21);
+  // Cluster 4 stays empty; the last rows of batch 1 are padding.
+  auto a = torch::randint(0, C - 1, {N, H, L}, torch::kLong);
+  a.select(0, 1).narrow(1, 30, L - 30).fill_(-1);
+  auto counts = torch::zeros({N, H, C}, torch::kLong);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t l = 0; l < L; ++l) {
+        const int64_t c = a[n][h][l].item<int64_t>();
+        if (c >= 0) counts[n][h][c] += 1;
+      }
+  // Reference: a flat table with a zero / sink row for padding.
+  const auto flat = torch::where(a.ge(0), torch::arange(N * H).view({N, H, 1}) * C + a,
+                                 torch::full({}, N * H * C, torch::kLong))
+                        .reshape({-1});
+  auto ref_means = [&](const Tensor& x) {
+    auto sums = torch::zeros({N * H * C + 1, E}, x.options())
+                    .index_add(0, flat, x.contiguous().view({-1, E}));
+    return sums.narrow(0, 0, N * H * C).view({N, H, C, E}) /
+           counts.clamp_min(1).to(x.scalar_type()).unsqueeze(-1);
+  };
+  auto ref_spread = [&](const Tensor& t) {
+    auto table = torch::cat({t.reshape({N * H * C, E}), torch::zeros({1, E}, t.options())});
+    return table.index_select(0, flat).view({N, H, L, E});
+  };
+  for (bool views : {false, true}) {
+    SCOPED_TRACE(views ? "views" : "contiguous");
+    auto x = views ? torch::randn({N, L, H, E}, torch::kDouble).transpose(1, 2)
+                   : torch::randn({N, H, L, E}, torch::kDouble);
+    x.requires_grad_(true);
+    auto t = torch::randn({N, H, C, E}, torch::kDouble).requires_grad_(true);
+    auto means = ops::cluster_means(x, a, counts);
+    auto spread = ops::spread_to_members(t, a, x);
+    EXPECT_TRUE(torch::allclose(means, ref_means(x), 1e-12, 1e-12));
+    EXPECT_TRUE(torch::allclose(spread, ref_spread(t), 1e-12, 1e-12));
+    EXPECT_EQ(spread.transpose(1, 2).is_contiguous(), views);  // the layers' transpose is a view
+    EXPECT_EQ(means.select(2, C - 1).abs().max().item<double>(), 0.0);
+    const auto gm = torch::randn({N, H, C, E}, torch::kDouble),
+               gs = torch::randn({N, H, L, E}, torch::kDouble);
+    auto got = torch::autograd::grad({means, spread}, {x, t}, {gm, gs});
+    auto want = torch::autograd::grad({ref_means(x), ref_spread(t)}, {x, t}, {gm, gs});
+    EXPECT_TRUE(torch::allclose(got[0], want[0], 1e-12, 1e-12));
+    EXPECT_TRUE(torch::allclose(got[1], want[1], 1e-12, 1e-12));
+    EXPECT_EQ(got[0].transpose(1, 2).is_contiguous(), views);
   }
 }
 

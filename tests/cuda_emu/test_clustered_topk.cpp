@@ -291,7 +291,7 @@ void check_means(int64_t N, int64_t H, int64_t L, int64_t C, int64_t E, uint32_t
   g.C = C;
   g.E = E;
   fastattn::cuda::add_centroid_grads_cuda(g, nullptr);
-  fastattn::kernels::add_centroid_grads_cpu(fastattn::kernels::CentroidGradsArgs<double>{
+  fastattn::kernels::spread_centroids_cpu(fastattn::kernels::CentroidSpreadArgs<double>{
       gq_d.data(), table_d.data(), assignments.data(), counts.data(), NH, L, C, E, 1});
   expect_close(std::vector<double>(gq.begin(), gq.end()), gq_d, {1e-6, 1e-6}, "grad_q");
 }

@@ -64,7 +64,8 @@ struct ClusteredTopkBackwardArgs : ClusteredTopkParams<T> {
 };
 
 // centroids (N, H, C, E) = the mean of each cluster's queries (zeros for an
-// empty cluster); assignments a_l in [-1, C), -1 for padding.
+// empty cluster); assignments a_l in [-1, C), -1 for padding. mean = false:
+// the sums instead (the adjoint of spread_centroids_cpu without divide).
 template <typename T>
 struct ClusterMeansArgs {
   const T* q = nullptr;                  // (NH, L, E), rows at q_rows
@@ -75,25 +76,31 @@ struct ClusterMeansArgs {
   int num_threads = 1;
   RowStrides q_rows;  // of H heads (NH = N·H); default: contiguous
   int64_t H = 1;
+  bool mean = true;
 };
 template <typename T>
 void cluster_means_cpu(const ClusterMeansArgs<T>& args);
 
-// grad_q (N, H, L, E) += table[n, h, a_l] / counts[n, h, a_l] for every query
-// l with a cluster a_l >= 0: the gradient of centroid = mean of its members.
+// Each member row from its centroid's row: dst_l (+)= table[n, h, a_l]
+// (/ counts[n, h, a_l] when divide) for every l with a_l >= 0; rows with
+// a_l = -1 are set to zero (accumulate = false) or left alone. divide and
+// accumulate: the members' gradient of centroid = mean of the members
+// (improved clustered); neither: the centroids' outputs broadcast to their
+// members (clustered); divide alone: that gradient written.
 template <typename T>
-struct CentroidGradsArgs {
-  T* grad_q = nullptr;                   // (NH, L, E), rows at grad_q_rows, added to
-  const T* table = nullptr;              // (NH, C, E): the centroids' gradients
+struct CentroidSpreadArgs {
+  T* dst = nullptr;                      // (NH, L, E), rows at dst_rows
+  const T* table = nullptr;              // (NH, C, E): one row per centroid
   const int64_t* assignments = nullptr;  // (NH, L)
-  const int64_t* counts = nullptr;       // (NH, C)
+  const int64_t* counts = nullptr;       // (NH, C): read when divide
   int64_t NH = 0, L = 0, C = 0, E = 0;
   int num_threads = 1;
-  RowStrides grad_q_rows;  // of H heads (NH = N·H); default: contiguous
+  RowStrides dst_rows;  // of H heads (NH = N·H); default: contiguous
   int64_t H = 1;
+  bool divide = true, accumulate = true;
 };
 template <typename T>
-void add_centroid_grads_cpu(const CentroidGradsArgs<T>& args);
+void spread_centroids_cpu(const CentroidSpreadArgs<T>& args);
 
 template <typename T>
 void clustered_topk_forward_cpu(const ClusteredTopkForwardArgs<T>& a);

@@ -424,12 +424,14 @@ void cluster_means_cpu(const ClusterMeansArgs<T>& args) {
       [&](int64_t nh, None&) {
         T* cen = a.centroids + nh * C * E;
         std::fill(cen, cen + C * E, T(0));
+        const T* q = a.q_rows.head(a.q, nh, a.H);
         for (int64_t l = 0; l < L; ++l) {
           const int64_t c = a.assignments[nh * L + l];
           if (c < 0) continue;
-          const T* src = a.q_rows.row(a.q, nh, a.H, l);
+          const T* src = q + l * a.q_rows.sr;
           for (int64_t x = 0; x < E; ++x) cen[c * E + x] += src[x];
         }
+        if (!a.mean) return;
         for (int64_t c = 0; c < C; ++c) {
           const T inv = T(1) / static_cast<T>(std::max<int64_t>(1, a.counts[nh * C + c]));
           for (int64_t x = 0; x < E; ++x) cen[c * E + x] *= inv;
@@ -438,21 +440,32 @@ void cluster_means_cpu(const ClusterMeansArgs<T>& args) {
 }
 
 template <typename T>
-void add_centroid_grads_cpu(const CentroidGradsArgs<T>& args) {
-  CentroidGradsArgs<T> a = args;
-  a.grad_q_rows = a.grad_q_rows.resolved(a.H, a.L, a.E);
+void spread_centroids_cpu(const CentroidSpreadArgs<T>& args) {
+  CentroidSpreadArgs<T> a = args;
+  a.dst_rows = a.dst_rows.resolved(a.H, a.L, a.E);
   const int64_t L = a.L, C = a.C, E = a.E;
   struct None {};
   parallel_items<None>(
       a.NH, a.num_threads, [](None&) {},
       [&](int64_t nh, None&) {
+        T* head = a.dst_rows.head(a.dst, nh, a.H);
         for (int64_t l = 0; l < L; ++l) {
           const int64_t c = a.assignments[nh * L + l];
-          if (c < 0) continue;
-          const T inv = T(1) / static_cast<T>(std::max<int64_t>(1, a.counts[nh * C + c]));
+          T* dst = head + l * a.dst_rows.sr;
+          if (c < 0) {
+            if (!a.accumulate) std::fill(dst, dst + E, T(0));
+            continue;
+          }
           const T* src = a.table + (nh * C + c) * E;
-          T* dst = a.grad_q_rows.row(a.grad_q, nh, a.H, l);
-          for (int64_t x = 0; x < E; ++x) dst[x] += inv * src[x];
+          const T inv =
+              a.divide ? T(1) / static_cast<T>(std::max<int64_t>(1, a.counts[nh * C + c])) : T(1);
+          if (a.accumulate) {
+            for (int64_t x = 0; x < E; ++x) dst[x] += inv * src[x];
+          } else if (a.divide) {
+            for (int64_t x = 0; x < E; ++x) dst[x] = inv * src[x];
+          } else {
+            std::copy(src, src + E, dst);
+          }
         }
       });
 }
@@ -460,6 +473,6 @@ void add_centroid_grads_cpu(const CentroidGradsArgs<T>& args) {
 FASTATTN_ISA_END
 
 FASTATTN_CPU_KERNEL(cluster_means_cpu, ClusterMeansArgs)
-FASTATTN_CPU_KERNEL(add_centroid_grads_cpu, CentroidGradsArgs)
+FASTATTN_CPU_KERNEL(spread_centroids_cpu, CentroidSpreadArgs)
 FASTATTN_CPU_KERNEL(clustered_topk_forward_cpu, ClusteredTopkForwardArgs)
 FASTATTN_CPU_KERNEL(clustered_topk_backward_cpu, ClusteredTopkBackwardArgs)
