@@ -13,6 +13,7 @@
 #include "ops/block_sparse_pattern.h"
 #include "ops/mask_util.h"
 #include "ops/op_util.h"
+#include "ops/row_dots.h"
 
 namespace fastattn {
 
@@ -151,7 +152,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_cpu(const Tensor& grad_out, const Te
         q, k, v);
   }
   auto go = ops::rows_contiguous(grad_out.to(q.scalar_type()));
-  auto delta = (go * out).sum(-1).contiguous();  // (N, H, L)
+  auto delta = ops::row_dots(go, out.to(go.scalar_type()));  // (N, H, L)
   auto lse_c = lse.contiguous();
   // Gradients in the inputs' row layouts (as the fake implementation promises).
   auto gq = ops::empty_rows_like(q, q.size(3)), gk = ops::empty_rows_like(k, k.size(3)),

@@ -10,6 +10,7 @@
 #include "ops/full_attention_internal.h"
 #include "ops/mask_util.h"
 #include "ops/op_util.h"
+#include "ops/row_dots.h"
 
 namespace fastattn {
 namespace {
@@ -121,7 +122,7 @@ std::tuple<Tensor, Tensor, Tensor> full_attention_backward_cpu(
   p.q = p.q.contiguous();
   auto go = grad_out.to(q.scalar_type()).contiguous();
   // d lse / d score_j = P_j: a gradient on lse enters as -grad_lse in delta.
-  auto delta = (go * out).sum(-1);  // (N, H, L)
+  auto delta = ops::row_dots(go, out.to(go.scalar_type()));  // (N, H, L)
   if (grad_lse) delta = delta - grad_lse->to(q.scalar_type());
   delta = delta.contiguous();
   auto lse_c = lse.contiguous();
@@ -468,7 +469,8 @@ void full_attention_backward_accumulate(const Tensor& grad_out, const Tensor& gr
   }
   const auto p = prepare(q, k, v, c10::nullopt, to_c10(key_lengths));
   auto go = grad_out.to(q.scalar_type()).contiguous();
-  auto delta = ((go * out).sum(-1) - grad_lse.to(q.scalar_type())).contiguous();
+  auto delta =
+      (ops::row_dots(go, out.to(go.scalar_type())) - grad_lse.to(q.scalar_type())).contiguous();
   auto lse_c = lse.contiguous();
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "full_attention_backward_accumulate", [&] {
     kernels::FullAttentionBackwardArgs<scalar_t> a;

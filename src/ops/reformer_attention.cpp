@@ -19,6 +19,7 @@
 #include "kernels/reformer/reformer.h"
 #include "ops/mask_util.h"
 #include "ops/op_util.h"
+#include "ops/row_dots.h"
 #include "ops/reformer_attention_internal.h"
 
 namespace fastattn {
@@ -203,7 +204,7 @@ std::tuple<Tensor, Tensor> reformer_attention_backward_cpu(const Tensor& grad_ou
     return {ops::in_rows_layout_of(gq, q), ops::in_rows_layout_of(gv, v)};
   }
   auto go = ops::rows_contiguous(grad_out.to(q.scalar_type()));
-  auto delta = (go * out).sum(-1).contiguous();  // (N, H, L)
+  auto delta = ops::row_dots(go, out.to(go.scalar_type()));  // (N, H, L)
   auto stats_c = stats.to(torch::kDouble).contiguous();
   // Gradients in the inputs' row layouts (as the fake implementation promises).
   auto gq = ops::empty_rows_like(q, q.size(3)), gv = ops::empty_rows_like(v, v.size(3));

@@ -9,6 +9,7 @@
 #include "fastattn/ops.h"
 #include "op_harness.h"
 #include "ops/full_attention_internal.h"
+#include "ops/row_dots.h"
 
 namespace fastattn {
 namespace {
@@ -393,6 +394,31 @@ TEST(FullAttentionLseTopk, BadInputsNameTheArgument) {
   EXPECT_ERROR_CONTAINS(
       full_attention_lse_topk(q, k, v, torch::tensor({7}, torch::kLong), std::nullopt, 1),
       "key_lengths");
+}
+
+// The softmax backward's delta = rowsum(a ∘ b) read in place: contiguous,
+// the layers' (N, L, H, M) views, padded rows, a broadcast head, against
+// ATen's (a * b).sum(-1) in float64 (and float32).
+TEST(RowDots, MatchesAtenInEveryRowLayout) {
+  torch::manual_seed(5);
+  const int64_t N = 2, H = 3, L = 77, M = 9;
+  auto base = torch::randn({N, L, H, M + 4}, torch::kDouble);
+  const std::vector<torch::Tensor> layouts = {
+      torch::randn({N, H, L, M}, torch::kDouble),
+      torch::randn({N, L, H, M}, torch::kDouble).transpose(1, 2),
+      base.narrow(3, 2, M).transpose(1, 2),
+      torch::randn({N, 1, L, M}, torch::kDouble).expand({N, H, L, M})};
+  for (const auto& a : layouts) {
+    for (const auto& b : layouts) {
+      for (auto dtype : {torch::kDouble, torch::kFloat}) {
+        const auto x = a.to(dtype), y = b.to(dtype);
+        const auto got = ops::row_dots(x, y);
+        EXPECT_TRUE(got.is_contiguous());
+        EXPECT_TRUE(torch::allclose(got, (x * y).sum(-1), dtype == torch::kDouble ? 1e-12 : 1e-5,
+                                    dtype == torch::kDouble ? 1e-12 : 1e-5));
+      }
+    }
+  }
 }
 
 }  // namespace
