@@ -172,6 +172,23 @@ def test_what_cannot_be_matched_is_named():
         layer.eval()(x, x, x, None, None, None)
 
 
+def test_hashing_parameters_mean_what_they_mean_in_fast_transformers():
+    from fastattn.compat.fast_transformers.attention import ReformerAttention
+    # fast-transformers 0.4: `bits` Gaussian directions, argmax over [xP; -xP]:
+    # 2·bits buckets (not 2**bits, which made 256 where it has 16).
+    assert ReformerAttention(bits=8).params["n_buckets"] == 16
+    assert ReformerAttention(bits=1).params["n_buckets"] == 2
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="bits must be an int >= 1"):
+            ReformerAttention(bits=bad)
+    # Its builders' registry defaults: 63 bits for every hashing type.
+    builder = quick_start_builder()
+    assert builder.bits == 63
+    builder.attention_type = "reformer"
+    inner = [m for m in builder.get().modules() if isinstance(m, ReformerAttention)]
+    assert inner and all(m.params["n_buckets"] == 126 for m in inner)
+
+
 def test_install_makes_import_fast_transformers_resolve_here():
     program = (
         "import fastattn.compat.fast_transformers as ft; ft.install()\n"

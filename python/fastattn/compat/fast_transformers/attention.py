@@ -125,15 +125,18 @@ class ImprovedClusteredCausalAttention(ImprovedClusteredAttention):
 
 
 class ReformerAttention(_Inner):
-    """``bits`` hash bits give 2**bits buckets (fastattn: angular LSH; at most
-    2**24, and fastattn clamps the count to the sequence length anyway, as
-    L positions fill at most L buckets)."""
+    """``bits`` random directions per round give 2·bits buckets, as in
+    fast-transformers (the argmax over [xP; -xP] of the keys' projections on
+    ``bits`` Gaussian directions; fastattn's angular LSH draws them per
+    module and clamps the bucket count to the sequence length)."""
 
     kind = "reformer"
 
     def __init__(self, chunk_size=32, bits=8, rounds=4, masked=False, softmax_temp=None,
                  attention_dropout=0.1, event_dispatcher=""):
-        super().__init__(attention_dropout, chunk_size=chunk_size, n_buckets=2 ** min(int(bits), 24),
+        if isinstance(bits, bool) or not isinstance(bits, int) or bits < 1:
+            raise ValueError("ReformerAttention: bits must be an int >= 1, got %r" % (bits,))
+        super().__init__(attention_dropout, chunk_size=chunk_size, n_buckets=2 * bits,
                          rounds=rounds, masked=masked, softmax_temp=softmax_temp)
 
 

@@ -33,7 +33,7 @@ __all__ = ["AttentionBuilder", "RecurrentAttentionBuilder", "RecurrentCrossAtten
 
 # The attention parameters every builder takes, with their defaults.
 _ATTENTION_PARAMS = dict(softmax_temp=None, attention_dropout=0.1, query_dimensions=64,
-                         feature_map=None, eps=1e-6, clusters=100, iterations=10, bits=32,
+                         feature_map=None, eps=1e-6, clusters=100, iterations=10, bits=63,
                          hash_bias=True, topk=32, chunk_size=32, rounds=4, masked=False,
                          local_context=32, length_limit=512, event_dispatcher="")
 
