@@ -26,7 +26,8 @@ using testing::OpCase;
 TEST(ReformerHash, MatchesReference) {
   torch::manual_seed(3);
   for (auto dtype : {torch::kDouble, torch::kFloat}) {
-    for (int64_t b2 : {0, 1, 3, 16, 32}) {
+    // Up to 256 columns over the 3 rounds packed (B2 <= 85), more by gemm.
+    for (int64_t b2 : {0, 1, 3, 16, 21, 32, 100}) {
       auto x = torch::randn({2, 3, 97, 17}, dtype);
       auto rot = torch::randn({3, 17, b2}, dtype);
       auto got = lsh_hash(x, rot);
@@ -34,6 +35,28 @@ TEST(ReformerHash, MatchesReference) {
       EXPECT_TRUE(got.equal(reference::lsh_hash(x, rot))) << "B2 = " << b2 << " " << dtype;
       EXPECT_GE(got.min().item<int64_t>(), 0);
       EXPECT_LT(got.max().item<int64_t>(), std::max<int64_t>(1, 2 * b2));
+    }
+  }
+}
+
+TEST(ReformerHash, TiesGoToTheFirstColumn) {
+  // Repeated rotation columns: every largest projection (and every smallest)
+  // appears twice; the first one wins, as torch.argmax picks it.
+  torch::manual_seed(6);
+  for (auto dtype : {torch::kDouble, torch::kFloat}) {
+    for (int64_t half : {3, 10, 40}) {
+      auto x = torch::randn({2, 3, 97, 17}, dtype);
+      auto cols = torch::randn({3, 17, half}, dtype);
+      auto rot = torch::cat({cols, cols}, -1);
+      const auto got = lsh_hash(x, rot), want = reference::lsh_hash(x, rot);
+      const int64_t b2 = 2 * half;
+      // The first copy of the winning column (the reference's matmul may
+      // round the two copies apart, so it is compared up to the copy).
+      EXPECT_TRUE(got.remainder(b2).lt(half).all().item<bool>()) << half << " " << dtype;
+      auto cls = [&](const torch::Tensor& t) {
+        return t.div(b2, "floor") * half + t.remainder(b2).remainder(half);
+      };
+      EXPECT_TRUE(cls(got).equal(cls(want))) << half << " " << dtype;
     }
   }
 }

@@ -27,6 +27,7 @@
 #include "kernels/common/parallel.h"
 #include "kernels/common/simd.h"
 #include "kernels/common/softmax_rows.h"
+#include "kernels/hashing/projections.h"
 
 FASTATTN_ISA_BEGIN
 namespace {
@@ -176,6 +177,58 @@ inline void scatter_add_rows(const T* x, const int64_t* idx, int64_t n, int64_t 
 
 }  // namespace
 
+// argmax over [p ; -p] of p (B2 values), the first maximum as torch.argmax
+// (a NaN is passed over unless it is p[0], which gives B2).
+template <typename T>
+inline int64_t signed_argmax_scalar(const T* p, int64_t B2) {
+  T hi = p[0], lo = p[0];
+  int64_t imax = 0, imin = 0;
+  for (int64_t b = 1; b < B2; ++b) {  // selects, not branches: the winners are random
+    const T x = p[b];
+    const bool up = x > hi, down = x < lo;
+    imax = up ? b : imax;
+    hi = up ? x : hi;
+    imin = down ? b : imin;
+    lo = down ? x : lo;
+  }
+  return hi >= -lo ? imax : B2 + imin;
+}
+
+// The same: the largest and smallest values by vectors, then the first
+// position of the winner (the scalar form wherever a NaN is among them).
+template <typename T>
+inline int64_t signed_argmax(const T* p, int64_t B2) {
+  using S = Simd<T>;
+  if (B2 < S::W) return signed_argmax_scalar(p, B2);
+  auto hi = S::load(p), neg = S::sub(S::zero(), hi), sum = hi;
+  int64_t b = S::W;
+  for (; b + S::W <= B2; b += S::W) {
+    const auto v = S::load(p + b);
+    hi = S::max(hi, v);
+    neg = S::max(neg, S::sub(S::zero(), v));
+    sum = S::add(sum, v);
+  }
+  T h = S::hmax(hi), l = -S::hmax(neg), total = S::hsum(sum);
+  for (; b < B2; ++b) {
+    h = std::max(h, p[b]);
+    l = std::min(l, p[b]);
+    total += p[b];
+  }
+  if (total != total) return signed_argmax_scalar(p, B2);  // a NaN (or inf - inf)
+  const bool positive = h >= -l;
+  const T want = positive ? h : l;
+  int64_t i = 0;
+  while (p[i] != want) ++i;
+  return positive ? i : B2 + i;
+}
+
+// Up to this many rotation columns over all rounds (R·B2) a row's
+// projections come from PackedDirections (projections.h), all rounds at
+// once; more (many buckets) from gemm, a round at a time. The compatibility
+// layer's default (4 rounds of 8) took 17 ms through gemm at L = 16384,
+// H = 8: eight of the micro-kernel's 32 columns used.
+constexpr int64_t kPackedColumns = 256;
+
 template <typename T>
 void lsh_hash_cpu(const LshHashArgs<T>& args) {
   LshHashArgs<T> a = args;
@@ -188,6 +241,29 @@ void lsh_hash_cpu(const LshHashArgs<T>& args) {
   }
   constexpr int64_t kRows = 96;
   const int64_t blocks = (L + kRows - 1) / kRows;
+  if (R * B2 <= kPackedColumns) {
+    PackedDirections<T> dirs(E, R * B2);  // column r·B2 + b: rotation r's column b
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t e = 0; e < E; ++e)
+        for (int64_t b = 0; b < B2; ++b) dirs.set(r * B2 + b, e, a.rotations[(r * E + e) * B2 + b]);
+    const int64_t G = dirs.rows(), ld = dirs.stride();
+    parallel_items<std::vector<T>>(
+        NH * blocks, a.num_threads, [&](std::vector<T>& w) { w.resize(G * ld); },
+        [&](int64_t item, std::vector<T>& w) {
+          const int64_t nh = item / blocks, l0 = (item % blocks) * kRows;
+          const int64_t l1 = std::min(L, l0 + kRows);
+          for (int64_t l = l0; l < l1; l += G) {
+            const T* x[8];  // the last group repeats its final row
+            for (int64_t j = 0; j < G; ++j)
+              x[j] = a.x_rows.row(a.x, nh, a.H, std::min(l + j, l1 - 1));
+            dirs.project(x, w.data());
+            for (int64_t j = 0; j < G && l + j < l1; ++j)
+              for (int64_t r = 0; r < R; ++r)
+                a.buckets[(nh * R + r) * L + l + j] = signed_argmax(w.data() + j * ld + r * B2, B2);
+          }
+        });
+    return;
+  }
   parallel_items<std::vector<T>>(
       NH * blocks, a.num_threads, [&](std::vector<T>& w) { w.resize(kRows * B2); },
       [&](int64_t item, std::vector<T>& w) {
@@ -197,16 +273,7 @@ void lsh_hash_cpu(const LshHashArgs<T>& args) {
         for (int64_t r = 0; r < R; ++r) {
           gemm(rows, B2, E, x, a.x_rows.sr, a.rotations + r * E * B2, B2, w.data(), B2, false);
           int64_t* out = a.buckets + (nh * R + r) * L + l0;
-          for (int64_t i = 0; i < rows; ++i) {
-            const T* p = w.data() + i * B2;
-            int64_t imax = 0, imin = 0;
-            for (int64_t b = 1; b < B2; ++b) {
-              if (p[b] > p[imax]) imax = b;
-              if (p[b] < p[imin]) imin = b;
-            }
-            // argmax over [p ; -p], the first maximum as torch.argmax.
-            out[i] = p[imax] >= -p[imin] ? imax : B2 + imin;
-          }
+          for (int64_t i = 0; i < rows; ++i) out[i] = signed_argmax(w.data() + i * B2, B2);
         }
       });
 }
