@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include "fastattn/ops.h"
+#include "kernels/common/scratch.h"
 
 #include <cmath>
 #include <cstdint>
@@ -269,6 +270,40 @@ void return_to_cache(void* context) {
   delete b;
 }
 
+// The CPU kernels' large scratch arrays (kernels/common/scratch.h) from the
+// same cache as the outputs, by the same rule: from 4 MiB, rounded up to
+// 2 MiB, fresh ones prepared; smaller ones, or with the cache off, from
+// operator new as before.
+bool scratch_cached(size_t bytes) {
+  return static_cast<int64_t>(bytes) >= kCachedMinBytes && OutputCache::get().limit() > 0;
+}
+size_t rounded_bytes(size_t bytes) { return (bytes + kHugePage - 1) / kHugePage * kHugePage; }
+
+// A cached buffer of `rounded` bytes, its pages prepared when it is fresh.
+void* take_buffer(size_t rounded) {
+  bool fresh = false;
+  void* p = OutputCache::get().take(rounded, &fresh);
+  if (fresh) prepare_pages(static_cast<char*>(p), static_cast<int64_t>(rounded));
+  return p;
+}
+
+void* take_scratch_buffer(size_t bytes) {
+  return scratch_cached(bytes) ? take_buffer(rounded_bytes(bytes)) : ::operator new(bytes);
+}
+
+void give_scratch_buffer(void* p, size_t bytes) {
+  if (!scratch_cached(bytes)) {
+    ::operator delete(p);
+    return;
+  }
+  OutputCache::get().give(p, rounded_bytes(bytes));
+}
+
+const bool kScratchHooksInstalled = [] {
+  kernels::set_scratch_hooks({&take_scratch_buffer, &give_scratch_buffer});
+  return true;
+}();
+
 torch::Tensor empty_in_layout(bool heads_in_rows, int64_t N, int64_t H, int64_t rows, int64_t cols,
                               const torch::TensorOptions& options) {
   const std::vector<int64_t> sizes = heads_in_rows ? std::vector<int64_t>{N, rows, H, cols}
@@ -291,10 +326,8 @@ torch::Tensor empty_output(at::IntArrayRef sizes, const torch::TensorOptions& op
     prepare_pages(static_cast<char*>(t.data_ptr()), bytes);
     return t;
   }
-  const size_t rounded = (static_cast<size_t>(bytes) + kHugePage - 1) / kHugePage * kHugePage;
-  bool fresh = false;
-  void* data = cache.take(rounded, &fresh);
-  if (fresh) prepare_pages(static_cast<char*>(data), static_cast<int64_t>(rounded));
+  const size_t rounded = rounded_bytes(static_cast<size_t>(bytes));
+  void* data = take_buffer(rounded);
   c10::DataPtr ptr(data, new CachedBuffer{data, rounded}, &return_to_cache,
                    c10::Device(c10::DeviceType::CPU));
   // Resizable: a resize_ past the buffer takes memory from the CPU allocator

@@ -48,6 +48,25 @@ TEST(OutputCache, FreedOutputsAreReusedAndOverwritten) {
   EXPECT_EQ(cpu_cache_bytes(), 0);
 }
 
+// The kernels' large scratch arrays (kernels/common/scratch.h) come from
+// the cache too and go back to it: local attention's forward packs K into
+// panels (8 MiB here), freed before the call returns; a second call takes
+// that buffer again and computes the same output in it.
+TEST(OutputCache, KernelScratchArraysComeFromTheCache) {
+  empty_cpu_cache();
+  torch::manual_seed(1);
+  auto q = torch::randn({1, 8, 4096, 64}), k = torch::randn({1, 8, 4096, 64}),
+       v = torch::randn({1, 8, 4096, 64});
+  torch::NoGradGuard no_grad;
+  auto out1 = block_sparse_attention(q, k, v, "local", {64});
+  // The output (8 MiB) is alive; the panels were given back.
+  EXPECT_EQ(cpu_cache_bytes(), 8 * kMiB);
+  auto out2 = block_sparse_attention(q, k, v, "local", {64});
+  EXPECT_EQ(cpu_cache_bytes(), 8 * kMiB);  // taken and given back again
+  EXPECT_TRUE(torch::equal(out1, out2));
+  empty_cpu_cache();
+}
+
 TEST(OutputCache, SmallOutputsAreNotCached) {
   empty_cpu_cache();
   auto x = torch::randn({1, 8, 1024, 64});  // 2 MiB

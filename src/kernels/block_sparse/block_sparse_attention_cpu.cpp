@@ -27,6 +27,7 @@
 #include "kernels/common/isa_target.h"
 #include "kernels/common/gemm.h"
 #include "kernels/common/parallel.h"
+#include "kernels/common/scratch.h"
 #include "kernels/common/simd.h"
 #include "kernels/common/softmax_rows.h"
 
@@ -254,8 +255,8 @@ PartGeometries make_part_geometries(const SparsePart& part, int64_t H, int64_t L
 template <typename T>
 struct OrderedKeys {
   int64_t S_pad = 0;
-  std::unique_ptr<T[]> panels;  // (N·H, S_pad·D)
-  std::unique_ptr<T[]> rows;    // (N·H, Sp·D) or null (identity: use the input)
+  ScratchArray<T> panels;  // (N·H, S_pad·D)
+  ScratchArray<T> rows;    // (N·H, Sp·D) or null (identity: use the input)
 };
 
 template <typename T>
@@ -271,8 +272,8 @@ OrderedKeys<T> order_keys(const T* x, const RowStrides& xr, const PartGeometries
   }
   OrderedKeys<T> ok;
   ok.S_pad = round_up(std::max<int64_t>(Sp, 1), NR);
-  if (want_panels) ok.panels.reset(new T[static_cast<size_t>(N * H * ok.S_pad * D)]);
-  if (want_rows && !identity) ok.rows.reset(new T[static_cast<size_t>(N * H * Sp * D)]);
+  if (want_panels) ok.panels.reset(static_cast<size_t>(N * H * ok.S_pad * D));
+  if (want_rows && !identity) ok.rows.reset(static_cast<size_t>(N * H * Sp * D));
   struct Gather {
     std::vector<T> buf;
   };

@@ -23,6 +23,7 @@
 #include "kernels/common/isa_target.h"
 #include "kernels/common/gemm.h"
 #include "kernels/common/parallel.h"
+#include "kernels/common/scratch.h"
 #include "kernels/common/simd.h"
 #include "kernels/common/softmax_rows.h"
 
@@ -358,8 +359,8 @@ void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& args) {
   // touch of dK and dV's fresh pages, was a fifth of the backward with 100
   // queries over 16384 keys while the other thread waited.
   const bool parts = splits > 1 || a.grad_q_rows.sr != E;
-  std::unique_ptr<T[]> dq_parts;
-  if (parts) dq_parts.reset(new T[static_cast<size_t>(NH * splits * L * E)]);
+  ScratchArray<T> dq_parts;
+  if (parts) dq_parts.reset(static_cast<size_t>(NH * splits * L * E));
 
   parallel_items<BackwardScratch<T>>(
       NH * splits, a.num_threads,

@@ -20,6 +20,7 @@
 #include "kernels/common/isa_target.h"
 #include "kernels/common/gemm.h"
 #include "kernels/common/parallel.h"
+#include "kernels/common/scratch.h"
 #include "kernels/common/simd.h"
 #include "kernels/common/softmax_rows.h"
 
@@ -41,9 +42,9 @@ inline int64_t visible_cols(bool causal, int64_t i, int64_t offset, int64_t j0, 
 // Packs X (per (n, h): rows x D, laid out as xr) of every head into
 // transposed panels for gemm_packed: out is (NH, rows_pad / NR panels, D, NR).
 template <typename T>
-std::unique_ptr<T[]> pack_heads(const T* x, const RowStrides& xr, int64_t NH, int64_t H,
-                                int64_t rows, int64_t D, int64_t rows_pad, int num_threads) {
-  std::unique_ptr<T[]> out(new T[static_cast<size_t>(std::max<int64_t>(NH * rows_pad * D, 1))]);
+ScratchArray<T> pack_heads(const T* x, const RowStrides& xr, int64_t NH, int64_t H, int64_t rows,
+                           int64_t D, int64_t rows_pad, int num_threads) {
+  ScratchArray<T> out(static_cast<size_t>(NH * rows_pad * D));
   T* o = out.get();
   struct None {};
   parallel_items<None>(
@@ -107,7 +108,7 @@ void hard_retrieval_forward_cpu(const HardRetrievalForwardArgs<T>& args) {
   constexpr int64_t NR = panel_width<T>();
   const bool direct = L < kDirectRows;
   const int64_t S_pad = round_up(std::max<int64_t>(S, 1), NR);
-  std::unique_ptr<T[]> kp;
+  ScratchArray<T> kp;
   if (!direct) kp = pack_heads(a.k, a.k_rows, NH, H, S, E, S_pad, a.num_threads);
   const int64_t q_tiles = (L + kBr - 1) / kBr;
   const int64_t offset = S - L;

@@ -25,6 +25,7 @@
 #include "kernels/common/isa_target.h"
 #include "kernels/common/gemm.h"
 #include "kernels/common/parallel.h"
+#include "kernels/common/scratch.h"
 #include "kernels/common/simd.h"
 #include "kernels/common/softmax_rows.h"
 #include "kernels/hashing/projections.h"
@@ -48,8 +49,8 @@ inline void exp_shift2(T* row, int64_t width, T hi, T lo) {
 // the valid positions sorted by (bucket, position).
 template <typename T>
 struct Prepared {
-  std::unique_ptr<T[]> keys;        // (N·H, L, E): q / max(|q|, eps)
-  std::unique_ptr<int64_t[]> perm;  // (N·H, R, L): the first len entries are used
+  ScratchArray<T> keys;        // (N·H, L, E): q / max(|q|, eps)
+  ScratchArray<int64_t> perm;  // (N·H, R, L): the first len entries are used
   int64_t NH = 0, max_chunks = 0;
 };
 
@@ -63,8 +64,8 @@ Prepared<T> prepare(const ReformerParams<T>& a) {
   Prepared<T> p;
   const int64_t NH = a.N * a.H, L = a.L, E = a.E, R = a.R;
   p.NH = NH;
-  p.keys.reset(new T[static_cast<size_t>(NH * L * E)]);
-  p.perm.reset(new int64_t[static_cast<size_t>(NH * R * L)]);
+  p.keys.reset(static_cast<size_t>(NH * L * E));
+  p.perm.reset(static_cast<size_t>(NH * R * L));
   struct None {};
   parallel_items<None>(
       NH, a.num_threads, [](None&) {},
@@ -394,7 +395,7 @@ void reformer_backward_cpu(const ReformerBackwardArgs<T>& args) {
   zero_all_rows_parallel(a.grad_v, a.grad_v_rows, NH, H, L, M, a.num_threads);
   if (NH == 0 || L == 0) return;
   const auto p = prepare(a);
-  std::unique_ptr<T[]> grad_k(new T[static_cast<size_t>(NH * L * E)]);  // d loss / d keys
+  ScratchArray<T> grad_k(static_cast<size_t>(NH * L * E));  // d loss / d keys
   zero_all_rows_parallel(grad_k.get(), RowStrides{}.resolved(H, L, E), NH, H, L, E, a.num_threads);
   constexpr int64_t NR = panel_width<T>();
   const int64_t Wd = round_up(2 * C, NR);
