@@ -13,8 +13,8 @@ using torch::Tensor;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// out (N, H, C, E) = per-cluster sums of x's rows, or means when counts
-// (N, H, C) are given.
+}  // namespace
+
 Tensor cluster_sums(const Tensor& x_in, const Tensor& assignments, int64_t C,
                     const Tensor& counts) {
   const auto x = rows_contiguous(x_in);
@@ -42,6 +42,8 @@ Tensor cluster_sums(const Tensor& x_in, const Tensor& assignments, int64_t C,
   });
   return out;
 }
+
+namespace {
 
 // (N, H, L, E) in like's row layout: row l = table[a_l] (divided by its
 // count when counts are given), zeros for a_l = -1.

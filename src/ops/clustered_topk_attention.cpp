@@ -17,6 +17,7 @@
 
 #include "fastattn/ops.h"
 #include "kernels/clustered_topk/clustered_topk.h"
+#include "ops/cluster_members.h"
 #include "ops/clustered_topk_checks.h"
 #include "ops/full_attention_internal.h"
 #include "ops/mask_util.h"
@@ -299,23 +300,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> improved_clustered_forward_cp
   auto assignments = assignments_in.contiguous(), counts = counts_in.contiguous();
   Tensor lengths;
   if (key_lengths) lengths = key_lengths->to(torch::kLong).contiguous();
-  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), E = q.size(3), C = counts.size(2);
-  auto centroids = torch::empty({N, H, C, E}, q.options());
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "improved_clustered_centroids", [&] {
-    kernels::ClusterMeansArgs<scalar_t> m;
-    m.q = q.data_ptr<scalar_t>();
-    m.q_rows = ops::row_strides(q);
-    m.H = H;
-    m.assignments = assignments.data_ptr<int64_t>();
-    m.counts = counts.data_ptr<int64_t>();
-    m.centroids = centroids.data_ptr<scalar_t>();
-    m.NH = N * H;
-    m.L = L;
-    m.C = C;
-    m.E = E;
-    m.num_threads = at::get_num_threads();
-    kernels::cluster_means_cpu(m);
-  });
+  auto centroids = ops::cluster_sums(q, assignments, counts.size(2), counts);  // the means
   static auto lse_topk = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("fastattn::full_attention_lse_topk_forward", "")
                              .typed<std::tuple<Tensor, Tensor, Tensor>(
