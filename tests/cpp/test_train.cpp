@@ -698,7 +698,12 @@ TrainConfig reverse_config(int64_t vocab, int64_t min_length, int64_t max_length
 TEST(TrainerTest, LearnsToReverseWithGreedyDecoding) {
   auto c = reverse_config(/*vocab=*/4, /*min_length=*/2, /*max_length=*/6, /*layers=*/1);
   c.batch_size = 32;
-  c.steps = 600;
+  // Past the learning curve's step: at 600 steps this run sat on it, and
+  // rounding alone (2 threads instead of 1, another CPU level, a changed
+  // summation order in a kernel) moved the exact match between 0.60 and
+  // 1.0. At 1200 every seed tried (3, 5, 7, 8, 9, 11) and every thread
+  // count and level reaches 1.0; at 900 seed 7 on 2 threads reached 0.77.
+  c.steps = 1200;
   c.seed = 3;
   Trainer t(c);
   const auto before = t.evaluate();
