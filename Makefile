@@ -109,7 +109,7 @@ gpu-session:
 # fuzz corpus replay and seeded fuzz inputs) and every operator's own suite
 # (harness: float64 references, gradients, finite differences, awkward
 # shapes), plus masks and the registry.
-ASAN_CI_FILTER ?= Validation*:OutputCache*:EdgeNumerics*:FuzzCorpus*:*FullAttention*:Clustered.ReadsAndWritesRowLayoutsInPlace:*CausalLinearProduct*:*EluLinearAttention*:EluFeatureMap*:*HardRetrievalOp*:ClusteredTopkAttention*:ClusterCodes*:HashQueries*:GatherTokens*:*ReformerOp*:ReformerHash*:*SparseAttention*:SparsePatterns*:Mask*:Registry*:AttentionInputs*
+ASAN_CI_FILTER ?= Validation*:OutputCache*:ClusterMembers*:RowDots*:EdgeNumerics*:FuzzCorpus*:*FullAttention*:Clustered.ReadsAndWritesRowLayoutsInPlace:*CausalLinearProduct*:*EluLinearAttention*:EluFeatureMap*:*HardRetrievalOp*:ClusteredTopkAttention*:ClusterCodes*:HashQueries*:GatherTokens*:*ReformerOp*:ReformerHash*:*SparseAttention*:SparsePatterns*:Mask*:Registry*:AttentionInputs*
 test-asan-ci:
 	$(MAKE) test-asan ASAN_GTEST_FILTER='$(ASAN_CI_FILTER)'
 
