@@ -176,8 +176,6 @@ inline void scatter_add_rows(const T* x, const int64_t* idx, int64_t n, int64_t 
   }
 }
 
-}  // namespace
-
 // argmax over [p ; -p] of p (B2 values), the first maximum as torch.argmax
 // (a NaN is passed over unless it is p[0], which gives B2).
 template <typename T>
@@ -229,6 +227,8 @@ inline int64_t signed_argmax(const T* p, int64_t B2) {
 // layer's default (4 rounds of 8) took 17 ms through gemm at L = 16384,
 // H = 8: eight of the micro-kernel's 32 columns used.
 constexpr int64_t kPackedColumns = 256;
+
+}  // namespace
 
 template <typename T>
 void lsh_hash_cpu(const LshHashArgs<T>& args) {
