@@ -2,19 +2,21 @@
 //
 // Forward, per part, per work item (n, h, tile of kBq queries in the part's
 // query order): the rows' kept key intervals give the tile's key-block range;
-// for each key tile of kBk keys: S = Q·K^T (K ordered and packed in panels),
-// scale and cut each row to its intervals, online softmax update, O += P·V.
-// The first part of a head starts from nothing, the last one normalises and
-// writes lse; between them the state (O, max, sum) waits in out / lse / a
-// buffer.
+// per chunk of up to kChunk keys: S = Q·K^T per key tile of kBk keys (K
+// ordered and packed in panels) for the rows that reach it, scale and cut
+// each row to its intervals, one online softmax update per row, O += P·V per
+// key tile. The first part of a head starts from nothing, the last one
+// normalises and writes lse; between them the state (O, max, sum) waits in
+// out / lse / a buffer.
 //
 // Backward, per part: when the heads share out evenly between the threads,
 // one pass per head (per key tile, over the query tiles that may see it: P
 // from the saved lse, dP = dO·V^T, dS = P ∘ (dP - delta)·scale,
 // dV += P^T·dO, dK += dS^T·Q, dQ += dS·K). Otherwise finer items in two
 // passes: a dQ pass per query tile and a dK/dV pass per key tile, each
-// computing P and dS. Every item writes rows no other item writes, so no
-// thread keeps a private copy of a gradient.
+// computing P and dS. Query tiles stay gathered in a few slots per thread
+// while consecutive key tiles see them. Every item writes rows no other item
+// writes, so no thread keeps a private copy of a gradient.
 #include "kernels/block_sparse/block_sparse_attention.h"
 
 #include <algorithm>
@@ -83,8 +85,9 @@ std::vector<SparsePart> make_sparse_parts(int pattern, const std::vector<int64_t
 
 namespace {
 
-constexpr int64_t kBq = 64;  // queries per tile
-constexpr int64_t kBk = 64;  // keys per tile
+constexpr int64_t kBq = 64;      // queries per tile
+constexpr int64_t kBk = 32;      // keys per tile
+constexpr int64_t kChunk = 256;  // forward: keys per softmax update
 
 int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
 int64_t floor_mod(int64_t a, int64_t b) { return a - floor_div(a, b) * b; }
@@ -323,23 +326,40 @@ int64_t max_sp(const PartGeometries& pg) {
   return Sp;
 }
 
-// Scales a row of scores and cuts it to the range (ordered key coordinates);
-// everything else up to `width` becomes -inf. Returns false if nothing is kept.
+// Scales a row of scores (key columns j0.., `cols` of them, `width` a
+// multiple of the vector width) and cuts it to the range (ordered key
+// coordinates). Returns the columns [v0, v1), rounded out to whole vectors,
+// that hold what is kept; there the cut-off columns become -inf, and nothing
+// outside is written (v0 == v1: nothing kept). The band of a local query
+// tile keeps 128 of its 192 columns: the softmax then reads only those.
+struct Kept {
+  int64_t v0 = 0, v1 = 0;
+};
 template <typename T>
-inline bool prepare_row(T* row, const Range& rr, int64_t j0, int64_t cols, int64_t width, T scale) {
+inline Kept prepare_row(T* row, const Range& rr, int64_t j0, int64_t cols, int64_t width, T scale) {
+  constexpr int64_t W = Simd<T>::W;
   const int64_t c_lo = std::clamp<int64_t>(rr.a - j0, 0, cols);
   const int64_t c_hi = std::clamp<int64_t>(rr.b - j0 + 1, c_lo, cols);
-  for (int64_t c = 0; c < c_lo; ++c) row[c] = neg_inf<T>();
+  if (c_hi == c_lo) return {};
+  const Kept k{c_lo / W * W, std::min(width, round_up(c_hi, W))};
+  for (int64_t c = k.v0; c < c_lo; ++c) row[c] = neg_inf<T>();
   for (int64_t c = c_lo; c < c_hi; ++c) row[c] *= scale;
-  for (int64_t c = c_hi; c < width; ++c) row[c] = neg_inf<T>();
-  int64_t kept = c_hi - c_lo;
+  for (int64_t c = c_hi; c < k.v1; ++c) row[c] = neg_inf<T>();
   if (rr.x <= rr.y) {
     const int64_t e_lo = std::clamp<int64_t>(rr.x - j0, c_lo, c_hi);
     const int64_t e_hi = std::clamp<int64_t>(rr.y - j0 + 1, e_lo, c_hi);
     for (int64_t c = e_lo; c < e_hi; ++c) row[c] = neg_inf<T>();
-    kept -= e_hi - e_lo;
   }
-  return kept > 0;
+  return k;
+}
+
+// P of a prepared row: exp(row - shift) on the kept vectors, zeros elsewhere
+// up to width. Returns the sum.
+template <typename T>
+inline T exp_kept(T* row, const Kept& k, int64_t width, T shift) {
+  std::fill(row, row + k.v0, T(0));
+  std::fill(row + k.v1, row + width, T(0));
+  return exp_shift_sum(row + k.v0, k.v1 - k.v0, shift);
 }
 
 // The rows of one query tile: their indices, ranges, and the key tiles
@@ -379,10 +399,23 @@ struct TileRows {
     return buf.data();
   }
 
-  bool reaches(int64_t j0, int64_t cols) const {
-    for (int64_t r = 0; r < rows; ++r)
-      if (!rr[r].empty() && rr[r].a < j0 + cols && rr[r].b >= j0) return true;
-    return false;
+  bool reaches(int64_t r, int64_t j0, int64_t cols) const {
+    return !rr[r].empty() && rr[r].a < j0 + cols && rr[r].b >= j0;
+  }
+
+  // Rows [lo, hi) from the first to the last that reach key columns
+  // [j0, j0 + cols); false if none does. A band's tile edges are triangles:
+  // with key tiles of half a query tile, skipping the rows outside them
+  // computes 160 scores per query of a 128-wide band instead of 192.
+  bool span(int64_t j0, int64_t cols, int64_t* lo, int64_t* hi) const {
+    int64_t r = 0;
+    while (r < rows && !reaches(r, j0, cols)) ++r;
+    if (r == rows) return false;
+    int64_t e = rows;
+    while (!reaches(e - 1, j0, cols)) --e;
+    *lo = r;
+    *hi = e;
+    return true;
   }
 };
 
@@ -515,7 +548,11 @@ void block_sparse_attention_forward_cpu(const BlockSparseForwardArgs<T>& args) {
   const int64_t q_tiles = (L + kBq - 1) / kBq;
   const int64_t osr = a.out_rows.sr;
   // Heads that no part covers (none today) output zeros.
-  zero_all_rows_parallel(a.out, a.out_rows, NH, H, L, M, a.num_threads);
+  for (int64_t h = 0; h < H; ++h)
+    if (first_for(a.parts, a.num_parts, h)) {
+      zero_all_rows_parallel(a.out, a.out_rows, NH, H, L, M, a.num_threads);
+      break;
+    }
   std::fill(a.lse, a.lse + NH * L, neg_inf<T>());
   std::vector<T> lsum(a.num_parts > 1 ? NH * L : 0);
 
@@ -528,7 +565,7 @@ void block_sparse_attention_forward_cpu(const BlockSparseForwardArgs<T>& args) {
     parallel_items<ForwardScratch<T>>(
         NH * q_tiles, a.num_threads,
         [&](ForwardScratch<T>& w) {
-          w.s.resize(kBq * kBk);
+          w.s.resize(kBq * kChunk);
           w.o.resize(kBq * M);
           w.m.resize(kBq);
           w.l.resize(kBq);
@@ -561,22 +598,41 @@ void block_sparse_attention_forward_cpu(const BlockSparseForwardArgs<T>& args) {
             const T* q = tile.gather(a.q_rows.head(a.q, nh, H), a.q_rows.sr, E, w.qbuf);
             const T* kp = kk.panels.get() + nh * kk.S_pad * E;
             const Rows<T> vo = ordered_rows(vv, a.v, a.v_rows, nh, H, Sp, M);
-            for (int64_t kb = tile.kb_lo; kb <= tile.kb_hi; ++kb) {
-              const int64_t j0 = kb * kBk;
-              const int64_t cols = std::min(kBk, g->Sp - j0);
-              if (cols <= 0 || !tile.reaches(j0, cols)) continue;
-              const int64_t width = round_up(cols, NR);
-              gemm_packed(rows, width, E, q, E, kp + j0 * E, w.s.data(), kBk, false);
-              for (int64_t r = 0; r < rows; ++r) {
-                T* row = w.s.data() + r * kBk;
-                prepare_row(row, tile.rr[r], j0, cols, width, a.scale);
-                const T m_new = std::max(w.m[r], row_max(row, width));
+            // Up to kChunk keys at a time: scores of each key tile for the rows
+            // that reach it, one softmax update per row, then O += P·V per key
+            // tile for those rows.
+            constexpr int64_t per_chunk = kChunk / kBk;
+            int64_t r0[per_chunk], r1[per_chunk];
+            for (int64_t kc = tile.kb_lo; kc <= tile.kb_hi; kc += per_chunk) {
+              const int64_t J0 = kc * kBk;
+              const int64_t tiles = std::min(per_chunk, tile.kb_hi + 1 - kc);
+              const int64_t chunk_cols = std::min(tiles * kBk, g->Sp - J0);
+              if (chunk_cols <= 0) break;
+              int64_t u0 = rows, u1 = 0;  // rows reaching any tile of the chunk
+              for (int64_t b = 0; b < tiles; ++b) {
+                const int64_t j0 = J0 + b * kBk, cols = std::min(kBk, g->Sp - j0);
+                if (cols <= 0 || !tile.span(j0, cols, &r0[b], &r1[b])) {
+                  r0[b] = r1[b] = 0;
+                  continue;
+                }
+                u0 = std::min(u0, r0[b]);
+                u1 = std::max(u1, r1[b]);
+                gemm_packed(r1[b] - r0[b], round_up(cols, NR), E, q + r0[b] * E, E, kp + j0 * E,
+                            w.s.data() + r0[b] * kChunk + b * kBk, kChunk, false);
+              }
+              const int64_t width = round_up(chunk_cols, NR);
+              // A row's scores in tiles it does not reach are unset: they lie
+              // outside its range, which exp_kept sets to 0.
+              for (int64_t r = u0; r < u1; ++r) {
+                T* row = w.s.data() + r * kChunk;
+                const Kept kept = prepare_row(row, tile.rr[r], J0, chunk_cols, width, a.scale);
+                const T m_new = std::max(w.m[r], row_max(row + kept.v0, kept.v1 - kept.v0));
                 if (m_new == neg_inf<T>()) {  // nothing kept so far in this row
                   std::fill(row, row + width, T(0));
                   continue;
                 }
                 const T alpha = std::exp(w.m[r] - m_new);  // 0 when m was -inf
-                const T sum = exp_shift_sum(row, width, m_new);
+                const T sum = exp_kept(row, kept, width, m_new);
                 w.l[r] = w.l[r] * alpha + sum;
                 w.m[r] = m_new;
                 if (alpha != T(1)) {
@@ -584,8 +640,12 @@ void block_sparse_attention_forward_cpu(const BlockSparseForwardArgs<T>& args) {
                   for (int64_t c = 0; c < M; ++c) orow[c] *= alpha;
                 }
               }
-              gemm(rows, M, cols, w.s.data(), kBk, vo.rows + j0 * vo.ld, vo.ld, w.o.data(), M,
-                   true);
+              for (int64_t b = 0; b < tiles; ++b) {
+                if (r1[b] <= r0[b]) continue;
+                const int64_t j0 = J0 + b * kBk, cols = std::min(kBk, g->Sp - j0);
+                gemm(r1[b] - r0[b], M, cols, w.s.data() + r0[b] * kChunk + b * kBk, kChunk,
+                     vo.rows + j0 * vo.ld, vo.ld, w.o.data() + r0[b] * M, M, true);
+              }
             }
           }
           for (int64_t r = 0; r < rows; ++r) {
@@ -606,42 +666,61 @@ void block_sparse_attention_forward_cpu(const BlockSparseForwardArgs<T>& args) {
 }
 
 namespace {
+// A query tile of the backward with its rows' q and dO (D apart), lse and
+// delta at hand, and its dQ summed until the tile leaves its slot. Each key
+// tile of a band sees four or five query tiles, and each query tile is seen
+// by as many key tiles in a row: a few slots keep them gathered once, and
+// dQ goes to the strided gradient rows once.
+template <typename T>
+struct QueryTile {
+  int64_t nh = -1, t = -1;  // which one (none yet)
+  TileRows tile;
+  std::vector<T> qbuf, dobuf, lse, delta, dq;
+  const T* q = nullptr;
+  const T* dO = nullptr;
+  bool has_dq = false;  // dq holds sums not yet added to the gradient
+};
+constexpr int64_t kQuerySlots = 8;
+
 template <typename T>
 struct BackwardScratch {
-  std::vector<T> p, pt, dp, dst, acc1, acc2, acc3, qbuf, dobuf, lse, delta;
-  TileRows tile;
+  std::vector<T> p, dp, acc1, acc2, kp, vp;
+  QueryTile<T> slots[kQuerySlots];
 };
 
-// dst row qidx[r] (rows sr apart) += src row r (D apart), for the tile's rows.
+// dst row qidx[r] (rows sr apart) += src row r (D apart), for the tile's
+// rows [r0, r1).
 template <typename T>
-void add_tile_rows(const TileRows& tile, const T* src, int64_t D, T* dst, int64_t sr) {
-  for (int64_t r = 0; r < tile.rows; ++r) {
+void add_tile_rows(const TileRows& tile, int64_t r0, int64_t r1, const T* src, int64_t D, T* dst,
+                   int64_t sr) {
+  for (int64_t r = r0; r < r1; ++r) {
     T* d = dst + tile.qidx[r] * sr;
     const T* x = src + r * D;
     for (int64_t c = 0; c < D; ++c) d[c] += x[c];
   }
 }
 
-// P = exp(S·scale - lse) cut to the rows' ranges, for the tile's rows against
-// key tile [j0, j0 + cols); dS = P ∘ (dO·V^T - delta)·scale in w.dp.
+// P = exp(S·scale - lse) cut to the rows' ranges, for the tile's rows
+// [r0, r1) against key tile [j0, j0 + cols) (its keys and values packed in
+// panels at kp, vp); dS = P ∘ (dO·V^T - delta)·scale in w.dp (row r of both
+// at r·kBk).
 template <typename T>
-void tile_p_ds(const BlockSparseBackwardArgs<T>& a, BackwardScratch<T>& w, const T* q, const T* dO,
-               const T* kp, const T* vp, int64_t j0, int64_t cols) {
+void tile_p_ds(const BlockSparseBackwardArgs<T>& a, BackwardScratch<T>& w, const QueryTile<T>& qt,
+               const T* kp, const T* vp, int64_t j0, int64_t cols, int64_t r0, int64_t r1) {
   constexpr int64_t NR = panel_width<T>();
-  const int64_t rows = w.tile.rows, width = round_up(cols, NR);
-  gemm_packed(rows, width, a.E, q, a.E, kp + j0 * a.E, w.p.data(), kBk, false);
-  for (int64_t r = 0; r < rows; ++r) {
+  const int64_t width = round_up(cols, NR);
+  gemm_packed(r1 - r0, width, a.E, qt.q + r0 * a.E, a.E, kp, w.p.data() + r0 * kBk, kBk, false);
+  for (int64_t r = r0; r < r1; ++r) {
     T* row = w.p.data() + r * kBk;
-    if (w.lse[r] == neg_inf<T>()) {
+    if (qt.lse[r] == neg_inf<T>()) {
       std::fill(row, row + width, T(0));
       continue;
     }
-    prepare_row(row, w.tile.rr[r], j0, cols, width, a.scale);
-    exp_shift_sum(row, width, w.lse[r]);
+    exp_kept(row, prepare_row(row, qt.tile.rr[r], j0, cols, width, a.scale), width, qt.lse[r]);
   }
-  gemm_packed(rows, width, a.M, dO, a.M, vp + j0 * a.M, w.dp.data(), kBk, false);
-  for (int64_t r = 0; r < rows; ++r) {
-    const T d = w.delta[r];
+  gemm_packed(r1 - r0, width, a.M, qt.dO + r0 * a.M, a.M, vp, w.dp.data() + r0 * kBk, kBk, false);
+  for (int64_t r = r0; r < r1; ++r) {
+    const T d = qt.delta[r];
     const T* prow = w.p.data() + r * kBk;
     T* dprow = w.dp.data() + r * kBk;
     for (int64_t c = 0; c < cols; ++c) dprow[c] = prow[c] * (dprow[c] - d) * a.scale;
@@ -670,34 +749,56 @@ void block_sparse_attention_backward_cpu(const BlockSparseBackwardArgs<T>& args)
   const bool one_pass = NH % a.num_threads == 0 || NH >= 4 * a.num_threads;
   auto init = [&](BackwardScratch<T>& w) {
     w.p.resize(kBq * kBk);
-    w.pt.resize(kBk * kBq);
     w.dp.resize(kBq * kBk);
-    w.dst.resize(kBk * kBq);
-    w.acc1.resize(std::max(kBq, kBk) * E);
+    w.acc1.resize(kBk * E);
     w.acc2.resize(kBk * M);
-    w.acc3.resize(kBq * E);
-    w.lse.resize(kBq);
-    w.delta.resize(kBq);
-  };
-  auto load_rows = [&](BackwardScratch<T>& w, int64_t nh) {
-    for (int64_t r = 0; r < w.tile.rows; ++r) {
-      w.lse[r] = a.lse[nh * L + w.tile.qidx[r]];
-      w.delta[r] = a.delta[nh * L + w.tile.qidx[r]];
-    }
+    w.kp.resize(round_up(kBk, panel_width<T>()) * E);
+    w.vp.resize(round_up(kBk, panel_width<T>()) * M);
   };
 
   for (int k = 0; k < a.num_parts; ++k) {
     const SparsePart& part = a.parts[k];
     const auto pg = make_part_geometries(part, H, L, S, true);
     const int64_t Sp = max_sp(pg);
-    const auto kk = order_keys(a.k, a.k_rows, pg, N, H, S, E, true, true, a.num_threads);
-    const auto vv = order_keys(a.v, a.v_rows, pg, N, H, S, M, true, false, a.num_threads);
-    // The tile's rows of q and dO, D apart.
-    auto tile_q = [&](BackwardScratch<T>& w, int64_t nh) {
-      return w.tile.gather(a.q_rows.head(a.q, nh, H), a.q_rows.sr, E, w.qbuf);
+    // Panels of every key tile for the dQ pass; the dK/dV items pack their
+    // own tile.
+    const auto kk = order_keys(a.k, a.k_rows, pg, N, H, S, E, !one_pass, true, a.num_threads);
+    const auto vv = order_keys(a.v, a.v_rows, pg, N, H, S, M, !one_pass, true, a.num_threads);
+    auto flush_dq = [&](QueryTile<T>& qt) {
+      if (!qt.has_dq) return;
+      add_tile_rows(qt.tile, 0, qt.tile.rows, qt.dq.data(), E,
+                    a.grad_q_rows.head(a.grad_q, qt.nh, H), a.grad_q_rows.sr);
+      qt.has_dq = false;
     };
-    auto tile_grad_out = [&](BackwardScratch<T>& w, int64_t nh) {
-      return w.tile.gather(a.grad_out_rows.head(a.grad_out, nh, H), a.grad_out_rows.sr, M, w.dobuf);
+    // dQ rows [r0, r1) of the tile += dS · K for key tile [j0, j0 + cols).
+    auto add_dq = [&](BackwardScratch<T>& w, QueryTile<T>& qt, const Rows<T>& ko, int64_t j0,
+                      int64_t cols, int64_t r0, int64_t r1) {
+      if (!qt.has_dq) {
+        qt.dq.assign(kBq * E, T(0));
+        qt.has_dq = true;
+      }
+      gemm(r1 - r0, E, cols, w.dp.data() + r0 * kBk, kBk, ko.rows + j0 * ko.ld, ko.ld,
+           qt.dq.data() + r0 * E, E, true);
+    };
+    // Query tile t of head nh, from its slot or gathered into it.
+    auto query_rows = [&](BackwardScratch<T>& w, const Geometry& g, int64_t nh, int64_t t,
+                          int64_t len) -> QueryTile<T>& {
+      QueryTile<T>& qt = w.slots[t % kQuerySlots];
+      if (qt.nh == nh && qt.t == t) return qt;
+      flush_dq(qt);
+      qt.nh = nh;
+      qt.t = t;
+      qt.tile.init(g, t, len);
+      qt.lse.resize(kBq);
+      qt.delta.resize(kBq);
+      for (int64_t r = 0; r < qt.tile.rows; ++r) {
+        qt.lse[r] = a.lse[nh * L + qt.tile.qidx[r]];
+        qt.delta[r] = a.delta[nh * L + qt.tile.qidx[r]];
+      }
+      qt.q = qt.tile.gather(a.q_rows.head(a.q, nh, H), a.q_rows.sr, E, qt.qbuf);
+      qt.dO =
+          qt.tile.gather(a.grad_out_rows.head(a.grad_out, nh, H), a.grad_out_rows.sr, M, qt.dobuf);
+      return qt;
     };
 
     // dQ of query tile item % q_tiles of head item / q_tiles.
@@ -706,24 +807,18 @@ void block_sparse_attention_backward_cpu(const BlockSparseBackwardArgs<T>& args)
       const Geometry* g = pg.of(h);
       if (g == nullptr) return;
       const int64_t len = a.key_lengths ? a.key_lengths[n] : S;
-      w.tile.init(*g, t, len);
-      if (w.tile.kb_hi < w.tile.kb_lo) return;
-      const int64_t rows = w.tile.rows;
-      load_rows(w, nh);
-      const T* q = tile_q(w, nh);
-      const T* dO = tile_grad_out(w, nh);
+      QueryTile<T>& qt = query_rows(w, *g, nh, t, len);
       const T* kp = kk.panels.get() + nh * kk.S_pad * E;
       const T* vp = vv.panels.get() + nh * vv.S_pad * M;
       const Rows<T> ko = ordered_rows(kk, a.k, a.k_rows, nh, H, Sp, E);
-      std::fill(w.acc1.begin(), w.acc1.end(), T(0));
-      for (int64_t kb = w.tile.kb_lo; kb <= w.tile.kb_hi; ++kb) {
+      for (int64_t kb = qt.tile.kb_lo; kb <= qt.tile.kb_hi; ++kb) {
         const int64_t j0 = kb * kBk, cols = std::min(kBk, g->Sp - j0);
-        if (cols <= 0 || !w.tile.reaches(j0, cols)) continue;
-        tile_p_ds(a, w, q, dO, kp, vp, j0, cols);
-        gemm(rows, E, cols, w.dp.data(), kBk, ko.rows + j0 * ko.ld, ko.ld, w.acc1.data(), E, true);
+        int64_t r0 = 0, r1 = 0;
+        if (cols <= 0 || !qt.tile.span(j0, cols, &r0, &r1)) continue;
+        tile_p_ds(a, w, qt, kp + j0 * E, vp + j0 * M, j0, cols, r0, r1);
+        add_dq(w, qt, ko, j0, cols, r0, r1);
       }
-      add_tile_rows(w.tile, w.acc1.data(), E, a.grad_q_rows.head(a.grad_q, nh, H),
-                    a.grad_q_rows.sr);
+      flush_dq(qt);
     };
 
     // dK, dV (and dQ when with_dq) of key tile kb of head nh, over the query
@@ -736,31 +831,27 @@ void block_sparse_attention_backward_cpu(const BlockSparseBackwardArgs<T>& args)
       const int64_t j0 = kb * kBk, cols = std::min(kBk, g->Sp - j0);
       if (cols <= 0) return;
       const int64_t len = a.key_lengths ? a.key_lengths[n] : S;
-      const T* kp = kk.panels.get() + nh * kk.S_pad * E;
-      const T* vp = vv.panels.get() + nh * vv.S_pad * M;
+      // This key tile's keys and values packed in panels, once.
       const Rows<T> ko = ordered_rows(kk, a.k, a.k_rows, nh, H, Sp, E);
+      const Rows<T> vo = ordered_rows(vv, a.v, a.v_rows, nh, H, Sp, M);
+      const int64_t width = round_up(cols, panel_width<T>());
+      pack_transposed_panels(ko.rows + j0 * ko.ld, cols, E, ko.ld, width, w.kp.data());
+      pack_transposed_panels(vo.rows + j0 * vo.ld, cols, M, vo.ld, width, w.vp.data());
       std::fill(w.acc1.begin(), w.acc1.end(), T(0));  // dK tile
       std::fill(w.acc2.begin(), w.acc2.end(), T(0));  // dV tile
       bool any = false;
       for (int64_t e = g->kt_ptr[kb]; e < g->kt_ptr[kb + 1]; ++e) {
-        w.tile.init(*g, g->kt_q[e], len);
-        if (!w.tile.reaches(j0, cols)) continue;
+        QueryTile<T>& qt = query_rows(w, *g, nh, g->kt_q[e], len);
+        int64_t r0 = 0, r1 = 0;
+        if (!qt.tile.span(j0, cols, &r0, &r1)) continue;
         any = true;
-        const int64_t rows = w.tile.rows;
-        load_rows(w, nh);
-        const T* q = tile_q(w, nh);
-        const T* dO = tile_grad_out(w, nh);
-        tile_p_ds(a, w, q, dO, kp, vp, j0, cols);
-        transpose(w.p.data(), rows, cols, kBk, w.pt.data(), kBq);
-        gemm(cols, M, rows, w.pt.data(), kBq, dO, M, w.acc2.data(), M, true);
-        transpose(w.dp.data(), rows, cols, kBk, w.dst.data(), kBq);
-        gemm(cols, E, rows, w.dst.data(), kBq, q, E, w.acc1.data(), E, true);
-        if (with_dq) {
-          gemm(rows, E, cols, w.dp.data(), kBk, ko.rows + j0 * ko.ld, ko.ld, w.acc3.data(), E,
-               false);
-          add_tile_rows(w.tile, w.acc3.data(), E, a.grad_q_rows.head(a.grad_q, nh, H),
-                        a.grad_q_rows.sr);
-        }
+        const int64_t rows = r1 - r0;
+        tile_p_ds(a, w, qt, w.kp.data(), w.vp.data(), j0, cols, r0, r1);
+        gemm_tn(cols, M, rows, w.p.data() + r0 * kBk, kBk, qt.dO + r0 * M, M, w.acc2.data(), M,
+                true);
+        gemm_tn(cols, E, rows, w.dp.data() + r0 * kBk, kBk, qt.q + r0 * E, E, w.acc1.data(), E,
+                true);
+        if (with_dq) add_dq(w, qt, ko, j0, cols, r0, r1);
       }
       if (!any) return;
       T* gk = a.grad_k_rows.head(a.grad_k, nh, H);
@@ -780,6 +871,7 @@ void block_sparse_attention_backward_cpu(const BlockSparseBackwardArgs<T>& args)
                                          [&](int64_t nh, BackwardScratch<T>& w) {
                                            for (int64_t kb = 0; kb < k_tiles; ++kb)
                                              key_tile(w, nh, kb, /*with_dq=*/true);
+                                           for (auto& qt : w.slots) flush_dq(qt);
                                          });
       continue;
     }
