@@ -90,4 +90,23 @@ void prefetch_rows(const T* x, int64_t rows, int64_t cols, int64_t ld, bool writ
   }
 }
 
+// The same for rows idx[0..n) of x (rows sr apart): rows in an order of
+// their own (Reformer's buckets), which no hardware prefetcher foresees, for
+// the next piece of work while this one computes.
+template <typename T>
+void prefetch_indexed_rows(const T* x, int64_t sr, const int64_t* idx, int64_t n, int64_t cols,
+                           bool write = false) {
+  const int64_t bytes = cols * static_cast<int64_t>(sizeof(T));
+  for (int64_t r = 0; r < n; ++r) {
+    const char* row = reinterpret_cast<const char*>(x + idx[r] * sr);
+    for (int64_t b = 0; b < bytes; b += 64) {
+      if (write) {
+        __builtin_prefetch(row + b, 1, 2);
+      } else {
+        __builtin_prefetch(row + b, 0, 2);
+      }
+    }
+  }
+}
+
 }  // namespace fastattn::kernels

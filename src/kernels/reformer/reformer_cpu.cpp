@@ -73,8 +73,7 @@ Prepared<T> prepare(const ReformerParams<T>& a) {
         T* k = p.keys.get() + nh * L * E;
         for (int64_t i = 0; i < L; ++i) {
           const T* q = a.q_rows.row(a.q, nh, a.H, i);
-          T ss = 0;
-          for (int64_t e = 0; e < E; ++e) ss += q[e] * q[e];
+          const T ss = simd_dot(q, q, E);
           const T inv = T(1) / std::max<T>(std::sqrt(ss), T(kNormEps));
           for (int64_t e = 0; e < E; ++e) k[i * E + e] = q[e] * inv;
         }
@@ -329,6 +328,18 @@ void reformer_forward_cpu(const ReformerForwardArgs<T>& args) {
             gather_window(win, c > c0 ? &prev : nullptr, kpos, p.keys.get() + nh * L * E,
                           a.v_rows.head(a.v, nh, H), a.v_rows.sr, E, M, w.kb.data(), w.vb.data());
             prev = win;
+            if (c + 1 < c0 + kRunChunks && (c + 1) * C < len) {
+              // The next chunk's queries (also the new half of its window's
+              // keys and values) and their outputs, while this one computes.
+              const Window next = window(c + 1, C, len);
+              const int64_t* npos = perm + next.t0;
+              prefetch_indexed_rows(a.q_rows.head(a.q, nh, H), a.q_rows.sr, npos, next.rows, E);
+              prefetch_indexed_rows(p.keys.get() + nh * L * E, E, npos, next.rows, E);
+              prefetch_indexed_rows(a.v_rows.head(a.v, nh, H), a.v_rows.sr, npos, next.rows, M);
+              prefetch_indexed_rows(a.out_rows.head(a.out, nh, H), a.out_rows.sr, npos, next.rows,
+                                    M, true);
+              prefetch_indexed_rows(a.stats + 2 * nh * L, 2, npos, next.rows, 2, true);
+            }
             pack_transposed_panels(w.kb.data(), win.cols, E, E, width, w.kp.data());
             gemm_packed(win.rows, width, E, w.qb.data(), E, w.kp.data(), w.s.data(), Wd, false);
             T* m_row = w.m.data();     // row max of this round's scores
@@ -458,6 +469,23 @@ void reformer_backward_cpu(const ReformerBackwardArgs<T>& args) {
                 std::fill(w.dvb.begin(), w.dvb.end(), T(0));
               }
               prev = win;
+              if (c + 1 < c1) {  // the next chunk's rows, as in the forward
+                const Window next = window(c + 1, C, len);
+                const int64_t* npos = perm + next.t0;
+                prefetch_indexed_rows(a.q_rows.head(a.q, nh, H), a.q_rows.sr, npos, next.rows, E);
+                prefetch_indexed_rows(a.grad_out_rows.head(a.grad_out, nh, H), a.grad_out_rows.sr,
+                                      npos, next.rows, M);
+                prefetch_indexed_rows(p.keys.get() + nh * L * E, E, npos, next.rows, E);
+                prefetch_indexed_rows(a.v_rows.head(a.v, nh, H), a.v_rows.sr, npos, next.rows, M);
+                prefetch_indexed_rows(a.grad_q_rows.head(a.grad_q, nh, H), a.grad_q_rows.sr, npos,
+                                      next.rows, E, true);
+                prefetch_indexed_rows(a.stats + 2 * nh * L, 2, npos, next.rows, 2);
+                prefetch_indexed_rows(a.delta + nh * L, 1, npos, next.rows, 1);
+              }
+              // The rows whose dK and dV this chunk completes (see the end).
+              const int64_t done = c + 1 < c1 ? own : win.cols;
+              prefetch_indexed_rows(gv, a.grad_v_rows.sr, kpos, done, M, true);
+              prefetch_indexed_rows(gk, E, kpos, done, E, true);
               pack_transposed_panels(w.kb.data(), win.cols, E, E, width, w.kp.data());
               pack_transposed_panels(w.vb.data(), win.cols, M, M, width, w.vp.data());
               // P = exp(S - lse) with the final (all-round) lse.
@@ -490,7 +518,6 @@ void reformer_backward_cpu(const ReformerBackwardArgs<T>& args) {
               gemm(win.cols, E, win.rows, w.t.data(), C, w.qb.data(), E, w.dkb.data(), E, true);
               // The previous chunk's rows are complete; the chunk's own rows
               // wait for the next chunk of the run, if there is one.
-              const int64_t done = c + 1 < c1 ? own : win.cols;
               scatter_add_rows(w.dvb.data(), kpos, done, M, gv, a.grad_v_rows.sr);
               scatter_add_rows(w.dkb.data(), kpos, done, E, gk, E);
             }
@@ -509,11 +536,7 @@ void reformer_backward_cpu(const ReformerBackwardArgs<T>& args) {
           const T* k = p.keys.get() + (nh * L + i) * E;
           const T* g = grad_k.get() + (nh * L + i) * E;
           T* dq = a.grad_q_rows.row(a.grad_q, nh, H, i);
-          T ss = 0, dot = 0;
-          for (int64_t e = 0; e < E; ++e) {
-            ss += q[e] * q[e];
-            dot += k[e] * g[e];
-          }
+          const T ss = simd_dot(q, q, E), dot = simd_dot(k, g, E);
           const T norm = std::sqrt(ss);
           if (norm > T(kNormEps)) {
             const T inv = T(1) / norm;
