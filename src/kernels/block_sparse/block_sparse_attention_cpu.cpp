@@ -688,12 +688,10 @@ struct BackwardScratch {
   QueryTile<T> slots[kQuerySlots];
 };
 
-// dst row qidx[r] (rows sr apart) += src row r (D apart), for the tile's
-// rows [r0, r1).
+// dst row qidx[r] (rows sr apart) += src row r (D apart), for the tile's rows.
 template <typename T>
-void add_tile_rows(const TileRows& tile, int64_t r0, int64_t r1, const T* src, int64_t D, T* dst,
-                   int64_t sr) {
-  for (int64_t r = r0; r < r1; ++r) {
+void add_tile_rows(const TileRows& tile, const T* src, int64_t D, T* dst, int64_t sr) {
+  for (int64_t r = 0; r < tile.rows; ++r) {
     T* d = dst + tile.qidx[r] * sr;
     const T* x = src + r * D;
     for (int64_t c = 0; c < D; ++c) d[c] += x[c];
@@ -766,8 +764,8 @@ void block_sparse_attention_backward_cpu(const BlockSparseBackwardArgs<T>& args)
     const auto vv = order_keys(a.v, a.v_rows, pg, N, H, S, M, !one_pass, true, a.num_threads);
     auto flush_dq = [&](QueryTile<T>& qt) {
       if (!qt.has_dq) return;
-      add_tile_rows(qt.tile, 0, qt.tile.rows, qt.dq.data(), E,
-                    a.grad_q_rows.head(a.grad_q, qt.nh, H), a.grad_q_rows.sr);
+      add_tile_rows(qt.tile, qt.dq.data(), E, a.grad_q_rows.head(a.grad_q, qt.nh, H),
+                    a.grad_q_rows.sr);
       qt.has_dq = false;
     };
     // dQ rows [r0, r1) of the tile += dS · K for key tile [j0, j0 + cols).
