@@ -90,13 +90,42 @@ struct OptimizerConfig {
 // Builds the optimiser over `params`; throws naming a bad setting.
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerConfig& config,
                                                         std::vector<torch::Tensor> params);
-// The names make_optimizer takes: "adam, adamw or radam".
+// The names make_optimizer takes: "adam, adamw or radam" and those registered.
 std::string optimizer_names(const char* last_separator = " or ");
 bool is_optimizer_name(const std::string& name);
 
+// One parameter's optimiser state as a step count and named tensors of the
+// parameter's shape (undefined ones are left out of checkpoints); the
+// callee may replace any of them (loading).
+using OptimizerStateFields =
+    std::function<void(int64_t& step, const std::map<std::string, torch::Tensor*>& tensors)>;
+
+// An optimiser by name, as `fastattn train --optimizer NAME` and the
+// training config's "optimizer": {"name": ...} use it. For checkpoints:
+// `state_fields` shows a state of this optimiser's kind to f and returns
+// true (false: not its kind), `fresh_state` makes an empty state for an
+// optimiser it made (nullptr: not one of its own).
+struct OptimizerType {
+  std::string name;
+  std::function<std::unique_ptr<torch::optim::Optimizer>(const OptimizerConfig&,
+                                                         std::vector<torch::Tensor>)>
+      make;
+  std::function<bool(torch::optim::OptimizerParamState&, const OptimizerStateFields& f)>
+      state_fields;
+  std::function<std::unique_ptr<torch::optim::OptimizerParamState>(const torch::optim::Optimizer&)>
+      fresh_state;
+};
+// The built-ins (adam, adamw, radam), then those added by
+// register_optimizer_type, in order. Register before training starts, not
+// from several threads at once.
+const std::vector<OptimizerType>& optimizer_types();
+// A name already taken, an empty name or a missing function is an error.
+void register_optimizer_type(OptimizerType type);
+
 // The optimiser's per-parameter state as named tensors "<prefix><i>.<field>"
-// (i = the parameter's index over all groups; fields exp_avg, exp_avg_sq,
-// max_exp_avg_sq, step as an int64 scalar) and back. Adam, AdamW and RAdam.
+// (i = the parameter's index over all groups; the fields its OptimizerType
+// shows, e.g. exp_avg, exp_avg_sq, max_exp_avg_sq, and step as an int64
+// scalar) and back.
 // Loading checks that every parameter with state in the map gets it, with
 // matching shapes.
 std::map<std::string, torch::Tensor> optimizer_state_tensors(const torch::optim::Optimizer& opt,

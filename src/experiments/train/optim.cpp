@@ -1,6 +1,7 @@
 // Optimisers for training: RAdam (our own; LibTorch 1.13 has none), the
-// factory for adam/adamw/radam, their state as named tensors for
-// checkpoints, and the learning-rate schedule. Each step is O(parameters).
+// optimiser types by name (adam, adamw, radam and registered ones), their
+// state as named tensors for checkpoints, and the learning-rate schedule. Each step is
+// O(parameters).
 #include <cmath>
 #include <sstream>
 #include <type_traits>
@@ -158,33 +159,66 @@ void RAdam::load(torch::serialize::InputArchive& archive) {
   torch::optim::serialize<RAdamParamState, RAdamOptions>(archive, *this);
 }
 
-// ---- factory ------------------------------------------------------------------------
+// ---- optimiser types ------------------------------------------------------------------
 
 namespace {
 
-using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(
-    const OptimizerConfig&, std::vector<torch::Tensor>)>;
-
-// Adam, AdamW and RAdam take the same settings.
-template <class Optimizer, class Options>
-OptimizerFactory adam_family() {
-  return [](const OptimizerConfig& c, std::vector<torch::Tensor> params) {
+// Adam, AdamW and RAdam take the same settings; their states hold a step,
+// exp_avg and exp_avg_sq, and (Adam, AdamW) max_exp_avg_sq.
+template <class Optimizer, class Options, class State>
+OptimizerType adam_family(const char* name) {
+  OptimizerType t;
+  t.name = name;
+  t.make = [](const OptimizerConfig& c, std::vector<torch::Tensor> params) {
     return std::unique_ptr<torch::optim::Optimizer>(std::make_unique<Optimizer>(
         params, Options(c.lr).betas({c.beta1, c.beta2}).eps(c.eps).weight_decay(c.weight_decay)));
   };
+  t.state_fields = [](torch::optim::OptimizerParamState& state, const OptimizerStateFields& f) {
+    auto* s = dynamic_cast<State*>(&state);
+    if (s == nullptr) return false;
+    int64_t step = s->step();
+    torch::Tensor a = s->exp_avg(), b = s->exp_avg_sq();
+    if constexpr (std::is_same_v<State, RAdamParamState>) {
+      f(step, {{"exp_avg", &a}, {"exp_avg_sq", &b}});
+      s->step(step).exp_avg(a).exp_avg_sq(b);
+    } else {
+      torch::Tensor c = s->max_exp_avg_sq();
+      f(step, {{"exp_avg", &a}, {"exp_avg_sq", &b}, {"max_exp_avg_sq", &c}});
+      s->step(step).exp_avg(a).exp_avg_sq(b).max_exp_avg_sq(c);
+    }
+    return true;
+  };
+  t.fresh_state = [](const torch::optim::Optimizer& opt) {
+    return dynamic_cast<const Optimizer*>(&opt)
+               ? std::unique_ptr<torch::optim::OptimizerParamState>(std::make_unique<State>())
+               : nullptr;
+  };
+  return t;
 }
 
-// The optimisers by name. Checkpoints hold their state as tensors (below).
-const std::vector<std::pair<std::string, OptimizerFactory>>& optimizer_table() {
-  static const std::vector<std::pair<std::string, OptimizerFactory>> table = {
-      {"adam", adam_family<torch::optim::Adam, torch::optim::AdamOptions>()},
-      {"adamw", adam_family<torch::optim::AdamW, torch::optim::AdamWOptions>()},
-      {"radam", adam_family<RAdam, RAdamOptions>()},
+std::vector<OptimizerType>& mutable_optimizer_types() {
+  static std::vector<OptimizerType> types = {
+      adam_family<torch::optim::Adam, torch::optim::AdamOptions, torch::optim::AdamParamState>(
+          "adam"),
+      adam_family<torch::optim::AdamW, torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
+          "adamw"),
+      adam_family<RAdam, RAdamOptions, RAdamParamState>("radam"),
   };
-  return table;
+  return types;
 }
 
 }  // namespace
+
+const std::vector<OptimizerType>& optimizer_types() { return mutable_optimizer_types(); }
+
+void register_optimizer_type(OptimizerType type) {
+  TORCH_CHECK(!type.name.empty(), "register_optimizer_type: the name is empty");
+  TORCH_CHECK(!is_optimizer_name(type.name), "register_optimizer_type: '", type.name,
+              "' is taken (", optimizer_names(", "), ")");
+  TORCH_CHECK(type.make && type.state_fields && type.fresh_state, "register_optimizer_type: '",
+              type.name, "' needs make, state_fields and fresh_state");
+  mutable_optimizer_types().push_back(std::move(type));
+}
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerConfig& c,
                                                         std::vector<torch::Tensor> params) {
@@ -193,23 +227,23 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerConfig& c
   TORCH_CHECK(c.beta2 >= 0 && c.beta2 < 1, "optimizer: beta2 must be in [0, 1), got ", c.beta2);
   TORCH_CHECK(c.eps >= 0, "optimizer: eps must be >= 0, got ", c.eps);
   TORCH_CHECK(c.weight_decay >= 0, "optimizer: weight_decay must be >= 0, got ", c.weight_decay);
-  for (const auto& [name, make] : optimizer_table())
-    if (name == c.name) return make(c, std::move(params));
+  for (const auto& type : optimizer_types())
+    if (type.name == c.name) return type.make(c, std::move(params));
   TORCH_CHECK(false, "optimizer: name must be one of ", optimizer_names(", "), ", got '", c.name,
               "'");
 }
 
 std::string optimizer_names(const char* last_separator) {
-  const auto& table = optimizer_table();
+  const auto& types = optimizer_types();
   std::string out;
-  for (size_t i = 0; i < table.size(); ++i)
-    out += (i == 0 ? "" : i + 1 == table.size() ? last_separator : ", ") + table[i].first;
+  for (size_t i = 0; i < types.size(); ++i)
+    out += (i == 0 ? "" : i + 1 == types.size() ? last_separator : ", ") + types[i].name;
   return out;
 }
 
 bool is_optimizer_name(const std::string& name) {
-  for (const auto& entry : optimizer_table())
-    if (entry.first == name) return true;
+  for (const auto& type : optimizer_types())
+    if (type.name == name) return true;
   return false;
 }
 
@@ -217,44 +251,18 @@ bool is_optimizer_name(const std::string& name) {
 
 namespace {
 
-// Calls f(step&, {name -> tensor&}) for one parameter's state of any of our types.
-template <class F>
-bool visit_state(torch::optim::OptimizerParamState& state, F&& f) {
-  if (auto* s = dynamic_cast<torch::optim::AdamParamState*>(&state)) {
-    int64_t step = s->step();
-    torch::Tensor a = s->exp_avg(), b = s->exp_avg_sq(), c = s->max_exp_avg_sq();
-    f(step, std::map<std::string, torch::Tensor*>{
-                {"exp_avg", &a}, {"exp_avg_sq", &b}, {"max_exp_avg_sq", &c}});
-    s->step(step).exp_avg(a).exp_avg_sq(b).max_exp_avg_sq(c);
-    return true;
-  }
-  if (auto* s = dynamic_cast<torch::optim::AdamWParamState*>(&state)) {
-    int64_t step = s->step();
-    torch::Tensor a = s->exp_avg(), b = s->exp_avg_sq(), c = s->max_exp_avg_sq();
-    f(step, std::map<std::string, torch::Tensor*>{
-                {"exp_avg", &a}, {"exp_avg_sq", &b}, {"max_exp_avg_sq", &c}});
-    s->step(step).exp_avg(a).exp_avg_sq(b).max_exp_avg_sq(c);
-    return true;
-  }
-  if (auto* s = dynamic_cast<RAdamParamState*>(&state)) {
-    int64_t step = s->step();
-    torch::Tensor a = s->exp_avg(), b = s->exp_avg_sq();
-    f(step, std::map<std::string, torch::Tensor*>{{"exp_avg", &a}, {"exp_avg_sq", &b}});
-    s->step(step).exp_avg(a).exp_avg_sq(b);
-    return true;
-  }
+// Shows one parameter's state to f through the type it belongs to.
+bool visit_state(torch::optim::OptimizerParamState& state, const OptimizerStateFields& f) {
+  for (const auto& type : optimizer_types())
+    if (type.state_fields(state, f)) return true;
   return false;
 }
 
 std::unique_ptr<torch::optim::OptimizerParamState> fresh_state(const torch::optim::Optimizer& opt) {
-  if (dynamic_cast<const torch::optim::Adam*>(&opt)) {
-    return std::make_unique<torch::optim::AdamParamState>();
-  }
-  if (dynamic_cast<const torch::optim::AdamW*>(&opt)) {
-    return std::make_unique<torch::optim::AdamWParamState>();
-  }
-  if (dynamic_cast<const RAdam*>(&opt)) return std::make_unique<RAdamParamState>();
-  TORCH_CHECK(false, "optimizer state: only Adam, AdamW and RAdam are supported");
+  for (const auto& type : optimizer_types())
+    if (auto s = type.fresh_state(opt)) return s;
+  TORCH_CHECK(false, "optimizer state: the optimiser is none of ", optimizer_names(", "),
+              " (register_optimizer_type)");
 }
 
 }  // namespace
@@ -275,7 +283,8 @@ std::map<std::string, torch::Tensor> optimizer_state_tensors(const torch::optim:
           if (t->defined()) out[base + name] = *t;
         }
       });
-      TORCH_CHECK(known, "optimizer state: only Adam, AdamW and RAdam are supported");
+      TORCH_CHECK(known, "optimizer state: a parameter's state belongs to none of ",
+                  optimizer_names(", "), " (register_optimizer_type)");
     }
   }
   return out;
