@@ -47,6 +47,41 @@ bool same_tensors(torch::nn::Module& a, torch::nn::Module& b) {
   return true;
 }
 
+// Trains a Linear with optimiser c for `steps` steps, then hands its state
+// through checkpoint tensors ("opt." prefix) to an optimiser over a copy
+// (restore = false: a fresh optimiser instead) and takes three more steps
+// with each: the state, and whether both end at the same parameters.
+struct ResumeRun {
+  std::map<std::string, torch::Tensor> state;
+  bool same = false;
+};
+ResumeRun resume_run(const OptimizerConfig& c, int steps, bool restore) {
+  torch::manual_seed(5);
+  auto a = torch::nn::Linear(4, 3), b = torch::nn::Linear(4, 3);
+  auto oa = make_optimizer(c, a->parameters());
+  auto x = torch::randn({6, 4});
+  auto step = [&](torch::nn::Linear& m, torch::optim::Optimizer& o) {
+    o.zero_grad();
+    m(x).pow(2).sum().backward();
+    o.step();
+  };
+  for (int i = 0; i < steps; ++i) step(a, *oa);
+  ResumeRun r;
+  r.state = optimizer_state_tensors(*oa, "opt.");
+  {
+    torch::NoGradGuard g;
+    for (size_t i = 0; i < 2; ++i) b->parameters()[i].copy_(a->parameters()[i]);
+  }
+  auto ob = make_optimizer(c, b->parameters());
+  if (restore) load_optimizer_state_tensors(*ob, r.state, "opt.");
+  for (int i = 0; i < 3; ++i) {
+    step(a, *oa);
+    step(b, *ob);
+  }
+  r.same = same_tensors(*a, *b);
+  return r;
+}
+
 }  // namespace
 
 // ---- safetensors ------------------------------------------------------------------
@@ -333,36 +368,19 @@ TEST(RAdamTest, ArchiveSaveLoadContinuesIdentically) {
 TEST(OptimizerStateTest, TensorRoundTripForEveryOptimizer) {
   for (const std::string name : {"adam", "adamw", "radam"}) {
     SCOPED_TRACE(name);
-    torch::manual_seed(5);
-    auto a = torch::nn::Linear(4, 3), b = torch::nn::Linear(4, 3);
     OptimizerConfig c;
     c.name = name;
     c.lr = 0.01;
     c.weight_decay = 0.01;
-    auto oa = make_optimizer(c, a->parameters());
-    auto x = torch::randn({6, 4});
-    auto step = [&](torch::nn::Linear& m, torch::optim::Optimizer& o) {
-      o.zero_grad();
-      m(x).pow(2).sum().backward();
-      o.step();
-    };
-    for (int i = 0; i < 4; ++i) step(a, *oa);
-    auto state = optimizer_state_tensors(*oa, "opt.");
-    EXPECT_TRUE(state.count("opt.0.exp_avg") && state.count("opt.1.step"));
-    EXPECT_EQ(state.at("opt.0.step").item<int64_t>(), 4);
-    {
-      torch::NoGradGuard g;
-      for (size_t i = 0; i < 2; ++i) b->parameters()[i].copy_(a->parameters()[i]);
-    }
-    auto ob = make_optimizer(c, b->parameters());
-    load_optimizer_state_tensors(*ob, state, "opt.");
-    for (int i = 0; i < 3; ++i) {
-      step(a, *oa);
-      step(b, *ob);
-    }
-    EXPECT_TRUE(same_tensors(*a, *b));
-    state["opt.7.step"] = torch::tensor(1L);
-    EXPECT_ERROR_CONTAINS(load_optimizer_state_tensors(*ob, state, "opt."), "match no parameter");
+    auto r = resume_run(c, 4, /*restore=*/true);
+    EXPECT_TRUE(r.state.count("opt.0.exp_avg") && r.state.count("opt.1.step"));
+    EXPECT_EQ(r.state.at("opt.0.step").item<int64_t>(), 4);
+    EXPECT_TRUE(r.same);
+    EXPECT_FALSE(resume_run(c, 4, /*restore=*/false).same);
+    auto m = torch::nn::Linear(4, 3);
+    auto o = make_optimizer(c, m->parameters());
+    r.state["opt.7.step"] = torch::tensor(1L);
+    EXPECT_ERROR_CONTAINS(load_optimizer_state_tensors(*o, r.state, "opt."), "match no parameter");
   }
   OptimizerConfig bad;
   bad.name = "sgd";
@@ -503,40 +521,16 @@ TEST(OptimizerNamesTest, RegisteredTypeBuildsAndKeepsItsState) {
   EXPECT_FALSE(is_optimizer_name("sgd-without-state"));
   EXPECT_EQ(optimizer_names(), "adam, adamw, radam or sgd-momentum");
 
-  torch::manual_seed(3);
-  auto a = torch::nn::Linear(4, 3), b = torch::nn::Linear(4, 3);
   OptimizerConfig c;
   c.name = "sgd-momentum";
   c.lr = 0.05;
-  auto oa = make_optimizer(c, a->parameters());
-  ASSERT_NE(dynamic_cast<torch::optim::SGD*>(oa.get()), nullptr);
-  auto x = torch::randn({5, 4});
-  auto step = [&](torch::nn::Linear& m, torch::optim::Optimizer& o) {
-    o.zero_grad();
-    m(x).pow(2).sum().backward();
-    o.step();
-  };
-  for (int i = 0; i < 3; ++i) step(a, *oa);
-  const auto state = optimizer_state_tensors(*oa, "opt.");
-  ASSERT_TRUE(state.count("opt.0.momentum_buffer") && state.count("opt.1.momentum_buffer"));
-  {
-    torch::NoGradGuard g;
-    for (size_t i = 0; i < 2; ++i) b->parameters()[i].copy_(a->parameters()[i]);
-  }
-  auto ob = make_optimizer(c, b->parameters());
-  load_optimizer_state_tensors(*ob, state, "opt.");
-  for (int i = 0; i < 3; ++i) {
-    step(a, *oa);
-    step(b, *ob);
-  }
-  EXPECT_TRUE(same_tensors(*a, *b));
+  auto w = torch::zeros({2}, torch::requires_grad());
+  EXPECT_NE(dynamic_cast<torch::optim::SGD*>(make_optimizer(c, {w}).get()), nullptr);
+  auto r = resume_run(c, 3, /*restore=*/true);
+  EXPECT_TRUE(r.state.count("opt.0.momentum_buffer") && r.state.count("opt.1.momentum_buffer"));
+  EXPECT_TRUE(r.same);
   // Without the momentum restored, the same steps end elsewhere.
-  auto oc = make_optimizer(c, b->parameters());
-  for (int i = 0; i < 3; ++i) {
-    step(a, *oa);
-    step(b, *oc);
-  }
-  EXPECT_FALSE(same_tensors(*a, *b));
+  EXPECT_FALSE(resume_run(c, 3, /*restore=*/false).same);
 }
 
 TEST(TransductionTaskTest, SamplesReverseAndSort) {
