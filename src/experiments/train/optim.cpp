@@ -1,7 +1,7 @@
 // Optimisers for training: RAdam (our own; LibTorch 1.13 has none), the
 // optimiser types by name (adam, adamw, radam and registered ones), their
-// state as named tensors for checkpoints, and the learning-rate schedule. Each step is
-// O(parameters).
+// state as named tensors for checkpoints, and the learning-rate schedule.
+// Each step is O(parameters).
 #include <cmath>
 #include <sstream>
 #include <type_traits>
