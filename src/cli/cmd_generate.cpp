@@ -1,7 +1,8 @@
 // `fastattn generate`: autoregressive generation with a decoder-only language
 // model (fastattn::CausalLanguageModel, randomly initialised) in its recurrent
-// form; with --checkpoint DIR from a model trained by `fastattn train` on the
-// digits or charlm task (lm_tasks.h: images as ASCII / PGM, or text); with --bench the time per
+// form; with --checkpoint DIR from a model trained by `fastattn train`, by its
+// task type's generator (train::TaskGenerator; digits: images as ASCII / PGM,
+// charlm: text; lm_tasks.h); with --bench the time per
 // token at given positions for the attention type against a baseline (default: causal-linear
 // against full attention with a key/value cache).
 //
@@ -30,6 +31,7 @@
 #include <sstream>
 
 #include "cli/attention_spec.h"
+#include "cli/task_flags.h"
 #include "cli/command.h"
 #include "cli/measure.h"
 #include "fastattn/generation.h"
@@ -177,17 +179,32 @@ class GenerateCommand : public Command {
            "  fastattn generate --prefix 1,2,3 --max-new-tokens 20 --greedy\n"
            "  fastattn generate --attention full --temperature 0.8 --top-k 40 --seed 3\n"
            "  fastattn generate --bench --positions 1024,4096,16384,65536 --json gen.json\n\n"
-           "--checkpoint DIR: loads DIR/model.safetensors written by `fastattn train` for\n"
-           "--task digits or charlm and samples from it in the recurrent form (the batch\n"
-           "model re-run over the prefix for types without one, or with --batch-form).\n"
-           "digits: --samples images (default 16), printed as ASCII, --pgm FILE writes them\n"
-           "as a PGM picture, --label D picks the digit of a conditional model; charlm:\n"
-           "--prompt TEXT continued by --max-new-tokens bytes, --samples times (default 1).\n"
+           "--checkpoint DIR: loads DIR/model.safetensors written by `fastattn train` and\n"
+           "samples from it with its task type's generator, in the recurrent form (the\n"
+           "batch model re-run over the prefix for types without one, or with --batch-form):\n" +
+           generator_list() +
            "Prints the samples per second; --json FILE writes it with the settings.\n"
            "  fastattn generate --checkpoint runs/digits --samples 8 --pgm digits.pgm\n"
            "  fastattn generate --checkpoint runs/charlm --prompt 'The ' --max-new-tokens 200\n";
   }
-  std::vector<FlagSpec> flags() const override {
+  // One line per task type with a generator: its default --samples and own flags.
+  static std::string generator_list() {
+    std::string out;
+    for (const auto& t : train::task_types()) {
+      if (!t.generator.run) continue;
+      std::string line = "  " + t.name + ": --samples N (default " +
+                         std::to_string(t.generator.default_count) + ")";
+      for (const auto& f : t.generator.flags)
+        line += ", --" + f.flag + (f.metavar.empty() ? "" : " " + f.metavar);
+      out += line + "\n";
+    }
+    return out;
+  }
+  static const std::vector<train::TaskSetting>& generate_flags(const train::TaskType& t) {
+    return t.generator.flags;
+  }
+  // The flags of the random model, --bench and --checkpoint, before the task types' own.
+  static std::vector<FlagSpec> common_flags() {
     return {
         FlagSpec::value("attention", "SPEC",
                         "self-attention type with a recurrent form (causal-linear, full), "
@@ -212,20 +229,46 @@ class GenerateCommand : public Command {
                         "1024,4096,16384,65536"),
         FlagSpec::value("steps", "N", "--bench: timed steps per case (median reported)", "16"),
         FlagSpec::value("json", "FILE", "--bench, --checkpoint: also write the results as JSON"),
-        FlagSpec::value("checkpoint", "DIR", "sample from a model trained on digits or charlm"),
-        FlagSpec::value("samples", "N", "--checkpoint: images (16) or texts (1) to sample"),
-        FlagSpec::value("prompt", "TEXT", "--checkpoint, charlm: text to continue", "\\n"),
-        FlagSpec::value("label", "D", "--checkpoint, conditional digits: the digit to draw"),
-        FlagSpec::value("pgm", "FILE", "--checkpoint, digits: write the images as a PGM picture"),
+        FlagSpec::value("checkpoint", "DIR",
+                        "sample from a model trained on --task " +
+                            task_types_where([](const train::TaskType& t) {
+                              return static_cast<bool>(t.generator.run);
+                            })),
+        FlagSpec::value("samples", "N", "--checkpoint: samples to draw (default: the task's)"),
         FlagSpec::boolean("batch-form",
                           "--checkpoint: re-run the batch model per token, not the recurrent form"),
     };
   }
+  // The task types' own --checkpoint flags not among the common ones
+  // (charlm's --max-new-tokens is).
+  static std::vector<FlagSpec> task_only_flags() {
+    const auto common = common_flags();
+    std::vector<FlagSpec> out;
+    for (auto f : setting_flag_specs(generate_flags)) {
+      const bool taken = std::any_of(common.begin(), common.end(),
+                                     [&](const FlagSpec& c) { return c.name == f.name; });
+      if (taken) continue;
+      f.help = "--checkpoint, " + f.help;
+      out.push_back(std::move(f));
+    }
+    return out;
+  }
+
+ public:
+  std::vector<FlagSpec> flags() const override {
+    auto out = common_flags();
+    const auto own = task_only_flags();
+    out.insert(out.end(), own.begin(), own.end());
+    return out;
+  }
 
   int run(const Args& args) override {
     if (args.has("checkpoint")) return run_checkpoint(args);
-    for (const char* f : {"samples", "prompt", "label", "pgm", "batch-form"}) {
+    for (const char* f : {"samples", "batch-form"}) {
       if (args.has(f)) throw UsageError(std::string("--") + f + " needs --checkpoint DIR");
+    }
+    for (const auto& f : task_only_flags()) {
+      if (args.has(f.name)) throw UsageError("--" + f.name + " needs --checkpoint DIR");
     }
     ModelConfig m;
     m.layers = args.get_int("layers", 1);
@@ -269,12 +312,20 @@ class GenerateCommand : public Command {
     }
     auto trained = train::load_trained_model(args.get("checkpoint"));
     const std::string task = trained.task->name();
-    if (task != "digits" && task != "charlm") {
+    const train::TaskType* type = train::find_task_type(task);
+    if (type == nullptr || !type->generator.run) {
       throw UsageError("--checkpoint: the model was trained on --task " + task +
-                       "; generate samples from digits and charlm models only");
+                       "; generate samples from models of --task " +
+                       task_types_where([](const train::TaskType& t) {
+                         return static_cast<bool>(t.generator.run);
+                       }) +
+                       " only");
     }
-    train::SampleOptions o;
-    o.count = args.get_int("samples", task == "digits" ? 16 : 1);
+    refuse_other_types_flags(*type, generate_flags, args,
+                             " (the checkpoint's task is " + task + ")");
+    train::GenerateRequest request;
+    auto& o = request.options;
+    o.count = args.get_int("samples", type->generator.default_count);
     if (o.count < 1) throw UsageError("--samples must be >= 1, got " + std::to_string(o.count));
     o.greedy = args.get_bool("greedy");
     o.temperature = args.get_double("temperature", 1.0);
@@ -283,71 +334,27 @@ class GenerateCommand : public Command {
     }
     o.seed = static_cast<uint64_t>(args.get_int("seed", 0));
     o.recurrent = !args.get_bool("batch-form");
+    request.values = given_settings(type->generator.flags, args);
+    const auto r = registry_call([&] { return type->generator.run(trained, request); });
+    std::cout << r.text;
+    for (const auto& note : r.notes) std::cout << note << "\n";
+
     const auto attention = trained.config.model.value("attention", nlohmann::json("full"));
     nlohmann::json rec = {{"checkpoint", args.get("checkpoint")},
                           {"task", trained.task->config()},
                           {"model", trained.config.model},
                           {"step", trained.step},
                           {"samples", o.count},
-                          {"threads", at::get_num_threads()}};
-    std::string what;
-    if (task == "digits") {
-      for (const char* f : {"prompt", "max-new-tokens"}) {
-        if (args.has(f)) throw UsageError(std::string("--") + f + " applies to charlm models");
-      }
-      if (args.has("label")) o.label = args.get_int("label", 0);
-      const auto r = registry_call([&] { return train::sample_digits(trained, o); });
-      // ASCII, up to 8 images side by side.
-      for (int64_t first = 0; first < o.count; first += 8) {
-        std::vector<std::vector<std::string>> lines;
-        const int64_t last = std::min<int64_t>(o.count, first + 8);
-        for (int64_t i = first; i < last; ++i) {
-          lines.push_back(split(train::digit_ascii(r.tokens[i]), '\n'));
-        }
-        for (int y = 0; y < 8; ++y) {
-          std::string row;
-          for (const auto& l : lines) row += l[static_cast<size_t>(y)] + "  ";
-          std::cout << row << "\n";
-        }
-        std::cout << "\n";
-      }
-      if (r.labels.defined()) {
-        std::cout << "labels: " << join_tokens(r.labels) << "\n";
-        rec["labels"] = std::vector<int64_t>(r.labels.data_ptr<int64_t>(),
-                                             r.labels.data_ptr<int64_t>() + r.labels.numel());
-      }
-      if (args.has("pgm")) {
-        std::ofstream f(args.get("pgm"), std::ios::binary);
-        if (!f) throw std::runtime_error("cannot write --pgm file '" + args.get("pgm") + "'");
-        f << train::digits_pgm(r.tokens);
-        std::cout << "wrote " << args.get("pgm") << "\n";
-      }
-      rec["seconds"] = r.seconds;
-      rec["images_per_second"] = static_cast<double>(o.count) / std::max(r.seconds, 1e-12);
-      rec["recurrent"] = r.recurrent;
-      what = "images";
-    } else {
-      if (args.has("label")) throw UsageError("--label applies to digits models");
-      const int64_t n = args.get_int("max-new-tokens", 32);
-      if (n < 0) throw UsageError("--max-new-tokens must be >= 0, got " + std::to_string(n));
-      const std::string prompt = args.get("prompt", "\n");
-      const auto r = registry_call([&] { return train::sample_text(trained, prompt, n, o); });
-      const auto& lm = dynamic_cast<const train::CharLMTask&>(*trained.task);
-      for (int64_t i = 0; i < o.count; ++i) {
-        std::cout << (o.count > 1 ? "---- sample " + std::to_string(i + 1) + "\n" : "")
-                  << lm.decode(r.tokens[i]) << "\n";
-      }
-      rec["seconds"] = r.seconds;
-      rec["new_tokens"] = n;
-      rec["tokens_per_second"] = static_cast<double>(o.count * n) / std::max(r.seconds, 1e-12);
-      rec["recurrent"] = r.recurrent;
-      what = "sequences";
-    }
-    std::cout << "generate: " << o.count << " " << what << " in " << format_fixed(r_seconds(rec), 3)
-              << " s ("
-              << format_fixed(static_cast<double>(o.count) / std::max(r_seconds(rec), 1e-12), 2)
-              << " " << what << "/s), " << attention.dump() << ", "
-              << (rec["recurrent"].get<bool>() ? "recurrent form" : "batch model re-run per token")
+                          {"threads", at::get_num_threads()},
+                          {"seconds", r.result.seconds},
+                          {"recurrent", r.result.recurrent}};
+    rec.update(r.record);
+    const double seconds = std::max(r.result.seconds, 1e-12);
+    std::cout << "generate: " << o.count << " " << r.unit << " in "
+              << format_fixed(r.result.seconds, 3) << " s ("
+              << format_fixed(static_cast<double>(o.count) / seconds, 2) << " " << r.unit << "/s), "
+              << attention.dump() << ", "
+              << (r.result.recurrent ? "recurrent form" : "batch model re-run per token")
               << ", step " << trained.step << "\n";
     if (args.has("json")) {
       std::ofstream f(args.get("json"));
@@ -356,7 +363,6 @@ class GenerateCommand : public Command {
     }
     return 0;
   }
-  static double r_seconds(const nlohmann::json& rec) { return rec["seconds"].get<double>(); }
 
   static AttentionSpec parse_recurrent_spec(const std::string& text, const std::string& flag) {
     auto spec = parse_attention_spec(text);

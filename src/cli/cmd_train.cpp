@@ -17,6 +17,7 @@
 #include "cli/attention_spec.h"
 #include "cli/command.h"
 #include "cli/dist_launch.h"
+#include "cli/task_flags.h"
 #include "fastattn/experiments/distributed.h"
 #include "fastattn/experiments/lm_tasks.h"
 #include "fastattn/experiments/train.h"
@@ -64,55 +65,8 @@ std::ostream& null_stream() {
 
 // ---- task types (train::task_types()) as flags and help ------------------------------
 
-const train::TaskSetting* setting(const train::TaskType& type, const std::string& flag) {
-  for (const auto& s : type.settings)
-    if (s.flag == flag) return &s;
-  return nullptr;
-}
-
-// "copy or charlm": the names of the task types for which `has` holds.
-std::string task_types_where(const std::function<bool(const train::TaskType&)>& has) {
-  std::string out;
-  for (const auto& t : train::task_types())
-    if (has(t)) out += (out.empty() ? "" : " or ") + t.name;
-  return out;
-}
-
-// One flag per setting name, in order of first appearance: "copy,
-// transduction: number of symbols" with its default where the types agree,
-// else each type's ("copy: symbols per half (32); charlm: window (256)").
-std::vector<FlagSpec> task_flag_specs() {
-  std::vector<std::string> names;
-  for (const auto& t : train::task_types())
-    for (const auto& s : t.settings)
-      if (std::find(names.begin(), names.end(), s.flag) == names.end()) names.push_back(s.flag);
-  std::vector<FlagSpec> out;
-  for (const auto& name : names) {
-    std::vector<std::pair<const train::TaskType*, const train::TaskSetting*>> uses;
-    for (const auto& t : train::task_types())
-      if (const auto* s = setting(t, name)) uses.emplace_back(&t, s);
-    const auto* first = uses.front().second;
-    bool same = true;  // one help and default for all: "copy, transduction: ..."
-    for (const auto& use : uses)
-      same = same && use.second->help == first->help &&
-             use.second->default_text == first->default_text;
-    std::string help;
-    for (const auto& [t, s] : uses) {
-      if (same) {
-        help += (help.empty() ? "" : ", ") + t->name;
-        continue;
-      }
-      help += (help.empty() ? "" : "; ") + t->name + ": " + s->help;
-      if (!s->default_text.empty()) help += " (" + s->default_text + ")";
-    }
-    if (same) help += ": " + first->help;
-    if (first->kind == train::TaskSetting::Kind::Boolean) {
-      out.push_back(FlagSpec::boolean(name, help));
-    } else {
-      out.push_back(FlagSpec::value(name, first->metavar, help, same ? first->default_text : ""));
-    }
-  }
-  return out;
+const std::vector<train::TaskSetting>& train_settings(const train::TaskType& type) {
+  return type.settings;
 }
 
 // The "Tasks:" paragraphs of the help, each description wrapped at 80 columns.
@@ -182,7 +136,7 @@ class TrainCommand : public Command {
   }
   std::vector<FlagSpec> flags() const override {
     std::vector<FlagSpec> out = {FlagSpec::value("task", "NAME", train::task_type_names(), "copy")};
-    const auto task_flags = task_flag_specs();
+    const auto task_flags = setting_flag_specs(train_settings);
     out.insert(out.end(), task_flags.begin(), task_flags.end());
     const std::vector<FlagSpec> rest = {
         FlagSpec::value("attention", "SPEC", "encoder self-attention", "full"),
@@ -250,29 +204,8 @@ class TrainCommand : public Command {
         resume && c.task.value("name", "") == task ? c.task : nlohmann::json{{"name", task}};
     // Flags that belong to other task types are errors, not silently ignored;
     // those not given keep the stored value (resume) or the task's default.
-    for (const auto& f : task_flag_specs()) {
-      if (args.has(f.name) && setting(*type, f.name) == nullptr)
-        throw UsageError(
-            "--" + f.name + " applies to --task " +
-            task_types_where([&](const train::TaskType& other) { return setting(other, f.name); }));
-    }
-    for (const auto& s : type->settings) {
-      if (!args.has(s.flag)) continue;
-      switch (s.kind) {
-        case train::TaskSetting::Kind::Integer:
-          t[s.key] = args.get_int(s.flag, 0);
-          break;
-        case train::TaskSetting::Kind::Number:
-          t[s.key] = args.get_double(s.flag, 0);
-          break;
-        case train::TaskSetting::Kind::Text:
-          t[s.key] = args.get(s.flag);
-          break;
-        case train::TaskSetting::Kind::Boolean:
-          t[s.key] = args.get_bool(s.flag);
-          break;
-      }
-    }
+    refuse_other_types_flags(*type, train_settings, args);
+    t.update(given_settings(type->settings, args));
     c.task = t;
 
     // ---- model

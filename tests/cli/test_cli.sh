@@ -174,6 +174,7 @@ expect 2 "--conditional applies to --task digits" -- train --task copy --conditi
 expect 2 "--vocab applies to --task copy or transduction" -- train --task charlm --vocab 3
 expect 2 "--length applies to --task copy or charlm" -- train --task digits --length 3
 expect 2 "--samples needs --checkpoint DIR" -- generate --samples 3
+expect 2 "--prompt needs --checkpoint DIR" -- generate --prompt "the"
 awk 'BEGIN { srand(1); for (i = 0; i < 16000; i++) printf "%s ", (rand() < 0.5 ? "the cat" : "a dog.") }' \
   > "$tmp/corpus.txt"
 lm=(--layers 1 --heads 2 --d-model 16 --d-ff 32 --batch 4 --eval-every 0 --eval-batches 1)
@@ -189,7 +190,8 @@ expect 0 "generate: 2 sequences in .*recurrent form" -- --threads 1 generate \
   --checkpoint "$tmp/lm" --prompt "the cat" --max-new-tokens 10 --samples 2 --seed 3
 expect 0 "^the cat" -- --threads 1 generate --checkpoint "$tmp/lm" --prompt "the cat" \
   --max-new-tokens 10 --greedy
-expect 2 "--label applies to digits models" -- generate --checkpoint "$tmp/lm" --label 3
+expect 2 "--label applies to --task digits \(the checkpoint.s task is charlm\)" -- \
+  generate --checkpoint "$tmp/lm" --label 3
 expect 2 "does not occur in the corpus" -- generate --checkpoint "$tmp/lm" --prompt "zebra"
 expect 2 "--top-k does not apply to --checkpoint" -- generate --checkpoint "$tmp/lm" --top-k 3
 expect 2 "trained on --task copy" -- generate --checkpoint "$tmp/a"
@@ -200,6 +202,8 @@ if [ -f "${FASTATTN_DIGITS:-/nonexistent}" ] ||
     --attention causal-linear --steps 2 --checkpoint "$tmp/dg"
   expect 0 "generate: 3 images in .*recurrent form" -- --threads 1 generate --checkpoint "$tmp/dg" \
     --samples 3 --label 7 --pgm "$tmp/dg.pgm"
+  expect 2 "--max-new-tokens applies to --task charlm \(the checkpoint.s task is digits\)" -- \
+    generate --checkpoint "$tmp/dg" --max-new-tokens 3
   if head -c 2 "$tmp/dg.pgm" | grep -q P5; then echo "ok: generate --pgm"
   else echo "FAIL: generate --pgm"; failures=$((failures + 1)); fi
 else

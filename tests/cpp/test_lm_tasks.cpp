@@ -311,6 +311,28 @@ TEST(TrainedModel, DigitsRoundTripAndRecurrentEqualsBatch) {
   EXPECT_EQ(pgm.rfind("P5\n", 0), 0u);
   o.label = 10;
   EXPECT_ERROR_CONTAINS(sample_digits(trained, o), "label must be in [0, 9]");
+
+  // The task type's generator: --label and --pgm, the images side by side.
+  GenerateRequest request;
+  request.options = o;
+  request.options.label.reset();
+  request.values = {{"label", 4}, {"pgm", dir.path + "/d.pgm"}};
+  const auto g = find_task_type("digits")->generator.run(trained, request);
+  EXPECT_EQ(g.unit, "images");
+  EXPECT_TRUE(torch::equal(g.result.labels, torch::full({3}, 4, torch::kLong)));
+  std::string first_line;
+  for (int64_t i = 0; i < 3; ++i)
+    first_line += digit_ascii(g.result.tokens[i]).substr(0, 16) + "  ";
+  EXPECT_EQ(g.text.substr(0, first_line.size() + 1), first_line + "\n");
+  EXPECT_NE(g.text.find("\nlabels: 4,4,4\n"), std::string::npos) << g.text;
+  EXPECT_EQ(g.record.at("labels"), (std::vector<int64_t>{4, 4, 4}));
+  std::ifstream f(dir.path + "/d.pgm", std::ios::binary);
+  const std::string written((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(written, digits_pgm(g.result.tokens));
+  ASSERT_EQ(g.notes.size(), 1u);
+  request.values = {{"pgm", dir.path + "/missing/d.pgm"}};
+  EXPECT_ERROR_CONTAINS(find_task_type("digits")->generator.run(trained, request),
+                        "cannot write --pgm file");
 }
 
 TEST(TrainedModel, CharLMRoundTripWithFullAttention) {
@@ -333,6 +355,21 @@ TEST(TrainedModel, CharLMRoundTripWithFullAttention) {
   EXPECT_TRUE(torch::equal(sample_text(trained, "the ", 12, o).tokens, r.tokens));
   EXPECT_ERROR_CONTAINS(sample_text(trained, "", 3, o), "at least one character");
   EXPECT_ERROR_CONTAINS(sample_digits(trained, o), "not digits");
+  // The task type's generator (`fastattn generate --checkpoint`): the same
+  // samples, rendered, with its own flags' values and its --json fields.
+  GenerateRequest request;
+  request.options = o;
+  request.values = {{"prompt", "the "}, {"max_new_tokens", 12}};
+  const auto g = find_task_type("charlm")->generator.run(trained, request);
+  EXPECT_TRUE(torch::equal(g.result.tokens, r.tokens));
+  EXPECT_EQ(g.unit, "sequences");
+  EXPECT_EQ(g.text, "---- sample 1\n" + task.decode(r.tokens[0]) + "\n---- sample 2\n" +
+                        task.decode(r.tokens[1]) + "\n");
+  EXPECT_EQ(g.record.at("new_tokens"), 12);
+  EXPECT_GT(g.record.at("tokens_per_second").get<double>(), 0.0);
+  request.values = {{"max_new_tokens", -1}};
+  EXPECT_ERROR_CONTAINS(find_task_type("charlm")->generator.run(trained, request),
+                        "--max-new-tokens must be >= 0, got -1");
   EXPECT_GT(trainer.evaluate()["bits_per_char"].get<double>(), 0.0);
 }
 

@@ -465,6 +465,21 @@ TEST(TaskTypesTest, BuiltinsFirstAndRegisteredOnesByName) {
       "task type 'short-copy' is already registered");
   EXPECT_ERROR_CONTAINS(register_task_type(TaskType{"no-factory", "", false, {}, nullptr}),
                         "needs a factory");
+  // Generate flags need a generator; a generator needs a default count.
+  auto copy_factory = find_task_type("copy")->make;
+  TaskGenerator flags_only;
+  flags_only.flags = {{"x", "x", TaskSetting::Kind::Integer, "X", "x", ""}};
+  EXPECT_ERROR_CONTAINS(
+      register_task_type(TaskType{"flags-only", "", false, {}, copy_factory, flags_only}),
+      "has generate flags but no generator.run");
+  TaskGenerator no_count = find_task_type("charlm")->generator;
+  no_count.default_count = 0;
+  EXPECT_ERROR_CONTAINS(
+      register_task_type(TaskType{"no-count", "", false, {}, copy_factory, no_count}),
+      "default_count must be >= 1, got 0");
+  EXPECT_EQ(find_task_type("flags-only"), nullptr);
+  EXPECT_FALSE(find_task_type("copy")->generator.run);
+  EXPECT_TRUE(find_task_type("digits")->generator.run);
   EXPECT_ERROR_CONTAINS(make_task({{"name", "nope"}}), "short-copy, got 'nope'");
   EXPECT_ERROR_CONTAINS(make_task({{"length", 3}}), "TYPE one of copy, transduction, digits");
 }

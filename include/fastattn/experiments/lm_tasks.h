@@ -214,6 +214,31 @@ SampleResult sample_digits(TrainedModel& trained, const SampleOptions& options);
 SampleResult sample_text(TrainedModel& trained, const std::string& prompt, int64_t new_tokens,
                          const SampleOptions& options);
 
+// What `fastattn generate --checkpoint` hands a task type's generator
+// (TaskGenerator, train.h): the common sampling options (count already
+// resolved) and {key: value} of the type's own flags that were given, typed
+// by their kind.
+struct GenerateRequest {
+  SampleOptions options;
+  nlohmann::json values = nlohmann::json::object();
+};
+// What the generator gives back: the samples rendered for a terminal, what
+// `count` of them are ("images", "sequences"), the sampling result, the
+// fields it adds to --json, and lines saying what it wrote (files named by
+// its flags, such as --pgm).
+struct GenerateReport {
+  std::string text;
+  std::string unit;
+  SampleResult result;
+  nlohmann::json record = nlohmann::json::object();
+  std::vector<std::string> notes;
+};
+// The generators of the built-in types: digits (--label D, --pgm FILE; 16
+// images printed as ASCII, 8 side by side) and charlm (--prompt TEXT,
+// --max-new-tokens T; one text).
+TaskGenerator digits_generator();
+TaskGenerator charlm_generator();
+
 // An 8x8 image (64,) in [0, 16] as 8 lines of characters, light to dark.
 std::string digit_ascii(const torch::Tensor& pixels);
 // Images (N, 64) tiled 8 per row (1 pixel white gaps), magnified `scale`

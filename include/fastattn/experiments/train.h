@@ -248,14 +248,31 @@ struct TaskSetting {
   std::string default_text;  // "0.2"; "" where the default is not one value
 };
 
+struct TrainedModel;     // lm_tasks.h
+struct GenerateRequest;  // lm_tasks.h
+struct GenerateReport;   // lm_tasks.h
+
+// How `fastattn generate --checkpoint` samples from a model trained on a task
+// type (the digits and charlm types have one; copy and transduction none: an
+// empty `run`). `flags` are the type's own generate flags (their `key`s name
+// the entries of GenerateRequest::values); the program checks the common
+// ones (--samples, --greedy, --temperature, --seed, --batch-form), refuses a
+// flag of another type, and prints and records what `run` reports.
+struct TaskGenerator {
+  std::vector<TaskSetting> flags;
+  int64_t default_count = 1;  // samples when --samples is not given
+  std::function<GenerateReport(TrainedModel&, const GenerateRequest&)> run;
+};
+
 // What make_task builds for {"name": name, ...}, and what `fastattn train`
-// says about it.
+// (and `fastattn generate --checkpoint`) says about it.
 struct TaskType {
   std::string name;
   std::string description;       // a paragraph of `fastattn train --help`
   bool encoder_decoder = false;  // its model JSON is {"encoder": {...}, "decoder": {...}}
   std::vector<TaskSetting> settings;
   std::function<std::unique_ptr<Task>(const nlohmann::json&)> make;
+  TaskGenerator generator = {};  // optional
 };
 
 // Every task type: the built-ins (copy, transduction, digits, charlm), then

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <fstream>
 #include <mutex>
 #include <sstream>
 
@@ -151,6 +152,92 @@ SampleResult sample_text(TrainedModel& t, const std::string& prompt, int64_t new
   r.tokens = sample_loop(m, prefix, new_tokens, task->vocab_size(), o, r.recurrent);
   r.seconds = seconds_since(t0);
   return r;
+}
+
+// ---- the generators of `fastattn generate --checkpoint` ---------------------------------
+
+namespace {
+
+using Kind = TaskSetting::Kind;
+
+double per_second(double count, double seconds) { return count / std::max(seconds, 1e-12); }
+
+// Images (N, 64) as ASCII, up to 8 side by side, a blank line after each row of them.
+std::string digits_ascii_rows(const torch::Tensor& images) {
+  std::string out;
+  const int64_t n = images.size(0);
+  for (int64_t first = 0; first < n; first += 8) {
+    std::vector<std::string> art;
+    for (int64_t i = first; i < std::min<int64_t>(n, first + 8); ++i)
+      art.push_back(digit_ascii(images[i]));
+    for (size_t y = 0; y < 8; ++y) {
+      for (const auto& a : art) out += a.substr(y * 17, 16) + "  ";
+      out += "\n";
+    }
+    out += "\n";
+  }
+  return out;
+}
+
+}  // namespace
+
+TaskGenerator digits_generator() {
+  TaskGenerator g;
+  g.flags = {{"label", "label", Kind::Integer, "D", "the digit to draw (conditional models)", ""},
+             {"pgm", "pgm", Kind::Text, "FILE", "write the images as a PGM picture", ""}};
+  g.default_count = 16;
+  g.run = [](TrainedModel& t, const GenerateRequest& request) {
+    auto o = request.options;
+    if (request.values.contains("label")) o.label = request.values["label"].get<int64_t>();
+    GenerateReport r;
+    r.result = sample_digits(t, o);
+    r.unit = "images";
+    r.text = digits_ascii_rows(r.result.tokens);
+    if (r.result.labels.defined()) {
+      std::vector<int64_t> labels(r.result.labels.data_ptr<int64_t>(),
+                                  r.result.labels.data_ptr<int64_t>() + r.result.labels.numel());
+      std::string line;
+      for (auto l : labels) line += (line.empty() ? "" : ",") + std::to_string(l);
+      r.text += "labels: " + line + "\n";
+      r.record["labels"] = labels;
+    }
+    if (request.values.contains("pgm")) {
+      const auto path = request.values["pgm"].get<std::string>();
+      std::ofstream f(path, std::ios::binary);
+      TORCH_CHECK(f, "cannot write --pgm file '", path, "'");
+      f << digits_pgm(r.result.tokens);
+      TORCH_CHECK(f.flush(), "cannot write --pgm file '", path, "'");
+      r.notes.push_back("wrote " + path);
+    }
+    r.record["images_per_second"] = per_second(static_cast<double>(o.count), r.result.seconds);
+    return r;
+  };
+  return g;
+}
+
+TaskGenerator charlm_generator() {
+  TaskGenerator g;
+  g.flags = {{"prompt", "prompt", Kind::Text, "TEXT", "text to continue", "\\n"},
+             {"max-new-tokens", "max_new_tokens", Kind::Integer, "T", "bytes to add", "32"}};
+  g.default_count = 1;
+  g.run = [](TrainedModel& t, const GenerateRequest& request) {
+    const auto& o = request.options;
+    const int64_t n = request.values.value("max_new_tokens", int64_t{32});
+    TORCH_CHECK(n >= 0, "--max-new-tokens must be >= 0, got ", n);
+    const auto prompt = request.values.value("prompt", std::string("\n"));
+    GenerateReport r;
+    r.result = sample_text(t, prompt, n, o);
+    r.unit = "sequences";
+    const auto& lm = dynamic_cast<const CharLMTask&>(*t.task);
+    for (int64_t i = 0; i < o.count; ++i) {
+      r.text += (o.count > 1 ? "---- sample " + std::to_string(i + 1) + "\n" : "") +
+                lm.decode(r.result.tokens[i]) + "\n";
+    }
+    r.record["new_tokens"] = n;
+    r.record["tokens_per_second"] = per_second(static_cast<double>(o.count * n), r.result.seconds);
+    return r;
+  };
+  return g;
 }
 
 std::string digit_ascii(const torch::Tensor& pixels) {

@@ -421,7 +421,8 @@ std::vector<TaskType> builtin_task_types() {
         }
         o.test_size = get_int("digits task", j, "test_size", o.test_size);
         return std::unique_ptr<Task>(std::make_unique<DigitsTask>(o));
-      }});
+      },
+      digits_generator()});
   out.push_back(TaskType{
       "charlm",
       "decoder-only: bytes of a text corpus (--data, default the `fortunes` package), random "
@@ -438,7 +439,8 @@ std::vector<TaskType> builtin_task_types() {
         o.length = get_int("charlm task", j, "length", o.length);
         if (j.contains("vocabulary")) o.vocabulary = get_string("charlm task", j, "vocabulary", "");
         return std::unique_ptr<Task>(std::make_unique<CharLMTask>(o));
-      }});
+      },
+      charlm_generator()});
   return out;
 }
 
@@ -462,6 +464,11 @@ void register_task_type(TaskType type) {
   TORCH_CHECK(type.make, "register_task_type: task type '", type.name, "' needs a factory");
   TORCH_CHECK(find_task_type(type.name) == nullptr, "register_task_type: task type '", type.name,
               "' is already registered");
+  TORCH_CHECK(type.generator.run || type.generator.flags.empty(), "register_task_type: task type '",
+              type.name, "' has generate flags but no generator.run");
+  TORCH_CHECK(!type.generator.run || type.generator.default_count >= 1,
+              "register_task_type: task type '", type.name,
+              "': generator.default_count must be >= 1, got ", type.generator.default_count);
   task_type_table().push_back(std::move(type));
 }
 
