@@ -12,8 +12,7 @@
 
 #include "fastattn/ops.h"
 #include "kernels/common/cpu_isa.h"
-#include "kernels/linear_attention/elu_linear_attention.h"
-#include "ops/linear_attention_checks.h"
+#include "ops/elu_linear_attention_args.h"
 #include "ops/mask_util.h"
 #include "ops/op_util.h"
 
@@ -44,36 +43,6 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
   ops::check_elu_linear_inputs(kOp, q, k, v, key_lengths, causal, eps);
 }
 
-struct Prepared {
-  Tensor q, k, v, lengths;
-};
-
-Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v,
-                 const c10::optional<Tensor>& key_lengths) {
-  Prepared p{ops::rows_contiguous(q), ops::rows_contiguous(k), ops::rows_contiguous(v), {}};
-  if (key_lengths) p.lengths = key_lengths->to(torch::kLong).contiguous();
-  return p;
-}
-
-template <typename T, typename Args>
-void fill_params(Args& a, const Prepared& p, bool causal, double eps, int64_t chunk) {
-  a.q = p.q.data_ptr<T>();
-  a.k = p.k.data_ptr<T>();
-  a.v = p.v.data_ptr<T>();
-  ops::set_qkv_rows(a, p.q, p.k, p.v);
-  if (p.lengths.defined()) a.key_lengths = p.lengths.data_ptr<int64_t>();
-  a.N = p.q.size(0);
-  a.H = p.q.size(1);
-  a.L = p.q.size(2);
-  a.S = p.k.size(2);
-  a.E = p.q.size(3);
-  a.M = p.v.size(3);
-  a.causal = causal;
-  a.eps = static_cast<T>(eps);
-  a.chunk = chunk;
-  a.num_threads = at::get_num_threads();
-}
-
 std::tuple<Tensor, Tensor> elu_linear_attention_forward_cpu(
     const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
     const c10::optional<Tensor>& key_lengths, bool causal, double eps) {
@@ -83,13 +52,14 @@ std::tuple<Tensor, Tensor> elu_linear_attention_forward_cpu(
                                          k_in, v_in, key_lengths, causal, eps);
     return {ops::in_rows_layout_of(out, q_in), den};
   }
-  const auto p = prepare(q_in, k_in, v_in, key_lengths);
+  const auto p = ops::prepare_elu_linear(q_in, k_in, v_in, key_lengths);
   // out in q's row layout: the layers' transpose back to (N, L, H, M) is a view.
   auto out = ops::empty_rows_like(q_in, p.v.size(3));
   auto den = torch::empty({p.q.size(0), p.q.size(1), p.q.size(2)}, p.q.options());
   AT_DISPATCH_FLOATING_TYPES(p.q.scalar_type(), "elu_linear_attention_forward_cpu", [&] {
     kernels::EluLinearForwardArgs<scalar_t> a;
-    fill_params<scalar_t>(a, p, causal, eps, chunk_rows(causal, /*backward=*/false));
+    ops::fill_elu_linear_args<scalar_t>(a, kOp, p, causal, eps,
+                                        chunk_rows(causal, /*backward=*/false));
     a.out = out.data_ptr<scalar_t>();
     a.out_rows = ops::row_strides(out);
     a.den = den.data_ptr<scalar_t>();
@@ -110,7 +80,7 @@ std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_backward_cpu(
                         v_in, out_in, den_in, key_lengths, causal, eps),
         q_in, k_in, v_in);
   }
-  const auto p = prepare(q_in, k_in, v_in, key_lengths);
+  const auto p = ops::prepare_elu_linear(q_in, k_in, v_in, key_lengths);
   const auto dtype = p.q.scalar_type();
   const auto go = ops::rows_contiguous(grad_out.to(dtype));
   const auto out = ops::rows_contiguous(out_in.to(dtype));
@@ -121,7 +91,8 @@ std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_backward_cpu(
   auto gv = ops::empty_rows_like(v_in, v_in.size(3));
   AT_DISPATCH_FLOATING_TYPES(dtype, "elu_linear_attention_backward_cpu", [&] {
     kernels::EluLinearBackwardArgs<scalar_t> a;
-    fill_params<scalar_t>(a, p, causal, eps, chunk_rows(causal, /*backward=*/true));
+    ops::fill_elu_linear_args<scalar_t>(a, kOp, p, causal, eps,
+                                        chunk_rows(causal, /*backward=*/true));
     a.grad_out = go.data_ptr<scalar_t>();
     a.out = out.data_ptr<scalar_t>();
     a.den = den.data_ptr<scalar_t>();

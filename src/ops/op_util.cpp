@@ -33,6 +33,20 @@
 
 namespace fastattn::ops {
 
+kernels::DType kernel_dtype(const char* op, const char* name, const torch::Tensor& t) {
+  switch (t.scalar_type()) {
+    case torch::kFloat:
+      return kernels::DType::kFloat32;
+    case torch::kHalf:
+      return kernels::DType::kFloat16;
+    case torch::kBFloat16:
+      return kernels::DType::kBFloat16;
+    default:
+      TORCH_CHECK(false, op, ": ", name, " must be float32, float16 or bfloat16 on CUDA, got ",
+                  t.scalar_type());
+  }
+}
+
 void check_qkv(const char* op, const torch::Tensor& q, const torch::Tensor& k,
                const torch::Tensor& v) {
   TORCH_CHECK(q.defined() && k.defined() && v.defined(), op,

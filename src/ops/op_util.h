@@ -10,7 +10,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "kernels/common/rows.h"
+#include "kernels/common/kernel_args.h"
 
 namespace fastattn {
 
@@ -156,6 +156,46 @@ void set_grad_rows(Args& a, const torch::Tensor& grad_out, const torch::Tensor& 
   a.grad_q_rows = row_strides(gq);
   a.grad_k_rows = row_strides(gk);
   a.grad_v_rows = row_strides(gv);
+}
+
+// ---- kernel argument structs (kernels/common/kernel_args.h) ----------------
+
+// t's data for a kernel struct of element type T: typed on the CPU (T =
+// float, double), untyped for the CUDA launchers (T = void).
+template <typename T>
+auto kernel_data(const torch::Tensor& t) {
+  if constexpr (std::is_void_v<T>) {
+    return t.data_ptr();
+  } else {
+    return t.data_ptr<T>();
+  }
+}
+// The CUDA kernels' element type of t: float32, float16 or bfloat16 (other
+// dtypes: an error naming `op` and the argument `name`).
+kernels::DType kernel_dtype(const char* op, const char* name, const torch::Tensor& t);
+// A kernel struct's q, k, v, dims and backend fields from q (N, H, L, E), k
+// (N, H, S, E), v (N, H, S, M): its dtype for the CUDA launchers (T = void),
+// the row layouts of q, k, v and the thread count for the CPU kernels.
+template <typename T, typename Args>
+void set_qkv_args(Args& a, const char* op, const torch::Tensor& q, const torch::Tensor& k,
+                  const torch::Tensor& v) {
+  a.q = kernel_data<T>(q);
+  a.k = kernel_data<T>(k);
+  a.v = kernel_data<T>(v);
+  a.N = q.size(0);
+  a.H = q.size(1);
+  a.L = q.size(2);
+  a.E = q.size(3);
+  a.S = k.size(2);
+  a.M = v.size(3);
+  if constexpr (std::is_void_v<T>) {
+    a.dtype = kernel_dtype(op, "q", q);
+  } else {
+    a.q_rows = row_strides(q);
+    a.k_rows = row_strides(k);
+    a.v_rows = row_strides(v);
+    a.num_threads = at::get_num_threads();
+  }
 }
 
 // Checks that every tensor argument of a public entry point is defined (the

@@ -34,40 +34,45 @@
 
 #include <cstdint>
 
-#include "kernels/common/rows.h"
+#include "kernels/common/kernel_args.h"
 
 namespace fastattn::kernels {
 
+// The arguments of both backends (kernels/common/kernel_args.h): T = float or
+// double for the CPU kernels below, void for the CUDA launchers
+// (elu_linear_attention_cuda.h), which take contiguous operands only.
 template <typename T>
 struct EluLinearParams {
   const T* q = nullptr;                  // (N, H, L, E), rows at q_rows
   const T* k = nullptr;                  // (N, H, S, E), rows at k_rows
   const T* v = nullptr;                  // (N, H, S, M), rows at v_rows
-  RowStrides q_rows, k_rows, v_rows;     // default: contiguous
-  const int64_t* key_lengths = nullptr;  // (N,) in [0, S], or null: all S keys
+  RowStrides q_rows, k_rows, v_rows;     // CPU; default: contiguous
+  const int64_t* key_lengths = nullptr;  // (N,) in [0, S] (on q's device), or null: all S keys
   int64_t N = 0, H = 0, L = 0, S = 0, E = 0, M = 0;
   bool causal = false;  // needs S == L
-  T eps = T(1e-6);
-  int64_t chunk = 64;  // rows per chunk C (>= 1)
-  int num_threads = 1;
+  KernelScalar<T> eps = KernelScalar<T>(1e-6);
+  int64_t chunk = 64;             // rows per chunk C (>= 1; CUDA: 16, 32 or 64)
+  int num_threads = 1;            // CPU
+  DType dtype = DType::kFloat32;  // CUDA: the element type of the void pointers
+  float* workspace = nullptr;     // CUDA: elu_linear_attention_cuda_workspace_floats(...)
 };
 
 template <typename T>
 struct EluLinearForwardArgs : EluLinearParams<T> {
-  T* out = nullptr;  // (N, H, L, M), written, rows at out_rows
-  T* den = nullptr;  // (N, H, L) contiguous, written: the normaliser including eps
-  RowStrides out_rows;
+  T* out = nullptr;                // (N, H, L, M), written, rows at out_rows
+  KernelScalar<T>* den = nullptr;  // (N, H, L) contiguous, written: the normaliser including eps
+  RowStrides out_rows;             // CPU
 };
 
 template <typename T>
 struct EluLinearBackwardArgs : EluLinearParams<T> {
-  const T* grad_out = nullptr;  // (N, H, L, M)
-  const T* out = nullptr;       // (N, H, L, M), from the forward
-  const T* den = nullptr;       // (N, H, L) contiguous, from the forward
-  T* grad_q = nullptr;          // (N, H, L, E), written
-  T* grad_k = nullptr;          // (N, H, S, E), written
-  T* grad_v = nullptr;          // (N, H, S, M), written
-  // Row layouts of the tensors above but den (default: contiguous).
+  const T* grad_out = nullptr;           // (N, H, L, M)
+  const T* out = nullptr;                // (N, H, L, M), from the forward
+  const KernelScalar<T>* den = nullptr;  // (N, H, L) contiguous, from the forward
+  T* grad_q = nullptr;                   // (N, H, L, E), written
+  T* grad_k = nullptr;                   // (N, H, S, E), written
+  T* grad_v = nullptr;                   // (N, H, S, M), written
+  // CPU: row layouts of the tensors above but den (default: contiguous).
   RowStrides grad_out_rows, out_rows, grad_q_rows, grad_k_rows, grad_v_rows;
 };
 

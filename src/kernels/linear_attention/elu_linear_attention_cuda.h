@@ -9,47 +9,16 @@
 
 #include <cstdint>
 
-#include "kernels/common/cuda_dtype.h"
+#include "kernels/linear_attention/elu_linear_attention.h"
 
 namespace fastattn::cuda {
 
-struct EluLinearForwardCudaArgs {
-  const void* q = nullptr;               // (N, H, L, E) contiguous, dtype
-  const void* k = nullptr;               // (N, H, S, E) contiguous, dtype
-  const void* v = nullptr;               // (N, H, S, M) contiguous, dtype
-  const int64_t* key_lengths = nullptr;  // (N,) in [0, S] (device), or null: all S keys
-  void* out = nullptr;                   // (N, H, L, M) contiguous, dtype: written
-  float* den = nullptr;                  // (N, H, L) float32: written, the normaliser incl. eps
-  float* workspace = nullptr;            // elu_linear_attention_cuda_workspace_floats(...)
-  DType dtype = DType::kFloat32;
-  int64_t N = 0, H = 0, L = 0, S = 0, E = 0, M = 0;
-  bool causal = false;  // needs S == L
-  float eps = 1e-6f;
-  int64_t chunk = 64;  // rows per chunk: 16, 32 or 64
-};
+// The arguments shared with the CPU kernels (elu_linear_attention.h) with
+// T = void: q, k, v, out, grad_* contiguous of `dtype`; den float32;
+// `workspace` required; `eps` unused by the backward (den carries it).
+using EluLinearForwardCudaArgs = kernels::EluLinearForwardArgs<void>;
+using EluLinearBackwardCudaArgs = kernels::EluLinearBackwardArgs<void>;
 
-struct EluLinearBackwardCudaArgs {
-  const void* q = nullptr;               // (N, H, L, E) contiguous, dtype
-  const void* k = nullptr;               // (N, H, S, E) contiguous, dtype
-  const void* v = nullptr;               // (N, H, S, M) contiguous, dtype
-  const int64_t* key_lengths = nullptr;  // (N,) in [0, S] (device), or null: all S keys
-  const void* grad_out = nullptr;        // (N, H, L, M) contiguous, dtype
-  const void* out = nullptr;             // (N, H, L, M) contiguous, dtype: from the forward
-  const float* den = nullptr;            // (N, H, L) float32: from the forward
-  void* grad_q = nullptr;                // (N, H, L, E) contiguous, dtype: written
-  void* grad_k = nullptr;                // (N, H, S, E) contiguous, dtype: written
-  void* grad_v = nullptr;                // (N, H, S, M) contiguous, dtype: written
-  float* workspace = nullptr;            // elu_linear_attention_cuda_workspace_floats(...)
-  DType dtype = DType::kFloat32;
-  int64_t N = 0, H = 0, L = 0, S = 0, E = 0, M = 0;
-  bool causal = false;  // needs S == L
-  float eps = 1e-6f;    // unused by the backward (den carries it); kept for symmetry
-  int64_t chunk = 64;   // rows per chunk: 16, 32 or 64
-};
-
-// Float32 elements of the workspace of either launcher: an (N, H, L, M + 1)
-// row buffer (numerator and normaliser, or the scaled output gradient) and
-// the chunk states, N·H·max(1, ceil(max(L, S)/chunk))·E·(M + 1).
 inline int64_t elu_linear_attention_cuda_workspace_floats(int64_t N, int64_t H, int64_t L,
                                                           int64_t S, int64_t E, int64_t M,
                                                           int64_t chunk) {

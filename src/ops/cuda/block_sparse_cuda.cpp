@@ -88,7 +88,7 @@ Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v, const std::s
   p.plan.record_stream(at::cuda::getCurrentCUDAStream());
   const auto& lay = plan.layouts;
   auto& a = p.params;
-  a.dtype = ops::cuda::kernel_dtype(kOp, "q", q);
+  a.dtype = ops::kernel_dtype(kOp, "q", q);
   a.q = p.q.data_ptr();
   a.k = p.k.data_ptr();
   a.v = p.v.data_ptr();

@@ -28,7 +28,7 @@ Tensor workspace(const Tensor& q, int64_t F, int64_t M) {
 
 template <typename Args>
 void fill_sizes(Args& a, const Tensor& q, const Tensor& v) {
-  a.dtype = ops::cuda::kernel_dtype(kOp, "q", q);
+  a.dtype = ops::kernel_dtype(kOp, "q", q);
   a.N = q.size(0);
   a.H = q.size(1);
   a.L = q.size(2);

@@ -61,7 +61,7 @@ void fill_common(cuda::ClusteredTopkCudaArgs& a, const char* op, const Tensor& q
   a.C = topk.size(2);
   a.K = topk.size(3);
   a.scale = static_cast<float>(temp);
-  a.dtype = ops::cuda::kernel_dtype(op, "q", q);
+  a.dtype = ops::kernel_dtype(op, "q", q);
   a.workspace = workspace.data_ptr();
 }
 
@@ -165,7 +165,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> improved_forward_cuda_op(
     a.L = L;
     a.C = C;
     a.E = E;
-    a.dtype = ops::cuda::kernel_dtype(op, "q", q);
+    a.dtype = ops::kernel_dtype(op, "q", q);
     a.workspace = ws.data_ptr();
     cuda::cluster_means_cuda(a, stream);
   }

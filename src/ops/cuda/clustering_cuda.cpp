@@ -32,7 +32,7 @@ Tensor hash_queries_cuda_op(const Tensor& x, const Tensor& planes) {
   a.rows = x.size(0) * x.size(1) * x.size(2);
   a.E = x.size(3);
   a.B = static_cast<int>(planes.size(0));
-  a.dtype = ops::cuda::kernel_dtype("fastattn::hash_queries", "x", x);
+  a.dtype = ops::kernel_dtype("fastattn::hash_queries", "x", x);
   cuda::hash_queries_cuda(a, ops::cuda::current_stream());
   return codes;
 }

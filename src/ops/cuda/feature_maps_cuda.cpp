@@ -27,7 +27,7 @@ Tensor run(const Tensor& x_in, const Tensor& grad_in) {
   a.x = x.data_ptr();
   if (Backward) a.grad_out = g.data_ptr();
   a.out = out.data_ptr();
-  a.dtype = ops::cuda::kernel_dtype(kOp, "x", x);
+  a.dtype = ops::kernel_dtype(kOp, "x", x);
   a.n = x.numel();
   if (Backward) {
     cuda::elu_feature_map_backward_cuda(a, ops::cuda::current_stream());

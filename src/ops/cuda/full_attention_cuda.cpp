@@ -81,7 +81,7 @@ void fill_params(cuda::FullAttentionCudaParams& a, const char* op, const Prepare
   if (p.lengths.defined()) a.key_lengths = p.lengths.data_ptr<int64_t>();
   a.causal = causal;
   a.scale = static_cast<float>(temp);
-  a.dtype = ops::cuda::kernel_dtype(op, "q", p.q);
+  a.dtype = ops::kernel_dtype(op, "q", p.q);
 }
 
 std::tuple<Tensor, Tensor> forward_impl(const char* op, const Tensor& q, const Tensor& k,

@@ -51,7 +51,7 @@ Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v,
     p.lengths = key_lengths->to(q.device(), torch::kLong).contiguous();
     a.key_lengths = p.lengths.data_ptr<int64_t>();
   }
-  a.dtype = ops::cuda::kernel_dtype(kOp, "q", q);
+  a.dtype = ops::kernel_dtype(kOp, "q", q);
   a.q = p.q.data_ptr();
   a.k = p.k.data_ptr();
   a.v = p.v.data_ptr();

@@ -12,7 +12,7 @@
 
 #include "kernels/linear_attention/elu_linear_attention_cuda.h"
 #include "ops/cuda/cuda_op_util.h"
-#include "ops/linear_attention_checks.h"
+#include "ops/elu_linear_attention_args.h"
 
 namespace fastattn {
 namespace {
@@ -22,14 +22,15 @@ using torch::Tensor;
 constexpr const char* kOp = "fastattn::elu_linear_attention";
 constexpr int64_t kChunk = 64;
 
+// The inputs as the kernels read them, and their float32 workspace.
 struct Prepared {
-  Tensor q, k, v, lengths, workspace;
+  ops::EluLinearInputs in;
+  Tensor workspace;
 };
 
 Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v,
                  const c10::optional<Tensor>& key_lengths) {
-  Prepared p{q.contiguous(), k.contiguous(), v.contiguous(), {}, {}};
-  if (key_lengths) p.lengths = key_lengths->to(q.device(), torch::kLong).contiguous();
+  Prepared p{ops::prepare_elu_linear(q, k, v, key_lengths), {}};
   p.workspace =
       torch::empty({cuda::elu_linear_attention_cuda_workspace_floats(
                        q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), v.size(3), kChunk)},
@@ -39,21 +40,8 @@ Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v,
 
 template <typename Args>
 void fill_params(Args& a, const Prepared& p, bool causal, double eps) {
-  a.q = p.q.data_ptr();
-  a.k = p.k.data_ptr();
-  a.v = p.v.data_ptr();
-  if (p.lengths.defined()) a.key_lengths = p.lengths.data_ptr<int64_t>();
+  ops::fill_elu_linear_args<void>(a, kOp, p.in, causal, eps, kChunk);
   a.workspace = p.workspace.data_ptr<float>();
-  a.dtype = ops::cuda::kernel_dtype(kOp, "q", p.q);
-  a.N = p.q.size(0);
-  a.H = p.q.size(1);
-  a.L = p.q.size(2);
-  a.S = p.k.size(2);
-  a.E = p.q.size(3);
-  a.M = p.v.size(3);
-  a.causal = causal;
-  a.eps = static_cast<float>(eps);
-  a.chunk = kChunk;
 }
 
 std::tuple<Tensor, Tensor> elu_linear_attention_forward_cuda(
@@ -62,9 +50,9 @@ std::tuple<Tensor, Tensor> elu_linear_attention_forward_cuda(
   ops::check_elu_linear_inputs(kOp, q_in, k_in, v_in, key_lengths, causal, eps);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const auto p = prepare(q_in, k_in, v_in, key_lengths);
-  const int64_t N = p.q.size(0), H = p.q.size(1), L = p.q.size(2);
-  auto out = torch::empty({N, H, L, p.v.size(3)}, p.q.options());
-  auto den = torch::empty({N, H, L}, p.q.options().dtype(torch::kFloat));
+  const auto& q = p.in.q;
+  auto out = torch::empty({q.size(0), q.size(1), q.size(2), v_in.size(3)}, q.options());
+  auto den = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(torch::kFloat));
   cuda::EluLinearForwardCudaArgs a;
   fill_params(a, p, causal, eps);
   a.out = out.data_ptr();
@@ -86,11 +74,12 @@ std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_backward_cuda(
   ops::cuda::check_same_device(kOp, "den", den_in, q_in.device());
   const c10::cuda::CUDAGuard guard(q_in.device());
   const auto p = prepare(q_in, k_in, v_in, key_lengths);
-  const auto dtype = p.q.scalar_type();
+  const auto dtype = q_in.scalar_type();
   const auto go = grad_out.to(dtype).contiguous();
   const auto out = out_in.to(dtype).contiguous();
   const auto den = den_in.to(torch::kFloat).contiguous();
-  auto gq = torch::empty_like(p.q), gk = torch::empty_like(p.k), gv = torch::empty_like(p.v);
+  auto gq = torch::empty_like(p.in.q), gk = torch::empty_like(p.in.k),
+       gv = torch::empty_like(p.in.v);
   cuda::EluLinearBackwardCudaArgs a;
   fill_params(a, p, causal, eps);
   a.grad_out = go.data_ptr();

@@ -26,7 +26,7 @@ using torch::Tensor;
 using namespace ops::reformer;
 using ops::cuda::check_same_device;
 using ops::cuda::current_stream;
-using ops::cuda::kernel_dtype;
+using ops::kernel_dtype;
 
 Tensor lsh_hash_cuda_op(const Tensor& x, const Tensor& rotations) {
   check_hash_inputs(x, rotations);

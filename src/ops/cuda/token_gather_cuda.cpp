@@ -34,7 +34,7 @@ Tensor gather_tokens_cuda_op(const Tensor& x_in, const Tensor& index_in) {
   a.L = x.size(2);
   a.T_ = index.size(1);
   a.E = x.size(3);
-  a.dtype = ops::cuda::kernel_dtype(ops::kGatherTokensOp, "x", x);
+  a.dtype = ops::kernel_dtype(ops::kGatherTokensOp, "x", x);
   cuda::token_gather_forward_cuda(a, ops::cuda::current_stream());
   return out;
 }
@@ -61,7 +61,7 @@ Tensor gather_tokens_backward_cuda_op(const Tensor& grad_out_in, const Tensor& i
   a.L = length;
   a.T_ = index.size(1);
   a.E = g.size(3);
-  a.dtype = ops::cuda::kernel_dtype(ops::kGatherTokensOp, "grad_out", g);
+  a.dtype = ops::kernel_dtype(ops::kGatherTokensOp, "grad_out", g);
   cuda::token_gather_backward_cuda(a, ops::cuda::current_stream());
   return grad_x.to(g.scalar_type());
 }
