@@ -9,8 +9,7 @@
 #include <torch/library.h>
 
 #include "fastattn/ops.h"
-#include "kernels/causal_product/causal_product.h"
-#include "ops/linear_attention_checks.h"
+#include "ops/linear_attention_args.h"
 #include "ops/op_util.h"
 
 namespace fastattn {
@@ -26,20 +25,6 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v) {
   ops::check_causal_product_inputs(kOp, q, k, v);
 }
 
-template <typename T, typename Args>
-void fill_params(Args& a, const Tensor& q, const Tensor& k, const Tensor& v) {
-  a.q = q.data_ptr<T>();
-  a.k = k.data_ptr<T>();
-  a.v = v.data_ptr<T>();
-  a.N = q.size(0);
-  a.H = q.size(1);
-  a.L = q.size(2);
-  a.F = q.size(3);
-  a.M = v.size(3);
-  a.chunk = kCausalLinearProductChunk;
-  a.num_threads = at::get_num_threads();
-}
-
 Tensor causal_linear_product_forward_cpu(const Tensor& q_in, const Tensor& k_in,
                                          const Tensor& v_in) {
   check_inputs(q_in, k_in, v_in);
@@ -49,7 +34,7 @@ Tensor causal_linear_product_forward_cpu(const Tensor& q_in, const Tensor& k_in,
   auto out = ops::empty_output({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "causal_linear_product_forward_cpu", [&] {
     kernels::CausalProductForwardArgs<scalar_t> a;
-    fill_params<scalar_t>(a, q, k, v);
+    ops::fill_causal_product_args<scalar_t>(a, kOp, q, k, v, kCausalLinearProductChunk);
     a.out = out.data_ptr<scalar_t>();
     kernels::causal_product_forward_cpu(a);
   });
@@ -72,7 +57,7 @@ std::tuple<Tensor, Tensor, Tensor> causal_linear_product_backward_cpu(const Tens
        gv = ops::empty_output(v.sizes(), v.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "causal_linear_product_backward_cpu", [&] {
     kernels::CausalProductBackwardArgs<scalar_t> a;
-    fill_params<scalar_t>(a, q, k, v);
+    ops::fill_causal_product_args<scalar_t>(a, kOp, q, k, v, kCausalLinearProductChunk);
     a.grad_out = go.data_ptr<scalar_t>();
     a.grad_q = gq.data_ptr<scalar_t>();
     a.grad_k = gk.data_ptr<scalar_t>();

@@ -8,7 +8,7 @@
 
 #include "fastattn/ops.h"
 #include "kernels/feature_maps/elu_feature_map.h"
-#include "ops/linear_attention_checks.h"
+#include "ops/linear_attention_args.h"
 #include "ops/op_util.h"
 
 namespace fastattn {
@@ -30,11 +30,7 @@ Tensor run(const Tensor& x_in, const Tensor& grad_in) {
   auto out = ops::empty_output(x.sizes(), x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "elu_feature_map_cpu", [&] {
     kernels::EluFeatureMapArgs<scalar_t> a;
-    a.x = x.data_ptr<scalar_t>();
-    if (Backward) a.grad_out = g.data_ptr<scalar_t>();
-    a.out = out.data_ptr<scalar_t>();
-    a.n = x.numel();
-    a.num_threads = at::get_num_threads();
+    ops::fill_elu_feature_map_args(a, kOp, x, g, out);
     if (Backward) {
       kernels::elu_feature_map_backward_cpu(a);
     } else {

@@ -12,7 +12,7 @@
 
 #include "fastattn/ops.h"
 #include "kernels/common/cpu_isa.h"
-#include "ops/elu_linear_attention_args.h"
+#include "ops/linear_attention_args.h"
 #include "ops/mask_util.h"
 #include "ops/op_util.h"
 

@@ -17,16 +17,23 @@
 
 #include <cstdint>
 
+#include "kernels/common/kernel_args.h"
+
 namespace fastattn::kernels {
 
+// The arguments of both backends (kernels/common/kernel_args.h): T = float or
+// double for the CPU kernels below, void for the CUDA launchers
+// (causal_product_cuda.h).
 template <typename T>
 struct CausalProductParams {
   const T* q = nullptr;  // (N, H, L, F) contiguous
   const T* k = nullptr;  // (N, H, L, F) contiguous
   const T* v = nullptr;  // (N, H, L, M) contiguous
   int64_t N = 0, H = 0, L = 0, F = 0, M = 0;
-  int64_t chunk = 64;  // rows per chunk C (>= 1); any L, divisible or not
-  int num_threads = 1;
+  int64_t chunk = 64;             // rows per chunk C (>= 1; CUDA: 16, 32 or 64); any L
+  int num_threads = 1;            // CPU
+  DType dtype = DType::kFloat32;  // CUDA: the element type of the void pointers
+  float* workspace = nullptr;     // CUDA: causal_product_cuda_workspace_floats(...) floats
 };
 
 template <typename T>

@@ -9,15 +9,21 @@
 
 #include <cstdint>
 
+#include "kernels/common/kernel_args.h"
+
 namespace fastattn::kernels {
 
+// The arguments of both backends (kernels/common/kernel_args.h): T = float or
+// double for the CPU kernels below, void for the CUDA launchers
+// (elu_feature_map_cuda.h).
 template <typename T>
 struct EluFeatureMapArgs {
   const T* x = nullptr;         // (n,) contiguous
   const T* grad_out = nullptr;  // (n,) contiguous; backward only
   T* out = nullptr;             // (n,): phi(x) forward, grad_out·phi'(x) backward
   int64_t n = 0;
-  int num_threads = 1;
+  int num_threads = 1;            // CPU
+  DType dtype = DType::kFloat32;  // CUDA: the element type of the void pointers
 };
 
 template <typename T>

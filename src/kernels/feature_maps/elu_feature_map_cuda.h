@@ -7,17 +7,12 @@
 
 #include <cstdint>
 
-#include "kernels/common/cuda_dtype.h"
+#include "kernels/feature_maps/elu_feature_map.h"
 
 namespace fastattn::cuda {
 
-struct EluFeatureMapCudaArgs {
-  const void* x = nullptr;         // (n,) contiguous, dtype
-  const void* grad_out = nullptr;  // (n,) contiguous, dtype; backward only
-  void* out = nullptr;             // (n,) dtype: phi(x) forward, grad_out·phi'(x) backward
-  DType dtype = DType::kFloat32;
-  int64_t n = 0;
-};
+// The arguments shared with the CPU kernels (elu_feature_map.h), T = void.
+using EluFeatureMapCudaArgs = kernels::EluFeatureMapArgs<void>;
 
 void elu_feature_map_forward_cuda(const EluFeatureMapCudaArgs& a, cudaStream_t stream);
 void elu_feature_map_backward_cuda(const EluFeatureMapCudaArgs& a, cudaStream_t stream);

@@ -10,7 +10,7 @@
 
 #include "kernels/causal_product/causal_product_cuda.h"
 #include "ops/cuda/cuda_op_util.h"
-#include "ops/linear_attention_checks.h"
+#include "ops/linear_attention_args.h"
 
 namespace fastattn {
 namespace {
@@ -26,17 +26,6 @@ Tensor workspace(const Tensor& q, int64_t F, int64_t M) {
       q.options().dtype(torch::kFloat));
 }
 
-template <typename Args>
-void fill_sizes(Args& a, const Tensor& q, const Tensor& v) {
-  a.dtype = ops::kernel_dtype(kOp, "q", q);
-  a.N = q.size(0);
-  a.H = q.size(1);
-  a.L = q.size(2);
-  a.F = q.size(3);
-  a.M = v.size(3);
-  a.chunk = kChunk;
-}
-
 Tensor causal_linear_product_forward_cuda(const Tensor& q_in, const Tensor& k_in,
                                           const Tensor& v_in) {
   ops::check_causal_product_inputs(kOp, q_in, k_in, v_in);
@@ -45,10 +34,7 @@ Tensor causal_linear_product_forward_cuda(const Tensor& q_in, const Tensor& k_in
   auto out = torch::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   auto ws = workspace(q, q.size(3), v.size(3));
   cuda::CausalProductForwardCudaArgs a;
-  fill_sizes(a, q, v);
-  a.q = q.data_ptr();
-  a.k = k.data_ptr();
-  a.v = v.data_ptr();
+  ops::fill_causal_product_args<void>(a, kOp, q, k, v, kChunk);
   a.out = out.data_ptr();
   a.workspace = ws.data_ptr<float>();
   cuda::causal_product_forward_cuda(a, ops::cuda::current_stream());
@@ -68,10 +54,7 @@ std::tuple<Tensor, Tensor, Tensor> causal_linear_product_backward_cuda(const Ten
   auto gq = torch::empty_like(q), gk = torch::empty_like(k), gv = torch::empty_like(v);
   auto ws = workspace(q, q.size(3), v.size(3));
   cuda::CausalProductBackwardCudaArgs a;
-  fill_sizes(a, q, v);
-  a.q = q.data_ptr();
-  a.k = k.data_ptr();
-  a.v = v.data_ptr();
+  ops::fill_causal_product_args<void>(a, kOp, q, k, v, kChunk);
   a.grad_out = go.data_ptr();
   a.grad_q = gq.data_ptr();
   a.grad_k = gk.data_ptr();

@@ -7,7 +7,7 @@
 
 #include "kernels/feature_maps/elu_feature_map_cuda.h"
 #include "ops/cuda/cuda_op_util.h"
-#include "ops/linear_attention_checks.h"
+#include "ops/linear_attention_args.h"
 
 namespace fastattn {
 namespace {
@@ -24,11 +24,7 @@ Tensor run(const Tensor& x_in, const Tensor& grad_in) {
   if (Backward) g = grad_in.to(x.scalar_type()).contiguous();
   auto out = torch::empty_like(x);
   cuda::EluFeatureMapCudaArgs a;
-  a.x = x.data_ptr();
-  if (Backward) a.grad_out = g.data_ptr();
-  a.out = out.data_ptr();
-  a.dtype = ops::kernel_dtype(kOp, "x", x);
-  a.n = x.numel();
+  ops::fill_elu_feature_map_args(a, kOp, x, g, out);
   if (Backward) {
     cuda::elu_feature_map_backward_cuda(a, ops::cuda::current_stream());
   } else {

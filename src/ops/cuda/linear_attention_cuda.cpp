@@ -12,7 +12,7 @@
 
 #include "kernels/linear_attention/elu_linear_attention_cuda.h"
 #include "ops/cuda/cuda_op_util.h"
-#include "ops/elu_linear_attention_args.h"
+#include "ops/linear_attention_args.h"
 
 namespace fastattn {
 namespace {

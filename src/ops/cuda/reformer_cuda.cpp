@@ -24,9 +24,9 @@ namespace {
 
 using torch::Tensor;
 using namespace ops::reformer;
+using ops::kernel_dtype;
 using ops::cuda::check_same_device;
 using ops::cuda::current_stream;
-using ops::kernel_dtype;
 
 Tensor lsh_hash_cuda_op(const Tensor& x, const Tensor& rotations) {
   check_hash_inputs(x, rotations);

@@ -1,7 +1,9 @@
-// Argument checks of the linear attention operators (causal_linear_product,
+// The arguments of the linear attention operators (causal_linear_product,
 // elu_linear_attention, elu_feature_map), shared by their CPU entry points
-// (src/ops/*.cpp) and CUDA ones (src/ops/cuda/*.cpp) so both say the same
-// (internal).
+// (src/ops/*.cpp) and CUDA ones (src/ops/cuda/*.cpp): the checks, so both
+// say the same, and the kernels' argument structs prepared and filled in one
+// place (T = float or double for the CPU kernels, void for the CUDA ones:
+// kernels/common/kernel_args.h) (internal).
 #pragma once
 
 #include <torch/torch.h>
@@ -9,6 +11,9 @@
 #include <cmath>
 
 #include "ops/mask_util.h"
+#include "kernels/causal_product/causal_product.h"
+#include "kernels/feature_maps/elu_feature_map.h"
+#include "kernels/linear_attention/elu_linear_attention.h"
 #include "ops/op_util.h"
 
 namespace fastattn::ops {
@@ -64,6 +69,74 @@ inline void check_elu_linear_grad(const char* op, const torch::Tensor& grad_out,
 inline void check_elu_feature_map_input(const char* op, const char* name, const torch::Tensor& x) {
   TORCH_CHECK(x.defined(), op, ": ", name, " must be a defined tensor");
   check_float_dtype(op, name, x);
+}
+
+// ---- kernel arguments ------------------------------------------------------
+
+// causal_linear_product's forward and backward structs from its inputs (as
+// the kernels read them: contiguous).
+template <typename T, typename Args>
+void fill_causal_product_args(Args& a, const char* op, const torch::Tensor& q,
+                              const torch::Tensor& k, const torch::Tensor& v, int64_t chunk) {
+  a.q = kernel_data<T>(q);
+  a.k = kernel_data<T>(k);
+  a.v = kernel_data<T>(v);
+  a.N = q.size(0);
+  a.H = q.size(1);
+  a.L = q.size(2);
+  a.F = q.size(3);
+  a.M = v.size(3);
+  a.chunk = chunk;
+  if constexpr (std::is_void_v<T>) {
+    a.dtype = kernel_dtype(op, "q", q);
+  } else {
+    a.num_threads = at::get_num_threads();
+  }
+}
+
+// elu_feature_map's struct: x, grad_out (backward; undefined: forward) and
+// out, all contiguous and of one dtype.
+template <typename T>
+void fill_elu_feature_map_args(kernels::EluFeatureMapArgs<T>& a, const char* op,
+                               const torch::Tensor& x, const torch::Tensor& grad_out,
+                               const torch::Tensor& out) {
+  a.x = kernel_data<T>(x);
+  if (grad_out.defined()) a.grad_out = kernel_data<T>(grad_out);
+  a.out = kernel_data<T>(out);
+  a.n = x.numel();
+  if constexpr (std::is_void_v<T>) {
+    a.dtype = kernel_dtype(op, "x", x);
+  } else {
+    a.num_threads = at::get_num_threads();
+  }
+}
+
+// q, k, v as the kernels read them (the CPU ones any row layout, the CUDA
+// ones contiguous) and key_lengths as int64 on q's device.
+struct EluLinearInputs {
+  torch::Tensor q, k, v, lengths;
+};
+
+inline EluLinearInputs prepare_elu_linear(const torch::Tensor& q, const torch::Tensor& k,
+                                          const torch::Tensor& v,
+                                          const c10::optional<torch::Tensor>& key_lengths) {
+  auto layout = [&](const torch::Tensor& t) {
+    return q.is_cuda() ? t.contiguous() : rows_contiguous(t);
+  };
+  EluLinearInputs p{layout(q), layout(k), layout(v), {}};
+  if (key_lengths) p.lengths = key_lengths->to(q.device(), torch::kLong).contiguous();
+  return p;
+}
+
+// The arguments common to the forward and backward kernels.
+template <typename T, typename Args>
+void fill_elu_linear_args(Args& a, const char* op, const EluLinearInputs& p, bool causal,
+                          double eps, int64_t chunk) {
+  set_qkv_args<T>(a, op, p.q, p.k, p.v);
+  if (p.lengths.defined()) a.key_lengths = p.lengths.data_ptr<int64_t>();
+  a.causal = causal;
+  a.eps = static_cast<kernels::KernelScalar<T>>(eps);
+  a.chunk = chunk;
 }
 
 }  // namespace fastattn::ops
