@@ -13,7 +13,7 @@
 #include "fastattn/ops.h"
 #include "kernels/clustering/clustering.h"
 #include "kernels/hashing/hashing.h"
-#include "ops/clustering_checks.h"
+#include "ops/clustering_args.h"
 #include "ops/op_util.h"
 
 namespace fastattn {
@@ -83,16 +83,7 @@ Tensor hash_queries_cpu(const Tensor& x, const Tensor& planes) {
   auto codes = torch::empty({x.size(0), x.size(1), x.size(2)}, x.options().dtype(torch::kLong));
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "hash_queries_cpu", [&] {
     kernels::HashParams<scalar_t> p;
-    p.x = xc.data_ptr<scalar_t>();
-    p.planes = pc.data_ptr<scalar_t>();
-    p.codes = codes.data_ptr<int64_t>();
-    p.rows = x.size(0) * x.size(1) * x.size(2);
-    p.E = x.size(3);
-    p.x_rows = ops::row_strides(xc);
-    p.H = x.size(1);
-    p.L = x.size(2);
-    p.B = static_cast<int>(planes.size(0));
-    p.num_threads = at::get_num_threads();
+    ops::fill_hash_args(p, xc, pc, codes);
     kernels::hash_queries_cpu(p);
   });
   return codes;
@@ -107,18 +98,7 @@ std::tuple<Tensor, Tensor> cluster_codes_cpu(const Tensor& codes,
   auto cc = codes.contiguous();
   auto assignments = torch::empty({N, H, L}, codes.options());
   auto counts = torch::empty({N, H, C}, codes.options());
-  kernels::ClusterParams p;
-  p.codes = cc.data_ptr<int64_t>();
-  p.lengths = len.defined() ? len.data_ptr<int64_t>() : nullptr;
-  p.assignments = assignments.data_ptr<int64_t>();
-  p.counts = counts.data_ptr<int64_t>();
-  p.N = N;
-  p.H = H;
-  p.L = L;
-  p.C = C;
-  p.iterations = iterations;
-  p.seed = static_cast<uint64_t>(seed);
-  p.num_threads = at::get_num_threads();
+  const auto p = ops::cluster_args(cc, len, assignments, counts, iterations, seed);
   kernels::cluster_codes_cpu(p);
   return {assignments, counts};
 }

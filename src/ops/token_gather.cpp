@@ -10,7 +10,7 @@
 #include "fastattn/ops.h"
 #include "kernels/token_gather/token_gather.h"
 #include "ops/op_util.h"
-#include "ops/token_gather_checks.h"
+#include "ops/token_gather_args.h"
 
 namespace fastattn {
 namespace ops {
@@ -56,15 +56,9 @@ Tensor gather_tokens_cpu(const Tensor& x_in, const Tensor& index_in) {
   auto out = ops::empty_output({x.size(0), x.size(1), index.size(1), x.size(3)}, x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "gather_tokens_cpu", [&] {
     kernels::TokenGatherArgs<scalar_t> a;
+    ops::fill_token_gather_args(a, "x", x, index, x.size(2));
     a.x = x.data_ptr<scalar_t>();
-    a.index = index.data_ptr<int64_t>();
     a.out = out.data_ptr<scalar_t>();
-    a.N = x.size(0);
-    a.H = x.size(1);
-    a.L = x.size(2);
-    a.T_ = index.size(1);
-    a.E = x.size(3);
-    a.num_threads = at::get_num_threads();
     kernels::token_gather_forward_cpu(a);
   });
   return out;
@@ -86,15 +80,9 @@ Tensor gather_tokens_backward_cpu(const Tensor& grad_out_in, const Tensor& index
   auto out = ops::empty_output({g.size(0), g.size(1), length, g.size(3)}, g.options());
   AT_DISPATCH_FLOATING_TYPES(g.scalar_type(), "gather_tokens_backward_cpu", [&] {
     kernels::TokenGatherArgs<scalar_t> a;
+    ops::fill_token_gather_args(a, "grad_out", g, index, length);
     a.grad_out = g.data_ptr<scalar_t>();
-    a.index = index.data_ptr<int64_t>();
     a.out = out.data_ptr<scalar_t>();
-    a.N = g.size(0);
-    a.H = g.size(1);
-    a.L = length;
-    a.T_ = index.size(1);
-    a.E = g.size(3);
-    a.num_threads = at::get_num_threads();
     kernels::token_gather_backward_cpu(a);
   });
   return out;

@@ -37,6 +37,8 @@
 
 namespace fastattn::kernels {
 
+// The arguments of both backends: the CPU kernel below and the CUDA launcher
+// (cluster_codes_cuda.h).
 struct ClusterParams {
   const int64_t* codes = nullptr;    // (N, H, L) contiguous, bit patterns of uint64 codes
   const int64_t* lengths = nullptr;  // (N,) valid queries per batch element in [0, L], or nullptr
@@ -45,7 +47,10 @@ struct ClusterParams {
   int64_t N = 0, H = 0, L = 0, C = 0;
   int64_t iterations = 0;  // centroid updates (Lloyd iterations), >= 0
   uint64_t seed = 0;       // initialisation; the same seed gives the same result
-  int num_threads = 1;
+  int num_threads = 1;     // CPU
+  // CUDA: cluster_codes_cuda_workspace_bytes(N, H, L, C) bytes (no
+  // initialisation needed).
+  void* workspace = nullptr;
 };
 
 void cluster_codes_cpu(const ClusterParams& p);

@@ -11,16 +11,26 @@
 
 #include <cstdint>
 
+#include "kernels/common/kernel_args.h"
+
 namespace fastattn::kernels {
 
+// The arguments of both backends (kernels/common/kernel_args.h): T = float or
+// double for the CPU kernels below, void for the CUDA launchers
+// (token_gather_cuda.h).
 template <typename T>
 struct TokenGatherArgs {
   const T* x = nullptr;            // forward: (N, H, L, E) contiguous
   const T* grad_out = nullptr;     // backward: (N, H, T, E) contiguous
   const int64_t* index = nullptr;  // (N, T) contiguous, each in [-1, L)
-  T* out = nullptr;                // forward: (N, H, T, E); backward: grad_x (N, H, L, E)
+  // Forward: (N, H, T, E), written. CPU backward: grad_x (N, H, L, E), written.
+  T* out = nullptr;
+  // CUDA backward: grad_x (N, H, L, E) float32, zeroed by the caller; the
+  // rows of grad_out are added into it (atomicAdd: an index may repeat a token).
+  float* grad_x = nullptr;
   int64_t N = 0, H = 0, L = 0, T_ = 0, E = 0;  // T_: gathered rows per (n, h)
-  int num_threads = 1;
+  int num_threads = 1;                         // CPU
+  DType dtype = DType::kFloat32;               // CUDA: the element type of the void pointers
 };
 
 template <typename T>

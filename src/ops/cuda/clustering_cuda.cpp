@@ -11,7 +11,7 @@
 
 #include "kernels/clustering/cluster_codes_cuda.h"
 #include "kernels/hashing/hash_queries_cuda.h"
-#include "ops/clustering_checks.h"
+#include "ops/clustering_args.h"
 #include "ops/cuda/cuda_op_util.h"
 
 namespace fastattn {
@@ -26,13 +26,7 @@ Tensor hash_queries_cuda_op(const Tensor& x, const Tensor& planes) {
   const auto pc = planes.contiguous();
   auto codes = torch::empty({x.size(0), x.size(1), x.size(2)}, x.options().dtype(torch::kLong));
   cuda::HashQueriesCudaArgs a;
-  a.x = xc.data_ptr();
-  a.planes = pc.data_ptr();
-  a.codes = codes.data_ptr<int64_t>();
-  a.rows = x.size(0) * x.size(1) * x.size(2);
-  a.E = x.size(3);
-  a.B = static_cast<int>(planes.size(0));
-  a.dtype = ops::kernel_dtype("fastattn::hash_queries", "x", x);
+  ops::fill_hash_args(a, xc, pc, codes);
   cuda::hash_queries_cuda(a, ops::cuda::current_stream());
   return codes;
 }
@@ -50,18 +44,8 @@ std::tuple<Tensor, Tensor> cluster_codes_cuda_op(const Tensor& codes,
   auto counts = torch::empty({N, H, C}, codes.options());
   auto workspace = torch::empty({cuda::cluster_codes_cuda_workspace_bytes(N, H, L, C)},
                                 codes.options().dtype(torch::kByte));
-  cuda::ClusterCodesCudaArgs a;
-  a.codes = cc.data_ptr<int64_t>();
-  a.lengths = len.defined() ? len.data_ptr<int64_t>() : nullptr;
-  a.assignments = assignments.data_ptr<int64_t>();
-  a.counts = counts.data_ptr<int64_t>();
+  auto a = ops::cluster_args(cc, len, assignments, counts, iterations, seed);
   a.workspace = workspace.data_ptr();
-  a.N = N;
-  a.H = H;
-  a.L = L;
-  a.C = C;
-  a.iterations = iterations;
-  a.seed = static_cast<uint64_t>(seed);
   cuda::cluster_codes_cuda(a, ops::cuda::current_stream());
   return {assignments, counts};
 }

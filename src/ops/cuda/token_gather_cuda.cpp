@@ -11,7 +11,7 @@
 
 #include "kernels/token_gather/token_gather_cuda.h"
 #include "ops/cuda/cuda_op_util.h"
-#include "ops/token_gather_checks.h"
+#include "ops/token_gather_args.h"
 
 namespace fastattn {
 namespace {
@@ -26,15 +26,9 @@ Tensor gather_tokens_cuda_op(const Tensor& x_in, const Tensor& index_in) {
   const auto index = index_in.to(x.device()).contiguous();
   auto out = torch::empty({x.size(0), x.size(1), index.size(1), x.size(3)}, x.options());
   cuda::TokenGatherCudaArgs a;
+  ops::fill_token_gather_args(a, "x", x, index, x.size(2));
   a.x = x.data_ptr();
-  a.index = index.data_ptr<int64_t>();
   a.out = out.data_ptr();
-  a.N = x.size(0);
-  a.H = x.size(1);
-  a.L = x.size(2);
-  a.T_ = index.size(1);
-  a.E = x.size(3);
-  a.dtype = ops::kernel_dtype(ops::kGatherTokensOp, "x", x);
   cuda::token_gather_forward_cuda(a, ops::cuda::current_stream());
   return out;
 }
@@ -53,15 +47,9 @@ Tensor gather_tokens_backward_cuda_op(const Tensor& grad_out_in, const Tensor& i
   auto grad_x =
       torch::zeros({g.size(0), g.size(1), length, g.size(3)}, g.options().dtype(torch::kFloat));
   cuda::TokenGatherCudaArgs a;
+  ops::fill_token_gather_args(a, "grad_out", g, index, length);
   a.grad_out = g.data_ptr();
-  a.index = index.data_ptr<int64_t>();
   a.grad_x = grad_x.data_ptr<float>();
-  a.N = g.size(0);
-  a.H = g.size(1);
-  a.L = length;
-  a.T_ = index.size(1);
-  a.E = g.size(3);
-  a.dtype = ops::kernel_dtype(ops::kGatherTokensOp, "grad_out", g);
   cuda::token_gather_backward_cuda(a, ops::cuda::current_stream());
   return grad_x.to(g.scalar_type());
 }
