@@ -28,7 +28,7 @@
 #include "fastattn/ops.h"
 #include "kernels/full/full_attention.h"
 #include "kernels/hard_retrieval/hard_retrieval.h"
-#include "ops/hard_retrieval_checks.h"
+#include "ops/hard_retrieval_args.h"
 #include "ops/mask_util.h"
 #include "ops/op_util.h"
 
@@ -91,48 +91,6 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
   ops::check_hard_retrieval_inputs(kOp, q, k, v, attn_mask, key_lengths);
 }
 
-// Everything a kernel needs, of the kernel's types: q, k, v with contiguous
-// rows (the kernels take row strides: the layers' (N, L, H, E) views are read
-// in place).
-struct Prepared {
-  Tensor q, k, v, keep, lengths;  // keep: bool (N,H,L,S) view; lengths: int64
-};
-
-Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v,
-                 const c10::optional<Tensor>& attn_mask, const c10::optional<Tensor>& key_lengths) {
-  Prepared p{ops::rows_contiguous(q), ops::rows_contiguous(k), ops::rows_contiguous(v), {}, {}};
-  if (attn_mask) {
-    p.keep =
-        ops::broadcast_mask(attn_mask->contiguous(), q.size(0), q.size(1), q.size(2), k.size(2));
-  }
-  if (key_lengths) p.lengths = key_lengths->to(torch::kLong).contiguous();
-  return p;
-}
-
-template <typename T>
-void fill_params(kernels::HardRetrievalParams<T>& a, const Prepared& p, bool causal, double temp) {
-  a.q = p.q.data_ptr<T>();
-  a.k = p.k.data_ptr<T>();
-  a.v = p.v.data_ptr<T>();
-  ops::set_qkv_rows(a, p.q, p.k, p.v);
-  a.N = p.q.size(0);
-  a.H = p.q.size(1);
-  a.L = p.q.size(2);
-  a.E = p.q.size(3);
-  a.S = p.k.size(2);
-  a.M = p.v.size(3);
-  if (p.keep.defined()) {
-    a.keep = p.keep.data_ptr<bool>();
-    a.keep_sn = p.keep.stride(0);
-    a.keep_sh = p.keep.stride(1);
-    a.keep_sl = p.keep.stride(2);
-  }
-  if (p.lengths.defined()) a.key_lengths = p.lengths.data_ptr<int64_t>();
-  a.causal = causal;
-  a.scale = static_cast<T>(temp);
-  a.num_threads = at::get_num_threads();
-}
-
 // (out, index, lse, soft_out); lse is empty (numel 0) unless sample or
 // need_lse, soft_out (the softmax output P V, for the backward's delta)
 // unless need_lse.
@@ -148,7 +106,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> hard_retrieval_attention_forward_cpu(
                               attn_mask, key_lengths, causal, sample, softmax_temp, seed, need_lse);
     return {ops::in_rows_layout_of(out, q), index, lse, soft_out};
   }
-  const auto p = prepare(q, k, v, attn_mask, key_lengths);
+  const auto p = ops::prepare_hard_retrieval(q, k, v, attn_mask, key_lengths);
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2);
   // out in q's row layout: the layers' transpose back to (N, L, H, M) is a view.
   auto out = ops::empty_rows_like(q, v.size(3));
@@ -159,7 +117,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> hard_retrieval_attention_forward_cpu(
       need_lse ? torch::empty({N, H, L, v.size(3)}, q.options()) : torch::empty({0}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "hard_retrieval_attention_forward_cpu", [&] {
     kernels::HardRetrievalForwardArgs<scalar_t> a;
-    fill_params<scalar_t>(a, p, causal, softmax_temp);
+    ops::fill_hard_retrieval_args(a, kOp, p, causal, softmax_temp);
     a.sample = sample;
     a.seed = static_cast<uint64_t>(seed);
     a.out = out.data_ptr<scalar_t>();
@@ -185,7 +143,7 @@ std::tuple<Tensor, Tensor, Tensor> hard_retrieval_attention_backward_cpu(
         q, k, v);
   }
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), M = v.size(3);
-  const auto p = prepare(q, k, v, attn_mask, key_lengths);
+  const auto p = ops::prepare_hard_retrieval(q, k, v, attn_mask, key_lengths);
   auto go = ops::rows_contiguous(grad_out.to(q.scalar_type()));
   auto idx = index.contiguous();
   auto lse_c = lse.contiguous();
@@ -205,7 +163,7 @@ std::tuple<Tensor, Tensor, Tensor> hard_retrieval_attention_backward_cpu(
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "hard_retrieval_attention_backward_cpu", [&] {
     using T = scalar_t;
     kernels::HardRetrievalDeltaArgs<T> d;
-    fill_params<T>(d, p, causal, softmax_temp);
+    ops::fill_hard_retrieval_args(d, kOp, p, causal, softmax_temp);
     d.lse = lse_c.data_ptr<T>();
     d.grad_out = go.data_ptr<T>();
     d.grad_out_rows = ops::row_strides(go);

@@ -32,25 +32,29 @@
 
 #include <cstdint>
 
-#include "kernels/common/rows.h"
+#include "kernels/common/kernel_args.h"
 
 namespace fastattn::kernels {
 
+// The arguments of both backends (kernels/common/kernel_args.h): T = float or
+// double for the CPU kernels below, void for the CUDA launchers
+// (hard_retrieval_cuda.h), which take contiguous operands only.
 template <typename T>
 struct HardRetrievalParams {
   const T* q = nullptr;               // (N, H, L, E), rows at q_rows
   const T* k = nullptr;               // (N, H, S, E), rows at k_rows
   const T* v = nullptr;               // (N, H, S, M), rows at v_rows
-  RowStrides q_rows, k_rows, v_rows;  // kernels/common/rows.h; default: contiguous
+  RowStrides q_rows, k_rows, v_rows;  // CPU (kernels/common/rows.h); default: contiguous
   // Boolean keep mask or nullptr: element (n, h, l, s) at
   // keep[n·keep_sn + h·keep_sh + l·keep_sl + s] (stride 0 on broadcast dims).
   const bool* keep = nullptr;
   int64_t keep_sn = 0, keep_sh = 0, keep_sl = 0;
   const int64_t* key_lengths = nullptr;  // (N,) in [0, S], or nullptr for S
   int64_t N = 0, H = 0, L = 0, S = 0, E = 0, M = 0;
-  bool causal = false;  // query i keeps key j iff j <= i + (S - L)
-  T scale = 1;          // softmax temperature (sample mode and lse)
-  int num_threads = 1;
+  bool causal = false;            // query i keeps key j iff j <= i + (S - L)
+  KernelScalar<T> scale = 1;      // softmax temperature (sample mode and lse)
+  int num_threads = 1;            // CPU
+  DType dtype = DType::kFloat32;  // CUDA: the element type of the void pointers
 };
 
 template <typename T>
@@ -62,12 +66,12 @@ struct HardRetrievalForwardArgs : HardRetrievalParams<T> {
   int64_t* index = nullptr;  // (N, H, L): the retrieved key, -1 when none is kept
   // (N, H, L) or nullptr: log-sum-exp of the kept scaled scores, -inf if none
   // (what the backward needs; computed in either mode when given).
-  T* lse = nullptr;
+  KernelScalar<T>* lse = nullptr;
   // (N, H, L, M) contiguous or nullptr (needs lse): the softmax output P V, zeros for a
   // query that keeps no key; the backward's delta_i is dout_i·soft_out_i, with
   // no pass of its own. The tile's P·V product rides on the scores already
   // computed for the argmax or the sampler.
-  T* soft_out = nullptr;
+  T* soft_out = nullptr;  // CPU
 };
 
 template <typename T>

@@ -1,5 +1,5 @@
 // CUDA registrations of the hard_retrieval_attention operator: the same checks
-// as the CPU op (ops/hard_retrieval_checks.h), then the kernels of
+// as the CPU op (ops/hard_retrieval_args.h), then the kernels of
 // src/kernels/hard_retrieval/hard_retrieval_cuda.cu (forward: argmax or the
 // CPU's counter-based sampling, so the same seed gives the same indices on
 // both backends; backward: straight-through, dQ and dK of the soft attention
@@ -10,7 +10,7 @@
 
 #include "kernels/hard_retrieval/hard_retrieval_cuda.h"
 #include "ops/cuda/cuda_op_util.h"
-#include "ops/hard_retrieval_checks.h"
+#include "ops/hard_retrieval_args.h"
 #include "ops/mask_util.h"
 #include "ops/op_util.h"
 
@@ -22,7 +22,7 @@ using torch::Tensor;
 constexpr const char* kOp = "fastattn::hard_retrieval_attention";
 
 struct Prepared {
-  Tensor q, k, v, keep, lengths;  // keep: bool (N, H, L, S) view; lengths: int64
+  ops::HardRetrievalInputs in;
   kernels::HardRetrievalCudaParams params;
 };
 
@@ -34,35 +34,8 @@ Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v,
                   v.size(3) <= kernels::kHardRetrievalCudaMaxDim,
               kOp, ": the CUDA kernels take head dims E and M up to ",
               kernels::kHardRetrievalCudaMaxDim, ", got E = ", q.size(3), ", M = ", v.size(3));
-  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
-  Prepared p;
-  p.q = q.contiguous();
-  p.k = k.contiguous();
-  p.v = v.contiguous();
-  auto& a = p.params;
-  if (attn_mask) {
-    p.keep = ops::broadcast_mask(attn_mask->contiguous(), N, H, L, S);
-    a.keep = p.keep.data_ptr<bool>();
-    a.keep_sn = p.keep.stride(0);
-    a.keep_sh = p.keep.stride(1);
-    a.keep_sl = p.keep.stride(2);
-  }
-  if (key_lengths) {
-    p.lengths = key_lengths->to(q.device(), torch::kLong).contiguous();
-    a.key_lengths = p.lengths.data_ptr<int64_t>();
-  }
-  a.dtype = ops::kernel_dtype(kOp, "q", q);
-  a.q = p.q.data_ptr();
-  a.k = p.k.data_ptr();
-  a.v = p.v.data_ptr();
-  a.N = N;
-  a.H = H;
-  a.L = L;
-  a.S = S;
-  a.E = q.size(3);
-  a.M = v.size(3);
-  a.causal = causal;
-  a.scale = static_cast<float>(temp);
+  Prepared p{ops::prepare_hard_retrieval(q, k, v, attn_mask, key_lengths), {}};
+  ops::fill_hard_retrieval_args(p.params, kOp, p.in, causal, temp);
   return p;
 }
 
