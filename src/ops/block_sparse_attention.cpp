@@ -79,7 +79,7 @@ using torch::autograd::variable_list;
 constexpr const char* kOp = "fastattn::block_sparse_attention";
 
 struct Prepared {
-  Tensor q, k, v, lengths;
+  ops::QKVInputs in;
   std::vector<kernels::SparsePart> parts;
 };
 
@@ -87,30 +87,16 @@ Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v, const std::s
                  c10::IntArrayRef params, const c10::optional<Tensor>& key_lengths, bool causal) {
   const std::vector<int64_t> pv(params.begin(), params.end());
   const int kind = ops::check_block_sparse_inputs(kOp, q, k, v, pattern, pv, key_lengths);
-  // Rows read in place (the layers' (N, L, H, E) views): the kernel takes row strides.
-  Prepared p{ops::rows_contiguous(q), ops::rows_contiguous(k), ops::rows_contiguous(v), {}, {}};
-  if (key_lengths) p.lengths = key_lengths->to(torch::kLong).contiguous();
-  p.parts = kernels::make_sparse_parts(kind, pv, causal, q.size(1));
-  return p;
+  return {ops::qkv_inputs(q, k, v, key_lengths),
+          kernels::make_sparse_parts(kind, pv, causal, q.size(1))};
 }
 
-template <typename T, typename Args>
-void fill_params(Args& a, const Prepared& p, double temp) {
-  a.q = p.q.data_ptr<T>();
-  a.k = p.k.data_ptr<T>();
-  a.v = p.v.data_ptr<T>();
-  ops::set_qkv_rows(a, p.q, p.k, p.v);
-  a.N = p.q.size(0);
-  a.H = p.q.size(1);
-  a.L = p.q.size(2);
-  a.E = p.q.size(3);
-  a.S = p.k.size(2);
-  a.M = p.v.size(3);
-  if (p.lengths.defined()) a.key_lengths = p.lengths.data_ptr<int64_t>();
+template <typename T>
+void fill_params(kernels::BlockSparseParams<T>& a, const Prepared& p, double temp) {
+  ops::set_qkv_args(a, kOp, p.in);
   a.scale = static_cast<T>(temp);
   a.parts = p.parts.data();
   a.num_parts = static_cast<int>(p.parts.size());
-  a.num_threads = at::get_num_threads();
 }
 
 std::tuple<Tensor, Tensor> forward_cpu(const Tensor& q, const Tensor& k, const Tensor& v,

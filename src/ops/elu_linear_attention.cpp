@@ -52,7 +52,7 @@ std::tuple<Tensor, Tensor> elu_linear_attention_forward_cpu(
                                          k_in, v_in, key_lengths, causal, eps);
     return {ops::in_rows_layout_of(out, q_in), den};
   }
-  const auto p = ops::prepare_elu_linear(q_in, k_in, v_in, key_lengths);
+  const auto p = ops::qkv_inputs(q_in, k_in, v_in, key_lengths);
   // out in q's row layout: the layers' transpose back to (N, L, H, M) is a view.
   auto out = ops::empty_rows_like(q_in, p.v.size(3));
   auto den = torch::empty({p.q.size(0), p.q.size(1), p.q.size(2)}, p.q.options());
@@ -80,7 +80,7 @@ std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_backward_cpu(
                         v_in, out_in, den_in, key_lengths, causal, eps),
         q_in, k_in, v_in);
   }
-  const auto p = ops::prepare_elu_linear(q_in, k_in, v_in, key_lengths);
+  const auto p = ops::qkv_inputs(q_in, k_in, v_in, key_lengths);
   const auto dtype = p.q.scalar_type();
   const auto go = ops::rows_contiguous(grad_out.to(dtype));
   const auto out = ops::rows_contiguous(out_in.to(dtype));

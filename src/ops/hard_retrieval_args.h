@@ -26,25 +26,20 @@ void check_hard_retrieval_backward(const char* op, const torch::Tensor& grad_out
                                    const torch::Tensor& v, const torch::Tensor& index,
                                    const torch::Tensor& lse, const torch::Tensor& soft_out);
 
-// q, k, v as the kernels read them (the CPU ones any row layout, the CUDA
-// ones contiguous), the keep mask as a bool (N, H, L, S) view and
-// key_lengths as int64 on q's device.
-struct HardRetrievalInputs {
-  torch::Tensor q, k, v, keep, lengths;
+// q, k, v and key_lengths as the kernels read them (qkv_inputs), the keep
+// mask as a bool (N, H, L, S) view.
+struct HardRetrievalInputs : QKVInputs {
+  torch::Tensor keep;
 };
 
 inline HardRetrievalInputs prepare_hard_retrieval(const torch::Tensor& q, const torch::Tensor& k,
                                                   const torch::Tensor& v,
                                                   const c10::optional<torch::Tensor>& attn_mask,
                                                   const c10::optional<torch::Tensor>& key_lengths) {
-  auto layout = [&](const torch::Tensor& t) {
-    return q.is_cuda() ? t.contiguous() : rows_contiguous(t);
-  };
-  HardRetrievalInputs p{layout(q), layout(k), layout(v), {}, {}};
+  HardRetrievalInputs p{qkv_inputs(q, k, v, key_lengths), {}};
   if (attn_mask) {
     p.keep = broadcast_mask(attn_mask->contiguous(), q.size(0), q.size(1), q.size(2), k.size(2));
   }
-  if (key_lengths) p.lengths = key_lengths->to(q.device(), torch::kLong).contiguous();
   return p;
 }
 
@@ -52,14 +47,13 @@ inline HardRetrievalInputs prepare_hard_retrieval(const torch::Tensor& q, const 
 template <typename T>
 void fill_hard_retrieval_args(kernels::HardRetrievalParams<T>& a, const char* op,
                               const HardRetrievalInputs& p, bool causal, double temp) {
-  set_qkv_args<T>(a, op, p.q, p.k, p.v);
+  set_qkv_args(a, op, p);
   if (p.keep.defined()) {
     a.keep = p.keep.data_ptr<bool>();
     a.keep_sn = p.keep.stride(0);
     a.keep_sh = p.keep.stride(1);
     a.keep_sl = p.keep.stride(2);
   }
-  if (p.lengths.defined()) a.key_lengths = p.lengths.data_ptr<int64_t>();
   a.causal = causal;
   a.scale = static_cast<kernels::KernelScalar<T>>(temp);
 }

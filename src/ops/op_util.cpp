@@ -33,6 +33,16 @@
 
 namespace fastattn::ops {
 
+QKVInputs qkv_inputs(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                     const c10::optional<torch::Tensor>& key_lengths) {
+  auto layout = [&](const torch::Tensor& t) {
+    return q.is_cuda() ? t.contiguous() : rows_contiguous(t);
+  };
+  QKVInputs in{layout(q), layout(k), layout(v), {}};
+  if (key_lengths) in.lengths = key_lengths->to(q.device(), torch::kLong).contiguous();
+  return in;
+}
+
 kernels::DType kernel_dtype(const char* op, const char* name, const torch::Tensor& t) {
   switch (t.scalar_type()) {
     case torch::kFloat:

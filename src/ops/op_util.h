@@ -173,27 +173,37 @@ auto kernel_data(const torch::Tensor& t) {
 // The CUDA kernels' element type of t: float32, float16 or bfloat16 (other
 // dtypes: an error naming `op` and the argument `name`).
 kernels::DType kernel_dtype(const char* op, const char* name, const torch::Tensor& t);
-// A kernel struct's q, k, v, dims and backend fields from q (N, H, L, E), k
-// (N, H, S, E), v (N, H, S, M): its dtype for the CUDA launchers (T = void),
-// the row layouts of q, k, v and the thread count for the CPU kernels.
-template <typename T, typename Args>
-void set_qkv_args(Args& a, const char* op, const torch::Tensor& q, const torch::Tensor& k,
-                  const torch::Tensor& v) {
-  a.q = kernel_data<T>(q);
-  a.k = kernel_data<T>(k);
-  a.v = kernel_data<T>(v);
-  a.N = q.size(0);
-  a.H = q.size(1);
-  a.L = q.size(2);
-  a.E = q.size(3);
-  a.S = k.size(2);
-  a.M = v.size(3);
+// q, k, v as an op's kernels read them (the CPU ones: rows contiguous, any
+// other strides, so the layers' (N, L, H, E) views are read in place; the
+// CUDA ones: contiguous) and key_lengths as int64 on q's device (undefined:
+// none).
+struct QKVInputs {
+  torch::Tensor q, k, v, lengths;
+};
+QKVInputs qkv_inputs(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                     const c10::optional<torch::Tensor>& key_lengths);
+
+// A kernel struct's kernels::QKVParams from its inputs: the data and sizes,
+// its dtype for the CUDA launchers (T = void), the row layouts of q, k, v
+// and the thread count for the CPU kernels; `op` names q's dtype in errors.
+template <typename T>
+void set_qkv_args(kernels::QKVParams<T>& a, const char* op, const QKVInputs& in) {
+  a.q = kernel_data<T>(in.q);
+  a.k = kernel_data<T>(in.k);
+  a.v = kernel_data<T>(in.v);
+  a.key_lengths = in.lengths.defined() ? in.lengths.data_ptr<int64_t>() : nullptr;
+  a.N = in.q.size(0);
+  a.H = in.q.size(1);
+  a.L = in.q.size(2);
+  a.E = in.q.size(3);
+  a.S = in.k.size(2);
+  a.M = in.v.size(3);
   if constexpr (std::is_void_v<T>) {
-    a.dtype = kernel_dtype(op, "q", q);
+    a.dtype = kernel_dtype(op, "q", in.q);
   } else {
-    a.q_rows = row_strides(q);
-    a.k_rows = row_strides(k);
-    a.v_rows = row_strides(v);
+    a.q_rows = row_strides(in.q);
+    a.k_rows = row_strides(in.k);
+    a.v_rows = row_strides(in.v);
     a.num_threads = at::get_num_threads();
   }
 }

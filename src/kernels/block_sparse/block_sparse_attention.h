@@ -27,7 +27,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "kernels/common/rows.h"
+#include "kernels/common/kernel_args.h"
 
 namespace fastattn::kernels {
 
@@ -62,18 +62,15 @@ std::vector<SparsePart> make_sparse_parts(int pattern, const std::vector<int64_t
                                           bool causal, int64_t H);
 enum SparsePattern : int { kLocalPattern = 0, kStridedPattern = 1, kFixedPattern = 2 };
 
+// The CPU kernels' arguments: the operands of every kernel (QKVParams of
+// kernels/common/kernel_args.h, T = float or double) and the pattern's parts.
+// The CUDA launchers take BlockSparseCudaParams (block_sparse_attention_cuda.h):
+// the same operands (T = void) and the parts' plans on the device.
 template <typename T>
-struct BlockSparseParams {
-  const T* q = nullptr;                  // (N, H, L, E), rows at q_rows
-  const T* k = nullptr;                  // (N, H, S, E), rows at k_rows
-  const T* v = nullptr;                  // (N, H, S, M), rows at v_rows
-  RowStrides q_rows, k_rows, v_rows;     // kernels/common/rows.h; default: contiguous
-  const int64_t* key_lengths = nullptr;  // (N,) in [0, S], or nullptr for S
-  int64_t N = 0, H = 0, L = 0, S = 0, E = 0, M = 0;
+struct BlockSparseParams : QKVParams<T> {
   T scale = 1;  // softmax temperature applied to q·k
   const SparsePart* parts = nullptr;
   int num_parts = 0;
-  int num_threads = 1;
 };
 
 template <typename T>

@@ -15,7 +15,7 @@
 
 #include <cstdint>
 
-#include "kernels/common/cuda_dtype.h"
+#include "kernels/common/kernel_args.h"
 
 namespace fastattn::kernels {
 
@@ -40,19 +40,16 @@ struct BlockSparsePartCuda {
   const int64_t* kt_q = nullptr;        // query tiles of each key tile
 };
 
-struct BlockSparseCudaParams {
-  cuda::DType dtype = cuda::DType::kFloat32;  // of q, k, v, out, grad_out
-  const void* q = nullptr;                    // (N, H, L, E) contiguous
-  const void* k = nullptr;                    // (N, H, S, E) contiguous
-  const void* v = nullptr;                    // (N, H, S, M) contiguous
-  const int64_t* key_lengths = nullptr;       // (N,) in [0, S], or nullptr for S
+// The q, k, v operands and sizes are those of every kernel
+// (kernels/common/kernel_args.h), T = void: contiguous of `dtype`, E, M <=
+// kBlockSparseCudaMaxDim.
+struct BlockSparseCudaParams : QKVParams<void> {
   // Bool keep mask or nullptr: element (n, h, i, j) at
   // keep[n·keep_sn + h·keep_sh + i·keep_sl + j] (stride 0 on broadcast dims).
   const bool* keep = nullptr;
   int64_t keep_sn = 0, keep_sh = 0, keep_sl = 0;
   bool causal = false;  // dense parts (ranges null) only: keep j <= i + S - L
-  int64_t N = 0, H = 0, L = 0, S = 0, E = 0, M = 0;  // E, M <= kBlockSparseCudaMaxDim
-  float scale = 1.f;                                 // softmax temperature applied to q·k
+  float scale = 1.f;    // softmax temperature applied to q·k
   BlockSparsePartCuda parts[2];
   int num_parts = 1;
 };

@@ -21,4 +21,20 @@ using KernelScalar = std::conditional_t<std::is_void_v<T>, float, T>;
 
 using cuda::DType;
 
+// The operands and sizes every kernel of attention over q (N, H, L, E), k
+// (N, H, S, E), v (N, H, S, M) takes, which an op's params struct derives
+// from. The CPU kernels read the rows at their row strides (the layers'
+// (N, L, H, E) views in place); the CUDA ones take contiguous operands only.
+template <typename T>
+struct QKVParams {
+  const T* q = nullptr;                  // (N, H, L, E), rows at q_rows
+  const T* k = nullptr;                  // (N, H, S, E), rows at k_rows
+  const T* v = nullptr;                  // (N, H, S, M), rows at v_rows
+  RowStrides q_rows, k_rows, v_rows;     // CPU; default: contiguous
+  const int64_t* key_lengths = nullptr;  // (N,) in [0, S] on q's device, or nullptr for S
+  int64_t N = 0, H = 0, L = 0, S = 0, E = 0, M = 0;
+  int num_threads = 1;            // CPU
+  DType dtype = DType::kFloat32;  // CUDA: the element type of the void pointers
+};
+
 }  // namespace fastattn::kernels

@@ -40,21 +40,13 @@ namespace fastattn::kernels {
 // double for the CPU kernels below, void for the CUDA launchers
 // (hard_retrieval_cuda.h), which take contiguous operands only.
 template <typename T>
-struct HardRetrievalParams {
-  const T* q = nullptr;               // (N, H, L, E), rows at q_rows
-  const T* k = nullptr;               // (N, H, S, E), rows at k_rows
-  const T* v = nullptr;               // (N, H, S, M), rows at v_rows
-  RowStrides q_rows, k_rows, v_rows;  // CPU (kernels/common/rows.h); default: contiguous
+struct HardRetrievalParams : QKVParams<T> {
   // Boolean keep mask or nullptr: element (n, h, l, s) at
   // keep[n·keep_sn + h·keep_sh + l·keep_sl + s] (stride 0 on broadcast dims).
   const bool* keep = nullptr;
   int64_t keep_sn = 0, keep_sh = 0, keep_sl = 0;
-  const int64_t* key_lengths = nullptr;  // (N,) in [0, S], or nullptr for S
-  int64_t N = 0, H = 0, L = 0, S = 0, E = 0, M = 0;
-  bool causal = false;            // query i keeps key j iff j <= i + (S - L)
-  KernelScalar<T> scale = 1;      // softmax temperature (sample mode and lse)
-  int num_threads = 1;            // CPU
-  DType dtype = DType::kFloat32;  // CUDA: the element type of the void pointers
+  bool causal = false;        // query i keeps key j iff j <= i + (S - L)
+  KernelScalar<T> scale = 1;  // softmax temperature (sample mode and lse)
 };
 
 template <typename T>

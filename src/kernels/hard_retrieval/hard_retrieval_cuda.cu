@@ -400,22 +400,12 @@ void hard_retrieval_backward_cuda(const HardRetrievalBackwardCudaArgs& a, cudaSt
   check_dims(a);
   // The soft attention P V (dense, with the keep mask) and delta.
   BlockSparseCudaParams p;
-  p.dtype = a.dtype;
-  p.q = a.q;
-  p.k = a.k;
-  p.v = a.v;
-  p.key_lengths = a.key_lengths;
+  static_cast<QKVParams<void>&>(p) = a;  // the operands and sizes
   p.keep = a.keep;
   p.keep_sn = a.keep_sn;
   p.keep_sh = a.keep_sh;
   p.keep_sl = a.keep_sl;
   p.causal = a.causal;
-  p.N = a.N;
-  p.H = a.H;
-  p.L = a.L;
-  p.S = a.S;
-  p.E = a.E;
-  p.M = a.M;
   p.scale = a.scale;
   p.parts[0] = BlockSparsePartCuda{};
   p.parts[0].max_sp = a.S;

@@ -42,19 +42,11 @@ namespace fastattn::kernels {
 // double for the CPU kernels below, void for the CUDA launchers
 // (elu_linear_attention_cuda.h), which take contiguous operands only.
 template <typename T>
-struct EluLinearParams {
-  const T* q = nullptr;                  // (N, H, L, E), rows at q_rows
-  const T* k = nullptr;                  // (N, H, S, E), rows at k_rows
-  const T* v = nullptr;                  // (N, H, S, M), rows at v_rows
-  RowStrides q_rows, k_rows, v_rows;     // CPU; default: contiguous
-  const int64_t* key_lengths = nullptr;  // (N,) in [0, S] (on q's device), or null: all S keys
-  int64_t N = 0, H = 0, L = 0, S = 0, E = 0, M = 0;
+struct EluLinearParams : QKVParams<T> {
   bool causal = false;  // needs S == L
   KernelScalar<T> eps = KernelScalar<T>(1e-6);
-  int64_t chunk = 64;             // rows per chunk C (>= 1; CUDA: 16, 32 or 64)
-  int num_threads = 1;            // CPU
-  DType dtype = DType::kFloat32;  // CUDA: the element type of the void pointers
-  float* workspace = nullptr;     // CUDA: elu_linear_attention_cuda_workspace_floats(...)
+  int64_t chunk = 64;          // rows per chunk C (>= 1; CUDA: 16, 32 or 64)
+  float* workspace = nullptr;  // CUDA: elu_linear_attention_cuda_workspace_floats(...)
 };
 
 template <typename T>

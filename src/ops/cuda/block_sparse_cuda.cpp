@@ -62,7 +62,8 @@ PlanEntry device_plan(int kind, const std::vector<int64_t>& params, bool causal,
 }
 
 struct Prepared {
-  Tensor q, k, v, lengths, plan;  // plan: the flattened plans (int64, on q's device)
+  ops::QKVInputs in;
+  Tensor plan;  // the flattened plans (int64, on q's device)
   kernels::BlockSparseCudaParams params;
 };
 
@@ -75,12 +76,9 @@ Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v, const std::s
       q.size(3) <= kernels::kBlockSparseCudaMaxDim && v.size(3) <= kernels::kBlockSparseCudaMaxDim,
       kOp, ": the CUDA kernels take head dims E and M up to ", kernels::kBlockSparseCudaMaxDim,
       ", got E = ", q.size(3), ", M = ", v.size(3));
-  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
+  const int64_t H = q.size(1), L = q.size(2), S = k.size(2);
   Prepared p;
-  p.q = q.contiguous();
-  p.k = k.contiguous();
-  p.v = v.contiguous();
-  if (key_lengths) p.lengths = key_lengths->to(q.device(), torch::kLong).contiguous();
+  p.in = ops::qkv_inputs(q, k, v, key_lengths);
   const PlanEntry plan = device_plan(kind, pv, causal, H, L, S, q.device());  // a copy
   p.plan = plan.buf;
   // The cached buffer may be freed (evicted) while this call's kernels still
@@ -88,17 +86,7 @@ Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v, const std::s
   p.plan.record_stream(at::cuda::getCurrentCUDAStream());
   const auto& lay = plan.layouts;
   auto& a = p.params;
-  a.dtype = ops::kernel_dtype(kOp, "q", q);
-  a.q = p.q.data_ptr();
-  a.k = p.k.data_ptr();
-  a.v = p.v.data_ptr();
-  if (p.lengths.defined()) a.key_lengths = p.lengths.data_ptr<int64_t>();
-  a.N = N;
-  a.H = H;
-  a.L = L;
-  a.S = S;
-  a.E = q.size(3);
-  a.M = v.size(3);
+  ops::set_qkv_args(a, kOp, p.in);
   a.scale = static_cast<float>(temp);
   a.num_parts = static_cast<int>(lay.size());
   const int64_t* base = p.plan.data_ptr<int64_t>();

@@ -24,13 +24,13 @@ constexpr int64_t kChunk = 64;
 
 // The inputs as the kernels read them, and their float32 workspace.
 struct Prepared {
-  ops::EluLinearInputs in;
+  ops::QKVInputs in;
   Tensor workspace;
 };
 
 Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v,
                  const c10::optional<Tensor>& key_lengths) {
-  Prepared p{ops::prepare_elu_linear(q, k, v, key_lengths), {}};
+  Prepared p{ops::qkv_inputs(q, k, v, key_lengths), {}};
   p.workspace =
       torch::empty({cuda::elu_linear_attention_cuda_workspace_floats(
                        q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), v.size(3), kChunk)},
