@@ -27,48 +27,6 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
   ops::check_full_attention_inputs(q, k, v, attn_mask, key_lengths);
 }
 
-// Everything a kernel needs, of the kernel's types: q, k, v with contiguous
-// rows (ops::rows_contiguous; the kernels take row strides).
-struct Prepared {
-  Tensor q, k, v, mask, lengths;  // mask: additive (N,H,L,S) view; lengths: int64
-};
-
-Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v,
-                 const c10::optional<Tensor>& attn_mask, const c10::optional<Tensor>& key_lengths) {
-  Prepared p{ops::rows_contiguous(q), ops::rows_contiguous(k), ops::rows_contiguous(v), {}, {}};
-  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
-  if (attn_mask) {
-    p.mask = ops::broadcast_mask(ops::additive_mask(*attn_mask, q.scalar_type()).contiguous(), N, H,
-                                 L, S);
-  }
-  if (key_lengths) p.lengths = key_lengths->to(torch::kLong).contiguous();
-  return p;
-}
-
-template <typename T, typename Args>
-void fill_params(Args& a, const Prepared& p, bool causal, double temp) {
-  a.q = p.q.data_ptr<T>();
-  a.k = p.k.data_ptr<T>();
-  a.v = p.v.data_ptr<T>();
-  ops::set_qkv_rows(a, p.q, p.k, p.v);
-  a.N = p.q.size(0);
-  a.H = p.q.size(1);
-  a.L = p.q.size(2);
-  a.E = p.q.size(3);
-  a.S = p.k.size(2);
-  a.M = p.v.size(3);
-  if (p.mask.defined()) {
-    a.mask = p.mask.data_ptr<T>();
-    a.mask_sn = p.mask.stride(0);
-    a.mask_sh = p.mask.stride(1);
-    a.mask_sl = p.mask.stride(2);
-  }
-  if (p.lengths.defined()) a.key_lengths = p.lengths.data_ptr<int64_t>();
-  a.causal = causal;
-  a.scale = static_cast<T>(temp);
-  a.num_threads = at::get_num_threads();
-}
-
 std::tuple<Tensor, Tensor> full_attention_forward_cpu(const Tensor& q, const Tensor& k,
                                                       const Tensor& v,
                                                       const c10::optional<Tensor>& attn_mask,
@@ -80,7 +38,7 @@ std::tuple<Tensor, Tensor> full_attention_forward_cpu(const Tensor& q, const Ten
                                          attn_mask, key_lengths, causal, softmax_temp);
     return {ops::in_rows_layout_of(out, q), lse};
   }
-  auto p = prepare(q, k, v, attn_mask, key_lengths);
+  auto p = ops::full_attention_inputs(q, k, v, attn_mask, key_lengths);
   // Every query tile reads all of K and V: contiguous copies when there are
   // more than two tiles (rows H·E apart cost 15% at L = 4096 in TLB misses);
   // in place for a few queries (clustered attention's centroids), where the
@@ -94,7 +52,7 @@ std::tuple<Tensor, Tensor> full_attention_forward_cpu(const Tensor& q, const Ten
   auto lse = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "full_attention_forward_cpu", [&] {
     kernels::FullAttentionForwardArgs<scalar_t> a;
-    fill_params<scalar_t>(a, p, causal, softmax_temp);
+    ops::fill_full_attention_args(a, kOp, p, causal, softmax_temp);
     a.out = out.data_ptr<scalar_t>();
     a.out_rows = ops::row_strides(out);
     a.lse = lse.data_ptr<scalar_t>();
@@ -116,7 +74,7 @@ std::tuple<Tensor, Tensor, Tensor> full_attention_backward_cpu(
                         attn_mask, key_lengths, causal, softmax_temp, grad_lse),
         q, k, v);
   }
-  auto p = prepare(q, k, v, attn_mask, key_lengths);
+  auto p = ops::full_attention_inputs(q, k, v, attn_mask, key_lengths);
   // Every key tile reads all the queries and output gradients of its head:
   // contiguous copies; K and V are read once per tile, in place.
   p.q = p.q.contiguous();
@@ -131,7 +89,7 @@ std::tuple<Tensor, Tensor, Tensor> full_attention_backward_cpu(
        gv = ops::empty_rows_like(v, v.size(3));
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "full_attention_backward_cpu", [&] {
     kernels::FullAttentionBackwardArgs<scalar_t> a;
-    fill_params<scalar_t>(a, p, causal, softmax_temp);
+    ops::fill_full_attention_args(a, kOp, p, causal, softmax_temp);
     a.grad_out = go.data_ptr<scalar_t>();
     ops::set_grad_rows(a, go, gq, gk, gv);
     a.lse = lse_c.data_ptr<scalar_t>();
@@ -209,14 +167,14 @@ std::tuple<Tensor, Tensor, Tensor> full_attention_lse_topk_forward_cpu(
   if (ops::is_reduced_float(q))
     return ops::in_float32<1>(q.scalar_type(), full_attention_lse_topk_forward_cpu, q, k, v,
                               key_lengths, softmax_temp, topk);
-  const auto p = prepare(q, k, v, c10::nullopt, key_lengths);
+  const auto p = ops::full_attention_inputs(q, k, v, c10::nullopt, key_lengths);
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2);
   auto out = ops::empty_output({N, H, L, v.size(3)}, q.options());
   auto lse = torch::empty({N, H, L}, q.options());
   auto idx = torch::empty({N, H, L, topk}, q.options().dtype(torch::kLong));
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "full_attention_lse_topk_forward_cpu", [&] {
     kernels::FullAttentionForwardArgs<scalar_t> a;
-    fill_params<scalar_t>(a, p, /*causal=*/false, softmax_temp);
+    ops::fill_full_attention_args(a, kOp, p, /*causal=*/false, softmax_temp);
     a.out = out.data_ptr<scalar_t>();
     a.lse = lse.data_ptr<scalar_t>();
     a.topk = topk;
@@ -467,14 +425,14 @@ void full_attention_backward_accumulate(const Tensor& grad_out, const Tensor& gr
     TORCH_CHECK(false, "full_attention_backward_accumulate: this build has no CUDA operators");
 #endif
   }
-  const auto p = prepare(q, k, v, c10::nullopt, to_c10(key_lengths));
+  const auto p = ops::full_attention_inputs(q, k, v, c10::nullopt, to_c10(key_lengths));
   auto go = grad_out.to(q.scalar_type()).contiguous();
   auto delta =
       (ops::row_dots(go, out.to(go.scalar_type())) - grad_lse.to(q.scalar_type())).contiguous();
   auto lse_c = lse.contiguous();
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "full_attention_backward_accumulate", [&] {
     kernels::FullAttentionBackwardArgs<scalar_t> a;
-    fill_params<scalar_t>(a, p, /*causal=*/false, softmax_temp);
+    ops::fill_full_attention_args(a, kOp, p, /*causal=*/false, softmax_temp);
     a.grad_out = go.data_ptr<scalar_t>();
     a.lse = lse_c.data_ptr<scalar_t>();
     a.delta = delta.data_ptr<scalar_t>();
@@ -488,6 +446,17 @@ void full_attention_backward_accumulate(const Tensor& grad_out, const Tensor& gr
     a.accumulate = true;
     kernels::full_attention_backward_cpu(a);
   });
+}
+
+FullAttentionInputs full_attention_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
+                                          const c10::optional<Tensor>& attn_mask,
+                                          const c10::optional<Tensor>& key_lengths) {
+  FullAttentionInputs p{qkv_inputs(q, k, v, key_lengths), {}};
+  if (attn_mask) {
+    p.mask = broadcast_mask(additive_mask(*attn_mask, q.scalar_type()).contiguous(), q.size(0),
+                            q.size(1), q.size(2), k.size(2));
+  }
+  return p;
 }
 
 }  // namespace ops

@@ -9,6 +9,9 @@
 #include <optional>
 #include <tuple>
 
+#include "kernels/full/full_attention.h"
+#include "ops/op_util.h"
+
 namespace fastattn::ops {
 
 // The backward of full_attention_lse_topk (key lengths only, not causal),
@@ -90,5 +93,32 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> full_attention_lse_topk_
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
     const c10::optional<torch::Tensor>& key_lengths, c10::optional<double> softmax_temp,
     int64_t topk);
+
+// ---- kernel arguments (kernels/common/kernel_args.h), CPU and CUDA ------------
+
+// q, k, v and key_lengths as the kernels read them (qkv_inputs), the mask
+// additive in q's dtype and viewed (N, H, L, S).
+struct FullAttentionInputs : QKVInputs {
+  torch::Tensor mask;
+};
+FullAttentionInputs full_attention_inputs(const torch::Tensor& q, const torch::Tensor& k,
+                                          const torch::Tensor& v,
+                                          const c10::optional<torch::Tensor>& attn_mask,
+                                          const c10::optional<torch::Tensor>& key_lengths);
+
+// The arguments every full attention kernel takes.
+template <typename T>
+void fill_full_attention_args(kernels::FullAttentionParams<T>& a, const char* op,
+                              const FullAttentionInputs& p, bool causal, double temp) {
+  set_qkv_args(a, op, p);
+  if (p.mask.defined()) {
+    a.mask = kernel_data<T>(p.mask);
+    a.mask_sn = p.mask.stride(0);
+    a.mask_sh = p.mask.stride(1);
+    a.mask_sl = p.mask.stride(2);
+  }
+  a.causal = causal;
+  a.scale = static_cast<kernels::KernelScalar<T>>(temp);
+}
 
 }  // namespace fastattn::ops

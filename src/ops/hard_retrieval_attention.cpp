@@ -171,28 +171,15 @@ std::tuple<Tensor, Tensor, Tensor> hard_retrieval_attention_backward_cpu(
     if (!have_soft) kernels::hard_retrieval_delta_cpu(d);
 
     kernels::FullAttentionBackwardArgs<T> f;
-    f.q = d.q;
-    f.k = d.k;
-    f.v = d.v;
-    f.q_rows = d.q_rows;
-    f.k_rows = d.k_rows;
-    f.v_rows = d.v_rows;
+    static_cast<kernels::QKVParams<T>&>(f) = d;  // the operands and sizes
     if (additive.defined()) {
       f.mask = additive.data_ptr<T>();
       f.mask_sn = additive.stride(0);
       f.mask_sh = additive.stride(1);
       f.mask_sl = additive.stride(2);
     }
-    f.key_lengths = d.key_lengths;
-    f.N = d.N;
-    f.H = d.H;
-    f.L = d.L;
-    f.S = d.S;
-    f.E = d.E;
-    f.M = d.M;
     f.causal = causal;
     f.scale = d.scale;
-    f.num_threads = d.num_threads;
     f.grad_out = d.grad_out;
     f.grad_out_rows = d.grad_out_rows;
     f.lse = d.lse;

@@ -43,58 +43,17 @@ void check_cuda_inputs(const char* op, const Tensor& q, const Tensor& k, const T
   (void)k;
 }
 
-// Inputs made contiguous, the mask additive in q's dtype and viewed (N,H,L,S),
-// key lengths int64 on q's device.
-struct Prepared {
-  Tensor q, k, v, mask, lengths;
-};
-
-Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v,
-                 const c10::optional<Tensor>& attn_mask, const c10::optional<Tensor>& key_lengths) {
-  Prepared p{q.contiguous(), k.contiguous(), v.contiguous(), {}, {}};
-  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
-  if (attn_mask) {
-    p.mask = ops::broadcast_mask(ops::additive_mask(*attn_mask, q.scalar_type()).contiguous(), N, H,
-                                 L, S);
-  }
-  if (key_lengths) p.lengths = key_lengths->to(q.device(), torch::kLong).contiguous();
-  return p;
-}
-
-void fill_params(cuda::FullAttentionCudaParams& a, const char* op, const Prepared& p, bool causal,
-                 double temp) {
-  a.q = p.q.data_ptr();
-  a.k = p.k.data_ptr();
-  a.v = p.v.data_ptr();
-  a.N = p.q.size(0);
-  a.H = p.q.size(1);
-  a.L = p.q.size(2);
-  a.E = p.q.size(3);
-  a.S = p.k.size(2);
-  a.M = p.v.size(3);
-  if (p.mask.defined()) {
-    a.mask = p.mask.data_ptr();
-    a.mask_sn = p.mask.stride(0);
-    a.mask_sh = p.mask.stride(1);
-    a.mask_sl = p.mask.stride(2);
-  }
-  if (p.lengths.defined()) a.key_lengths = p.lengths.data_ptr<int64_t>();
-  a.causal = causal;
-  a.scale = static_cast<float>(temp);
-  a.dtype = ops::kernel_dtype(op, "q", p.q);
-}
-
 std::tuple<Tensor, Tensor> forward_impl(const char* op, const Tensor& q, const Tensor& k,
                                         const Tensor& v, const c10::optional<Tensor>& attn_mask,
                                         const c10::optional<Tensor>& key_lengths, bool causal,
                                         double softmax_temp) {
   check_cuda_inputs(op, q, k, v);
   const c10::cuda::CUDAGuard guard(q.device());
-  const auto p = prepare(q, k, v, attn_mask, key_lengths);
+  const auto p = ops::full_attention_inputs(q, k, v, attn_mask, key_lengths);
   auto out = torch::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   auto lse = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(torch::kFloat));
   cuda::FullAttentionForwardCudaArgs a;
-  fill_params(a, op, p, causal, softmax_temp);
+  ops::fill_full_attention_args(a, op, p, causal, softmax_temp);
   a.out = out.data_ptr();
   a.lse = lse.data_ptr<float>();
   cuda::full_attention_forward_cuda(a, ops::cuda::current_stream());
@@ -141,7 +100,7 @@ void backward_impl(const Tensor& grad_out, const Tensor& q, const Tensor& k, con
                    bool accumulate) {
   check_cuda_inputs(kOp, q, k, v);
   const c10::cuda::CUDAGuard guard(q.device());
-  const auto p = prepare(q, k, v, attn_mask, key_lengths);
+  const auto p = ops::full_attention_inputs(q, k, v, attn_mask, key_lengths);
   auto go = grad_out.to(q.device(), q.scalar_type()).contiguous();
   // d lse / d score_j = P_j: a gradient on lse enters as -grad_lse in delta.
   auto delta = (go.to(torch::kFloat) * out.to(q.device(), torch::kFloat)).sum(-1);
@@ -151,7 +110,7 @@ void backward_impl(const Tensor& grad_out, const Tensor& q, const Tensor& k, con
   auto ws =
       torch::empty({q.size(0), q.size(1), q.size(2), q.size(3)}, q.options().dtype(torch::kFloat));
   cuda::FullAttentionBackwardCudaArgs a;
-  fill_params(a, kOp, p, causal, softmax_temp);
+  ops::fill_full_attention_args(a, kOp, p, causal, softmax_temp);
   a.grad_out = go.data_ptr();
   a.lse = lse_c.data_ptr<float>();
   a.delta = delta.data_ptr<float>();
