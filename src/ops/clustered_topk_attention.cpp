@@ -18,7 +18,7 @@
 #include "fastattn/ops.h"
 #include "kernels/clustered_topk/clustered_topk.h"
 #include "ops/cluster_members.h"
-#include "ops/clustered_topk_checks.h"
+#include "ops/clustered_topk_args.h"
 #include "ops/full_attention_internal.h"
 #include "ops/mask_util.h"
 #include "ops/op_util.h"
@@ -103,44 +103,21 @@ using torch::autograd::variable_list;
 constexpr const char* kOp = "fastattn::clustered_topk_attention";
 
 struct Prepared {
-  Tensor q, k, v, topk, mass, assignments, lengths;
+  ops::QKVInputs in;
+  Tensor topk, mass, assignments;
 };
 
 Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& topk,
                  const Tensor& mass, const Tensor& assignments,
                  const c10::optional<Tensor>& key_lengths) {
-  // Rows read in place (the layers' (N, L, H, E) views): the kernels take row strides.
-  Prepared p{ops::rows_contiguous(q),
-             ops::rows_contiguous(k),
-             ops::rows_contiguous(v),
-             topk.contiguous(),
-             mass.contiguous(),
-             assignments.contiguous(),
-             {}};
-  if (key_lengths) p.lengths = key_lengths->to(torch::kLong).contiguous();
-  return p;
+  return {ops::qkv_inputs(q, k, v, key_lengths), topk.contiguous(), mass.contiguous(),
+          assignments.contiguous()};
 }
 
-template <typename T, typename Args>
-void fill_params(Args& a, const Prepared& p, double scale) {
-  a.q = p.q.data_ptr<T>();
-  a.k = p.k.data_ptr<T>();
-  a.v = p.v.data_ptr<T>();
-  ops::set_qkv_rows(a, p.q, p.k, p.v);
-  a.topk = p.topk.data_ptr<int64_t>();
+template <typename T>
+void fill_params(kernels::ClusteredTopkParams<T>& a, const Prepared& p, double scale) {
+  ops::fill_clustered_topk_args(a, kOp, p.in, p.topk, p.assignments, scale);
   a.mass = p.mass.data_ptr<T>();
-  a.assignments = p.assignments.data_ptr<int64_t>();
-  a.key_lengths = p.lengths.defined() ? p.lengths.data_ptr<int64_t>() : nullptr;
-  a.N = p.q.size(0);
-  a.H = p.q.size(1);
-  a.L = p.q.size(2);
-  a.E = p.q.size(3);
-  a.S = p.k.size(2);
-  a.M = p.v.size(3);
-  a.C = p.topk.size(2);
-  a.K = p.topk.size(3);
-  a.scale = static_cast<T>(scale);
-  a.num_threads = at::get_num_threads();
 }
 
 Tensor clustered_topk_attention_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -253,27 +230,11 @@ constexpr const char* kImprovedOp = "fastattn::improved_clustered_attention";
 
 // Kernel parameters of the fused form: the top-k kernel's, with the
 // centroid pass's results in place of the masses.
-template <typename T, typename Args>
-void fill_improved(Args& a, const Tensor& q, const Tensor& k, const Tensor& v,
+template <typename T>
+void fill_improved(kernels::ClusteredTopkParams<T>& a, const ops::QKVInputs& in,
                    const Tensor& assignments, const Tensor& top_idx, const Tensor& centroids,
-                   const Tensor& lse, const Tensor& out_c, const Tensor& lengths, double temp) {
-  a.q = q.data_ptr<T>();
-  a.k = k.data_ptr<T>();
-  a.v = v.data_ptr<T>();
-  ops::set_qkv_rows(a, q, k, v);
-  a.topk = top_idx.data_ptr<int64_t>();
-  a.assignments = assignments.data_ptr<int64_t>();
-  a.key_lengths = lengths.defined() ? lengths.data_ptr<int64_t>() : nullptr;
-  a.N = q.size(0);
-  a.H = q.size(1);
-  a.L = q.size(2);
-  a.E = q.size(3);
-  a.S = k.size(2);
-  a.M = v.size(3);
-  a.C = top_idx.size(2);
-  a.K = top_idx.size(3);
-  a.scale = static_cast<T>(temp);
-  a.num_threads = at::get_num_threads();
+                   const Tensor& lse, const Tensor& out_c, double temp) {
+  ops::fill_clustered_topk_args(a, kImprovedOp, in, top_idx, assignments, temp);
   a.centroids = centroids.data_ptr<T>();
   a.lse = lse.data_ptr<T>();
   a.out_c = out_c.data_ptr<T>();
@@ -295,11 +256,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> improved_clustered_forward_cp
     return {ops::in_rows_layout_of(out, q_in), centroids, lse, out_c, top_idx};
   }
   // Rows read in place (the layers' (N, L, H, E) views): the kernels take row strides.
-  auto q = ops::rows_contiguous(q_in), k = ops::rows_contiguous(k_in),
-       v = ops::rows_contiguous(v_in);
+  const auto in = ops::qkv_inputs(q_in, k_in, v_in, key_lengths);
+  const auto &q = in.q, &k = in.k, &v = in.v;
   auto assignments = assignments_in.contiguous(), counts = counts_in.contiguous();
-  Tensor lengths;
-  if (key_lengths) lengths = key_lengths->to(torch::kLong).contiguous();
   auto centroids = ops::cluster_sums(q, assignments, counts.size(2), counts);  // the means
   static auto lse_topk = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("fastattn::full_attention_lse_topk_forward", "")
@@ -312,8 +271,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> improved_clustered_forward_cp
   auto out = ops::empty_rows_like(q, v.size(3));
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "improved_clustered_forward_cpu", [&] {
     kernels::ClusteredTopkForwardArgs<scalar_t> a;
-    fill_improved<scalar_t>(a, q, k, v, assignments, top_idx, centroids, lse, out_c, lengths,
-                            softmax_temp);
+    fill_improved(a, in, assignments, top_idx, centroids, lse, out_c, softmax_temp);
     a.out = out.data_ptr<scalar_t>();
     a.out_rows = ops::row_strides(out);
     kernels::clustered_topk_forward_cpu(a);
@@ -335,12 +293,10 @@ std::tuple<Tensor, Tensor, Tensor> improved_clustered_backward_cpu(
                         key_lengths, softmax_temp),
         q_in, k_in, v_in);
   }
-  auto q = ops::rows_contiguous(q_in), k = ops::rows_contiguous(k_in),
-       v = ops::rows_contiguous(v_in);
+  const auto in = ops::qkv_inputs(q_in, k_in, v_in, key_lengths);
+  const auto &q = in.q, &k = in.k, &v = in.v;
   auto assignments = assignments_in.contiguous(), counts = counts_in.contiguous();
   auto go = ops::rows_contiguous(grad_out.to(q.scalar_type()));
-  Tensor lengths;
-  if (key_lengths) lengths = key_lengths->to(torch::kLong).contiguous();
   // Gradients in the inputs' row layouts (as the fake implementation promises).
   auto gq = ops::empty_rows_like(q_in, q.size(3)), gk = ops::empty_rows_like(k_in, k.size(3)),
        gv = ops::empty_rows_like(v_in, v.size(3));
@@ -348,8 +304,7 @@ std::tuple<Tensor, Tensor, Tensor> improved_clustered_backward_cpu(
        g_out_c = torch::empty_like(out_c);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "improved_clustered_backward_cpu", [&] {
     kernels::ClusteredTopkBackwardArgs<scalar_t> a;
-    fill_improved<scalar_t>(a, q, k, v, assignments, top_idx, centroids, lse, out_c, lengths,
-                            softmax_temp);
+    fill_improved(a, in, assignments, top_idx, centroids, lse, out_c, softmax_temp);
     a.grad_out = go.data_ptr<scalar_t>();
     a.grad_q = gq.data_ptr<scalar_t>();
     a.grad_k = gk.data_ptr<scalar_t>();

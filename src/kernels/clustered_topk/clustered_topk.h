@@ -16,51 +16,55 @@
 
 #include <cstdint>
 
-#include "kernels/common/rows.h"
+#include "kernels/common/kernel_args.h"
 
 namespace fastattn::kernels {
 
+// The arguments of both backends (kernels/common/kernel_args.h): T = float or
+// double for the CPU kernels below, void for the CUDA launchers
+// (clustered_topk_cuda.h), whose masses, lse and gradients are float32.
 template <typename T>
-struct ClusteredTopkParams {
-  const T* q = nullptr;                  // (N, H, L, E), rows at q_rows
-  const T* k = nullptr;                  // (N, H, S, E), rows at k_rows
-  const T* v = nullptr;                  // (N, H, S, M), rows at v_rows
-  RowStrides q_rows, k_rows, v_rows;     // kernels/common/rows.h; default: contiguous
-  const int64_t* topk = nullptr;         // (N, H, C, K) key indices in [0, S), -1: empty slot
-  const T* mass = nullptr;               // (N, H, C): centroid mass on its top-k keys
-  const int64_t* assignments = nullptr;  // (N, H, L): cluster in [0, C) or -1
-  const int64_t* key_lengths = nullptr;  // (N,) or nullptr for S
-  int64_t N = 0, H = 0, L = 0, S = 0, E = 0, M = 0, C = 0, K = 0;
-  T scale = 1;
-  int num_threads = 1;
+struct ClusteredTopkParams : QKVParams<T> {
+  const int64_t* topk = nullptr;          // (N, H, C, K) key indices in [0, S), -1: empty slot
+  const KernelScalar<T>* mass = nullptr;  // (N, H, C): centroid mass on its top-k keys
+  const int64_t* assignments = nullptr;   // (N, H, L): cluster in [0, C) or -1
+  int64_t C = 0, K = 0;
+  KernelScalar<T> scale = 1;
   // Improved-clustered form (centroids set; mass then unused): the centroid
   // weights of the cluster's top keys are p_t = exp(scale·c·k_t - lse_c) on
   // the kept keys, mass = Σ p_t, and every member's output also gets the rest
   // of the centroid's output, out_c - Σ p_t v_t (Vyas et al. eq. 9-11 in
   // one pass).
-  const T* centroids = nullptr;  // (N, H, C, E)
-  const T* lse = nullptr;        // (N, H, C): log-sum-exp of the centroid's scaled scores
-  const T* out_c = nullptr;      // (N, H, C, M): the centroid's full attention output
+  const T* centroids = nullptr;          // (N, H, C, E)
+  const KernelScalar<T>* lse = nullptr;  // (N, H, C): log-sum-exp of the centroid's scaled scores
+  const T* out_c = nullptr;              // (N, H, C, M): the centroid's full attention output
+  // CUDA: clustered_topk_cuda_workspace_bytes(N, H, L, C, K, M) bytes, no
+  // initialisation needed; `grouped`: it already holds these assignments'
+  // grouping (cluster_means_cuda ran on it), the forward skips its own.
+  void* workspace = nullptr;
+  bool grouped = false;
 };
 
 template <typename T>
 struct ClusteredTopkForwardArgs : ClusteredTopkParams<T> {
-  T* out = nullptr;  // (N, H, L, M), rows at out_rows, written
-  RowStrides out_rows;
+  T* out = nullptr;     // (N, H, L, M), rows at out_rows, written (zeros for padded queries)
+  RowStrides out_rows;  // CPU
 };
 
+// Gradients: of T on the CPU (written); float32 on CUDA (grad_q written,
+// grad_k and grad_v zeroed by the caller and added to).
 template <typename T>
 struct ClusteredTopkBackwardArgs : ClusteredTopkParams<T> {
-  const T* grad_out = nullptr;  // (N, H, L, M), rows at grad_out_rows
-  T* grad_q = nullptr;          // (N, H, L, E), written
-  T* grad_k = nullptr;          // (N, H, S, E), written
-  T* grad_v = nullptr;          // (N, H, S, M), written
-  RowStrides grad_out_rows, grad_q_rows, grad_k_rows, grad_v_rows;  // default: contiguous
-  T* grad_mass = nullptr;  // (N, H, C), written (plain form)
+  const T* grad_out = nullptr;        // (N, H, L, M), rows at grad_out_rows
+  KernelScalar<T>* grad_q = nullptr;  // (N, H, L, E)
+  KernelScalar<T>* grad_k = nullptr;  // (N, H, S, E)
+  KernelScalar<T>* grad_v = nullptr;  // (N, H, S, M)
+  RowStrides grad_out_rows, grad_q_rows, grad_k_rows, grad_v_rows;  // CPU; default: contiguous
+  KernelScalar<T>* grad_mass = nullptr;  // (N, H, C), written (plain form)
   // Improved form: written instead of grad_mass.
-  T* grad_centroids = nullptr;  // (N, H, C, E)
-  T* grad_lse = nullptr;        // (N, H, C)
-  T* grad_out_c = nullptr;      // (N, H, C, M)
+  KernelScalar<T>* grad_centroids = nullptr;  // (N, H, C, E)
+  KernelScalar<T>* grad_lse = nullptr;        // (N, H, C)
+  KernelScalar<T>* grad_out_c = nullptr;      // (N, H, C, M)
 };
 
 // centroids (N, H, C, E) = the mean of each cluster's queries (zeros for an

@@ -6,50 +6,16 @@
 
 #include <cstdint>
 
-#include "kernels/common/cuda_dtype.h"
+#include "kernels/clustered_topk/clustered_topk.h"
 
 namespace fastattn::cuda {
 
-// Inputs shared by the forward and the backward. Plain form: mass given,
-// centroids == nullptr. Improved form (centroids set, mass unused): the
-// centroid weights of the cluster's top keys p_t = exp(scale·c·k_t - lse_c)
-// on the kept keys give the mass Σ p_t, and every member's output also gets
-// the rest out_c - Σ p_t v_t (Vyas et al. eq. 9-11).
-struct ClusteredTopkCudaArgs {
-  const void* q = nullptr;        // (N, H, L, E) contiguous, dtype
-  const void* k = nullptr;        // (N, H, S, E) contiguous, dtype
-  const void* v = nullptr;        // (N, H, S, M) contiguous, dtype
-  const int64_t* topk = nullptr;  // (N, H, C, K) key indices (dropped unless in [0, key length))
-  const int64_t* assignments = nullptr;  // (N, H, L): cluster in [0, C) or -1 (padding)
-  const int64_t* key_lengths = nullptr;  // (N,) or nullptr for S
-  const float* mass = nullptr;           // plain form: (N, H, C) float32
-  const void* centroids = nullptr;       // improved form: (N, H, C, E), dtype
-  const float* lse = nullptr;            // improved form: (N, H, C) float32, the centroids' lse
-  const void* out_c = nullptr;  // improved form: (N, H, C, M), dtype, the centroids' output
-  int64_t N = 0, H = 0, L = 0, S = 0, E = 0, M = 0, C = 0, K = 0;
-  float scale = 1.f;  // softmax_temp
-  DType dtype = DType::kFloat32;
-  // clustered_topk_cuda_workspace_bytes(N, H, L, C, K, M) bytes, no initialisation needed.
-  void* workspace = nullptr;
-  // The workspace already holds these assignments' grouping (cluster_means_cuda
-  // ran on it): the forward skips its own.
-  bool grouped = false;
-};
-
-struct ClusteredTopkForwardCudaArgs : ClusteredTopkCudaArgs {
-  void* out = nullptr;  // (N, H, L, M), dtype, written (zeros for padded queries)
-};
-
-struct ClusteredTopkBackwardCudaArgs : ClusteredTopkCudaArgs {
-  const void* grad_out = nullptr;   // (N, H, L, M), dtype
-  float* grad_q = nullptr;          // (N, H, L, E) float32, written (zeros for padded queries)
-  float* grad_k = nullptr;          // (N, H, S, E) float32, zeroed by the caller, added to
-  float* grad_v = nullptr;          // (N, H, S, M) float32, zeroed by the caller, added to
-  float* grad_mass = nullptr;       // plain form: (N, H, C) float32, written
-  float* grad_centroids = nullptr;  // improved form: (N, H, C, E) float32, written
-  float* grad_lse = nullptr;        // improved form: (N, H, C) float32, written
-  float* grad_out_c = nullptr;      // improved form: (N, H, C, M) float32, written
-};
+// The arguments shared with the CPU kernels (clustered_topk.h), T = void:
+// q, k, v, centroids, out_c, out, grad_out contiguous of `dtype`; mass, lse
+// and the gradients float32; `workspace` required.
+using ClusteredTopkCudaArgs = kernels::ClusteredTopkParams<void>;
+using ClusteredTopkForwardCudaArgs = kernels::ClusteredTopkForwardArgs<void>;
+using ClusteredTopkBackwardCudaArgs = kernels::ClusteredTopkBackwardArgs<void>;
 
 // centroids (N, H, C, E) = the mean of each cluster's queries (zeros for an
 // empty cluster), summed in query order in float32.

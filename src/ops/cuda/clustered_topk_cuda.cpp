@@ -17,7 +17,7 @@
 #include <torch/library.h>
 
 #include "kernels/clustered_topk/clustered_topk_cuda.h"
-#include "ops/clustered_topk_checks.h"
+#include "ops/clustered_topk_args.h"
 #include "ops/cuda/cuda_op_util.h"
 #include "ops/mask_util.h"
 #include "ops/op_util.h"
@@ -33,35 +33,16 @@ void check_devices(const char* op, const Tensor& q,
   for (const auto& [name, t] : tensors) ops::cuda::check_same_device(op, name, *t, q.device());
 }
 
-Tensor lengths_on(const c10::optional<Tensor>& key_lengths, const Tensor& q) {
-  return key_lengths ? key_lengths->to(q.device(), torch::kLong).contiguous() : Tensor();
-}
-
 Tensor workspace_for(const Tensor& q, int64_t L, int64_t C, int64_t K, int64_t M) {
   return torch::empty({cuda::clustered_topk_cuda_workspace_bytes(q.size(0), q.size(1), L, C, K, M)},
                       q.options().dtype(torch::kByte));
 }
 
 // The common kernel arguments (contiguous tensors).
-void fill_common(cuda::ClusteredTopkCudaArgs& a, const char* op, const Tensor& q, const Tensor& k,
-                 const Tensor& v, const Tensor& topk, const Tensor& assignments,
-                 const Tensor& lengths, double temp, const Tensor& workspace) {
-  a.q = q.data_ptr();
-  a.k = k.data_ptr();
-  a.v = v.data_ptr();
-  a.topk = topk.data_ptr<int64_t>();
-  a.assignments = assignments.data_ptr<int64_t>();
-  a.key_lengths = lengths.defined() ? lengths.data_ptr<int64_t>() : nullptr;
-  a.N = q.size(0);
-  a.H = q.size(1);
-  a.L = q.size(2);
-  a.E = q.size(3);
-  a.S = k.size(2);
-  a.M = v.size(3);
-  a.C = topk.size(2);
-  a.K = topk.size(3);
-  a.scale = static_cast<float>(temp);
-  a.dtype = ops::kernel_dtype(op, "q", q);
+void fill_common(cuda::ClusteredTopkCudaArgs& a, const char* op, const ops::QKVInputs& in,
+                 const Tensor& topk, const Tensor& assignments, double temp,
+                 const Tensor& workspace) {
+  ops::fill_clustered_topk_args(a, op, in, topk, assignments, temp);
   a.workspace = workspace.data_ptr();
 }
 
@@ -78,14 +59,14 @@ Tensor clustered_topk_forward_cuda_op(const Tensor& q_in, const Tensor& k_in, co
   ops::check_clustered_topk_inputs(q_in, k_in, v_in, topk_in, mass_in, assignments_in, key_lengths);
   ops::resolve_softmax_temp(op, q_in, softmax_temp);  // checks it is finite and > 0
   const c10::cuda::CUDAGuard guard(q_in.device());
-  const auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+  const auto in = ops::qkv_inputs(q_in, k_in, v_in, key_lengths);
+  const auto &q = in.q, &v = in.v;
   const auto topk = topk_in.contiguous(), assignments = assignments_in.contiguous();
   const auto mass = mass_in.to(torch::kFloat).contiguous();
-  const auto lengths = lengths_on(key_lengths, q);
   auto out = torch::zeros({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   const auto ws = workspace_for(q, q.size(2), topk.size(2), topk.size(3), v.size(3));
   cuda::ClusteredTopkForwardCudaArgs a;
-  fill_common(a, op, q, k, v, topk, assignments, lengths, softmax_temp, ws);
+  fill_common(a, op, in, topk, assignments, softmax_temp, ws);
   a.mass = mass.data_ptr<float>();
   a.out = out.data_ptr();
   cuda::clustered_topk_forward_cuda(a, ops::cuda::current_stream());
@@ -108,17 +89,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> clustered_topk_backward_cuda_op(
                   grad_out.size(3) == v_in.size(3),
               op, ": grad_out must have shape (N, H, L, M), got ", grad_out.sizes());
   const c10::cuda::CUDAGuard guard(q_in.device());
-  const auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+  const auto in = ops::qkv_inputs(q_in, k_in, v_in, key_lengths);
+  const auto &q = in.q, &k = in.k, &v = in.v;
   const auto topk = topk_in.contiguous(), assignments = assignments_in.contiguous();
   const auto mass = mass_in.to(torch::kFloat).contiguous();
   const auto go = grad_out.to(q.scalar_type()).contiguous();
-  const auto lengths = lengths_on(key_lengths, q);
   const auto f32 = q.options().dtype(torch::kFloat);
   auto gq = torch::zeros(q.sizes(), f32), gk = torch::zeros(k.sizes(), f32),
        gv = torch::zeros(v.sizes(), f32), gm = torch::empty(mass.sizes(), f32);
   const auto ws = workspace_for(q, q.size(2), topk.size(2), topk.size(3), v.size(3));
   cuda::ClusteredTopkBackwardCudaArgs a;
-  fill_common(a, op, q, k, v, topk, assignments, lengths, softmax_temp, ws);
+  fill_common(a, op, in, topk, assignments, softmax_temp, ws);
   a.mass = mass.data_ptr<float>();
   a.grad_out = go.data_ptr();
   a.grad_q = gq.data_ptr<float>();
@@ -146,9 +127,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> improved_forward_cuda_op(
   TORCH_CHECK(topk >= 1 && topk <= k_in.size(2), op, ": topk must be in [1, S] = [1, ",
               k_in.size(2), "], got ", topk);
   const c10::cuda::CUDAGuard guard(q_in.device());
-  const auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+  const auto in = ops::qkv_inputs(q_in, k_in, v_in, key_lengths);
+  const auto &q = in.q, &k = in.k, &v = in.v;
   const auto assignments = assignments_in.contiguous(), counts = counts_in.contiguous();
-  const auto lengths = lengths_on(key_lengths, q);
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), E = q.size(3), C = counts.size(2);
   const auto stream = ops::cuda::current_stream();
   auto centroids = torch::empty({N, H, C, E}, q.options());
@@ -175,13 +156,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> improved_forward_cuda_op(
                                  const Tensor&, const Tensor&, const Tensor&,
                                  const c10::optional<Tensor>&, double, int64_t)>();
   Tensor out_c, lse, top_idx;
-  const auto klen = lengths.defined() ? c10::optional<Tensor>(lengths) : c10::nullopt;
+  const auto klen = in.lengths.defined() ? c10::optional<Tensor>(in.lengths) : c10::nullopt;
   std::tie(out_c, lse, top_idx) = lse_topk.call(centroids, k, v, klen, softmax_temp, topk);
   const auto lse_f = lse.to(torch::kFloat).contiguous();
   const auto out_cc = out_c.contiguous(), idx = top_idx.contiguous();
   auto out = torch::zeros({N, H, L, v.size(3)}, q.options());
   cuda::ClusteredTopkForwardCudaArgs a;
-  fill_common(a, op, q, k, v, idx, assignments, lengths, softmax_temp, ws);
+  fill_common(a, op, in, idx, assignments, softmax_temp, ws);
   a.grouped = true;
   a.centroids = centroids.data_ptr();
   a.lse = lse_f.data_ptr<float>();
@@ -208,14 +189,14 @@ std::tuple<Tensor, Tensor, Tensor> improved_backward_cuda_op(
                  {"top_idx", &top_idx_in}});
   ops::check_improved_clusters(q_in, assignments_in, counts_in);
   const c10::cuda::CUDAGuard guard(q_in.device());
-  const auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+  const auto in = ops::qkv_inputs(q_in, k_in, v_in, key_lengths);
+  const auto &q = in.q, &k = in.k, &v = in.v;
   const auto assignments = assignments_in.contiguous(), counts = counts_in.contiguous();
   const auto centroids = centroids_in.to(q.scalar_type()).contiguous();
   const auto out_c = out_c_in.to(q.scalar_type()).contiguous();
   const auto top_idx = top_idx_in.contiguous();
   const auto lse_f = lse.to(torch::kFloat).contiguous();
   const auto go = grad_out.to(q.scalar_type()).contiguous();
-  const auto lengths = lengths_on(key_lengths, q);
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), E = q.size(3), C = counts.size(2);
   const auto f32 = q.options().dtype(torch::kFloat);
   auto gq = torch::zeros(q.sizes(), f32), gk = torch::zeros(k.sizes(), f32),
@@ -226,7 +207,7 @@ std::tuple<Tensor, Tensor, Tensor> improved_backward_cuda_op(
   {
     const auto ws = workspace_for(q, L, C, top_idx.size(3), v.size(3));
     cuda::ClusteredTopkBackwardCudaArgs a;
-    fill_common(a, op, q, k, v, top_idx, assignments, lengths, softmax_temp, ws);
+    fill_common(a, op, in, top_idx, assignments, softmax_temp, ws);
     a.centroids = centroids.data_ptr();
     a.lse = lse_f.data_ptr<float>();
     a.out_c = out_c.data_ptr();
@@ -251,7 +232,7 @@ std::tuple<Tensor, Tensor, Tensor> improved_backward_cuda_op(
   Tensor gc2, gk2, gv2;
   std::tie(gc2, gk2, gv2) = fa_backward.call(
       g_out_c.to(q.scalar_type()), centroids, k, v, out_c, lse, c10::nullopt,
-      lengths.defined() ? c10::optional<Tensor>(lengths) : c10::nullopt,
+      in.lengths.defined() ? c10::optional<Tensor>(in.lengths) : c10::nullopt,
       /*causal=*/false, softmax_temp, c10::optional<Tensor>(g_lse.to(lse.scalar_type())));
   g_cen.add_(gc2.to(torch::kFloat));
   gk.add_(gk2.to(torch::kFloat));

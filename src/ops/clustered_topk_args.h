@@ -1,9 +1,13 @@
-// Input checks of clustered_topk_attention and improved_clustered_attention,
+// The arguments of clustered_topk_attention and improved_clustered_attention,
 // shared by their CPU (src/ops/clustered_topk_attention.cpp) and CUDA
-// (src/ops/cuda/clustered_topk_cuda.cpp) registrations (internal).
+// (src/ops/cuda/clustered_topk_cuda.cpp) registrations: input checks and the
+// kernels' struct (kernels/common/kernel_args.h) (internal).
 #pragma once
 
 #include <torch/torch.h>
+
+#include "kernels/clustered_topk/clustered_topk.h"
+#include "ops/op_util.h"
 
 namespace fastattn::ops {
 
@@ -22,5 +26,21 @@ void check_clustered_topk_inputs(const torch::Tensor& q, const torch::Tensor& k,
 // assignments' histogram.
 void check_improved_clusters(const torch::Tensor& q, const torch::Tensor& assignments,
                              const torch::Tensor& counts);
+
+// The struct's operands (qkv_inputs), the clusters' top-k keys (N, H, C, K)
+// and the queries' assignments (N, H, L), int64 contiguous, and the scale;
+// the caller sets the masses (plain form) or the centroid pass's results
+// (improved form).
+template <typename T>
+void fill_clustered_topk_args(kernels::ClusteredTopkParams<T>& a, const char* op,
+                              const QKVInputs& in, const torch::Tensor& topk,
+                              const torch::Tensor& assignments, double temp) {
+  set_qkv_args(a, op, in);
+  a.topk = topk.data_ptr<int64_t>();
+  a.assignments = assignments.data_ptr<int64_t>();
+  a.C = topk.size(2);
+  a.K = topk.size(3);
+  a.scale = static_cast<kernels::KernelScalar<T>>(temp);
+}
 
 }  // namespace fastattn::ops
