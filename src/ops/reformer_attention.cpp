@@ -109,17 +109,7 @@ Tensor lsh_hash_cpu(const Tensor& x, const Tensor& rotations) {
       torch::empty({x.size(0), x.size(1), R, x.size(2)}, x.options().dtype(torch::kLong));
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "lsh_hash_cpu", [&] {
     kernels::LshHashArgs<scalar_t> a;
-    a.x = xc.data_ptr<scalar_t>();
-    a.x_rows = ops::row_strides(xc);
-    a.rotations = rc.data_ptr<scalar_t>();
-    a.buckets = buckets.data_ptr<int64_t>();
-    a.N = x.size(0);
-    a.H = x.size(1);
-    a.L = x.size(2);
-    a.E = x.size(3);
-    a.R = R;
-    a.B2 = rotations.size(2);
-    a.num_threads = at::get_num_threads();
+    fill_lsh_hash_args(a, xc, rc, buckets);
     kernels::lsh_hash_cpu(a);
   });
   return buckets;
@@ -139,27 +129,13 @@ Prepared prepare(const Tensor& q, const Tensor& v, const Tensor& buckets,
   return p;
 }
 
-template <typename T, typename Args>
-void fill_params(Args& a, const Prepared& p, int64_t chunk_size, bool causal, bool mask_self,
-                 double temp) {
-  a.q = p.q.data_ptr<T>();
-  a.v = p.v.data_ptr<T>();
-  a.q_rows = ops::row_strides(p.q);
-  a.v_rows = ops::row_strides(p.v);
+template <typename T>
+void fill_params(kernels::ReformerParams<T>& a, const Prepared& p, int64_t chunk_size, bool causal,
+                 bool mask_self, double temp) {
+  fill_reformer_args(a, p.q, p.v, p.lengths, p.buckets.size(2), chunk_size, causal, mask_self,
+                     temp);
   a.buckets = p.buckets.data_ptr<int64_t>();
-  a.lengths = p.lengths.defined() ? p.lengths.data_ptr<int64_t>() : nullptr;
-  a.N = p.q.size(0);
-  a.H = p.q.size(1);
-  a.L = p.q.size(2);
-  a.E = p.q.size(3);
-  a.M = p.v.size(3);
-  a.R = p.buckets.size(2);
   a.n_buckets = p.n_buckets;
-  a.chunk = effective_chunk(chunk_size, p.q.size(2));
-  a.causal = causal;
-  a.mask_self = mask_self;
-  a.scale = static_cast<T>(temp);
-  a.num_threads = at::get_num_threads();
 }
 
 std::tuple<Tensor, Tensor> reformer_attention_forward_cpu(const Tensor& q, const Tensor& v,

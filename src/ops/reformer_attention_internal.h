@@ -1,11 +1,15 @@
 // What the CPU (src/ops/reformer_attention.cpp) and CUDA
 // (src/ops/cuda/reformer_cuda.cpp) registrations of the Reformer operators
-// share: the op names, the input checks and the top-level no-grad entry.
+// share: the op names, the input checks, the kernels' structs filled
+// (kernels/common/kernel_args.h) and the top-level no-grad entry.
 #pragma once
 
 #include <torch/torch.h>
 
 #include <cstdint>
+
+#include "kernels/reformer/reformer.h"
+#include "ops/op_util.h"
 
 namespace fastattn::ops::reformer {
 
@@ -34,6 +38,58 @@ inline int64_t effective_chunk(int64_t chunk_size, int64_t L) {
 void check_backward_inputs(const torch::Tensor& grad_out, const torch::Tensor& q,
                            const torch::Tensor& v, const torch::Tensor& out,
                            const torch::Tensor& stats);
+
+// lsh_hash's struct from x (N, H, L, E) as the kernels read it (CPU: any row
+// layout; CUDA: contiguous), rotations (R, E, B2) contiguous and the
+// buckets (N, H, R, L) to write.
+template <typename T>
+void fill_lsh_hash_args(kernels::LshHashArgs<T>& a, const torch::Tensor& x,
+                        const torch::Tensor& rotations, torch::Tensor& buckets) {
+  a.x = kernel_data<T>(x);
+  a.rotations = kernel_data<T>(rotations);
+  a.buckets = buckets.data_ptr<int64_t>();
+  a.N = x.size(0);
+  a.H = x.size(1);
+  a.L = x.size(2);
+  a.E = x.size(3);
+  a.R = rotations.size(0);
+  a.B2 = rotations.size(2);
+  if constexpr (std::is_void_v<T>) {
+    a.dtype = kernel_dtype(kHashOp, "x", x);
+  } else {
+    a.x_rows = row_strides(x);
+    a.num_threads = at::get_num_threads();
+  }
+}
+
+// The attention kernels' common struct from q, v as they read them, the
+// lengths (int64 on q's device; undefined: none), R rounds and the
+// settings; the caller sets the buckets (CPU) or their order (CUDA).
+template <typename T>
+void fill_reformer_args(kernels::ReformerParams<T>& a, const torch::Tensor& q,
+                        const torch::Tensor& v, const torch::Tensor& lengths, int64_t R,
+                        int64_t chunk_size, bool causal, bool mask_self, double temp) {
+  a.q = kernel_data<T>(q);
+  a.v = kernel_data<T>(v);
+  a.lengths = lengths.defined() ? lengths.data_ptr<int64_t>() : nullptr;
+  a.N = q.size(0);
+  a.H = q.size(1);
+  a.L = q.size(2);
+  a.E = q.size(3);
+  a.M = v.size(3);
+  a.R = R;
+  a.chunk = effective_chunk(chunk_size, q.size(2));
+  a.causal = causal;
+  a.mask_self = mask_self;
+  a.scale = static_cast<kernels::KernelScalar<T>>(temp);
+  if constexpr (std::is_void_v<T>) {
+    a.dtype = kernel_dtype(kOp, "q", q);
+  } else {
+    a.q_rows = row_strides(q);
+    a.v_rows = row_strides(v);
+    a.num_threads = at::get_num_threads();
+  }
+}
 
 // fastattn::reformer_attention without autograd: resolves softmax_temp and
 // calls reformer_attention_forward through the dispatcher (CPU and CUDA).

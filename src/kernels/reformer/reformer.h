@@ -29,18 +29,22 @@
 
 #include <cstdint>
 
-#include "kernels/common/rows.h"
+#include "kernels/common/kernel_args.h"
 
 namespace fastattn::kernels {
 
+// The arguments of both backends (kernels/common/kernel_args.h): T = float or
+// double for the CPU kernels below, void for the CUDA launchers
+// (reformer_cuda.h: contiguous operands, E and M <= kReformerCudaMaxHeadDim).
 template <typename T>
 struct LshHashArgs {
   const T* x = nullptr;          // (N, H, L, E), rows at x_rows
-  RowStrides x_rows;             // kernels/common/rows.h; default: contiguous
+  RowStrides x_rows;             // CPU (kernels/common/rows.h); default: contiguous
   const T* rotations = nullptr;  // (R, E, B2) contiguous
   int64_t* buckets = nullptr;    // (N, H, R, L), written: values in [0, max(1, 2·B2))
   int64_t N = 0, H = 0, L = 0, E = 0, R = 0, B2 = 0;
-  int num_threads = 1;
+  int num_threads = 1;            // CPU
+  DType dtype = DType::kFloat32;  // CUDA: the element type of the void pointers
 };
 
 template <typename T>
@@ -48,39 +52,46 @@ void lsh_hash_cpu(const LshHashArgs<T>& args);
 
 template <typename T>
 struct ReformerParams {
-  const T* q = nullptr;              // (N, H, L, E), rows at q_rows: queries and (normalised) keys
-  const T* v = nullptr;              // (N, H, L, M), rows at v_rows
-  RowStrides q_rows, v_rows;         // kernels/common/rows.h; default: contiguous
-  const int64_t* buckets = nullptr;  // (N, H, R, L) in [0, n_buckets)
+  const T* q = nullptr;       // (N, H, L, E), rows at q_rows: queries and (normalised) keys
+  const T* v = nullptr;       // (N, H, L, M), rows at v_rows
+  RowStrides q_rows, v_rows;  // CPU; default: contiguous
+  // CPU: the buckets (N, H, R, L) in [0, n_buckets), sorted by the kernels.
+  const int64_t* buckets = nullptr;
+  int64_t n_buckets = 1;  // bound of the bucket values (counting sort)
+  // CUDA: per round the valid positions [0, len) sorted by (bucket,
+  // position) in entries [0, len) of (N, H, R, L); the rest unused.
+  const int64_t* perm = nullptr;
   const int64_t* lengths = nullptr;  // (N,) in [0, L], or nullptr for L
   int64_t N = 0, H = 0, L = 0, E = 0, M = 0, R = 0;
-  int64_t n_buckets = 1;  // bound of the bucket values (counting sort)
-  int64_t chunk = 32;     // chunk size in sorted positions, >= 1
-  bool causal = false;    // drop keys j > i
-  bool mask_self = true;  // self score -> -1e5
-  T scale = 1;            // softmax temperature
-  int num_threads = 1;
+  int64_t chunk = 32;             // chunk size in sorted positions, >= 1
+  bool causal = false;            // drop keys j > i
+  bool mask_self = true;          // self score -> -1e5
+  KernelScalar<T> scale = 1;      // softmax temperature
+  int num_threads = 1;            // CPU
+  DType dtype = DType::kFloat32;  // CUDA: the element type of the void pointers
 };
 
 template <typename T>
 struct ReformerForwardArgs : ReformerParams<T> {
-  T* out = nullptr;  // (N, H, L, M), rows at out_rows, written (0 at padded positions)
-  RowStrides out_rows;
+  T* out = nullptr;     // (N, H, L, M), rows at out_rows, written (0 at padded positions)
+  RowStrides out_rows;  // CPU
   // (N, H, L, 2), written: the log-sum-exp over rounds and keys as two parts,
   // [max score, log(sum of exp(score - max))] ([-inf, 0] at padding). Kept
   // apart because a position that sees only itself has a max of -1e5, where
   // max + log(sum) would lose the sum's precision.
   double* stats = nullptr;
+  float* workspace = nullptr;  // CUDA: N·H·L·M floats (the running unnormalised output)
 };
 
 template <typename T>
 struct ReformerBackwardArgs : ReformerParams<T> {
   const T* grad_out = nullptr;                         // (N, H, L, M), rows at grad_out_rows
   const double* stats = nullptr;                       // (N, H, L, 2) from the forward
-  const T* delta = nullptr;                            // (N, H, L): rowsum(grad_out ∘ out)
+  const KernelScalar<T>* delta = nullptr;              // (N, H, L): rowsum(grad_out ∘ out)
   T* grad_q = nullptr;                                 // (N, H, L, E), written (both roles of q)
   T* grad_v = nullptr;                                 // (N, H, L, M), written
-  RowStrides grad_out_rows, grad_q_rows, grad_v_rows;  // default: contiguous
+  RowStrides grad_out_rows, grad_q_rows, grad_v_rows;  // CPU; default: contiguous
+  float* workspace = nullptr;  // CUDA: N·H·L·(2·E + M) floats (dq, dk, dv accumulators)
 };
 
 template <typename T>

@@ -24,7 +24,6 @@ namespace {
 
 using torch::Tensor;
 using namespace ops::reformer;
-using ops::kernel_dtype;
 using ops::cuda::check_same_device;
 using ops::cuda::current_stream;
 
@@ -37,16 +36,7 @@ Tensor lsh_hash_cuda_op(const Tensor& x, const Tensor& rotations) {
   auto buckets =
       torch::empty({x.size(0), x.size(1), R, x.size(2)}, x.options().dtype(torch::kLong));
   kernels::LshHashCudaArgs a;
-  a.x = xc.data_ptr();
-  a.rotations = rc.data_ptr();
-  a.buckets = buckets.data_ptr<int64_t>();
-  a.N = x.size(0);
-  a.H = x.size(1);
-  a.L = x.size(2);
-  a.E = x.size(3);
-  a.R = R;
-  a.B2 = rotations.size(2);
-  a.dtype = kernel_dtype(kHashOp, "x", x);
+  fill_lsh_hash_args(a, xc, rc, buckets);
   kernels::lsh_hash_cuda(a, current_stream());
   return buckets;
 }
@@ -83,21 +73,8 @@ Prepared prepare(const Tensor& q, const Tensor& v, const Tensor& buckets,
 
 void fill_params(kernels::ReformerCudaParams& a, const Prepared& p, int64_t chunk_size, bool causal,
                  bool mask_self, double temp) {
-  a.q = p.q.data_ptr();
-  a.v = p.v.data_ptr();
+  fill_reformer_args(a, p.q, p.v, p.lengths, p.perm.size(2), chunk_size, causal, mask_self, temp);
   a.perm = p.perm.data_ptr<int64_t>();
-  a.lengths = p.lengths.defined() ? p.lengths.data_ptr<int64_t>() : nullptr;
-  a.N = p.q.size(0);
-  a.H = p.q.size(1);
-  a.L = p.q.size(2);
-  a.E = p.q.size(3);
-  a.M = p.v.size(3);
-  a.R = p.perm.size(2);
-  a.chunk = effective_chunk(chunk_size, p.q.size(2));
-  a.causal = causal;
-  a.mask_self = mask_self;
-  a.scale = static_cast<float>(temp);
-  a.dtype = kernel_dtype(kOp, "q", p.q);
 }
 
 std::tuple<Tensor, Tensor> reformer_attention_forward_cuda(const Tensor& q, const Tensor& v,
