@@ -261,7 +261,7 @@ void check_means(int64_t N, int64_t H, int64_t L, int64_t C, int64_t E, uint32_t
   a.assignments = assignments.data();
   a.counts = counts.data();
   a.centroids = cen.data();
-  a.N = N;
+  a.NH = NH;
   a.H = H;
   a.L = L;
   a.C = C;
@@ -281,11 +281,11 @@ void check_means(int64_t N, int64_t H, int64_t L, int64_t C, int64_t E, uint32_t
   for (auto& x : gq) x = nd(rng);
   std::vector<double> table_d(table.begin(), table.end()), gq_d(gq.begin(), gq.end());
   fastattn::cuda::AddCentroidGradsCudaArgs g;
-  g.grad_q = gq.data();
+  g.dst = gq.data();
   g.table = table.data();
   g.assignments = assignments.data();
   g.counts = counts.data();
-  g.N = N;
+  g.NH = NH;
   g.H = H;
   g.L = L;
   g.C = C;

@@ -70,6 +70,8 @@ struct ClusteredTopkBackwardArgs : ClusteredTopkParams<T> {
 // centroids (N, H, C, E) = the mean of each cluster's queries (zeros for an
 // empty cluster); assignments a_l in [-1, C), -1 for padding. mean = false:
 // the sums instead (the adjoint of spread_centroids_cpu without divide).
+// Both backends: T = float or double for cluster_means_cpu, void for
+// cluster_means_cuda (clustered_topk_cuda.h: contiguous q, sums in float32).
 template <typename T>
 struct ClusterMeansArgs {
   const T* q = nullptr;                  // (NH, L, E), rows at q_rows
@@ -78,9 +80,12 @@ struct ClusterMeansArgs {
   T* centroids = nullptr;                // (NH, C, E), written
   int64_t NH = 0, L = 0, C = 0, E = 0;
   int num_threads = 1;
-  RowStrides q_rows;  // of H heads (NH = N·H); default: contiguous
+  RowStrides q_rows;  // CPU: of H heads (NH = N·H); default: contiguous
   int64_t H = 1;
-  bool mean = true;
+  bool mean = true;               // CUDA: means only
+  DType dtype = DType::kFloat32;  // CUDA: the element type of the void pointers
+  // CUDA: clustered_topk_cuda_workspace_bytes(N, H, L, C, 0, 0) bytes.
+  void* workspace = nullptr;
 };
 template <typename T>
 void cluster_means_cpu(const ClusterMeansArgs<T>& args);
@@ -91,15 +96,18 @@ void cluster_means_cpu(const ClusterMeansArgs<T>& args);
 // accumulate: the members' gradient of centroid = mean of the members
 // (improved clustered); neither: the centroids' outputs broadcast to their
 // members (clustered); divide alone: that gradient written.
+// Both backends: T = float or double for spread_centroids_cpu, void for
+// add_centroid_grads_cuda (clustered_topk_cuda.h: float32 dst and table,
+// contiguous; divide and accumulate only).
 template <typename T>
 struct CentroidSpreadArgs {
-  T* dst = nullptr;                      // (NH, L, E), rows at dst_rows
-  const T* table = nullptr;              // (NH, C, E): one row per centroid
-  const int64_t* assignments = nullptr;  // (NH, L)
-  const int64_t* counts = nullptr;       // (NH, C): read when divide
+  KernelScalar<T>* dst = nullptr;          // (NH, L, E), rows at dst_rows
+  const KernelScalar<T>* table = nullptr;  // (NH, C, E): one row per centroid
+  const int64_t* assignments = nullptr;    // (NH, L)
+  const int64_t* counts = nullptr;         // (NH, C): read when divide
   int64_t NH = 0, L = 0, C = 0, E = 0;
   int num_threads = 1;
-  RowStrides dst_rows;  // of H heads (NH = N·H); default: contiguous
+  RowStrides dst_rows;  // CPU: of H heads (NH = N·H); default: contiguous
   int64_t H = 1;
   bool divide = true, accumulate = true;
 };

@@ -32,6 +32,8 @@
 // Tested by tests/cuda_emu/test_clustered_topk.cpp against the CPU kernels.
 #include "kernels/clustered_topk/clustered_topk_cuda.h"
 
+#include <stdexcept>
+
 #include "kernels/common/block_scan.cuh"
 #include "kernels/common/cuda_compat.cuh"
 
@@ -592,14 +594,14 @@ __global__ void __launch_bounds__(kThreads)
 // ---- centroid gradients to the members -------------------------------------------
 
 __global__ void add_centroid_grads_kernel(AddCentroidGradsCudaArgs a) {
-  const int64_t total = a.N * a.H * a.L * a.E;
+  const int64_t total = a.NH * a.L * a.E;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t x = i % a.E, row = i / a.E, nh = row / a.L;
     const int64_t c = a.assignments[row];
     if (c < 0) continue;
     const int64_t cnt = a.counts[nh * a.C + c];
-    a.grad_q[i] += a.table[(nh * a.C + c) * a.E + x] / static_cast<float>(cnt > 1 ? cnt : 1);
+    a.dst[i] += a.table[(nh * a.C + c) * a.E + x] / static_cast<float>(cnt > 1 ? cnt : 1);
   }
 }
 
@@ -633,7 +635,8 @@ int64_t clustered_topk_cuda_shared_bytes(int64_t E, int64_t M, bool backward) {
 }
 
 void cluster_means_cuda(const ClusterMeansCudaArgs& a, cudaStream_t stream) {
-  const int64_t NH = a.N * a.H;
+  if (!a.mean) throw std::invalid_argument("fastattn CUDA kernel cluster_means: means only");
+  const int64_t NH = a.NH;
   if (NH == 0 || a.C == 0 || a.E == 0) return;
   const Workspace w = carve(a.workspace, NH, a.L, a.C, 0, 0, nullptr);
   launch_group(a.assignments, NH, a.L, a.C, w, stream);
@@ -682,7 +685,10 @@ void clustered_topk_backward_cuda(const ClusteredTopkBackwardCudaArgs& a, cudaSt
 }
 
 void add_centroid_grads_cuda(const AddCentroidGradsCudaArgs& a, cudaStream_t stream) {
-  const int64_t total = a.N * a.H * a.L * a.E;
+  if (!a.divide || !a.accumulate)
+    throw std::invalid_argument(
+        "fastattn CUDA kernel add_centroid_grads: divide and accumulate only");
+  const int64_t total = a.NH * a.L * a.E;
   if (total == 0 || a.C == 0) return;
   const int64_t blocks = ceil_div(total, 256);
   FA_LAUNCH(dim3(static_cast<unsigned>(blocks < 65535 ? blocks : 65535)), dim3(256), 0, stream,

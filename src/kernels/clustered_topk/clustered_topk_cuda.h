@@ -17,28 +17,16 @@ using ClusteredTopkCudaArgs = kernels::ClusteredTopkParams<void>;
 using ClusteredTopkForwardCudaArgs = kernels::ClusteredTopkForwardArgs<void>;
 using ClusteredTopkBackwardCudaArgs = kernels::ClusteredTopkBackwardArgs<void>;
 
-// centroids (N, H, C, E) = the mean of each cluster's queries (zeros for an
-// empty cluster), summed in query order in float32.
-struct ClusterMeansCudaArgs {
-  const void* q = nullptr;               // (N, H, L, E), dtype
-  const int64_t* assignments = nullptr;  // (N, H, L) in [-1, C)
-  const int64_t* counts = nullptr;       // (N, H, C): the assignments' histogram
-  void* centroids = nullptr;             // (N, H, C, E), dtype, written
-  int64_t N = 0, H = 0, L = 0, C = 0, E = 0;
-  DType dtype = DType::kFloat32;
-  void* workspace = nullptr;  // clustered_topk_cuda_workspace_bytes(N, H, L, C, 0, 0) bytes
-};
+// centroids = the mean of each cluster's queries (zeros for an empty
+// cluster), summed in query order in float32: cluster_means_cpu's struct
+// (clustered_topk.h), T = void.
+using ClusterMeansCudaArgs = kernels::ClusterMeansArgs<void>;
 
-// grad_q (N, H, L, E) float32 += table[n, h, a_l] / max(1, counts[n, h, a_l])
-// for every query with a cluster a_l >= 0 (the gradient through centroid =
-// mean of its members).
-struct AddCentroidGradsCudaArgs {
-  float* grad_q = nullptr;               // (N, H, L, E) float32, added to
-  const float* table = nullptr;          // (N, H, C, E) float32
-  const int64_t* assignments = nullptr;  // (N, H, L)
-  const int64_t* counts = nullptr;       // (N, H, C)
-  int64_t N = 0, H = 0, L = 0, C = 0, E = 0;
-};
+// dst (float32) += table[n, h, a_l] / max(1, counts[n, h, a_l]) for every
+// query with a cluster a_l >= 0 (the gradient through centroid = mean of
+// its members): spread_centroids_cpu's struct, T = void, divide and
+// accumulate.
+using AddCentroidGradsCudaArgs = kernels::CentroidSpreadArgs<void>;
 
 int64_t clustered_topk_cuda_workspace_bytes(int64_t N, int64_t H, int64_t L, int64_t C, int64_t K,
                                             int64_t M);

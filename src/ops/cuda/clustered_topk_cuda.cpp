@@ -141,7 +141,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> improved_forward_cuda_op(
     a.assignments = assignments.data_ptr<int64_t>();
     a.counts = counts.data_ptr<int64_t>();
     a.centroids = centroids.data_ptr();
-    a.N = N;
+    a.NH = N * H;
     a.H = H;
     a.L = L;
     a.C = C;
@@ -238,11 +238,11 @@ std::tuple<Tensor, Tensor, Tensor> improved_backward_cuda_op(
   gk.add_(gk2.to(torch::kFloat));
   gv.add_(gv2.to(torch::kFloat));
   cuda::AddCentroidGradsCudaArgs a;
-  a.grad_q = gq.data_ptr<float>();
+  a.dst = gq.data_ptr<float>();
   a.table = g_cen.data_ptr<float>();
   a.assignments = assignments.data_ptr<int64_t>();
   a.counts = counts.data_ptr<int64_t>();
-  a.N = N;
+  a.NH = N * H;
   a.H = H;
   a.L = L;
   a.C = C;
