@@ -168,14 +168,6 @@ std::tuple<Tensor, Tensor> call_forward(const Tensor& q, const Tensor& k, const 
   return op.call(q, k, v, pattern, params, key_lengths, causal, temp);
 }
 
-Tensor no_grad_impl(const Tensor& q, const Tensor& k, const Tensor& v, c10::string_view pattern,
-                    c10::IntArrayRef params, const c10::optional<Tensor>& key_lengths, bool causal,
-                    c10::optional<double> softmax_temp) {
-  ops::check_qkv(kOp, q, k, v);
-  return std::get<0>(call_forward(q, k, v, pattern, params, key_lengths, causal,
-                                  ops::resolve_softmax_temp(kOp, q, softmax_temp)));
-}
-
 class BlockSparseFunction : public torch::autograd::Function<BlockSparseFunction> {
  public:
   static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -219,8 +211,22 @@ Tensor autograd_impl(const Tensor& q, const Tensor& k, const Tensor& v, c10::str
 
 }  // namespace
 
+namespace ops {
+
+// Registered under CPU and CUDA: the forward op through the dispatcher.
+Tensor block_sparse_no_grad_entry(const Tensor& q, const Tensor& k, const Tensor& v,
+                                  c10::string_view pattern, c10::IntArrayRef params,
+                                  const c10::optional<Tensor>& key_lengths, bool causal,
+                                  c10::optional<double> softmax_temp) {
+  ops::check_qkv(kOp, q, k, v);
+  return std::get<0>(call_forward(q, k, v, pattern, params, key_lengths, causal,
+                                  ops::resolve_softmax_temp(kOp, q, softmax_temp)));
+}
+
+}  // namespace ops
+
 TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
-  m.impl("block_sparse_attention", no_grad_impl);
+  m.impl("block_sparse_attention", ops::block_sparse_no_grad_entry);
   m.impl("block_sparse_attention_forward", forward_cpu);
   m.impl("block_sparse_attention_backward", backward_cpu);
 }
@@ -234,7 +240,7 @@ Tensor block_sparse_attention(const Tensor& q, const Tensor& k, const Tensor& v,
   ops::check_defined("fastattn::block_sparse_attention", {"q", "k", "v"}, {q, k, v});
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fastattn::block_sparse_attention", "")
-                       .typed<decltype(no_grad_impl)>();
+                       .typed<decltype(ops::block_sparse_no_grad_entry)>();
   return op.call(q, k, v, pattern, params, to_c10(key_lengths), causal, to_c10(softmax_temp));
 }
 

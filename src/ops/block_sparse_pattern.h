@@ -1,5 +1,6 @@
 // Pattern and input checks shared by the block_sparse_attention operator
-// (CPU and CUDA registrations) and its reference (internal).
+// (CPU and CUDA registrations) and its reference, and its no-grad composite
+// (internal).
 #pragma once
 
 #include <torch/torch.h>
@@ -26,5 +27,13 @@ int check_block_sparse_inputs(const char* op, const torch::Tensor& q, const torc
 // The backward's extra checks: grad_out shaped like out, lse (N, H, L).
 void check_block_sparse_backward(const char* op, const torch::Tensor& grad_out,
                                  const torch::Tensor& out, const torch::Tensor& lse);
+
+// The no-grad composite (the forward op through the dispatcher, its output),
+// registered under CPU and CUDA.
+torch::Tensor block_sparse_no_grad_entry(const torch::Tensor& q, const torch::Tensor& k,
+                                         const torch::Tensor& v, c10::string_view pattern,
+                                         c10::IntArrayRef params,
+                                         const c10::optional<torch::Tensor>& key_lengths,
+                                         bool causal, c10::optional<double> softmax_temp);
 
 }  // namespace fastattn::ops

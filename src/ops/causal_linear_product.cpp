@@ -99,8 +99,17 @@ Tensor causal_linear_product_autograd(const Tensor& q, const Tensor& k, const Te
 
 }  // namespace
 
+namespace ops {
+
+// Registered under CPU and CUDA: the forward op through the dispatcher.
+Tensor causal_linear_product_no_grad_entry(const Tensor& q, const Tensor& k, const Tensor& v) {
+  return call_forward(q, k, v);
+}
+
+}  // namespace ops
+
 TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
-  m.impl("causal_linear_product", call_forward);
+  m.impl("causal_linear_product", ops::causal_linear_product_no_grad_entry);
   m.impl("causal_linear_product_forward", causal_linear_product_forward_cpu);
   m.impl("causal_linear_product_backward", causal_linear_product_backward_cpu);
 }

@@ -346,16 +346,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> call_improved_forward(
   return op.call(q, k, v, assignments, counts, topk, key_lengths, temp);
 }
 
-Tensor improved_clustered_no_grad(const Tensor& q, const Tensor& k, const Tensor& v,
-                                  const Tensor& assignments, const Tensor& counts, int64_t topk,
-                                  const c10::optional<Tensor>& key_lengths,
-                                  c10::optional<double> softmax_temp) {
-  ops::check_qkv(kImprovedOp, q, k, v);
-  return std::get<0>(
-      call_improved_forward(q, k, v, assignments, counts, topk, key_lengths,
-                            ops::resolve_softmax_temp(kImprovedOp, q, softmax_temp)));
-}
-
 class ImprovedClusteredFunction : public torch::autograd::Function<ImprovedClusteredFunction> {
  public:
   static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -396,10 +386,25 @@ Tensor improved_clustered_autograd(const Tensor& q, const Tensor& k, const Tenso
 
 }  // namespace
 
+namespace ops {
+
+// Registered under CPU and CUDA: the forward op through the dispatcher.
+Tensor improved_clustered_no_grad_entry(const Tensor& q, const Tensor& k, const Tensor& v,
+                                        const Tensor& assignments, const Tensor& counts,
+                                        int64_t topk, const c10::optional<Tensor>& key_lengths,
+                                        c10::optional<double> softmax_temp) {
+  ops::check_qkv(kImprovedOp, q, k, v);
+  return std::get<0>(
+      call_improved_forward(q, k, v, assignments, counts, topk, key_lengths,
+                            ops::resolve_softmax_temp(kImprovedOp, q, softmax_temp)));
+}
+
+}  // namespace ops
+
 TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
   m.impl("clustered_topk_attention", clustered_topk_attention_cpu);
   m.impl("clustered_topk_attention_backward", clustered_topk_attention_backward_cpu);
-  m.impl("improved_clustered_attention", improved_clustered_no_grad);
+  m.impl("improved_clustered_attention", ops::improved_clustered_no_grad_entry);
   m.impl("improved_clustered_attention_forward", improved_clustered_forward_cpu);
   m.impl("improved_clustered_attention_backward", improved_clustered_backward_cpu);
 }

@@ -118,11 +118,6 @@ std::tuple<Tensor, Tensor> call_forward(const Tensor& q, const Tensor& k, const 
   return op.call(q, k, v, key_lengths, causal, eps);
 }
 
-Tensor elu_linear_attention_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
-                                const c10::optional<Tensor>& key_lengths, bool causal, double eps) {
-  return std::get<0>(call_forward(q, k, v, key_lengths, causal, eps));
-}
-
 class EluLinearAttentionFunction : public torch::autograd::Function<EluLinearAttentionFunction> {
  public:
   static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -159,8 +154,19 @@ Tensor elu_linear_attention_autograd(const Tensor& q, const Tensor& k, const Ten
 
 }  // namespace
 
+namespace ops {
+
+// Registered under CPU and CUDA: the forward op through the dispatcher.
+Tensor elu_linear_attention_no_grad_entry(const Tensor& q, const Tensor& k, const Tensor& v,
+                                          const c10::optional<Tensor>& key_lengths, bool causal,
+                                          double eps) {
+  return std::get<0>(call_forward(q, k, v, key_lengths, causal, eps));
+}
+
+}  // namespace ops
+
 TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
-  m.impl("elu_linear_attention", elu_linear_attention_cpu);
+  m.impl("elu_linear_attention", ops::elu_linear_attention_no_grad_entry);
   m.impl("elu_linear_attention_forward", elu_linear_attention_forward_cpu);
   m.impl("elu_linear_attention_backward", elu_linear_attention_backward_cpu);
 }
@@ -174,7 +180,7 @@ Tensor elu_linear_attention(const Tensor& q, const Tensor& k, const Tensor& v,
   ops::check_defined("fastattn::elu_linear_attention", {"q", "k", "v"}, {q, k, v});
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fastattn::elu_linear_attention", "")
-                       .typed<decltype(elu_linear_attention_cpu)>();
+                       .typed<decltype(ops::elu_linear_attention_no_grad_entry)>();
   return op.call(q, k, v, to_c10(key_lengths), causal, eps);
 }
 

@@ -221,16 +221,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> call_forward(const Tensor& q, const T
   return op.call(q, k, v, attn_mask, key_lengths, causal, sample, temp, seed, need_lse);
 }
 
-std::tuple<Tensor, Tensor> hard_retrieval_attention_no_grad(
-    const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& attn_mask,
-    const c10::optional<Tensor>& key_lengths, bool causal, bool sample,
-    c10::optional<double> softmax_temp, int64_t seed) {
-  ops::check_qkv(kOp, q, k, v);
-  auto r = call_forward(q, k, v, attn_mask, key_lengths, causal, sample,
-                        ops::resolve_softmax_temp(kOp, q, softmax_temp), seed, false);
-  return {std::get<0>(r), std::get<1>(r)};
-}
-
 class HardRetrievalFunction : public torch::autograd::Function<HardRetrievalFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k,
@@ -293,8 +283,23 @@ std::tuple<Tensor, Tensor> hard_retrieval_attention_autograd(
 
 }  // namespace
 
+namespace ops {
+
+// Registered under CPU and CUDA: the forward op through the dispatcher.
+std::tuple<Tensor, Tensor> hard_retrieval_no_grad_entry(
+    const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& attn_mask,
+    const c10::optional<Tensor>& key_lengths, bool causal, bool sample,
+    c10::optional<double> softmax_temp, int64_t seed) {
+  ops::check_qkv(kOp, q, k, v);
+  auto r = call_forward(q, k, v, attn_mask, key_lengths, causal, sample,
+                        ops::resolve_softmax_temp(kOp, q, softmax_temp), seed, false);
+  return {std::get<0>(r), std::get<1>(r)};
+}
+
+}  // namespace ops
+
 TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
-  m.impl("hard_retrieval_attention", hard_retrieval_attention_no_grad);
+  m.impl("hard_retrieval_attention", ops::hard_retrieval_no_grad_entry);
   m.impl("hard_retrieval_attention_forward", hard_retrieval_attention_forward_cpu);
   m.impl("hard_retrieval_attention_backward", hard_retrieval_attention_backward_cpu);
 }
@@ -310,7 +315,7 @@ std::tuple<Tensor, Tensor> hard_retrieval_attention(
   ops::check_defined("fastattn::hard_retrieval_attention", {"q", "k", "v"}, {q, k, v});
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fastattn::hard_retrieval_attention", "")
-                       .typed<decltype(hard_retrieval_attention_no_grad)>();
+                       .typed<decltype(ops::hard_retrieval_no_grad_entry)>();
   return op.call(q, k, v, to_c10(attn_mask), to_c10(key_lengths), causal, sample,
                  to_c10(softmax_temp), seed);
 }

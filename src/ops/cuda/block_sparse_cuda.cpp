@@ -163,23 +163,10 @@ std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& grad_out, const T
           ops::in_rows_layout_of(gv.to(q.scalar_type()), v)};
 }
 
-// The top-level op without autograd (the CPU registration's twin): the forward
-// kernel through the dispatcher, output only.
-Tensor no_grad_cuda(const Tensor& q, const Tensor& k, const Tensor& v, c10::string_view pattern,
-                    c10::IntArrayRef params, const c10::optional<Tensor>& key_lengths, bool causal,
-                    c10::optional<double> softmax_temp) {
-  ops::check_qkv(kOp, q, k, v);
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fastattn::block_sparse_attention_forward", "")
-                       .typed<decltype(forward_cuda)>();
-  return std::get<0>(op.call(q, k, v, pattern, params, key_lengths, causal,
-                             ops::resolve_softmax_temp(kOp, q, softmax_temp)));
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
-  m.impl("block_sparse_attention", no_grad_cuda);
+  m.impl("block_sparse_attention", ops::block_sparse_no_grad_entry);
   m.impl("block_sparse_attention_forward", forward_cuda);
   m.impl("block_sparse_attention_backward", backward_cuda);
 }

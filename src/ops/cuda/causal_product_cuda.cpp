@@ -64,18 +64,10 @@ std::tuple<Tensor, Tensor, Tensor> causal_linear_product_backward_cuda(const Ten
   return {gq, gk, gv};
 }
 
-// The top-level op below Autograd: the forward op.
-Tensor causal_linear_product_cuda(const Tensor& q, const Tensor& k, const Tensor& v) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fastattn::causal_linear_product_forward", "")
-                       .typed<decltype(causal_linear_product_forward_cuda)>();
-  return op.call(q, k, v);
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
-  m.impl("causal_linear_product", causal_linear_product_cuda);
+  m.impl("causal_linear_product", ops::causal_linear_product_no_grad_entry);
   m.impl("causal_linear_product_forward", causal_linear_product_forward_cuda);
   m.impl("causal_linear_product_backward", causal_linear_product_backward_cuda);
 }

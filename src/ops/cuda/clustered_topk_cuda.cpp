@@ -253,27 +253,12 @@ std::tuple<Tensor, Tensor, Tensor> improved_backward_cuda_op(
           ops::in_rows_layout_of(gv.to(dt), v_in)};
 }
 
-// The no-grad composite (the CPU file's improved_clustered_no_grad): the
-// forward op through the dispatcher, its output only.
-Tensor improved_no_grad_cuda_op(const Tensor& q, const Tensor& k, const Tensor& v,
-                                const Tensor& assignments, const Tensor& counts, int64_t topk,
-                                const c10::optional<Tensor>& key_lengths,
-                                c10::optional<double> softmax_temp) {
-  constexpr const char* op = ops::kImprovedClusteredOp;
-  ops::check_qkv(op, q, k, v);
-  static auto fwd = c10::Dispatcher::singleton()
-                        .findSchemaOrThrow("fastattn::improved_clustered_attention_forward", "")
-                        .typed<decltype(improved_forward_cuda_op)>();
-  return std::get<0>(fwd.call(q, k, v, assignments, counts, topk, key_lengths,
-                              ops::resolve_softmax_temp(op, q, softmax_temp)));
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
   m.impl("clustered_topk_attention", clustered_topk_forward_cuda_op);
   m.impl("clustered_topk_attention_backward", clustered_topk_backward_cuda_op);
-  m.impl("improved_clustered_attention", improved_no_grad_cuda_op);
+  m.impl("improved_clustered_attention", ops::improved_clustered_no_grad_entry);
   m.impl("improved_clustered_attention_forward", improved_forward_cuda_op);
   m.impl("improved_clustered_attention_backward", improved_backward_cuda_op);
 }

@@ -103,25 +103,10 @@ std::tuple<Tensor, Tensor, Tensor> backward_cuda(
           ops::in_rows_layout_of(gv.to(q.scalar_type()), v)};
 }
 
-// The top-level op without autograd (the CPU registration's twin).
-std::tuple<Tensor, Tensor> no_grad_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
-                                        const c10::optional<Tensor>& attn_mask,
-                                        const c10::optional<Tensor>& key_lengths, bool causal,
-                                        bool sample, c10::optional<double> softmax_temp,
-                                        int64_t seed) {
-  ops::check_qkv(kOp, q, k, v);
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fastattn::hard_retrieval_attention_forward", "")
-                       .typed<decltype(forward_cuda)>();
-  auto r = op.call(q, k, v, attn_mask, key_lengths, causal, sample,
-                   ops::resolve_softmax_temp(kOp, q, softmax_temp), seed, false);
-  return {std::get<0>(r), std::get<1>(r)};
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
-  m.impl("hard_retrieval_attention", no_grad_cuda);
+  m.impl("hard_retrieval_attention", ops::hard_retrieval_no_grad_entry);
   m.impl("hard_retrieval_attention_forward", forward_cuda);
   m.impl("hard_retrieval_attention_backward", backward_cuda);
 }

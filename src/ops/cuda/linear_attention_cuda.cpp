@@ -93,20 +93,10 @@ std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_backward_cuda(
           ops::in_rows_layout_of(gv, v_in)};
 }
 
-// The top-level op below Autograd: the forward op's output.
-Tensor elu_linear_attention_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
-                                 const c10::optional<Tensor>& key_lengths, bool causal,
-                                 double eps) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fastattn::elu_linear_attention_forward", "")
-                       .typed<decltype(elu_linear_attention_forward_cuda)>();
-  return std::get<0>(op.call(q, k, v, key_lengths, causal, eps));
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
-  m.impl("elu_linear_attention", elu_linear_attention_cuda);
+  m.impl("elu_linear_attention", ops::elu_linear_attention_no_grad_entry);
   m.impl("elu_linear_attention_forward", elu_linear_attention_forward_cuda);
   m.impl("elu_linear_attention_backward", elu_linear_attention_backward_cuda);
 }
