@@ -141,13 +141,6 @@ inline std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> in_rows_layouts_o
   return {in_rows_layout_of(std::get<0>(g), q), in_rows_layout_of(std::get<1>(g), k),
           in_rows_layout_of(std::get<2>(g), v)};
 }
-// A kernel's q_rows, k_rows, v_rows from the tensors it reads.
-template <typename Args>
-void set_qkv_rows(Args& a, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
-  a.q_rows = row_strides(q);
-  a.k_rows = row_strides(k);
-  a.v_rows = row_strides(v);
-}
 // A backward kernel's grad_out_rows, grad_q_rows, grad_k_rows, grad_v_rows.
 template <typename Args>
 void set_grad_rows(Args& a, const torch::Tensor& grad_out, const torch::Tensor& gq,

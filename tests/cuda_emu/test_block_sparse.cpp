@@ -22,6 +22,15 @@
 #include "kernels/common/cuda_compat.cuh"
 
 namespace fastattn::kernels {
+
+// The CUDA launchers under test.
+using cuda::block_sparse_attention_backward_cuda;
+using cuda::block_sparse_attention_forward_cuda;
+using cuda::BlockSparseBackwardCudaArgs;
+using cuda::BlockSparseCudaParams;
+using cuda::BlockSparseForwardCudaArgs;
+using cuda::kBlockSparseCudaBk;
+using cuda::kBlockSparseCudaBq;
 namespace {
 
 using cuda::from_float;

@@ -24,10 +24,21 @@
 #include "kernels/hard_retrieval/hard_retrieval.h"
 #include "kernels/hard_retrieval/hard_retrieval_cuda.h"
 
-namespace fastattn::kernels {
-
+namespace fastattn::cuda {
 // Defined in hard_retrieval_cuda.cu (a __host__ __device__ function).
 double hard_retrieval_uniform_cuda(uint64_t seed, uint64_t row, uint64_t tile, uint64_t draw);
+}  // namespace fastattn::cuda
+
+namespace fastattn::kernels {
+
+// The CUDA launchers under test.
+using cuda::hard_retrieval_backward_cuda;
+using cuda::hard_retrieval_forward_cuda;
+using cuda::HardRetrievalBackwardCudaArgs;
+using cuda::HardRetrievalCudaParams;
+using cuda::HardRetrievalForwardCudaArgs;
+
+using cuda::hard_retrieval_uniform_cuda;
 
 namespace {
 

@@ -113,13 +113,13 @@ void check_hash(int64_t N, int64_t H, int64_t L, int64_t E, int64_t R, int64_t B
   auto x = random_data<T>(N * H * L * E, gen);
   auto rot = random_data<T>(R * E * B2, gen);
   std::vector<int64_t> got(N * H * R * L, -7), want(N * H * R * L, -9);
-  k::LshHashCudaArgs a;
+  fastattn::cuda::LshHashCudaArgs a;
   a.x = x.dev.data();
   a.rotations = rot.dev.data();
   a.buckets = got.data();
   a.N = N, a.H = H, a.L = L, a.E = E, a.R = R, a.B2 = B2;
   a.dtype = dtype_of<T>();
-  k::lsh_hash_cuda(a, nullptr);
+  fastattn::cuda::lsh_hash_cuda(a, nullptr);
   k::LshHashArgs<double> c;
   c.x = x.ref.data();
   c.rotations = rot.ref.data();
@@ -170,13 +170,13 @@ void check_hash_ties(int64_t B2, int seed) {
     xr[i] = i % 7 == 0 ? 0 : d(gen), x[i] = from_float<T>(xr[i]);
   for (size_t i = 0; i < rot.size(); ++i) rr[i] = d(gen), rot[i] = from_float<T>(rr[i]);
   std::vector<int64_t> got(N * H * R * L, -1), want(N * H * R * L, -2);
-  k::LshHashCudaArgs a;
+  fastattn::cuda::LshHashCudaArgs a;
   a.x = x.data();
   a.rotations = rot.data();
   a.buckets = got.data();
   a.N = N, a.H = H, a.L = L, a.E = E, a.R = R, a.B2 = B2;
   a.dtype = dtype_of<T>();
-  k::lsh_hash_cuda(a, nullptr);
+  fastattn::cuda::lsh_hash_cuda(a, nullptr);
   k::LshHashArgs<double> c;
   c.x = xr.data();
   c.rotations = rr.data();
@@ -196,12 +196,12 @@ TEST(ReformerCudaEmu, LshHashTiesAsCpu) {
 TEST(ReformerCudaEmu, LshHashOneBucket) {
   std::vector<float> x(2 * 3 * 4, 1.f);
   std::vector<int64_t> got(2 * 5 * 3, -1);
-  k::LshHashCudaArgs a;
+  fastattn::cuda::LshHashCudaArgs a;
   a.x = x.data();
   a.rotations = nullptr;
   a.buckets = got.data();
   a.N = 2, a.H = 1, a.L = 3, a.E = 4, a.R = 5, a.B2 = 0;
-  k::lsh_hash_cuda(a, nullptr);
+  fastattn::cuda::lsh_hash_cuda(a, nullptr);
   for (int64_t b : got) EXPECT_EQ(b, 0);
 }
 
@@ -274,7 +274,7 @@ void check_attention(const Case& c, int seed) {
   k::reformer_forward_cpu(f);
 
   // Emulated CUDA.
-  auto fill_cuda = [&](k::ReformerCudaParams& p) {
+  auto fill_cuda = [&](fastattn::cuda::ReformerCudaParams& p) {
     p.q = q.dev.data();
     p.v = v.dev.data();
     p.perm = perm.data();
@@ -289,12 +289,12 @@ void check_attention(const Case& c, int seed) {
   std::vector<T> out(NH * c.L * c.M, from_float<T>(123.f));
   std::vector<double> stats(NH * c.L * 2, 99.0);
   std::vector<float> ws(NH * c.L * c.M, 77.f);
-  k::ReformerForwardCudaArgs a;
+  fastattn::cuda::ReformerForwardCudaArgs a;
   fill_cuda(a);
   a.out = out.data();
   a.stats = stats.data();
   a.workspace = ws.data();
-  k::reformer_forward_cuda(a, nullptr);
+  fastattn::cuda::reformer_forward_cuda(a, nullptr);
   expect_close<T>(as_double(out), out_ref, "out");
   std::vector<double> st0(NH * c.L), st1(NH * c.L), st0_ref(NH * c.L), st1_ref(NH * c.L);
   for (int64_t i = 0; i < NH * c.L; ++i) {
@@ -328,7 +328,7 @@ void check_attention(const Case& c, int seed) {
 
   std::vector<T> gq(NH * c.L * c.E, from_float<T>(5.f)), gv(NH * c.L * c.M, from_float<T>(5.f));
   std::vector<float> bws(NH * c.L * (2 * c.E + c.M), 3.f);
-  k::ReformerBackwardCudaArgs g;
+  fastattn::cuda::ReformerBackwardCudaArgs g;
   fill_cuda(g);
   g.grad_out = go.dev.data();
   g.stats = stats.data();
@@ -336,7 +336,7 @@ void check_attention(const Case& c, int seed) {
   g.grad_q = gq.data();
   g.grad_v = gv.data();
   g.workspace = bws.data();
-  k::reformer_backward_cuda(g, nullptr);
+  fastattn::cuda::reformer_backward_cuda(g, nullptr);
   expect_close<T>(as_double(gq), gq_ref, "grad_q");
   expect_close<T>(as_double(gv), gv_ref, "grad_v");
 }
@@ -359,16 +359,16 @@ void run_cases() {
 }
 
 TEST(ReformerCudaEmu, HeadDimensionLimitIsAnError) {
-  k::ReformerForwardCudaArgs a;
+  fastattn::cuda::ReformerForwardCudaArgs a;
   a.N = a.H = a.L = a.R = 1;
-  a.E = k::kReformerCudaMaxHeadDim + 1;
+  a.E = fastattn::cuda::kReformerCudaMaxHeadDim + 1;
   a.M = 8;
-  EXPECT_THROW(k::reformer_forward_cuda(a, nullptr), std::runtime_error);
-  k::ReformerBackwardCudaArgs b;
+  EXPECT_THROW(fastattn::cuda::reformer_forward_cuda(a, nullptr), std::runtime_error);
+  fastattn::cuda::ReformerBackwardCudaArgs b;
   b.N = b.H = b.L = b.R = 1;
   b.E = 8;
-  b.M = k::kReformerCudaMaxHeadDim + 1;
-  EXPECT_THROW(k::reformer_backward_cuda(b, nullptr), std::runtime_error);
+  b.M = fastattn::cuda::kReformerCudaMaxHeadDim + 1;
+  EXPECT_THROW(fastattn::cuda::reformer_backward_cuda(b, nullptr), std::runtime_error);
 }
 
 TEST(ReformerCudaEmu, AttentionFloat32) { run_cases<float>(); }

@@ -40,7 +40,11 @@
 
 #include <type_traits>
 
-namespace fastattn::kernels {
+namespace fastattn::cuda {
+
+// The kernels' shared argument structs and host helpers.
+using namespace fastattn::kernels;
+
 namespace {
 
 using cuda::from_float;
@@ -1148,4 +1152,4 @@ void block_sparse_attention_backward_cuda(const BlockSparseBackwardCudaArgs& a,
   });
 }
 
-}  // namespace fastattn::kernels
+}  // namespace fastattn::cuda

@@ -17,7 +17,7 @@
 
 #include "kernels/common/kernel_args.h"
 
-namespace fastattn::kernels {
+namespace fastattn::cuda {
 
 // Query and key tile sizes of the kernels (the plans are made with them).
 constexpr int64_t kBlockSparseCudaBq = 32;
@@ -43,7 +43,7 @@ struct BlockSparsePartCuda {
 // The q, k, v operands and sizes are those of every kernel
 // (kernels/common/kernel_args.h), T = void: contiguous of `dtype`, E, M <=
 // kBlockSparseCudaMaxDim.
-struct BlockSparseCudaParams : QKVParams<void> {
+struct BlockSparseCudaParams : kernels::QKVParams<void> {
   // Bool keep mask or nullptr: element (n, h, i, j) at
   // keep[n·keep_sn + h·keep_sh + i·keep_sl + j] (stride 0 on broadcast dims).
   const bool* keep = nullptr;
@@ -77,4 +77,4 @@ void block_sparse_attention_forward_cuda(const BlockSparseForwardCudaArgs& a, cu
 void block_sparse_attention_backward_cuda(const BlockSparseBackwardCudaArgs& a,
                                           cudaStream_t stream);
 
-}  // namespace fastattn::kernels
+}  // namespace fastattn::cuda

@@ -41,7 +41,11 @@
 #define FA_HR_UNROLL
 #endif
 
-namespace fastattn::kernels {
+namespace fastattn::cuda {
+
+// The kernels' shared argument structs and host helpers.
+using namespace fastattn::kernels;
+
 namespace {
 
 using cuda::from_float;
@@ -441,4 +445,4 @@ void hard_retrieval_backward_cuda(const HardRetrievalBackwardCudaArgs& a, cudaSt
   });
 }
 
-}  // namespace fastattn::kernels
+}  // namespace fastattn::cuda

@@ -8,7 +8,7 @@
 
 #include "kernels/hard_retrieval/hard_retrieval.h"
 
-namespace fastattn::kernels {
+namespace fastattn::cuda {
 
 // Largest head dims E and M the kernels take.
 constexpr int64_t kHardRetrievalCudaMaxDim = 256;
@@ -16,8 +16,8 @@ constexpr int64_t kHardRetrievalCudaMaxDim = 256;
 // The arguments shared with the CPU kernels (hard_retrieval.h), T = void:
 // q, k, v, out, grad_out contiguous of `dtype` (E, M <=
 // kHardRetrievalCudaMaxDim); lse float32.
-using HardRetrievalCudaParams = HardRetrievalParams<void>;
-using HardRetrievalForwardCudaArgs = HardRetrievalForwardArgs<void>;
+using HardRetrievalCudaParams = kernels::HardRetrievalParams<void>;
+using HardRetrievalForwardCudaArgs = kernels::HardRetrievalForwardArgs<void>;
 
 // The CUDA backward (straight-through: dQ and dK of the soft attention, dV by
 // an index-add), which the CPU op composes from other kernels.
@@ -39,4 +39,4 @@ struct HardRetrievalBackwardCudaArgs : HardRetrievalCudaParams {
 void hard_retrieval_forward_cuda(const HardRetrievalForwardCudaArgs& a, cudaStream_t stream);
 void hard_retrieval_backward_cuda(const HardRetrievalBackwardCudaArgs& a, cudaStream_t stream);
 
-}  // namespace fastattn::kernels
+}  // namespace fastattn::cuda

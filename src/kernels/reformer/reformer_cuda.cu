@@ -43,7 +43,11 @@
 #include "kernels/common/cuda_compat.cuh"
 #include "kernels/reformer/reformer_cuda.h"
 
-namespace fastattn::kernels {
+namespace fastattn::cuda {
+
+// The kernels' shared argument structs and host helpers.
+using namespace fastattn::kernels;
+
 namespace {
 
 using fastattn::cuda::ceil_div;
@@ -1017,4 +1021,4 @@ void reformer_backward_cuda(const ReformerBackwardCudaArgs& a, cudaStream_t stre
   });
 }
 
-}  // namespace fastattn::kernels
+}  // namespace fastattn::cuda

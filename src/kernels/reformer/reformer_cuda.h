@@ -10,13 +10,13 @@
 
 #include "kernels/reformer/reformer.h"
 
-namespace fastattn::kernels {
+namespace fastattn::cuda {
 
 // The arguments shared with the CPU kernels (reformer.h), T = void.
-using LshHashCudaArgs = LshHashArgs<void>;
-using ReformerCudaParams = ReformerParams<void>;
-using ReformerForwardCudaArgs = ReformerForwardArgs<void>;
-using ReformerBackwardCudaArgs = ReformerBackwardArgs<void>;
+using LshHashCudaArgs = kernels::LshHashArgs<void>;
+using ReformerCudaParams = kernels::ReformerParams<void>;
+using ReformerForwardCudaArgs = kernels::ReformerForwardArgs<void>;
+using ReformerBackwardCudaArgs = kernels::ReformerBackwardArgs<void>;
 
 // Buckets as lsh_hash_cpu: argmax over [x·R_r ; -x·R_r], the first maximum
 // (projections accumulated in float32).
@@ -33,4 +33,4 @@ void reformer_forward_cuda(const ReformerForwardCudaArgs& a, cudaStream_t stream
 // workspace, then the key normalisation's gradient and the conversion.
 void reformer_backward_cuda(const ReformerBackwardCudaArgs& a, cudaStream_t stream);
 
-}  // namespace fastattn::kernels
+}  // namespace fastattn::cuda

@@ -51,11 +51,11 @@ PlanEntry device_plan(int kind, const std::vector<int64_t>& params, bool causal,
   if (cache.size() >= kMaxPlans) cache.clear();
   const auto parts = kernels::make_sparse_parts(kind, params, causal, H);
   TORCH_CHECK(parts.size() <= 2, kOp, ": internal: more than two parts");
-  const auto plans = kernels::make_sparse_plans(parts, H, L, S, kernels::kBlockSparseCudaBq,
-                                                kernels::kBlockSparseCudaBk);
+  const auto plans = kernels::make_sparse_plans(parts, H, L, S, cuda::kBlockSparseCudaBq,
+                                                cuda::kBlockSparseCudaBk);
   PlanEntry e;
-  auto buf = kernels::flatten_sparse_plans(plans, H, L, S, kernels::kBlockSparseCudaBq,
-                                           kernels::kBlockSparseCudaBk, &e.layouts);
+  auto buf = kernels::flatten_sparse_plans(plans, H, L, S, cuda::kBlockSparseCudaBq,
+                                           cuda::kBlockSparseCudaBk, &e.layouts);
   // A synchronous copy from pageable memory: buf may go once it returns.
   e.buf = torch::from_blob(buf.data(), {static_cast<int64_t>(buf.size())}, torch::kLong).to(device);
   return cache.emplace(key, std::move(e)).first->second;
@@ -64,7 +64,7 @@ PlanEntry device_plan(int kind, const std::vector<int64_t>& params, bool causal,
 struct Prepared {
   ops::QKVInputs in;
   Tensor plan;  // the flattened plans (int64, on q's device)
-  kernels::BlockSparseCudaParams params;
+  cuda::BlockSparseCudaParams params;
 };
 
 Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v, const std::string& pattern,
@@ -73,8 +73,8 @@ Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v, const std::s
   const std::vector<int64_t> pv(params.begin(), params.end());
   const int kind = ops::check_block_sparse_inputs(kOp, q, k, v, pattern, pv, key_lengths);
   TORCH_CHECK(
-      q.size(3) <= kernels::kBlockSparseCudaMaxDim && v.size(3) <= kernels::kBlockSparseCudaMaxDim,
-      kOp, ": the CUDA kernels take head dims E and M up to ", kernels::kBlockSparseCudaMaxDim,
+      q.size(3) <= cuda::kBlockSparseCudaMaxDim && v.size(3) <= cuda::kBlockSparseCudaMaxDim, kOp,
+      ": the CUDA kernels take head dims E and M up to ", cuda::kBlockSparseCudaMaxDim,
       ", got E = ", q.size(3), ", M = ", v.size(3));
   const int64_t H = q.size(1), L = q.size(2), S = k.size(2);
   Prepared p;
@@ -116,8 +116,8 @@ std::tuple<Tensor, Tensor> forward_cuda(const Tensor& q, const Tensor& k, const 
   auto out = torch::empty({N, H, L, M}, q.options());
   auto lse = torch::empty({N, H, L}, q.options().dtype(torch::kFloat));
   Tensor ws_acc, ws_ml;
-  kernels::BlockSparseForwardCudaArgs a;
-  static_cast<kernels::BlockSparseCudaParams&>(a) = p.params;
+  cuda::BlockSparseForwardCudaArgs a;
+  static_cast<cuda::BlockSparseCudaParams&>(a) = p.params;
   a.out = out.data_ptr();
   a.lse = lse.data_ptr<float>();
   if (a.num_parts > 1) {
@@ -126,7 +126,7 @@ std::tuple<Tensor, Tensor> forward_cuda(const Tensor& q, const Tensor& k, const 
     a.ws_acc = ws_acc.data_ptr<float>();
     a.ws_ml = ws_ml.data_ptr<float>();
   }
-  kernels::block_sparse_attention_forward_cuda(a, ops::cuda::current_stream());
+  cuda::block_sparse_attention_forward_cuda(a, ops::cuda::current_stream());
   // In q's row layout, as the CPU op writes it and the fake promises.
   return {ops::in_rows_layout_of(out, q), lse};
 }
@@ -149,15 +149,15 @@ std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& grad_out, const T
   const auto f32 = q.options().dtype(torch::kFloat);
   auto gq = torch::zeros(q.sizes(), f32), gk = torch::zeros(k.sizes(), f32),
        gv = torch::zeros(v.sizes(), f32);
-  kernels::BlockSparseBackwardCudaArgs a;
-  static_cast<kernels::BlockSparseCudaParams&>(a) = p.params;
+  cuda::BlockSparseBackwardCudaArgs a;
+  static_cast<cuda::BlockSparseCudaParams&>(a) = p.params;
   a.grad_out = go.data_ptr();
   a.lse = lse_f.data_ptr<float>();
   a.delta = delta.data_ptr<float>();
   a.grad_q = gq.data_ptr<float>();
   a.grad_k = gk.data_ptr<float>();
   a.grad_v = gv.data_ptr<float>();
-  kernels::block_sparse_attention_backward_cuda(a, ops::cuda::current_stream());
+  cuda::block_sparse_attention_backward_cuda(a, ops::cuda::current_stream());
   return {ops::in_rows_layout_of(gq.to(q.scalar_type()), q),
           ops::in_rows_layout_of(gk.to(q.scalar_type()), k),
           ops::in_rows_layout_of(gv.to(q.scalar_type()), v)};

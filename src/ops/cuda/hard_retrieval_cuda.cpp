@@ -23,17 +23,17 @@ constexpr const char* kOp = "fastattn::hard_retrieval_attention";
 
 struct Prepared {
   ops::HardRetrievalInputs in;
-  kernels::HardRetrievalCudaParams params;
+  cuda::HardRetrievalCudaParams params;
 };
 
 Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v,
                  const c10::optional<Tensor>& attn_mask, const c10::optional<Tensor>& key_lengths,
                  bool causal, double temp) {
   ops::check_hard_retrieval_inputs(kOp, q, k, v, attn_mask, key_lengths);
-  TORCH_CHECK(q.size(3) <= kernels::kHardRetrievalCudaMaxDim &&
-                  v.size(3) <= kernels::kHardRetrievalCudaMaxDim,
-              kOp, ": the CUDA kernels take head dims E and M up to ",
-              kernels::kHardRetrievalCudaMaxDim, ", got E = ", q.size(3), ", M = ", v.size(3));
+  TORCH_CHECK(
+      q.size(3) <= cuda::kHardRetrievalCudaMaxDim && v.size(3) <= cuda::kHardRetrievalCudaMaxDim,
+      kOp, ": the CUDA kernels take head dims E and M up to ", cuda::kHardRetrievalCudaMaxDim,
+      ", got E = ", q.size(3), ", M = ", v.size(3));
   Prepared p{ops::prepare_hard_retrieval(q, k, v, attn_mask, key_lengths), {}};
   ops::fill_hard_retrieval_args(p.params, kOp, p.in, causal, temp);
   return p;
@@ -55,14 +55,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> forward_cuda(
   const bool with_lse = sample || need_lse;
   const auto f32 = q.options().dtype(torch::kFloat);
   auto lse = with_lse ? torch::empty({N, H, L}, f32) : torch::empty({0}, f32);
-  kernels::HardRetrievalForwardCudaArgs a;
-  static_cast<kernels::HardRetrievalCudaParams&>(a) = p.params;
+  cuda::HardRetrievalForwardCudaArgs a;
+  static_cast<cuda::HardRetrievalCudaParams&>(a) = p.params;
   a.sample = sample;
   a.seed = static_cast<uint64_t>(seed);
   a.out = out.data_ptr();
   a.index = index.data_ptr<int64_t>();
   a.lse = with_lse ? lse.data_ptr<float>() : nullptr;
-  kernels::hard_retrieval_forward_cuda(a, ops::cuda::current_stream());
+  cuda::hard_retrieval_forward_cuda(a, ops::cuda::current_stream());
   // In q's row layout, as the CPU op writes it and the fake promises.
   return {ops::in_rows_layout_of(out, q), index, lse, torch::empty({0}, f32)};
 }
@@ -86,8 +86,8 @@ std::tuple<Tensor, Tensor, Tensor> backward_cuda(
   auto ws_lse = torch::empty({N, H, L}, f32), ws_delta = torch::empty({N, H, L}, f32);
   auto gq = torch::zeros(q.sizes(), f32), gk = torch::zeros(k.sizes(), f32),
        gv = torch::zeros(v.sizes(), f32);
-  kernels::HardRetrievalBackwardCudaArgs a;
-  static_cast<kernels::HardRetrievalCudaParams&>(a) = p.params;
+  cuda::HardRetrievalBackwardCudaArgs a;
+  static_cast<cuda::HardRetrievalCudaParams&>(a) = p.params;
   a.grad_out = go.data_ptr();
   a.index = idx.data_ptr<int64_t>();
   a.lse = lse_c.data_ptr<float>();
@@ -97,7 +97,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_cuda(
   a.grad_q = gq.data_ptr<float>();
   a.grad_k = gk.data_ptr<float>();
   a.grad_v = gv.data_ptr<float>();
-  kernels::hard_retrieval_backward_cuda(a, ops::cuda::current_stream());
+  cuda::hard_retrieval_backward_cuda(a, ops::cuda::current_stream());
   return {ops::in_rows_layout_of(gq.to(q.scalar_type()), q),
           ops::in_rows_layout_of(gk.to(q.scalar_type()), k),
           ops::in_rows_layout_of(gv.to(q.scalar_type()), v)};

@@ -5,7 +5,7 @@
 // accumulation, tensor cores for float16/bfloat16; the stats stay float64
 // (N, H, L, 2) as on the CPU). Same checks
 // and messages as the CPU op (ops/reformer_attention_internal.h), plus head
-// dimensions E, M <= kernels::kReformerCudaMaxHeadDim.
+// dimensions E, M <= cuda::kReformerCudaMaxHeadDim.
 // The per-round sort of the valid positions by (bucket, position) is ATen on
 // the GPU (a sort of the unique keys bucket·L + position, padding after every
 // valid key); the chunk attention, the round merge and the backward are our
@@ -35,9 +35,9 @@ Tensor lsh_hash_cuda_op(const Tensor& x, const Tensor& rotations) {
   const int64_t R = rotations.size(0);
   auto buckets =
       torch::empty({x.size(0), x.size(1), R, x.size(2)}, x.options().dtype(torch::kLong));
-  kernels::LshHashCudaArgs a;
+  cuda::LshHashCudaArgs a;
   fill_lsh_hash_args(a, xc, rc, buckets);
-  kernels::lsh_hash_cuda(a, current_stream());
+  cuda::lsh_hash_cuda(a, current_stream());
   return buckets;
 }
 
@@ -50,11 +50,10 @@ struct Prepared {
 Prepared prepare(const Tensor& q, const Tensor& v, const Tensor& buckets,
                  const c10::optional<Tensor>& key_lengths, int64_t chunk_size) {
   check_inputs(q, v, buckets, key_lengths, chunk_size);
-  TORCH_CHECK(q.size(3) <= kernels::kReformerCudaMaxHeadDim &&
-                  v.size(3) <= kernels::kReformerCudaMaxHeadDim,
-              kOp,
-              ": on CUDA the head dimensions E and M must be <= ", kernels::kReformerCudaMaxHeadDim,
-              ", got E = ", q.size(3), ", M = ", v.size(3));
+  TORCH_CHECK(
+      q.size(3) <= cuda::kReformerCudaMaxHeadDim && v.size(3) <= cuda::kReformerCudaMaxHeadDim, kOp,
+      ": on CUDA the head dimensions E and M must be <= ", cuda::kReformerCudaMaxHeadDim,
+      ", got E = ", q.size(3), ", M = ", v.size(3));
   Prepared p;
   p.q = q.contiguous();
   p.v = v.contiguous();
@@ -71,7 +70,7 @@ Prepared prepare(const Tensor& q, const Tensor& v, const Tensor& buckets,
   return p;
 }
 
-void fill_params(kernels::ReformerCudaParams& a, const Prepared& p, int64_t chunk_size, bool causal,
+void fill_params(cuda::ReformerCudaParams& a, const Prepared& p, int64_t chunk_size, bool causal,
                  bool mask_self, double temp) {
   fill_reformer_args(a, p.q, p.v, p.lengths, p.perm.size(2), chunk_size, causal, mask_self, temp);
   a.perm = p.perm.data_ptr<int64_t>();
@@ -90,12 +89,12 @@ std::tuple<Tensor, Tensor> reformer_attention_forward_cuda(const Tensor& q, cons
   auto out = torch::empty({N, H, L, M}, q.options());
   auto stats = torch::empty({N, H, L, 2}, q.options().dtype(torch::kDouble));
   auto ws = torch::empty({N * H * L * M}, q.options().dtype(torch::kFloat));
-  kernels::ReformerForwardCudaArgs a;
+  cuda::ReformerForwardCudaArgs a;
   fill_params(a, p, chunk_size, causal, mask_self, softmax_temp);
   a.out = out.data_ptr();
   a.stats = stats.data_ptr<double>();
   a.workspace = ws.data_ptr<float>();
-  kernels::reformer_forward_cuda(a, current_stream());
+  cuda::reformer_forward_cuda(a, current_stream());
   // In q's row layout, as the CPU op writes it and the fake promises.
   return {ops::in_rows_layout_of(out, q), stats};
 }
@@ -117,7 +116,7 @@ std::tuple<Tensor, Tensor> reformer_attention_backward_cuda(
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), E = q.size(3), M = v.size(3);
   auto gq = torch::empty_like(p.q), gv = torch::empty_like(p.v);
   auto ws = torch::empty({N * H * L * (2 * E + M)}, q.options().dtype(torch::kFloat));
-  kernels::ReformerBackwardCudaArgs a;
+  cuda::ReformerBackwardCudaArgs a;
   fill_params(a, p, chunk_size, causal, mask_self, softmax_temp);
   a.grad_out = go.data_ptr();
   a.stats = stats_c.data_ptr<double>();
@@ -125,7 +124,7 @@ std::tuple<Tensor, Tensor> reformer_attention_backward_cuda(
   a.grad_q = gq.data_ptr();
   a.grad_v = gv.data_ptr();
   a.workspace = ws.data_ptr<float>();
-  kernels::reformer_backward_cuda(a, current_stream());
+  cuda::reformer_backward_cuda(a, current_stream());
   return {ops::in_rows_layout_of(gq, q), ops::in_rows_layout_of(gv, v)};
 }
 
