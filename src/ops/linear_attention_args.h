@@ -84,9 +84,10 @@ torch::Tensor elu_linear_attention_no_grad_entry(const torch::Tensor& q, const t
 
 // causal_linear_product's forward and backward structs from its inputs (as
 // the kernels read them: contiguous).
-template <typename T, typename Args>
-void fill_causal_product_args(Args& a, const char* op, const torch::Tensor& q,
-                              const torch::Tensor& k, const torch::Tensor& v, int64_t chunk) {
+template <typename T>
+void fill_causal_product_args(kernels::CausalProductParams<T>& a, const char* op,
+                              const torch::Tensor& q, const torch::Tensor& k,
+                              const torch::Tensor& v, int64_t chunk) {
   a.q = kernel_data<T>(q);
   a.k = kernel_data<T>(k);
   a.v = kernel_data<T>(v);
@@ -120,7 +121,7 @@ void fill_elu_feature_map_args(kernels::EluFeatureMapArgs<T>& a, const char* op,
   }
 }
 
-// The arguments common to the forward and backward kernels.
+// elu_linear_attention's arguments common to its forward and backward kernels.
 template <typename T>
 void fill_elu_linear_args(kernels::EluLinearParams<T>& a, const char* op, const QKVInputs& p,
                           bool causal, double eps, int64_t chunk) {
