@@ -171,8 +171,8 @@ struct AttentionType {
   std::vector<ParamSpec> params;
   AttentionFactory factory;
   Capabilities capabilities;
-  RecurrentFactory recurrent;             // empty: no step form
-  RecurrentCrossFactory recurrent_cross;  // empty: the batch form over the memory
+  RecurrentFactory recurrent{};             // empty: no step form
+  RecurrentCrossFactory recurrent_cross{};  // empty: the batch form over the memory
 };
 
 class AttentionRegistry {
