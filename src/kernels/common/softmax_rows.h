@@ -41,4 +41,19 @@ inline T exp_shift_sum(T* row, int64_t width, T shift) {
   return S::hsum(sum);
 }
 
+// row = exp(row · scale - shift) in place; returns the sum. width: a
+// multiple of W.
+template <typename T>
+inline T exp_scaled_shift_sum(T* row, int64_t width, T scale, T shift) {
+  using S = Simd<T>;
+  const auto sc = S::set1(scale), sh = S::set1(-shift);
+  auto sum = S::zero();
+  for (int64_t c = 0; c < width; c += S::W) {
+    const auto e = S::exp(S::fma(S::load(row + c), sc, sh));
+    S::store(row + c, e);
+    sum = S::add(sum, e);
+  }
+  return S::hsum(sum);
+}
+
 FASTATTN_ISA_END

@@ -15,7 +15,7 @@
 namespace fastattn::kernels {
 
 // Queries per forward tile: each tile reads all of K and V.
-inline constexpr int64_t kFullForwardQueryTile = 96;
+inline constexpr int64_t kFullForwardQueryTile = 192;
 
 // The arguments of both backends (kernels/common/kernel_args.h): T = float or
 // double for the CPU kernels below, void for the CUDA launchers

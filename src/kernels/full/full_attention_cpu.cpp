@@ -246,7 +246,7 @@ void full_attention_forward_cpu(const FullAttentionForwardArgs<T>& args) {
     single_query_forward(a);
     return;
   }
-  constexpr int64_t NR = panel_width<T>();
+  constexpr int64_t NR = panel_width<T, kWideBlock>();
   // Up to kFwdOneTileMax queries in one tile when the heads keep the threads
   // busy: K and V are then read and packed once per head (100 centroids over
   // 16384 keys, 8 heads: 24 ms against 27-29 in two balanced tiles).
@@ -286,23 +286,36 @@ void full_attention_forward_cpu(const FullAttentionForwardArgs<T>& args) {
           const int64_t width = round_up(cols, NR);
           // Packed per tile (32 KiB, cheap next to the tile's products) rather
           // than once per call: no S·E buffer to allocate and fault in.
-          pack_transposed_panels(kh + j0 * lk, cols, E, lk, width, w.kp.data());
-          gemm_packed(rows, width, E, q, lq, w.kp.data(), w.s.data(), kFwdBc, false);
+          pack_transposed_panels<T, kWideBlock>(kh + j0 * lk, cols, E, lk, width, w.kp.data());
+          gemm_packed<T, kWideBlock>(rows, width, E, q, lq, w.kp.data(), w.s.data(), kFwdBc, false);
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t i = i0 + r;
             T* row = w.s.data() + r * kFwdBc;
-            const T* mrow =
-                a.mask ? a.mask + n * a.mask_sn + h * a.mask_sh + i * a.mask_sl + j0 : nullptr;
-            prepare_scores(row, mrow, visible_cols(a.causal, i, offset, j0, cols), width, a.scale);
-            const T tile_max = row_max(row, width);
-            if (a.topk > 0) offer_topk(row, cols, j0, a.topk, tile_max, w.heaps[r]);
+            const int64_t limit = visible_cols(a.causal, i, offset, j0, cols);
+            // A whole row of unmasked scores without top-k: the scale goes
+            // into the exponent (exp(x·scale - m), one pass less over the row;
+            // scale > 0, so the max of the raw row scales to the tile's max).
+            const bool plain = !a.mask && a.topk == 0 && limit == width;
+            T tile_max;
+            if (plain) {
+              tile_max = row_max(row, width) * a.scale;
+            } else {
+              const T* mrow =
+                  a.mask ? a.mask + n * a.mask_sn + h * a.mask_sh + i * a.mask_sl + j0 : nullptr;
+              prepare_scores(row, mrow, limit, width, a.scale);
+              tile_max = row_max(row, width);
+              if (a.topk > 0) offer_topk(row, cols, j0, a.topk, tile_max, w.heaps[r]);
+            }
             const T m_new = std::max(w.m[r], tile_max);
             if (m_new == neg_inf<T>()) {  // nothing kept so far in this row
               std::fill(row, row + width, T(0));
               continue;
             }
-            const T alpha = std::exp(w.m[r] - m_new);  // 0 when m was -inf
-            const T sum = exp_shift_sum(row, width, m_new);
+            // 0 when m was -inf; 1 without a call when the max held (most
+            // tiles after the first few).
+            const T alpha = m_new == w.m[r] ? T(1) : std::exp(w.m[r] - m_new);
+            const T sum = plain ? exp_scaled_shift_sum(row, width, a.scale, m_new)
+                                : exp_shift_sum(row, width, m_new);
             w.l[r] = w.l[r] * alpha + sum;
             w.m[r] = m_new;
             if (alpha != T(1)) {
@@ -344,7 +357,7 @@ void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& args) {
     }
     return;
   }
-  constexpr int64_t NR = panel_width<T>();
+  constexpr int64_t NR = panel_width<T, kWideBlock>();
   const int64_t k_tiles = (S + kBwdBc - 1) / kBwdBc;
   const int64_t offset = S - L;
   // Split each head's key tiles when there are fewer heads than threads.
@@ -407,8 +420,8 @@ void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& args) {
           const int64_t width = round_up(cols, NR);
           std::fill(w.dk.begin(), w.dk.end(), T(0));
           std::fill(w.dv.begin(), w.dv.end(), T(0));
-          pack_transposed_panels(kh + j0 * lk, cols, E, lk, width, w.kp.data());
-          pack_transposed_panels(vh + j0 * lv, cols, M, lv, width, w.vp.data());
+          pack_transposed_panels<T, kWideBlock>(kh + j0 * lk, cols, E, lk, width, w.kp.data());
+          pack_transposed_panels<T, kWideBlock>(vh + j0 * lv, cols, M, lv, width, w.vp.data());
           // Queries that may see this tile: i >= j0 - offset when causal.
           int64_t i_start = a.causal ? std::max<int64_t>(0, j0 - offset) : 0;
           i_start = i_start / kBwdBr * kBwdBr;
@@ -417,7 +430,8 @@ void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& args) {
             const T* qi = qh + i0 * lq;
             const T* doi = doh + i0 * lg;
             // P = exp(S·scale + mask - lse), zero where dropped.
-            gemm_packed(rows, width, E, qi, lq, w.kp.data(), w.p.data(), kBwdBc, false);
+            gemm_packed<T, kWideBlock>(rows, width, E, qi, lq, w.kp.data(), w.p.data(), kBwdBc,
+                                       false);
             for (int64_t r = 0; r < rows; ++r) {
               const int64_t i = i0 + r;
               T* row = w.p.data() + r * kBwdBc;
@@ -437,7 +451,8 @@ void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& args) {
               gemm(cols, M, rows, w.pt.data(), kBwdBr, doi, lg, w.dv.data(), M, true);
             }
             // dP = dO_i V_j^T, then dS = P ∘ (dP - delta) · scale (in w.dp)
-            gemm_packed(rows, width, M, doi, lg, w.vp.data(), w.dp.data(), kBwdBc, false);
+            gemm_packed<T, kWideBlock>(rows, width, M, doi, lg, w.vp.data(), w.dp.data(), kBwdBc,
+                                       false);
             for (int64_t r = 0; r < rows; ++r) {
               const T d = delta[i0 + r];
               const T* prow = w.p.data() + r * kBwdBc;
