@@ -124,7 +124,8 @@ TEST(FASTATTN_KH_SUITE, GemmMatchesFloat64Loops) {
                                                                            {17, 8, 33},
                                                                            {96, 64, 16},
                                                                            {7, 48, 9},
-                                                                           {12, 33, 64}}) {
+                                                                           {12, 33, 64},
+                                                                           {7, 100, 20}}) {
     auto a = random_values<double>(M * K, M), b = random_values<double>(K * N, N);
     std::vector<double> c(M * N, 0.5), ref(M * N, 0.5);
     for (int64_t i = 0; i < M; ++i)
@@ -148,16 +149,16 @@ TEST(FASTATTN_KH_SUITE, GemmMatchesFloat64Loops) {
 // pack_transposed_panels: panel p holds X's rows [p·NR, p·NR + NR) column by
 // column, zeros past the last row (a whole zero panel when padded_rows asks
 // for one more).
-template <typename T>
+template <typename T, int NV = 2>
 void check_pack_panels() {
-  constexpr int64_t NR = panel_width<T>();
+  constexpr int64_t NR = panel_width<T, NV>();
   for (int64_t rows : {1, 7, 8, 13, 33, 64})
     for (int64_t cols : {1, 9, 64}) {
       const int64_t ldx = cols + 3;
       const int64_t padded = (rows + NR - 1) / NR * NR + NR;
       auto x = random_values<T>(rows * ldx, rows * 1000 + cols);
       std::vector<T> out(cols * padded, T(-1));
-      pack_transposed_panels(x.data(), rows, cols, ldx, padded, out.data());
+      pack_transposed_panels<T, NV>(x.data(), rows, cols, ldx, padded, out.data());
       for (int64_t p = 0; p < padded; p += NR)
         for (int64_t c = 0; c < cols; ++c)
           for (int64_t r = 0; r < NR; ++r)
@@ -170,6 +171,34 @@ TEST(FASTATTN_KH_SUITE, PackTransposedPanelsMatchesLoops) {
   FASTATTN_KH_REQUIRE_LEVEL();
   check_pack_panels<float>();
   check_pack_panels<double>();
+  check_pack_panels<float, kWideBlock>();
+  check_pack_panels<double, kWideBlock>();
+}
+
+// gemm_packed over panels of 2 and of kWideBlock vectors: C = A · X^T with X
+// packed by pack_transposed_panels (full attention's Q · K^T).
+template <int NV>
+void check_gemm_packed() {
+  constexpr int64_t NR = panel_width<double, NV>();
+  for (auto [M, N, K] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
+           {13, 2 * NR, 64}, {6, NR, 3}, {25, 3 * NR, 17}}) {
+    auto a = random_values<double>(M * K, M + N), x = random_values<double>(N * K, K);
+    std::vector<double> xp(N * K), c(M * N, -7.0);
+    pack_transposed_panels<double, NV>(x.data(), N, K, K, N, xp.data());
+    gemm_packed<double, NV>(M, N, K, a.data(), K, xp.data(), c.data(), N, /*accumulate=*/false);
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) {
+        double ref = 0;
+        for (int64_t k = 0; k < K; ++k) ref += a[i * K + k] * x[j * K + k];
+        ASSERT_NEAR(c[i * N + j], ref, 1e-12) << NV << ": " << M << "x" << N << "x" << K;
+      }
+  }
+}
+
+TEST(FASTATTN_KH_SUITE, GemmPackedMatchesFloat64Loops) {
+  FASTATTN_KH_REQUIRE_LEVEL();
+  check_gemm_packed<2>();
+  check_gemm_packed<kWideBlock>();
 }
 
 // zero_all_rows_parallel zeroes each head's rows and nothing between them,
