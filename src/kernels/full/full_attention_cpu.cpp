@@ -56,7 +56,11 @@ inline void prepare_scores(T* row, const T* mask_row, int64_t limit, int64_t wid
 
 template <typename T>
 struct ForwardScratch {
-  std::vector<T> kp, s, o, m, l;  // kp: the key tile packed for gemm_packed
+  std::vector<T> kp, s, o, m, l;  // kp: the key tile(s) packed for gemm_packed
+  // With several query tiles per head, kp holds every key tile of head
+  // packed_nh packed so far (its first packed_keys keys), kept for the
+  // thread's next tile of that head.
+  int64_t packed_nh = -1, packed_keys = 0;
   // Top-k tracking: per row a min-heap of (score, -index) pairs.
   std::vector<std::vector<std::pair<T, int64_t>>> heaps;
 };
@@ -254,11 +258,15 @@ void full_attention_forward_cpu(const FullAttentionForwardArgs<T>& args) {
                                                                     : balanced_rows(L, kFwdBr);
   const int64_t q_tiles = (L + br - 1) / br;
   const int64_t offset = S - L;
+  // Each thread packs a head's keys once for all its query tiles of that head
+  // (S·E values per thread) instead of once per tile: the transposes were
+  // 3-5% of the forward at L = 1024-4096.
+  const bool keep_keys = q_tiles > 1;
 
   parallel_items<ForwardScratch<T>>(
       NH * q_tiles, a.num_threads,
       [&](ForwardScratch<T>& w) {
-        w.kp.resize(kFwdBc * E);
+        w.kp.resize((keep_keys ? round_up(S, kFwdBc) : kFwdBc) * E);
         w.s.resize(br * kFwdBc);
         w.o.resize(br * M);
         w.m.resize(br);
@@ -281,13 +289,20 @@ void full_attention_forward_cpu(const FullAttentionForwardArgs<T>& args) {
         std::fill(w.o.begin(), w.o.end(), T(0));
         std::fill(w.m.begin(), w.m.end(), neg_inf<T>());
         std::fill(w.l.begin(), w.l.end(), T(0));
+        if (keep_keys && w.packed_nh != nh) {
+          w.packed_nh = nh;
+          w.packed_keys = 0;
+        }
         for (int64_t j0 = 0; j0 < kend; j0 += kFwdBc) {
           const int64_t cols = std::min(kFwdBc, kend - j0);
           const int64_t width = round_up(cols, NR);
-          // Packed per tile (32 KiB, cheap next to the tile's products) rather
-          // than once per call: no S·E buffer to allocate and fault in.
-          pack_transposed_panels<T, kWideBlock>(kh + j0 * lk, cols, E, lk, width, w.kp.data());
-          gemm_packed<T, kWideBlock>(rows, width, E, q, lq, w.kp.data(), w.s.data(), kFwdBc, false);
+          T* kp = keep_keys ? w.kp.data() + j0 * E : w.kp.data();
+          // A tile packed shorter (a causal tile's cut) is packed again.
+          if (!keep_keys || j0 + cols > w.packed_keys) {
+            pack_transposed_panels<T, kWideBlock>(kh + j0 * lk, cols, E, lk, width, kp);
+            if (keep_keys) w.packed_keys = j0 + cols;
+          }
+          gemm_packed<T, kWideBlock>(rows, width, E, q, lq, kp, w.s.data(), kFwdBc, false);
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t i = i0 + r;
             T* row = w.s.data() + r * kFwdBc;
