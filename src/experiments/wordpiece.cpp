@@ -163,7 +163,10 @@ WordPieceTokenizer WordPieceTokenizer::from_file(const std::string& vocab_path,
   try {
     return WordPieceTokenizer(std::move(vocab), options);
   } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "WordPiece vocabulary '", vocab_path, "': ", e.what_without_backtrace());
+    // A throw, not TORCH_CHECK(false, ...): LibTorch 1.13's Debug build does
+    // not see the latter as leaving the function (-Wreturn-type).
+    C10_THROW_ERROR(
+        Error, c10::str("WordPiece vocabulary '", vocab_path, "': ", e.what_without_backtrace()));
   }
 }
 

@@ -128,6 +128,11 @@ TEST(WordPieceTest, RejectsBadVocabularies) {
   EXPECT_ERROR_CONTAINS(WordPieceTokenizer({"[UNK]", ""}), "line 2", "empty");
   EXPECT_ERROR_CONTAINS(WordPieceTokenizer::from_file("/nonexistent/vocab.txt"),
                         "/nonexistent/vocab.txt", "cannot open");
+  // A file's own faults name the file and the line.
+  fastattn::testing::TempDir dir("wordpiece");
+  const std::string vocab = dir.path + "/vocab.txt";
+  fastattn::testing::write_bytes(vocab, "[UNK]\na\na\n");
+  EXPECT_ERROR_CONTAINS(WordPieceTokenizer::from_file(vocab), vocab.c_str(), "line 3", "twice");
   WordPieceOptions o;
   o.max_length = 1;
   EXPECT_ERROR_CONTAINS(WordPieceTokenizer(hf_test_vocab(), o), "max_length", ">= 2");
