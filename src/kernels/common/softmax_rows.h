@@ -27,24 +27,10 @@ inline T row_max(const T* row, int64_t width) {
   return S::hmax(m);
 }
 
-// row = exp(row - shift) in place; returns the sum. width: a multiple of W.
-template <typename T>
-inline T exp_shift_sum(T* row, int64_t width, T shift) {
-  using S = Simd<T>;
-  const auto sh = S::set1(shift);
-  auto sum = S::zero();
-  for (int64_t c = 0; c < width; c += S::W) {
-    const auto e = S::exp(S::sub(S::load(row + c), sh));
-    S::store(row + c, e);
-    sum = S::add(sum, e);
-  }
-  return S::hsum(sum);
-}
-
 // row = exp(row · scale - shift) in place; returns the sum. width: a
-// multiple of W.
+// multiple of W. With scale 1 (most callers) the fma is exactly row - shift.
 template <typename T>
-inline T exp_scaled_shift_sum(T* row, int64_t width, T scale, T shift) {
+inline T exp_shift_sum(T* row, int64_t width, T shift, T scale = T(1)) {
   using S = Simd<T>;
   const auto sc = S::set1(scale), sh = S::set1(-shift);
   auto sum = S::zero();

@@ -329,8 +329,7 @@ void full_attention_forward_cpu(const FullAttentionForwardArgs<T>& args) {
             // 0 when m was -inf; 1 without a call when the max held (most
             // tiles after the first few).
             const T alpha = m_new == w.m[r] ? T(1) : std::exp(w.m[r] - m_new);
-            const T sum = plain ? exp_scaled_shift_sum(row, width, a.scale, m_new)
-                                : exp_shift_sum(row, width, m_new);
+            const T sum = exp_shift_sum(row, width, m_new, plain ? a.scale : T(1));
             w.l[r] = w.l[r] * alpha + sum;
             w.m[r] = m_new;
             if (alpha != T(1)) {
