@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """One process, one case: fastattn's fused full attention operator (or, with
---sdpa, torch's scaled_dot_product_attention) on (1, H, L, E) float32, the
-median time and GFLOP/s as `fastattn bench` counts them. Several builds are
+--sdpa, torch's scaled_dot_product_attention) on (1, H, L, E) float32 or bfloat16, the
+median time and GFLOP/s as `fastattn bench` counts them (--dtype bfloat16:
+fastattn's AMX forward where the CPU has AMX, SDPA's own bfloat16 path). Several builds are
 compared by running it once per library, alternating (docs/benchmarks.md):
 
   for r in 1 2 3; do for lib in /tmp/before.so /tmp/after.so; do
@@ -26,11 +27,15 @@ def main():
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--backward", action="store_true", help="time forward+backward")
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--sdpa", action="store_true", help="time torch's SDPA instead")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     L, H, E = args.length, args.heads, args.dim
-    q, k, v = (torch.randn(1, H, L, E, requires_grad=args.backward) for _ in range(3))
+    dtype = getattr(torch, args.dtype)
+    q, k, v = (
+        torch.randn(1, H, L, E, dtype=dtype).requires_grad_(args.backward) for _ in range(3)
+    )
     if args.sdpa:
         import torch.nn.functional as F
 

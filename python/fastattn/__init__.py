@@ -389,7 +389,8 @@ def attention_types():
 
 def cpu_capability():
     """The instruction set the CPU kernels use: ``"default"`` (portable),
-    ``"avx2"`` or ``"avx512"``. The best this CPU runs unless the environment
+    ``"avx2"``, ``"avx512"`` or ``"amx"`` (avx512 with bfloat16 products on
+    AMX tiles). The best this CPU runs unless the environment
     variable ``FASTATTN_CPU_CAPABILITY`` (read at the first kernel call) or
     :func:`set_cpu_capability` chose a lower one."""
     return ops.cpu_capability()

@@ -270,7 +270,7 @@ std::vector<FlagSpec> global_flags() {
                           "intra-op threads for LibTorch and our kernels (at::set_num_threads)",
                           std::to_string(machine_cores()) + ", this machine's cores"),
           FlagSpec::value("cpu-capability", "LEVEL",
-                          "instruction set of the CPU kernels: default, avx2 or avx512 (as "
+                          "instruction set of the CPU kernels: default, avx2, avx512 or amx (as "
                           "FASTATTN_CPU_CAPABILITY)",
                           "the best this CPU runs, " + best_cpu_capability()),
           FlagSpec::boolean("version", "print the version and the CPU kernels' instruction set"),

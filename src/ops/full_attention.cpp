@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "fastattn/ops.h"
+#include "kernels/common/cpu_isa.h"
 #include "kernels/full/full_attention.h"
 #include "ops/full_attention_internal.h"
 #include "ops/mask_util.h"
@@ -27,12 +28,37 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
   ops::check_full_attention_inputs(q, k, v, attn_mask, key_lengths);
 }
 
+// bfloat16 operands as they are, the products on AMX tiles
+// (kernels/full/full_attention_amx.cpp); lse in float32, as the widened path
+// gives it.
+std::tuple<Tensor, Tensor> forward_amx(const Tensor& q, const Tensor& k, const Tensor& v,
+                                       const c10::optional<Tensor>& attn_mask,
+                                       const c10::optional<Tensor>& key_lengths, bool causal,
+                                       double softmax_temp) {
+#if FASTATTN_CPU_ISA_MAX >= 3
+  auto p = ops::full_attention_inputs(q, k, v, attn_mask, key_lengths);
+  auto out = ops::empty_rows_like(q, v.size(3));
+  auto lse = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(torch::kFloat32));
+  kernels::FullAttentionForwardArgs<kernels::Bf16> a;
+  ops::fill_full_attention_args(a, kOp, p, causal, softmax_temp);
+  a.out = ops::kernel_data<kernels::Bf16>(out);
+  a.out_rows = ops::row_strides(out);
+  a.lse = lse.data_ptr<float>();
+  kernels::full_attention_forward_amx(a);
+  return {out, lse};
+#else
+  TORCH_CHECK(false, kOp, ": no AMX kernels in this build");
+#endif
+}
+
 std::tuple<Tensor, Tensor> full_attention_forward_cpu(const Tensor& q, const Tensor& k,
                                                       const Tensor& v,
                                                       const c10::optional<Tensor>& attn_mask,
                                                       const c10::optional<Tensor>& key_lengths,
                                                       bool causal, double softmax_temp) {
   check_inputs(q, k, v, attn_mask, key_lengths);
+  if (q.scalar_type() == torch::kBFloat16 && kernels::cpu_isa() == kernels::CpuIsa::kAmx)
+    return forward_amx(q, k, v, attn_mask, key_lengths, causal, softmax_temp);
   if (ops::is_reduced_float(q)) {
     auto [out, lse] = ops::in_float32<1>(q.scalar_type(), full_attention_forward_cpu, q, k, v,
                                          attn_mask, key_lengths, causal, softmax_temp);

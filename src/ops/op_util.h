@@ -159,6 +159,8 @@ template <typename T>
 auto kernel_data(const torch::Tensor& t) {
   if constexpr (std::is_void_v<T>) {
     return t.data_ptr();
+  } else if constexpr (std::is_same_v<T, kernels::Bf16>) {  // bfloat16's bits
+    return reinterpret_cast<kernels::Bf16*>(t.data_ptr<at::BFloat16>());
   } else {
     return t.data_ptr<T>();
   }

@@ -39,12 +39,13 @@ TEST(CpuIsa, NamesAndChoices) {
   EXPECT_EQ(kernels::parse_cpu_isa("AVX2"), CpuIsa::kAvx2);
   EXPECT_EQ(kernels::parse_cpu_isa("default"), CpuIsa::kDefault);
   EXPECT_STREQ(kernels::cpu_isa_name(CpuIsa::kAvx512), "avx512");
+  EXPECT_EQ(kernels::parse_cpu_isa("AMX"), CpuIsa::kAmx);
   try {
     kernels::parse_cpu_isa("sse9", "--cpu-capability");
     ADD_FAILURE() << "parse_cpu_isa accepted 'sse9'";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("--cpu-capability: expected one of default, avx2, "
-                                         "avx512; got 'sse9'"),
+                                         "avx512, amx; got 'sse9'"),
               std::string::npos)
         << e.what();
   }
@@ -60,8 +61,17 @@ TEST(CpuIsa, NamesAndChoices) {
   if (levels.size() < 3) {
     EXPECT_ERROR_CONTAINS(set_cpu_capability("avx512"), "supported: default");
   }
+  if (levels.size() < 4) {
+    EXPECT_ERROR_CONTAINS(set_cpu_capability("amx"), "supported: default");
+  }
 #if defined(__x86_64__)
-  EXPECT_EQ(kernels::kCompiledIsaMax, 2);
+  EXPECT_EQ(kernels::kCompiledIsaMax, 3);
+  // amx: AVX-512 with AVX512-BF16 and AMX-BF16 (the OS's tile permission
+  // aside, which the flags do not show).
+  if (kernels::cpu_isa_supported(CpuIsa::kAmx)) {
+    EXPECT_TRUE(kernels::cpu_isa_supported(CpuIsa::kAvx512));
+    EXPECT_TRUE(__builtin_cpu_supports("avx512bf16"));
+  }
   EXPECT_EQ(kernels::cpu_isa_supported(CpuIsa::kAvx2),
             __builtin_cpu_supports("avx2") != 0 && __builtin_cpu_supports("fma") != 0);
 #endif

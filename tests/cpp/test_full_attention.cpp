@@ -7,6 +7,7 @@
 
 #include "expect_error.h"
 #include "fastattn/ops.h"
+#include "kernels/common/cpu_isa.h"
 #include "op_harness.h"
 #include "ops/full_attention_internal.h"
 #include "ops/row_dots.h"
@@ -105,6 +106,120 @@ INSTANTIATE_TEST_SUITE_P(
         FullCfg{"one_query_lengths", 3, 4, 1, 300, 16, 19, false, {300, 0, 7}},
         FullCfg{"one_query_causal_temp", 2, 2, 1, 90, 8, 8, true, {}, MaskKind::None, 0.7}),
     [](const ::testing::TestParamInfo<FullCfg>& info) { return info.param.name; });
+
+// ---- bfloat16 on AMX tiles (kernels/full/full_attention_amx.cpp) ---------------
+
+// Uses `isa` until the test ends.
+struct IsaGuard {
+  kernels::CpuIsa saved = kernels::cpu_isa();
+  explicit IsaGuard(kernels::CpuIsa isa) { kernels::set_cpu_isa(isa); }
+  ~IsaGuard() { kernels::set_cpu_isa(saved); }
+};
+
+std::tuple<torch::Tensor, torch::Tensor> forward_op(const torch::Tensor& q, const torch::Tensor& k,
+                                                    const torch::Tensor& v,
+                                                    const c10::optional<torch::Tensor>& mask,
+                                                    const c10::optional<torch::Tensor>& lengths,
+                                                    bool causal, double temp) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastattn::full_attention_forward", "")
+                       .typed<std::tuple<torch::Tensor, torch::Tensor>(
+                           const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                           const c10::optional<torch::Tensor>&,
+                           const c10::optional<torch::Tensor>&, bool, double)>();
+  return op.call(q, k, v, mask, lengths, causal, temp);
+}
+
+// Every shape above in bfloat16 at the amx level, against float64 on the same
+// (rounded) values. P is rounded to bfloat16 before P·V and out once more:
+// within 4 units of bfloat16 rounding (2^-8) of the largest output (seen:
+// under 2 units). A kernel that dropped a key tile or a tile's padding fails.
+TEST_P(FullAttentionCases, Bfloat16OnAmxMatchesFloat64) {
+  if (!kernels::cpu_isa_supported(kernels::CpuIsa::kAmx)) GTEST_SKIP() << "no AMX on this CPU";
+  IsaGuard guard(kernels::CpuIsa::kAmx);
+  const auto oc = make_case(GetParam());
+  Inputs b, d;
+  for (const auto& t : oc.make_inputs(11)) {
+    b.push_back(t.to(torch::kBFloat16));
+    d.push_back(b.back().to(torch::kDouble));
+  }
+  const auto out = oc.op(b);
+  ASSERT_EQ(out.scalar_type(), torch::kBFloat16);
+  const auto ref = oc.reference(d);
+  const double scale = std::max(1.0, ref.abs().max().item<double>());
+  EXPECT_LE(testing::max_abs_diff(out.to(torch::kDouble), ref), 4 * std::ldexp(1.0, -8) * scale);
+}
+
+// The operator's bfloat16 forward at the amx level is the AMX kernel's, bit
+// for bit, in the layers' (N, L, H, E) views (rows H·E apart) with a mask,
+// key lengths and the causal cut; its lse (float32) is within 1e-4 of the
+// float64 kernel's on the same values.
+TEST(FullAttention, Bfloat16OperatorRunsTheAmxKernel) {
+  if (!kernels::cpu_isa_supported(kernels::CpuIsa::kAmx)) GTEST_SKIP() << "no AMX on this CPU";
+  IsaGuard guard(kernels::CpuIsa::kAmx);
+  torch::manual_seed(5);
+  const int64_t N = 2, H = 3, L = 150, S = 170, E = 40, M = 48;
+  auto view = [&](int64_t rows, int64_t cols) {
+    return torch::randn({N, rows, H, cols}).to(torch::kBFloat16).transpose(1, 2);
+  };
+  const auto q = view(L, E), k = view(S, E), v = view(S, M);
+  auto mask = torch::randn({L, S}).masked_fill(torch::rand({L, S}) > 0.8, -INFINITY);
+  mask.select(1, 0).fill_(0);
+  const auto mask_b = mask.to(torch::kBFloat16);
+  const auto lengths = torch::tensor({S, int64_t{77}}, torch::kLong);
+  const double temp = 0.2;
+  auto [out, lse] = forward_op(q, k, v, mask_b, lengths, true, temp);
+  ASSERT_EQ(lse.scalar_type(), torch::kFloat);
+
+  const auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  auto out_k = torch::empty({N, H, L, M}, q.options());
+  auto lse_k = torch::empty({N, H, L}, q.options().dtype(torch::kFloat));
+  const auto mask_full = mask_b.expand({N, H, L, S});
+  kernels::FullAttentionForwardArgs<kernels::Bf16> a;
+  auto bits = [](const torch::Tensor& t) {
+    return reinterpret_cast<kernels::Bf16*>(t.data_ptr<at::BFloat16>());
+  };
+  a.q = bits(qc);
+  a.k = bits(kc);
+  a.v = bits(vc);
+  a.out = bits(out_k);
+  a.lse = lse_k.data_ptr<float>();
+  a.mask = bits(mask_b);
+  a.mask_sn = mask_full.stride(0);
+  a.mask_sh = mask_full.stride(1);
+  a.mask_sl = mask_full.stride(2);
+  a.key_lengths = lengths.data_ptr<int64_t>();
+  a.N = N, a.H = H, a.L = L, a.S = S, a.E = E, a.M = M;
+  a.causal = true;
+  a.scale = static_cast<float>(temp);
+  a.num_threads = 2;
+  kernels::full_attention_forward_amx(a);
+  EXPECT_TRUE(torch::equal(out.contiguous(), out_k));
+  EXPECT_TRUE(torch::equal(lse, lse_k));
+
+  auto [out_d, lse_d] = forward_op(q.to(torch::kDouble), k.to(torch::kDouble),
+                                   v.to(torch::kDouble), mask_b.to(torch::kDouble), lengths, true,
+                                   temp);
+  EXPECT_LE(testing::max_abs_diff(out.to(torch::kDouble), out_d),
+            4 * std::ldexp(1.0, -8) * std::max(1.0, out_d.abs().max().item<double>()));
+  const auto finite = torch::isfinite(lse_d);
+  EXPECT_TRUE(torch::equal(finite, torch::isfinite(lse)));
+  EXPECT_LE(testing::max_abs_diff(lse.to(torch::kDouble).masked_select(finite),
+                                  lse_d.masked_select(finite)),
+            1e-4 * (1 + lse_d.masked_select(finite).abs().max().item<double>()));
+}
+
+TEST(FullAttention, AmxKernelRefusesAnotherLevelAndTopk) {
+  if (!kernels::cpu_isa_supported(kernels::CpuIsa::kAmx)) GTEST_SKIP() << "no AMX on this CPU";
+  kernels::FullAttentionForwardArgs<kernels::Bf16> a;
+  {
+    IsaGuard guard(kernels::CpuIsa::kAvx512);
+    EXPECT_THROW(kernels::full_attention_forward_amx(a), std::logic_error);
+  }
+  IsaGuard guard(kernels::CpuIsa::kAmx);
+  a.topk = 3;
+  EXPECT_THROW(kernels::full_attention_forward_amx(a), std::invalid_argument);
+}
 
 TEST(FullAttention, LongSequenceFloat32MatchesFloat64Reference) {
   torch::manual_seed(3);

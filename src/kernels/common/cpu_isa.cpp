@@ -8,10 +8,47 @@
 #include <cstdlib>
 #include <stdexcept>
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#endif
+
 namespace fastattn::kernels {
 namespace {
 
-constexpr const char* kNames[] = {"default", "avx2", "avx512"};
+constexpr const char* kNames[] = {"default", "avx2", "avx512", "amx"};
+constexpr int kLevels = 4;
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// AVX512-BF16, AMX-TILE and AMX-BF16 (CPUID leaf 7), the tile state enabled
+// in XCR0 (bits 17, 18), and on Linux the process's permission to use the
+// tile data (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, kernel >= 5.16),
+// asked once: without it the first tile instruction faults.
+bool amx_usable() {
+  static const bool usable = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool tile = (d >> 24) & 1, bf16_tile = (d >> 22) & 1;
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
+    const bool avx512_bf16 = (a >> 5) & 1;
+    if (!(tile && bf16_tile && avx512_bf16)) return false;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1)) return false;  // OSXSAVE
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if (((lo >> 17) & 3) != 3) return false;
+#if defined(__linux__)
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+    return false;
+#endif
+  }();
+  return usable;
+}
+#endif
 
 bool cpu_runs(CpuIsa isa) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -27,6 +64,8 @@ bool cpu_runs(CpuIsa isa) {
       return cpu_runs(CpuIsa::kAvx2) && __builtin_cpu_supports("avx512f") &&
              __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512cd");
+    case CpuIsa::kAmx:
+      return cpu_runs(CpuIsa::kAvx512) && amx_usable();
   }
   return false;
 #else
@@ -53,16 +92,17 @@ std::atomic<int> g_active{-1};
 
 const char* cpu_isa_name(CpuIsa isa) {
   const int i = static_cast<int>(isa);
-  return i >= 0 && i < 3 ? kNames[i] : "unknown";
+  return i >= 0 && i < kLevels ? kNames[i] : "unknown";
 }
 
 CpuIsa parse_cpu_isa(const std::string& name, const std::string& what) {
   std::string lower = name;
   std::transform(lower.begin(), lower.end(), lower.begin(),
                  [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  for (int i = 0; i < 3; ++i)
+  for (int i = 0; i < kLevels; ++i)
     if (lower == kNames[i]) return static_cast<CpuIsa>(i);
-  throw std::invalid_argument(what + ": expected one of default, avx2, avx512; got '" + name + "'");
+  throw std::invalid_argument(what + ": expected one of default, avx2, avx512, amx; got '" + name +
+                              "'");
 }
 
 bool cpu_isa_supported(CpuIsa isa) {
@@ -71,7 +111,7 @@ bool cpu_isa_supported(CpuIsa isa) {
 
 std::vector<CpuIsa> supported_cpu_isas() {
   std::vector<CpuIsa> out;
-  for (int i = 0; i < 3; ++i)
+  for (int i = 0; i < kLevels; ++i)
     if (cpu_isa_supported(static_cast<CpuIsa>(i))) out.push_back(static_cast<CpuIsa>(i));
   return out;
 }

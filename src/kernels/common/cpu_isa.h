@@ -5,6 +5,10 @@
 //   default  x86-64 baseline (SSE2) or any other CPU: the scalar code path
 //   avx2     AVX2 + FMA (+ BMI1/2, POPCNT): 8 floats per vector
 //   avx512   AVX-512 F/BW/DQ/VL/CD on top of avx2: 16 floats per vector
+//   amx      avx512 plus AVX512-BF16 and AMX (TILE, BF16), with the OS's
+//            permission to use the tiles: bfloat16 operands multiplied on
+//            AMX tiles (the kernels with an _amx variant, e.g. full
+//            attention's forward); every other kernel runs its avx512 code
 // The best level the CPU runs is used unless the environment variable
 // FASTATTN_CPU_CAPABILITY (read once, at the first kernel call) or
 // set_cpu_isa() asks for a lower one, as PyTorch's ATEN_CPU_CAPABILITY does:
@@ -14,23 +18,25 @@
 #include <string>
 #include <vector>
 
-// Highest level compiled into this build (0 off x86-64); set by CMake.
+// Highest level compiled into this build (0 off x86-64, 3 on it); set by
+// CMake. Levels 0-2 compile every kernel; level 3 only the _amx sources.
 #ifndef FASTATTN_CPU_ISA_MAX
 #define FASTATTN_CPU_ISA_MAX 0
 #endif
 
 namespace fastattn::kernels {
 
-enum class CpuIsa : int { kDefault = 0, kAvx2 = 1, kAvx512 = 2 };
+enum class CpuIsa : int { kDefault = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3 };
 
 constexpr int kCompiledIsaMax = FASTATTN_CPU_ISA_MAX;
 
-// "default", "avx2", "avx512".
+// "default", "avx2", "avx512", "amx".
 const char* cpu_isa_name(CpuIsa isa);
 // The level of a name (case-insensitive); std::invalid_argument naming
 // `what` and the accepted names otherwise.
 CpuIsa parse_cpu_isa(const std::string& name, const std::string& what = "cpu capability");
-// Compiled into this build and runnable on this CPU (and enabled by its OS).
+// Compiled into this build and runnable on this CPU (and enabled by its OS;
+// for amx, the first call asks Linux for the tile data permission).
 bool cpu_isa_supported(CpuIsa isa);
 // The supported levels, lowest first.
 std::vector<CpuIsa> supported_cpu_isas();
@@ -55,6 +61,7 @@ void set_cpu_isa(CpuIsa isa);
 // in the others it instantiates that level's.
 #define FASTATTN_CPU_KERNEL_DISPATCH_(call)                                             \
   switch (::fastattn::kernels::cpu_isa()) {                                             \
+    case ::fastattn::kernels::CpuIsa::kAmx:                                             \
     case ::fastattn::kernels::CpuIsa::kAvx512:                                          \
       if constexpr (::fastattn::kernels::kCompiledIsaMax >= 2) return isa_avx512::call; \
       [[fallthrough]];                                                                  \

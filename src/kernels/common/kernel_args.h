@@ -8,6 +8,7 @@
 // (src/ops/<op>_args.h). Fields that one backend alone reads say which.
 #pragma once
 
+#include <cstdint>
 #include <type_traits>
 
 #include "kernels/common/cuda_dtype.h"
@@ -15,9 +16,16 @@
 
 namespace fastattn::kernels {
 
-// A kernel's scalars and float-only buffers: T on the CPU, float32 on CUDA.
+// A bfloat16 element (its bits) of the CPU kernels that take bfloat16
+// operands as they are (the AMX ones: kernels/common/cpu_isa.h).
+struct Bf16 {
+  uint16_t bits;
+};
+
+// A kernel's scalars and float-only buffers: T on the CPU, float32 on CUDA
+// and for bfloat16 operands.
 template <typename T>
-using KernelScalar = std::conditional_t<std::is_void_v<T>, float, T>;
+using KernelScalar = std::conditional_t<std::is_void_v<T> || std::is_same_v<T, Bf16>, float, T>;
 
 using cuda::DType;
 

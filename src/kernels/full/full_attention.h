@@ -66,4 +66,11 @@ void full_attention_forward_cpu(const FullAttentionForwardArgs<T>& args);
 template <typename T>
 void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& args);
 
+// The forward on bfloat16 q, k, v (and mask, out), float32 lse, with the
+// products on AMX tiles (full_attention_amx.cpp): S = Q·K^T in float32, the
+// online softmax in float32, P rounded to bfloat16 for O += P·V, O in
+// float32 until it is written. Only where cpu_isa() is CpuIsa::kAmx (else
+// std::logic_error); topk must be 0.
+void full_attention_forward_amx(const FullAttentionForwardArgs<Bf16>& args);
+
 }  // namespace fastattn::kernels

@@ -1,0 +1,365 @@
+// CPU kernel of fused softmax attention's forward on bfloat16 operands with
+// the products on AMX tiles (see full_attention.h). Compiled at the amx level
+// only (CMakeLists.txt: the *_amx.cpp sources); chosen by the op layer for
+// bfloat16 inputs when cpu_isa() is CpuIsa::kAmx.
+//
+// AMX (Intel's Advanced Matrix Extensions): eight tile registers of up to 16
+// rows × 64 bytes; tdpbf16ps C += A·B takes A as 16 rows of 32 bfloat16, B
+// as 16 rows of 16 bfloat16 pairs ("VNNI" layout: B row k holds the pairs
+// (b[2k][n], b[2k+1][n]) of columns n = 0..15) and accumulates C, 16 × 16
+// float32. Every tile here is configured 16 × 64 bytes; operands are padded
+// with zeros to 32 along the reduction and to 32 rows / columns.
+//
+// Before the attention, K and V of every head are packed once into B tiles
+// (a parallel pass; the packed copies are as large as K and V):
+//   K, for S = Q·K^T: [key block of 16][E chunk of 32][pair k][key n] —
+//     a tile row holds keys n's elements 2k, 2k+1: a 32-bit transpose of K;
+//   V, for O = P·V: [key chunk of 32][column block of 16][pair k][column n]
+//     — a tile row holds rows 2k and 2k+1 of V interleaved.
+// Per work item (n, h, tile of up to kMaxQueryTile queries, copied into a
+// zero-padded bfloat16 buffer), for each tile of kKeyTile keys:
+//   S = Q·K^T in blocks of 32 × 32 (tiles 0-3 accumulate, 4-5 hold Q, 6-7
+//   K), stored as float32; scale, mask, causal cut and the online softmax
+//   in float32 (AVX-512, as the float32 kernel), P = exp(...) rounded to
+//   bfloat16 (round to nearest even); O (float32, in the thread's buffer) is
+//   rescaled by alpha, then O += P·V in 32 × 32 blocks loaded from and
+//   stored back to that buffer. At the end out = bfloat16(O / l), lse = m +
+//   log l in float32.
+#include "kernels/full/full_attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kernels/common/isa_target.h"
+#include "kernels/common/parallel.h"
+#include "kernels/common/scratch.h"
+#include "kernels/common/simd.h"
+#include "kernels/common/softmax_rows.h"
+
+#if FASTATTN_ISA_LEVEL != 3
+#error "full_attention_amx.cpp is compiled at the amx level (3) only"
+#endif
+
+FASTATTN_ISA_BEGIN
+namespace {
+
+constexpr int64_t kBlock = 32;          // rows and columns of a block of 2 × 2 tiles
+constexpr int64_t kKeyTile = 128;       // keys per online-softmax step
+constexpr int64_t kMaxQueryTile = 128;  // queries per work item (a multiple of kBlock)
+constexpr int64_t kTileWords = 256;     // 32-bit words per tile (16 rows × 64 bytes)
+
+// ldtilecfg's 64-byte operand: palette 1, tiles 0-7 of 16 rows × 64 bytes.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+static_assert(sizeof(TileConfig) == 64);
+
+inline float widen(Bf16 x) {
+  const uint32_t u = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// Rounded to nearest even (NaN stays NaN), as vcvtneps2bf16 and torch do.
+inline uint16_t narrow_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+
+inline void store_bf16(Bf16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+// The pair (x[0], x[1]) of bfloat16 bits as one 32-bit word, zeros past n.
+inline uint32_t pair_bits(const Bf16* x, int64_t i, int64_t n) {
+  const uint32_t lo = i < n ? x[i].bits : 0, hi = i + 1 < n ? x[i + 1].bits : 0;
+  return lo | hi << 16;
+}
+
+// Keys [b·16, b·16 + 16) of a head (rows ld apart, S keys, E values each)
+// as the E chunks' B tiles of S = Q·K^T.
+void pack_key_block(const Bf16* kh, int64_t ld, int64_t S, int64_t E, int64_t chunks, int64_t b,
+                    uint32_t* dst) {
+  for (int64_t c = 0; c < chunks; ++c) {
+    uint32_t* t = dst + c * kTileWords;
+    for (int64_t n = 0; n < 16; ++n) {
+      const int64_t key = b * 16 + n;
+      for (int64_t k = 0; k < 16; ++k)
+        t[k * 16 + n] = key < S ? pair_bits(kh + key * ld, c * 32 + 2 * k, E) : 0;
+    }
+  }
+}
+
+// Keys [kc·32, kc·32 + 32) of a head's V (rows ld apart, S rows of M values)
+// as the column blocks' B tiles of O = P·V.
+void pack_value_chunk(const Bf16* vh, int64_t ld, int64_t S, int64_t M, int64_t col_blocks,
+                      int64_t kc, uint32_t* dst) {
+  for (int64_t cb = 0; cb < col_blocks; ++cb) {
+    uint32_t* t = dst + cb * kTileWords;
+    for (int64_t k = 0; k < 16; ++k) {
+      const int64_t r0 = kc * 32 + 2 * k;
+      const Bf16* a = r0 < S ? vh + r0 * ld : nullptr;
+      const Bf16* b = r0 + 1 < S ? vh + (r0 + 1) * ld : nullptr;
+      for (int64_t n = 0; n < 16; ++n) {
+        const int64_t col = cb * 16 + n;
+        const uint32_t lo = a && col < M ? a[col].bits : 0, hi = b && col < M ? b[col].bits : 0;
+        t[k * 16 + n] = lo | hi << 16;
+      }
+    }
+  }
+}
+
+// C (rows × 32 blocks of float32, ldc floats apart) = or += A · B for the
+// 32 × 32 block at a (32 rows of `chunks` · 32 bfloat16, lda elements apart)
+// and the B tiles b0 (columns 0-15) and b1 (16-31), each `chunks` tiles
+// bstride words apart. accumulate: C's tiles are loaded first.
+inline void block_product(const Bf16* a, int64_t lda, const uint32_t* b0, const uint32_t* b1,
+                          int64_t bstride, int64_t chunks, float* c, int64_t ldc,
+                          bool accumulate) {
+  const int64_t sa = lda * 2, sc = ldc * 4;
+  if (accumulate) {
+    _tile_loadd(0, c, sc);
+    _tile_loadd(1, c + 16, sc);
+    _tile_loadd(2, c + 16 * ldc, sc);
+    _tile_loadd(3, c + 16 * ldc + 16, sc);
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t k = 0; k < chunks; ++k) {
+    _tile_loadd(4, a + k * 32, sa);
+    _tile_loadd(5, a + 16 * lda + k * 32, sa);
+    _tile_loadd(6, b0 + k * bstride, 64);
+    _tile_loadd(7, b1 + k * bstride, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c, sc);
+  _tile_stored(1, c + 16, sc);
+  _tile_stored(2, c + 16 * ldc, sc);
+  _tile_stored(3, c + 16 * ldc + 16, sc);
+}
+
+// 2^t, for P rounded to bfloat16 (8 significant bits): a degree-4
+// polynomial on the fraction (relative error 2.7e-6, least squares weighted
+// by 1/2^f on [-0.5, 0.5]) scaled by 2^n in one vscalefps; -inf (and
+// anything below -150) gives 0. Nine instructions where Simd<float>::exp
+// takes fifteen: the softmax, not the tiles, bounds this kernel (full forward
+// L = 4096: 17.7 ms of 39 were the products).
+inline __m512 exp2_bf16(__m512 t) {
+  t = _mm512_max_ps(t, _mm512_set1_ps(-150.0f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(0.00956051983579609f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.0559171228632387f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402498165047564f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931219575470341f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999991904522163f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// p[0, width) = bfloat16(exp(row · scale - shift)); returns the float32 sum.
+inline float exp_to_bf16(const float* row, int64_t width, float shift, float scale, Bf16* p) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  const __m512 sc = _mm512_set1_ps(scale * kLog2e), sh = _mm512_set1_ps(-shift * kLog2e);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t c = 0; c < width; c += 16) {
+    const __m512 e = exp2_bf16(_mm512_fmadd_ps(_mm512_loadu_ps(row + c), sc, sh));
+    store_bf16(p + c, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return Simd<float>::hsum(sum);
+}
+
+struct Scratch {
+  std::vector<Bf16> q, p;     // the query tile (rows × Ep), P (rows × kKeyTile)
+  std::vector<float> s, o;    // scores (rows × kKeyTile), O (rows × Mp)
+  std::vector<float> m, l;    // running row max and sum
+  bool configured = false;
+
+  void configure() {
+    TileConfig cfg;
+    for (int t = 0; t < 8; ++t) {
+      cfg.colsb[t] = 64;
+      cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+    configured = true;
+  }
+  ~Scratch() {
+    if (configured) _tile_release();
+  }
+};
+
+}  // namespace
+
+void full_attention_forward_amx(const FullAttentionForwardArgs<Bf16>& args) {
+  auto a = args;
+  resolve_qkv_rows(a);
+  a.out_rows = a.out_rows.resolved(a.H, a.L, a.M);
+  const int64_t N = a.N, H = a.H, L = a.L, S = a.S, E = a.E, M = a.M;
+  const int64_t NH = N * H;
+  if (NH == 0 || L == 0) return;
+  const int64_t Ep = round_up(E, kBlock), Mp = round_up(M, kBlock), Sp = round_up(S, kBlock);
+  const int64_t chunks = Ep / 32, col_blocks = Mp / 16;
+  // Packed K and V of every head, in tiles.
+  const int64_t head_words_k = Sp * Ep / 2, head_words_v = Sp * Mp / 2;
+  ScratchArray<uint32_t> kp(static_cast<size_t>(NH * head_words_k));
+  ScratchArray<uint32_t> vp(static_cast<size_t>(NH * head_words_v));
+  {
+    struct None {};
+    const int64_t per_head = Sp / kBlock;
+    parallel_items<None>(
+        NH * per_head, a.num_threads, [](None&) {},
+        [&](int64_t item, None&) {
+          const int64_t nh = item / per_head, kc = item % per_head;
+          const Bf16* kh = a.k_rows.head(a.k, nh, H);
+          const Bf16* vh = a.v_rows.head(a.v, nh, H);
+          uint32_t* kdst = kp.get() + nh * head_words_k;
+          for (int64_t b = 2 * kc; b < 2 * kc + 2; ++b)
+            pack_key_block(kh, a.k_rows.sr, S, E, chunks, b, kdst + b * chunks * kTileWords);
+          pack_value_chunk(vh, a.v_rows.sr, S, M, col_blocks, kc,
+                           vp.get() + nh * head_words_v + kc * col_blocks * kTileWords);
+        });
+  }
+
+  const int64_t q_tiles = (L + kMaxQueryTile - 1) / kMaxQueryTile;
+  const int64_t br = round_up((L + q_tiles - 1) / q_tiles, kBlock);
+  const int64_t offset = S - L;
+  const float scale = a.scale;
+
+  parallel_items<Scratch>(
+      NH * q_tiles, a.num_threads,
+      [&](Scratch& w) {
+        w.q.assign(br * Ep, Bf16{0});
+        w.p.assign(br * kKeyTile, Bf16{0});
+        w.s.resize(br * kKeyTile);
+        w.o.resize(br * Mp);
+        w.m.resize(br);
+        w.l.resize(br);
+        w.configure();
+      },
+      [&](int64_t item, Scratch& w) {
+        const int64_t nh = item / q_tiles, n = nh / H, h = nh % H;
+        const int64_t i0 = (item % q_tiles) * br;
+        const int64_t rows = std::min(br, L - i0);
+        const int64_t rp = round_up(rows, kBlock);
+        const int64_t lq = a.q_rows.sr;
+        const Bf16* q = a.q_rows.head(a.q, nh, H) + i0 * lq;
+        for (int64_t r = 0; r < rp; ++r) {
+          Bf16* dst = w.q.data() + r * Ep;
+          if (r < rows) {
+            std::copy(q + r * lq, q + r * lq + E, dst);
+            std::fill(dst + E, dst + Ep, Bf16{0});
+          } else {
+            std::fill(dst, dst + Ep, Bf16{0});
+          }
+        }
+        const uint32_t* kh = kp.get() + nh * head_words_k;
+        const uint32_t* vh = vp.get() + nh * head_words_v;
+        int64_t kend = a.key_lengths ? a.key_lengths[n] : S;
+        if (a.causal) kend = std::min(kend, i0 + rows + offset);
+        std::fill(w.o.begin(), w.o.begin() + rp * Mp, 0.0f);
+        std::fill(w.m.begin(), w.m.end(), neg_inf<float>());
+        std::fill(w.l.begin(), w.l.end(), 0.0f);
+        for (int64_t j0 = 0; j0 < kend; j0 += kKeyTile) {
+          const int64_t cols = std::min(kKeyTile, kend - j0);
+          const int64_t width = round_up(cols, kBlock);
+          // S = Q·K^T
+          for (int64_t r0 = 0; r0 < rp; r0 += kBlock) {
+            for (int64_t c0 = 0; c0 < width; c0 += kBlock) {
+              const uint32_t* b0 = kh + (j0 + c0) / 16 * chunks * kTileWords;
+              block_product(w.q.data() + r0 * Ep, Ep, b0, b0 + chunks * kTileWords, kTileWords,
+                            chunks, w.s.data() + r0 * kKeyTile + c0, kKeyTile, false);
+            }
+          }
+          // The online softmax, P in bfloat16.
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t i = i0 + r;
+            float* row = w.s.data() + r * kKeyTile;
+            Bf16* prow = w.p.data() + r * kKeyTile;
+            const int64_t limit =
+                a.causal ? std::clamp<int64_t>(i + offset + 1 - j0, 0, cols) : cols;
+            const bool plain = !a.mask && limit == width;
+            float tile_max;
+            if (plain) {
+              tile_max = row_max(row, width) * scale;
+            } else {
+              const Bf16* mrow =
+                  a.mask ? a.mask + n * a.mask_sn + h * a.mask_sh + i * a.mask_sl + j0 : nullptr;
+              for (int64_t c = 0; c < limit; ++c)
+                row[c] = row[c] * scale + (mrow ? widen(mrow[c]) : 0.0f);
+              for (int64_t c = limit; c < width; ++c) row[c] = neg_inf<float>();
+              tile_max = row_max(row, width);
+            }
+            const float m_new = std::max(w.m[r], tile_max);
+            if (m_new == neg_inf<float>()) {  // nothing kept so far in this row
+              std::fill(prow, prow + width, Bf16{0});
+              continue;
+            }
+            const float alpha = m_new == w.m[r] ? 1.0f : std::exp(w.m[r] - m_new);
+            const float sum = exp_to_bf16(row, width, m_new, plain ? scale : 1.0f, prow);
+            w.l[r] = w.l[r] * alpha + sum;
+            w.m[r] = m_new;
+            if (alpha != 1.0f) {
+              float* orow = w.o.data() + r * Mp;
+              for (int64_t c = 0; c < Mp; ++c) orow[c] *= alpha;
+            }
+          }
+          // O += P·V
+          const uint32_t* vchunk = vh + j0 / 32 * col_blocks * kTileWords;
+          for (int64_t r0 = 0; r0 < rp; r0 += kBlock) {
+            for (int64_t c0 = 0; c0 < Mp; c0 += kBlock) {
+              const uint32_t* b0 = vchunk + c0 / 16 * kTileWords;
+              block_product(w.p.data() + r0 * kKeyTile, kKeyTile, b0, b0 + kTileWords,
+                            col_blocks * kTileWords, width / 32, w.o.data() + r0 * Mp + c0, Mp,
+                            true);
+            }
+          }
+        }
+        const int64_t lo = a.out_rows.sr;
+        Bf16* out = a.out_rows.head(a.out, nh, H) + i0 * lo;
+        float* lse = a.lse + nh * L + i0;
+        for (int64_t r = 0; r < rows; ++r) {
+          const float l = w.l[r];
+          const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+          const float* orow = w.o.data() + r * Mp;
+          Bf16* dst = out + r * lo;
+          int64_t c = 0;
+          for (; c + 16 <= M; c += 16)
+            store_bf16(dst + c, _mm512_mul_ps(_mm512_loadu_ps(orow + c), _mm512_set1_ps(inv)));
+          for (; c < M; ++c) dst[c].bits = narrow_bits(orow[c] * inv);
+          lse[r] = l > 0.0f ? w.m[r] + std::log(l) : neg_inf<float>();
+        }
+      });
+}
+
+FASTATTN_ISA_END
+
+namespace fastattn::kernels {
+void full_attention_forward_amx(const FullAttentionForwardArgs<Bf16>& args) {
+  if (cpu_isa() != CpuIsa::kAmx)
+    throw std::logic_error(std::string("full_attention_forward_amx: the cpu capability is ") +
+                           cpu_isa_name(cpu_isa()) + ", not amx");
+  if (args.topk != 0)
+    throw std::invalid_argument("full_attention_forward_amx: topk must be 0, got " +
+                                std::to_string(args.topk));
+  isa_amx::full_attention_forward_amx(args);
+}
+}  // namespace fastattn::kernels
