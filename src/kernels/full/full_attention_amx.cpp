@@ -63,13 +63,6 @@ struct alignas(64) TileConfig {
 };
 static_assert(sizeof(TileConfig) == 64);
 
-inline float widen(Bf16 x) {
-  const uint32_t u = static_cast<uint32_t>(x.bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
 // Rounded to nearest even (NaN stays NaN), as vcvtneps2bf16 and torch do.
 inline uint16_t narrow_bits(float f) {
   uint32_t u;
@@ -88,12 +81,45 @@ inline uint32_t pair_bits(const Bf16* x, int64_t i, int64_t n) {
   return lo | hi << 16;
 }
 
+// The 16 × 16 32-bit words at src (rows ld words apart) transposed into dst
+// (rows 16 words apart): unpacks within 128-bit lanes, then lane shuffles.
+inline void transpose16x16(const uint32_t* src, int64_t ld, uint32_t* dst) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * ld);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  // r[4g + j]: rows 4g..4g+3 at columns j, j+4, j+8, j+12 (one per 128-bit lane).
+  for (int g = 0; g < 16; g += 4) {
+    r[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+    r[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+    r[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+    r[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512i v0 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88);
+    const __m512i w0 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xdd);
+    const __m512i v1 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88);
+    const __m512i w1 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xdd);
+    _mm512_storeu_si512(dst + j * 16, _mm512_shuffle_i32x4(v0, v1, 0x88));
+    _mm512_storeu_si512(dst + (j + 8) * 16, _mm512_shuffle_i32x4(v0, v1, 0xdd));
+    _mm512_storeu_si512(dst + (j + 4) * 16, _mm512_shuffle_i32x4(w0, w1, 0x88));
+    _mm512_storeu_si512(dst + (j + 12) * 16, _mm512_shuffle_i32x4(w0, w1, 0xdd));
+  }
+}
+
 // Keys [b·16, b·16 + 16) of a head (rows ld apart, S keys, E values each)
-// as the E chunks' B tiles of S = Q·K^T.
+// as the E chunks' B tiles of S = Q·K^T: a 32-bit transpose where the block
+// is whole (ld even, so that rows stay 4-byte aligned), else word by word.
 void pack_key_block(const Bf16* kh, int64_t ld, int64_t S, int64_t E, int64_t chunks, int64_t b,
                     uint32_t* dst) {
   for (int64_t c = 0; c < chunks; ++c) {
     uint32_t* t = dst + c * kTileWords;
+    if (b * 16 + 16 <= S && c * 32 + 32 <= E && ld % 2 == 0) {
+      transpose16x16(reinterpret_cast<const uint32_t*>(kh + b * 16 * ld + c * 32), ld / 2, t);
+      continue;
+    }
     for (int64_t n = 0; n < 16; ++n) {
       const int64_t key = b * 16 + n;
       for (int64_t k = 0; k < 16; ++k)
@@ -112,6 +138,14 @@ void pack_value_chunk(const Bf16* vh, int64_t ld, int64_t S, int64_t M, int64_t 
       const int64_t r0 = kc * 32 + 2 * k;
       const Bf16* a = r0 < S ? vh + r0 * ld : nullptr;
       const Bf16* b = r0 + 1 < S ? vh + (r0 + 1) * ld : nullptr;
+      if (b && cb * 16 + 16 <= M) {  // the two rows' 16 columns, interleaved
+        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(a + cb * 16)));
+        const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(b + cb * 16)));
+        _mm512_storeu_si512(t + k * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        continue;
+      }
       for (int64_t n = 0; n < 16; ++n) {
         const int64_t col = cb * 16 + n;
         const uint32_t lo = a && col < M ? a[col].bits : 0, hi = b && col < M ? b[col].bits : 0;
@@ -156,14 +190,37 @@ inline void block_product(const Bf16* a, int64_t lda, const uint32_t* b0, const 
   _tile_stored(3, c + 16 * ldc + 16, sc);
 }
 
+// row[c] = row[c] · scale + mask[c] for c < limit, -inf from there to
+// width (a multiple of 16); returns the row's max. The mask (bfloat16, no
+// read past limit) may be null.
+inline float prepare_row(float* row, const Bf16* mask, int64_t limit, int64_t width, float scale) {
+  const __m512 sc = _mm512_set1_ps(scale), cut = _mm512_set1_ps(neg_inf<float>());
+  __m512 mx = cut;
+  for (int64_t c = 0; c < width; c += 16) {
+    const int64_t n = std::clamp<int64_t>(limit - c, 0, 16);
+    const auto keep = static_cast<__mmask16>((1u << n) - 1);
+    __m512 x = _mm512_mul_ps(_mm512_loadu_ps(row + c), sc);
+    if (mask) {
+      const __m256i bits = _mm256_maskz_loadu_epi16(keep, mask + c);
+      x = _mm512_add_ps(x, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
+    }
+    x = _mm512_mask_blend_ps(keep, cut, x);
+    _mm512_storeu_ps(row + c, x);
+    mx = _mm512_max_ps(mx, x);
+  }
+  return Simd<float>::hmax(mx);
+}
+
 // 2^t, for P rounded to bfloat16 (8 significant bits): a degree-4
 // polynomial on the fraction (relative error 2.7e-6, least squares weighted
-// by 1/2^f on [-0.5, 0.5]) scaled by 2^n in one vscalefps; -inf (and
-// anything below -150) gives 0. Nine instructions where Simd<float>::exp
-// takes fifteen: the softmax, not the tiles, bounds this kernel (full forward
-// L = 4096: 17.7 ms of 39 were the products).
+// by 1/2^f on [-0.5, 0.5]) scaled by 2^n in one vscalefps; t below -125
+// (-inf, NaN) gives 0 through the mask, never a subnormal, whose microcode
+// assists made the causal forward slower than the full one. Nine
+// instructions where Simd<float>::exp takes fifteen: the softmax, not the
+// tiles, bounds this kernel (full forward L = 4096: 17.7 ms of 39 were the
+// products).
 inline __m512 exp2_bf16(__m512 t) {
-  t = _mm512_max_ps(t, _mm512_set1_ps(-150.0f));
+  const __mmask16 normal = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-125.0f), _CMP_GE_OQ);
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
   __m512 p = _mm512_set1_ps(0.00956051983579609f);
@@ -171,7 +228,7 @@ inline __m512 exp2_bf16(__m512 t) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402498165047564f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931219575470341f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999991904522163f));
-  return _mm512_scalef_ps(p, n);
+  return _mm512_maskz_scalef_ps(normal, p, n);
 }
 
 // p[0, width) = bfloat16(exp(row · scale - shift)); returns the float32 sum.
@@ -303,10 +360,7 @@ void full_attention_forward_amx(const FullAttentionForwardArgs<Bf16>& args) {
             } else {
               const Bf16* mrow =
                   a.mask ? a.mask + n * a.mask_sn + h * a.mask_sh + i * a.mask_sl + j0 : nullptr;
-              for (int64_t c = 0; c < limit; ++c)
-                row[c] = row[c] * scale + (mrow ? widen(mrow[c]) : 0.0f);
-              for (int64_t c = limit; c < width; ++c) row[c] = neg_inf<float>();
-              tile_max = row_max(row, width);
+              tile_max = prepare_row(row, mrow, limit, width, scale);
             }
             const float m_new = std::max(w.m[r], tile_max);
             if (m_new == neg_inf<float>()) {  // nothing kept so far in this row
