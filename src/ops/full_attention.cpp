@@ -51,6 +51,41 @@ std::tuple<Tensor, Tensor> forward_amx(const Tensor& q, const Tensor& k, const T
 #endif
 }
 
+// Its backward: delta in float32 from float32 copies of grad_out and out,
+// the gradients in bfloat16, in their inputs' row layouts.
+std::tuple<Tensor, Tensor, Tensor> backward_amx(const Tensor& grad_out, const Tensor& q,
+                                                const Tensor& k, const Tensor& v, const Tensor& out,
+                                                const Tensor& lse,
+                                                const c10::optional<Tensor>& attn_mask,
+                                                const c10::optional<Tensor>& key_lengths,
+                                                bool causal, double softmax_temp,
+                                                const c10::optional<Tensor>& grad_lse) {
+#if FASTATTN_CPU_ISA_MAX >= 3
+  auto p = ops::full_attention_inputs(q, k, v, attn_mask, key_lengths);
+  auto go = grad_out.to(q.scalar_type());
+  auto delta = ops::row_dots(go.to(torch::kFloat), out.to(torch::kFloat));
+  if (grad_lse) delta = delta - grad_lse->to(torch::kFloat);
+  delta = delta.contiguous();
+  auto lse_c = lse.to(torch::kFloat).contiguous();
+  auto gq = ops::empty_rows_like(q, q.size(3)), gk = ops::empty_rows_like(k, k.size(3)),
+       gv = ops::empty_rows_like(v, v.size(3));
+  go = ops::rows_contiguous(go);
+  kernels::FullAttentionBackwardArgs<kernels::Bf16> a;
+  ops::fill_full_attention_args(a, kOp, p, causal, softmax_temp);
+  a.grad_out = ops::kernel_data<kernels::Bf16>(go);
+  ops::set_grad_rows(a, go, gq, gk, gv);
+  a.lse = lse_c.data_ptr<float>();
+  a.delta = delta.data_ptr<float>();
+  a.grad_q = ops::kernel_data<kernels::Bf16>(gq);
+  a.grad_k = ops::kernel_data<kernels::Bf16>(gk);
+  a.grad_v = ops::kernel_data<kernels::Bf16>(gv);
+  kernels::full_attention_backward_amx(a);
+  return {gq, gk, gv};
+#else
+  TORCH_CHECK(false, kOp, ": no AMX kernels in this build");
+#endif
+}
+
 std::tuple<Tensor, Tensor> full_attention_forward_cpu(const Tensor& q, const Tensor& k,
                                                       const Tensor& v,
                                                       const c10::optional<Tensor>& attn_mask,
@@ -94,6 +129,9 @@ std::tuple<Tensor, Tensor, Tensor> full_attention_backward_cpu(
     const c10::optional<Tensor>& grad_lse) {
   check_inputs(q, k, v, attn_mask, key_lengths);
   ops::check_full_attention_grads(grad_out, out, lse, grad_lse);
+  if (q.scalar_type() == torch::kBFloat16 && kernels::cpu_isa() == kernels::CpuIsa::kAmx)
+    return backward_amx(grad_out, q, k, v, out, lse, attn_mask, key_lengths, causal, softmax_temp,
+                        grad_lse);
   if (ops::is_reduced_float(q)) {
     return ops::in_rows_layouts_of(
         ops::in_float32(q.scalar_type(), full_attention_backward_cpu, grad_out, q, k, v, out, lse,

@@ -130,9 +130,10 @@ std::tuple<torch::Tensor, torch::Tensor> forward_op(const torch::Tensor& q, cons
   return op.call(q, k, v, mask, lengths, causal, temp);
 }
 
-// Every shape above in bfloat16 at the amx level, against float64 on the same
-// (rounded) values. P is rounded to bfloat16 before P·V and out once more:
-// within 4 units of bfloat16 rounding (2^-8) of the largest output (seen:
+// Every shape above in bfloat16 at the amx level, forward and backward,
+// against float64 on the same (rounded) values. P and dS are rounded to
+// bfloat16 before their products and the results once more: within 4 units
+// of bfloat16 rounding (2^-8) of the largest value of each result (seen:
 // under 2 units). A kernel that dropped a key tile or a tile's padding fails.
 TEST_P(FullAttentionCases, Bfloat16OnAmxMatchesFloat64) {
   if (!kernels::cpu_isa_supported(kernels::CpuIsa::kAmx)) GTEST_SKIP() << "no AMX on this CPU";
@@ -140,14 +141,25 @@ TEST_P(FullAttentionCases, Bfloat16OnAmxMatchesFloat64) {
   const auto oc = make_case(GetParam());
   Inputs b, d;
   for (const auto& t : oc.make_inputs(11)) {
-    b.push_back(t.to(torch::kBFloat16));
-    d.push_back(b.back().to(torch::kDouble));
+    b.push_back(t.to(torch::kBFloat16).requires_grad_());
+    d.push_back(b.back().detach().to(torch::kDouble).requires_grad_());
   }
   const auto out = oc.op(b);
   ASSERT_EQ(out.scalar_type(), torch::kBFloat16);
   const auto ref = oc.reference(d);
-  const double scale = std::max(1.0, ref.abs().max().item<double>());
-  EXPECT_LE(testing::max_abs_diff(out.to(torch::kDouble), ref), 4 * std::ldexp(1.0, -8) * scale);
+  const auto grad_out = torch::randn_like(ref).to(torch::kBFloat16);
+  out.backward(grad_out);
+  ref.backward(grad_out.to(torch::kDouble));
+  auto close = [](const torch::Tensor& got, const torch::Tensor& want) {
+    const double scale = std::max(1.0, want.abs().max().item<double>());
+    return testing::max_abs_diff(got.to(torch::kDouble), want) <= 4 * std::ldexp(1.0, -8) * scale;
+  };
+  EXPECT_TRUE(close(out, ref.detach())) << "out";
+  const char* names[] = {"grad q", "grad k", "grad v"};
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_EQ(b[i].grad().scalar_type(), torch::kBFloat16);
+    EXPECT_TRUE(close(b[i].grad(), d[i].grad())) << names[i];
+  }
 }
 
 // The operator's bfloat16 forward at the amx level is the AMX kernel's, bit
@@ -209,7 +221,7 @@ TEST(FullAttention, Bfloat16OperatorRunsTheAmxKernel) {
             1e-4 * (1 + lse_d.masked_select(finite).abs().max().item<double>()));
 }
 
-TEST(FullAttention, AmxKernelRefusesAnotherLevelAndTopk) {
+TEST(FullAttention, AmxKernelsRefuseAnotherLevelTopkAndAccumulate) {
   if (!kernels::cpu_isa_supported(kernels::CpuIsa::kAmx)) GTEST_SKIP() << "no AMX on this CPU";
   kernels::FullAttentionForwardArgs<kernels::Bf16> a;
   {
@@ -219,6 +231,9 @@ TEST(FullAttention, AmxKernelRefusesAnotherLevelAndTopk) {
   IsaGuard guard(kernels::CpuIsa::kAmx);
   a.topk = 3;
   EXPECT_THROW(kernels::full_attention_forward_amx(a), std::invalid_argument);
+  kernels::FullAttentionBackwardArgs<kernels::Bf16> g;
+  g.accumulate = true;
+  EXPECT_THROW(kernels::full_attention_backward_amx(g), std::invalid_argument);
 }
 
 TEST(FullAttention, LongSequenceFloat32MatchesFloat64Reference) {

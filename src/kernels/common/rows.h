@@ -57,9 +57,9 @@ void resolve_grad_rows(Params& p) {
 template <typename T>
 void zero_rows(T* x, int64_t rows, int64_t cols, int64_t ld) {
   if (ld == cols) {
-    std::fill(x, x + rows * cols, T(0));
+    std::fill(x, x + rows * cols, T{});
   } else {
-    for (int64_t r = 0; r < rows; ++r) std::fill(x + r * ld, x + r * ld + cols, T(0));
+    for (int64_t r = 0; r < rows; ++r) std::fill(x + r * ld, x + r * ld + cols, T{});
   }
 }
 

@@ -72,5 +72,9 @@ void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& args);
 // float32 until it is written. Only where cpu_isa() is CpuIsa::kAmx (else
 // std::logic_error); topk must be 0.
 void full_attention_forward_amx(const FullAttentionForwardArgs<Bf16>& args);
+// Its backward on bfloat16 q, k, v, grad_out (and mask), float32 lse and
+// delta, bfloat16 gradients; the same level condition; accumulate must be
+// false.
+void full_attention_backward_amx(const FullAttentionBackwardArgs<Bf16>& args);
 
 }  // namespace fastattn::kernels

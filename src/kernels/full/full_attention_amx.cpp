@@ -244,12 +244,10 @@ inline float exp_to_bf16(const float* row, int64_t width, float shift, float sca
   return Simd<float>::hsum(sum);
 }
 
-struct Scratch {
-  std::vector<Bf16> q, p;     // the query tile (rows × Ep), P (rows × kKeyTile)
-  std::vector<float> s, o;    // scores (rows × kKeyTile), O (rows × Mp)
-  std::vector<float> m, l;    // running row max and sum
+// This thread's tile configuration, loaded by configure() and released
+// when the thread's scratch goes.
+struct Tiles {
   bool configured = false;
-
   void configure() {
     TileConfig cfg;
     for (int t = 0; t < 8; ++t) {
@@ -259,12 +257,277 @@ struct Scratch {
     _tile_loadconfig(&cfg);
     configured = true;
   }
-  ~Scratch() {
+  ~Tiles() {
     if (configured) _tile_release();
   }
 };
 
+struct Scratch {
+  std::vector<Bf16> q, p;   // the query tile (rows × Ep), P (rows × kKeyTile)
+  std::vector<float> s, o;  // scores (rows × kKeyTile), O (rows × Mp)
+  std::vector<float> m, l;  // running row max and sum
+  Tiles tiles;
+};
+
+// rows × cols of a head (rows ld apart) into dst (rp × cp, zero-padded),
+// and, when dst_t is given, transposed into dst_t (cp × rp).
+void copy_padded(const Bf16* src, int64_t ld, int64_t rows, int64_t cols, int64_t rp, int64_t cp,
+                 Bf16* dst, Bf16* dst_t) {
+  for (int64_t r = 0; r < rp; ++r) {
+    Bf16* d = dst + r * cp;
+    if (r < rows) {
+      std::copy(src + r * ld, src + r * ld + cols, d);
+      std::fill(d + cols, d + cp, Bf16{0});
+    } else {
+      std::fill(d, d + cp, Bf16{0});
+    }
+  }
+  if (!dst_t) return;
+  for (int64_t c = 0; c < cp; ++c)
+    for (int64_t r = 0; r < rp; ++r) dst_t[c * rp + r] = dst[r * cp + c];
+}
+
+// Rows r and r + 1 (float32, 16 keys each) as one B-tile row over queries:
+// the 16 words (x[r][n] | x[r + 1][n] << 16) in bfloat16.
+inline void store_pair_row(const float* x0, const float* x1, uint32_t* dst) {
+  const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x0)));
+  const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x1)));
+  _mm512_storeu_si512(dst, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+}
+
+constexpr int64_t kBwdKeys = 64;      // keys per backward tile
+constexpr int64_t kBwdQueries = 128;  // queries per step over a key tile
+
+struct BackwardScratch {
+  std::vector<float> s, dp;          // P and dS in float32 (kBwdQueries × kBwdKeys)
+  std::vector<uint32_t> pp, dsp;     // P and dS as B tiles over queries
+  std::vector<Bf16> ds;              // dS rows in bfloat16 (A of dQ)
+  std::vector<float> dkt, dvt;       // dK^T (Ep × kBwdKeys), dV^T (Mp × kBwdKeys)
+  Tiles tiles;
+};
+
 }  // namespace
+
+// The backward (FlashAttention-2 order, as the float32 kernel) with the five
+// products per (key tile, query step) on tiles:
+//   S = Q·K^T and dP = dO·V^T   (A: Q, dO rows; B: K, V 32-bit transposed),
+//   dV^T += dO^T·P, dK^T += Q^T·dS   (A: dO^T, Q^T; B: P, dS over queries),
+//   dQ += dS·K   (A: dS rows; B: K's row pairs interleaved);
+// P = exp(S·scale + mask - lse) and dS = P ∘ (dP - delta) · scale in float32.
+void full_attention_backward_amx(const FullAttentionBackwardArgs<Bf16>& args) {
+  auto a = args;
+  resolve_qkv_rows(a);
+  resolve_grad_rows(a);
+  const int64_t N = a.N, H = a.H, L = a.L, S = a.S, E = a.E, M = a.M;
+  const int64_t NH = N * H;
+  if (NH == 0 || L == 0 || S == 0) {
+    zero_all_rows(a.grad_q, a.grad_q_rows, NH, H, L, E);
+    zero_all_rows(a.grad_k, a.grad_k_rows, NH, H, S, E);
+    if (a.grad_v) zero_all_rows(a.grad_v, a.grad_v_rows, NH, H, S, M);
+    return;
+  }
+  const int64_t Ep = round_up(E, kBlock), Mp = round_up(M, kBlock), Sp = round_up(S, kBwdKeys);
+  const int64_t Lp = round_up(L, kBlock);
+  const int64_t e_chunks = Ep / 32, m_chunks = Mp / 32, e_blocks = Ep / 16;
+  // Per head: K and V 32-bit transposed (B of S, dP), K's row pairs (B of
+  // dQ), Q and dO padded (A of S, dP) and transposed (A of dK^T, dV^T).
+  const int64_t wk = Sp * Ep / 2, wv = Sp * Mp / 2;
+  ScratchArray<uint32_t> kt(static_cast<size_t>(NH * wk)), vt(static_cast<size_t>(NH * wv)),
+      kpair(static_cast<size_t>(NH * wk));
+  ScratchArray<Bf16> qr(static_cast<size_t>(NH * Lp * Ep)), qt(static_cast<size_t>(NH * Lp * Ep)),
+      dor(static_cast<size_t>(NH * Lp * Mp)), dot(static_cast<size_t>(NH * Lp * Mp));
+  {
+    struct None {};
+    const int64_t chunks32 = Sp / kBlock;
+    parallel_items<None>(
+        NH * (chunks32 + 1), a.num_threads, [](None&) {},
+        [&](int64_t item, None&) {
+          const int64_t nh = item / (chunks32 + 1), kc = item % (chunks32 + 1);
+          if (kc == chunks32) {  // this head's queries and output gradients
+            copy_padded(a.q_rows.head(a.q, nh, H), a.q_rows.sr, L, E, Lp, Ep,
+                        qr.get() + nh * Lp * Ep, qt.get() + nh * Lp * Ep);
+            copy_padded(a.grad_out_rows.head(a.grad_out, nh, H), a.grad_out_rows.sr, L, M, Lp, Mp,
+                        dor.get() + nh * Lp * Mp, dot.get() + nh * Lp * Mp);
+            return;
+          }
+          const Bf16* kh = a.k_rows.head(a.k, nh, H);
+          const Bf16* vh = a.v_rows.head(a.v, nh, H);
+          for (int64_t b = 2 * kc; b < 2 * kc + 2; ++b) {
+            pack_key_block(kh, a.k_rows.sr, S, E, e_chunks, b,
+                           kt.get() + nh * wk + b * e_chunks * kTileWords);
+            pack_key_block(vh, a.v_rows.sr, S, M, m_chunks, b,
+                           vt.get() + nh * wv + b * m_chunks * kTileWords);
+          }
+          pack_value_chunk(kh, a.k_rows.sr, S, E, e_blocks, kc,
+                           kpair.get() + nh * wk + kc * e_blocks * kTileWords);
+        });
+  }
+
+  const int64_t k_tiles = (S + kBwdKeys - 1) / kBwdKeys;
+  const int64_t offset = S - L;
+  const int64_t splits =
+      std::min<int64_t>(k_tiles, std::max<int64_t>(1, (2 * a.num_threads + NH - 1) / NH));
+  ScratchArray<float> dq_parts(static_cast<size_t>(NH * splits * Lp * Ep));
+  const float scale = a.scale;
+  constexpr float kLog2e = 1.4426950408889634f;
+
+  parallel_items<BackwardScratch>(
+      NH * splits, a.num_threads,
+      [&](BackwardScratch& w) {
+        w.s.resize(kBwdQueries * kBwdKeys);
+        w.dp.resize(kBwdQueries * kBwdKeys);
+        w.pp.resize(kBwdQueries * kBwdKeys / 2);
+        w.dsp.resize(kBwdQueries * kBwdKeys / 2);
+        w.ds.resize(kBwdQueries * kBwdKeys);
+        w.dkt.resize(Ep * kBwdKeys);
+        w.dvt.resize(Mp * kBwdKeys);
+        w.tiles.configure();
+      },
+      [&](int64_t item, BackwardScratch& w) {
+        const int64_t nh = item / splits, split = item % splits, n = nh / H, h = nh % H;
+        const int64_t len = a.key_lengths ? a.key_lengths[n] : S;
+        const Bf16* qrh = qr.get() + nh * Lp * Ep;
+        const Bf16* qth = qt.get() + nh * Lp * Ep;
+        const Bf16* dorh = dor.get() + nh * Lp * Mp;
+        const Bf16* doth = dot.get() + nh * Lp * Mp;
+        const uint32_t* kth = kt.get() + nh * wk;
+        const uint32_t* vth = vt.get() + nh * wv;
+        const uint32_t* kph = kpair.get() + nh * wk;
+        const float* lse = a.lse + nh * L;
+        const float* delta = a.delta + nh * L;
+        float* dq = dq_parts.get() + (nh * splits + split) * Lp * Ep;
+        std::fill(dq, dq + Lp * Ep, 0.0f);
+        // Key tiles past the length are never visited: zero their gradients.
+        for (int64_t t = split; t < k_tiles; t += splits) {
+          const int64_t j0 = std::max(t * kBwdKeys, len), j1 = std::min((t + 1) * kBwdKeys, S);
+          if (j0 >= j1) continue;
+          zero_rows(a.grad_k_rows.head(a.grad_k, nh, H) + j0 * a.grad_k_rows.sr, j1 - j0, E,
+                    a.grad_k_rows.sr);
+          if (a.grad_v)
+            zero_rows(a.grad_v_rows.head(a.grad_v, nh, H) + j0 * a.grad_v_rows.sr, j1 - j0, M,
+                      a.grad_v_rows.sr);
+        }
+        for (int64_t t = split; t * kBwdKeys < len; t += splits) {
+          const int64_t j0 = t * kBwdKeys;
+          const int64_t cols = std::min(kBwdKeys, len - j0);
+          const int64_t width = round_up(cols, kBlock);
+          std::fill(w.dkt.begin(), w.dkt.end(), 0.0f);
+          std::fill(w.dvt.begin(), w.dvt.end(), 0.0f);
+          const int64_t i_start =
+              a.causal ? std::max<int64_t>(0, j0 - offset) / kBlock * kBlock : 0;
+          for (int64_t i0 = i_start; i0 < L; i0 += kBwdQueries) {
+            const int64_t rows = std::min(kBwdQueries, L - i0);
+            const int64_t rp = round_up(rows, kBlock);
+            // S and dP, 32 × 32 blocks.
+            for (int64_t r0 = 0; r0 < rp; r0 += kBlock) {
+              for (int64_t c0 = 0; c0 < width; c0 += kBlock) {
+                const uint32_t* kb = kth + (j0 + c0) / 16 * e_chunks * kTileWords;
+                block_product(qrh + (i0 + r0) * Ep, Ep, kb, kb + e_chunks * kTileWords,
+                              kTileWords, e_chunks, w.s.data() + r0 * kBwdKeys + c0, kBwdKeys,
+                              false);
+                const uint32_t* vb = vth + (j0 + c0) / 16 * m_chunks * kTileWords;
+                block_product(dorh + (i0 + r0) * Mp, Mp, vb, vb + m_chunks * kTileWords,
+                              kTileWords, m_chunks, w.dp.data() + r0 * kBwdKeys + c0, kBwdKeys,
+                              false);
+              }
+            }
+            // P and dS in float32 (in place of S and dP); rows past L and
+            // rows without a kept key give zeros.
+            for (int64_t r = 0; r < rp; ++r) {
+              const int64_t i = i0 + r;
+              float* prow = w.s.data() + r * kBwdKeys;
+              float* dsrow = w.dp.data() + r * kBwdKeys;
+              if (r >= rows || lse[i] == neg_inf<float>()) {
+                std::fill(prow, prow + width, 0.0f);
+                std::fill(dsrow, dsrow + width, 0.0f);
+                continue;
+              }
+              const int64_t limit =
+                  a.causal ? std::clamp<int64_t>(i + offset + 1 - j0, 0, cols) : cols;
+              float sc = scale * kLog2e;
+              if (a.mask || limit != width) {
+                const Bf16* mrow =
+                    a.mask ? a.mask + n * a.mask_sn + h * a.mask_sh + i * a.mask_sl + j0 : nullptr;
+                prepare_row(prow, mrow, limit, width, scale);
+                sc = kLog2e;
+              }
+              const __m512 vsc = _mm512_set1_ps(sc), vsh = _mm512_set1_ps(-lse[i] * kLog2e);
+              const __m512 vd = _mm512_set1_ps(delta[i]), vscale = _mm512_set1_ps(scale);
+              for (int64_t c = 0; c < width; c += 16) {
+                const __m512 pv = exp2_bf16(_mm512_fmadd_ps(_mm512_loadu_ps(prow + c), vsc, vsh));
+                _mm512_storeu_ps(prow + c, pv);
+                const __m512 g = _mm512_sub_ps(_mm512_loadu_ps(dsrow + c), vd);
+                _mm512_storeu_ps(dsrow + c, _mm512_mul_ps(_mm512_mul_ps(pv, g), vscale));
+              }
+            }
+            // P and dS as B tiles over queries ([32-query chunk][16-key
+            // block][pair][key]), dS rows in bfloat16.
+            const int64_t kb16 = width / 16;
+            for (int64_t r = 0; r < rp; r += 2) {
+              for (int64_t b = 0; b < kb16; ++b) {
+                const int64_t at = ((r / 32) * (kBwdKeys / 16) + b) * kTileWords + (r % 32) / 2 * 16;
+                store_pair_row(w.s.data() + r * kBwdKeys + b * 16,
+                               w.s.data() + (r + 1) * kBwdKeys + b * 16, w.pp.data() + at);
+                store_pair_row(w.dp.data() + r * kBwdKeys + b * 16,
+                               w.dp.data() + (r + 1) * kBwdKeys + b * 16, w.dsp.data() + at);
+              }
+            }
+            for (int64_t r = 0; r < rp; ++r)
+              for (int64_t c = 0; c < width; c += 16)
+                store_bf16(w.ds.data() + r * kBwdKeys + c,
+                           _mm512_loadu_ps(w.dp.data() + r * kBwdKeys + c));
+            // dV^T += dO^T·P and dK^T += Q^T·dS over these queries.
+            const int64_t qchunks = rp / 32, bstride = (kBwdKeys / 16) * kTileWords;
+            for (int64_t c0 = 0; c0 < width; c0 += kBlock) {
+              const uint32_t* pb = w.pp.data() + c0 / 16 * kTileWords;
+              const uint32_t* db = w.dsp.data() + c0 / 16 * kTileWords;
+              if (a.grad_v) {
+                for (int64_t m0 = 0; m0 < Mp; m0 += kBlock)
+                  block_product(doth + m0 * Lp + i0, Lp, pb, pb + kTileWords, bstride, qchunks,
+                                w.dvt.data() + m0 * kBwdKeys + c0, kBwdKeys, true);
+              }
+              for (int64_t e0 = 0; e0 < Ep; e0 += kBlock)
+                block_product(qth + e0 * Lp + i0, Lp, db, db + kTileWords, bstride, qchunks,
+                              w.dkt.data() + e0 * kBwdKeys + c0, kBwdKeys, true);
+            }
+            // dQ += dS·K
+            const uint32_t* kc = kph + j0 / 32 * e_blocks * kTileWords;
+            for (int64_t r0 = 0; r0 < rp; r0 += kBlock)
+              for (int64_t e0 = 0; e0 < Ep; e0 += kBlock)
+                block_product(w.ds.data() + r0 * kBwdKeys, kBwdKeys, kc + e0 / 16 * kTileWords,
+                              kc + (e0 / 16 + 1) * kTileWords, e_blocks * kTileWords, width / 32,
+                              dq + (i0 + r0) * Ep + e0, Ep, true);
+          }
+          // dK and dV of this key tile, transposed back and rounded.
+          Bf16* gk = a.grad_k_rows.head(a.grad_k, nh, H) + j0 * a.grad_k_rows.sr;
+          for (int64_t c = 0; c < cols; ++c)
+            for (int64_t e = 0; e < E; ++e)
+              gk[c * a.grad_k_rows.sr + e].bits = narrow_bits(w.dkt[e * kBwdKeys + c]);
+          if (a.grad_v) {
+            Bf16* gv = a.grad_v_rows.head(a.grad_v, nh, H) + j0 * a.grad_v_rows.sr;
+            for (int64_t c = 0; c < cols; ++c)
+              for (int64_t m = 0; m < M; ++m)
+                gv[c * a.grad_v_rows.sr + m].bits = narrow_bits(w.dvt[m * kBwdKeys + c]);
+          }
+        }
+      });
+
+  // dQ: the splits' parts summed, rounded once.
+  struct None {};
+  parallel_items<None>(
+      NH, a.num_threads, [](None&) {},
+      [&](int64_t nh, None&) {
+        Bf16* dst = a.grad_q_rows.head(a.grad_q, nh, H);
+        const float* part = dq_parts.get() + nh * splits * Lp * Ep;
+        for (int64_t i = 0; i < L; ++i) {
+          for (int64_t e = 0; e < E; ++e) {
+            float sum = 0;
+            for (int64_t sp = 0; sp < splits; ++sp) sum += part[sp * Lp * Ep + i * Ep + e];
+            dst[i * a.grad_q_rows.sr + e].bits = narrow_bits(sum);
+          }
+        }
+      });
+}
 
 void full_attention_forward_amx(const FullAttentionForwardArgs<Bf16>& args) {
   auto a = args;
@@ -310,7 +573,7 @@ void full_attention_forward_amx(const FullAttentionForwardArgs<Bf16>& args) {
         w.o.resize(br * Mp);
         w.m.resize(br);
         w.l.resize(br);
-        w.configure();
+        w.tiles.configure();
       },
       [&](int64_t item, Scratch& w) {
         const int64_t nh = item / q_tiles, n = nh / H, h = nh % H;
@@ -415,5 +678,14 @@ void full_attention_forward_amx(const FullAttentionForwardArgs<Bf16>& args) {
     throw std::invalid_argument("full_attention_forward_amx: topk must be 0, got " +
                                 std::to_string(args.topk));
   isa_amx::full_attention_forward_amx(args);
+}
+
+void full_attention_backward_amx(const FullAttentionBackwardArgs<Bf16>& args) {
+  if (cpu_isa() != CpuIsa::kAmx)
+    throw std::logic_error(std::string("full_attention_backward_amx: the cpu capability is ") +
+                           cpu_isa_name(cpu_isa()) + ", not amx");
+  if (args.accumulate)
+    throw std::invalid_argument("full_attention_backward_amx: accumulate is not supported");
+  isa_amx::full_attention_backward_amx(args);
 }
 }  // namespace fastattn::kernels
