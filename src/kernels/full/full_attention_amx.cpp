@@ -630,11 +630,14 @@ void full_attention_forward_amx(const FullAttentionForwardArgs<Bf16>& args) {
               std::fill(prow, prow + width, Bf16{0});
               continue;
             }
-            const float alpha = m_new == w.m[r] ? 1.0f : std::exp(w.m[r] - m_new);
+            // 1 when the max held, 0 for the row's first kept keys (O and l
+            // are still zero: no call, no rescale).
+            const bool first = w.m[r] == neg_inf<float>();
+            const float alpha = m_new == w.m[r] ? 1.0f : first ? 0.0f : std::exp(w.m[r] - m_new);
             const float sum = exp_to_bf16(row, width, m_new, plain ? scale : 1.0f, prow);
             w.l[r] = w.l[r] * alpha + sum;
             w.m[r] = m_new;
-            if (alpha != 1.0f) {
+            if (alpha != 1.0f && !first) {
               float* orow = w.o.data() + r * Mp;
               for (int64_t c = 0; c < Mp; ++c) orow[c] *= alpha;
             }
