@@ -1,7 +1,8 @@
-// CPU kernel of fused softmax attention's forward on bfloat16 operands with
-// the products on AMX tiles (see full_attention.h). Compiled at the amx level
-// only (CMakeLists.txt: the *_amx.cpp sources); chosen by the op layer for
-// bfloat16 inputs when cpu_isa() is CpuIsa::kAmx.
+// CPU kernels of fused softmax attention's forward and backward on bfloat16
+// operands with the products on AMX tiles (see full_attention.h). Compiled at
+// the amx level only (CMakeLists.txt: the *_amx.cpp sources); chosen by the
+// op layer for bfloat16 inputs when cpu_isa() is CpuIsa::kAmx. The forward
+// is described here, the backward at full_attention_backward_amx.
 //
 // AMX (Intel's Advanced Matrix Extensions): eight tile registers of up to 16
 // rows × 64 bytes; tdpbf16ps C += A·B takes A as 16 rows of 32 bfloat16, B
