@@ -7,8 +7,8 @@
 //   avx512   AVX-512 F/BW/DQ/VL/CD on top of avx2: 16 floats per vector
 //   amx      avx512 plus AVX512-BF16 and AMX (TILE, BF16), with the OS's
 //            permission to use the tiles: bfloat16 operands multiplied on
-//            AMX tiles (the kernels with an _amx variant, e.g. full
-//            attention's forward); every other kernel runs its avx512 code
+//            AMX tiles (the kernels with an _amx variant: full attention's
+//            forward and backward); every other kernel runs its avx512 code
 // The best level the CPU runs is used unless the environment variable
 // FASTATTN_CPU_CAPABILITY (read once, at the first kernel call) or
 // set_cpu_isa() asks for a lower one, as PyTorch's ATEN_CPU_CAPABILITY does:
