@@ -125,8 +125,8 @@ std::tuple<torch::Tensor, torch::Tensor> forward_op(const torch::Tensor& q, cons
                        .findSchemaOrThrow("fastattn::full_attention_forward", "")
                        .typed<std::tuple<torch::Tensor, torch::Tensor>(
                            const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                           const c10::optional<torch::Tensor>&,
-                           const c10::optional<torch::Tensor>&, bool, double)>();
+                           const c10::optional<torch::Tensor>&, const c10::optional<torch::Tensor>&,
+                           bool, double)>();
   return op.call(q, k, v, mask, lengths, causal, temp);
 }
 
@@ -209,9 +209,8 @@ TEST(FullAttention, Bfloat16OperatorRunsTheAmxKernel) {
   EXPECT_TRUE(torch::equal(out.contiguous(), out_k));
   EXPECT_TRUE(torch::equal(lse, lse_k));
 
-  auto [out_d, lse_d] = forward_op(q.to(torch::kDouble), k.to(torch::kDouble),
-                                   v.to(torch::kDouble), mask_b.to(torch::kDouble), lengths, true,
-                                   temp);
+  auto [out_d, lse_d] = forward_op(q.to(torch::kDouble), k.to(torch::kDouble), v.to(torch::kDouble),
+                                   mask_b.to(torch::kDouble), lengths, true, temp);
   EXPECT_LE(testing::max_abs_diff(out.to(torch::kDouble), out_d),
             4 * std::ldexp(1.0, -8) * std::max(1.0, out_d.abs().max().item<double>()));
   const auto finite = torch::isfinite(lse_d);

@@ -64,6 +64,24 @@ void zero_rows(T* x, int64_t rows, int64_t cols, int64_t ld) {
 }
 
 // Sets `rows` rows of `cols` entries of every head of x (layout s) to zero.
+// Zeroes the rows [max(t·tile, len), min((t + 1)·tile, S)) of head nh's
+// grad_k and (when not null) grad_v for the key tiles t = split,
+// split + splits, ...: the rows past a key length that a backward work item
+// owns but never visits.
+template <typename Args>
+void zero_key_grads_past(const Args& a, int64_t nh, int64_t len, int64_t tile, int64_t split,
+                         int64_t splits) {
+  for (int64_t t = split; t * tile < a.S; t += splits) {
+    const int64_t j0 = std::max(t * tile, len), j1 = std::min((t + 1) * tile, a.S);
+    if (j0 >= j1) continue;
+    zero_rows(a.grad_k_rows.head(a.grad_k, nh, a.H) + j0 * a.grad_k_rows.sr, j1 - j0, a.E,
+              a.grad_k_rows.sr);
+    if (a.grad_v)
+      zero_rows(a.grad_v_rows.head(a.grad_v, nh, a.H) + j0 * a.grad_v_rows.sr, j1 - j0, a.M,
+                a.grad_v_rows.sr);
+  }
+}
+
 template <typename T>
 void zero_all_rows(T* x, const RowStrides& s, int64_t NH, int64_t H, int64_t rows, int64_t cols) {
   for (int64_t nh = 0; nh < NH; ++nh) zero_rows(s.head(x, nh, H), rows, cols, s.sr);

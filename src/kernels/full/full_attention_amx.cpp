@@ -140,10 +140,10 @@ void pack_value_chunk(const Bf16* vh, int64_t ld, int64_t S, int64_t M, int64_t 
       const Bf16* a = r0 < S ? vh + r0 * ld : nullptr;
       const Bf16* b = r0 + 1 < S ? vh + (r0 + 1) * ld : nullptr;
       if (b && cb * 16 + 16 <= M) {  // the two rows' 16 columns, interleaved
-        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(a + cb * 16)));
-        const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(b + cb * 16)));
+        const __m512i lo = _mm512_cvtepu16_epi32(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + cb * 16)));
+        const __m512i hi = _mm512_cvtepu16_epi32(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + cb * 16)));
         _mm512_storeu_si512(t + k * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
         continue;
       }
@@ -161,8 +161,7 @@ void pack_value_chunk(const Bf16* vh, int64_t ld, int64_t S, int64_t M, int64_t 
 // and the B tiles b0 (columns 0-15) and b1 (16-31), each `chunks` tiles
 // bstride words apart. accumulate: C's tiles are loaded first.
 inline void block_product(const Bf16* a, int64_t lda, const uint32_t* b0, const uint32_t* b1,
-                          int64_t bstride, int64_t chunks, float* c, int64_t ldc,
-                          bool accumulate) {
+                          int64_t bstride, int64_t chunks, float* c, int64_t ldc, bool accumulate) {
   const int64_t sa = lda * 2, sc = ldc * 4;
   if (accumulate) {
     _tile_loadd(0, c, sc);
@@ -300,10 +299,10 @@ constexpr int64_t kBwdKeys = 64;      // keys per backward tile
 constexpr int64_t kBwdQueries = 128;  // queries per step over a key tile
 
 struct BackwardScratch {
-  std::vector<float> s, dp;          // P and dS in float32 (kBwdQueries × kBwdKeys)
-  std::vector<uint32_t> pp, dsp;     // P and dS as B tiles over queries
-  std::vector<Bf16> ds;              // dS rows in bfloat16 (A of dQ)
-  std::vector<float> dkt, dvt;       // dK^T (Ep × kBwdKeys), dV^T (Mp × kBwdKeys)
+  std::vector<float> s, dp;       // P and dS in float32 (kBwdQueries × kBwdKeys)
+  std::vector<uint32_t> pp, dsp;  // P and dS as B tiles over queries
+  std::vector<Bf16> ds;           // dS rows in bfloat16 (A of dQ)
+  std::vector<float> dkt, dvt;    // dK^T (Ep × kBwdKeys), dV^T (Mp × kBwdKeys)
   Tiles tiles;
 };
 
@@ -398,16 +397,7 @@ void full_attention_backward_amx(const FullAttentionBackwardArgs<Bf16>& args) {
         const float* delta = a.delta + nh * L;
         float* dq = dq_parts.get() + (nh * splits + split) * Lp * Ep;
         std::fill(dq, dq + Lp * Ep, 0.0f);
-        // Key tiles past the length are never visited: zero their gradients.
-        for (int64_t t = split; t < k_tiles; t += splits) {
-          const int64_t j0 = std::max(t * kBwdKeys, len), j1 = std::min((t + 1) * kBwdKeys, S);
-          if (j0 >= j1) continue;
-          zero_rows(a.grad_k_rows.head(a.grad_k, nh, H) + j0 * a.grad_k_rows.sr, j1 - j0, E,
-                    a.grad_k_rows.sr);
-          if (a.grad_v)
-            zero_rows(a.grad_v_rows.head(a.grad_v, nh, H) + j0 * a.grad_v_rows.sr, j1 - j0, M,
-                      a.grad_v_rows.sr);
-        }
+        zero_key_grads_past(a, nh, len, kBwdKeys, split, splits);
         for (int64_t t = split; t * kBwdKeys < len; t += splits) {
           const int64_t j0 = t * kBwdKeys;
           const int64_t cols = std::min(kBwdKeys, len - j0);
@@ -423,13 +413,11 @@ void full_attention_backward_amx(const FullAttentionBackwardArgs<Bf16>& args) {
             for (int64_t r0 = 0; r0 < rp; r0 += kBlock) {
               for (int64_t c0 = 0; c0 < width; c0 += kBlock) {
                 const uint32_t* kb = kth + (j0 + c0) / 16 * e_chunks * kTileWords;
-                block_product(qrh + (i0 + r0) * Ep, Ep, kb, kb + e_chunks * kTileWords,
-                              kTileWords, e_chunks, w.s.data() + r0 * kBwdKeys + c0, kBwdKeys,
-                              false);
+                block_product(qrh + (i0 + r0) * Ep, Ep, kb, kb + e_chunks * kTileWords, kTileWords,
+                              e_chunks, w.s.data() + r0 * kBwdKeys + c0, kBwdKeys, false);
                 const uint32_t* vb = vth + (j0 + c0) / 16 * m_chunks * kTileWords;
-                block_product(dorh + (i0 + r0) * Mp, Mp, vb, vb + m_chunks * kTileWords,
-                              kTileWords, m_chunks, w.dp.data() + r0 * kBwdKeys + c0, kBwdKeys,
-                              false);
+                block_product(dorh + (i0 + r0) * Mp, Mp, vb, vb + m_chunks * kTileWords, kTileWords,
+                              m_chunks, w.dp.data() + r0 * kBwdKeys + c0, kBwdKeys, false);
               }
             }
             // P and dS in float32 (in place of S and dP); rows past L and
@@ -466,7 +454,8 @@ void full_attention_backward_amx(const FullAttentionBackwardArgs<Bf16>& args) {
             const int64_t kb16 = width / 16;
             for (int64_t r = 0; r < rp; r += 2) {
               for (int64_t b = 0; b < kb16; ++b) {
-                const int64_t at = ((r / 32) * (kBwdKeys / 16) + b) * kTileWords + (r % 32) / 2 * 16;
+                const int64_t at =
+                    ((r / 32) * (kBwdKeys / 16) + b) * kTileWords + (r % 32) / 2 * 16;
                 store_pair_row(w.s.data() + r * kBwdKeys + b * 16,
                                w.s.data() + (r + 1) * kBwdKeys + b * 16, w.pp.data() + at);
                 store_pair_row(w.dp.data() + r * kBwdKeys + b * 16,

@@ -416,18 +416,7 @@ void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& args) {
                       : a.grad_q_rows.head(a.grad_q, nh, H);
         const int64_t ldq = parts ? E : a.grad_q_rows.sr;
         if (parts || !a.accumulate) zero_rows(dq, L, E, ldq);
-        if (!a.accumulate) {  // key tiles past the length: never visited
-          for (int64_t t = split; t * kBwdBc < S; t += splits) {
-            const int64_t j0 = std::max(t * kBwdBc, len);
-            const int64_t j1 = std::min((t + 1) * kBwdBc, S);
-            if (j0 >= j1) continue;
-            zero_rows(a.grad_k_rows.head(a.grad_k, nh, H) + j0 * a.grad_k_rows.sr, j1 - j0, E,
-                      a.grad_k_rows.sr);
-            if (a.grad_v)
-              zero_rows(a.grad_v_rows.head(a.grad_v, nh, H) + j0 * a.grad_v_rows.sr, j1 - j0, M,
-                        a.grad_v_rows.sr);
-          }
-        }
+        if (!a.accumulate) zero_key_grads_past(a, nh, len, kBwdBc, split, splits);
         for (int64_t t = split; t * kBwdBc < len; t += splits) {
           const int64_t j0 = t * kBwdBc;
           const int64_t cols = std::min(kBwdBc, len - j0);
