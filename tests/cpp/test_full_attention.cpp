@@ -104,6 +104,7 @@ INSTANTIATE_TEST_SUITE_P(
         // One query per head (the kernel's decoding path), with
         // a value width off the vector width.
         FullCfg{"one_query_lengths", 3, 4, 1, 300, 16, 19, false, {300, 0, 7}},
+        FullCfg{"one_query_wide", 2, 2, 1, 200, 64, 72},
         FullCfg{"one_query_causal_temp", 2, 2, 1, 90, 8, 8, true, {}, MaskKind::None, 0.7}),
     [](const ::testing::TestParamInfo<FullCfg>& info) { return info.param.name; });
 

@@ -190,6 +190,17 @@ inline void block_product(const Bf16* a, int64_t lda, const uint32_t* b0, const 
   _tile_stored(3, c + 16 * ldc + 16, sc);
 }
 
+// min(n, 32) bfloat16 at p, the rest zero, without reading past them.
+inline __m512i load_bf16_n(const Bf16* p, int64_t n) {
+  return _mm512_maskz_loadu_epi16(n >= 32 ? ~__mmask32{0} : (__mmask32{1} << n) - 1, p);
+}
+
+// min(n, 16) bfloat16 at p, the rest zero, widened to float32.
+inline __m512 widen16(const Bf16* p, int64_t n = 16) {
+  const __m256i b = _mm256_maskz_loadu_epi16(n >= 16 ? __mmask16(0xffff) : (1u << n) - 1, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
 // row[c] = row[c] · scale + mask[c] for c < limit, -inf from there to
 // width (a multiple of 16); returns the row's max. The mask (bfloat16, no
 // read past limit) may be null.
@@ -200,10 +211,7 @@ inline float prepare_row(float* row, const Bf16* mask, int64_t limit, int64_t wi
     const int64_t n = std::clamp<int64_t>(limit - c, 0, 16);
     const auto keep = static_cast<__mmask16>((1u << n) - 1);
     __m512 x = _mm512_mul_ps(_mm512_loadu_ps(row + c), sc);
-    if (mask) {
-      const __m256i bits = _mm256_maskz_loadu_epi16(keep, mask + c);
-      x = _mm512_add_ps(x, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
-    }
+    if (mask) x = _mm512_add_ps(x, widen16(mask + c, n));
     x = _mm512_mask_blend_ps(keep, cut, x);
     _mm512_storeu_ps(row + c, x);
     mx = _mm512_max_ps(mx, x);
@@ -519,6 +527,55 @@ void full_attention_backward_amx(const FullAttentionBackwardArgs<Bf16>& args) {
       });
 }
 
+// One query per (n, h), no mask (token-by-token decoding over a cache): K
+// and V are read once, in place, with no packing; q·k by vdpbf16ps (pairs of
+// bfloat16 products summed in float32), the softmax in float32, out = Σ p v
+// with V's rows widened in registers. The tiles would compute 32 query rows
+// for one and pack all of K and V first.
+void single_query_forward(const FullAttentionForwardArgs<Bf16>& a) {
+  const int64_t H = a.H, S = a.S, E = a.E, M = a.M;
+  const int64_t mv = (M + 15) / 16;
+  parallel_items<std::vector<float>>(
+      a.N * H, a.num_threads, [&](std::vector<float>& s) { s.resize(round_up(S, 16) + 16 * mv); },
+      [&](int64_t nh, std::vector<float>& s) {
+        const Bf16* q = a.q_rows.head(a.q, nh, H);
+        const Bf16* kh = a.k_rows.head(a.k, nh, H);
+        const Bf16* vh = a.v_rows.head(a.v, nh, H);
+        Bf16* out = a.out_rows.head(a.out, nh, H);
+        const int64_t lk = a.k_rows.sr, lv = a.v_rows.sr;
+        const int64_t kend = a.key_lengths ? a.key_lengths[nh / H] : S;
+        if (kend == 0) {
+          std::fill(out, out + M, Bf16{0});
+          a.lse[nh] = neg_inf<float>();
+          return;
+        }
+        float* sc = s.data();
+        for (int64_t j = 0; j < kend; ++j) {
+          const Bf16* k = kh + j * lk;
+          __m512 acc = _mm512_setzero_ps();
+          for (int64_t c = 0; c < E; c += 32)
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)load_bf16_n(q + c, E - c),
+                                   (__m512bh)load_bf16_n(k + c, E - c));
+          sc[j] = a.scale * Simd<float>::hsum(acc);
+        }
+        const int64_t width = round_up(kend, 16);
+        std::fill(sc + kend, sc + width, neg_inf<float>());
+        const float m = row_max(sc, width);
+        const float l = exp_shift_sum(sc, width, m);
+        float* o = sc + round_up(S, 16);
+        std::fill(o, o + 16 * mv, 0.0f);
+        for (int64_t j = 0; j < kend; ++j) {
+          const __m512 pj = _mm512_set1_ps(sc[j]);
+          const Bf16* v = vh + j * lv;
+          for (int64_t c = 0; c < M; c += 16)
+            _mm512_storeu_ps(o + c,
+                             _mm512_fmadd_ps(pj, widen16(v + c, M - c), _mm512_loadu_ps(o + c)));
+        }
+        for (int64_t c = 0; c < M; ++c) out[c].bits = narrow_bits(o[c] / l);
+        a.lse[nh] = m + std::log(l);
+      });
+}
+
 void full_attention_forward_amx(const FullAttentionForwardArgs<Bf16>& args) {
   auto a = args;
   resolve_qkv_rows(a);
@@ -526,6 +583,10 @@ void full_attention_forward_amx(const FullAttentionForwardArgs<Bf16>& args) {
   const int64_t N = a.N, H = a.H, L = a.L, S = a.S, E = a.E, M = a.M;
   const int64_t NH = N * H;
   if (NH == 0 || L == 0) return;
+  if (L == 1 && !a.mask) {
+    single_query_forward(a);
+    return;
+  }
   const int64_t Ep = round_up(E, kBlock), Mp = round_up(M, kBlock), Sp = round_up(S, kBlock);
   const int64_t chunks = Ep / 32, col_blocks = Mp / 16;
   // Packed K and V of every head, in tiles.
