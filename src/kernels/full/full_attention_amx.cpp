@@ -82,6 +82,12 @@ inline uint32_t pair_bits(const Bf16* x, int64_t i, int64_t n) {
   return lo | hi << 16;
 }
 
+// The 16-bit lanes of lo and hi interleaved: the words lo[n] | hi[n] << 16.
+inline __m512i interleave16(__m256i lo, __m256i hi) {
+  return _mm512_or_si512(_mm512_cvtepu16_epi32(lo),
+                         _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+}
+
 // The 16 × 16 32-bit words at src (rows ld words apart) transposed into dst
 // (rows 16 words apart): unpacks within 128-bit lanes, then lane shuffles.
 inline void transpose16x16(const uint32_t* src, int64_t ld, uint32_t* dst) {
@@ -112,7 +118,8 @@ inline void transpose16x16(const uint32_t* src, int64_t ld, uint32_t* dst) {
 
 // Keys [b·16, b·16 + 16) of a head (rows ld apart, S keys, E values each)
 // as the E chunks' B tiles of S = Q·K^T: a 32-bit transpose where the block
-// is whole (ld even, so that rows stay 4-byte aligned), else word by word.
+// is whole (and ld even: a whole number of words between rows), else word by
+// word.
 void pack_key_block(const Bf16* kh, int64_t ld, int64_t S, int64_t E, int64_t chunks, int64_t b,
                     uint32_t* dst) {
   for (int64_t c = 0; c < chunks; ++c) {
@@ -140,11 +147,10 @@ void pack_value_chunk(const Bf16* vh, int64_t ld, int64_t S, int64_t M, int64_t 
       const Bf16* a = r0 < S ? vh + r0 * ld : nullptr;
       const Bf16* b = r0 + 1 < S ? vh + (r0 + 1) * ld : nullptr;
       if (b && cb * 16 + 16 <= M) {  // the two rows' 16 columns, interleaved
-        const __m512i lo = _mm512_cvtepu16_epi32(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + cb * 16)));
-        const __m512i hi = _mm512_cvtepu16_epi32(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + cb * 16)));
-        _mm512_storeu_si512(t + k * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        _mm512_storeu_si512(
+            t + k * 16,
+            interleave16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + cb * 16)),
+                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + cb * 16))));
         continue;
       }
       for (int64_t n = 0; n < 16; ++n) {
@@ -298,9 +304,8 @@ void copy_padded(const Bf16* src, int64_t ld, int64_t rows, int64_t cols, int64_
 // Rows r and r + 1 (float32, 16 keys each) as one B-tile row over queries:
 // the 16 words (x[r][n] | x[r + 1][n] << 16) in bfloat16.
 inline void store_pair_row(const float* x0, const float* x1, uint32_t* dst) {
-  const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x0)));
-  const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x1)));
-  _mm512_storeu_si512(dst, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+  _mm512_storeu_si512(dst, interleave16((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x0)),
+                                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x1))));
 }
 
 constexpr int64_t kBwdKeys = 64;      // keys per backward tile
