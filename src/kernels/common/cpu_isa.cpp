@@ -119,13 +119,18 @@ std::vector<CpuIsa> supported_cpu_isas() {
 CpuIsa cpu_isa() {
   const int active = g_active.load(std::memory_order_relaxed);
   if (active >= 0) return static_cast<CpuIsa>(active);
-  CpuIsa chosen = best_supported();
+  // A level chosen by the environment is checked alone: below amx, Linux is
+  // never asked for the tile permission (which also enlarges every signal
+  // frame of the process).
+  CpuIsa chosen;
   if (const char* env = std::getenv("FASTATTN_CPU_CAPABILITY"); env && *env) {
     chosen = parse_cpu_isa(env, "FASTATTN_CPU_CAPABILITY");
     if (!cpu_isa_supported(chosen))
       throw std::invalid_argument(
           std::string("FASTATTN_CPU_CAPABILITY=") + env +
           ": not supported by this CPU or build; supported: " + supported_list());
+  } else {
+    chosen = best_supported();
   }
   int expected = -1;
   g_active.compare_exchange_strong(expected, static_cast<int>(chosen));
