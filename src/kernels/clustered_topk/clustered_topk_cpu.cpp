@@ -77,6 +77,14 @@ HeadRows<T> head_rows(T* x, const RowStrides& r, int64_t nh, int64_t H) {
   return {r.head(x, nh, H), r.sr};
 }
 
+// Zeroes the rows (cols entries) of x's queries in no cluster (assignment -1,
+// padding): the only rows the kernels do not write.
+template <typename T>
+void zero_unassigned(HeadRows<T> x, const int64_t* assignments, int64_t L, int64_t cols) {
+  for (int64_t l = 0; l < L; ++l)
+    if (assignments[l] < 0) std::fill(x.row(l), x.row(l) + cols, T(0));
+}
+
 // Gathers the cluster's keys (and values) into the scratch; returns the
 // padded K. Dropped and padding columns have zero rows and keep = 0.
 template <typename T>
@@ -180,12 +188,13 @@ bool single_query_weights(const T* qrow, const int64_t* idx, int64_t K, int64_t 
   return true;
 }
 
-// out (M) = m · Σ_t p_t v_{idx[t]}.
+// out (M) = m · Σ_t p_t v_{idx[t]} (written).
 template <typename T>
 void single_query_forward(const T* qrow, const int64_t* idx, int64_t K, int64_t len,
                           HeadRows<const T> k, HeadRows<const T> v, int64_t E, int64_t M, T scale,
                           T m, T* p, T* out) {
-  if (!single_query_weights(qrow, idx, K, len, k, E, scale, p)) return;  // out stays zero
+  std::fill(out, out + M, T(0));
+  if (!single_query_weights(qrow, idx, K, len, k, E, scale, p)) return;
   for (int64_t t = 0; t < K; ++t) {
     if (p[t] == T(0)) continue;
     const T w = m * p[t];
@@ -194,12 +203,13 @@ void single_query_forward(const T* qrow, const int64_t* idx, int64_t K, int64_t 
   }
 }
 
-// The single query's gradients, added into grad_q's row, grad_k and grad_v
-// in place; returns d mass = Σ_t p_t (g·v_t).
+// The single query's gradients: grad_q's row written, grad_k and grad_v's
+// rows added to in place; returns d mass = Σ_t p_t (g·v_t).
 template <typename T>
 T single_query_backward(const T* qrow, const T* grow, const int64_t* idx, int64_t K, int64_t len,
                         HeadRows<const T> k, HeadRows<const T> v, int64_t E, int64_t M, T scale,
                         T m, T* p, T* gv, T* gq_row, HeadRows<T> gk, HeadRows<T> gvals) {
+  std::fill(gq_row, gq_row + E, T(0));
   if (!single_query_weights(qrow, idx, K, len, k, E, scale, p)) return T(0);
   T row_dot = 0;
   for (int64_t t = 0; t < K; ++t) {
@@ -245,8 +255,8 @@ void clustered_topk_forward_cpu(const ClusteredTopkForwardArgs<T>& args) {
         const auto k = head_rows(a.k, a.k_rows, nh, H);
         const auto v = head_rows(a.v, a.v_rows, nh, H);
         const auto out = head_rows(a.out, a.out_rows, nh, H);
-        for (int64_t l = 0; l < L; ++l)
-          std::fill(out.row(l), out.row(l) + M, T(0));  // padded queries stay zero
+        // Every member's row is written below; padded queries' stay zero.
+        zero_unassigned(out, a.assignments + nh * L, L, M);
         w.groups.build(a.assignments + nh * L, L, C);
         const bool improved = a.centroids != nullptr;
         for (int64_t c = 0; c < C; ++c) {
@@ -311,8 +321,10 @@ void clustered_topk_backward_cpu(const ClusteredTopkBackwardArgs<T>& args) {
         const auto gk = head_rows(a.grad_k, a.grad_k_rows, nh, H);
         const auto gv = head_rows(a.grad_v, a.grad_v_rows, nh, H);
         const bool improved = a.centroids != nullptr;
-        for (int64_t l = 0; l < L; ++l) std::fill(gq.row(l), gq.row(l) + E, T(0));
-        for (int64_t j = 0; j < S; ++j) {
+        zero_unassigned(gq, a.assignments + nh * L, L, E);
+        for (int64_t j = 0; j < S; ++j) {  // the keys' gradients are sums over clusters
+          prefetch_ahead(gk.at, j, S, E, gk.sr, /*write=*/true);
+          prefetch_ahead(gv.at, j, S, M, gv.sr, /*write=*/true);
           std::fill(gk.row(j), gk.row(j) + E, T(0));
           std::fill(gv.row(j), gv.row(j) + M, T(0));
         }
@@ -426,6 +438,7 @@ void cluster_means_cpu(const ClusterMeansArgs<T>& args) {
         std::fill(cen, cen + C * E, T(0));
         const T* q = a.q_rows.head(a.q, nh, a.H);
         for (int64_t l = 0; l < L; ++l) {
+          prefetch_ahead(q, l, L, E, a.q_rows.sr);
           const int64_t c = a.assignments[nh * L + l];
           if (c < 0) continue;
           const T* src = q + l * a.q_rows.sr;
@@ -450,6 +463,7 @@ void spread_centroids_cpu(const CentroidSpreadArgs<T>& args) {
       [&](int64_t nh, None&) {
         T* head = a.dst_rows.head(a.dst, nh, a.H);
         for (int64_t l = 0; l < L; ++l) {
+          prefetch_ahead(head, l, L, E, a.dst_rows.sr, /*write=*/true);
           const int64_t c = a.assignments[nh * L + l];
           T* dst = head + l * a.dst_rows.sr;
           if (c < 0) {

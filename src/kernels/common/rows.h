@@ -108,6 +108,15 @@ void prefetch_rows(const T* x, int64_t rows, int64_t cols, int64_t ld, bool writ
   }
 }
 
+// In a pass over rows 0..L-1 of x (ld apart), at row l: the row kRowsAhead
+// further, whose latency the rows in between then hide.
+template <typename T>
+void prefetch_ahead(const T* x, int64_t l, int64_t L, int64_t cols, int64_t ld,
+                    bool write = false) {
+  constexpr int64_t kRowsAhead = 16;
+  if (l + kRowsAhead < L) prefetch_rows(x + (l + kRowsAhead) * ld, 1, cols, ld, write);
+}
+
 // The same for rows idx[0..n) of x (rows sr apart): rows in an order of
 // their own (Reformer's buckets), which no hardware prefetcher foresees, for
 // the next piece of work while this one computes. (A prefetch_row helper
