@@ -74,6 +74,16 @@ void check_gradients_vs_reference(const OpCase& c, uint64_t seed, double tol) {
     ASSERT_TRUE(g_op[j].defined()) << c.name << ": op gives no gradient for input " << idx[j];
     EXPECT_LE(max_abs_diff(g_op[j], g_ref[j]), tol) << c.name << " gradient of input " << idx[j];
   }
+  // The float32 kernels' gradients (the production path) against the same.
+  auto x32 = cast_detached(in, torch::kFloat, true);
+  auto g32 = grads_of(c.op, x32, w.to(torch::kFloat), idx);
+  for (size_t j = 0; j < idx.size(); ++j) {
+    ASSERT_TRUE(g32[j].defined()) << c.name << ": no float32 gradient for input " << idx[j];
+    EXPECT_EQ(g32[j].scalar_type(), torch::kFloat);
+    const double scale = std::max(1.0, g_ref[j].abs().max().item<double>());
+    EXPECT_LE(max_abs_diff(g32[j], g_ref[j]) / scale, c.f32_grad_tol)
+        << c.name << " float32 gradient of input " << idx[j];
+  }
 }
 
 void check_finite_differences(const OpCase& c, uint64_t seed, int directions, double tol) {

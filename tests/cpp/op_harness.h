@@ -2,7 +2,8 @@
 // its inputs and how to call the op and its reference; the harness checks
 //  - forward against the reference in float64 (tight) and float32 (a stated
 //    tolerance), the reference always evaluated in float64;
-//  - gradients against autograd through the reference (float64);
+//  - gradients against autograd through the reference (float64), and the
+//    op's float32 gradients against the same (a stated tolerance);
 //  - gradients by central finite differences (float64, small shapes): the
 //    directional derivative along random directions must match <grad, d>.
 // A new op adds a case (see test_full_attention.cpp), not a harness.
@@ -29,6 +30,9 @@ struct OpCase {
   std::vector<size_t> grad_inputs;
   double f64_tol = 1e-10;  // max abs error, float64
   double f32_tol = 1e-5;   // max abs error, float32: state the reason in the case
+  // Gradients in float32 against the reference's in float64: max abs error
+  // over max(1, the largest reference gradient).
+  double f32_grad_tol = 1e-4;
 };
 
 // Max |a - b|, treating matching NaN/inf as equal and reporting them otherwise.

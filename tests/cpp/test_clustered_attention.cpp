@@ -82,13 +82,18 @@ TEST_P(ClusteredCases, MatchesDenseRows) { testing::check_op(make_case(GetParam(
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, ClusteredCases,
-    ::testing::Values(Cfg{"clustered", 2, 2, 37, 29, 8, 5, 4, 3, {}, {}, false},
-                      Cfg{"clustered_lengths", 2, 2, 37, 29, 8, 5, 4, 3, {29, 11}, {37, 20}, false},
-                      Cfg{"improved", 2, 2, 37, 29, 8, 5, 4, 3},
-                      Cfg{"improved_lengths", 3, 1, 33, 40, 7, 6, 5, 6, {40, 3, 0}, {33, 9, 2}},
-                      Cfg{"improved_topk_gt_S", 1, 2, 20, 9, 4, 4, 3, 50},
-                      // Clusters of > 96 members: several blocks of queries per cluster.
-                      Cfg{"improved_large_clusters", 1, 1, 230, 50, 8, 6, 2, 7, {45}, {}}),
+    ::testing::Values(
+        Cfg{"clustered", 2, 2, 37, 29, 8, 5, 4, 3, {}, {}, false},
+        Cfg{"clustered_lengths", 2, 2, 37, 29, 8, 5, 4, 3, {29, 11}, {37, 20}, false},
+        Cfg{"improved", 2, 2, 37, 29, 8, 5, 4, 3},
+        Cfg{"improved_lengths", 3, 1, 33, 40, 7, 6, 5, 6, {40, 3, 0}, {33, 9, 2}},
+        Cfg{"improved_topk_gt_S", 1, 2, 20, 9, 4, 4, 3, 50},
+        // Clusters of > 96 members: several blocks of queries per cluster.
+        Cfg{"improved_large_clusters", 1, 1, 230, 50, 8, 6, 2, 7, {45}, {}},
+        // Rows of whole 64-byte lines (E, M multiples of 16 floats): the
+        // gradients' and outputs' rows are streamed (simd.h stream_scaled).
+        Cfg{"clustered_line_rows", 2, 2, 41, 70, 16, 32, 4, 3, {70, 33}, {41, 30}, false},
+        Cfg{"improved_line_rows", 2, 2, 41, 70, 16, 32, 4, 5, {70, 33}, {41, 30}}),
     [](const ::testing::TestParamInfo<Cfg>& info) { return info.param.name; });
 
 TEST(ImprovedClustered, TopkSEqualsFull) {

@@ -323,11 +323,10 @@ void clustered_topk_backward_cpu(const ClusteredTopkBackwardArgs<T>& args) {
         const bool improved = a.centroids != nullptr;
         zero_unassigned(gq, a.assignments + nh * L, L, E);
         for (int64_t j = 0; j < S; ++j) {  // the keys' gradients are sums over clusters
-          prefetch_ahead(gk.at, j, S, E, gk.sr, /*write=*/true);
-          prefetch_ahead(gv.at, j, S, M, gv.sr, /*write=*/true);
-          std::fill(gk.row(j), gk.row(j) + E, T(0));
-          std::fill(gv.row(j), gv.row(j) + M, T(0));
+          stream_zero(gk.row(j), E);
+          stream_zero(gv.row(j), M);
         }
+        stream_fence();
         if (improved) {
           std::fill(a.grad_centroids + nh * C * E, a.grad_centroids + (nh + 1) * C * E, T(0));
           std::fill(a.grad_lse + nh * C, a.grad_lse + (nh + 1) * C, T(0));
@@ -463,7 +462,7 @@ void spread_centroids_cpu(const CentroidSpreadArgs<T>& args) {
       [&](int64_t nh, None&) {
         T* head = a.dst_rows.head(a.dst, nh, a.H);
         for (int64_t l = 0; l < L; ++l) {
-          prefetch_ahead(head, l, L, E, a.dst_rows.sr, /*write=*/true);
+          if (a.accumulate) prefetch_ahead(head, l, L, E, a.dst_rows.sr, /*write=*/true);
           const int64_t c = a.assignments[nh * L + l];
           T* dst = head + l * a.dst_rows.sr;
           if (c < 0) {
@@ -475,12 +474,11 @@ void spread_centroids_cpu(const CentroidSpreadArgs<T>& args) {
               a.divide ? T(1) / static_cast<T>(std::max<int64_t>(1, a.counts[nh * C + c])) : T(1);
           if (a.accumulate) {
             for (int64_t x = 0; x < E; ++x) dst[x] += inv * src[x];
-          } else if (a.divide) {
-            for (int64_t x = 0; x < E; ++x) dst[x] = inv * src[x];
           } else {
-            std::copy(src, src + E, dst);
+            stream_scaled(src, inv, dst, E);
           }
         }
+        stream_fence();
       });
 }
 

@@ -10,6 +10,9 @@
 // -inf included, give exactly 0.
 #pragma once
 
+#include <cstdint>
+#include <type_traits>
+
 #include "kernels/common/isa_target.h"
 
 FASTATTN_ISA_BEGIN
@@ -263,6 +266,46 @@ inline T simd_dot(const T* a, const T* b, int64_t n) {
   T s = S::hsum(acc);
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
+}
+
+// dst[0, n) = scale · src[0, n) for rows written once and not read again
+// soon: on whole aligned 64-byte lines of float32 at AVX-512, non-temporal
+// stores, which skip reading the lines they replace (the centroid backward's
+// dK and dV rows, 100 queries over 16384 keys: 41 -> 36 ms). Writers call
+// stream_fence() before their rows are read by another thread.
+template <typename T>
+inline void stream_scaled(const T* src, T scale, T* dst, int64_t n) {
+#if FASTATTN_SIMD_AVX512
+  if constexpr (std::is_same_v<T, float>) {
+    if (n % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
+      const __m512 s = _mm512_set1_ps(scale);
+      for (int64_t i = 0; i < n; i += 16)
+        _mm512_stream_ps(dst + i, _mm512_mul_ps(s, _mm512_loadu_ps(src + i)));
+      return;
+    }
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) dst[i] = scale * src[i];
+}
+
+// dst[0, n) = 0, the same way.
+template <typename T>
+inline void stream_zero(T* dst, int64_t n) {
+#if FASTATTN_SIMD_AVX512
+  if constexpr (std::is_same_v<T, float>) {
+    if (n % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
+      for (int64_t i = 0; i < n; i += 16) _mm512_stream_ps(dst + i, _mm512_setzero_ps());
+      return;
+    }
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) dst[i] = T(0);
+}
+
+inline void stream_fence() {
+#if FASTATTN_SIMD_AVX512
+  _mm_sfence();
+#endif
 }
 
 FASTATTN_ISA_END

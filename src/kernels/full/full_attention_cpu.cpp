@@ -146,6 +146,18 @@ void store_rows(const T* src, int64_t rows, int64_t cols, T* dst, int64_t ld, bo
   }
 }
 
+// store_rows for a key tile's dK or dV, which nothing reads again here: the
+// rows written are streamed past the caches (stream_scaled).
+template <typename T>
+void store_key_rows(const T* src, int64_t rows, int64_t cols, T* dst, int64_t ld, bool add) {
+  if (add) {
+    store_rows(src, rows, cols, dst, ld, true);
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r) stream_scaled(src + r * cols, T(1), dst + r * ld, cols);
+  stream_fence();
+}
+
 // out[0, NV·W) = sum_{j < rows} p[j] · v[j·ld + (0, NV·W)], accumulated in
 // NV vector registers.
 template <typename T, int NV>
@@ -436,17 +448,19 @@ void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& args) {
           std::fill(w.dv.begin(), w.dv.end(), T(0));
           pack_transposed_panels<T, kWideBlock>(kh + j0 * lk, cols, E, lk, width, w.kp.data());
           pack_transposed_panels<T, kWideBlock>(vh + j0 * lv, cols, M, lv, width, w.vp.data());
-          // The item's next key tile and its gradient rows while this one
-          // computes (strided rows are not prefetched by the hardware: 100
-          // queries over 16384 keys in the layers' views, 47 -> 38 ms).
+          // The item's next key tile (and the gradient rows it adds to) while
+          // this one computes: strided rows are not prefetched by the
+          // hardware (100 queries over 16384 keys in the layers' views).
           const int64_t jn = j0 + splits * kBwdBc, next = std::min(kBwdBc, len - jn);
           prefetch_rows(kh + jn * lk, next, E, lk);
           prefetch_rows(vh + jn * lv, next, M, lv);
-          prefetch_rows(a.grad_k_rows.head(a.grad_k, nh, H) + jn * a.grad_k_rows.sr, next, E,
-                        a.grad_k_rows.sr, /*write=*/true);
-          if (a.grad_v)
-            prefetch_rows(a.grad_v_rows.head(a.grad_v, nh, H) + jn * a.grad_v_rows.sr, next, M,
-                          a.grad_v_rows.sr, /*write=*/true);
+          if (a.accumulate) {
+            prefetch_rows(a.grad_k_rows.head(a.grad_k, nh, H) + jn * a.grad_k_rows.sr, next, E,
+                          a.grad_k_rows.sr, /*write=*/true);
+            if (a.grad_v)
+              prefetch_rows(a.grad_v_rows.head(a.grad_v, nh, H) + jn * a.grad_v_rows.sr, next, M,
+                            a.grad_v_rows.sr, /*write=*/true);
+          }
           // Queries that may see this tile: i >= j0 - offset when causal.
           int64_t i_start = a.causal ? std::max<int64_t>(0, j0 - offset) : 0;
           i_start = i_start / kBwdBr * kBwdBr;
@@ -489,13 +503,13 @@ void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& args) {
             transpose(w.dp.data(), rows, cols, kBwdBc, w.dst.data(), kBwdBr);
             gemm(cols, E, rows, w.dst.data(), kBwdBr, qi, lq, w.dk.data(), E, true);
           }
-          store_rows(w.dk.data(), cols, E,
-                     a.grad_k_rows.head(a.grad_k, nh, H) + j0 * a.grad_k_rows.sr, a.grad_k_rows.sr,
-                     a.accumulate);
+          store_key_rows(w.dk.data(), cols, E,
+                         a.grad_k_rows.head(a.grad_k, nh, H) + j0 * a.grad_k_rows.sr,
+                         a.grad_k_rows.sr, a.accumulate);
           if (a.grad_v)
-            store_rows(w.dv.data(), cols, M,
-                       a.grad_v_rows.head(a.grad_v, nh, H) + j0 * a.grad_v_rows.sr,
-                       a.grad_v_rows.sr, a.accumulate);
+            store_key_rows(w.dv.data(), cols, M,
+                           a.grad_v_rows.head(a.grad_v, nh, H) + j0 * a.grad_v_rows.sr,
+                           a.grad_v_rows.sr, a.accumulate);
         }
       });
 
