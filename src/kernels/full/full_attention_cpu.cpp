@@ -452,9 +452,11 @@ void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& args) {
           // this one computes: strided rows are not prefetched by the
           // hardware (100 queries over 16384 keys in the layers' views).
           const int64_t jn = j0 + splits * kBwdBc, next = std::min(kBwdBc, len - jn);
-          prefetch_rows(kh + jn * lk, next, E, lk);
-          prefetch_rows(vh + jn * lv, next, M, lv);
-          if (a.accumulate) {
+          if (next > 0) {
+            prefetch_rows(kh + jn * lk, next, E, lk);
+            prefetch_rows(vh + jn * lv, next, M, lv);
+          }
+          if (next > 0 && a.accumulate) {
             prefetch_rows(a.grad_k_rows.head(a.grad_k, nh, H) + jn * a.grad_k_rows.sr, next, E,
                           a.grad_k_rows.sr, /*write=*/true);
             if (a.grad_v)
