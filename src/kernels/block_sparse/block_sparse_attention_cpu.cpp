@@ -295,7 +295,7 @@ OrderedKeys<T> order_keys(const T* x, const RowStrides& xr, const PartGeometries
             dst = w.buf.data();
           }
           for (int64_t t = 0; t < g->Sp; ++t)
-            std::copy(src + g->k_order[t] * xr.sr, src + g->k_order[t] * xr.sr + D, dst + t * D);
+            copy_values(src + g->k_order[t] * xr.sr, dst + t * D, D);
           ordered = dst;
           ld = D;
         }
@@ -395,7 +395,7 @@ struct TileRows {
     if (identity && sr == D) return x + qidx[0] * D;
     buf.resize(kBq * D);
     for (int64_t r = 0; r < rows; ++r)
-      std::copy(x + qidx[r] * sr, x + qidx[r] * sr + D, buf.data() + r * D);
+      copy_values(x + qidx[r] * sr, buf.data() + r * D, D);
     return buf.data();
   }
 
@@ -589,7 +589,7 @@ void block_sparse_attention_forward_cpu(const BlockSparseForwardArgs<T>& args) {
               w.m[r] = neg_inf<T>();
               w.l[r] = T(0);
             } else {
-              std::copy(out + i * osr, out + i * osr + M, w.o.begin() + r * M);
+              copy_values(out + i * osr, w.o.data() + r * M, M);
               w.m[r] = lse[i];
               w.l[r] = ls[i];
             }
@@ -656,7 +656,7 @@ void block_sparse_attention_forward_cpu(const BlockSparseForwardArgs<T>& args) {
               for (int64_t c = 0; c < M; ++c) out[i * osr + c] = w.o[r * M + c] * inv;
               lse[i] = l > T(0) ? w.m[r] + std::log(l) : neg_inf<T>();
             } else {
-              std::copy(w.o.begin() + r * M, w.o.begin() + r * M + M, out + i * osr);
+              copy_values(w.o.data() + r * M, out + i * osr, M);
               lse[i] = w.m[r];
               ls[i] = w.l[r];
             }

@@ -268,6 +268,16 @@ inline T simd_dot(const T* a, const T* b, int64_t n) {
   return s;
 }
 
+// dst[0, n) = src[0, n) by vectors, inline: for short rows (a gathered row
+// of E values), where std::copy's call to memmove costs more than the copy.
+template <typename T>
+inline void copy_values(const T* src, T* dst, int64_t n) {
+  using S = Simd<T>;
+  int64_t i = 0;
+  for (; i + S::W <= n; i += S::W) S::store(dst + i, S::load(src + i));
+  for (; i < n; ++i) dst[i] = src[i];
+}
+
 // dst[0, n) = scale · src[0, n) for rows written once and not read again
 // soon: on whole aligned 64-byte lines of float32 at AVX-512, non-temporal
 // stores, which skip reading the lines they replace (the centroid backward's

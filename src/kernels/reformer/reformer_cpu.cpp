@@ -132,7 +132,7 @@ struct Scratch {
 // Gathers rows idx[0..n) of x (rows of D values, sr apart) into out (n x D).
 template <typename T>
 inline void gather_rows(const T* x, int64_t sr, const int64_t* idx, int64_t n, int64_t D, T* out) {
-  for (int64_t r = 0; r < n; ++r) std::copy(x + idx[r] * sr, x + idx[r] * sr + D, out + r * D);
+  for (int64_t r = 0; r < n; ++r) copy_values(x + idx[r] * sr, out + r * D, D);
 }
 
 // Chunks per work item: a run of consecutive chunks of one (n, h, round)
