@@ -339,14 +339,26 @@ torch::Tensor empty_in_layout(bool heads_in_rows, int64_t N, int64_t H, int64_t 
 }  // namespace
 
 torch::Tensor empty_output(at::IntArrayRef sizes, const torch::TensorOptions& options) {
+  std::vector<int64_t> strides(sizes.size());
+  int64_t stride = 1;
+  for (size_t d = sizes.size(); d-- > 0;) {
+    strides[d] = stride;
+    stride *= std::max<int64_t>(sizes[d], 1);
+  }
+  return empty_output_strided(sizes, strides, options);
+}
+
+torch::Tensor empty_output_strided(at::IntArrayRef sizes, at::IntArrayRef strides,
+                                   const torch::TensorOptions& options) {
   int64_t numel = 1;
   for (int64_t s : sizes) numel *= s;
   const int64_t bytes =
       numel * static_cast<int64_t>(c10::elementSize(options.dtype().toScalarType()));
-  if (!options.device().is_cpu() || bytes < kCachedMinBytes) return torch::empty(sizes, options);
+  if (!options.device().is_cpu() || bytes < kCachedMinBytes)
+    return torch::empty_strided(sizes, strides, options);
   auto& cache = OutputCache::get();
   if (cache.limit() == 0) {
-    auto t = torch::empty(sizes, options);
+    auto t = torch::empty_strided(sizes, strides, options);
     prepare_pages(static_cast<char*>(t.data_ptr()), bytes);
     return t;
   }
@@ -360,8 +372,13 @@ torch::Tensor empty_output(at::IntArrayRef sizes, const torch::TensorOptions& op
                        c10::GetCPUAllocator(), /*resizable=*/true);
   auto impl = c10::make_intrusive<c10::TensorImpl>(
       std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU), options.dtype());
-  impl->set_sizes_contiguous(sizes);
+  impl->set_sizes_and_strides(sizes, strides);
   return torch::Tensor(std::move(impl));
+}
+
+torch::Tensor converted(const torch::Tensor& t, torch::ScalarType dtype) {
+  if (!t.device().is_cpu() || !t.is_non_overlapping_and_dense()) return t.to(dtype);
+  return empty_output_strided(t.sizes(), t.strides(), t.options().dtype(dtype)).copy_(t);
 }
 
 bool heads_within_rows(const torch::Tensor& like) {

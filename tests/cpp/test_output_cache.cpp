@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include "fastattn/ops.h"
+#include "ops/op_util.h"
 
 namespace fastattn {
 namespace {
@@ -64,6 +65,38 @@ TEST(OutputCache, KernelScratchArraysComeFromTheCache) {
   auto out2 = block_sparse_attention(q, k, v, "local", {64});
   EXPECT_EQ(cpu_cache_bytes(), 8 * kMiB);  // taken and given back again
   EXPECT_TRUE(torch::equal(out1, out2));
+  empty_cpu_cache();
+}
+
+// bfloat16 operators run the float32 kernel on widened copies
+// (ops::in_float32 through ops::converted): the copies have their inputs'
+// strides and come from the cache, so a second call takes the first one's
+// buffer instead of faulting in fresh pages. Here the input is the layers'
+// (N, L, H, E) memory viewed as (N, H, L, E): 4 MiB in bfloat16.
+TEST(OutputCache, WidenedCopiesComeFromTheCacheInTheInputsStrides) {
+  empty_cpu_cache();
+  torch::manual_seed(2);
+  auto x = torch::randn({1, 4096, 8, 64}).to(torch::kBFloat16).transpose(1, 2);
+  auto wide = ops::converted(x, torch::kFloat);
+  EXPECT_EQ(wide.scalar_type(), torch::kFloat);
+  EXPECT_EQ(wide.strides(), x.strides());
+  EXPECT_TRUE(torch::equal(wide, x.to(torch::kFloat)));
+  const void* first = wide.data_ptr();
+  wide = torch::Tensor();
+  EXPECT_EQ(cpu_cache_bytes(), 8 * kMiB);
+  wide = ops::converted(x, torch::kFloat);
+  EXPECT_EQ(wide.data_ptr(), first) << "the freed copy's buffer was not reused";
+  // Rounded back in the same strides (4 MiB, cached too).
+  auto narrow = ops::converted(wide, torch::kBFloat16);
+  EXPECT_EQ(narrow.strides(), x.strides());
+  EXPECT_TRUE(torch::equal(narrow, x));
+  narrow = torch::Tensor();
+  EXPECT_EQ(cpu_cache_bytes(), 4 * kMiB);
+  // A bfloat16 operator on that input: its float32 result rounded once.
+  wide = torch::Tensor();
+  auto out = elu_feature_map(x);
+  EXPECT_EQ(out.scalar_type(), torch::kBFloat16);
+  EXPECT_TRUE(torch::equal(out, elu_feature_map(x.to(torch::kFloat)).to(torch::kBFloat16)));
   empty_cpu_cache();
 }
 
