@@ -9,7 +9,8 @@ docs/benchmarks.md compares a change's before and after).
 Usage (Debian's torch; libraries built against it, e.g. copies of
 build/libfastattn.so before and after a change):
   /usr/bin/python3 bench/python/bench_builds.py --library /tmp/before.so /tmp/after.so \
-      [--only clustered-100 local-128] [--length 16384] [--reps 5] [--rounds 3]
+      [--only clustered-100 local-128] [--length 16384] [--reps 5] [--rounds 3] \
+      [--dtype bfloat16]
 """
 
 import argparse
@@ -30,8 +31,9 @@ def measure(args):
     cells = []
     for name in args.only or [c for c in CONFIGS if c not in ("full", "exact-topk-32")]:
         torch.manual_seed(0)
-        q, k, v = (torch.randn(N, L, H, E, requires_grad=True) for _ in range(3))
-        g = torch.randn(N, L, H, E)
+        dtype = getattr(torch, args.dtype)
+        q, k, v = (torch.randn(N, L, H, E, dtype=dtype, requires_grad=True) for _ in range(3))
+        g = torch.randn(N, L, H, E, dtype=dtype)
         module, causal = build(package, name, E)
         attn, ql, kl = masks(package, N, L, causal)
 
@@ -54,6 +56,7 @@ def main():
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--reps", type=int, default=5, help="timed calls per cell (median)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -61,7 +64,8 @@ def main():
     if args.child:
         measure(args)
         return
-    print(f"fwd / fwd+bwd ms, medians of {args.reps}; L={args.length}, {args.threads} threads")
+    print(f"fwd / fwd+bwd ms, medians of {args.reps}; L={args.length}, {args.threads} threads, "
+          f"{args.dtype}")
     python_dir = os.path.join(HERE, "..", "..", "python")
     for _ in range(args.rounds):
         for library in args.library:
@@ -69,7 +73,8 @@ def main():
                        PYTHONPATH=os.pathsep.join([python_dir, HERE]))
             cmd = [sys.executable, __file__, "--library", library, "--child", library,
                    "--length", str(args.length), "--heads", str(args.heads), "--dim",
-                   str(args.dim), "--threads", str(args.threads), "--reps", str(args.reps)]
+                   str(args.dim), "--threads", str(args.threads), "--reps", str(args.reps),
+                   "--dtype", args.dtype]
             if args.only:
                 cmd += ["--only", *args.only]
             subprocess.run(cmd, check=True, env=env)
