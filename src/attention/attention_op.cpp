@@ -178,9 +178,6 @@ at::Tensor run_type(const std::string& type, const at::Tensor& q, const at::Tens
   });
 }
 
-// The default CPU generator's state, and a scope that replays from a saved
-// one (restoring the generator's own state after). The generator's lock is
-// held only to read and write the state: the type's draws take it too.
 // The gradient of an input the output does not depend on (Reformer's keys):
 // zeros in the input's row layout, in a buffer of the output cache (a fresh
 // 32 MiB at::zeros took 8 ms of faults in Reformer's forward+backward at
@@ -189,6 +186,9 @@ at::Tensor zero_grad_like(const at::Tensor& input) {
   return ops::empty_rows_like(input, input.size(3)).zero_();
 }
 
+// The default CPU generator's state, and a scope that replays from a saved
+// one (restoring the generator's own state after). The generator's lock is
+// held only to read and write the state: the type's draws take it too.
 at::Tensor rng_state() {
   auto gen = at::detail::getDefaultCPUGenerator();
   std::lock_guard<std::mutex> lock(gen.mutex());
