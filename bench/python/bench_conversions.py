@@ -9,19 +9,15 @@ copies"). Medians of --reps calls.
 """
 
 import argparse
-import time
+import statistics
+import timeit
 
 import torch
 
 
 def timed(fn, reps):
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return sorted(times)[reps // 2]
+    fn()  # warm-up
+    return statistics.median(timeit.repeat(fn, number=1, repeat=reps)) * 1e3
 
 
 def main():
