@@ -394,8 +394,7 @@ struct TileRows {
   const T* gather(const T* x, int64_t sr, int64_t D, std::vector<T>& buf) const {
     if (identity && sr == D) return x + qidx[0] * D;
     buf.resize(kBq * D);
-    for (int64_t r = 0; r < rows; ++r)
-      copy_values(x + qidx[r] * sr, buf.data() + r * D, D);
+    for (int64_t r = 0; r < rows; ++r) copy_values(x + qidx[r] * sr, buf.data() + r * D, D);
     return buf.data();
   }
 
