@@ -47,7 +47,7 @@ std::tuple<Tensor, Tensor> elu_linear_attention_forward_cpu(
     const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
     const c10::optional<Tensor>& key_lengths, bool causal, double eps) {
   check_inputs(q_in, k_in, v_in, key_lengths, causal, eps);
-  if (ops::is_reduced_float(q_in)) {
+  if (q_in.scalar_type() == torch::kHalf) {  // bfloat16 goes to the kernels as it is
     auto [out, den] = ops::in_float32<1>(q_in.scalar_type(), elu_linear_attention_forward_cpu, q_in,
                                          k_in, v_in, key_lengths, causal, eps);
     return {ops::in_rows_layout_of(out, q_in), den};
@@ -55,14 +55,15 @@ std::tuple<Tensor, Tensor> elu_linear_attention_forward_cpu(
   const auto p = ops::qkv_inputs(q_in, k_in, v_in, key_lengths);
   // out in q's row layout: the layers' transpose back to (N, L, H, M) is a view.
   auto out = ops::empty_rows_like(q_in, p.v.size(3));
-  auto den = torch::empty({p.q.size(0), p.q.size(1), p.q.size(2)}, p.q.options());
-  AT_DISPATCH_FLOATING_TYPES(p.q.scalar_type(), "elu_linear_attention_forward_cpu", [&] {
-    kernels::EluLinearForwardArgs<scalar_t> a;
-    ops::fill_elu_linear_args<scalar_t>(a, kOp, p, causal, eps,
-                                        chunk_rows(causal, /*backward=*/false));
-    a.out = out.data_ptr<scalar_t>();
+  auto den = torch::empty({p.q.size(0), p.q.size(1), p.q.size(2)},
+                          p.q.options().dtype(ops::stats_dtype(p.q)));
+  ops::dispatch_cpu_kernel_type(p.q.scalar_type(), [&](auto type) {
+    using T = typename decltype(type)::type;
+    kernels::EluLinearForwardArgs<T> a;
+    ops::fill_elu_linear_args<T>(a, kOp, p, causal, eps, chunk_rows(causal, /*backward=*/false));
+    a.out = ops::kernel_data<T>(out);
     a.out_rows = ops::row_strides(out);
-    a.den = den.data_ptr<scalar_t>();
+    a.den = den.data_ptr<kernels::KernelScalar<T>>();
     kernels::elu_linear_attention_forward_cpu(a);
   });
   return {out, den};
@@ -74,7 +75,7 @@ std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_backward_cpu(
     bool causal, double eps) {
   check_inputs(q_in, k_in, v_in, key_lengths, causal, eps);
   ops::check_elu_linear_grad(kOp, grad_out, out_in, den_in, q_in, v_in);
-  if (ops::is_reduced_float(q_in)) {
+  if (q_in.scalar_type() == torch::kHalf) {
     return ops::in_rows_layouts_of(
         ops::in_float32(q_in.scalar_type(), elu_linear_attention_backward_cpu, grad_out, q_in, k_in,
                         v_in, out_in, den_in, key_lengths, causal, eps),
@@ -84,21 +85,21 @@ std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_backward_cpu(
   const auto dtype = p.q.scalar_type();
   const auto go = ops::rows_contiguous(grad_out.to(dtype));
   const auto out = ops::rows_contiguous(out_in.to(dtype));
-  const auto den = den_in.to(dtype).contiguous();
+  const auto den = den_in.to(ops::stats_dtype(p.q)).contiguous();
   // Gradients in the row layouts of their inputs.
   auto gq = ops::empty_rows_like(q_in, q_in.size(3));
   auto gk = ops::empty_rows_like(k_in, k_in.size(3));
   auto gv = ops::empty_rows_like(v_in, v_in.size(3));
-  AT_DISPATCH_FLOATING_TYPES(dtype, "elu_linear_attention_backward_cpu", [&] {
-    kernels::EluLinearBackwardArgs<scalar_t> a;
-    ops::fill_elu_linear_args<scalar_t>(a, kOp, p, causal, eps,
-                                        chunk_rows(causal, /*backward=*/true));
-    a.grad_out = go.data_ptr<scalar_t>();
-    a.out = out.data_ptr<scalar_t>();
-    a.den = den.data_ptr<scalar_t>();
-    a.grad_q = gq.data_ptr<scalar_t>();
-    a.grad_k = gk.data_ptr<scalar_t>();
-    a.grad_v = gv.data_ptr<scalar_t>();
+  ops::dispatch_cpu_kernel_type(dtype, [&](auto type) {
+    using T = typename decltype(type)::type;
+    kernels::EluLinearBackwardArgs<T> a;
+    ops::fill_elu_linear_args<T>(a, kOp, p, causal, eps, chunk_rows(causal, /*backward=*/true));
+    a.grad_out = ops::kernel_data<T>(go);
+    a.out = ops::kernel_data<T>(out);
+    a.den = den.data_ptr<kernels::KernelScalar<T>>();
+    a.grad_q = ops::kernel_data<T>(gq);
+    a.grad_k = ops::kernel_data<T>(gk);
+    a.grad_v = ops::kernel_data<T>(gv);
     a.grad_out_rows = ops::row_strides(go);
     a.out_rows = ops::row_strides(out);
     a.grad_q_rows = ops::row_strides(gq);

@@ -178,6 +178,23 @@ auto kernel_data(const torch::Tensor& t) {
 // The CUDA kernels' element type of t: float32, float16 or bfloat16 (other
 // dtypes: an error naming `op` and the argument `name`).
 kernels::DType kernel_dtype(const char* op, const char* name, const torch::Tensor& t);
+// fn(KernelType<T>{}) for the CPU kernels' element type T of dtype: float or
+// double, or kernels::Bf16 for bfloat16 (kernels instantiated for it read and
+// write bfloat16 as it is, the arithmetic in float32). Callers have checked
+// the dtype (check_float_dtype).
+template <typename T>
+struct KernelType {
+  using type = T;
+};
+template <typename Fn>
+void dispatch_cpu_kernel_type(torch::ScalarType dtype, Fn&& fn) {
+  if (dtype == torch::kBFloat16) {
+    fn(KernelType<kernels::Bf16>{});
+    return;
+  }
+  AT_DISPATCH_FLOATING_TYPES(dtype, "fastattn CPU kernel", [&] { fn(KernelType<scalar_t>{}); });
+}
+
 // q, k, v as an op's kernels read them (the CPU ones: rows contiguous, any
 // other strides, so the layers' (N, L, H, E) views are read in place; the
 // CUDA ones: contiguous) and key_lengths as int64 on q's device (undefined:

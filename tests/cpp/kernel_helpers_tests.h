@@ -9,12 +9,15 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
+#include <cstring>
 #include <new>
 #include <random>
 #include <stdexcept>
 #include <thread>
 #include <vector>
 
+#include "kernels/common/bf16.h"
 #include "kernels/common/cpu_isa.h"
 #include "kernels/common/gemm.h"
 #include "kernels/common/parallel.h"
@@ -87,6 +90,80 @@ TEST(FASTATTN_KH_SUITE, SimdDotMatchesFloat64Sum) {
     double ref = 0;
     for (int64_t i = 0; i < n; ++i) ref += double(a[i]) * double(b[i]);
     EXPECT_NEAR(simd_dot(a.data(), b.data(), n), ref, 1e-5 * (1 + std::abs(ref))) << "n=" << n;
+  }
+}
+
+// bfloat16 rounding by an independent rule: the nearer of f's two bfloat16
+// neighbours (its truncation and the next one out), the even one on a tie,
+// past the largest finite value inf (the next one out, as if at 2^128).
+uint16_t bf16_reference(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const auto lo = static_cast<uint16_t>(u >> 16), hi = static_cast<uint16_t>(lo + 1);
+  if ((u & 0xffffu) == 0) return lo;
+  auto value = [](uint16_t b) {
+    const double sign = (b & 0x8000) ? -1.0 : 1.0;
+    if ((b & 0x7fff) == 0x7f80) return sign * std::ldexp(1.0, 128);
+    const uint32_t w = static_cast<uint32_t>(b) << 16;
+    float x;
+    std::memcpy(&x, &w, sizeof x);
+    return static_cast<double>(x);
+  };
+  const double dl = std::abs(value(lo) - f), dh = std::abs(value(hi) - f);
+  if (dl != dh) return dl < dh ? lo : hi;
+  return (lo & 1) ? hi : lo;
+}
+
+// widen_bf16 exact for every bit pattern; narrow_bf16 against bf16_reference
+// on random bit patterns, exact ties, the largest values and signed zeros,
+// and NaN kept NaN of its sign (also one whose payload lies in the low bits
+// only, which truncation would turn into inf); every length 0..40 from
+// several offsets, so the vector loops and their tails both run.
+TEST(FASTATTN_KH_SUITE, Bfloat16ConversionsRoundToNearestEven) {
+  FASTATTN_KH_REQUIRE_LEVEL();
+  std::vector<Bf16> all(65536);
+  for (int b = 0; b < 65536; ++b) all[b].bits = static_cast<uint16_t>(b);
+  std::vector<float> wide(all.size());
+  widen_bf16(all.data(), wide.data(), static_cast<int64_t>(all.size()));
+  for (int b = 0; b < 65536; ++b) {
+    uint32_t u;
+    std::memcpy(&u, &wide[b], sizeof u);
+    ASSERT_EQ(u, static_cast<uint32_t>(b) << 16) << "bits " << b;
+  }
+  std::mt19937_64 rng(17);
+  std::vector<uint32_t> bits;
+  for (int i = 0; i < 20000; ++i) bits.push_back(static_cast<uint32_t>(rng()));
+  for (int i = 0; i < 2000; ++i)
+    bits.push_back((static_cast<uint32_t>(rng()) & 0xffff0000u) | 0x8000u);
+  for (uint32_t b :
+       {0x00000000u, 0x80000000u, 0x7f7fffffu, 0xff7fffffu, 0x7f7f8000u, 0x7f7f7fffu, 0x7f800000u,
+        0xff800000u, 0x00008000u, 0x00018000u, 0x7f800001u, 0xff800001u, 0x7fc00000u, 0xffffffffu})
+    bits.push_back(b);
+  std::vector<float> x(bits.size());
+  std::memcpy(x.data(), bits.data(), bits.size() * sizeof(float));
+  auto check = [&](size_t i, uint16_t got) {
+    if (std::isnan(x[i])) {
+      ASSERT_EQ(got & 0x7f80, 0x7f80) << "NaN " << std::hex << bits[i] << " -> " << got;
+      ASSERT_NE(got & 0x7f, 0) << "NaN " << std::hex << bits[i] << " -> " << got;
+      ASSERT_EQ(got & 0x8000, (bits[i] >> 16) & 0x8000) << std::hex << bits[i];
+    } else {
+      ASSERT_EQ(got, bf16_reference(x[i])) << std::hex << bits[i];
+    }
+  };
+  std::vector<Bf16> out(x.size());
+  narrow_bf16(x.data(), out.data(), static_cast<int64_t>(x.size()));
+  for (size_t i = 0; i < x.size(); ++i) check(i, out[i].bits);
+  for (int64_t n = 0; n <= 40; ++n) {
+    for (size_t offset : {0, 3, 13}) {
+      std::vector<Bf16> part(n + 1, Bf16{0x1234});
+      narrow_bf16(x.data() + offset, part.data(), n);
+      for (int64_t i = 0; i < n; ++i) check(offset + i, part[i].bits);
+      ASSERT_EQ(part[n].bits, 0x1234) << "wrote past n = " << n;
+      std::vector<float> back(n + 1, 7.0f);
+      widen_bf16(all.data() + offset * 101, back.data(), n);
+      for (int64_t i = 0; i < n; ++i) ASSERT_EQ(back[i], wide[offset * 101 + i]);
+      ASSERT_EQ(back[n], 7.0f) << "wrote past n = " << n;
+    }
   }
 }
 

@@ -1,9 +1,10 @@
 """float16 and bfloat16 on the CPU: every fastattn operator against itself in
 float64 on the same values.
 
-The CPU kernels compute in float32 on widened copies and round each result
-once (src/ops/op_util.h, in_float32); saved softmax statistics stay float32,
-as on CUDA. Each case below holds its discrete inputs fixed (cluster
+The CPU kernels compute in float32, on widened copies (src/ops/op_util.h,
+in_float32) or, where a kernel reads and writes bfloat16 itself, on widened
+tiles of its rows, and round each result once; saved softmax statistics stay
+float32, as on CUDA. Each case below holds its discrete inputs fixed (cluster
 assignments, top-k sets, LSH buckets, token indices), so the reduced-precision
 run and the float64 run compute the same function: outputs and gradients agree
 within 4 units of the dtype's rounding of the largest value (2^-8 bfloat16,
@@ -133,6 +134,53 @@ def test_hashing_matches_float64(dtype):
                        ops.hash_queries(x.double(), planes.double()))
     assert torch.equal(ops.lsh_hash(x.to(dtype), rotations.to(dtype)),
                        ops.lsh_hash(x.double(), rotations.double()))
+
+
+# Operators whose CPU kernels read and write bfloat16 themselves (float32
+# arithmetic on widened tiles): forward and backward ops, their arguments after
+# q, k, v (forward) and after grad_out, q, k, v, out, stats (backward).
+NATIVE_BF16 = {
+    "elu_linear_attention": (ops.elu_linear_attention_forward, ops.elu_linear_attention_backward,
+                             lambda causal: (LENGTHS, causal, 1e-6)),
+}
+
+
+@pytest.mark.parametrize("name", list(NATIVE_BF16))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("layers", [False, True], ids=["contiguous", "layers"])
+def test_bfloat16_kernels_are_the_float32_kernels_rounded(name, causal, layers):
+    """Bit for bit at every level this CPU runs: the float32 operator on the
+    widened inputs (same strides), each result rounded to bfloat16, the
+    statistics float32; gradients from the bfloat16 output, as autograd
+    passes it. The layers' (N, L, H, E) views and vector tails (E = 40,
+    M = 24 at the avx2 and avx512 levels: a tail of 8) included."""
+    forward, backward, rest = NATIVE_BF16[name]
+    g = torch.Generator().manual_seed(11)
+
+    def bf16(D):
+        shape = (N, L, H, D) if layers else (N, H, L, D)
+        x = torch.randn(*shape, generator=g).to(torch.bfloat16)
+        return x.transpose(1, 2) if layers else x
+
+    q, k, v, grad = bf16(E), bf16(E), bf16(M), bf16(M)
+    saved = fastattn.cpu_capability()
+    try:
+        for level in fastattn.supported_cpu_capabilities():
+            fastattn.set_cpu_capability(level)
+            out, stats = forward(q, k, v, *rest(causal))
+            want_out, want_stats = forward(q.float(), k.float(), v.float(), *rest(causal))
+            assert out.dtype == torch.bfloat16 and stats.dtype == torch.float32
+            assert out.stride() == want_out.stride(), level
+            assert torch.equal(out, want_out.to(torch.bfloat16)), f"{name} out at {level}"
+            assert torch.equal(stats, want_stats), f"{name} statistics at {level}"
+            got = backward(grad, q, k, v, out, stats, *rest(causal))
+            want = backward(grad.float(), q.float(), k.float(), v.float(), out.float(), stats,
+                            *rest(causal))
+            for label, a, b in zip(("grad q", "grad k", "grad v"), got, want):
+                assert a.dtype == torch.bfloat16 and a.stride() == b.stride(), f"{label} {level}"
+                assert torch.equal(a, b.to(torch.bfloat16)), f"{name} {label} at {level}"
+    finally:
+        fastattn.set_cpu_capability(saved)
 
 
 def test_saved_statistics_are_float32():

@@ -94,6 +94,15 @@ void set_cpu_isa(CpuIsa isa);
   template void name<float>(const Args<float>&);   \
   template void name<double>(const Args<double>&); \
   }
+// The same, for T = Bf16 (bfloat16 operands, float32 arithmetic) as well.
+#define FASTATTN_CPU_KERNEL_WITH_BF16(name, Args) \
+  FASTATTN_CPU_KERNEL(name, Args)                 \
+  namespace fastattn::kernels {                   \
+  namespace isa_default {                         \
+  template void name<Bf16>(const Args<Bf16>&);    \
+  }                                               \
+  template void name<Bf16>(const Args<Bf16>&);    \
+  }
 #define FASTATTN_CPU_KERNEL_PLAIN(name, Params)                               \
   namespace fastattn::kernels {                                               \
   namespace isa_avx2 {                                                        \
@@ -109,6 +118,11 @@ void set_cpu_isa(CpuIsa isa);
   namespace fastattn::kernels::FASTATTN_ISA_NS {   \
   template void name<float>(const Args<float>&);   \
   template void name<double>(const Args<double>&); \
+  }
+#define FASTATTN_CPU_KERNEL_WITH_BF16(name, Args) \
+  FASTATTN_CPU_KERNEL(name, Args)                 \
+  namespace fastattn::kernels::FASTATTN_ISA_NS {  \
+  template void name<Bf16>(const Args<Bf16>&);    \
   }
 #define FASTATTN_CPU_KERNEL_PLAIN(name, Params)
 #endif

@@ -30,12 +30,12 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "kernels/common/bf16.h"
 #include "kernels/common/isa_target.h"
 #include "kernels/common/parallel.h"
 #include "kernels/common/scratch.h"
@@ -63,14 +63,6 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 static_assert(sizeof(TileConfig) == 64);
-
-// Rounded to nearest even (NaN stays NaN), as vcvtneps2bf16 and torch do.
-inline uint16_t narrow_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
-}
 
 inline void store_bf16(Bf16* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
@@ -505,12 +497,12 @@ void full_attention_backward_amx(const FullAttentionBackwardArgs<Bf16>& args) {
           Bf16* gk = a.grad_k_rows.head(a.grad_k, nh, H) + j0 * a.grad_k_rows.sr;
           for (int64_t c = 0; c < cols; ++c)
             for (int64_t e = 0; e < E; ++e)
-              gk[c * a.grad_k_rows.sr + e].bits = narrow_bits(w.dkt[e * kBwdKeys + c]);
+              gk[c * a.grad_k_rows.sr + e].bits = bf16_bits(w.dkt[e * kBwdKeys + c]);
           if (a.grad_v) {
             Bf16* gv = a.grad_v_rows.head(a.grad_v, nh, H) + j0 * a.grad_v_rows.sr;
             for (int64_t c = 0; c < cols; ++c)
               for (int64_t m = 0; m < M; ++m)
-                gv[c * a.grad_v_rows.sr + m].bits = narrow_bits(w.dvt[m * kBwdKeys + c]);
+                gv[c * a.grad_v_rows.sr + m].bits = bf16_bits(w.dvt[m * kBwdKeys + c]);
           }
         }
       });
@@ -526,7 +518,7 @@ void full_attention_backward_amx(const FullAttentionBackwardArgs<Bf16>& args) {
           for (int64_t e = 0; e < E; ++e) {
             float sum = 0;
             for (int64_t sp = 0; sp < splits; ++sp) sum += part[sp * Lp * Ep + i * Ep + e];
-            dst[i * a.grad_q_rows.sr + e].bits = narrow_bits(sum);
+            dst[i * a.grad_q_rows.sr + e].bits = bf16_bits(sum);
           }
         }
       });
@@ -576,7 +568,7 @@ void single_query_forward(const FullAttentionForwardArgs<Bf16>& a) {
             _mm512_storeu_ps(o + c,
                              _mm512_fmadd_ps(pj, widen16(v + c, M - c), _mm512_loadu_ps(o + c)));
         }
-        for (int64_t c = 0; c < M; ++c) out[c].bits = narrow_bits(o[c] / l);
+        for (int64_t c = 0; c < M; ++c) out[c].bits = bf16_bits(o[c] / l);
         a.lse[nh] = m + std::log(l);
       });
 }
@@ -720,7 +712,7 @@ void full_attention_forward_amx(const FullAttentionForwardArgs<Bf16>& args) {
           int64_t c = 0;
           for (; c + 16 <= M; c += 16)
             store_bf16(dst + c, _mm512_mul_ps(_mm512_loadu_ps(orow + c), _mm512_set1_ps(inv)));
-          for (; c < M; ++c) dst[c].bits = narrow_bits(orow[c] * inv);
+          for (; c < M; ++c) dst[c].bits = bf16_bits(orow[c] * inv);
           lse[r] = l > 0.0f ? w.m[r] + std::log(l) : neg_inf<float>();
         }
       });

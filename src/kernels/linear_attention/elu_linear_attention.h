@@ -38,8 +38,9 @@
 
 namespace fastattn::kernels {
 
-// The arguments of both backends (kernels/common/kernel_args.h): T = float or
-// double for the CPU kernels below, void for the CUDA launchers
+// The arguments of both backends (kernels/common/kernel_args.h): T = float,
+// double or Bf16 (bfloat16 operands, float32 arithmetic and den) for the CPU
+// kernels below, void for the CUDA launchers
 // (elu_linear_attention_cuda.h), which take contiguous operands only.
 template <typename T>
 struct EluLinearParams : QKVParams<T> {

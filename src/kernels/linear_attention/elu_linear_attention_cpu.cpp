@@ -3,11 +3,20 @@
 // gemm of kernels/common/gemm.h. Tiles (C rows): qf = phi(Q_c), kf = phi(K_c) with padded rows
 // zeroed, their transposes, gn / gd (the output gradient scaled by the normaliser), and a C×C score
 // tile.
+//
+// bfloat16 operands (T = Bf16) are read and written by the kernels themselves, the arithmetic in
+// float32 (F below): each chunk's rows are widened into float32 tiles as a pass needs them and the
+// outputs computed in float32 tiles, rounded into their rows at the end of the chunk. The float32
+// code runs unchanged on those tiles, so the results are the float32 kernels' on the widened
+// inputs, rounded once, without the float32 copies of every operand (linear attention at
+// L = 16384 wrote and read three times the bfloat16 data in those copies).
 #include "kernels/linear_attention/elu_linear_attention.h"
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
+#include "kernels/common/bf16.h"
 #include "kernels/common/isa_target.h"
 #include "kernels/common/gemm.h"
 #include "kernels/common/parallel.h"
@@ -33,7 +42,10 @@ struct Scratch {
   std::vector<T> gd;                // C
   std::vector<T> a;                 // C × C
   std::vector<HeadState<T>> heads;  // one per head of the work item
-  void init(int64_t C, int64_t E, int64_t M, int64_t G) {
+  // bfloat16 operands only, C × max(E, M) each: widened input rows (q, v,
+  // grad_out, out) and output rows before rounding (out or dQ, dK, dV).
+  std::vector<T> in_q, in_v, in_g, in_o, out_a, out_b;
+  void init(int64_t C, int64_t E, int64_t M, int64_t G, bool widened) {
     const int64_t D = std::max(E, M);
     qf.resize(C * E);
     kf.resize(C * E);
@@ -42,6 +54,9 @@ struct Scratch {
     gn.resize(C * M);
     gd.resize(C);
     a.resize(C * C);
+    if (widened) {
+      for (auto* t : {&in_q, &in_v, &in_g, &in_o, &out_a, &out_b}) t->resize(C * D);
+    }
     heads.resize(G);
     for (auto& h : heads) {
       h.s.resize(E * M);
@@ -58,17 +73,66 @@ void zero(std::vector<T>& x) {
   std::fill(x.begin(), x.end(), T(0));
 }
 
-// out (rows × E) = phi(x) (rows x[r·ldx ...]) on the first `valid` rows,
-// zeros below.
-template <typename T>
-void phi_rows(const T* x, int64_t ldx, int64_t rows, int64_t valid, int64_t E, T* out) {
-  valid = std::clamp<int64_t>(valid, 0, rows);
-  if (ldx == E) {
-    elu_plus_one(x, out, valid * E);
+// ---- operands in the arithmetic's type F ---------------------------------------------------
+
+// Rows of F values, ld apart.
+template <typename F>
+struct Rows {
+  F* p;
+  int64_t ld;
+};
+
+// Rows [0, rows) of x (cols entries, ld apart) as F rows: x itself when T is F; else (bfloat16)
+// widened into tile.
+template <typename T, typename F>
+Rows<const F> widened(const T* x, int64_t ld, int64_t rows, int64_t cols, std::vector<F>& tile) {
+  if constexpr (std::is_same_v<T, F>) {
+    return {x, ld};
   } else {
-    for (int64_t r = 0; r < valid; ++r) elu_plus_one(x + r * ldx, out + r * E, E);
+    for (int64_t r = 0; r < rows; ++r) widen_bf16(x + r * ld, tile.data() + r * cols, cols);
+    return {tile.data(), cols};
   }
-  std::fill(out + valid * E, out + rows * E, T(0));
+}
+
+// Where the arithmetic writes an output's rows (cols entries, ld apart): the rows themselves
+// when T is F; else tile, rounded into the rows by store_output.
+template <typename T, typename F>
+Rows<F> output_rows(T* x, int64_t ld, int64_t cols, std::vector<F>& tile) {
+  if constexpr (std::is_same_v<T, F>) {
+    return {x, ld};
+  } else {
+    return {tile.data(), cols};
+  }
+}
+template <typename T, typename F>
+void store_output(Rows<F> tile, int64_t rows, int64_t cols, T* x, int64_t ld) {
+  if constexpr (!std::is_same_v<T, F>) {
+    for (int64_t r = 0; r < rows; ++r) narrow_bf16(tile.p + r * tile.ld, x + r * ld, cols);
+  }
+}
+
+// out (rows × E) = phi(x) (rows x[r·ldx ...]) on the first `valid` rows,
+// zeros below (bfloat16 rows widened into out first).
+template <typename T, typename F>
+void phi_rows(const T* x, int64_t ldx, int64_t rows, int64_t valid, int64_t E, F* out) {
+  valid = std::clamp<int64_t>(valid, 0, rows);
+  const F* in;
+  int64_t ld = ldx;
+  if constexpr (std::is_same_v<T, F>) {
+    in = x;
+  } else {
+    for (int64_t r = 0; r < valid; ++r) widen_bf16(x + r * ldx, out + r * E, E);
+    in = out;
+    ld = E;
+  }
+  // One call over contiguous rows, else one per row, whatever the type: the same elements go
+  // to elu_plus_one's vector and scalar parts as in the float32 kernel on a widened copy.
+  if (ldx == E) {
+    elu_plus_one(in, out, valid * E);
+  } else {
+    for (int64_t r = 0; r < valid; ++r) elu_plus_one(in + r * ld, out + r * E, E);
+  }
+  std::fill(out + valid * E, out + rows * E, F(0));
 }
 
 // Rows [from, to) of x (row stride ldx, E entries each) set to zero.
@@ -141,8 +205,8 @@ int64_t valid_keys(const EluLinearParams<T>& p, int64_t nh) {
 
 // S = sum phi(k_j) v_j^T (E × M) and z = sum phi(k_j) over the first len
 // keys, for heads nh0 .. nh0 + G - 1 (len depends on n only).
-template <typename T>
-void key_states(const EluLinearParams<T>& p, int64_t nh0, int64_t G, int64_t len, Scratch<T>& w) {
+template <typename T, typename F>
+void key_states(const EluLinearParams<T>& p, int64_t nh0, int64_t G, int64_t len, Scratch<F>& w) {
   const int64_t C = p.chunk, E = p.E, M = p.M;
   const int64_t lk = p.k_rows.sr, lv = p.v_rows.sr;
   for (int64_t g = 0; g < G; ++g) {
@@ -159,7 +223,8 @@ void key_states(const EluLinearParams<T>& p, int64_t nh0, int64_t G, int64_t len
       prefetch_rows(k + C * lk, next, E, lk);
       prefetch_rows(v + C * lv, next, M, lv);
       phi_rows(k, lk, rows, rows, E, w.kf.data());
-      gemm_tn(E, M, rows, w.kf.data(), E, v, lv, hs.s.data(), M, true);
+      const auto vf = widened(v, lv, rows, M, w.in_v);
+      gemm_tn(E, M, rows, w.kf.data(), E, vf.p, vf.ld, hs.s.data(), M, true);
       add_row_sum(w.kf.data(), rows, E, hs.z.data());
     }
   }
@@ -167,8 +232,8 @@ void key_states(const EluLinearParams<T>& p, int64_t nh0, int64_t G, int64_t len
 
 // ---- forward ------------------------------------------------------------
 
-template <typename T>
-void forward_causal(const EluLinearForwardArgs<T>& p, int64_t nh0, int64_t G, Scratch<T>& w) {
+template <typename T, typename F>
+void forward_causal(const EluLinearForwardArgs<T>& p, int64_t nh0, int64_t G, Scratch<F>& w) {
   const int64_t L = p.L, E = p.E, M = p.M, C = p.chunk;
   const int64_t len = valid_keys(p, nh0);
   const int64_t lq = p.q_rows.sr, lk = p.k_rows.sr, lv = p.v_rows.sr, lo = p.out_rows.sr;
@@ -184,38 +249,41 @@ void forward_causal(const EluLinearForwardArgs<T>& p, int64_t nh0, int64_t G, Sc
       auto& hs = w.heads[g];
       const T* q = p.q_rows.head(p.q, nh, p.H) + i0 * lq;
       const T* k = p.k_rows.head(p.k, nh, p.H) + i0 * lk;
-      const T* vc = p.v_rows.head(p.v, nh, p.H) + i0 * lv;
-      T* oc = p.out_rows.head(p.out, nh, p.H) + i0 * lo;
-      T* den = p.den + nh * L + i0;
+      const T* v = p.v_rows.head(p.v, nh, p.H) + i0 * lv;
+      T* o = p.out_rows.head(p.out, nh, p.H) + i0 * lo;
+      F* den = p.den + nh * L + i0;
       const int64_t next = std::min(C, L - i0 - C);
       prefetch_rows(q + C * lq, next, E, lq);
       prefetch_rows(k + C * lk, next, E, lk);
-      prefetch_rows(vc + C * lv, next, M, lv);
-      prefetch_rows(oc + C * lo, next, M, lo, /*write=*/true);
+      prefetch_rows(v + C * lv, next, M, lv);
+      prefetch_rows(o + C * lo, next, M, lo, /*write=*/true);
       phi_rows(q, lq, rows, rows, E, w.qf.data());
       phi_rows(k, lk, rows, len - i0, E, w.kf.data());
+      const auto vc = widened(v, lv, rows, M, w.in_v);
+      const auto oc = output_rows(o, lo, M, w.out_a);
       transpose(w.kf.data(), rows, E, E, w.xt.data(), C);
       gemm(rows, rows, E, w.qf.data(), E, w.xt.data(), C, w.a.data(), C, false);
       keep_lower_triangle(w.a.data(), rows, C);
-      if (!first) gemm(rows, M, E, w.qf.data(), E, hs.s.data(), M, oc, lo, false);
-      gemm(rows, M, rows, w.a.data(), C, vc, lv, oc, lo, !first);
+      if (!first) gemm(rows, M, E, w.qf.data(), E, hs.s.data(), M, oc.p, oc.ld, false);
+      gemm(rows, M, rows, w.a.data(), C, vc.p, vc.ld, oc.p, oc.ld, !first);
       for (int64_t r = 0; r < rows; ++r) {
-        T d = p.eps + simd_dot(w.qf.data() + r * E, hs.z.data(), E);
+        F d = p.eps + simd_dot(w.qf.data() + r * E, hs.z.data(), E);
         for (int64_t j = 0; j <= r; ++j) d += w.a[r * C + j];
         den[r] = d;
-        const T inv = T(1) / d;
-        for (int64_t m = 0; m < M; ++m) oc[r * lo + m] *= inv;
+        const F inv = F(1) / d;
+        for (int64_t m = 0; m < M; ++m) oc.p[r * oc.ld + m] *= inv;
       }
+      store_output(oc, rows, M, o, lo);
       if (i0 + rows < L && i0 < len) {
-        gemm(E, M, rows, w.xt.data(), C, vc, lv, hs.s.data(), M, true);
+        gemm(E, M, rows, w.xt.data(), C, vc.p, vc.ld, hs.s.data(), M, true);
         add_row_sum(w.kf.data(), rows, E, hs.z.data());
       }
     }
   }
 }
 
-template <typename T>
-void forward_full(const EluLinearForwardArgs<T>& p, int64_t nh0, int64_t G, Scratch<T>& w) {
+template <typename T, typename F>
+void forward_full(const EluLinearForwardArgs<T>& p, int64_t nh0, int64_t G, Scratch<F>& w) {
   const int64_t L = p.L, E = p.E, M = p.M, C = p.chunk;
   const int64_t lq = p.q_rows.sr, lo = p.out_rows.sr;
   key_states(p, nh0, G, valid_keys(p, nh0), w);
@@ -224,20 +292,22 @@ void forward_full(const EluLinearForwardArgs<T>& p, int64_t nh0, int64_t G, Scra
     for (int64_t g = 0; g < G; ++g) {
       const int64_t nh = nh0 + g;
       const auto& hs = w.heads[g];
-      T* oc = p.out_rows.head(p.out, nh, p.H) + i0 * lo;
-      T* den = p.den + nh * L + i0;
+      T* o = p.out_rows.head(p.out, nh, p.H) + i0 * lo;
+      F* den = p.den + nh * L + i0;
       const T* q = p.q_rows.head(p.q, nh, p.H) + i0 * lq;
       const int64_t next = std::min(C, L - i0 - C);
       prefetch_rows(q + C * lq, next, E, lq);
-      prefetch_rows(oc + C * lo, next, M, lo, /*write=*/true);
+      prefetch_rows(o + C * lo, next, M, lo, /*write=*/true);
       phi_rows(q, lq, rows, rows, E, w.qf.data());
-      gemm(rows, M, E, w.qf.data(), E, hs.s.data(), M, oc, lo, false);
+      const auto oc = output_rows(o, lo, M, w.out_a);
+      gemm(rows, M, E, w.qf.data(), E, hs.s.data(), M, oc.p, oc.ld, false);
       for (int64_t r = 0; r < rows; ++r) {
-        const T d = p.eps + simd_dot(w.qf.data() + r * E, hs.z.data(), E);
+        const F d = p.eps + simd_dot(w.qf.data() + r * E, hs.z.data(), E);
         den[r] = d;
-        const T inv = T(1) / d;
-        for (int64_t m = 0; m < M; ++m) oc[r * lo + m] *= inv;
+        const F inv = F(1) / d;
+        for (int64_t m = 0; m < M; ++m) oc.p[r * oc.ld + m] *= inv;
       }
+      store_output(oc, rows, M, o, lo);
     }
   }
 }
@@ -248,7 +318,9 @@ void forward_full(const EluLinearForwardArgs<T>& p, int64_t nh0, int64_t G, Scra
 // and their row strides.
 template <typename T>
 struct ChunkRows {
-  const T *q, *k, *v, *g, *out, *den;
+  using F = KernelScalar<T>;
+  const T *q, *k, *v, *g, *out;
+  const F* den;
   T *gq, *gk, *gv;
   int64_t lq, lk, lv, lg, lo, lgq, lgk, lgv;
   ChunkRows(const EluLinearBackwardArgs<T>& p, int64_t nh, int64_t i0)
@@ -286,13 +358,19 @@ struct ChunkRows {
     prefetch_rows(gk + step * lgk, rows, E, lgk, true);
     prefetch_rows(gv + step * lgv, rows, M, lgv, true);
   }
+  // scaled_grads of the chunk's first `rows` output rows.
+  void scale_grads(int64_t rows, int64_t M, Scratch<F>& w) const {
+    const auto gf = widened(g, lg, rows, M, w.in_g);
+    const auto of = widened(out, lo, rows, M, w.in_o);
+    scaled_grads(gf.p, gf.ld, of.p, of.ld, den, rows, M, w.gn.data(), w.gd.data());
+  }
 };
 
-template <typename T>
-void backward_causal(const EluLinearBackwardArgs<T>& p, int64_t nh0, int64_t G, Scratch<T>& w) {
+template <typename T, typename F>
+void backward_causal(const EluLinearBackwardArgs<T>& p, int64_t nh0, int64_t G, Scratch<F>& w) {
   const int64_t L = p.L, E = p.E, M = p.M, C = p.chunk;
   const int64_t len = valid_keys(p, nh0);
-  T* a = w.a.data();
+  F* a = w.a.data();
 
   // Forward pass: dQ from the prefix states S^T = sum v_j phi(k_j)^T (M × E), z.
   for (int64_t g = 0; g < G; ++g) {
@@ -305,23 +383,27 @@ void backward_causal(const EluLinearBackwardArgs<T>& p, int64_t nh0, int64_t G, 
     for (int64_t g = 0; g < G; ++g) {
       auto& hs = w.heads[g];
       const ChunkRows<T> c(p, nh0 + g, i0);
-      T* st = hs.st.data();
-      T* vt = w.xt.data();
+      F* st = hs.st.data();
+      F* vt = w.xt.data();
       const int64_t next = std::min(C, L - i0 - C);
       c.prefetch_queries(C, next, E, M);
       c.prefetch_keys(C, next, E, M, /*write=*/false);
       phi_rows(c.k, c.lk, rows, len - i0, E, w.kf.data());
-      scaled_grads(c.g, c.lg, c.out, c.lo, c.den, rows, M, w.gn.data(), w.gd.data());
-      transpose(c.v, rows, M, c.lv, vt, C);
+      c.scale_grads(rows, M, w);
+      const auto q = widened(c.q, c.lq, rows, E, w.in_q);  // for phi'(q)
+      const auto v = widened(c.v, c.lv, rows, M, w.in_v);
+      const auto gq = output_rows(c.gq, c.lgq, E, w.out_a);
+      transpose(v.p, rows, M, v.ld, vt, C);
       // B = gn V^T + gd 1^T, masked (j <= i).
       gemm(rows, rows, M, w.gn.data(), M, vt, C, a, C, false);
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t j = 0; j <= r; ++j) a[r * C + j] += w.gd[r];
       keep_lower_triangle(a, rows, C);
-      if (!first) gemm(rows, E, M, w.gn.data(), M, st, E, c.gq, c.lgq, false);
-      gemm(rows, E, rows, a, C, w.kf.data(), E, c.gq, c.lgq, !first);
-      if (!first) add_outer(w.gd.data(), hs.z.data(), rows, E, c.gq, c.lgq);
-      times_phi_prime(c.q, c.lq, rows, E, c.gq, c.lgq);
+      if (!first) gemm(rows, E, M, w.gn.data(), M, st, E, gq.p, gq.ld, false);
+      gemm(rows, E, rows, a, C, w.kf.data(), E, gq.p, gq.ld, !first);
+      if (!first) add_outer(w.gd.data(), hs.z.data(), rows, E, gq.p, gq.ld);
+      times_phi_prime(q.p, q.ld, rows, E, gq.p, gq.ld);
+      store_output(gq, rows, E, c.gq, c.lgq);
       if (i0 + rows < L && i0 < len) {
         gemm(M, E, rows, vt, C, w.kf.data(), E, st, E, true);
         add_row_sum(w.kf.data(), rows, E, hs.z.data());
@@ -343,41 +425,46 @@ void backward_causal(const EluLinearBackwardArgs<T>& p, int64_t nh0, int64_t G, 
     for (int64_t g = 0; g < G; ++g) {
       auto& hs = w.heads[g];
       const ChunkRows<T> c(p, nh0 + g, i0);
-      T* rs = hs.s.data();
-      T* rt = hs.st.data();
-      T* r = hs.z.data();
-      T* qt = w.xt.data();   // phi(Q_c)^T (E × C)
-      T* gnt = w.yt.data();  // gn^T (M × C)
+      F* rs = hs.s.data();
+      F* rt = hs.st.data();
+      F* r = hs.z.data();
+      F* qt = w.xt.data();   // phi(Q_c)^T (E × C)
+      F* gnt = w.yt.data();  // gn^T (M × C)
       if (i0 > 0) {
         c.prefetch_queries(-C, C, E, M);
         c.prefetch_keys(-C, C, E, M, /*write=*/true);
       }
       phi_rows(c.q, c.lq, rows, rows, E, w.qf.data());
-      scaled_grads(c.g, c.lg, c.out, c.lo, c.den, rows, M, w.gn.data(), w.gd.data());
+      c.scale_grads(rows, M, w);
       transpose(w.qf.data(), rows, E, E, qt, C);
+      const auto gk = output_rows(c.gk, c.lgk, E, w.out_a);
+      const auto gv = output_rows(c.gv, c.lgv, M, w.out_b);
       if (valid > 0) {
+        const auto v = widened(c.v, c.lv, valid, M, w.in_v);
         phi_rows(c.k, c.lk, valid, valid, E, w.kf.data());
         transpose(w.gn.data(), rows, M, M, gnt, C);
         // dV_c = phi(K_c) R + (phi(K_c) phi(Q_c)^T masked i >= j) gn
         gemm(valid, rows, E, w.kf.data(), E, qt, C, a, C, false);
         keep_upper_triangle(a, valid, C);
-        if (!first) gemm(valid, M, E, w.kf.data(), E, rs, M, c.gv, c.lgv, false);
-        gemm(valid, M, rows, a, C, w.gn.data(), M, c.gv, c.lgv, !first);
+        if (!first) gemm(valid, M, E, w.kf.data(), E, rs, M, gv.p, gv.ld, false);
+        gemm(valid, M, rows, a, C, w.gn.data(), M, gv.p, gv.ld, !first);
         // dphi(K_c) = V_c R^T + 1 r^T + B' phi(Q_c), B'_ji = v_j·gn_i + gd_i (i >= j)
-        gemm(valid, rows, M, c.v, c.lv, gnt, C, a, C, false);
+        gemm(valid, rows, M, v.p, v.ld, gnt, C, a, C, false);
         for (int64_t j = 0; j < valid; ++j)
           for (int64_t i = j; i < rows; ++i) a[j * C + i] += w.gd[i];
         keep_upper_triangle(a, valid, C);
         if (!first) {
           transpose(rs, E, M, M, rt, E);
-          gemm(valid, E, M, c.v, c.lv, rt, E, c.gk, c.lgk, false);
+          gemm(valid, E, M, v.p, v.ld, rt, E, gk.p, gk.ld, false);
         }
-        gemm(valid, E, rows, a, C, w.qf.data(), E, c.gk, c.lgk, !first);
-        if (!first) add_outer<T>(nullptr, r, valid, E, c.gk, c.lgk);
-        times_phi_prime_from_phi(w.kf.data(), valid, E, c.gk, c.lgk);
+        gemm(valid, E, rows, a, C, w.qf.data(), E, gk.p, gk.ld, !first);
+        if (!first) add_outer<F>(nullptr, r, valid, E, gk.p, gk.ld);
+        times_phi_prime_from_phi(w.kf.data(), valid, E, gk.p, gk.ld);
       }
-      zero_rows(c.gk, c.lgk, valid, rows, E);
-      zero_rows(c.gv, c.lgv, valid, rows, M);
+      zero_rows(gk.p, gk.ld, valid, rows, E);
+      zero_rows(gv.p, gv.ld, valid, rows, M);
+      store_output(gk, rows, E, c.gk, c.lgk);
+      store_output(gv, rows, M, c.gv, c.lgv);
       if (i0 > 0) {
         gemm(E, M, rows, qt, C, w.gn.data(), M, rs, M, true);
         add_weighted_row_sum(w.qf.data(), w.gd.data(), rows, E, r);
@@ -386,8 +473,8 @@ void backward_causal(const EluLinearBackwardArgs<T>& p, int64_t nh0, int64_t G, 
   }
 }
 
-template <typename T>
-void backward_full(const EluLinearBackwardArgs<T>& p, int64_t nh0, int64_t G, Scratch<T>& w) {
+template <typename T, typename F>
+void backward_full(const EluLinearBackwardArgs<T>& p, int64_t nh0, int64_t G, Scratch<F>& w) {
   const int64_t L = p.L, S = p.S, E = p.E, M = p.M, C = p.chunk;
   const int64_t len = valid_keys(p, nh0);
 
@@ -407,10 +494,12 @@ void backward_full(const EluLinearBackwardArgs<T>& p, int64_t nh0, int64_t G, Sc
       const ChunkRows<T> c(p, nh0 + g, i0);
       c.prefetch_queries(C, std::min(C, L - i0 - C), E, M);
       phi_rows(c.q, c.lq, rows, rows, E, w.qf.data());
-      scaled_grads(c.g, c.lg, c.out, c.lo, c.den, rows, M, w.gn.data(), w.gd.data());
-      gemm(rows, E, M, w.gn.data(), M, hs.st.data(), E, c.gq, c.lgq, false);
-      add_outer(w.gd.data(), hs.z.data(), rows, E, c.gq, c.lgq);
-      times_phi_prime_from_phi(w.qf.data(), rows, E, c.gq, c.lgq);
+      c.scale_grads(rows, M, w);
+      const auto gq = output_rows(c.gq, c.lgq, E, w.out_a);
+      gemm(rows, E, M, w.gn.data(), M, hs.st.data(), E, gq.p, gq.ld, false);
+      add_outer(w.gd.data(), hs.z.data(), rows, E, gq.p, gq.ld);
+      times_phi_prime_from_phi(w.qf.data(), rows, E, gq.p, gq.ld);
+      store_output(gq, rows, E, c.gq, c.lgq);
       gemm_tn(E, M, rows, w.qf.data(), E, w.gn.data(), M, hs.ds.data(), M, true);
       add_weighted_row_sum(w.qf.data(), w.gd.data(), rows, E, hs.dz.data());
     }
@@ -427,15 +516,20 @@ void backward_full(const EluLinearBackwardArgs<T>& p, int64_t nh0, int64_t G, Sc
       const auto& hs = w.heads[g];
       const ChunkRows<T> c(p, nh0 + g, j0);
       c.prefetch_keys(C, std::min(C, S - j0 - C), E, M, /*write=*/true);
+      const auto gk = output_rows(c.gk, c.lgk, E, w.out_a);
+      const auto gv = output_rows(c.gv, c.lgv, M, w.out_b);
       if (valid > 0) {
+        const auto v = widened(c.v, c.lv, valid, M, w.in_v);
         phi_rows(c.k, c.lk, valid, valid, E, w.kf.data());
-        gemm(valid, M, E, w.kf.data(), E, hs.ds.data(), M, c.gv, c.lgv, false);
-        gemm(valid, E, M, c.v, c.lv, hs.st.data(), E, c.gk, c.lgk, false);
-        add_outer<T>(nullptr, hs.dz.data(), valid, E, c.gk, c.lgk);
-        times_phi_prime_from_phi(w.kf.data(), valid, E, c.gk, c.lgk);
+        gemm(valid, M, E, w.kf.data(), E, hs.ds.data(), M, gv.p, gv.ld, false);
+        gemm(valid, E, M, v.p, v.ld, hs.st.data(), E, gk.p, gk.ld, false);
+        add_outer<F>(nullptr, hs.dz.data(), valid, E, gk.p, gk.ld);
+        times_phi_prime_from_phi(w.kf.data(), valid, E, gk.p, gk.ld);
       }
-      zero_rows(c.gk, c.lgk, valid, rows, E);
-      zero_rows(c.gv, c.lgv, valid, rows, M);
+      zero_rows(gk.p, gk.ld, valid, rows, E);
+      zero_rows(gv.p, gv.ld, valid, rows, M);
+      store_output(gk, rows, E, c.gk, c.lgk);
+      store_output(gv, rows, M, c.gv, c.lgv);
     }
   }
 }
@@ -476,9 +570,11 @@ void for_each_item(const Args& p, Body body) {
   resolve_rows(q);
   const int64_t G = heads_per_item(p.N, p.H, std::max(1, p.num_threads));
   const int64_t groups = (p.H + G - 1) / G;
-  parallel_items<Scratch<T>>(
-      p.N * groups, p.num_threads, [&](Scratch<T>& w) { w.init(q.chunk, p.E, p.M, G); },
-      [&](int64_t item, Scratch<T>& w) {
+  using F = KernelScalar<T>;
+  parallel_items<Scratch<F>>(
+      p.N * groups, p.num_threads,
+      [&](Scratch<F>& w) { w.init(q.chunk, p.E, p.M, G, !std::is_same_v<T, F>); },
+      [&](int64_t item, Scratch<F>& w) {
         const int64_t n = item / groups, h0 = item % groups * G;
         body(q, n * p.H + h0, std::min(G, p.H - h0), w);
       });
@@ -488,7 +584,8 @@ void for_each_item(const Args& p, Body body) {
 
 template <typename T>
 void elu_linear_attention_forward_cpu(const EluLinearForwardArgs<T>& p) {
-  for_each_item<T>(p, [](const EluLinearForwardArgs<T>& a, int64_t nh0, int64_t G, Scratch<T>& w) {
+  using F = KernelScalar<T>;
+  for_each_item<T>(p, [](const EluLinearForwardArgs<T>& a, int64_t nh0, int64_t G, Scratch<F>& w) {
     if (a.causal) {
       forward_causal(a, nh0, G, w);
     } else {
@@ -507,7 +604,8 @@ void elu_linear_attention_backward_cpu(const EluLinearBackwardArgs<T>& p) {
     zero_all_rows(p.grad_v, z.grad_v_rows, p.N * p.H, p.H, p.S, p.M);
     return;
   }
-  for_each_item<T>(p, [](const EluLinearBackwardArgs<T>& a, int64_t nh0, int64_t G, Scratch<T>& w) {
+  using F = KernelScalar<T>;
+  for_each_item<T>(p, [](const EluLinearBackwardArgs<T>& a, int64_t nh0, int64_t G, Scratch<F>& w) {
     if (a.causal) {
       backward_causal(a, nh0, G, w);
     } else {
@@ -518,5 +616,5 @@ void elu_linear_attention_backward_cpu(const EluLinearBackwardArgs<T>& p) {
 
 FASTATTN_ISA_END
 
-FASTATTN_CPU_KERNEL(elu_linear_attention_forward_cpu, EluLinearForwardArgs)
-FASTATTN_CPU_KERNEL(elu_linear_attention_backward_cpu, EluLinearBackwardArgs)
+FASTATTN_CPU_KERNEL_WITH_BF16(elu_linear_attention_forward_cpu, EluLinearForwardArgs)
+FASTATTN_CPU_KERNEL_WITH_BF16(elu_linear_attention_backward_cpu, EluLinearBackwardArgs)
