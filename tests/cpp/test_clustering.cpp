@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <array>
 #include <map>
 #include <random>
@@ -208,6 +209,71 @@ TEST(ClusterCodes, LongSequencesEndAtANearestCentroidFixedPoint) {
           }
         }
       }
+    }
+  }
+}
+
+// Each Lloyd iteration's assignment, not only the last: with `t` iterations
+// the result is the lowest-index nearest centroid of every valid query, the
+// centroids being the majorities of the clusters after t - 1 iterations (the
+// same seed runs the same first t - 1). The kernel compares most queries with
+// the centroids that moved since the previous iteration only; a mistake in
+// that bookkeeping shows here as a query left with a centroid that is no
+// longer its nearest. Exceptions: re-seeded singletons (a cluster left empty
+// takes one query), never more than the clusters the plain assignment leaves
+// empty. Short (popcount) and long (byte-table) sequences, 16 (many ties),
+// 63 and 64 bits.
+TEST(ClusterCodes, EveryIterationAssignsTheLowestIndexNearestCentroid) {
+  for (int64_t L : {600, 3000}) {
+    for (int bits : {16, 63, 64}) {
+      SCOPED_TRACE("L=" + std::to_string(L) + " bits=" + std::to_string(bits));
+      // Loose groups (a third of the bits flipped): queries near several
+      // centroids, which move between them for a few iterations.
+      auto [codes, groups] = planted(1, 3, L, 25, bits, bits / 3, 31 + L + bits);
+      const int64_t C = 40;
+      auto cc = codes.accessor<int64_t, 3>();
+      torch::Tensor before = std::get<0>(cluster_codes(codes, std::nullopt, C, 0, 9));
+      int64_t moved_total = 0;
+      for (int64_t t = 1; t <= 8; ++t) {
+        const torch::Tensor after = std::get<0>(cluster_codes(codes, std::nullopt, C, t, 9));
+        auto ab = before.accessor<int64_t, 3>();
+        auto aa = after.accessor<int64_t, 3>();
+        for (int64_t h = 0; h < 3; ++h) {
+          std::vector<std::array<int64_t, 64>> ones(C);
+          std::vector<int64_t> members(C, 0), got(C, 0);
+          for (auto& o : ones) o.fill(0);
+          for (int64_t l = 0; l < L; ++l) {
+            ++members[ab[0][h][l]];
+            ++got[aa[0][h][l]];
+            for (int b = 0; b < 64; ++b) ones[ab[0][h][l]][b] += (uint64_t(cc[0][h][l]) >> b) & 1;
+          }
+          std::vector<uint64_t> centre(C, 0);
+          for (int64_t c = 0; c < C; ++c)
+            for (int b = 0; b < 64; ++b)
+              if (2 * ones[c][b] > members[c]) centre[c] |= uint64_t(1) << b;
+          std::vector<int64_t> nearest_count(C, 0);
+          int64_t reseeded = 0;
+          for (int64_t l = 0; l < L; ++l) {
+            const uint64_t x = cc[0][h][l];
+            int64_t best_c = 0;
+            for (int64_t c = 1; c < C; ++c) {
+              if (__builtin_popcountll(x ^ centre[c]) < __builtin_popcountll(x ^ centre[best_c]))
+                best_c = c;
+            }
+            ++nearest_count[best_c];
+            moved_total += aa[0][h][l] != ab[0][h][l];
+            if (aa[0][h][l] == best_c) continue;
+            ASSERT_EQ(got[aa[0][h][l]], 1)
+                << "t=" << t << " h=" << h << " l=" << l << ": cluster " << aa[0][h][l]
+                << " is not its nearest (" << best_c << ") and not a re-seeded singleton";
+            ++reseeded;
+          }
+          const auto empty = std::count(nearest_count.begin(), nearest_count.end(), 0);
+          EXPECT_LE(reseeded, empty) << "t=" << t << " h=" << h;
+        }
+        before = after;
+      }
+      EXPECT_GT(moved_total, 0) << "no iteration moved a query: the case tests nothing";
     }
   }
 }

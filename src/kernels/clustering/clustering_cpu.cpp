@@ -1,9 +1,9 @@
 // CPU kernel of Hamming K-means over hash codes (see clustering.h).
 //
 // Seeding: each farthest-first round relaxes every query's distance to its
-// nearest centroid and takes the largest (AVX2: 8 codes at a time, popcounts
-// by nibble table), counts the ties and finds the chosen one by vector
-// compares.
+// nearest centroid, taking the largest and counting its ties in the same
+// pass (AVX2: 8 codes at a time, AVX-512: 16, popcounts by nibble table),
+// then finds the chosen tie by vector compares.
 //
 // Assignment through byte tables: the distance of a code x to centroid c is
 // the sum over its 8 bytes of popcount(x_b ^ c_b), so with
@@ -21,6 +21,14 @@
 // bytes of 0/1, added with 64-bit adds); the byte counters of a cluster are
 // flushed to 32-bit totals every 255 members.
 //
+// Assignments after the first two are incremental: a query whose centroid
+// is the same code as in the last scan (and which that scan assigned) can
+// only move to a centroid that changed, so it is compared with those alone;
+// the Lloyd iterations change a few centroids each after the first update
+// (100 clusters over 16384 codes: ~5, then ~2, then none), and each
+// assignment costs O(L · changed) instead of O(L · C). The same clusters as
+// full scans (the order of the comparisons keeps the lowest index on ties).
+//
 // Every level gives the portable level's clusters bit for bit
 // (ClusterCodes.EveryCpuLevelGivesTheSameClusters). At L = 16384, C = 100,
 // 10 iterations, 8 heads on 2 threads: 27-30 ms before these vector paths,
@@ -31,6 +39,7 @@
 #include <array>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "kernels/common/isa_target.h"
@@ -78,6 +87,10 @@ struct Scratch {
   std::vector<int32_t> pending;     // (C): members in the byte counters
   std::vector<uint8_t> tab;         // (8, 256, Cp): distance tables
   std::vector<uint8_t> row;         // (Cp): distances of one query
+  std::vector<uint64_t> scanned;    // (C): the centroids of the last assignment
+  std::vector<uint8_t> moved;       // (C): centroid c differs from scanned[c] (or was re-seeded)
+  std::vector<int64_t> delta;       // the moved clusters, ascending
+  std::vector<int32_t> cur;         // (L): assignments during an incremental one
 };
 
 #if FASTATTN_SIMD_AVX2
@@ -106,32 +119,91 @@ inline __m256i hamming8(const uint64_t* codes, __m256i c) {
 }
 #endif
 
-// dist[l] = min(dist[l], hamming(codes[l], centroid)) for l < Lv; returns the largest.
-int relax_distances(const uint64_t* codes, int64_t Lv, uint64_t centroid, int* dist) {
-  int best = -1;
-  int64_t l = 0;
-#if FASTATTN_SIMD_AVX2
-  const __m256i c = _mm256_set1_epi64x(static_cast<long long>(centroid));
-  __m256i m = _mm256_set1_epi32(-1);
-  for (; l + 8 <= Lv; l += 8) {
-    auto* p = reinterpret_cast<__m256i*>(dist + l);
-    const __m256i d = _mm256_min_epi32(_mm256_loadu_si256(p), hamming8(codes + l, c));
-    _mm256_storeu_si256(p, d);
-    m = _mm256_max_epi32(m, d);
+#if FASTATTN_SIMD_AVX512
+// The same for codes[0, 16), as 16 int32 in order.
+inline __m512i hamming16(const uint64_t* codes, __m512i c) {
+  const __m512i nib =
+      _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4));
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  auto popcount64 = [&](__m512i x) {  // per 64-bit lane: the sum of its bytes' popcounts
+    const __m512i lo = _mm512_shuffle_epi8(nib, _mm512_and_si512(x, low));
+    const __m512i hi = _mm512_shuffle_epi8(nib, _mm512_and_si512(_mm512_srli_epi16(x, 4), low));
+    return _mm512_sad_epu8(_mm512_add_epi8(lo, hi), _mm512_setzero_si512());
+  };
+  const __m256i a =
+      _mm512_cvtepi64_epi32(popcount64(_mm512_xor_si512(_mm512_loadu_si512(codes), c)));
+  const __m256i b =
+      _mm512_cvtepi64_epi32(popcount64(_mm512_xor_si512(_mm512_loadu_si512(codes + 8), c)));
+  return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+}
+#endif
+
+// The largest distance after a relaxation, and how many queries have it.
+struct Farthest {
+  int value = -1;
+  int64_t count = 0;
+  void add(int d, int64_t n = 1) {
+    if (d > value) {
+      value = d;
+      count = n;
+    } else if (d == value) {
+      count += n;
+    }
   }
-  alignas(32) int lanes[8];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), m);
-  for (int x : lanes) best = std::max(best, x);
+};
+
+// dist[l] = min(dist[l], hamming(codes[l], centroid)) for l < Lv; returns the
+// largest and its count (one pass: per lane, the largest so far and how many
+// equal it).
+Farthest relax_distances(const uint64_t* codes, int64_t Lv, uint64_t centroid, int* dist) {
+  Farthest far;
+  int64_t l = 0;
+#if FASTATTN_SIMD_AVX512
+  {
+    const __m512i c = _mm512_set1_epi64(static_cast<long long>(centroid));
+    __m512i m = _mm512_set1_epi32(-1), n = _mm512_setzero_si512();
+    const __m512i one = _mm512_set1_epi32(1);
+    for (; l + 16 <= Lv; l += 16) {
+      int* p = dist + l;
+      const __m512i d = _mm512_min_epi32(_mm512_loadu_si512(p), hamming16(codes + l, c));
+      _mm512_storeu_si512(p, d);
+      const __mmask16 gt = _mm512_cmpgt_epi32_mask(d, m), eq = _mm512_cmpeq_epi32_mask(d, m);
+      n = _mm512_mask_mov_epi32(_mm512_mask_add_epi32(n, eq, n, one), gt, one);
+      m = _mm512_max_epi32(m, d);
+    }
+    alignas(64) int lm[16], ln[16];
+    _mm512_store_si512(lm, m);
+    _mm512_store_si512(ln, n);
+    for (int i = 0; i < 16; ++i) far.add(lm[i], ln[i]);
+  }
+#elif FASTATTN_SIMD_AVX2
+  {
+    const __m256i c = _mm256_set1_epi64x(static_cast<long long>(centroid));
+    __m256i m = _mm256_set1_epi32(-1), n = _mm256_setzero_si256();
+    const __m256i one = _mm256_set1_epi32(1);
+    for (; l + 8 <= Lv; l += 8) {
+      auto* p = reinterpret_cast<__m256i*>(dist + l);
+      const __m256i d = _mm256_min_epi32(_mm256_loadu_si256(p), hamming8(codes + l, c));
+      _mm256_storeu_si256(p, d);
+      const __m256i gt = _mm256_cmpgt_epi32(d, m), eq = _mm256_cmpeq_epi32(d, m);
+      n = _mm256_blendv_epi8(_mm256_sub_epi32(n, eq), one, gt);  // eq lanes are -1
+      m = _mm256_max_epi32(m, d);
+    }
+    alignas(32) int lm[8], ln[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lm), m);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(ln), n);
+    for (int i = 0; i < 8; ++i) far.add(lm[i], ln[i]);
+  }
 #endif
   for (; l < Lv; ++l) {
     const int d = std::min(dist[l], hamming(codes[l], centroid));
     dist[l] = d;
-    best = std::max(best, d);
+    far.add(d);
   }
-  return best;
+  return far;
 }
 
-// The index of the (r+1)-th l < Lv with dist[l] == value (r = -1: the count of them).
+// The index of the (r+1)-th l < Lv with dist[l] == value (there is one).
 int64_t find_equal(const int* dist, int64_t Lv, int value, int64_t r) {
   int64_t count = 0, l = 0;
 #if FASTATTN_SIMD_AVX2
@@ -141,7 +213,7 @@ int64_t find_equal(const int* dist, int64_t Lv, int value, int64_t r) {
     auto bits =
         static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(d, v))));
     const int n = __builtin_popcount(bits);
-    if (r >= count && r < count + n) {
+    if (r < count + n) {
       for (int64_t skip = r - count; skip > 0; --skip) bits &= bits - 1;
       return l + __builtin_ctz(bits);
     }
@@ -153,7 +225,53 @@ int64_t find_equal(const int* dist, int64_t Lv, int value, int64_t r) {
     if (count == r) return l;
     ++count;
   }
-  return count;
+  return l;  // not reached
+}
+
+// (dist[l], cur[l]) = the smaller of itself and (hamming(codes[l], centroid),
+// c) for l < Lv, comparing distances first and then indices: one moved
+// centroid offered to every query.
+void offer_centroid(const uint64_t* codes, int64_t Lv, uint64_t centroid, int32_t c, int* dist,
+                    int32_t* cur) {
+  int64_t l = 0;
+#if FASTATTN_SIMD_AVX512
+  {
+    const __m512i cv = _mm512_set1_epi64(static_cast<long long>(centroid));
+    const __m512i index = _mm512_set1_epi32(c);
+    for (; l + 16 <= Lv; l += 16) {
+      const __m512i d = hamming16(codes + l, cv);
+      const __m512i old = _mm512_loadu_si512(dist + l), own = _mm512_loadu_si512(cur + l);
+      const __mmask16 better =
+          _mm512_cmplt_epi32_mask(d, old) |
+          (_mm512_cmpeq_epi32_mask(d, old) & _mm512_cmpgt_epi32_mask(own, index));
+      _mm512_mask_storeu_epi32(dist + l, better, d);
+      _mm512_mask_storeu_epi32(cur + l, better, index);
+    }
+  }
+#elif FASTATTN_SIMD_AVX2
+  {
+    const __m256i cv = _mm256_set1_epi64x(static_cast<long long>(centroid));
+    const __m256i index = _mm256_set1_epi32(c);
+    for (; l + 8 <= Lv; l += 8) {
+      auto* pd = reinterpret_cast<__m256i*>(dist + l);
+      auto* pc = reinterpret_cast<__m256i*>(cur + l);
+      const __m256i d = hamming8(codes + l, cv);
+      const __m256i old = _mm256_loadu_si256(pd), own = _mm256_loadu_si256(pc);
+      const __m256i better = _mm256_or_si256(
+          _mm256_cmpgt_epi32(old, d),
+          _mm256_and_si256(_mm256_cmpeq_epi32(d, old), _mm256_cmpgt_epi32(own, index)));
+      _mm256_storeu_si256(pd, _mm256_blendv_epi8(old, d, better));
+      _mm256_storeu_si256(pc, _mm256_blendv_epi8(own, index, better));
+    }
+  }
+#endif
+  for (; l < Lv; ++l) {
+    const int d = hamming(codes[l], centroid);
+    if (d < dist[l] || (d == dist[l] && c < cur[l])) {
+      dist[l] = d;
+      cur[l] = c;
+    }
+  }
 }
 
 // Farthest-first seeding of centroids[0, Ce) from codes[0, Lv): the first a
@@ -170,9 +288,9 @@ void seed_centroids(const uint64_t* codes, int64_t Lv, int64_t Ce, SplitMix64& r
     s.centroids[j] = centroid;
     dist[pick] = -1;
     if (j + 1 == Ce) break;
-    const int best = relax_distances(codes, Lv, centroid, dist);
-    const int64_t ties = find_equal(dist, Lv, best, -1);
-    pick = find_equal(dist, Lv, best, static_cast<int64_t>(rng.below(static_cast<uint64_t>(ties))));
+    const Farthest far = relax_distances(codes, Lv, centroid, dist);
+    pick = find_equal(dist, Lv, far.value,
+                      static_cast<int64_t>(rng.below(static_cast<uint64_t>(far.count))));
   }
 }
 
@@ -260,42 +378,94 @@ inline std::pair<int64_t, int> nearest_by_table(uint64_t x, const uint8_t* tab, 
 #endif
 }
 
-// Assigns every valid query to its nearest centroid, then re-seeds empty
-// clusters. Returns whether any assignment changed.
-bool assign(const uint64_t* codes, int64_t Lv, int64_t Ce, int64_t* a, Scratch& s) {
+// Nearest centroid of x among cent[0, Ce) by plain popcounts (the lowest index on ties).
+inline std::pair<int64_t, int> nearest_by_popcount(uint64_t x, const uint64_t* cent, int64_t Ce) {
+  int best = std::numeric_limits<int>::max();
+  int64_t best_c = 0;
+  for (int64_t c = 0; c < Ce; ++c) {
+    const int d = hamming(x, cent[c]);
+    if (d < best) {
+      best = d;
+      best_c = c;
+    }
+  }
+  return {best_c, best};
+}
+
+// Incremental assignment while at most one cluster in this many moved: a
+// pass over the queries per moved centroid (about one cycle a query at
+// avx512), and a full scan for the queries whose own centroid moved (about
+// 1 in C / |moved|), against about 40 cycles a query for a full scan by the
+// tables at C = 100.
+constexpr int64_t kIncrementalPerMoved = 4;
+
+// Assigns every valid query to its nearest centroid (the lowest index on
+// ties), then re-seeds empty clusters; returns whether any assignment
+// changed. `full`: scan every centroid for every query (the first
+// assignment). Otherwise the clusters whose centroid moved since the last
+// assignment (or that were re-seeded there) are listed, and if they are few,
+// a query whose own centroid stayed keeps it unless a moved centroid is
+// nearer (or as near with a lower index): the last assignment made its
+// centroid the lowest-index nearest among the others, which did not move.
+// dist[l] stays the distance to its centroid either way.
+bool assign(const uint64_t* codes, int64_t Lv, int64_t Ce, int64_t* a, Scratch& s, bool full) {
+  const uint64_t* cent = s.centroids.data();
+  s.delta.clear();
+  if (!full) {
+    for (int64_t c = 0; c < Ce; ++c) {
+      s.moved[c] = s.moved[c] || cent[c] != s.scanned[c];
+      if (s.moved[c]) s.delta.push_back(c);
+    }
+  }
+  const auto moved = static_cast<int64_t>(s.delta.size());
+  const bool incremental =
+      !full && moved * kIncrementalPerMoved <= Ce && Ce <= std::numeric_limits<int32_t>::max();
+  if (incremental && moved == 0) return false;  // a fixed point: nothing can change
   bool changed = false;
   std::fill(s.counts.begin(), s.counts.begin() + Ce, 0);
-  const uint64_t* cent = s.centroids.data();
-  if (Lv >= kTableMinQueries) {
-    const int64_t Cp = (Ce + kTableAlign - 1) / kTableAlign * kTableAlign;
+  auto place = [&](int64_t l, int64_t c, int d) {
+    changed |= a[l] != c;
+    a[l] = c;
+    s.dist[l] = d;
+    ++s.counts[c];
+  };
+  // A full scan of one query: by the byte tables when they pay.
+  const bool tables = Lv >= kTableMinQueries;
+  const int64_t Cp = (Ce + kTableAlign - 1) / kTableAlign * kTableAlign;
+  if (tables) {
     s.tab.resize(static_cast<size_t>(8 * 256 * Cp));
     s.row.resize(static_cast<size_t>(Cp));
     build_tables(cent, Ce, Cp, s.tab.data());
+  }
+  auto nearest = [&](uint64_t x) {
+    return tables ? nearest_by_table(x, s.tab.data(), Cp, s.row.data())
+                  : nearest_by_popcount(x, cent, Ce);
+  };
+  if (incremental) {
+    // A query whose own centroid moved: scanned in full (its distance to it
+    // is stale); then every query offered each moved centroid (a no-op for
+    // those, whose scan saw them).
+    int32_t* cur = s.cur.data();
     for (int64_t l = 0; l < Lv; ++l) {
-      const auto [best_c, best] = nearest_by_table(codes[l], s.tab.data(), Cp, s.row.data());
-      changed |= a[l] != best_c;
-      a[l] = best_c;
-      s.dist[l] = best;
-      ++s.counts[best_c];
+      if (s.moved[a[l]]) {
+        const auto [c, d] = nearest(codes[l]);
+        cur[l] = static_cast<int32_t>(c);
+        s.dist[l] = d;
+      } else {
+        cur[l] = static_cast<int32_t>(a[l]);
+      }
     }
+    for (const int64_t c : s.delta)
+      offer_centroid(codes, Lv, cent[c], static_cast<int32_t>(c), s.dist.data(), cur);
+    for (int64_t l = 0; l < Lv; ++l) place(l, cur[l], s.dist[l]);
   } else {
     for (int64_t l = 0; l < Lv; ++l) {
-      const uint64_t x = codes[l];
-      int best = std::numeric_limits<int>::max();
-      int64_t best_c = 0;
-      for (int64_t c = 0; c < Ce; ++c) {
-        const int d = hamming(x, cent[c]);
-        if (d < best) {
-          best = d;
-          best_c = c;
-        }
-      }
-      changed |= a[l] != best_c;
-      a[l] = best_c;
-      s.dist[l] = best;
-      ++s.counts[best_c];
+      const auto [c, d] = nearest(codes[l]);
+      place(l, c, d);
     }
   }
+  std::copy(cent, cent + Ce, s.scanned.begin());
+  std::fill(s.moved.begin(), s.moved.begin() + Ce, uint8_t{0});
   for (int64_t c = 0; c < Ce; ++c) {
     if (s.counts[c] > 0) continue;
     int64_t far = -1;
@@ -308,6 +478,7 @@ bool assign(const uint64_t* codes, int64_t Lv, int64_t Ce, int64_t* a, Scratch& 
     s.counts[c] = 1;
     s.dist[far] = 0;
     s.centroids[c] = codes[far];
+    s.moved[c] = 1;  // its member was not assigned by a scan
     changed = true;
   }
   return changed;
@@ -382,6 +553,9 @@ void cluster_codes_cpu(const ClusterParams& p) {
         s.ones.resize(C * 64);
         s.bytes.resize(C * 8);
         s.pending.resize(C);
+        s.scanned.resize(C);
+        s.moved.resize(C);
+        s.cur.resize(L);
       },
       [&](int64_t nh, Scratch& s) {
         const int64_t n = nh / p.H;
@@ -396,10 +570,11 @@ void cluster_codes_cpu(const ClusterParams& p) {
         // One stream per (n, h), independent of the thread that runs it.
         SplitMix64 rng{p.seed ^ (0xD1B54A32D192ED03ull * static_cast<uint64_t>(nh + 1))};
         seed_centroids(codes, Lv, Ce, rng, s);
-        assign(codes, Lv, Ce, a, s);
+        std::fill(s.moved.begin(), s.moved.end(), uint8_t{0});
+        assign(codes, Lv, Ce, a, s, /*full=*/true);
         for (int64_t it = 0; it < p.iterations; ++it) {
           update(codes, Lv, Ce, a, s);
-          if (!assign(codes, Lv, Ce, a, s)) break;  // fixed point: nothing changes any more
+          if (!assign(codes, Lv, Ce, a, s, /*full=*/false)) break;  // fixed point
         }
         std::copy(s.counts.begin(), s.counts.begin() + Ce, counts);
       });
