@@ -55,31 +55,52 @@ void hash_queries_cpu(const HashParams<T>& p) {
   // twice as slow at L = 16384); otherwise r = i.
   const bool heads_inside = p.H > 1 && p.x_rows.sr >= 0 && xr.sh < xr.sr;
   const int64_t H = p.H;
-  const auto index = [&](int64_t i) {
-    if (!heads_inside) return i;
-    const int64_t n = i / (L * H), h = i % H, l = (i / H) % L;
-    return (n * H + h) * L + l;
-  };
-  const auto row = [&](int64_t r) { return xr.head(p.x, r / L, H) + (r % L) * xr.sr; };
   const int64_t items = (p.rows + kRowsPerItem - 1) / kRowsPerItem;
   struct Scratch {
-    std::vector<T> acc;  // (R, B_pad)
+    std::vector<T> acc;       // (R, B_pad)
+    std::vector<int64_t> r;   // the item's code indices
+    std::vector<const T*> x;  // and their rows
   };
   parallel_items<Scratch>(
-      items, p.num_threads, [&](Scratch& s) { s.acc.resize(R * B_pad); },
+      items, p.num_threads,
+      [&](Scratch& s) {
+        s.acc.resize(R * B_pad);
+        s.r.resize(kRowsPerItem);
+        s.x.resize(kRowsPerItem);
+      },
       [&](int64_t item, Scratch& s) {
         const int64_t i0 = item * kRowsPerItem, i1 = std::min(p.rows, i0 + kRowsPerItem);
-        // R rows at a time; the last group repeats its final row.
-        for (int64_t i = i0; i < i1; i += R) {
-          int64_t r[8];
-          const T* x[8];
-          for (int64_t j = 0; j < R; ++j) {
-            r[j] = index(std::min(i + j, i1 - 1));
-            x[j] = row(r[j]);
+        // Code index and row of every i in [i0, i1): divisions once per item,
+        // then counters (five divisions per row were a third of the kernel
+        // at L = 16384).
+        if (heads_inside) {
+          int64_t n = i0 / (L * H), l = (i0 / H) % L, h = i0 % H;
+          for (int64_t i = 0; i < i1 - i0; ++i) {
+            s.r[i] = (n * H + h) * L + l;
+            s.x[i] = p.x + n * xr.sn + h * xr.sh + l * xr.sr;
+            if (++h == H) {
+              h = 0;
+              if (++l == L) l = 0, ++n;
+            }
           }
+        } else {
+          int64_t nh = i0 / L, l = i0 % L;
+          const T* base = xr.head(p.x, nh, H);
+          for (int64_t i = 0; i < i1 - i0; ++i) {
+            s.r[i] = i0 + i;
+            s.x[i] = base + l * xr.sr;
+            if (++l == L && i0 + i + 1 < i1) l = 0, base = xr.head(p.x, ++nh, H);
+          }
+        }
+        // R rows at a time; the last group repeats its final row.
+        const int64_t m = i1 - i0;
+        for (int64_t i = 0; i < m; i += R) {
+          const T* x[8];
+          for (int64_t j = 0; j < R; ++j) x[j] = s.x[std::min(i + j, m - 1)];
           dirs.project(x, s.acc.data());
-          for (int64_t j = 0; j < R && i + j < i1; ++j)
-            p.codes[r[j]] = static_cast<int64_t>(positive_bits(s.acc.data() + j * B_pad, B_pad));
+          for (int64_t j = 0; j < R && i + j < m; ++j)
+            p.codes[s.r[i + j]] =
+                static_cast<int64_t>(positive_bits(s.acc.data() + j * B_pad, B_pad));
         }
       });
 }
