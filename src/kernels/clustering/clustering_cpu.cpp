@@ -21,13 +21,13 @@
 // bytes of 0/1, added with 64-bit adds); the byte counters of a cluster are
 // flushed to 32-bit totals every 255 members.
 //
-// Assignments after the first two are incremental: a query whose centroid
-// is the same code as in the last scan (and which that scan assigned) can
-// only move to a centroid that changed, so it is compared with those alone;
-// the Lloyd iterations change a few centroids each after the first update
-// (100 clusters over 16384 codes: ~5, then ~2, then none), and each
-// assignment costs O(L · changed) instead of O(L · C). The same clusters as
-// full scans (the order of the comparisons keeps the lowest index on ties).
+// Assignments are incremental once few centroids move: a query whose
+// centroid is the same code as in the last scan (and which that scan
+// assigned) can only move to a centroid that changed, so it is compared
+// with those alone. After the first update the Lloyd iterations move few
+// centroids (100 clusters over 16384 codes: ~20, then ~6, ~2, none), and
+// such an assignment costs O(L · moved) instead of O(L · C). The same
+// clusters as full scans (the comparisons keep the lowest index on ties).
 //
 // Every level gives the portable level's clusters bit for bit
 // (ClusterCodes.EveryCpuLevelGivesTheSameClusters). At L = 16384, C = 100,
