@@ -71,8 +71,8 @@ void hash_queries_cpu(const HashParams<T>& p) {
       [&](int64_t item, Scratch& s) {
         const int64_t i0 = item * kRowsPerItem, i1 = std::min(p.rows, i0 + kRowsPerItem);
         // Code index and row of every i in [i0, i1): divisions once per item,
-        // then counters (five divisions per row were a third of the kernel
-        // at L = 16384).
+        // then counters (five divisions per row were a fifth of the kernel
+        // on the layers' view at L = 16384).
         if (heads_inside) {
           int64_t n = i0 / (L * H), l = (i0 / H) % L, h = i0 % H;
           for (int64_t i = 0; i < i1 - i0; ++i) {
