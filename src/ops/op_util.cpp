@@ -9,7 +9,9 @@
 #include "fastattn/ops.h"
 #include "kernels/common/scratch.h"
 
+#include <atomic>
 #include <cmath>
+#include <limits>
 #include <cstdint>
 #include <cstdlib>
 #include <map>
@@ -348,8 +350,10 @@ torch::Tensor empty_output(at::IntArrayRef sizes, const torch::TensorOptions& op
   return empty_output_strided(sizes, strides, options);
 }
 
-torch::Tensor empty_output_strided(at::IntArrayRef sizes, at::IntArrayRef strides,
-                                   const torch::TensorOptions& options) {
+namespace {
+
+torch::Tensor empty_output_unfilled(at::IntArrayRef sizes, at::IntArrayRef strides,
+                                    const torch::TensorOptions& options) {
   int64_t numel = 1;
   for (int64_t s : sizes) numel *= s;
   const int64_t bytes =
@@ -374,6 +378,23 @@ torch::Tensor empty_output_strided(at::IntArrayRef sizes, at::IntArrayRef stride
       std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU), options.dtype());
   impl->set_sizes_and_strides(sizes, strides);
   return torch::Tensor(std::move(impl));
+}
+
+std::atomic<bool> nan_fill_outputs{false};
+
+torch::Tensor nan_filled(torch::Tensor t) {
+  if (nan_fill_outputs.load(std::memory_order_relaxed) && t.is_floating_point())
+    t.fill_(std::numeric_limits<double>::quiet_NaN());
+  return t;
+}
+
+}  // namespace
+
+void set_nan_fill_outputs(bool on) { nan_fill_outputs.store(on); }
+
+torch::Tensor empty_output_strided(at::IntArrayRef sizes, at::IntArrayRef strides,
+                                   const torch::TensorOptions& options) {
+  return nan_filled(empty_output_unfilled(sizes, strides, options));
 }
 
 torch::Tensor converted(const torch::Tensor& t, torch::ScalarType dtype) {

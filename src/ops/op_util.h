@@ -116,6 +116,11 @@ torch::Tensor empty_output(at::IntArrayRef sizes, const torch::TensorOptions& op
 // tensor of `sizes`: its elements fill [0, numel)).
 torch::Tensor empty_output_strided(at::IntArrayRef sizes, at::IntArrayRef strides,
                                    const torch::TensorOptions& options);
+// For tests: while on, every floating-point output empty_output(_strided)
+// hands out is filled with NaN first, so that a kernel that leaves part of
+// an output unwritten fails its reference comparison rather than passing on
+// memory that happened to hold zeros. Process-wide; off by default.
+void set_nan_fill_outputs(bool on);
 // t.contiguous(), a copy's buffer from empty_output.
 torch::Tensor contiguous(const torch::Tensor& t);
 

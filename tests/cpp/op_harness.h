@@ -58,9 +58,22 @@ using QkvOp =
 void check_row_layouts(const QkvOp& op, int64_t N, int64_t H, int64_t L, int64_t S, int64_t E,
                        int64_t M, double tol = 1e-12);
 
-// Runs all three.
+// While in scope, every output the operators allocate is filled with NaN
+// first (ops::set_nan_fill_outputs): a kernel that leaves part of an output
+// or gradient unwritten fails the comparisons instead of passing on memory
+// that happened to hold zeros.
+class NanFilledOutputs {
+ public:
+  NanFilledOutputs();
+  ~NanFilledOutputs();
+  NanFilledOutputs(const NanFilledOutputs&) = delete;
+  NanFilledOutputs& operator=(const NanFilledOutputs&) = delete;
+};
+
+// Runs all three, on NaN-filled outputs.
 inline void check_op(const OpCase& c, uint64_t seed = 0) {
   SCOPED_TRACE(c.name);
+  NanFilledOutputs nan_filled;
   check_forward(c, seed);
   check_gradients_vs_reference(c, seed);
   check_finite_differences(c, seed);

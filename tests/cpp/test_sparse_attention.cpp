@@ -80,6 +80,10 @@ INSTANTIATE_TEST_SUITE_P(
         SparseCfg{"local_causal_S_lt_L", "local", {9}, 1, 2, 50, 30, 8, 6, true},
         SparseCfg{"local_lengths", "local", {20}, 3, 2, 97, 97, 8, 8, false, {97, 40, 0}},
         SparseCfg{"local_temp", "local", {12}, 1, 1, 70, 70, 8, 8, true, {}, 0.7},
+        // A key tile reached by more query tiles (of 64) than the backward
+        // keeps in its slots (8): tiles leave their slot and come back, their
+        // dQ written, then added to.
+        SparseCfg{"local_window_over_many_tiles", "local", {700}, 1, 1, 760, 760, 8, 8},
         SparseCfg{"strided_merged_causal", "strided", {10, 0}, 2, 2, 97, 97, 16, 16, true},
         SparseCfg{"strided_merged_bidir", "strided", {10, 0}, 2, 2, 97, 97, 16, 16},
         SparseCfg{"strided_A1_causal", "strided", {10, 1}, 1, 2, 97, 97, 8, 8, true},

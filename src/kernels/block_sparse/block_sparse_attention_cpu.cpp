@@ -687,14 +687,26 @@ struct BackwardScratch {
   QueryTile<T> slots[kQuerySlots];
 };
 
-// dst row qidx[r] (rows sr apart) += src row r (D apart), for the tile's rows.
+// dst row qidx[r] (rows sr apart) = src row r (D apart), or += when add,
+// for the tile's rows.
 template <typename T>
-void add_tile_rows(const TileRows& tile, const T* src, int64_t D, T* dst, int64_t sr) {
+void write_tile_rows(const TileRows& tile, const T* src, int64_t D, T* dst, int64_t sr, bool add) {
   for (int64_t r = 0; r < tile.rows; ++r) {
     T* d = dst + tile.qidx[r] * sr;
     const T* x = src + r * D;
-    for (int64_t c = 0; c < D; ++c) d[c] += x[c];
+    if (add) {
+      for (int64_t c = 0; c < D; ++c) d[c] += x[c];
+    } else {
+      copy_values(x, d, D);
+    }
   }
+}
+
+// The part that first writes head h's gradients, or -1 (no part covers it).
+int first_part_of(const SparsePart* parts, int num_parts, int64_t h) {
+  for (int k = 0; k < num_parts; ++k)
+    if (h >= parts[k].head_begin && h < parts[k].head_end) return k;
+  return -1;
 }
 
 // P = exp(S·scale - lse) cut to the rows' ranges, for the tile's rows
@@ -731,11 +743,46 @@ void block_sparse_attention_backward_cpu(const BlockSparseBackwardArgs<T>& args)
   resolve_qkv_rows(a);
   resolve_grad_rows(a);
   const int64_t N = a.N, H = a.H, L = a.L, S = a.S, E = a.E, M = a.M, NH = N * H;
-  zero_all_rows_parallel(a.grad_q, a.grad_q_rows, NH, H, L, E, a.num_threads);
-  zero_all_rows_parallel(a.grad_k, a.grad_k_rows, NH, H, S, E, a.num_threads);
-  zero_all_rows_parallel(a.grad_v, a.grad_v_rows, NH, H, S, M, a.num_threads);
-  if (NH == 0 || L == 0 || S == 0) return;
+  if (NH == 0 || L == 0 || S == 0) {
+    zero_all_rows_parallel(a.grad_q, a.grad_q_rows, NH, H, L, E, a.num_threads);
+    zero_all_rows_parallel(a.grad_k, a.grad_k_rows, NH, H, S, E, a.num_threads);
+    zero_all_rows_parallel(a.grad_v, a.grad_v_rows, NH, H, S, M, a.num_threads);
+    return;
+  }
   const int64_t q_tiles = (L + kBq - 1) / kBq;
+  // The gradients are written, not cleared first and added to (clearing the
+  // three was a tenth of local-128's forward+backward at L = 16384): a
+  // head's first part stores its dQ tiles (each query is in one tile of a
+  // part; the tiles it never flushes are cleared after it) and, when its key
+  // order holds all S keys (each key in one key tile), its dK and dV tiles;
+  // later parts add. Only the heads whose first part holds fewer keys (the
+  // summary part alone) have their dK and dV cleared first, and heads no
+  // part covers all three.
+  std::vector<PartGeometries> geometries;
+  for (int k = 0; k < a.num_parts; ++k)
+    geometries.push_back(make_part_geometries(a.parts[k], H, L, S, true));
+  std::vector<int> first_part(H);
+  std::vector<uint8_t> kv_stored(H);
+  for (int64_t h = 0; h < H; ++h) {
+    first_part[h] = first_part_of(a.parts, a.num_parts, h);
+    const Geometry* g = first_part[h] < 0 ? nullptr : geometries[first_part[h]].of(h);
+    kv_stored[h] = g != nullptr && g->Sp == S;
+  }
+  {
+    struct None {};
+    parallel_items<None>(
+        NH, a.num_threads, [](None&) {},
+        [&](int64_t nh, None&) {
+          const int64_t h = nh % H;
+          if (first_part[h] < 0)
+            zero_rows(a.grad_q_rows.head(a.grad_q, nh, H), L, E, a.grad_q_rows.sr);
+          if (kv_stored[h]) return;
+          zero_rows(a.grad_k_rows.head(a.grad_k, nh, H), S, E, a.grad_k_rows.sr);
+          zero_rows(a.grad_v_rows.head(a.grad_v, nh, H), S, M, a.grad_v_rows.sr);
+        });
+  }
+  // Per (nh, query tile) of the current part: its dQ rows written.
+  std::vector<uint8_t> dq_written(static_cast<size_t>(NH * q_tiles));
   // One pass per head (FlashAttention-2 order: per key tile, the query tiles
   // that see it, dQ, dK and dV from one P and dS: 5 tile products) when the
   // heads alone share out evenly between the threads; otherwise a dQ pass per
@@ -754,17 +801,20 @@ void block_sparse_attention_backward_cpu(const BlockSparseBackwardArgs<T>& args)
   };
 
   for (int k = 0; k < a.num_parts; ++k) {
-    const SparsePart& part = a.parts[k];
-    const auto pg = make_part_geometries(part, H, L, S, true);
+    const PartGeometries& pg = geometries[k];
     const int64_t Sp = max_sp(pg);
+    std::fill(dq_written.begin(), dq_written.end(), uint8_t{0});
     // Panels of every key tile for the dQ pass; the dK/dV items pack their
     // own tile.
     const auto kk = order_keys(a.k, a.k_rows, pg, N, H, S, E, !one_pass, true, a.num_threads);
     const auto vv = order_keys(a.v, a.v_rows, pg, N, H, S, M, !one_pass, true, a.num_threads);
     auto flush_dq = [&](QueryTile<T>& qt) {
       if (!qt.has_dq) return;
-      add_tile_rows(qt.tile, qt.dq.data(), E, a.grad_q_rows.head(a.grad_q, qt.nh, H),
-                    a.grad_q_rows.sr);
+      uint8_t& written = dq_written[qt.nh * q_tiles + qt.t];
+      const bool add = written || first_part[qt.nh % H] != k;
+      write_tile_rows(qt.tile, qt.dq.data(), E, a.grad_q_rows.head(a.grad_q, qt.nh, H),
+                      a.grad_q_rows.sr, add);
+      written = 1;
       qt.has_dq = false;
     };
     // dQ rows [r0, r1) of the tile += dS · K for key tile [j0, j0 + cols).
@@ -850,32 +900,57 @@ void block_sparse_attention_backward_cpu(const BlockSparseBackwardArgs<T>& args)
                 true);
         if (with_dq) add_dq(w, qt, ko, j0, cols, r0, r1);
       }
-      if (!any) return;
+      // The head's first part stores every key row of its tiles (zeros
+      // where no query reaches them); later parts add.
+      const bool store = kv_stored[h] && first_part[h] == k;
+      if (!any && !store) return;
       T* gk = a.grad_k_rows.head(a.grad_k, nh, H);
       T* gv = a.grad_v_rows.head(a.grad_v, nh, H);
       for (int64_t c = 0; c < cols; ++c) {
         const int64_t j = g->k_order.empty() ? j0 + c : g->k_order[j0 + c];
         T* dk = gk + j * a.grad_k_rows.sr;
         T* dv = gv + j * a.grad_v_rows.sr;
+        if (store) {
+          copy_values(w.acc1.data() + c * E, dk, E);
+          copy_values(w.acc2.data() + c * M, dv, M);
+          continue;
+        }
         for (int64_t x = 0; x < E; ++x) dk[x] += w.acc1[c * E + x];
         for (int64_t x = 0; x < M; ++x) dv[x] += w.acc2[c * M + x];
       }
     };
-    if (k_tiles == 0) continue;
-
-    if (one_pass) {
+    if (k_tiles == 0) {
+      // No key in this part's order: nothing computed.
+    } else if (one_pass) {
       parallel_items<BackwardScratch<T>>(NH, a.num_threads, init,
                                          [&](int64_t nh, BackwardScratch<T>& w) {
                                            for (int64_t kb = 0; kb < k_tiles; ++kb)
                                              key_tile(w, nh, kb, /*with_dq=*/true);
                                            for (auto& qt : w.slots) flush_dq(qt);
                                          });
-      continue;
+    } else {
+      parallel_items<BackwardScratch<T>>(NH * q_tiles, a.num_threads, init, query_tile);
+      parallel_items<BackwardScratch<T>>(
+          NH * k_tiles, a.num_threads, init, [&](int64_t item, BackwardScratch<T>& w) {
+            key_tile(w, item / k_tiles, item % k_tiles, /*with_dq=*/false);
+          });
     }
-    parallel_items<BackwardScratch<T>>(NH * q_tiles, a.num_threads, init, query_tile);
-    parallel_items<BackwardScratch<T>>(
-        NH * k_tiles, a.num_threads, init, [&](int64_t item, BackwardScratch<T>& w) {
-          key_tile(w, item / k_tiles, item % k_tiles, /*with_dq=*/false);
+    // The dQ rows of the query tiles this part, their heads' first, did not
+    // write (no key reaches them): zeros, before any later part adds.
+    parallel_items<TileRows>(
+        NH, a.num_threads, [](TileRows&) {},
+        [&](int64_t nh, TileRows& tile) {
+          const int64_t h = nh % H;
+          const Geometry* g = pg.of(h);
+          if (g == nullptr || first_part[h] != k) return;
+          const int64_t len = a.key_lengths ? a.key_lengths[nh / H] : S;
+          T* gq = a.grad_q_rows.head(a.grad_q, nh, H);
+          for (int64_t t = 0; t < q_tiles; ++t) {
+            if (dq_written[nh * q_tiles + t]) continue;
+            tile.init(*g, t, len);
+            for (int64_t r = 0; r < tile.rows; ++r)
+              std::fill_n(gq + tile.qidx[r] * a.grad_q_rows.sr, E, T(0));
+          }
         });
   }
 }
