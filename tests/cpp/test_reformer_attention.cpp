@@ -152,7 +152,12 @@ INSTANTIATE_TEST_SUITE_P(
         OpCfg{"odd_dims_temp", 1, 2, 50, 17, 33, 2, 6, 7, false, true, {}, 0.5},
         OpCfg{"chunk_ge_L", 1, 2, 37, 8, 8, 2, 4, 64},
         OpCfg{"one_bucket_many_rounds", 1, 1, 33, 8, 8, 4, 1, 4, true},
-        OpCfg{"L1025_chunk32", 1, 2, 1025, 8, 8, 2, 16, 32}),
+        OpCfg{"L1025_chunk32", 1, 2, 1025, 8, 8, 2, 16, 32},
+        // Nine chunks: a run of eight, then an odd run of one chunk at the end.
+        OpCfg{"nine_chunks_odd_last_run", 1, 2, 36, 8, 8, 2, 4, 4},
+        // Padded to 17 chunks of 3 and 9 chunks: runs end at different places
+        // per batch element.
+        OpCfg{"padded_runs", 2, 1, 60, 8, 8, 2, 4, 3, false, true, {50, 27}}),
     [](const auto& info) { return info.param.name; });
 
 TEST(ReformerOp, BadInputsNamed) {
