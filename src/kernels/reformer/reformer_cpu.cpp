@@ -296,12 +296,22 @@ void reformer_forward_cpu(const ReformerForwardArgs<T>& args) {
   resolve_rows(a);
   a.out_rows = a.out_rows.resolved(a.H, a.L, a.M);
   const int64_t NH = a.N * a.H, H = a.H, L = a.L, E = a.E, M = a.M, R = a.R, C = a.chunk;
-  zero_all_rows_parallel(a.out, a.out_rows, NH, H, L, M, a.num_threads);
   for (int64_t x = 0; x < NH * L; ++x) {
     a.stats[2 * x] = neg_inf<double>();
     a.stats[2 * x + 1] = 0;
   }
   if (NH == 0 || L == 0) return;
+  // Round 0 writes every valid position's row (its first merge below is a
+  // copy): only padded positions, or all when there is no round, are cleared.
+  {
+    struct None {};
+    parallel_items<None>(
+        NH, a.num_threads, [](None&) {},
+        [&](int64_t nh, None&) {
+          const int64_t len = R > 0 ? valid_length(a, nh) : 0;
+          zero_rows(a.out_rows.row(a.out, nh, H, len), L - len, M, a.out_rows.sr);
+        });
+  }
   const auto p = prepare(a);
   constexpr int64_t NR = panel_width<T>();
   const int64_t Wd = round_up(2 * C, NR);  // score row stride
