@@ -54,6 +54,16 @@ struct Prepared {
   int64_t NH = 0, max_chunks = 0;
 };
 
+// k = q / max(|q|, eps): the shared-QK key of a query row. The chunks
+// compute their own keys from their gathered query rows with it, the same
+// values prepare() stores.
+template <typename T>
+inline void normalized_row(const T* q, T* k, int64_t E) {
+  const T ss = simd_dot(q, q, E);
+  const T inv = T(1) / std::max<T>(std::sqrt(ss), T(kNormEps));
+  for (int64_t e = 0; e < E; ++e) k[e] = q[e] * inv;
+}
+
 template <typename T>
 int64_t valid_length(const ReformerParams<T>& a, int64_t nh) {
   return a.lengths ? a.lengths[nh / a.H] : a.L;
@@ -71,12 +81,7 @@ Prepared<T> prepare(const ReformerParams<T>& a) {
       NH, a.num_threads, [](None&) {},
       [&](int64_t nh, None&) {
         T* k = p.keys.get() + nh * L * E;
-        for (int64_t i = 0; i < L; ++i) {
-          const T* q = a.q_rows.row(a.q, nh, a.H, i);
-          const T ss = simd_dot(q, q, E);
-          const T inv = T(1) / std::max<T>(std::sqrt(ss), T(kNormEps));
-          for (int64_t e = 0; e < E; ++e) k[i * E + e] = q[e] * inv;
-        }
+        for (int64_t i = 0; i < L; ++i) normalized_row(a.q_rows.row(a.q, nh, a.H, i), k + i * E, E);
       });
   // Counting sort per (n, h, r): stable, so ties in the bucket keep position order.
   parallel_items<std::vector<int64_t>>(
@@ -147,20 +152,25 @@ constexpr int64_t kRunChunks = 8;
 
 // The keys and values of win into kb (rows E apart) and vb (M apart). With
 // `prev`, the window of the chunk just before in the same run, its own rows
-// (the second half of its buffers) become this window's first half.
+// (the second half of its buffers) become this window's first half. The
+// keys of the chunk's own positions are its query rows qb (gathered
+// already) normalised, not rows of `keys` gathered again: fewer random rows
+// read per chunk.
 template <typename T>
 void gather_window(const Window& win, const Window* prev, const int64_t* kpos, const T* keys,
-                   const T* v, int64_t v_sr, int64_t E, int64_t M, T* kb, T* vb) {
+                   const T* qb, const T* v, int64_t v_sr, int64_t E, int64_t M, T* kb, T* vb) {
+  const int64_t own = win.t0 - win.k0;  // the first row of the chunk's own keys
   int64_t have = 0;
   if (prev != nullptr) {
     const int64_t off = prev->t0 - prev->k0;
-    have = prev->rows;  // = win.t0 - win.k0
+    have = prev->rows;  // = own
     if (off > 0) {
       std::copy(kb + off * E, kb + (off + have) * E, kb);
       std::copy(vb + off * M, vb + (off + have) * M, vb);
     }
   }
-  gather_rows(keys, E, kpos + have, win.cols - have, E, kb + have * E);
+  gather_rows(keys, E, kpos + have, own - have, E, kb + have * E);
+  for (int64_t r = 0; r < win.rows; ++r) normalized_row(qb + r * E, kb + (own + r) * E, E);
   gather_rows(v, v_sr, kpos + have, win.cols - have, M, vb + have * M);
 }
 
@@ -341,7 +351,8 @@ void reformer_forward_cpu(const ReformerForwardArgs<T>& args) {
             const int64_t* kpos = perm + win.k0;
             gather_rows(a.q_rows.head(a.q, nh, H), a.q_rows.sr, qpos, win.rows, E, w.qb.data());
             gather_window(win, c > c0 ? &prev : nullptr, kpos, p.keys.get() + nh * L * E,
-                          a.v_rows.head(a.v, nh, H), a.v_rows.sr, E, M, w.kb.data(), w.vb.data());
+                          w.qb.data(), a.v_rows.head(a.v, nh, H), a.v_rows.sr, E, M, w.kb.data(),
+                          w.vb.data());
             prev = win;
             if (c + 1 < c0 + kRunChunks && (c + 1) * C < len) {
               // The next chunk's queries (also the new half of its window's
@@ -349,7 +360,6 @@ void reformer_forward_cpu(const ReformerForwardArgs<T>& args) {
               const Window next = window(c + 1, C, len);
               const int64_t* npos = perm + next.t0;
               prefetch_indexed_rows(a.q_rows.head(a.q, nh, H), a.q_rows.sr, npos, next.rows, E);
-              prefetch_indexed_rows(p.keys.get() + nh * L * E, E, npos, next.rows, E);
               prefetch_indexed_rows(a.v_rows.head(a.v, nh, H), a.v_rows.sr, npos, next.rows, M);
               prefetch_indexed_rows(a.out_rows.head(a.out, nh, H), a.out_rows.sr, npos, next.rows,
                                     M, true);
@@ -485,7 +495,8 @@ void reformer_backward_cpu(const ReformerBackwardArgs<T>& args) {
               gather_rows(a.grad_out_rows.head(a.grad_out, nh, H), a.grad_out_rows.sr, qpos,
                           win.rows, M, w.dob.data());
               gather_window(win, c > c0 ? &prev : nullptr, kpos, p.keys.get() + nh * L * E,
-                            a.v_rows.head(a.v, nh, H), a.v_rows.sr, E, M, w.kb.data(), w.vb.data());
+                            w.qb.data(), a.v_rows.head(a.v, nh, H), a.v_rows.sr, E, M, w.kb.data(),
+                            w.vb.data());
               // dK and dV of the window: the first half carries the previous
               // chunk's sums for its own rows (zero for a run's first chunk).
               if (c > c0) {
@@ -509,7 +520,6 @@ void reformer_backward_cpu(const ReformerBackwardArgs<T>& args) {
                 prefetch_indexed_rows(a.q_rows.head(a.q, nh, H), a.q_rows.sr, npos, next.rows, E);
                 prefetch_indexed_rows(a.grad_out_rows.head(a.grad_out, nh, H), a.grad_out_rows.sr,
                                       npos, next.rows, M);
-                prefetch_indexed_rows(p.keys.get() + nh * L * E, E, npos, next.rows, E);
                 prefetch_indexed_rows(a.v_rows.head(a.v, nh, H), a.v_rows.sr, npos, next.rows, M);
                 prefetch_indexed_rows(a.grad_q_rows.head(a.grad_q, nh, H), a.grad_q_rows.sr, npos,
                                       next.rows, E, true);
