@@ -69,6 +69,19 @@ int64_t valid_length(const ReformerParams<T>& a, int64_t nh) {
   return a.lengths ? a.lengths[nh / a.H] : a.L;
 }
 
+// Rows [len, L) of every head of x (D entries each, layout xr): the padded
+// positions, which no round writes; every row when `all`.
+template <typename T>
+void zero_padded_rows(const ReformerParams<T>& a, T* x, const RowStrides& xr, int64_t D, bool all) {
+  struct None {};
+  parallel_items<None>(
+      a.N * a.H, a.num_threads, [](None&) {},
+      [&](int64_t nh, None&) {
+        const int64_t len = all ? 0 : valid_length(a, nh);
+        zero_rows(xr.row(x, nh, a.H, len), a.L - len, D, xr.sr);
+      });
+}
+
 template <typename T>
 Prepared<T> prepare(const ReformerParams<T>& a) {
   Prepared<T> p;
@@ -313,15 +326,7 @@ void reformer_forward_cpu(const ReformerForwardArgs<T>& args) {
   if (NH == 0 || L == 0) return;
   // Round 0 writes every valid position's row (its first merge below is a
   // copy): only padded positions, or all when there is no round, are cleared.
-  {
-    struct None {};
-    parallel_items<None>(
-        NH, a.num_threads, [](None&) {},
-        [&](int64_t nh, None&) {
-          const int64_t len = R > 0 ? valid_length(a, nh) : 0;
-          zero_rows(a.out_rows.row(a.out, nh, H, len), L - len, M, a.out_rows.sr);
-        });
-  }
+  zero_padded_rows(a, a.out, a.out_rows, M, R == 0);
   const auto p = prepare(a);
   constexpr int64_t NR = panel_width<T>();
   const int64_t Wd = round_up(2 * C, NR);  // score row stride
@@ -428,29 +433,18 @@ void reformer_backward_cpu(const ReformerBackwardArgs<T>& args) {
   a.grad_v_rows = a.grad_v_rows.resolved(a.H, a.L, a.M);
   const int64_t NH = a.N * a.H, H = a.H, L = a.L, E = a.E, M = a.M, R = a.R, C = a.chunk;
   if (NH == 0 || L == 0) return;
-  if (R == 0) {
-    zero_all_rows_parallel(a.grad_q, a.grad_q_rows, NH, H, L, E, a.num_threads);
-    zero_all_rows_parallel(a.grad_v, a.grad_v_rows, NH, H, L, M, a.num_threads);
-    return;
-  }
   // The gradients are written, not cleared first and added to (the clears
   // were 3-5% of the forward+backward at L = 16384): round 0 stores what it
   // scatters first, later writes add. In round 0 every valid position is a
   // query once (dQ stored) and a key of the two windows that overlap on its
   // chunk; where those windows belong to two runs, the even run's (the first
-  // pass) stores and the odd run's adds. Padded positions are cleared here.
+  // pass) stores and the odd run's adds. Padded positions are cleared here
+  // (every position when there are no rounds).
+  zero_padded_rows(a, a.grad_q, a.grad_q_rows, E, R == 0);
+  zero_padded_rows(a, a.grad_v, a.grad_v_rows, M, R == 0);
+  if (R == 0) return;
   const auto p = prepare(a);
   ScratchArray<T> grad_k(static_cast<size_t>(NH * L * E));  // d loss / d keys
-  {
-    struct None {};
-    parallel_items<None>(
-        NH, a.num_threads, [](None&) {},
-        [&](int64_t nh, None&) {
-          const int64_t len = valid_length(a, nh);
-          zero_rows(a.grad_q_rows.row(a.grad_q, nh, H, len), L - len, E, a.grad_q_rows.sr);
-          zero_rows(a.grad_v_rows.row(a.grad_v, nh, H, len), L - len, M, a.grad_v_rows.sr);
-        });
-  }
   constexpr int64_t NR = panel_width<T>();
   const int64_t Wd = round_up(2 * C, NR);
   // Runs of kRunChunks chunks, even runs then odd ones: the key rows a run
