@@ -390,7 +390,7 @@ torch::Tensor nan_filled(torch::Tensor t) {
 
 }  // namespace
 
-void set_nan_fill_outputs(bool on) { nan_fill_outputs.store(on); }
+bool set_nan_fill_outputs(bool on) { return nan_fill_outputs.exchange(on); }
 
 torch::Tensor empty_output_strided(at::IntArrayRef sizes, at::IntArrayRef strides,
                                    const torch::TensorOptions& options) {

@@ -120,7 +120,8 @@ torch::Tensor empty_output_strided(at::IntArrayRef sizes, at::IntArrayRef stride
 // hands out is filled with NaN first, so that a kernel that leaves part of
 // an output unwritten fails its reference comparison rather than passing on
 // memory that happened to hold zeros. Process-wide; off by default.
-void set_nan_fill_outputs(bool on);
+// Returns the previous setting.
+bool set_nan_fill_outputs(bool on);
 // t.contiguous(), a copy's buffer from empty_output.
 torch::Tensor contiguous(const torch::Tensor& t);
 

@@ -5,8 +5,8 @@
 
 namespace fastattn::testing {
 
-NanFilledOutputs::NanFilledOutputs() { ops::set_nan_fill_outputs(true); }
-NanFilledOutputs::~NanFilledOutputs() { ops::set_nan_fill_outputs(false); }
+NanFilledOutputs::NanFilledOutputs() : was_on_(ops::set_nan_fill_outputs(true)) {}
+NanFilledOutputs::~NanFilledOutputs() { ops::set_nan_fill_outputs(was_on_); }
 
 namespace {
 

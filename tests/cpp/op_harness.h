@@ -61,13 +61,17 @@ void check_row_layouts(const QkvOp& op, int64_t N, int64_t H, int64_t L, int64_t
 // While in scope, every output the operators allocate is filled with NaN
 // first (ops::set_nan_fill_outputs): a kernel that leaves part of an output
 // or gradient unwritten fails the comparisons instead of passing on memory
-// that happened to hold zeros.
+// that happened to hold zeros. Scopes nest: leaving one restores the
+// setting it found.
 class NanFilledOutputs {
  public:
   NanFilledOutputs();
   ~NanFilledOutputs();
   NanFilledOutputs(const NanFilledOutputs&) = delete;
   NanFilledOutputs& operator=(const NanFilledOutputs&) = delete;
+
+ private:
+  bool was_on_;
 };
 
 // Runs all three, on NaN-filled outputs.
