@@ -1,5 +1,5 @@
 // The kernels' shared helpers (src/kernels/common/) against plain loops:
-// transpose (8x8 AVX2 blocks plus scalar edges), simd_dot, the vector exp,
+// transpose (16x16 AVX-512 and 8x8 AVX2 blocks plus scalar edges), simd_dot, the vector exp,
 // and the register-blocked products, on awkward shapes in float32 and
 // float64, and parallel_items' exception handling. Included by
 // test_kernel_helpers_<level>.cpp once per instruction-set level, with
@@ -61,8 +61,19 @@ std::vector<T> random_values(size_t n, uint64_t seed) {
 
 template <typename T>
 void check_transpose() {
-  for (auto [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{
-           {8, 8}, {16, 24}, {13, 21}, {1, 9}, {9, 1}, {33, 16}, {7, 7}}) {
+  for (auto [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{8, 8},
+                                                                    {16, 24},
+                                                                    {13, 21},
+                                                                    {1, 9},
+                                                                    {9, 1},
+                                                                    {33, 16},
+                                                                    {7, 7},
+                                                                    {16, 16},
+                                                                    {64, 64},
+                                                                    {48, 100},
+                                                                    {35, 50},
+                                                                    {17, 40},
+                                                                    {40, 17}}) {
     const int64_t ldx = cols + 3, ldo = rows + 5;  // strides wider than the block
     auto x = random_values<T>(rows * ldx, rows * 100 + cols);
     std::vector<T> out(cols * ldo, T(-1));

@@ -105,7 +105,16 @@ INSTANTIATE_TEST_SUITE_P(
         // a value width off the vector width.
         FullCfg{"one_query_lengths", 3, 4, 1, 300, 16, 19, false, {300, 0, 7}},
         FullCfg{"one_query_wide", 2, 2, 1, 200, 64, 72},
-        FullCfg{"one_query_causal_temp", 2, 2, 1, 90, 8, 8, true, {}, MaskKind::None, 0.7}),
+        FullCfg{"one_query_causal_temp", 2, 2, 1, 90, 8, 8, true, {}, MaskKind::None, 0.7},
+        // Few queries over many keys, no mask, not causal: the backward's
+        // transposed products (clustered attention's centroids), with query
+        // columns padded to a vector, a key tile cut by a length, odd widths,
+        // 120 queries (its limit) and fewer heads than threads (split key
+        // tiles); just past the limit, the general backward.
+        FullCfg{"few_queries_many_keys", 2, 3, 100, 300, 64, 64, false, {300, 131}},
+        FullCfg{"few_queries_odd_dims", 1, 4, 7, 150, 17, 33, false, {}, MaskKind::None, 0.4},
+        FullCfg{"few_queries_limit_split", 1, 1, 120, 200, 16, 8},
+        FullCfg{"past_few_queries", 1, 2, 121, 150, 16, 16}),
     [](const ::testing::TestParamInfo<FullCfg>& info) { return info.param.name; });
 
 // ---- bfloat16 on AMX tiles (kernels/full/full_attention_amx.cpp) ---------------

@@ -10,7 +10,10 @@
 // P = exp(S·scale + mask - lse), dV_j += P^T dO_i, dP = dO_i V_j^T,
 // dS = P ∘ (dP - delta_i) · scale, dQ_i += dS K_j, dK_j += dS^T Q_i. When
 // there are fewer heads than threads the key tiles of a head are split and
-// each split accumulates its own dQ (O(L·E) each), summed at the end.
+// each split accumulates its own dQ (O(L·E) each), summed at the end. Few
+// queries without a mask (clustered attention's centroids) take every
+// product of a key tile transposed instead (few_queries_tiles): no key tile
+// packed, neither P nor dS transposed.
 #include "kernels/full/full_attention.h"
 
 #include <algorithm>
@@ -378,7 +381,110 @@ namespace {
 template <typename T>
 struct BackwardScratch {
   std::vector<T> kp, vp, p, pt, dp, dst, dk, dv;  // kp, vp: the key tile's K and V packed
+  // few_queries_tiles: the head's Q^T and dO^T (query columns padded to a
+  // vector), Q and dO rows, -lse and delta per column, S^T / P^T and dP^T / dS^T.
+  std::vector<T> qt, dot, qc, doc, neg_lse, delta, st, dpt;
 };
+
+// Whether the backward takes few_queries_tiles: at most kFwdOneTileMax
+// queries, no mask and not causal (clustered attention's centroid pass).
+template <typename T>
+bool few_queries(const FullAttentionBackwardArgs<T>& a) {
+  return a.L <= kFwdOneTileMax && !a.mask && !a.causal;
+}
+
+// rows x cols values ld apart -> contiguous.
+template <typename T>
+void gather_rows(const T* x, int64_t rows, int64_t cols, int64_t ld, T* out) {
+  for (int64_t r = 0; r < rows; ++r) std::copy(x + r * ld, x + r * ld + cols, out + r * cols);
+}
+
+// X^T (cols x ldo) for X rows x cols (rows ld apart), the columns past rows zero.
+template <typename T>
+void transpose_padded(const T* X, int64_t rows, int64_t cols, int64_t ld, int64_t ldo, T* out) {
+  transpose(X, rows, cols, ld, out, ldo);
+  for (int64_t c = 0; c < cols; ++c) std::fill(out + c * ldo + rows, out + c * ldo + ldo, T(0));
+}
+
+// The key rows [jn, jn + next) of head nh, and the gradient rows they add
+// to, while the tile before them computes: strided rows are not prefetched by
+// the hardware (100 queries over 16384 keys in the layers' views).
+template <typename T>
+void prefetch_key_tile(const FullAttentionBackwardArgs<T>& a, int64_t nh, int64_t jn,
+                       int64_t next) {
+  if (next <= 0) return;
+  prefetch_rows(a.k_rows.head(a.k, nh, a.H) + jn * a.k_rows.sr, next, a.E, a.k_rows.sr);
+  prefetch_rows(a.v_rows.head(a.v, nh, a.H) + jn * a.v_rows.sr, next, a.M, a.v_rows.sr);
+  if (!a.accumulate) return;
+  prefetch_rows(a.grad_k_rows.head(a.grad_k, nh, a.H) + jn * a.grad_k_rows.sr, next, a.E,
+                a.grad_k_rows.sr, /*write=*/true);
+  if (a.grad_v)
+    prefetch_rows(a.grad_v_rows.head(a.grad_v, nh, a.H) + jn * a.grad_v_rows.sr, next, a.M,
+                  a.grad_v_rows.sr, /*write=*/true);
+}
+
+// The key tiles t = split, split + splits, ... of head nh below len, for few
+// queries over many keys (100 centroids over 16384 keys): the products are
+// taken transposed, S^T = K_j Q^T and dP^T = V_j dO^T, reading the tile's K
+// and V rows as they are against the head's Q^T and dO^T packed once, so that
+// dV_j = P^T dO and dK_j = dS^T Q are plain products and dQ += dS K_j one
+// with A transposed. The general loop packs every key tile's K and V and
+// transposes P and dS for 48-query tiles: a fifth of this backward.
+template <typename T>
+void few_queries_tiles(const FullAttentionBackwardArgs<T>& a, BackwardScratch<T>& w, int64_t nh,
+                       int64_t split, int64_t splits, int64_t len, T* dq, int64_t ldq) {
+  using V = Simd<T>;
+  const int64_t H = a.H, L = a.L, E = a.E, M = a.M, Lp = round_up(L, V::W);
+  const int64_t lk = a.k_rows.sr, lv = a.v_rows.sr;
+  const T* kh = a.k_rows.head(a.k, nh, H);
+  const T* vh = a.v_rows.head(a.v, nh, H);
+  const T* qh = a.q_rows.head(a.q, nh, H);
+  const T* doh = a.grad_out_rows.head(a.grad_out, nh, H);
+  transpose_padded(qh, L, E, a.q_rows.sr, Lp, w.qt.data());
+  transpose_padded(doh, L, M, a.grad_out_rows.sr, Lp, w.dot.data());
+  gather_rows(qh, L, E, a.q_rows.sr, w.qc.data());
+  gather_rows(doh, L, M, a.grad_out_rows.sr, w.doc.data());
+  // P^T = exp(S^T·scale - lse) is 0 in the padding columns and in a row
+  // without keys (lse -inf; the general loop's rule): -lse = -inf there.
+  for (int64_t i = 0; i < Lp; ++i) {
+    const T lse = i < L ? a.lse[nh * L + i] : neg_inf<T>();
+    w.neg_lse[i] = lse == neg_inf<T>() ? neg_inf<T>() : -lse;
+    w.delta[i] = i < L ? a.delta[nh * L + i] : T(0);
+  }
+  const auto scale = V::set1(a.scale);
+  for (int64_t t = split; t * kBwdBc < len; t += splits) {
+    const int64_t j0 = t * kBwdBc, cols = std::min(kBwdBc, len - j0);
+    const T* kj = kh + j0 * lk;
+    const T* vj = vh + j0 * lv;
+    const int64_t jn = j0 + splits * kBwdBc;
+    prefetch_key_tile(a, nh, jn, std::min(kBwdBc, len - jn));
+    T* st = w.st.data();
+    T* dpt = w.dpt.data();
+    gemm(cols, Lp, E, kj, lk, w.qt.data(), Lp, st, Lp, false);
+    gemm(cols, Lp, M, vj, lv, w.dot.data(), Lp, dpt, Lp, false);
+    // P^T in st, dS^T = P^T ∘ (dP^T - delta) · scale in dpt.
+    for (int64_t r = 0; r < cols; ++r) {
+      for (int64_t c = 0; c < Lp; c += V::W) {
+        T* sp = st + r * Lp + c;
+        T* dsp = dpt + r * Lp + c;
+        const auto p = V::exp(V::fma(V::load(sp), scale, V::load(w.neg_lse.data() + c)));
+        V::store(sp, p);
+        V::store(dsp, V::mul(V::mul(p, V::sub(V::load(dsp), V::load(w.delta.data() + c))), scale));
+      }
+    }
+    if (a.grad_v) {
+      gemm(cols, M, L, st, Lp, w.doc.data(), M, w.dv.data(), M, false);
+      store_key_rows(w.dv.data(), cols, M,
+                     a.grad_v_rows.head(a.grad_v, nh, H) + j0 * a.grad_v_rows.sr, a.grad_v_rows.sr,
+                     a.accumulate);
+    }
+    gemm(cols, E, L, dpt, Lp, w.qc.data(), E, w.dk.data(), E, false);
+    store_key_rows(w.dk.data(), cols, E,
+                   a.grad_k_rows.head(a.grad_k, nh, H) + j0 * a.grad_k_rows.sr, a.grad_k_rows.sr,
+                   a.accumulate);
+    gemm_tn(L, E, cols, dpt, Lp, kj, lk, dq, ldq, true);
+  }
+}
 }  // namespace
 
 template <typename T>
@@ -412,9 +518,24 @@ void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& args) {
   ScratchArray<T> dq_parts;
   if (parts) dq_parts.reset(static_cast<size_t>(NH * splits * L * E));
 
+  const bool few = few_queries(a);
   parallel_items<BackwardScratch<T>>(
       NH * splits, a.num_threads,
       [&](BackwardScratch<T>& w) {
+        if (few) {
+          const int64_t Lp = round_up(L, Simd<T>::W);
+          w.qt.resize(E * Lp);
+          w.dot.resize(M * Lp);
+          w.qc.resize(L * E);
+          w.doc.resize(L * M);
+          w.neg_lse.resize(Lp);
+          w.delta.resize(Lp);
+          w.st.resize(kBwdBc * Lp);
+          w.dpt.resize(kBwdBc * Lp);
+          w.dk.resize(kBwdBc * E);
+          w.dv.resize(kBwdBc * M);
+          return;
+        }
         w.kp.resize(kBwdBc * E);
         w.vp.resize(kBwdBc * M);
         w.p.resize(kBwdBr * kBwdBc);
@@ -440,6 +561,10 @@ void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& args) {
         const int64_t ldq = parts ? E : a.grad_q_rows.sr;
         if (parts || !a.accumulate) zero_rows(dq, L, E, ldq);
         if (!a.accumulate) zero_key_grads_past(a, nh, len, kBwdBc, split, splits);
+        if (few) {
+          few_queries_tiles(a, w, nh, split, splits, len, dq, ldq);
+          return;
+        }
         for (int64_t t = split; t * kBwdBc < len; t += splits) {
           const int64_t j0 = t * kBwdBc;
           const int64_t cols = std::min(kBwdBc, len - j0);
@@ -448,21 +573,8 @@ void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& args) {
           std::fill(w.dv.begin(), w.dv.end(), T(0));
           pack_transposed_panels<T, kWideBlock>(kh + j0 * lk, cols, E, lk, width, w.kp.data());
           pack_transposed_panels<T, kWideBlock>(vh + j0 * lv, cols, M, lv, width, w.vp.data());
-          // The item's next key tile (and the gradient rows it adds to) while
-          // this one computes: strided rows are not prefetched by the
-          // hardware (100 queries over 16384 keys in the layers' views).
-          const int64_t jn = j0 + splits * kBwdBc, next = std::min(kBwdBc, len - jn);
-          if (next > 0) {
-            prefetch_rows(kh + jn * lk, next, E, lk);
-            prefetch_rows(vh + jn * lv, next, M, lv);
-          }
-          if (next > 0 && a.accumulate) {
-            prefetch_rows(a.grad_k_rows.head(a.grad_k, nh, H) + jn * a.grad_k_rows.sr, next, E,
-                          a.grad_k_rows.sr, /*write=*/true);
-            if (a.grad_v)
-              prefetch_rows(a.grad_v_rows.head(a.grad_v, nh, H) + jn * a.grad_v_rows.sr, next, M,
-                            a.grad_v_rows.sr, /*write=*/true);
-          }
+          const int64_t jn = j0 + splits * kBwdBc;
+          prefetch_key_tile(a, nh, jn, std::min(kBwdBc, len - jn));
           // Queries that may see this tile: i >= j0 - offset when causal.
           int64_t i_start = a.causal ? std::max<int64_t>(0, j0 - offset) : 0;
           i_start = i_start / kBwdBr * kBwdBr;
