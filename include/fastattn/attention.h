@@ -35,6 +35,12 @@ class AttentionBase : public torch::nn::Module {
   // losses); an undefined tensor for types that have none. Taking them clears
   // them, so each is added to a loss once.
   virtual torch::Tensor take_auxiliary_loss() { return {}; }
+  // A tensor of the last forward call whose values are all finite only if
+  // its output's are (clustered attention: the centroids' values, which the
+  // output rows copy), so that the registry operator's overflow check reads
+  // it instead of the whole output; an undefined tensor (the default): the
+  // output is checked. Taking it clears it.
+  virtual torch::Tensor take_finite_witness() { return {}; }
 };
 using AttentionPtr = std::shared_ptr<AttentionBase>;
 

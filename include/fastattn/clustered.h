@@ -23,6 +23,7 @@
 #include <torch/torch.h>
 
 #include <optional>
+#include <utility>
 
 #include "fastattn/attention.h"
 
@@ -119,11 +120,14 @@ class ClusteredAttention : public AttentionBase {
                         const torch::Tensor& values, const Mask& mask) override;
   std::string type_name() const override { return improved_ ? "improved-clustered" : "clustered"; }
   const ClusteredOptions& options() const { return options_; }
+  // Plain clustered attention: the last forward's centroid values.
+  torch::Tensor take_finite_witness() override { return std::exchange(centroid_values_, {}); }
 
  private:
   ClusteredOptions options_;
   bool improved_;
   at::Generator gen_;
+  torch::Tensor centroid_values_;
 };
 
 // `causal-improved-clustered` (see causal_improved_clustered_attention).

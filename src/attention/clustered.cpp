@@ -219,9 +219,12 @@ Tensor cluster_centroids(const Tensor& queries, const QueryClusters& clusters) {
   return sums.narrow(0, 0, N * H * C).view({N, H, C, E}) / counts;
 }
 
-Tensor clustered_attention(const Tensor& queries, const Tensor& keys, const Tensor& values,
-                           const QueryClusters& clusters, const std::optional<Tensor>& key_lengths,
-                           std::optional<double> softmax_temp, double dropout) {
+namespace {
+
+// The attention of the clusters' centroids over all keys: (N, H, C, M).
+Tensor centroid_attention(const Tensor& queries, const Tensor& keys, const Tensor& values,
+                          const QueryClusters& clusters, const std::optional<Tensor>& key_lengths,
+                          std::optional<double> softmax_temp, double dropout) {
   auto centroids = cluster_centroids(queries, clusters);  // (N, H, C, E)
   Tensor centroid_values;                                 // (N, H, C, M)
   if (dropout > 0) {
@@ -235,7 +238,17 @@ Tensor clustered_attention(const Tensor& queries, const Tensor& keys, const Tens
     centroid_values = full_attention(centroids, keys, values, std::nullopt, key_lengths,
                                      /*causal=*/false, softmax_temp);
   }
-  return broadcast_to_queries(centroid_values, clusters, queries);
+  return centroid_values;
+}
+
+}  // namespace
+
+Tensor clustered_attention(const Tensor& queries, const Tensor& keys, const Tensor& values,
+                           const QueryClusters& clusters, const std::optional<Tensor>& key_lengths,
+                           std::optional<double> softmax_temp, double dropout) {
+  return broadcast_to_queries(
+      centroid_attention(queries, keys, values, clusters, key_lengths, softmax_temp, dropout),
+      clusters, queries);
 }
 
 Tensor improved_clustered_attention(const Tensor& queries, const Tensor& keys, const Tensor& values,
@@ -453,8 +466,10 @@ Tensor ClusteredAttention::forward(const Tensor& queries,  // (N, H, L, E)
     return improved_clustered_attention(queries, keys, values, clusters, options_.topk,
                                         mask.key_lengths(), options_.softmax_temp, dropout);
   }
-  return clustered_attention(queries, keys, values, clusters, mask.key_lengths(),
-                             options_.softmax_temp, dropout);
+  auto centroid_values = centroid_attention(queries, keys, values, clusters, mask.key_lengths(),
+                                            options_.softmax_temp, dropout);
+  centroid_values_ = centroid_values.detach();  // without the graph
+  return broadcast_to_queries(centroid_values, clusters, queries);
 }
 
 CausalImprovedClusteredAttention::CausalImprovedClusteredAttention(ClusteredOptions options)

@@ -179,6 +179,30 @@ TEST(Clustered, SameSeedSameOutput) {
   }
 }
 
+// The registry operator checks the centroid values instead of the output
+// for overflow: every output row must be one of them (or a padded query's
+// zeros), taken once; improved-clustered (per-query top-k parts) has none.
+TEST(Clustered, FiniteWitnessHoldsEveryOutputRow) {
+  torch::manual_seed(4);
+  auto q = torch::randn({2, 3, 40, 8}), k = torch::randn({2, 3, 25, 8}),
+       v = torch::randn({2, 3, 25, 5});
+  auto mask = Mask().with_query_lengths(torch::tensor({40, 31}));
+  auto attn = make_attention("clustered", {{"clusters", int64_t(7)}, {"seed", int64_t(2)}});
+  auto out = attn->forward(q, k, v, mask);
+  auto w = attn->take_finite_witness();
+  ASSERT_TRUE(w.defined());
+  ASSERT_EQ(w.sizes(), (std::vector<int64_t>{2, 3, 7, 5}));
+  EXPECT_FALSE(w.requires_grad());
+  // Distance of each output row to its nearest witness row (or to zero).
+  auto rows = torch::cat({w, torch::zeros({2, 3, 1, 5})}, 2);               // (N, H, C + 1, M)
+  auto d = (out.unsqueeze(3) - rows.unsqueeze(2)).abs().amax(-1).amin(-1);  // (N, H, L)
+  EXPECT_EQ(d.max().item<double>(), 0.0);
+  EXPECT_FALSE(attn->take_finite_witness().defined());  // taken once
+  auto improved = make_attention("improved-clustered", {{"clusters", int64_t(7)}});
+  improved->forward(q, k, v, mask);
+  EXPECT_FALSE(improved->take_finite_witness().defined());
+}
+
 TEST(Clustered, PaddedQueriesJoinNoClusterAndOutputZeros) {
   torch::manual_seed(3);
   auto q = torch::randn({2, 2, 30, 8}, torch::kDouble).requires_grad_();
