@@ -382,8 +382,9 @@ template <typename T>
 struct BackwardScratch {
   std::vector<T> kp, vp, p, pt, dp, dst, dk, dv;  // kp, vp: the key tile's K and V packed
   // few_queries_tiles: the head's Q^T and dO^T (query columns padded to a
-  // vector), Q and dO rows, -lse and delta per column, S^T / P^T and dP^T / dS^T.
-  std::vector<T> qt, dot, qc, doc, neg_lse, delta, st, dpt;
+  // vector), Q and dO rows, -lse and delta per column, S^T / P^T and dP^T /
+  // dS^T, the key tile's K and V rows.
+  std::vector<T> qt, dot, qc, doc, neg_lse, delta, st, dpt, kc, vc;
 };
 
 // Whether the backward takes few_queries_tiles: at most kFwdOneTileMax
@@ -425,11 +426,16 @@ void prefetch_key_tile(const FullAttentionBackwardArgs<T>& a, int64_t nh, int64_
 
 // The key tiles t = split, split + splits, ... of head nh below len, for few
 // queries over many keys (100 centroids over 16384 keys): the products are
-// taken transposed, S^T = K_j Q^T and dP^T = V_j dO^T, reading the tile's K
-// and V rows as they are against the head's Q^T and dO^T packed once, so that
-// dV_j = P^T dO and dK_j = dS^T Q are plain products and dQ += dS K_j one
-// with A transposed. The general loop packs every key tile's K and V and
-// transposes P and dS for 48-query tiles: a fifth of this backward.
+// taken transposed, S^T = K_j Q^T and dP^T = V_j dO^T, the tile's K and V
+// rows against the head's Q^T and dO^T packed once, so that dV_j = P^T dO and
+// dK_j = dS^T Q are plain products and dQ += dS K_j one with A transposed.
+// The general loop packs every key tile's K and V and transposes P and dS
+// for 48-query tiles: a fifth of this backward. The tile's K and V rows are
+// copied to contiguous ones first: the products read each row several times
+// (from L2, the layers' 2 KiB row stride aliasing in L1), and the copy's
+// independent loads take the tile's first reads from memory (centroid
+// backward at 16384 keys in a slow hour: 47-50 ms reading the rows in
+// place, 42-45 copied, 46-48 the general loop).
 template <typename T>
 void few_queries_tiles(const FullAttentionBackwardArgs<T>& a, BackwardScratch<T>& w, int64_t nh,
                        int64_t split, int64_t splits, int64_t len, T* dq, int64_t ldq) {
@@ -454,14 +460,16 @@ void few_queries_tiles(const FullAttentionBackwardArgs<T>& a, BackwardScratch<T>
   const auto scale = V::set1(a.scale);
   for (int64_t t = split; t * kBwdBc < len; t += splits) {
     const int64_t j0 = t * kBwdBc, cols = std::min(kBwdBc, len - j0);
-    const T* kj = kh + j0 * lk;
-    const T* vj = vh + j0 * lv;
+    gather_rows(kh + j0 * lk, cols, E, lk, w.kc.data());  // see above
+    gather_rows(vh + j0 * lv, cols, M, lv, w.vc.data());
+    const T* kj = w.kc.data();
+    const T* vj = w.vc.data();
     const int64_t jn = j0 + splits * kBwdBc;
     prefetch_key_tile(a, nh, jn, std::min(kBwdBc, len - jn));
     T* st = w.st.data();
     T* dpt = w.dpt.data();
-    gemm(cols, Lp, E, kj, lk, w.qt.data(), Lp, st, Lp, false);
-    gemm(cols, Lp, M, vj, lv, w.dot.data(), Lp, dpt, Lp, false);
+    gemm(cols, Lp, E, kj, E, w.qt.data(), Lp, st, Lp, false);
+    gemm(cols, Lp, M, vj, M, w.dot.data(), Lp, dpt, Lp, false);
     // P^T in st, dS^T = P^T ∘ (dP^T - delta) · scale in dpt.
     for (int64_t r = 0; r < cols; ++r) {
       for (int64_t c = 0; c < Lp; c += V::W) {
@@ -482,7 +490,7 @@ void few_queries_tiles(const FullAttentionBackwardArgs<T>& a, BackwardScratch<T>
     store_key_rows(w.dk.data(), cols, E,
                    a.grad_k_rows.head(a.grad_k, nh, H) + j0 * a.grad_k_rows.sr, a.grad_k_rows.sr,
                    a.accumulate);
-    gemm_tn(L, E, cols, dpt, Lp, kj, lk, dq, ldq, true);
+    gemm_tn(L, E, cols, dpt, Lp, kj, E, dq, ldq, true);
   }
 }
 }  // namespace
@@ -534,6 +542,8 @@ void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& args) {
           w.dpt.resize(kBwdBc * Lp);
           w.dk.resize(kBwdBc * E);
           w.dv.resize(kBwdBc * M);
+          w.kc.resize(kBwdBc * E);
+          w.vc.resize(kBwdBc * M);
           return;
         }
         w.kp.resize(kBwdBc * E);
