@@ -6,7 +6,9 @@
 //   fastattn [--threads N] [--cpu-capability LEVEL] <command> [flags]
 //
 // Exit codes: 0 success, 1 runtime error, 2 bad command line.
+#include <dlfcn.h>
 #include <sched.h>
+#include <unistd.h>
 
 #include <ATen/Parallel.h>
 
@@ -256,6 +258,43 @@ int64_t machine_cores() {
 
 std::string best_cpu_capability() { return supported_cpu_capabilities().back(); }
 
+namespace {
+
+// OpenBLAS's name of the kernels it uses, when LibTorch's BLAS is OpenBLAS
+// (Debian's LibTorch); empty otherwise (pip's torch: MKL).
+std::string openblas_core() {
+  using Corename = const char* (*)();
+  const auto corename = reinterpret_cast<Corename>(dlsym(RTLD_DEFAULT, "openblas_get_corename"));
+  const char* name = corename ? corename() : nullptr;
+  return name ? name : "";
+}
+
+constexpr const char* kOpenblasChoseEnv = "FASTATTN_OPENBLAS_CHOSE";
+
+// When OpenBLAS took a core without AVX2 kernels on a CPU that has them
+// (kernels::openblas_core_override: an OpenBLAS older than the CPU), sets
+// OPENBLAS_CORETYPE and starts this program again: OpenBLAS reads the
+// variable once, as it loads, before main. A set OPENBLAS_CORETYPE is left
+// alone (also on the second start). If the restart fails, runs on as is.
+void restart_with_openblas_core(char** argv) {
+  if (std::getenv("OPENBLAS_CORETYPE")) return;
+  const std::string chosen = openblas_core();
+  if (chosen.empty()) return;
+  using kernels::CpuIsa;
+  const CpuIsa cpu = kernels::cpu_isa_supported(CpuIsa::kAvx512) ? CpuIsa::kAvx512
+                     : kernels::cpu_isa_supported(CpuIsa::kAvx2) ? CpuIsa::kAvx2
+                                                                 : CpuIsa::kDefault;
+  const char* core = kernels::openblas_core_override(chosen, cpu);
+  if (!core) return;
+  setenv("OPENBLAS_CORETYPE", core, 1);
+  setenv(kOpenblasChoseEnv, chosen.c_str(), 1);
+  execv("/proc/self/exe", argv);
+  unsetenv("OPENBLAS_CORETYPE");
+  unsetenv(kOpenblasChoseEnv);
+}
+
+}  // namespace
+
 void print_version() {
   std::string supported;
   for (const auto& s : supported_cpu_capabilities())
@@ -263,6 +302,13 @@ void print_version() {
   const std::string active = cpu_capability();  // may throw: print nothing then
   std::cout << "fastattn " << FASTATTN_VERSION_STRING << " (LibTorch " << TORCH_VERSION
             << ")\nCPU kernels: " << active << " (this CPU and build: " << supported << ")\n";
+  if (const std::string core = openblas_core(); !core.empty()) {
+    std::cout << "BLAS: OpenBLAS, " << core << " kernels";
+    if (const char* chose = std::getenv(kOpenblasChoseEnv))
+      std::cout << " (OPENBLAS_CORETYPE set by fastattn: OpenBLAS had chosen " << chose
+                << ", without AVX2, for this CPU)";
+    std::cout << "\n";
+  }
 }
 
 std::vector<FlagSpec> global_flags() {
@@ -419,6 +465,7 @@ int run_main(const std::vector<std::string>& argv) {
 }  // namespace fastattn::cli
 
 int main(int argc, char** argv) {
+  fastattn::cli::restart_with_openblas_core(argv);
   std::vector<std::string> args(argv + 1, argv + argc);
   try {
     return fastattn::cli::run_main(args);

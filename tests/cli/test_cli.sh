@@ -41,6 +41,16 @@ FASTATTN_CPU_CAPABILITY=default expect 0 "^CPU kernels: default \(" -- --version
 expect 2 "--cpu-capability: expected one of default, avx2, avx512, amx; got 'sse9'" -- --cpu-capability sse9 list
 FASTATTN_CPU_CAPABILITY=bogus expect 1 "FASTATTN_CPU_CAPABILITY: expected one of default, avx2, avx512, amx; got 'bogus'" -- --version
 expect 2 "--cpu-capability given twice" -- --cpu-capability default list --cpu-capability default
+# Debian's LibTorch multiplies with OpenBLAS: --version names its kernels; a
+# core without AVX2 kernels on a CPU with AVX2 (an OpenBLAS older than the
+# CPU) is replaced by the program (OPENBLAS_CORETYPE), one set by the user is
+# left alone.
+if "$bin" --version | grep -q "^BLAS: OpenBLAS"; then
+  OPENBLAS_CORETYPE=Prescott expect 0 "^BLAS: OpenBLAS, Prescott kernels$" -- --version
+  if grep -qw avx2 /proc/cpuinfo && grep -qw fma /proc/cpuinfo; then
+    expect 0 "^BLAS: OpenBLAS, (Haswell|Excavator|Zen|SkylakeX|Dhyana|Cooperlake|SapphireRapids) kernels" -- --version
+  fi
+fi
 expect 0 "1 threads, CPU kernels default, median" -- --threads 1 --cpu-capability default bench \
   --attention full --length 48 --repeat 1
 expect 2 "--threads must be an integer, got 'many'" -- --threads many list

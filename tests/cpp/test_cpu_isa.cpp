@@ -34,6 +34,22 @@ struct LevelGuard {
   ~LevelGuard() { kernels::set_cpu_isa(saved); }
 };
 
+// OpenBLAS's generic cores on a CPU with AVX2 or AVX-512 are replaced by its
+// kernels for those; a core with AVX2 kernels, or a CPU without AVX2, keeps
+// OpenBLAS's choice.
+TEST(CpuIsa, OpenblasCoreOverride) {
+  EXPECT_STREQ(kernels::openblas_core_override("Prescott", CpuIsa::kAvx512), "SkylakeX");
+  EXPECT_STREQ(kernels::openblas_core_override("Prescott", CpuIsa::kAmx), "SkylakeX");
+  EXPECT_STREQ(kernels::openblas_core_override("Prescott", CpuIsa::kAvx2), "Haswell");
+  EXPECT_STREQ(kernels::openblas_core_override("sandybridge", CpuIsa::kAvx2), "Haswell");
+  EXPECT_STREQ(kernels::openblas_core_override("Unknown", CpuIsa::kAvx512), "SkylakeX");
+  EXPECT_EQ(kernels::openblas_core_override("Prescott", CpuIsa::kDefault), nullptr);
+  for (const char* core : {"Haswell", "Zen", "SkylakeX", "COOPERLAKE", "SapphireRapids"}) {
+    EXPECT_EQ(kernels::openblas_core_override(core, CpuIsa::kAvx512), nullptr) << core;
+    EXPECT_EQ(kernels::openblas_core_override(core, CpuIsa::kAvx2), nullptr) << core;
+  }
+}
+
 TEST(CpuIsa, NamesAndChoices) {
   LevelGuard guard;
   EXPECT_EQ(kernels::parse_cpu_isa("AVX2"), CpuIsa::kAvx2);

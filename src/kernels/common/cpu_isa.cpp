@@ -145,4 +145,17 @@ void set_cpu_isa(CpuIsa isa) {
   g_active.store(static_cast<int>(isa), std::memory_order_relaxed);
 }
 
+const char* openblas_core_override(const std::string& chosen, CpuIsa cpu) {
+  if (cpu < CpuIsa::kAvx2) return nullptr;
+  // OpenBLAS's x86-64 cores with AVX2 kernels (its dynamic.c names).
+  static const char* const kAvx2Cores[] = {"haswell", "excavator",  "zen",           "skylakex",
+                                           "dhyana",  "cooperlake", "sapphirerapids"};
+  std::string lower = chosen;
+  std::transform(lower.begin(), lower.end(), lower.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  for (const char* core : kAvx2Cores)
+    if (lower == core) return nullptr;
+  return cpu >= CpuIsa::kAvx512 ? "SkylakeX" : "Haswell";
+}
+
 }  // namespace fastattn::kernels

@@ -48,6 +48,16 @@ CpuIsa cpu_isa();
 // supported.
 void set_cpu_isa(CpuIsa isa);
 
+// The OpenBLAS core type to ask for (OPENBLAS_CORETYPE) when OpenBLAS chose
+// `chosen` (its openblas_get_corename(), any case) on a CPU whose best vector
+// level is `cpu`: "SkylakeX" (its AVX-512 kernels) at avx512 and above,
+// "Haswell" (AVX2 + FMA) at avx2, where `chosen` is a core without AVX2
+// kernels; nullptr otherwise (the choice stands). OpenBLAS releases older
+// than the CPU take a generic core for it: Debian 12's 0.3.21 runs an
+// Emerald Rapids Xeon (family 6, model 207) as "Prescott", SSE3 kernels at
+// a quarter of the AVX-512 ones' speed, for every LibTorch matmul.
+const char* openblas_core_override(const std::string& chosen, CpuIsa cpu);
+
 }  // namespace fastattn::kernels
 
 // ---- entry points ----------------------------------------------------------
