@@ -132,27 +132,51 @@ nlohmann::json time_every_type(int64_t L, int64_t repeat) {
     cases.emplace_back(name, name.rfind("causal-", 0) == 0);
     if (name == "full") cases.emplace_back(name, true);  // the causal types' yardstick
   }
-  nlohmann::json rows = nlohmann::json::array();
-  for (const auto& [name, causal] : cases) {
+  auto qg = q.clone().requires_grad_(), kg = k.clone().requires_grad_(),
+       vg = v.clone().requires_grad_();
+  // The forward and forward+backward of a type, with the mask of its causality.
+  struct Passes {
+    std::function<void()> forward, forward_backward;
+  };
+  auto passes = [&](const AttentionPtr& attn, bool causal) {
     const Mask mask = Mask().with_causal(causal);
-    auto attn = make_attention(name, {}, dims);
-    auto forward = [&] {
+    Passes p;
+    p.forward = [=] {
       torch::NoGradGuard no_grad;
       attn->forward(q, k, v, mask);
       attn->take_auxiliary_loss();
     };
-    auto qg = q.clone().requires_grad_(), kg = k.clone().requires_grad_(),
-         vg = v.clone().requires_grad_();
-    auto forward_backward = [&] {
+    p.forward_backward = [=] {
       auto loss = attn->forward(qg, kg, vg, mask).sum();
       auto aux = attn->take_auxiliary_loss();
       if (aux.defined()) loss = loss + aux;
       loss.backward();
     };
-    rows.push_back({{"type", name},
-                    {"causal", causal},
-                    {"forward_ms", median(time_ms(forward, repeat))},
-                    {"backward_ms", median(time_ms(forward_backward, repeat))}});
+    return p;
+  };
+  // Full attention is timed in turn with each type (alternated_ms), so that
+  // each "x full" compares the same minutes of the machine: timed one type
+  // after another, a busy VM moved single ratios by 1.5x and more.
+  const auto full = make_attention("full", {}, dims);
+  const Passes full_passes[2] = {passes(full, false), passes(full, true)};
+  nlohmann::json rows = nlohmann::json::array();
+  for (const auto& [name, causal] : cases) {
+    const Passes& yardstick = full_passes[causal ? 1 : 0];
+    nlohmann::json row = {{"type", name}, {"causal", causal}};
+    if (name == "full") {
+      row["forward_ms"] = row["full_forward_ms"] = median(time_ms(yardstick.forward, repeat));
+      row["backward_ms"] = row["full_backward_ms"] =
+          median(time_ms(yardstick.forward_backward, repeat));
+    } else {
+      const Passes own = passes(make_attention(name, {}, dims), causal);
+      const auto fwd = alternated_ms(own.forward, yardstick.forward, repeat);
+      const auto fb = alternated_ms(own.forward_backward, yardstick.forward_backward, repeat);
+      row["forward_ms"] = median(fwd.first);
+      row["full_forward_ms"] = median(fwd.second);
+      row["backward_ms"] = median(fb.first);
+      row["full_backward_ms"] = median(fb.second);
+    }
+    rows.push_back(row);
   }
   return rows;
 }
@@ -293,28 +317,24 @@ class DemoCommand : public Command {
     const int64_t types_L = quick ? 1024 : 4096;
     std::cout << "\n(d) Every attention type with its default parameters, N=1 H=8 E=M=64 float32,\n"
               << "    L = S = " << types_L << " (causal for causal-*), median of " << repeat
-              << "; x full = full attention's time\n    (same causality) / the type's\n"
+              << "; x full = full attention's time\n    (same causality, timed in turn with the "
+                 "type) / the type's\n"
               << std::flush;
     const auto every = run_in_child([&] { return time_every_type(types_L, repeat); });
     if (every.is_object() && every.contains("error")) {
       std::cout << "  failed: " << every["error"].get<std::string>() << "\n";
       ++problems;
     } else {
-      double full_ms[2] = {0, 0}, full_fb[2] = {0, 0};  // [causal]
-      for (const auto& r : every) {
-        if (r["type"] != "full") continue;
-        const int c = r["causal"].get<bool>() ? 1 : 0;
-        full_ms[c] = r["forward_ms"].get<double>();
-        full_fb[c] = r["backward_ms"].get<double>();
-      }
       std::vector<std::vector<std::string>> rows;
       for (const auto& r : every) {
-        const int c = r["causal"].get<bool>() ? 1 : 0;
+        const bool c = r["causal"].get<bool>();
         const double f = r["forward_ms"].get<double>(), b = r["backward_ms"].get<double>();
+        const double x_f = r["full_forward_ms"].get<double>() / f,
+                     x_b = r["full_backward_ms"].get<double>() / b;
         const std::string label =
             r["type"].get<std::string>() + (c && r["type"] == "full" ? " (causal)" : "");
-        rows.push_back({label, format_fixed(f, 1), format_fixed(full_ms[c] / f, 1) + "x",
-                        format_fixed(b, 1), format_fixed(full_fb[c] / b, 1) + "x"});
+        rows.push_back({label, format_fixed(f, 1), format_fixed(x_f, 1) + "x", format_fixed(b, 1),
+                        format_fixed(x_b, 1) + "x"});
       }
       std::cout << indent(format_table({"type", "forward ms", "x full", "fwd+bwd ms", "x full"},
                                        rows, {false, true, true, true, true}));

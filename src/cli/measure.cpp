@@ -135,6 +135,22 @@ std::vector<double> time_ms(const std::function<void()>& fn, int64_t repeat, int
   return out;
 }
 
+std::pair<std::vector<double>, std::vector<double>> alternated_ms(const std::function<void()>& a,
+                                                                  const std::function<void()>& b,
+                                                                  int64_t repeat) {
+  a();
+  b();
+  std::vector<double> ta, tb;
+  for (int64_t i = 0; i < repeat; ++i) {
+    const bool a_first = i % 2 == 0;
+    for (int k = 0; k < 2; ++k) {
+      const bool run_a = (k == 0) == a_first;
+      (run_a ? ta : tb).push_back(time_ms(run_a ? a : b, 1, 0).front());
+    }
+  }
+  return {ta, tb};
+}
+
 double median(std::vector<double> xs) {
   if (xs.empty()) return 0.0;
   std::sort(xs.begin(), xs.end());

@@ -18,6 +18,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace fastattn::cli {
@@ -41,6 +42,12 @@ std::optional<int64_t> measure_peak_growth(const std::function<void()>& fn);
 // Runs `fn` `warmup` times untimed, then `repeat` times timed; returns the
 // times in milliseconds.
 std::vector<double> time_ms(const std::function<void()>& fn, int64_t repeat, int64_t warmup = 1);
+// Runs `a` and `b` once each untimed, then `repeat` times each in turn (a
+// first, then b first, ...): two programs timed in the same minutes, whose
+// ratio a busy machine moves less than it moves either time alone.
+std::pair<std::vector<double>, std::vector<double>> alternated_ms(const std::function<void()>& a,
+                                                                  const std::function<void()>& b,
+                                                                  int64_t repeat);
 double median(std::vector<double> xs);
 
 std::string format_bytes(double bytes);            // "12.0 MiB"
