@@ -14,8 +14,10 @@ fast-transformers' time over fastattn's (> 1: fastattn is faster).
 
 Build fast-transformers for this (CPU only; no downloads but PyPI):
   pip download --no-deps --no-binary :all: pytorch-fast-transformers
-  PATH=<PATH without nvcc> .venv/bin/pip install --no-build-isolation --no-deps \
+  env PATH=/usr/sbin:/usr/bin:/sbin:/bin .venv/bin/pip install --no-build-isolation --no-deps \
       --target /tmp/ft pytorch-fast-transformers-0.4.0.tar.gz
+(its setup.py builds the CUDA extensions whenever an `nvcc` is on PATH: this
+machine has one in /usr/local/bin as well as /usr/local/cuda/bin)
 Usage:
   PYTHONPATH=/tmp/ft .venv/bin/python bench/python/bench_fast_transformers.py \
       [--threads 2] [--length 16384] [--heads 8] [--dim 64] [--only linear local-128]
