@@ -138,14 +138,17 @@ std::vector<double> time_ms(const std::function<void()>& fn, int64_t repeat, int
 std::pair<std::vector<double>, std::vector<double>> alternated_ms(const std::function<void()>& a,
                                                                   const std::function<void()>& b,
                                                                   int64_t repeat) {
+  auto once = [](const std::function<void()>& fn) { return time_ms(fn, 1, 0).front(); };
   a();
   b();
   std::vector<double> ta, tb;
   for (int64_t i = 0; i < repeat; ++i) {
-    const bool a_first = i % 2 == 0;
-    for (int k = 0; k < 2; ++k) {
-      const bool run_a = (k == 0) == a_first;
-      (run_a ? ta : tb).push_back(time_ms(run_a ? a : b, 1, 0).front());
+    if (i % 2 == 0) {
+      ta.push_back(once(a));
+      tb.push_back(once(b));
+    } else {
+      tb.push_back(once(b));
+      ta.push_back(once(a));
     }
   }
   return {ta, tb};
