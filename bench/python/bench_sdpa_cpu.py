@@ -54,11 +54,6 @@ def alternated(fns, reps):
     return [statistics.median(t) for t in times]
 
 
-def timed(fn, reps):
-    """Median ms of fn over reps calls after one warm-up."""
-    return alternated([fn], reps)[0]
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -101,11 +96,12 @@ def main():
 
             for name, run in (("fwd", lambda f: lambda: f()),
                               ("fwd+bwd", lambda f: lambda: torch.autograd.grad(f(), (q, k, v), g))):
+                # The two sides alternate call by call (alternated).
                 if name == "fwd":
                     with torch.no_grad():
-                        t_fa, t_sd = timed(run(fa), reps), timed(run(sd), reps)
+                        t_fa, t_sd = alternated([run(fa), run(sd)], reps)
                 else:
-                    t_fa, t_sd = timed(run(fa), reps), timed(run(sd), reps)
+                    t_fa, t_sd = alternated([run(fa), run(sd)], reps)
                 rows.append(dict(L=L, causal=causal, pass_=name, fastattn_ms=t_fa, sdpa_ms=t_sd,
                                  ratio=t_sd / t_fa))
                 print(f"{L:>6} {str(causal):>6} {name:>9} {t_fa:>12.1f} {t_sd:>10.1f} "
