@@ -15,6 +15,7 @@ ATEN_CPU_CAPABILITY choose lower instruction sets for either side):
 """
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -97,10 +98,7 @@ def main():
             for name, run in (("fwd", lambda f: lambda: f()),
                               ("fwd+bwd", lambda f: lambda: torch.autograd.grad(f(), (q, k, v), g))):
                 # The two sides alternate call by call (alternated).
-                if name == "fwd":
-                    with torch.no_grad():
-                        t_fa, t_sd = alternated([run(fa), run(sd)], reps)
-                else:
+                with torch.no_grad() if name == "fwd" else contextlib.nullcontext():
                     t_fa, t_sd = alternated([run(fa), run(sd)], reps)
                 rows.append(dict(L=L, causal=causal, pass_=name, fastattn_ms=t_fa, sdpa_ms=t_sd,
                                  ratio=t_sd / t_fa))
