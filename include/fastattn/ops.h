@@ -280,7 +280,9 @@ torch::Tensor gather_tokens(const torch::Tensor& x, const torch::Tensor& index);
 // ---- CPU instruction set ---------------------------------------------------
 // The CPU kernels are compiled for several instruction-set levels and pick the
 // best one this CPU runs: "default" (portable, scalar), "avx2" (AVX2 + FMA),
-// "avx512" (AVX-512 F/BW/DQ/VL). The environment variable
+// "avx512" (AVX-512 F/BW/DQ/VL), "avx512_bf16" (avx512 with bfloat16 full
+// attention on AVX512-BF16 dot products; chosen by default on AMD CPUs
+// only), "amx" (the same on AMX tiles). The environment variable
 // FASTATTN_CPU_CAPABILITY, read at the first kernel call, or
 // set_cpu_capability() choose a lower one (for tests and for reproducing
 // figures). torch.ops.fastattn.cpu_capability / set_cpu_capability in Python.

@@ -389,8 +389,10 @@ def attention_types():
 
 def cpu_capability():
     """The instruction set the CPU kernels use: ``"default"`` (portable),
-    ``"avx2"``, ``"avx512"`` or ``"amx"`` (avx512 with bfloat16 products on
-    AMX tiles). The best this CPU runs unless the environment
+    ``"avx2"``, ``"avx512"``, ``"avx512_bf16"`` (avx512 with bfloat16 full
+    attention on AVX512-BF16 dot products) or ``"amx"`` (the same on AMX
+    tiles). The best for this CPU (avx512_bf16 only on AMD's, whose dot
+    products run at twice the float32 FMA's FLOP rate) unless the environment
     variable ``FASTATTN_CPU_CAPABILITY`` (read at the first kernel call) or
     :func:`set_cpu_capability` chose a lower one."""
     return ops.cpu_capability()

@@ -256,7 +256,7 @@ int64_t machine_cores() {
 
 }  // namespace
 
-std::string best_cpu_capability() { return supported_cpu_capabilities().back(); }
+std::string best_cpu_capability() { return kernels::cpu_isa_name(kernels::best_cpu_isa()); }
 
 namespace {
 
@@ -316,9 +316,9 @@ std::vector<FlagSpec> global_flags() {
                           "intra-op threads for LibTorch and our kernels (at::set_num_threads)",
                           std::to_string(machine_cores()) + ", this machine's cores"),
           FlagSpec::value("cpu-capability", "LEVEL",
-                          "instruction set of the CPU kernels: default, avx2, avx512 or amx (as "
-                          "FASTATTN_CPU_CAPABILITY)",
-                          "the best this CPU runs, " + best_cpu_capability()),
+                          "instruction set of the CPU kernels: default, avx2, avx512, avx512_bf16 "
+                          "or amx (as FASTATTN_CPU_CAPABILITY)",
+                          "the best for this CPU, " + best_cpu_capability()),
           FlagSpec::boolean("version", "print the version and the CPU kernels' instruction set"),
           FlagSpec::boolean("help", "show help (also -h)")};
 }

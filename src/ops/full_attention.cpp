@@ -28,13 +28,13 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
   ops::check_full_attention_inputs(q, k, v, attn_mask, key_lengths);
 }
 
-// bfloat16 operands as they are, the products on AMX tiles
-// (kernels/full/full_attention_amx.cpp); lse in float32, as the widened path
-// gives it.
-std::tuple<Tensor, Tensor> forward_amx(const Tensor& q, const Tensor& k, const Tensor& v,
-                                       const c10::optional<Tensor>& attn_mask,
-                                       const c10::optional<Tensor>& key_lengths, bool causal,
-                                       double softmax_temp) {
+// bfloat16 operands as they are, the products on AMX tiles or AVX512-BF16
+// dot products (kernels/full/full_attention_bf16.cpp); lse in float32, as
+// the widened path gives it.
+std::tuple<Tensor, Tensor> forward_bf16(const Tensor& q, const Tensor& k, const Tensor& v,
+                                        const c10::optional<Tensor>& attn_mask,
+                                        const c10::optional<Tensor>& key_lengths, bool causal,
+                                        double softmax_temp) {
 #if FASTATTN_CPU_ISA_MAX >= 3
   auto p = ops::full_attention_inputs(q, k, v, attn_mask, key_lengths);
   auto out = ops::empty_rows_like(q, v.size(3));
@@ -44,22 +44,22 @@ std::tuple<Tensor, Tensor> forward_amx(const Tensor& q, const Tensor& k, const T
   a.out = ops::kernel_data<kernels::Bf16>(out);
   a.out_rows = ops::row_strides(out);
   a.lse = lse.data_ptr<float>();
-  kernels::full_attention_forward_amx(a);
+  kernels::full_attention_forward_bf16(a);
   return {out, lse};
 #else
-  TORCH_CHECK(false, kOp, ": no AMX kernels in this build");
+  TORCH_CHECK(false, kOp, ": no bfloat16 kernels in this build");
 #endif
 }
 
 // Its backward: delta in float32 from float32 copies of grad_out and out,
 // the gradients in bfloat16, in their inputs' row layouts.
-std::tuple<Tensor, Tensor, Tensor> backward_amx(const Tensor& grad_out, const Tensor& q,
-                                                const Tensor& k, const Tensor& v, const Tensor& out,
-                                                const Tensor& lse,
-                                                const c10::optional<Tensor>& attn_mask,
-                                                const c10::optional<Tensor>& key_lengths,
-                                                bool causal, double softmax_temp,
-                                                const c10::optional<Tensor>& grad_lse) {
+std::tuple<Tensor, Tensor, Tensor> backward_bf16(const Tensor& grad_out, const Tensor& q,
+                                                 const Tensor& k, const Tensor& v,
+                                                 const Tensor& out, const Tensor& lse,
+                                                 const c10::optional<Tensor>& attn_mask,
+                                                 const c10::optional<Tensor>& key_lengths,
+                                                 bool causal, double softmax_temp,
+                                                 const c10::optional<Tensor>& grad_lse) {
 #if FASTATTN_CPU_ISA_MAX >= 3
   auto p = ops::full_attention_inputs(q, k, v, attn_mask, key_lengths);
   auto go = grad_out.to(q.scalar_type());
@@ -79,10 +79,10 @@ std::tuple<Tensor, Tensor, Tensor> backward_amx(const Tensor& grad_out, const Te
   a.grad_q = ops::kernel_data<kernels::Bf16>(gq);
   a.grad_k = ops::kernel_data<kernels::Bf16>(gk);
   a.grad_v = ops::kernel_data<kernels::Bf16>(gv);
-  kernels::full_attention_backward_amx(a);
+  kernels::full_attention_backward_bf16(a);
   return {gq, gk, gv};
 #else
-  TORCH_CHECK(false, kOp, ": no AMX kernels in this build");
+  TORCH_CHECK(false, kOp, ": no bfloat16 kernels in this build");
 #endif
 }
 
@@ -92,8 +92,8 @@ std::tuple<Tensor, Tensor> full_attention_forward_cpu(const Tensor& q, const Ten
                                                       const c10::optional<Tensor>& key_lengths,
                                                       bool causal, double softmax_temp) {
   check_inputs(q, k, v, attn_mask, key_lengths);
-  if (q.scalar_type() == torch::kBFloat16 && kernels::cpu_isa() == kernels::CpuIsa::kAmx)
-    return forward_amx(q, k, v, attn_mask, key_lengths, causal, softmax_temp);
+  if (q.scalar_type() == torch::kBFloat16 && kernels::cpu_isa() >= kernels::CpuIsa::kAvx512Bf16)
+    return forward_bf16(q, k, v, attn_mask, key_lengths, causal, softmax_temp);
   if (ops::is_reduced_float(q)) {
     auto [out, lse] = ops::in_float32<1>(q.scalar_type(), full_attention_forward_cpu, q, k, v,
                                          attn_mask, key_lengths, causal, softmax_temp);
@@ -129,9 +129,9 @@ std::tuple<Tensor, Tensor, Tensor> full_attention_backward_cpu(
     const c10::optional<Tensor>& grad_lse) {
   check_inputs(q, k, v, attn_mask, key_lengths);
   ops::check_full_attention_grads(grad_out, out, lse, grad_lse);
-  if (q.scalar_type() == torch::kBFloat16 && kernels::cpu_isa() == kernels::CpuIsa::kAmx)
-    return backward_amx(grad_out, q, k, v, out, lse, attn_mask, key_lengths, causal, softmax_temp,
-                        grad_lse);
+  if (q.scalar_type() == torch::kBFloat16 && kernels::cpu_isa() >= kernels::CpuIsa::kAvx512Bf16)
+    return backward_bf16(grad_out, q, k, v, out, lse, attn_mask, key_lengths, causal, softmax_temp,
+                         grad_lse);
   if (ops::is_reduced_float(q)) {
     return ops::in_rows_layouts_of(
         ops::in_float32(q.scalar_type(), full_attention_backward_cpu, grad_out, q, k, v, out, lse,

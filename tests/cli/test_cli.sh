@@ -34,12 +34,12 @@ expect 2 "unknown command 'frobnicate'; valid commands: approx, bench, demo, eva
 expect 2 "unknown flag '--nope'; valid flags: --json, --threads, --cpu-capability, --version, --help" -- list --nope
 # The CPU kernels' instruction set: --version names it; a lower level by flag
 # or environment; bad values are errors naming what is valid.
-expect 0 "^CPU kernels: (default|avx2|avx512|amx) \(this CPU and build: default" -- --version
+expect 0 "^CPU kernels: (default|avx2|avx512|avx512_bf16|amx) \(this CPU and build: default" -- --version
 expect 0 "^CPU kernels: default \(" -- --cpu-capability default --version
 expect 0 "CPU kernels: default \(" -- list --cpu-capability=default --version
 FASTATTN_CPU_CAPABILITY=default expect 0 "^CPU kernels: default \(" -- --version
-expect 2 "--cpu-capability: expected one of default, avx2, avx512, amx; got 'sse9'" -- --cpu-capability sse9 list
-FASTATTN_CPU_CAPABILITY=bogus expect 1 "FASTATTN_CPU_CAPABILITY: expected one of default, avx2, avx512, amx; got 'bogus'" -- --version
+expect 2 "--cpu-capability: expected one of default, avx2, avx512, avx512_bf16, amx; got 'sse9'" -- --cpu-capability sse9 list
+FASTATTN_CPU_CAPABILITY=bogus expect 1 "FASTATTN_CPU_CAPABILITY: expected one of default, avx2, avx512, avx512_bf16, amx; got 'bogus'" -- --version
 expect 2 "--cpu-capability given twice" -- --cpu-capability default list --cpu-capability default
 # Debian's LibTorch multiplies with OpenBLAS: --version names its kernels; a
 # core without AVX2 kernels on a CPU with AVX2 (an OpenBLAS older than the

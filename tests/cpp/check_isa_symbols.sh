@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
-# The CPU kernels' per-level objects (fastattn_cpu_kernels_1, _2, _3: AVX2,
-# AVX-512, AMX) must not export AVX code under a name that other objects also
+# The CPU kernels' per-level objects (fastattn_cpu_kernels_1 to _4: AVX2,
+# AVX-512, AVX512-BF16, AMX) must not export AVX code under a name that other objects also
 # define: the linker keeps one copy of a weak symbol (an inline function or
 # template instantiation, e.g. std::vector<float>::_M_default_append), and an
 # AVX copy would then run on CPUs without AVX (src/kernels/common/isa_target.h).
 # Checks every global or weak function of those objects that lies outside the
-# level's namespace (fastattn::kernels::isa_avx2 / isa_avx512 / isa_amx) for VEX/EVEX
+# level's namespace (fastattn::kernels::isa_avx2 / isa_avx512 / isa_avx512_bf16 / isa_amx) for VEX/EVEX
 # instructions (mnemonics starting with 'v') or AMX ones (tile*, tdp*). Exit 1 and the offenders if any.
 #   tests/cpp/check_isa_symbols.sh BUILD_DIR
 set -euo pipefail
 build=${1:?usage: check_isa_symbols.sh BUILD_DIR}
 status=0
 checked=0
-for level in 1 2 3; do
-  case $level in 1) ns=isa_avx2 ;; 2) ns=isa_avx512 ;; 3) ns=isa_amx ;; esac
+for level in 1 2 3 4; do
+  case $level in 1) ns=isa_avx2 ;; 2) ns=isa_avx512 ;; 3) ns=isa_avx512_bf16 ;; 4) ns=isa_amx ;; esac
   dir="$build/CMakeFiles/fastattn_cpu_kernels_$level.dir"
   [ -d "$dir" ] || continue
   while IFS= read -r -d '' obj; do

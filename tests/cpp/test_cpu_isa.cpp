@@ -56,12 +56,14 @@ TEST(CpuIsa, NamesAndChoices) {
   EXPECT_EQ(kernels::parse_cpu_isa("default"), CpuIsa::kDefault);
   EXPECT_STREQ(kernels::cpu_isa_name(CpuIsa::kAvx512), "avx512");
   EXPECT_EQ(kernels::parse_cpu_isa("AMX"), CpuIsa::kAmx);
+  EXPECT_EQ(kernels::parse_cpu_isa("AVX512_BF16"), CpuIsa::kAvx512Bf16);
+  EXPECT_STREQ(kernels::cpu_isa_name(CpuIsa::kAvx512Bf16), "avx512_bf16");
   try {
     kernels::parse_cpu_isa("sse9", "--cpu-capability");
     ADD_FAILURE() << "parse_cpu_isa accepted 'sse9'";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("--cpu-capability: expected one of default, avx2, "
-                                         "avx512, amx; got 'sse9'"),
+                                         "avx512, avx512_bf16, amx; got 'sse9'"),
               std::string::npos)
         << e.what();
   }
@@ -78,16 +80,25 @@ TEST(CpuIsa, NamesAndChoices) {
     EXPECT_ERROR_CONTAINS(set_cpu_capability("avx512"), "supported: default");
   }
   if (levels.size() < 4) {
+    EXPECT_ERROR_CONTAINS(set_cpu_capability("avx512_bf16"), "supported: default");
+  }
+  if (levels.size() < 5) {
     EXPECT_ERROR_CONTAINS(set_cpu_capability("amx"), "supported: default");
   }
 #if defined(__x86_64__)
-  EXPECT_EQ(kernels::kCompiledIsaMax, 3);
-  // amx: AVX-512 with AVX512-BF16 and AMX-BF16 (the OS's tile permission
-  // aside, which the flags do not show).
+  EXPECT_EQ(kernels::kCompiledIsaMax, 4);
+  // avx512_bf16: AVX-512 with AVX512-BF16; amx: that with AMX-BF16 (the OS's
+  // tile permission aside, which the flags do not show).
+  EXPECT_EQ(kernels::cpu_isa_supported(CpuIsa::kAvx512Bf16),
+            kernels::cpu_isa_supported(CpuIsa::kAvx512) && __builtin_cpu_supports("avx512bf16"));
   if (kernels::cpu_isa_supported(CpuIsa::kAmx)) {
-    EXPECT_TRUE(kernels::cpu_isa_supported(CpuIsa::kAvx512));
-    EXPECT_TRUE(__builtin_cpu_supports("avx512bf16"));
+    EXPECT_TRUE(kernels::cpu_isa_supported(CpuIsa::kAvx512Bf16));
   }
+  // The level used by default: the best, except avx512_bf16 on CPUs other
+  // than AMD's (vdpbf16ps at half the float32 FMA's FLOP rate there).
+  const CpuIsa best = kernels::supported_cpu_isas().back();
+  const bool amd = __builtin_cpu_is("amd");
+  EXPECT_EQ(kernels::best_cpu_isa(), best == CpuIsa::kAvx512Bf16 && !amd ? CpuIsa::kAvx512 : best);
   EXPECT_EQ(kernels::cpu_isa_supported(CpuIsa::kAvx2),
             __builtin_cpu_supports("avx2") != 0 && __builtin_cpu_supports("fma") != 0);
 #endif

@@ -117,14 +117,23 @@ INSTANTIATE_TEST_SUITE_P(
         FullCfg{"past_few_queries", 1, 2, 121, 150, 16, 16}),
     [](const ::testing::TestParamInfo<FullCfg>& info) { return info.param.name; });
 
-// ---- bfloat16 on AMX tiles (kernels/full/full_attention_amx.cpp) ---------------
+// ---- bfloat16 kernels (kernels/full/full_attention_bf16.cpp) -----------------
+// At each of their levels this CPU supports: avx512_bf16 (dot products) and
+// amx (tiles).
 
-// Uses `isa` until the test ends.
+// Uses `isa` until the scope ends.
 struct IsaGuard {
   kernels::CpuIsa saved = kernels::cpu_isa();
   explicit IsaGuard(kernels::CpuIsa isa) { kernels::set_cpu_isa(isa); }
   ~IsaGuard() { kernels::set_cpu_isa(saved); }
 };
+
+std::vector<kernels::CpuIsa> bf16_kernel_levels() {
+  std::vector<kernels::CpuIsa> out;
+  for (auto isa : {kernels::CpuIsa::kAvx512Bf16, kernels::CpuIsa::kAmx})
+    if (kernels::cpu_isa_supported(isa)) out.push_back(isa);
+  return out;
+}
 
 std::tuple<torch::Tensor, torch::Tensor> forward_op(const torch::Tensor& q, const torch::Tensor& k,
                                                     const torch::Tensor& v,
@@ -140,45 +149,52 @@ std::tuple<torch::Tensor, torch::Tensor> forward_op(const torch::Tensor& q, cons
   return op.call(q, k, v, mask, lengths, causal, temp);
 }
 
-// Every shape above in bfloat16 at the amx level, forward and backward,
-// against float64 on the same (rounded) values. P and dS are rounded to
-// bfloat16 before their products and the results once more: within 4 units
-// of bfloat16 rounding (2^-8) of the largest value of each result (seen:
-// under 2 units). A kernel that dropped a key tile or a tile's padding fails.
-TEST_P(FullAttentionCases, Bfloat16OnAmxMatchesFloat64) {
-  if (!kernels::cpu_isa_supported(kernels::CpuIsa::kAmx)) GTEST_SKIP() << "no AMX on this CPU";
-  IsaGuard guard(kernels::CpuIsa::kAmx);
+// Every shape above in bfloat16 at each bfloat16 kernel level, forward and
+// backward, against float64 on the same (rounded) values. P and dS are
+// rounded to bfloat16 before their products and the results once more:
+// within 4 units of bfloat16 rounding (2^-8) of the largest value of each
+// result (seen: under 2 units). A kernel that dropped a key tile or a tile's
+// padding fails.
+TEST_P(FullAttentionCases, Bfloat16KernelsMatchFloat64) {
+  const auto levels = bf16_kernel_levels();
+  if (levels.empty()) GTEST_SKIP() << "no AVX512-BF16 on this CPU";
   const auto oc = make_case(GetParam());
   Inputs b, d;
   for (const auto& t : oc.make_inputs(11)) {
-    b.push_back(t.to(torch::kBFloat16).requires_grad_());
-    d.push_back(b.back().detach().to(torch::kDouble).requires_grad_());
+    b.push_back(t.to(torch::kBFloat16));
+    d.push_back(b.back().to(torch::kDouble).requires_grad_());
   }
-  const auto out = oc.op(b);
-  ASSERT_EQ(out.scalar_type(), torch::kBFloat16);
   const auto ref = oc.reference(d);
   const auto grad_out = torch::randn_like(ref).to(torch::kBFloat16);
-  out.backward(grad_out);
   ref.backward(grad_out.to(torch::kDouble));
   auto close = [](const torch::Tensor& got, const torch::Tensor& want) {
     const double scale = std::max(1.0, want.abs().max().item<double>());
     return testing::max_abs_diff(got.to(torch::kDouble), want) <= 4 * std::ldexp(1.0, -8) * scale;
   };
-  EXPECT_TRUE(close(out, ref.detach())) << "out";
-  const char* names[] = {"grad q", "grad k", "grad v"};
-  for (int i = 0; i < 3; ++i) {
-    ASSERT_EQ(b[i].grad().scalar_type(), torch::kBFloat16);
-    EXPECT_TRUE(close(b[i].grad(), d[i].grad())) << names[i];
+  for (auto isa : levels) {
+    SCOPED_TRACE(kernels::cpu_isa_name(isa));
+    IsaGuard guard(isa);
+    Inputs x;
+    for (const auto& t : b) x.push_back(t.detach().requires_grad_());
+    const auto out = oc.op(x);
+    ASSERT_EQ(out.scalar_type(), torch::kBFloat16);
+    out.backward(grad_out);
+    EXPECT_TRUE(close(out, ref.detach())) << "out";
+    const char* names[] = {"grad q", "grad k", "grad v"};
+    for (int i = 0; i < 3; ++i) {
+      ASSERT_EQ(x[i].grad().scalar_type(), torch::kBFloat16);
+      EXPECT_TRUE(close(x[i].grad(), d[i].grad())) << names[i];
+    }
   }
 }
 
-// The operator's bfloat16 forward at the amx level is the AMX kernel's, bit
-// for bit, in the layers' (N, L, H, E) views (rows H·E apart) with a mask,
-// key lengths and the causal cut; its lse (float32) is within 1e-4 of the
-// float64 kernel's on the same values.
-TEST(FullAttention, Bfloat16OperatorRunsTheAmxKernel) {
-  if (!kernels::cpu_isa_supported(kernels::CpuIsa::kAmx)) GTEST_SKIP() << "no AMX on this CPU";
-  IsaGuard guard(kernels::CpuIsa::kAmx);
+// The operator's bfloat16 forward at each bfloat16 kernel level is that
+// level's kernel, bit for bit, in the layers' (N, L, H, E) views (rows H·E
+// apart) with a mask, key lengths and the causal cut; its lse (float32) is
+// within 1e-4 of the float64 kernel's on the same values.
+TEST(FullAttention, Bfloat16OperatorRunsTheBf16Kernel) {
+  const auto levels = bf16_kernel_levels();
+  if (levels.empty()) GTEST_SKIP() << "no AVX512-BF16 on this CPU";
   torch::manual_seed(5);
   const int64_t N = 2, H = 3, L = 150, S = 170, E = 40, M = 48;
   auto view = [&](int64_t rows, int64_t cols) {
@@ -190,59 +206,87 @@ TEST(FullAttention, Bfloat16OperatorRunsTheAmxKernel) {
   const auto mask_b = mask.to(torch::kBFloat16);
   const auto lengths = torch::tensor({S, int64_t{77}}, torch::kLong);
   const double temp = 0.2;
-  auto [out, lse] = forward_op(q, k, v, mask_b, lengths, true, temp);
-  ASSERT_EQ(lse.scalar_type(), torch::kFloat);
-
+  auto [out_d, lse_d] = forward_op(q.to(torch::kDouble), k.to(torch::kDouble), v.to(torch::kDouble),
+                                   mask_b.to(torch::kDouble), lengths, true, temp);
   const auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-  auto out_k = torch::empty({N, H, L, M}, q.options());
-  auto lse_k = torch::empty({N, H, L}, q.options().dtype(torch::kFloat));
   const auto mask_full = mask_b.expand({N, H, L, S});
-  kernels::FullAttentionForwardArgs<kernels::Bf16> a;
   auto bits = [](const torch::Tensor& t) {
     return reinterpret_cast<kernels::Bf16*>(t.data_ptr<at::BFloat16>());
   };
-  a.q = bits(qc);
-  a.k = bits(kc);
-  a.v = bits(vc);
-  a.out = bits(out_k);
-  a.lse = lse_k.data_ptr<float>();
-  a.mask = bits(mask_b);
-  a.mask_sn = mask_full.stride(0);
-  a.mask_sh = mask_full.stride(1);
-  a.mask_sl = mask_full.stride(2);
-  a.key_lengths = lengths.data_ptr<int64_t>();
-  a.N = N, a.H = H, a.L = L, a.S = S, a.E = E, a.M = M;
-  a.causal = true;
-  a.scale = static_cast<float>(temp);
-  a.num_threads = 2;
-  kernels::full_attention_forward_amx(a);
-  EXPECT_TRUE(torch::equal(out.contiguous(), out_k));
-  EXPECT_TRUE(torch::equal(lse, lse_k));
+  for (auto isa : levels) {
+    SCOPED_TRACE(kernels::cpu_isa_name(isa));
+    IsaGuard guard(isa);
+    auto [out, lse] = forward_op(q, k, v, mask_b, lengths, true, temp);
+    ASSERT_EQ(lse.scalar_type(), torch::kFloat);
+    auto out_k = torch::empty({N, H, L, M}, q.options());
+    auto lse_k = torch::empty({N, H, L}, q.options().dtype(torch::kFloat));
+    kernels::FullAttentionForwardArgs<kernels::Bf16> a;
+    a.q = bits(qc);
+    a.k = bits(kc);
+    a.v = bits(vc);
+    a.out = bits(out_k);
+    a.lse = lse_k.data_ptr<float>();
+    a.mask = bits(mask_b);
+    a.mask_sn = mask_full.stride(0);
+    a.mask_sh = mask_full.stride(1);
+    a.mask_sl = mask_full.stride(2);
+    a.key_lengths = lengths.data_ptr<int64_t>();
+    a.N = N, a.H = H, a.L = L, a.S = S, a.E = E, a.M = M;
+    a.causal = true;
+    a.scale = static_cast<float>(temp);
+    a.num_threads = 2;
+    kernels::full_attention_forward_bf16(a);
+    EXPECT_TRUE(torch::equal(out.contiguous(), out_k));
+    EXPECT_TRUE(torch::equal(lse, lse_k));
 
-  auto [out_d, lse_d] = forward_op(q.to(torch::kDouble), k.to(torch::kDouble), v.to(torch::kDouble),
-                                   mask_b.to(torch::kDouble), lengths, true, temp);
-  EXPECT_LE(testing::max_abs_diff(out.to(torch::kDouble), out_d),
-            4 * std::ldexp(1.0, -8) * std::max(1.0, out_d.abs().max().item<double>()));
-  const auto finite = torch::isfinite(lse_d);
-  EXPECT_TRUE(torch::equal(finite, torch::isfinite(lse)));
-  EXPECT_LE(testing::max_abs_diff(lse.to(torch::kDouble).masked_select(finite),
-                                  lse_d.masked_select(finite)),
-            1e-4 * (1 + lse_d.masked_select(finite).abs().max().item<double>()));
+    EXPECT_LE(testing::max_abs_diff(out.to(torch::kDouble), out_d),
+              4 * std::ldexp(1.0, -8) * std::max(1.0, out_d.abs().max().item<double>()));
+    const auto finite = torch::isfinite(lse_d);
+    EXPECT_TRUE(torch::equal(finite, torch::isfinite(lse)));
+    EXPECT_LE(testing::max_abs_diff(lse.to(torch::kDouble).masked_select(finite),
+                                    lse_d.masked_select(finite)),
+              1e-4 * (1 + lse_d.masked_select(finite).abs().max().item<double>()));
+  }
 }
 
-TEST(FullAttention, AmxKernelsRefuseAnotherLevelTopkAndAccumulate) {
-  if (!kernels::cpu_isa_supported(kernels::CpuIsa::kAmx)) GTEST_SKIP() << "no AMX on this CPU";
+// Where AMX and AVX512-BF16 are both at hand, the two kernels agree to
+// float32 rounding of their sums before the bfloat16 result: within one
+// bfloat16 unit of the largest value (they sum the same products in the same
+// order; the tiles' internal order may differ).
+TEST(FullAttention, Bf16KernelsOnTilesAndDotProductsAgree) {
+  if (bf16_kernel_levels().size() < 2) GTEST_SKIP() << "needs AVX512-BF16 and AMX";
+  torch::manual_seed(8);
+  const auto q = torch::randn({1, 2, 200, 64}).to(torch::kBFloat16);
+  const auto k = torch::randn({1, 2, 230, 64}).to(torch::kBFloat16);
+  const auto v = torch::randn({1, 2, 230, 64}).to(torch::kBFloat16);
+  torch::Tensor out[2];
+  int i = 0;
+  for (auto isa : bf16_kernel_levels()) {
+    IsaGuard guard(isa);
+    out[i++] = std::get<0>(forward_op(q, k, v, c10::nullopt, c10::nullopt, false, 0.125));
+  }
+  EXPECT_LE(testing::max_abs_diff(out[0].to(torch::kDouble), out[1].to(torch::kDouble)),
+            std::ldexp(1.0, -8) * std::max(1.0, out[1].abs().max().item<double>()));
+}
+
+TEST(FullAttention, Bf16KernelsRefuseAnotherLevelTopkAndAccumulate) {
+  const auto levels = bf16_kernel_levels();
+  if (levels.empty()) GTEST_SKIP() << "no AVX512-BF16 on this CPU";
   kernels::FullAttentionForwardArgs<kernels::Bf16> a;
+  kernels::FullAttentionBackwardArgs<kernels::Bf16> g;
   {
     IsaGuard guard(kernels::CpuIsa::kAvx512);
-    EXPECT_THROW(kernels::full_attention_forward_amx(a), std::logic_error);
+    EXPECT_THROW(kernels::full_attention_forward_bf16(a), std::logic_error);
+    EXPECT_THROW(kernels::full_attention_backward_bf16(g), std::logic_error);
   }
-  IsaGuard guard(kernels::CpuIsa::kAmx);
-  a.topk = 3;
-  EXPECT_THROW(kernels::full_attention_forward_amx(a), std::invalid_argument);
-  kernels::FullAttentionBackwardArgs<kernels::Bf16> g;
-  g.accumulate = true;
-  EXPECT_THROW(kernels::full_attention_backward_amx(g), std::invalid_argument);
+  for (auto isa : levels) {
+    SCOPED_TRACE(kernels::cpu_isa_name(isa));
+    IsaGuard guard(isa);
+    a.topk = 3;
+    EXPECT_THROW(kernels::full_attention_forward_bf16(a), std::invalid_argument);
+    g.accumulate = true;
+    EXPECT_THROW(kernels::full_attention_backward_bf16(g), std::invalid_argument);
+  }
 }
 
 TEST(FullAttention, LongSequenceFloat32MatchesFloat64Reference) {

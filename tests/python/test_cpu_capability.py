@@ -22,7 +22,7 @@ def restore_level():
 def test_levels_listed_and_settable(restore_level):
     levels = fastattn.supported_cpu_capabilities()
     assert levels[0] == "default"
-    assert set(levels) <= {"default", "avx2", "avx512", "amx"}
+    assert set(levels) <= {"default", "avx2", "avx512", "avx512_bf16", "amx"}
     assert fastattn.cpu_capability() in levels
     for level in levels:
         fastattn.set_cpu_capability(level)
@@ -30,7 +30,7 @@ def test_levels_listed_and_settable(restore_level):
 
 
 def test_bad_levels_are_named(restore_level):
-    with pytest.raises(RuntimeError, match="expected one of default, avx2, avx512, amx; got 'avx9'"):
+    with pytest.raises(RuntimeError, match="expected one of default, avx2, avx512, avx512_bf16, amx; got 'avx9'"):
         fastattn.set_cpu_capability("avx9")
     with pytest.raises(TypeError, match="level must be a str, got int"):
         fastattn.set_cpu_capability(2)
@@ -56,7 +56,7 @@ def test_environment_variable_chooses_the_level():
     env["FASTATTN_CPU_CAPABILITY"] = "bogus"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode != 0
-    assert "FASTATTN_CPU_CAPABILITY: expected one of default, avx2, avx512, amx; got 'bogus'" in out.stderr
+    assert "FASTATTN_CPU_CAPABILITY: expected one of default, avx2, avx512, avx512_bf16, amx; got 'bogus'" in out.stderr
 
 
 def test_output_cache_keeps_freed_outputs_until_emptied():

@@ -19,10 +19,23 @@
 namespace fastattn::kernels {
 namespace {
 
-constexpr const char* kNames[] = {"default", "avx2", "avx512", "amx"};
-constexpr int kLevels = 4;
+constexpr const char* kNames[] = {"default", "avx2", "avx512", "avx512_bf16", "amx"};
+constexpr int kLevels = 5;
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// AVX512-BF16 (CPUID leaf 7, subleaf 1, EAX bit 5).
+bool avx512_bf16_flag() {
+  unsigned a, b, c, d;
+  return __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 5) & 1);
+}
+
+// CPUID's vendor string is "AuthenticAMD".
+bool amd_cpu() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+  return b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163;  // "Auth" "enti" "cAMD"
+}
+
 // AVX512-BF16, AMX-TILE and AMX-BF16 (CPUID leaf 7), the tile state enabled
 // in XCR0 (bits 17, 18), and on Linux the process's permission to use the
 // tile data (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, kernel >= 5.16),
@@ -32,9 +45,7 @@ bool amx_usable() {
     unsigned a, b, c, d;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
     const bool tile = (d >> 24) & 1, bf16_tile = (d >> 22) & 1;
-    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
-    const bool avx512_bf16 = (a >> 5) & 1;
-    if (!(tile && bf16_tile && avx512_bf16)) return false;
+    if (!(tile && bf16_tile && avx512_bf16_flag())) return false;
     if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1)) return false;  // OSXSAVE
     unsigned lo, hi;
     __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
@@ -64,8 +75,10 @@ bool cpu_runs(CpuIsa isa) {
       return cpu_runs(CpuIsa::kAvx2) && __builtin_cpu_supports("avx512f") &&
              __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512cd");
+    case CpuIsa::kAvx512Bf16:
+      return cpu_runs(CpuIsa::kAvx512) && avx512_bf16_flag();
     case CpuIsa::kAmx:
-      return cpu_runs(CpuIsa::kAvx512) && amx_usable();
+      return cpu_runs(CpuIsa::kAvx512Bf16) && amx_usable();
   }
   return false;
 #else
@@ -78,11 +91,6 @@ std::string supported_list() {
   for (CpuIsa isa : supported_cpu_isas())
     s += std::string(s.empty() ? "" : ", ") + cpu_isa_name(isa);
   return s;
-}
-
-CpuIsa best_supported() {
-  const auto all = supported_cpu_isas();
-  return all.back();
 }
 
 // -1: not chosen yet (the environment decides at the first call).
@@ -101,8 +109,8 @@ CpuIsa parse_cpu_isa(const std::string& name, const std::string& what) {
                  [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
   for (int i = 0; i < kLevels; ++i)
     if (lower == kNames[i]) return static_cast<CpuIsa>(i);
-  throw std::invalid_argument(what + ": expected one of default, avx2, avx512, amx; got '" + name +
-                              "'");
+  throw std::invalid_argument(
+      what + ": expected one of default, avx2, avx512, avx512_bf16, amx; got '" + name + "'");
 }
 
 bool cpu_isa_supported(CpuIsa isa) {
@@ -114,6 +122,14 @@ std::vector<CpuIsa> supported_cpu_isas() {
   for (int i = 0; i < kLevels; ++i)
     if (cpu_isa_supported(static_cast<CpuIsa>(i))) out.push_back(static_cast<CpuIsa>(i));
   return out;
+}
+
+CpuIsa best_cpu_isa() {
+  const CpuIsa best = supported_cpu_isas().back();
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  if (best == CpuIsa::kAvx512Bf16 && !amd_cpu()) return CpuIsa::kAvx512;
+#endif
+  return best;
 }
 
 CpuIsa cpu_isa() {
@@ -130,7 +146,7 @@ CpuIsa cpu_isa() {
           std::string("FASTATTN_CPU_CAPABILITY=") + env +
           ": not supported by this CPU or build; supported: " + supported_list());
   } else {
-    chosen = best_supported();
+    chosen = best_cpu_isa();
   }
   int expected = -1;
   g_active.compare_exchange_strong(expected, static_cast<int>(chosen));

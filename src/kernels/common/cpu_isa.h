@@ -5,11 +5,16 @@
 //   default  x86-64 baseline (SSE2) or any other CPU: the scalar code path
 //   avx2     AVX2 + FMA (+ BMI1/2, POPCNT): 8 floats per vector
 //   avx512   AVX-512 F/BW/DQ/VL/CD on top of avx2: 16 floats per vector
-//   amx      avx512 plus AVX512-BF16 and AMX (TILE, BF16), with the OS's
-//            permission to use the tiles: bfloat16 operands multiplied on
-//            AMX tiles (the kernels with an _amx variant: full attention's
-//            forward and backward); every other kernel runs its avx512 code
-// The best level the CPU runs is used unless the environment variable
+//   avx512_bf16
+//            avx512 plus AVX512-BF16: bfloat16 operands multiplied by
+//            vdpbf16ps dot products (the kernels with a _bf16 variant: full
+//            attention's forward and backward); every other kernel runs its
+//            avx512 code
+//   amx      avx512_bf16 plus AMX (TILE, BF16), with the OS's permission to
+//            use the tiles: the _bf16 kernels' products on AMX tiles
+// The best level the CPU runs is used (avx512_bf16 only on CPUs whose
+// vdpbf16ps runs at the rate of their float32 FMAs, best_cpu_isa() below)
+// unless the environment variable
 // FASTATTN_CPU_CAPABILITY (read once, at the first kernel call) or
 // set_cpu_isa() asks for a lower one, as PyTorch's ATEN_CPU_CAPABILITY does:
 // for tests and for reproducing figures.
@@ -18,19 +23,20 @@
 #include <string>
 #include <vector>
 
-// Highest level compiled into this build (0 off x86-64, 3 on it); set by
-// CMake. Levels 0-2 compile every kernel; level 3 only the _amx sources.
+// Highest level compiled into this build (0 off x86-64, 4 on it); set by
+// CMake. Levels 0-2 compile every kernel; levels 3 and 4 only the _bf16
+// sources.
 #ifndef FASTATTN_CPU_ISA_MAX
 #define FASTATTN_CPU_ISA_MAX 0
 #endif
 
 namespace fastattn::kernels {
 
-enum class CpuIsa : int { kDefault = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3 };
+enum class CpuIsa : int { kDefault = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmx = 4 };
 
 constexpr int kCompiledIsaMax = FASTATTN_CPU_ISA_MAX;
 
-// "default", "avx2", "avx512", "amx".
+// "default", "avx2", "avx512", "avx512_bf16", "amx".
 const char* cpu_isa_name(CpuIsa isa);
 // The level of a name (case-insensitive); std::invalid_argument naming
 // `what` and the accepted names otherwise.
@@ -40,9 +46,16 @@ CpuIsa parse_cpu_isa(const std::string& name, const std::string& what = "cpu cap
 bool cpu_isa_supported(CpuIsa isa);
 // The supported levels, lowest first.
 std::vector<CpuIsa> supported_cpu_isas();
+// The level used when none is asked for: the highest supported one, except
+// that avx512_bf16 is passed over (for avx512) on CPUs other than AMD's. Its
+// dot products pay where vdpbf16ps runs at the float32 FMA's instruction
+// rate, twice its FLOP rate (an AMD EPYC Zen 4: 224 against 112 GFLOP/s a
+// core); an Emerald Rapids Xeon without AMX ran it at half the FMA's FLOP
+// rate (docs/benchmarks.md, bench/cpu/fma_bf16_rate.c).
+CpuIsa best_cpu_isa();
 // The level the kernels use now: FASTATTN_CPU_CAPABILITY if set (an unknown
-// or unsupported value throws std::invalid_argument, on every call), else the
-// best supported one.
+// or unsupported value throws std::invalid_argument, on every call), else
+// best_cpu_isa().
 CpuIsa cpu_isa();
 // Uses `isa` from now on, for every thread; std::invalid_argument if it is not
 // supported.
@@ -72,6 +85,7 @@ const char* openblas_core_override(const std::string& chosen, CpuIsa cpu);
 #define FASTATTN_CPU_KERNEL_DISPATCH_(call)                                             \
   switch (::fastattn::kernels::cpu_isa()) {                                             \
     case ::fastattn::kernels::CpuIsa::kAmx:                                             \
+    case ::fastattn::kernels::CpuIsa::kAvx512Bf16:                                      \
     case ::fastattn::kernels::CpuIsa::kAvx512:                                          \
       if constexpr (::fastattn::kernels::kCompiledIsaMax >= 2) return isa_avx512::call; \
       [[fallthrough]];                                                                  \

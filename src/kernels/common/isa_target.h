@@ -1,9 +1,10 @@
 // The instruction-set region of a CPU kernel translation unit. Each kernel
 // source (*_cpu.cpp) is compiled once per level (FASTATTN_ISA_LEVEL = 0, 1,
-// 2; see kernels/common/cpu_isa.h), the AMX sources (*_amx.cpp) at level 3
-// only; its code sits between FASTATTN_ISA_BEGIN and FASTATTN_ISA_END, which
-// open the level's namespace (fastattn::kernels::isa_default, isa_avx2,
-// isa_avx512, isa_amx) and, above the
+// 2; see kernels/common/cpu_isa.h), the bfloat16 sources (*_bf16.cpp) at
+// levels 3 and 4 only; its code sits between FASTATTN_ISA_BEGIN and
+// FASTATTN_ISA_END, which open the level's namespace
+// (fastattn::kernels::isa_default, isa_avx2, isa_avx512, isa_avx512_bf16,
+// isa_amx) and, above the
 // default level, a `#pragma GCC target` region (clang: `#pragma clang
 // attribute`) enabling the level's instructions for the functions defined in
 // it.
@@ -79,6 +80,17 @@
       "GCC target(\"avx2,fma,bmi,bmi2,popcnt,avx512f,avx512bw,avx512dq,avx512vl,avx512cd\")")
 #endif
 #elif FASTATTN_ISA_LEVEL == 3
+#define FASTATTN_ISA_NS isa_avx512_bf16
+#define FASTATTN_SIMD_AVX2 1
+#define FASTATTN_SIMD_AVX512 1
+#if defined(__clang__)
+#define FASTATTN_ISA_PUSH_ _Pragma("clang attribute push(__attribute__((target(\"avx2,fma,bmi,bmi2,popcnt,avx512f,avx512bw,avx512dq,avx512vl,avx512cd,avx512bf16\"))), apply_to = function)")
+#else
+#define FASTATTN_ISA_PUSH_             \
+  _Pragma("GCC push_options") _Pragma( \
+      "GCC target(\"avx2,fma,bmi,bmi2,popcnt,avx512f,avx512bw,avx512dq,avx512vl,avx512cd,avx512bf16\")")
+#endif
+#elif FASTATTN_ISA_LEVEL == 4
 #define FASTATTN_ISA_NS isa_amx
 #define FASTATTN_SIMD_AVX2 1
 #define FASTATTN_SIMD_AVX512 1
@@ -90,7 +102,7 @@
       "GCC target(\"avx2,fma,bmi,bmi2,popcnt,avx512f,avx512bw,avx512dq,avx512vl,avx512cd,avx512bf16,amx-tile,amx-bf16\")")
 #endif
 #else
-#error "FASTATTN_ISA_LEVEL must be 0 (default), 1 (avx2), 2 (avx512) or 3 (amx)"
+#error "FASTATTN_ISA_LEVEL must be 0 (default), 1 (avx2), 2 (avx512), 3 (avx512_bf16) or 4 (amx)"
 #endif
 // clang-format on
 

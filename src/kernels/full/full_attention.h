@@ -67,14 +67,15 @@ template <typename T>
 void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& args);
 
 // The forward on bfloat16 q, k, v (and mask, out), float32 lse, with the
-// products on AMX tiles (full_attention_amx.cpp): S = Q·K^T in float32, the
+// products on bfloat16 units (full_attention_bf16.cpp): AMX tiles at the amx
+// level, AVX512-BF16 dot products at avx512_bf16; S = Q·K^T in float32, the
 // online softmax in float32, P rounded to bfloat16 for O += P·V, O in
-// float32 until it is written. Only where cpu_isa() is CpuIsa::kAmx (else
-// std::logic_error); topk must be 0.
-void full_attention_forward_amx(const FullAttentionForwardArgs<Bf16>& args);
+// float32 until it is written. Only where cpu_isa() is one of those two
+// (else std::logic_error); topk must be 0.
+void full_attention_forward_bf16(const FullAttentionForwardArgs<Bf16>& args);
 // Its backward on bfloat16 q, k, v, grad_out (and mask), float32 lse and
 // delta, bfloat16 gradients; the same level condition; accumulate must be
 // false.
-void full_attention_backward_amx(const FullAttentionBackwardArgs<Bf16>& args);
+void full_attention_backward_bf16(const FullAttentionBackwardArgs<Bf16>& args);
 
 }  // namespace fastattn::kernels

@@ -1,15 +1,20 @@
 // CPU kernels of fused softmax attention's forward and backward on bfloat16
-// operands with the products on AMX tiles (see full_attention.h). Compiled at
-// the amx level only (CMakeLists.txt: the *_amx.cpp sources); chosen by the
-// op layer for bfloat16 inputs when cpu_isa() is CpuIsa::kAmx. The forward
-// is described here, the backward at full_attention_backward_amx.
+// operands (see full_attention.h), compiled twice (CMakeLists.txt: the
+// *_bf16.cpp sources): at the amx level with the products on AMX tiles, at
+// avx512_bf16 with the same products by AVX512-BF16 dot products on the same
+// packed operands. Chosen by the op layer for bfloat16 inputs when cpu_isa()
+// is one of those two. The forward is described here, the backward at
+// full_attention_backward_bf16.
 //
 // AMX (Intel's Advanced Matrix Extensions): eight tile registers of up to 16
 // rows × 64 bytes; tdpbf16ps C += A·B takes A as 16 rows of 32 bfloat16, B
 // as 16 rows of 16 bfloat16 pairs ("VNNI" layout: B row k holds the pairs
 // (b[2k][n], b[2k+1][n]) of columns n = 0..15) and accumulates C, 16 × 16
 // float32. Every tile here is configured 16 × 64 bytes; operands are padded
-// with zeros to 32 along the reduction and to 32 rows / columns.
+// with zeros to 32 along the reduction and to 32 rows / columns. At
+// avx512_bf16 a "tile" is the same 16 × 64 bytes in memory and B row k is
+// one vdpbf16ps operand: C row r's 16 columns += A's pair k of row r
+// (broadcast) times it (block_product).
 //
 // Before the attention, K and V of every head are packed once into B tiles
 // (a parallel pass; the packed copies are as large as K and V):
@@ -42,8 +47,8 @@
 #include "kernels/common/simd.h"
 #include "kernels/common/softmax_rows.h"
 
-#if FASTATTN_ISA_LEVEL != 3
-#error "full_attention_amx.cpp is compiled at the amx level (3) only"
+#if FASTATTN_ISA_LEVEL != 3 && FASTATTN_ISA_LEVEL != 4
+#error "full_attention_bf16.cpp is compiled at the avx512_bf16 (3) and amx (4) levels only"
 #endif
 
 FASTATTN_ISA_BEGIN
@@ -155,9 +160,10 @@ void pack_value_chunk(const Bf16* vh, int64_t ld, int64_t S, int64_t M, int64_t 
 }
 
 // C (rows × 32 blocks of float32, ldc floats apart) = or += A · B for the
-// 32 × 32 block at a (32 rows of `chunks` · 32 bfloat16, lda elements apart)
-// and the B tiles b0 (columns 0-15) and b1 (16-31), each `chunks` tiles
-// bstride words apart. accumulate: C's tiles are loaded first.
+// 32 × 32 block at a (32 rows of `chunks` · 32 bfloat16, lda elements apart,
+// lda even) and the B tiles b0 (columns 0-15) and b1 (16-31), each `chunks`
+// tiles bstride words apart. accumulate: C's tiles are loaded first.
+#if FASTATTN_ISA_LEVEL == 4
 inline void block_product(const Bf16* a, int64_t lda, const uint32_t* b0, const uint32_t* b1,
                           int64_t bstride, int64_t chunks, float* c, int64_t ldc, bool accumulate) {
   const int64_t sa = lda * 2, sc = ldc * 4;
@@ -187,6 +193,49 @@ inline void block_product(const Bf16* a, int64_t lda, const uint32_t* b0, const 
   _tile_stored(2, c + 16 * ldc, sc);
   _tile_stored(3, c + 16 * ldc + 16, sc);
 }
+#else
+// The same by vdpbf16ps, in groups of kRows rows of C held in registers
+// (2 · kRows accumulators): per pair k of a chunk, B's rows k of b0 and b1
+// are loaded once for the group and each row's pair word of A is a broadcast
+// operand. Sums pair by pair, chunk by chunk, onto C; the tiles' order
+// within a chunk is theirs, so the two levels may differ in float32 rounding.
+inline void block_product(const Bf16* a, int64_t lda, const uint32_t* b0, const uint32_t* b1,
+                          int64_t bstride, int64_t chunks, float* c, int64_t ldc, bool accumulate) {
+  constexpr int kRows = 8;
+  for (int64_t r0 = 0; r0 < kBlock; r0 += kRows) {
+    __m512 acc[kRows][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) {
+      const float* cr = c + (r0 + r) * ldc;
+      acc[r][0] = accumulate ? _mm512_loadu_ps(cr) : _mm512_setzero_ps();
+      acc[r][1] = accumulate ? _mm512_loadu_ps(cr + 16) : _mm512_setzero_ps();
+    }
+    for (int64_t k = 0; k < chunks; ++k) {
+      const uint32_t* t0 = b0 + k * bstride;
+      const uint32_t* t1 = b1 + k * bstride;
+      const Bf16* ak = a + r0 * lda + k * 32;
+      for (int p = 0; p < 16; ++p) {
+        const auto x0 = (__m512bh)_mm512_loadu_si512(t0 + p * 16);
+        const auto x1 = (__m512bh)_mm512_loadu_si512(t1 + p * 16);
+#pragma GCC unroll 8
+        for (int r = 0; r < kRows; ++r) {
+          uint32_t word;
+          std::memcpy(&word, ak + r * lda + 2 * p, sizeof word);
+          const auto w = (__m512bh)_mm512_set1_epi32(static_cast<int>(word));
+          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x0, w);
+          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x1, w);
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) {
+      float* cr = c + (r0 + r) * ldc;
+      _mm512_storeu_ps(cr, acc[r][0]);
+      _mm512_storeu_ps(cr + 16, acc[r][1]);
+    }
+  }
+}
+#endif
 
 // min(n, 32) bfloat16 at p, the rest zero, without reading past them.
 inline __m512i load_bf16_n(const Bf16* p, int64_t n) {
@@ -251,8 +300,9 @@ inline float exp_to_bf16(const float* row, int64_t width, float shift, float sca
 }
 
 // This thread's tile configuration, loaded by configure() and released
-// when the thread's scratch goes.
+// when the thread's scratch goes; nothing at avx512_bf16.
 struct Tiles {
+#if FASTATTN_ISA_LEVEL == 4
   bool configured = false;
   void configure() {
     TileConfig cfg;
@@ -266,6 +316,9 @@ struct Tiles {
   ~Tiles() {
     if (configured) _tile_release();
   }
+#else
+  void configure() {}
+#endif
 };
 
 struct Scratch {
@@ -319,7 +372,7 @@ struct BackwardScratch {
 //   dV^T += dO^T·P, dK^T += Q^T·dS   (A: dO^T, Q^T; B: P, dS over queries),
 //   dQ += dS·K   (A: dS rows; B: K's row pairs interleaved);
 // P = exp(S·scale + mask - lse) and dS = P ∘ (dP - delta) · scale in float32.
-void full_attention_backward_amx(const FullAttentionBackwardArgs<Bf16>& args) {
+void full_attention_backward_bf16(const FullAttentionBackwardArgs<Bf16>& args) {
   auto a = args;
   resolve_qkv_rows(a);
   resolve_grad_rows(a);
@@ -573,7 +626,7 @@ void single_query_forward(const FullAttentionForwardArgs<Bf16>& a) {
       });
 }
 
-void full_attention_forward_amx(const FullAttentionForwardArgs<Bf16>& args) {
+void full_attention_forward_bf16(const FullAttentionForwardArgs<Bf16>& args) {
   auto a = args;
   resolve_qkv_rows(a);
   a.out_rows = a.out_rows.resolved(a.H, a.L, a.M);
@@ -720,23 +773,48 @@ void full_attention_forward_amx(const FullAttentionForwardArgs<Bf16>& args) {
 
 FASTATTN_ISA_END
 
+// The public entry points, defined once (in the avx512_bf16 compile): the
+// level's checks, then its kernel.
+#if FASTATTN_ISA_LEVEL == 3
 namespace fastattn::kernels {
-void full_attention_forward_amx(const FullAttentionForwardArgs<Bf16>& args) {
-  if (cpu_isa() != CpuIsa::kAmx)
-    throw std::logic_error(std::string("full_attention_forward_amx: the cpu capability is ") +
-                           cpu_isa_name(cpu_isa()) + ", not amx");
+#if FASTATTN_CPU_ISA_MAX >= 4
+namespace isa_amx {
+void full_attention_forward_bf16(const FullAttentionForwardArgs<Bf16>& args);
+void full_attention_backward_bf16(const FullAttentionBackwardArgs<Bf16>& args);
+}  // namespace isa_amx
+#endif
+namespace {
+// The amx level's kernels at amx, the avx512_bf16 ones there, else std::logic_error.
+bool on_tiles(const char* name) {
+  const CpuIsa isa = cpu_isa();
+  if (isa == CpuIsa::kAmx) return true;
+  if (isa == CpuIsa::kAvx512Bf16) return false;
+  throw std::logic_error(std::string(name) + ": the cpu capability is " + cpu_isa_name(isa) +
+                         ", not avx512_bf16 or amx");
+}
+}  // namespace
+
+void full_attention_forward_bf16(const FullAttentionForwardArgs<Bf16>& args) {
+  const bool tiles = on_tiles("full_attention_forward_bf16");
   if (args.topk != 0)
-    throw std::invalid_argument("full_attention_forward_amx: topk must be 0, got " +
+    throw std::invalid_argument("full_attention_forward_bf16: topk must be 0, got " +
                                 std::to_string(args.topk));
-  isa_amx::full_attention_forward_amx(args);
+#if FASTATTN_CPU_ISA_MAX >= 4
+  if (tiles) return isa_amx::full_attention_forward_bf16(args);
+#endif
+  (void)tiles;
+  isa_avx512_bf16::full_attention_forward_bf16(args);
 }
 
-void full_attention_backward_amx(const FullAttentionBackwardArgs<Bf16>& args) {
-  if (cpu_isa() != CpuIsa::kAmx)
-    throw std::logic_error(std::string("full_attention_backward_amx: the cpu capability is ") +
-                           cpu_isa_name(cpu_isa()) + ", not amx");
+void full_attention_backward_bf16(const FullAttentionBackwardArgs<Bf16>& args) {
+  const bool tiles = on_tiles("full_attention_backward_bf16");
   if (args.accumulate)
-    throw std::invalid_argument("full_attention_backward_amx: accumulate is not supported");
-  isa_amx::full_attention_backward_amx(args);
+    throw std::invalid_argument("full_attention_backward_bf16: accumulate is not supported");
+#if FASTATTN_CPU_ISA_MAX >= 4
+  if (tiles) return isa_amx::full_attention_backward_bf16(args);
+#endif
+  (void)tiles;
+  isa_avx512_bf16::full_attention_backward_bf16(args);
 }
 }  // namespace fastattn::kernels
+#endif
