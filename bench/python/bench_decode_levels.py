@@ -6,6 +6,8 @@ at each CPU capability given, alternating in one process (docs/benchmarks.md,
 
   PYTHONPATH=python /usr/bin/python3 bench/python/bench_decode_levels.py --length 4096 \\
       --dtype bfloat16 --levels amx avx512
+
+(the default --levels: the level in use and avx512).
 """
 
 import argparse
@@ -20,11 +22,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--length", type=int, default=4096, help="cache length S")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
-    ap.add_argument("--levels", nargs="+", default=["amx", "avx512"])
+    ap.add_argument("--levels", nargs="+", default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
+    if args.levels is None:
+        args.levels = [fastattn.cpu_capability(), "avx512"]
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     q = torch.randn(1, 8, 1, 64, dtype=dtype)
