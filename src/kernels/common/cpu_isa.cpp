@@ -109,8 +109,9 @@ CpuIsa parse_cpu_isa(const std::string& name, const std::string& what) {
                  [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
   for (int i = 0; i < kLevels; ++i)
     if (lower == kNames[i]) return static_cast<CpuIsa>(i);
-  throw std::invalid_argument(
-      what + ": expected one of default, avx2, avx512, avx512_bf16, amx; got '" + name + "'");
+  std::string names;
+  for (const char* n : kNames) names += std::string(names.empty() ? "" : ", ") + n;
+  throw std::invalid_argument(what + ": expected one of " + names + "; got '" + name + "'");
 }
 
 bool cpu_isa_supported(CpuIsa isa) {
