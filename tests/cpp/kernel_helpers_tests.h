@@ -1,6 +1,6 @@
 // The kernels' shared helpers (src/kernels/common/) against plain loops:
 // transpose (16x16 AVX-512 and 8x8 AVX2 blocks plus scalar edges), simd_dot, the vector exp,
-// and the register-blocked products, on awkward shapes in float32 and
+// the elu feature map's vector code (feature_maps/elu.h), and the register-blocked products, on awkward shapes in float32 and
 // float64, and parallel_items' exception handling. Included by
 // test_kernel_helpers_<level>.cpp once per instruction-set level, with
 // FASTATTN_ISA_LEVEL set; a level this CPU does not run is skipped.
@@ -22,6 +22,7 @@
 #include "kernels/common/gemm.h"
 #include "kernels/common/parallel.h"
 #include "kernels/common/simd.h"
+#include "kernels/feature_maps/elu.h"
 
 #define FASTATTN_KH_CAT2_(a, b) a##b
 #define FASTATTN_KH_CAT_(a, b) FASTATTN_KH_CAT2_(a, b)
@@ -202,6 +203,42 @@ TEST(FASTATTN_KH_SUITE, SimdExpMatchesStdExp) {
   simd_exp_for_test(xd.data(), yd.data(), static_cast<int64_t>(finite));
   for (size_t i = 0; i < finite; ++i)
     ASSERT_NEAR(yd[i], std::exp(xd[i]), 1e-15 * std::exp(xd[i])) << "exp(" << xd[i] << ")";
+}
+
+// phi(x) = elu(x) + 1 and phi'(x) (feature_maps/elu.h: exp_nonpositive, no clamp from above)
+// against float64 on whole vectors: both signs, 0, the underflow edge, +-inf and NaN in every
+// lane position (n a multiple of 16: no scalar tail at any level).
+TEST(FASTATTN_KH_SUITE, EluFeatureMapVectorsMatchFloat64) {
+  FASTATTN_KH_REQUIRE_LEVEL();
+  const float inf = std::numeric_limits<float>::infinity();
+  std::vector<float> x;
+  for (float t = -90.0f; t <= 30.0f; t += 0.0937f) x.push_back(t);
+  for (float t : {0.0f, -0.0f, 1e-30f, -1e-30f, -87.3f, -87.4f, -103.0f, -inf, inf, 88.8f, 1e30f})
+    x.push_back(t);
+  for (int i = 0; i < 16; ++i) x.push_back(i % 3 ? 0.5f * i - 4 : std::nanf(""));
+  while (x.size() % 16) x.push_back(-1.0f);
+  const int64_t n = static_cast<int64_t>(x.size());
+  std::vector<float> g(n, 1.5f), phi(n), dphi(n);
+  elu_plus_one(x.data(), phi.data(), n);
+  elu_plus_one_backward(x.data(), g.data(), dphi.data(), n);
+  for (int64_t i = 0; i < n; ++i) {
+    const double v = x[i];
+    if (std::isnan(v)) {
+      ASSERT_TRUE(std::isnan(phi[i])) << "phi(NaN) at " << i;
+      continue;
+    }
+    const double ref = v > 0 ? v + 1 : std::exp(v), dref = 1.5 * (v > 0 ? 1.0 : std::exp(v));
+    ASSERT_EQ(dphi[i], dphi[i]) << "phi'(" << v << ") is NaN";
+    if (std::isinf(ref)) {
+      ASSERT_EQ(phi[i], ref) << "phi(" << v << ")";
+      ASSERT_EQ(dphi[i], dref) << "phi'(" << v << ")";
+      continue;
+    }
+    // exp(x) within a few ulp, 0 or a denormal below the float32 normal range.
+    const double tol = v > 0 ? 6e-8 * ref : std::max(4e-7 * ref, 1.2e-38);
+    ASSERT_NEAR(phi[i], ref, tol) << "phi(" << v << ")";
+    ASSERT_NEAR(dphi[i], dref, 1.5 * tol) << "phi'(" << v << ")";
+  }
 }
 
 TEST(FASTATTN_KH_SUITE, GemmMatchesFloat64Loops) {

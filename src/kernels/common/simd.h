@@ -42,6 +42,7 @@ struct Simd<float> {
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }  // a*b + c
   static V max(V a, V b) { return _mm512_max_ps(a, b); }            // b where either is NaN
+  static V min(V a, V b) { return _mm512_min_ps(a, b); }            // b where either is NaN
   static float hsum(V v) {
     __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
@@ -72,6 +73,7 @@ struct Simd<float> {
     return _mm512_maskz_mov_ps(static_cast<__mmask16>(~_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ)), y);
   }
   static V exp(V x);
+  static V exp_nonpositive(V x);  // x <= 0 or NaN: no upper clamp
 };
 
 template <>
@@ -93,6 +95,7 @@ struct Simd<double> {
   static V mul(V a, V b) { return _mm512_mul_pd(a, b); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_pd(a, b, c); }
   static V max(V a, V b) { return _mm512_max_pd(a, b); }
+  static V min(V a, V b) { return _mm512_min_pd(a, b); }
   static double hsum(V v) {
     __m256d h = _mm256_add_pd(_mm512_castpd512_pd256(v), _mm512_extractf64x4_pd(v, 1));
     __m128d s = _mm_add_pd(_mm256_castpd256_pd128(h), _mm256_extractf128_pd(h, 1));
@@ -109,6 +112,7 @@ struct Simd<double> {
     for (double& e : a) e = std::exp(e);
     return _mm512_load_pd(a);
   }
+  static V exp_nonpositive(V x) { return exp(x); }
 };
 
 #elif FASTATTN_SIMD_AVX2
@@ -132,6 +136,7 @@ struct Simd<float> {
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }  // a*b + c
   static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V min(V a, V b) { return _mm256_min_ps(a, b); }
   static float hsum(V v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -164,6 +169,7 @@ struct Simd<float> {
     return _mm256_andnot_ps(_mm256_cmp_ps(x, lo, _CMP_LT_OQ), y);
   }
   static V exp(V x);
+  static V exp_nonpositive(V x);  // x <= 0 or NaN: no upper clamp
 };
 
 template <>
@@ -184,6 +190,7 @@ struct Simd<double> {
   static V mul(V a, V b) { return _mm256_mul_pd(a, b); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_pd(a, b, c); }
   static V max(V a, V b) { return _mm256_max_pd(a, b); }
+  static V min(V a, V b) { return _mm256_min_pd(a, b); }
   static double hsum(V v) {
     __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
     return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
@@ -200,6 +207,7 @@ struct Simd<double> {
     for (double& e : a) e = std::exp(e);
     return _mm256_load_pd(a);
   }
+  static V exp_nonpositive(V x) { return exp(x); }
 };
 
 #else  // portable scalar fallback
@@ -221,9 +229,11 @@ struct ScalarSimd {
   static V mul(V a, V b) { return a * b; }
   static V fma(V a, V b, V c) { return a * b + c; }
   static V max(V a, V b) { return a > b ? a : b; }
+  static V min(V a, V b) { return a < b ? a : b; }
   static T hsum(V v) { return v; }
   static T hmax(V v) { return v; }
   static V exp(V x) { return std::exp(x); }
+  static V exp_nonpositive(V x) { return std::exp(x); }
 };
 template <>
 struct Simd<float> : ScalarSimd<float> {};
@@ -235,11 +245,13 @@ struct Simd<double> : ScalarSimd<double> {};
 #if FASTATTN_SIMD_AVX2  // AVX2 and AVX-512
 // exp of float vectors: Cody-Waite range reduction and a degree-6 polynomial,
 // from the vector type's pieces (clamp, round, fnma, times_pow2, zero_below).
-template <typename S>
+// NonPositive: for x <= 0 only (the elu feature map's exp(min(x, 0))), no
+// clamp from above.
+template <typename S, bool NonPositive = false>
 inline typename S::V exp_poly(typename S::V x) {
   using V = typename S::V;
   const V lo = S::set1(-87.33654f), hi = S::set1(88.72283f);
-  const V xc = S::clamp(x, lo, hi);
+  const V xc = NonPositive ? S::max(x, lo) : S::clamp(x, lo, hi);
   const V n = S::round(S::mul(xc, S::set1(1.44269504088896341f)));
   V r = S::fnma(n, S::set1(0.693359375f), xc);
   r = S::fnma(n, S::set1(-2.12194440e-4f), r);
@@ -253,6 +265,9 @@ inline typename S::V exp_poly(typename S::V x) {
   return S::zero_below(x, lo, S::times_pow2(p, n));
 }
 inline Simd<float>::V Simd<float>::exp(V x) { return exp_poly<Simd<float>>(x); }
+inline Simd<float>::V Simd<float>::exp_nonpositive(V x) {
+  return exp_poly<Simd<float>, true>(x);
+}
 #endif
 
 // a·b over n values: one vector accumulator and a scalar tail (summation

@@ -14,11 +14,11 @@
 
 FASTATTN_ISA_BEGIN
 
-// exp(min(x, 0)) with NaN propagated through max's second operand.
+// exp(min(x, 0)), NaN kept by min's second operand.
 template <typename T>
 inline typename Simd<T>::V exp_nonpositive(typename Simd<T>::V x) {
   using S = Simd<T>;
-  return S::exp(S::sub(S::zero(), S::max(S::zero(), S::sub(S::zero(), x))));
+  return S::exp_nonpositive(S::min(S::zero(), x));
 }
 
 // out[i] = phi(x[i]) for i < n (out may alias x).
