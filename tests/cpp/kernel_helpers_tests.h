@@ -1,7 +1,7 @@
 // The kernels' shared helpers (src/kernels/common/) against plain loops:
 // transpose (16x16 AVX-512 and 8x8 AVX2 blocks plus scalar edges), simd_dot, the vector exp,
-// the elu feature map's vector code (feature_maps/elu.h), and the register-blocked products, on awkward shapes in float32 and
-// float64, and parallel_items' exception handling. Included by
+// the elu feature map's vector code (feature_maps/elu.h), and the register-blocked products, on
+// awkward shapes in float32 and float64, and parallel_items' exception handling. Included by
 // test_kernel_helpers_<level>.cpp once per instruction-set level, with
 // FASTATTN_ISA_LEVEL set; a level this CPU does not run is skipped.
 //   build/fastattn_tests --gtest_filter='KernelHelpers*'

@@ -265,9 +265,7 @@ inline typename S::V exp_poly(typename S::V x) {
   return S::zero_below(x, lo, S::times_pow2(p, n));
 }
 inline Simd<float>::V Simd<float>::exp(V x) { return exp_poly<Simd<float>>(x); }
-inline Simd<float>::V Simd<float>::exp_nonpositive(V x) {
-  return exp_poly<Simd<float>, true>(x);
-}
+inline Simd<float>::V Simd<float>::exp_nonpositive(V x) { return exp_poly<Simd<float>, true>(x); }
 #endif
 
 // a·b over n values: one vector accumulator and a scalar tail (summation
