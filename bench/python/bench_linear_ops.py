@@ -23,7 +23,7 @@ def measure(library, length, threads, reps):
     ops = torch.ops.fastattn
     N, H, E = 1, 8, 64
 
-    def median_ms(f):
+    def min_median_ms(f):
         f()
         f()
         ts = []
@@ -31,7 +31,8 @@ def measure(library, length, threads, reps):
             t = time.perf_counter()
             f()
             ts.append(time.perf_counter() - t)
-        return sorted(ts)[len(ts) // 2] * 1e3
+        ts.sort()
+        return f"{ts[0] * 1e3:.1f}/{ts[len(ts) // 2] * 1e3:.1f}"
 
     cells = []
     for layout in ("contiguous", "views"):
@@ -42,10 +43,11 @@ def measure(library, length, threads, reps):
         q, k, v, g = make(), make(), make(), make()
         for causal in (False, True):
             out, den = ops.elu_linear_attention_forward(q, k, v, None, causal, 1e-6)
-            fwd = median_ms(lambda: ops.elu_linear_attention_forward(q, k, v, None, causal, 1e-6))
-            bwd = median_ms(lambda: ops.elu_linear_attention_backward(g, q, k, v, out, den, None,
-                                                                      causal, 1e-6))
-            cells.append(f"{layout}/{'causal' if causal else 'full'} fwd {fwd:.1f} bwd {bwd:.1f}")
+            fwd = min_median_ms(
+                lambda: ops.elu_linear_attention_forward(q, k, v, None, causal, 1e-6))
+            bwd = min_median_ms(lambda: ops.elu_linear_attention_backward(
+                g, q, k, v, out, den, None, causal, 1e-6))
+            cells.append(f"{layout}/{'causal' if causal else 'full'} fwd {fwd} bwd {bwd}")
     print(f"{library}: " + " | ".join(cells), flush=True)
 
 
@@ -54,14 +56,14 @@ def main():
     ap.add_argument("--library", nargs="+", required=True, help="libfastattn.so builds to compare")
     ap.add_argument("--length", type=int, default=16384)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=8, help="timed calls per cell (median)")
+    ap.add_argument("--reps", type=int, default=20, help="timed calls per cell (min, median)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         measure(args.child, args.length, args.threads, args.reps)
         return
-    print(f"ms, medians of {args.reps}; L={args.length}, {args.threads} threads")
+    print(f"ms, min/median of {args.reps}; L={args.length}, {args.threads} threads")
     for _ in range(args.rounds):
         for library in args.library:
             subprocess.run([sys.executable, __file__, "--library", library, "--child", library,
