@@ -41,7 +41,7 @@ def main():
     cases.append(lambda: ops.full_attention_backward(go, q, k, v, out, lse, None, None, False, temp))
 
     ql, kl, vl = qkv(16384, torch.bfloat16)
-    lout, den = ops.elu_linear_attention_forward(ql, kl, vl, None, True, 1e-6)
+    lout, den, _ = ops.elu_linear_attention_forward(ql, kl, vl, None, True, 1e-6)
     lgo = torch.randn_like(lout)
     cases.append(lambda: ops.elu_linear_attention_forward(ql, kl, vl, None, True, 1e-6))
     cases.append(lambda: ops.elu_linear_attention_backward(lgo, ql, kl, vl, lout, den, None, True,

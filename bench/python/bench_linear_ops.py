@@ -42,12 +42,17 @@ def measure(library, length, threads, reps):
             return torch.randn(N, length, H, E).transpose(1, 2)
         q, k, v, g = make(), make(), make(), make()
         for causal in (False, True):
-            out, den = ops.elu_linear_attention_forward(q, k, v, None, causal, 1e-6)
+            # Builds after 4bc2396 return (out, den, state) and take the state last.
+            out, den, *state = ops.elu_linear_attention_forward(q, k, v, None, causal, 1e-6)
             fwd = min_median_ms(
                 lambda: ops.elu_linear_attention_forward(q, k, v, None, causal, 1e-6))
             bwd = min_median_ms(lambda: ops.elu_linear_attention_backward(
-                g, q, k, v, out, den, None, causal, 1e-6))
-            cells.append(f"{layout}/{'causal' if causal else 'full'} fwd {fwd} bwd {bwd}")
+                g, q, k, v, out, den, None, causal, 1e-6, *state))
+            cell = f"{layout}/{'causal' if causal else 'full'} fwd {fwd} bwd {bwd}"
+            if state and state[0].numel():  # the same backward recomputing the state
+                cell += " (recomputing: " + min_median_ms(lambda: ops.elu_linear_attention_backward(
+                    g, q, k, v, out, den, None, causal, 1e-6)) + ")"
+            cells.append(cell)
     print(f"{library}: " + " | ".join(cells), flush=True)
 
 

@@ -60,14 +60,15 @@ def kernels(L, H, E, reps):
     print("| pass | causal | contiguous ms | views ms |")
     print("|---|---|---:|---:|")
     for causal in (False, True):
-        out_d, den_d = fw(*dense, None, causal, 1e-6)
-        out_v, den_v = fw(*views, None, causal, 1e-6)
+        out_d, den_d, state_d = fw(*dense, None, causal, 1e-6)
+        out_v, den_v, state_v = fw(*views, None, causal, 1e-6)
         grad = torch.randn_like(out_d)
         calls = {
             ("fwd", "contiguous"): lambda: fw(*dense, None, causal, 1e-6),
             ("fwd", "views"): lambda: fw(*views, None, causal, 1e-6),
-            ("bwd", "contiguous"): lambda: bw(grad, *dense, out_d, den_d, None, causal, 1e-6),
-            ("bwd", "views"): lambda: bw(grad, *views, out_v, den_v, None, causal, 1e-6),
+            ("bwd", "contiguous"): lambda: bw(grad, *dense, out_d, den_d, None, causal, 1e-6,
+                                              state_d),
+            ("bwd", "views"): lambda: bw(grad, *views, out_v, den_v, None, causal, 1e-6, state_v),
         }
         times = {key: [] for key in calls}
         for _ in range(reps):

@@ -129,10 +129,13 @@ def register():
 
     @fake("fastattn::elu_linear_attention_forward")
     def _(q, k, v, key_lengths, causal, eps):
-        return _rows_like(q, v.shape[-1]), _stats(q)
+        # The key state [S | z]: the non-causal CPU kernel's, else 0 elements.
+        with_state = q.device.type == "cpu" and not causal
+        state = q.shape[:2] + (q.shape[-1], v.shape[-1] + 1) if with_state else (0,)
+        return _rows_like(q, v.shape[-1]), _stats(q), _stats(q, state)
 
     @fake("fastattn::elu_linear_attention_backward")
-    def _(grad_out, q, k, v, out, den, key_lengths, causal, eps):
+    def _(grad_out, q, k, v, out, den, key_lengths, causal, eps, state=None):
         return _row_grads(q, k, v)
 
     @fake("fastattn::elu_feature_map")

@@ -43,20 +43,26 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
   ops::check_elu_linear_inputs(kOp, q, k, v, key_lengths, causal, eps);
 }
 
-std::tuple<Tensor, Tensor> elu_linear_attention_forward_cpu(
+std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_forward_cpu(
     const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
     const c10::optional<Tensor>& key_lengths, bool causal, double eps) {
   check_inputs(q_in, k_in, v_in, key_lengths, causal, eps);
   if (q_in.scalar_type() == torch::kHalf) {  // bfloat16 goes to the kernels as it is
-    auto [out, den] = ops::in_float32<1>(q_in.scalar_type(), elu_linear_attention_forward_cpu, q_in,
-                                         k_in, v_in, key_lengths, causal, eps);
-    return {ops::in_rows_layout_of(out, q_in), den};
+    auto [out, den, state] =
+        ops::in_float32<1, 2>(q_in.scalar_type(), elu_linear_attention_forward_cpu, q_in, k_in,
+                              v_in, key_lengths, causal, eps);
+    return {ops::in_rows_layout_of(out, q_in), den, state};
   }
   const auto p = ops::qkv_inputs(q_in, k_in, v_in, key_lengths);
   // out in q's row layout: the layers' transpose back to (N, L, H, M) is a view.
   auto out = ops::empty_rows_like(q_in, p.v.size(3));
-  auto den = torch::empty({p.q.size(0), p.q.size(1), p.q.size(2)},
-                          p.q.options().dtype(ops::stats_dtype(p.q)));
+  const auto stats = p.q.options().dtype(ops::stats_dtype(p.q));
+  auto den = torch::empty({p.q.size(0), p.q.size(1), p.q.size(2)}, stats);
+  // The key state [S | z] for the backward (non-causal only: the causal form's
+  // state changes with every chunk).
+  auto state = causal
+                   ? torch::empty({0}, stats)
+                   : torch::empty({p.q.size(0), p.q.size(1), p.q.size(3), p.v.size(3) + 1}, stats);
   ops::dispatch_cpu_kernel_type(p.q.scalar_type(), [&](auto type) {
     using T = typename decltype(type)::type;
     kernels::EluLinearForwardArgs<T> a;
@@ -64,21 +70,24 @@ std::tuple<Tensor, Tensor> elu_linear_attention_forward_cpu(
     a.out = ops::kernel_data<T>(out);
     a.out_rows = ops::row_strides(out);
     a.den = den.data_ptr<kernels::KernelScalar<T>>();
+    if (!causal) a.state = state.data_ptr<kernels::KernelScalar<T>>();
     kernels::elu_linear_attention_forward_cpu(a);
   });
-  return {out, den};
+  return {out, den, state};
 }
 
 std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_backward_cpu(
     const Tensor& grad_out, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
     const Tensor& out_in, const Tensor& den_in, const c10::optional<Tensor>& key_lengths,
-    bool causal, double eps) {
+    bool causal, double eps, const c10::optional<Tensor>& state_in) {
   check_inputs(q_in, k_in, v_in, key_lengths, causal, eps);
   ops::check_elu_linear_grad(kOp, grad_out, out_in, den_in, q_in, v_in);
+  // The causal kernel has no use for a state: one given is checked, not read.
+  const bool with_state = ops::check_elu_linear_state(kOp, state_in, q_in, v_in) && !causal;
   if (q_in.scalar_type() == torch::kHalf) {
     return ops::in_rows_layouts_of(
         ops::in_float32(q_in.scalar_type(), elu_linear_attention_backward_cpu, grad_out, q_in, k_in,
-                        v_in, out_in, den_in, key_lengths, causal, eps),
+                        v_in, out_in, den_in, key_lengths, causal, eps, state_in),
         q_in, k_in, v_in);
   }
   const auto p = ops::qkv_inputs(q_in, k_in, v_in, key_lengths);
@@ -86,6 +95,7 @@ std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_backward_cpu(
   const auto go = ops::rows_contiguous(grad_out.to(dtype));
   const auto out = ops::rows_contiguous(out_in.to(dtype));
   const auto den = den_in.to(ops::stats_dtype(p.q)).contiguous();
+  const auto state = with_state ? state_in->to(den.scalar_type()).contiguous() : Tensor();
   // Gradients in the row layouts of their inputs.
   auto gq = ops::empty_rows_like(q_in, q_in.size(3));
   auto gk = ops::empty_rows_like(k_in, k_in.size(3));
@@ -97,6 +107,7 @@ std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_backward_cpu(
     a.grad_out = ops::kernel_data<T>(go);
     a.out = ops::kernel_data<T>(out);
     a.den = den.data_ptr<kernels::KernelScalar<T>>();
+    if (with_state) a.state = state.data_ptr<kernels::KernelScalar<T>>();
     a.grad_q = ops::kernel_data<T>(gq);
     a.grad_k = ops::kernel_data<T>(gk);
     a.grad_v = ops::kernel_data<T>(gv);
@@ -110,9 +121,9 @@ std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_backward_cpu(
   return {gq, gk, gv};
 }
 
-std::tuple<Tensor, Tensor> call_forward(const Tensor& q, const Tensor& k, const Tensor& v,
-                                        const c10::optional<Tensor>& key_lengths, bool causal,
-                                        double eps) {
+std::tuple<Tensor, Tensor, Tensor> call_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                const c10::optional<Tensor>& key_lengths,
+                                                bool causal, double eps) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fastattn::elu_linear_attention_forward", "")
                        .typed<decltype(elu_linear_attention_forward_cpu)>();
@@ -124,8 +135,8 @@ class EluLinearAttentionFunction : public torch::autograd::Function<EluLinearAtt
   static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                         const c10::optional<Tensor>& key_lengths, bool causal, double eps) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [out, den] = call_forward(q, k, v, key_lengths, causal, eps);
-    ctx->save_for_backward({q, k, v, out, den});
+    auto [out, den, state] = call_forward(q, k, v, key_lengths, causal, eps);
+    ctx->save_for_backward({q, k, v, out, den, state});
     if (key_lengths) ctx->saved_data["key_lengths"] = *key_lengths;
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["eps"] = eps;
@@ -142,7 +153,7 @@ class EluLinearAttentionFunction : public torch::autograd::Function<EluLinearAtt
       key_lengths = ctx->saved_data["key_lengths"].toTensor();
     auto [gq, gk, gv] =
         op.call(grads[0], s[0], s[1], s[2], s[3], s[4], key_lengths,
-                ctx->saved_data["causal"].toBool(), ctx->saved_data["eps"].toDouble());
+                ctx->saved_data["causal"].toBool(), ctx->saved_data["eps"].toDouble(), s[5]);
     return {gq, gk, gv, Tensor(), Tensor(), Tensor()};
   }
 };

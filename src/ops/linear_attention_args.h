@@ -65,6 +65,23 @@ inline void check_elu_linear_grad(const char* op, const torch::Tensor& grad_out,
               ", got ", den.sizes());
 }
 
+// The backward's optional key state from the forward: None or 0 elements
+// (recompute it), else (N, H, E, M + 1) floating on q's device. True when
+// there is one to use.
+inline bool check_elu_linear_state(const char* op, const c10::optional<torch::Tensor>& state,
+                                   const torch::Tensor& q, const torch::Tensor& v) {
+  if (!state || !state->defined() || state->numel() == 0) return false;
+  const std::vector<int64_t> shape{q.size(0), q.size(1), q.size(3), v.size(3) + 1};
+  TORCH_CHECK(state->sizes() == c10::IntArrayRef(shape), op,
+              ": state must be the forward's key state of shape (N, H, E, M + 1) = ",
+              c10::IntArrayRef(shape), " or have 0 elements, got ", state->sizes());
+  TORCH_CHECK(state->is_floating_point(), op, ": state must be a floating tensor, got ",
+              state->scalar_type());
+  TORCH_CHECK(state->device() == q.device(), op, ": state must be on q's device ", q.device(),
+              ", got ", state->device());
+  return true;
+}
+
 // x of elu_feature_map (named `name`): defined, a kernel dtype of its device.
 inline void check_elu_feature_map_input(const char* op, const char* name, const torch::Tensor& x) {
   TORCH_CHECK(x.defined(), op, ": ", name, " must be a defined tensor");

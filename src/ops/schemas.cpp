@@ -46,14 +46,19 @@ TORCH_LIBRARY(fastattn, m) {
   m.def(
       "elu_linear_attention(Tensor q, Tensor k, Tensor v, Tensor? key_lengths=None, "
       "bool causal=False, float eps=1e-6) -> Tensor");
-  // Forward kernel: output and the normaliser den (N,H,L) (eps included).
+  // Forward kernel: output, the normaliser den (N,H,L) (eps included) and the
+  // key state [S | z] (N,H,E,M+1) of the non-causal CPU form (S = sum
+  // phi(k_j) v_j^T, z = sum phi(k_j); den's dtype), which spares the backward
+  // its recomputation; a 0-element tensor where there is none (causal, CUDA).
   m.def(
       "elu_linear_attention_forward(Tensor q, Tensor k, Tensor v, Tensor? key_lengths, "
-      "bool causal, float eps) -> (Tensor, Tensor)");
-  // Backward kernel: (grad_q, grad_k, grad_v) from the saved output and den.
+      "bool causal, float eps) -> (Tensor, Tensor, Tensor)");
+  // Backward kernel: (grad_q, grad_k, grad_v) from the saved output and den,
+  // and the forward's state when given (None or 0 elements: recomputed).
   m.def(
       "elu_linear_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
-      "Tensor den, Tensor? key_lengths, bool causal, float eps) -> (Tensor, Tensor, Tensor)");
+      "Tensor den, Tensor? key_lengths, bool causal, float eps, Tensor? state=None) "
+      "-> (Tensor, Tensor, Tensor)");
 
   // elu(x) + 1 elementwise (linear attention's default feature map), any shape.
   m.def("elu_feature_map(Tensor x) -> Tensor");

@@ -11,6 +11,7 @@
 //   build/fastattn_tests --gtest_filter='*CausalLinear*:*LinearAttention*:*FeatureMap*:*EluLinear*'
 #include <gtest/gtest.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/torch.h>
 
 #include <cmath>
@@ -269,6 +270,83 @@ TEST(EluLinearAttentionOp, SameResultWithOneOrTwoThreads) {
     at::set_num_threads(saved);
     EXPECT_TRUE(torch::equal(a, b));
   }
+}
+
+// The forward and backward ops, through the dispatcher.
+std::tuple<Tensor, Tensor, Tensor> elu_forward_op(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                  const c10::optional<Tensor>& lengths,
+                                                  bool causal) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("fastattn::elu_linear_attention_forward", "")
+          .typed<std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                                    const c10::optional<Tensor>&, bool, double)>();
+  return op.call(q, k, v, lengths, causal, 1e-6);
+}
+std::tuple<Tensor, Tensor, Tensor> elu_backward_op(const Tensor& g, const Tensor& q,
+                                                   const Tensor& k, const Tensor& v,
+                                                   const Tensor& out, const Tensor& den,
+                                                   const c10::optional<Tensor>& lengths,
+                                                   bool causal,
+                                                   const c10::optional<Tensor>& state) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastattn::elu_linear_attention_backward", "")
+                       .typed<std::tuple<Tensor, Tensor, Tensor>(
+                           const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                           const Tensor&, const Tensor&, const c10::optional<Tensor>&, bool, double,
+                           const c10::optional<Tensor>&)>();
+  return op.call(g, q, k, v, out, den, lengths, causal, 1e-6, state);
+}
+
+TEST(EluLinearAttentionOp, ForwardKeepsTheKeyStateTheBackwardReads) {
+  // Non-causal: the forward's state is [S | z] = [phi(K)^T V | phi(K)^T 1]
+  // over each sample's valid keys (float64 reference), and the backward
+  // reading it gives what it gives recomputing it (None). The layers' views,
+  // E != M, key lengths inside and on a chunk, 0; float32 and float64.
+  const auto lengths = torch::tensor({int64_t(130), int64_t(64), int64_t(40), int64_t(0)});
+  for (auto dtype : {torch::kDouble, torch::kFloat}) {
+    SCOPED_TRACE(dtype == torch::kDouble ? "float64" : "float32");
+    auto make = [&](int64_t S, int64_t D) {
+      return in_heads_in_rows_layout(torch::randn({4, 3, S, D}, torch::kDouble)).to(dtype);
+    };
+    auto q = make(90, 9), k = make(130, 9), v = make(130, 11), g = make(90, 11);
+    auto [out, den, state] = elu_forward_op(q, k, v, lengths, false);
+    ASSERT_EQ(state.sizes(), (std::vector<int64_t>{4, 3, 9, 12}));
+    ASSERT_EQ(state.scalar_type(), dtype);
+    auto keep = (torch::arange(130).unsqueeze(0) < lengths.unsqueeze(1)).to(torch::kDouble);
+    auto kf = reference::elu_feature_map(k.to(torch::kDouble)) * keep.view({4, 1, 130, 1});
+    auto want = torch::cat(
+        {torch::matmul(kf.transpose(-1, -2), v.to(torch::kDouble)), kf.sum(2).unsqueeze(-1)}, -1);
+    EXPECT_LE(testing::max_abs_diff(state.to(torch::kDouble), want) /
+                  (1 + want.abs().max().item<double>()),
+              dtype == torch::kDouble ? 1e-14 : 1e-6);
+    auto read = elu_backward_op(g, q, k, v, out, den, lengths, false, state);
+    auto recomputed = elu_backward_op(g, q, k, v, out, den, lengths, false, c10::nullopt);
+    EXPECT_TRUE(torch::equal(std::get<0>(read), std::get<0>(recomputed)));
+    EXPECT_TRUE(torch::equal(std::get<1>(read), std::get<1>(recomputed)));
+    EXPECT_TRUE(torch::equal(std::get<2>(read), std::get<2>(recomputed)));
+    // A state it did not come from is read, not ignored: grad q follows S.
+    auto other = elu_backward_op(g, q, k, v, out, den, lengths, false, state * 2);
+    EXPECT_FALSE(torch::equal(std::get<0>(other), std::get<0>(recomputed)));
+    // Causal: no state (0 elements), and a given one is checked, not read.
+    auto [out_c, den_c, state_c] = elu_forward_op(q, q, g, c10::nullopt, true);
+    EXPECT_EQ(state_c.numel(), 0);
+  }
+}
+
+TEST(EluLinearAttentionOp, BadStateNamesTheArgument) {
+  auto q = torch::randn({2, 2, 5, 4}), v = torch::randn({2, 2, 5, 3});
+  auto [out, den, state] = elu_forward_op(q, q, v, c10::nullopt, false);
+  EXPECT_ERROR_CONTAINS(
+      elu_backward_op(v, q, q, v, out, den, c10::nullopt, false, torch::zeros({2, 2, 4, 3})),
+      "state must be the forward's key state of shape (N, H, E, M + 1) = [2, 2, "
+      "4, 4] or have 0 elements, got [2, 2, 4, 3]");
+  EXPECT_ERROR_CONTAINS(elu_backward_op(v, q, q, v, out, den, c10::nullopt, false,
+                                        torch::zeros({2, 2, 4, 4}, torch::kLong)),
+                        "state must be a floating tensor, got Long");
+  EXPECT_ERROR_CONTAINS(
+      elu_backward_op(v, q, q, v, out, den, c10::nullopt, true, torch::zeros({1})),
+      "state must be the forward's key state");
 }
 
 TEST(EluLinearAttentionOp, BadInputsNameTheArgument) {

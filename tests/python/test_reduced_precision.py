@@ -138,7 +138,8 @@ def test_hashing_matches_float64(dtype):
 
 # Operators whose CPU kernels read and write bfloat16 themselves (float32
 # arithmetic on widened tiles): forward and backward ops, their arguments after
-# q, k, v (forward) and after grad_out, q, k, v, out, stats (backward).
+# q, k, v (forward) and after grad_out, q, k, v, out, stats (backward; the
+# forward's further saved tensors last).
 NATIVE_BF16 = {
     "elu_linear_attention": (ops.elu_linear_attention_forward, ops.elu_linear_attention_backward,
                              lambda causal: (LENGTHS, causal, 1e-6)),
@@ -167,15 +168,17 @@ def test_bfloat16_kernels_are_the_float32_kernels_rounded(name, causal, layers):
     try:
         for level in fastattn.supported_cpu_capabilities():
             fastattn.set_cpu_capability(level)
-            out, stats = forward(q, k, v, *rest(causal))
-            want_out, want_stats = forward(q.float(), k.float(), v.float(), *rest(causal))
-            assert out.dtype == torch.bfloat16 and stats.dtype == torch.float32
+            out, *stats = forward(q, k, v, *rest(causal))
+            want_out, *want_stats = forward(q.float(), k.float(), v.float(), *rest(causal))
+            assert out.dtype == torch.bfloat16
+            assert all(s.dtype == torch.float32 for s in stats), level
             assert out.stride() == want_out.stride(), level
             assert torch.equal(out, want_out.to(torch.bfloat16)), f"{name} out at {level}"
-            assert torch.equal(stats, want_stats), f"{name} statistics at {level}"
-            got = backward(grad, q, k, v, out, stats, *rest(causal))
-            want = backward(grad.float(), q.float(), k.float(), v.float(), out.float(), stats,
-                            *rest(causal))
+            for a, b in zip(stats, want_stats):
+                assert torch.equal(a, b), f"{name} statistics at {level}"
+            got = backward(grad, q, k, v, out, stats[0], *rest(causal), *stats[1:])
+            want = backward(grad.float(), q.float(), k.float(), v.float(), out.float(), stats[0],
+                            *rest(causal), *stats[1:])
             for label, a, b in zip(("grad q", "grad k", "grad v"), got, want):
                 assert a.dtype == torch.bfloat16 and a.stride() == b.stride(), f"{label} {level}"
                 assert torch.equal(a, b.to(torch.bfloat16)), f"{name} {label} at {level}"
@@ -187,8 +190,8 @@ def test_saved_statistics_are_float32():
     q, k, v, _ = inputs(torch.bfloat16)
     out, lse = ops.full_attention_forward(q, k, v, None, None, False, 0.2)
     assert (out.dtype, lse.dtype) == (torch.bfloat16, torch.float32)
-    out, den = ops.elu_linear_attention_forward(q, k, v, None, False, 1e-6)
-    assert (out.dtype, den.dtype) == (torch.bfloat16, torch.float32)
+    out, den, state = ops.elu_linear_attention_forward(q, k, v, None, False, 1e-6)
+    assert (out.dtype, den.dtype, state.dtype) == (torch.bfloat16, torch.float32, torch.float32)
 
 
 def test_mixed_dtypes_are_refused():

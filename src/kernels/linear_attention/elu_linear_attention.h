@@ -13,7 +13,8 @@
 // (E×M) and z = sum phi(k_j) (E) of the earlier chunks:
 //   A = phi(Q_c) phi(K_c)^T masked (j <= i);  num = phi(Q_c) S + A V_c;
 //   den = phi(Q_c) z + rowsum(A) + eps;       S += phi(K_c)^T V_c, z += ...
-// Non-causal: S, z over all valid keys first, then num = phi(Q) S per chunk.
+// Non-causal: S, z over all valid keys first, then num = phi(Q) S per chunk; the forward may
+// keep S and z for the backward (`state`), whose first pass is otherwise their recomputation.
 //
 // Backward (from out and den): with gn_i = g_i / den_i and gd_i = -(g_i·out_i)
 // / den_i the product is that of causal_linear_product on [V, 1] with output
@@ -54,7 +55,10 @@ template <typename T>
 struct EluLinearForwardArgs : EluLinearParams<T> {
   T* out = nullptr;                // (N, H, L, M), written, rows at out_rows
   KernelScalar<T>* den = nullptr;  // (N, H, L) contiguous, written: the normaliser including eps
-  RowStrides out_rows;             // CPU
+  // CPU, non-causal, optional: (N, H, E, M + 1) contiguous, written: the key state [S | z] of
+  // every head, which the backward then reads instead of recomputing it.
+  KernelScalar<T>* state = nullptr;
+  RowStrides out_rows;  // CPU
 };
 
 template <typename T>
@@ -62,9 +66,12 @@ struct EluLinearBackwardArgs : EluLinearParams<T> {
   const T* grad_out = nullptr;           // (N, H, L, M)
   const T* out = nullptr;                // (N, H, L, M), from the forward
   const KernelScalar<T>* den = nullptr;  // (N, H, L) contiguous, from the forward
-  T* grad_q = nullptr;                   // (N, H, L, E), written
-  T* grad_k = nullptr;                   // (N, H, S, E), written
-  T* grad_v = nullptr;                   // (N, H, S, M), written
+  // CPU, non-causal: the forward's key state (EluLinearForwardArgs::state), or null to recompute
+  // it from k and v.
+  const KernelScalar<T>* state = nullptr;
+  T* grad_q = nullptr;  // (N, H, L, E), written
+  T* grad_k = nullptr;  // (N, H, S, E), written
+  T* grad_v = nullptr;  // (N, H, S, M), written
   // CPU: row layouts of the tensors above but den (default: contiguous).
   RowStrides grad_out_rows, out_rows, grad_q_rows, grad_k_rows, grad_v_rows;
 };

@@ -295,11 +295,37 @@ void forward_causal(const EluLinearForwardArgs<T>& p, int64_t nh0, int64_t G, Sc
   }
 }
 
+// [S | z] of heads nh0 .. nh0 + G - 1 to and from `state` ((N·H) × E × (M + 1), row e of a head
+// S's row e and z_e).
+template <typename F>
+void save_key_states(const Scratch<F>& w, int64_t nh0, int64_t G, int64_t E, int64_t M, F* state) {
+  for (int64_t g = 0; g < G; ++g) {
+    F* x = state + (nh0 + g) * E * (M + 1);
+    const auto& hs = w.heads[g];
+    for (int64_t e = 0; e < E; ++e) {
+      std::copy_n(hs.s.data() + e * M, M, x + e * (M + 1));
+      x[e * (M + 1) + M] = hs.z[e];
+    }
+  }
+}
+template <typename F>
+void load_key_states(const F* state, int64_t nh0, int64_t G, int64_t E, int64_t M, Scratch<F>& w) {
+  for (int64_t g = 0; g < G; ++g) {
+    const F* x = state + (nh0 + g) * E * (M + 1);
+    auto& hs = w.heads[g];
+    for (int64_t e = 0; e < E; ++e) {
+      std::copy_n(x + e * (M + 1), M, hs.s.data() + e * M);
+      hs.z[e] = x[e * (M + 1) + M];
+    }
+  }
+}
+
 template <typename T, typename F>
 void forward_full(const EluLinearForwardArgs<T>& p, int64_t nh0, int64_t G, Scratch<F>& w) {
   const int64_t L = p.L, E = p.E, M = p.M, C = p.chunk;
   const int64_t lq = p.q_rows.sr, lo = p.out_rows.sr;
   key_states(p, nh0, G, valid_keys(p, nh0), w);
+  if (p.state) save_key_states(w, nh0, G, E, M, p.state);
   for (int64_t i0 = 0; i0 < L; i0 += C) {
     const int64_t rows = std::min(C, L - i0);
     for (int64_t g = 0; g < G; ++g) {
@@ -490,8 +516,12 @@ void backward_full(const EluLinearBackwardArgs<T>& p, int64_t nh0, int64_t G, Sc
   const int64_t L = p.L, S = p.S, E = p.E, M = p.M, C = p.chunk;
   const int64_t len = valid_keys(p, nh0);
 
-  // The forward's key states; S^T for dQ = gn S^T + gd z^T.
-  key_states(p, nh0, G, len, w);
+  // The forward's key states (kept by it, else recomputed); S^T for dQ = gn S^T + gd z^T.
+  if (p.state) {
+    load_key_states(p.state, nh0, G, E, M, w);
+  } else {
+    key_states(p, nh0, G, len, w);
+  }
   for (int64_t g = 0; g < G; ++g) {
     auto& hs = w.heads[g];
     transpose(hs.s.data(), E, M, M, hs.st.data(), E);

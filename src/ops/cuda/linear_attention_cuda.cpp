@@ -44,7 +44,7 @@ void fill_params(Args& a, const Prepared& p, bool causal, double eps) {
   a.workspace = p.workspace.data_ptr<float>();
 }
 
-std::tuple<Tensor, Tensor> elu_linear_attention_forward_cuda(
+std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_forward_cuda(
     const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
     const c10::optional<Tensor>& key_lengths, bool causal, double eps) {
   ops::check_elu_linear_inputs(kOp, q_in, k_in, v_in, key_lengths, causal, eps);
@@ -59,16 +59,17 @@ std::tuple<Tensor, Tensor> elu_linear_attention_forward_cuda(
   a.den = den.data_ptr<float>();
   cuda::elu_linear_attention_forward_cuda(a, ops::cuda::current_stream());
   // The CPU op's layout (its kernels write q's row layout), which the fake
-  // implementation promises.
-  return {ops::in_rows_layout_of(out, q_in), den};
+  // implementation promises; no key state (the CUDA backward recomputes it).
+  return {ops::in_rows_layout_of(out, q_in), den, torch::empty({0}, den.options())};
 }
 
 std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_backward_cuda(
     const Tensor& grad_out, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
     const Tensor& out_in, const Tensor& den_in, const c10::optional<Tensor>& key_lengths,
-    bool causal, double eps) {
+    bool causal, double eps, const c10::optional<Tensor>& state) {
   ops::check_elu_linear_inputs(kOp, q_in, k_in, v_in, key_lengths, causal, eps);
   ops::check_elu_linear_grad(kOp, grad_out, out_in, den_in, q_in, v_in);
+  ops::check_elu_linear_state(kOp, state, q_in, v_in);  // checked, not read: recomputed here
   ops::cuda::check_same_device(kOp, "grad_out", grad_out, q_in.device());
   ops::cuda::check_same_device(kOp, "out", out_in, q_in.device());
   ops::cuda::check_same_device(kOp, "den", den_in, q_in.device());
