@@ -10,6 +10,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "fastattn/mask.h"
 
@@ -37,9 +38,10 @@ class AttentionBase : public torch::nn::Module {
   virtual torch::Tensor take_auxiliary_loss() { return {}; }
   // A tensor of the last forward call whose values are all finite only if
   // its output's are (clustered attention: the centroids' values, which the
-  // output rows copy), so that the registry operator's overflow check reads
-  // it instead of the whole output; an undefined tensor (the default): the
-  // output is checked. Taking it clears it.
+  // output rows copy; the linear types' fused kernel: its sums of |out| per
+  // head), so that the registry operator's overflow check reads it instead
+  // of the whole output; an undefined tensor (the default): the output is
+  // checked. Taking it clears it.
   virtual torch::Tensor take_finite_witness() { return {}; }
 };
 using AttentionPtr = std::shared_ptr<AttentionBase>;
@@ -80,10 +82,13 @@ class LinearAttention : public AttentionBase {
                         const torch::Tensor& values, const Mask& mask) override;
   std::string type_name() const override { return "linear"; }
   const std::shared_ptr<FeatureMap>& feature_map() const { return feature_map_; }
+  // The fused elu kernel's sums of |out| per head (N, H) (CPU, float32 / float64).
+  torch::Tensor take_finite_witness() override { return std::exchange(finite_witness_, {}); }
 
  private:
   std::shared_ptr<FeatureMap> feature_map_;
   double eps_;
+  torch::Tensor finite_witness_;
 };
 
 // causal-linear: out_i = phi(q_i)^T (sum_{j<=i} phi(k_j) v_j^T)
@@ -97,10 +102,13 @@ class CausalLinearAttention : public AttentionBase {
                         const torch::Tensor& values, const Mask& mask) override;
   std::string type_name() const override { return "causal-linear"; }
   const std::shared_ptr<FeatureMap>& feature_map() const { return feature_map_; }
+  // The fused elu kernel's sums of |out| per head (N, H) (CPU, float32 / float64).
+  torch::Tensor take_finite_witness() override { return std::exchange(finite_witness_, {}); }
 
  private:
   std::shared_ptr<FeatureMap> feature_map_;
   double eps_;
+  torch::Tensor finite_witness_;
 };
 
 // conditional-full:<type>: full attention while max(L, S) <= length_limit, the inner

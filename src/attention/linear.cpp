@@ -24,6 +24,7 @@
 #include "fastattn/ops.h"
 #include "fastattn/recurrent.h"
 #include "fastattn/registry.h"
+#include "ops/elu_linear_output_sums.h"
 
 namespace fastattn {
 
@@ -71,6 +72,17 @@ bool fused_elu(const FeatureMap& fm, const Tensor& q) {
   return fm.name() == "elu" && q.device().is_cpu() &&
          (q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kDouble ||
           q.scalar_type() == torch::kBFloat16);
+}
+
+// The fused operator, with its per-head sums of |out| in *witness (ops::EluLinearOutputSums;
+// undefined where the operator has none).
+Tensor fused_elu_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Mask& mask,
+                           bool causal, double eps, Tensor* witness) {
+  ops::EluLinearOutputSums sums;
+  auto out =
+      elu_linear_attention(q, k, v, mask.key_lengths(), causal, eps_in(eps, q.scalar_type()));
+  *witness = sums.take();
+  return out;
 }
 
 // phi(Q) (N, H, L, F) and phi(K) (N, H, S, F) with padded keys zeroed.
@@ -162,10 +174,10 @@ Tensor LinearAttention::forward(const Tensor& queries,  // (N, H, L, E)
               mask.attn_mask()->sizes());
   TORCH_CHECK(!mask.is_causal(),
               "linear: a causal mask is not supported; use the attention type 'causal-linear'");
-  if (fused_elu(*feature_map_, queries)) {
-    return elu_linear_attention(queries, keys, values, mask.key_lengths(), /*causal=*/false,
-                                eps_in(eps_, queries.scalar_type()));
-  }
+  finite_witness_ = Tensor();
+  if (fused_elu(*feature_map_, queries))
+    return fused_elu_attention(queries, keys, values, mask, /*causal=*/false, eps_,
+                               &finite_witness_);
   auto [qf, kf] = feature_mapped("linear", *feature_map_, is_training(), queries, keys, mask);
   // [phi(K)^T V | sum_j phi(K_j)] is small (F × (M + 1) per head): one product
   // with phi(Q) then gives numerator and normaliser together.
@@ -199,10 +211,10 @@ Tensor CausalLinearAttention::forward(const Tensor& queries,  // (N, H, L, E)
               "causal-linear: attn_mask is not supported (only the causal mask and key_lengths), "
               "got an attn_mask of shape ",
               mask.attn_mask()->sizes());
-  if (fused_elu(*feature_map_, queries)) {
-    return elu_linear_attention(queries, keys, values, mask.key_lengths(), /*causal=*/true,
-                                eps_in(eps_, queries.scalar_type()));
-  }
+  finite_witness_ = Tensor();
+  if (fused_elu(*feature_map_, queries))
+    return fused_elu_attention(queries, keys, values, mask, /*causal=*/true, eps_,
+                               &finite_witness_);
   auto [qf, kf] =
       feature_mapped("causal-linear", *feature_map_, is_training(), queries, keys, mask);
   // One product for numerator and normaliser: v gets a column of ones, so

@@ -12,6 +12,7 @@
 
 #include "fastattn/ops.h"
 #include "kernels/common/cpu_isa.h"
+#include "ops/elu_linear_output_sums.h"
 #include "ops/linear_attention_args.h"
 #include "ops/mask_util.h"
 #include "ops/op_util.h"
@@ -47,10 +48,12 @@ std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_forward_cpu(
     const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
     const c10::optional<Tensor>& key_lengths, bool causal, double eps) {
   check_inputs(q_in, k_in, v_in, key_lengths, causal, eps);
+  auto* sums_scope = ops::EluLinearOutputSums::active();
   if (q_in.scalar_type() == torch::kHalf) {  // bfloat16 goes to the kernels as it is
     auto [out, den, state] =
         ops::in_float32<1, 2>(q_in.scalar_type(), elu_linear_attention_forward_cpu, q_in, k_in,
                               v_in, key_lengths, causal, eps);
+    if (sums_scope) sums_scope->set({});  // the float32 sums miss float16's rounding
     return {ops::in_rows_layout_of(out, q_in), den, state};
   }
   const auto p = ops::qkv_inputs(q_in, k_in, v_in, key_lengths);
@@ -71,7 +74,15 @@ std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_forward_cpu(
     a.out_rows = ops::row_strides(out);
     a.den = den.data_ptr<kernels::KernelScalar<T>>();
     if (!causal) a.state = state.data_ptr<kernels::KernelScalar<T>>();
+    Tensor sums;
+    if (sums_scope) {
+      if constexpr (std::is_same_v<T, kernels::KernelScalar<T>>) {
+        sums = torch::zeros({p.q.size(0), p.q.size(1)}, stats);
+        a.out_sums = sums.data_ptr<T>();
+      }
+    }
     kernels::elu_linear_attention_forward_cpu(a);
+    if (sums_scope) sums_scope->set(sums);
   });
   return {out, den, state};
 }
@@ -167,6 +178,16 @@ Tensor elu_linear_attention_autograd(const Tensor& q, const Tensor& k, const Ten
 }  // namespace
 
 namespace ops {
+
+namespace {
+thread_local EluLinearOutputSums* active_output_sums = nullptr;
+}  // namespace
+
+EluLinearOutputSums::EluLinearOutputSums() : outer_(active_output_sums) {
+  active_output_sums = this;
+}
+EluLinearOutputSums::~EluLinearOutputSums() { active_output_sums = outer_; }
+EluLinearOutputSums* EluLinearOutputSums::active() { return active_output_sums; }
 
 // Registered under CPU and CUDA: the forward op through the dispatcher.
 Tensor elu_linear_attention_no_grad_entry(const Tensor& q, const Tensor& k, const Tensor& v,

@@ -746,6 +746,83 @@ TEST(LinearAttention, BuildsThroughTheRegistryWithItsParams) {
   EXPECT_TRUE(AttentionRegistry::global().contains("conditional-full:causal-linear"));
 }
 
+// The fused elu kernel's overflow witness: per head, the sum of |out| over
+// the values it stored (float64 reference), for the registry operator's check
+// to read instead of the output; NaN or inf in any stored value shows in its
+// head's sum. Both types, the layers' views, E != M (a vector tail), key
+// lengths; bfloat16 and other feature maps leave none; taken once.
+TEST(LinearAttention, FiniteWitnessSumsEveryStoredValue) {
+  torch::manual_seed(8);
+  for (const char* type : {"linear", "causal-linear"}) {
+    const bool causal = std::string(type) == "causal-linear";
+    for (auto dtype : {torch::kDouble, torch::kFloat}) {
+      SCOPED_TRACE(std::string(type) + (dtype == torch::kDouble ? " float64" : " float32"));
+      auto make = [&](int64_t D) {
+        return in_heads_in_rows_layout(torch::randn({2, 3, 90, D}, torch::kDouble)).to(dtype);
+      };
+      auto q = make(9), k = make(9), v = make(21);
+      auto mask = Mask().with_causal(causal).with_key_lengths(torch::tensor({90, 37}));
+      auto attn = make_attention(type);
+      auto out = attn->forward(q, k, v, mask);
+      auto w = attn->take_finite_witness();
+      ASSERT_TRUE(w.defined());
+      ASSERT_EQ(w.sizes(), (std::vector<int64_t>{2, 3}));
+      ASSERT_EQ(w.scalar_type(), dtype);
+      auto want = out.to(torch::kDouble).abs().sum({2, 3});
+      EXPECT_LE(testing::max_abs_diff(w.to(torch::kDouble), want) / want.max().item<double>(),
+                dtype == torch::kDouble ? 1e-13 : 1e-5);
+      EXPECT_FALSE(attn->take_finite_witness().defined());
+      // A NaN query row and an infinite value reach their heads' sums only.
+      auto qn = q.clone(), vn = v.clone();
+      qn.select(0, 0).select(0, 1).select(0, 5).fill_(NAN);
+      vn.select(0, 1).select(0, 2).select(0, 3).select(0, 4).fill_(INFINITY);
+      attn->forward(qn, k, vn, mask);
+      auto finite = torch::isfinite(attn->take_finite_witness());
+      auto expected = torch::ones({2, 3}, torch::kBool);
+      expected[0][1] = false;
+      expected[1][2] = false;
+      EXPECT_TRUE(torch::equal(finite, expected)) << finite;
+    }
+    auto attn = make_attention(type);
+    auto q = torch::randn({1, 2, 8, 4});
+    attn->forward(q.to(torch::kBFloat16), q.to(torch::kBFloat16), q.to(torch::kBFloat16),
+                  Mask().with_causal(causal));
+    EXPECT_FALSE(attn->take_finite_witness().defined());  // rounding to bfloat16 not seen
+    auto relu =
+        make_attention(type, {{"feature_map", std::string("relu")}}, AttentionDims{2, 4, 4});
+    relu->forward(q, q, q, Mask().with_causal(causal));
+    EXPECT_FALSE(relu->take_finite_witness().defined());
+  }
+}
+
+// The registry operator still refuses an overflow the witness shows (q·k
+// past float32's range: NaN output from finite inputs), and still accepts
+// a finite output whose witness sum overflows (640 values of 1e36 a head:
+// the check then reads the output).
+TEST(LinearAttention, RegistryOperatorOverflowCheckReadsTheWitness) {
+  auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("fastattn::attention", "")
+          .typed<Tensor(std::string, const Tensor&, const Tensor&, const Tensor&, bool,
+                        const c10::optional<Tensor>&, const c10::optional<Tensor>&, std::string)>();
+  for (const char* type : {"linear", "causal-linear"}) {
+    SCOPED_TRACE(type);
+    const bool causal = std::string(type) == "causal-linear";
+    auto q = torch::rand({1, 2, 40, 8}) * 1e20;
+    EXPECT_ERROR_CONTAINS(op.call(type, q, q, q, causal, c10::nullopt, c10::nullopt, "{}"),
+                          "overflowed");
+    // E = 1, phi <= 2 on [0, 1): numerators below 2 · 40 · 2 · 1e36, while
+    // a head's 640 output values of 1e36 sum past float32's range.
+    auto small = torch::rand({1, 2, 40, 1});
+    auto v = torch::full({1, 2, 40, 16}, 1e36f);
+    auto attn = make_attention(type);
+    attn->forward(small, small, v, Mask().with_causal(causal));
+    EXPECT_FALSE(std::isfinite(attn->take_finite_witness().sum().item<double>()));
+    auto out = op.call(type, small, small, v, causal, c10::nullopt, c10::nullopt, "{}");
+    EXPECT_TRUE(torch::isfinite(out).all().item<bool>());
+  }
+}
+
 TEST(LinearAttention, BadParametersNameThem) {
   EXPECT_ERROR_CONTAINS(make_attention("linear", {{"feature_map", std::string("nope")}}),
                         "feature_map", "favor");

@@ -10,6 +10,7 @@
 // -inf included, give exactly 0.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
@@ -278,6 +279,30 @@ inline T simd_dot(const T* a, const T* b, int64_t n) {
   for (; i + S::W <= n; i += S::W) acc = S::fma(S::load(a + i), S::load(b + i), acc);
   T s = S::hsum(acc);
   for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// sum_i |x[i]| over n values, four vector accumulators: NaN when any value is NaN, inf when any
+// is infinite (or when the sum overflows).
+template <typename T>
+inline T simd_abs_sum(const T* x, int64_t n) {
+  using S = Simd<T>;
+  constexpr int W = S::W;
+  // |v| as max(v, -v): NaN stays NaN (max returns its second operand then).
+  typename S::V acc[4] = {S::zero(), S::zero(), S::zero(), S::zero()};
+  int64_t i = 0;
+  for (; i + 4 * W <= n; i += 4 * W) {
+    for (int a = 0; a < 4; ++a) {
+      const auto v = S::load(x + i + a * W);
+      acc[a] = S::add(acc[a], S::max(v, S::sub(S::zero(), v)));
+    }
+  }
+  for (; i + W <= n; i += W) {
+    const auto v = S::load(x + i);
+    acc[0] = S::add(acc[0], S::max(v, S::sub(S::zero(), v)));
+  }
+  T s = S::hsum(S::add(S::add(acc[0], acc[1]), S::add(acc[2], acc[3])));
+  for (; i < n; ++i) s += std::abs(x[i]);
   return s;
 }
 

@@ -58,6 +58,10 @@ struct EluLinearForwardArgs : EluLinearParams<T> {
   // CPU, non-causal, optional: (N, H, E, M + 1) contiguous, written: the key state [S | z] of
   // every head, which the backward then reads instead of recomputing it.
   KernelScalar<T>* state = nullptr;
+  // CPU, float32 / float64 only, optional: (N·H) contiguous, zeroed by the caller; head nh's entry
+  // gets sum |out| over its rows as they are stored (the registry operator's overflow check reads
+  // these instead of the output: finite only if every output value is).
+  KernelScalar<T>* out_sums = nullptr;
   RowStrides out_rows;  // CPU
 };
 

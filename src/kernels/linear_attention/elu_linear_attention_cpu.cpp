@@ -121,6 +121,23 @@ void store_output(Rows<F> tile, int64_t rows, int64_t cols, T* x, int64_t ld,
     }
   }
 }
+// The forward's out_sums[nh] += sum_r |scale[r]| · sum_c |tile[r, c]| (float32 / float64): at
+// least each |stored value| = |scale[r] · tile[r, c]| as rounded, so an infinite or NaN value
+// makes it so (an overflow of the sum itself only sends the check to the output). From the tile
+// in L1, instead of the registry operator's pass over the whole output (32 MiB at L = 16384, 8
+// heads, 1-2 ms of a 20 ms forward).
+template <typename T, typename F>
+void add_stored_abs_sum(const EluLinearForwardArgs<T>& p, int64_t nh, Rows<F> tile, int64_t rows,
+                        int64_t cols, const F* scale) {
+  if constexpr (std::is_same_v<T, F>) {
+    if (!p.out_sums) return;
+    F s = 0;
+    for (int64_t r = 0; r < rows; ++r)
+      s += std::abs(scale[r]) * simd_abs_sum(tile.p + r * tile.ld, cols);
+    p.out_sums[nh] += s;
+  }
+}
+
 // Output rows are prefetched for writing only where they are not streamed.
 template <typename T>
 constexpr bool kPrefetchOutputs = !std::is_same_v<T, KernelScalar<T>>;
@@ -287,6 +304,7 @@ void forward_causal(const EluLinearForwardArgs<T>& p, int64_t nh0, int64_t G, Sc
         w.gd[r] = F(1) / d;
       }
       store_output(oc, rows, M, o, lo, w.gd.data());
+      add_stored_abs_sum(p, nh, oc, rows, M, w.gd.data());
       if (i0 + rows < L && i0 < len) {
         gemm(E, M, rows, w.xt.data(), C, vc.p, vc.ld, hs.s.data(), M, true);
         add_row_sum(w.kf.data(), rows, E, hs.z.data());
@@ -346,6 +364,7 @@ void forward_full(const EluLinearForwardArgs<T>& p, int64_t nh0, int64_t G, Scra
         w.gd[r] = F(1) / d;
       }
       store_output(oc, rows, M, o, lo, w.gd.data());
+      add_stored_abs_sum(p, nh, oc, rows, M, w.gd.data());
     }
   }
 }
