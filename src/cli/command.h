@@ -109,6 +109,12 @@ std::string format_table(const std::vector<std::string>& header,
                          const std::vector<std::vector<std::string>>& rows,
                          const std::vector<bool>& right = {});
 
+// Writes `text` to stderr in one write(2) call (repeated only on a partial
+// write), so that a line of the --nproc launcher and a worker's error, which
+// share the stream, never interleave mid-line (writes up to PIPE_BUF bytes to a
+// pipe are atomic; std::cerr issues one write per <<).
+void write_stderr(const std::string& text);
+
 }  // namespace fastattn::cli
 
 #define FASTATTN_REGISTER_COMMAND(Class)                                                 \

@@ -18,7 +18,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
-#include <iostream>
 #include <iterator>
 #include <string>
 #include <thread>
@@ -114,9 +113,8 @@ int launch_local_workers(int64_t nproc) {
     child.push_back(std::to_string(std::max<int64_t>(1, cores() / nproc)));
   }
   const int port = free_port();
-  std::cerr << "train: starting " << nproc << " worker processes (rendezvous 127.0.0.1:" << port
-            << ")\n"
-            << std::flush;
+  write_stderr("train: starting " + std::to_string(nproc) +
+               " worker processes (rendezvous 127.0.0.1:" + std::to_string(port) + ")\n");
 
   // The terminal's Ctrl-C reaches the workers directly (same process group):
   // they checkpoint and exit 130; the launcher only waits. SIGTERM is passed on.
@@ -169,7 +167,7 @@ int launch_local_workers(int64_t nproc) {
     if (failed && std::chrono::steady_clock::now() >= deadline) {
       for (size_t r = 0; r < pids.size(); ++r) {
         if (alive[r]) {
-          std::cerr << "train: stopping worker rank " << r << "\n";
+          write_stderr("train: stopping worker rank " + std::to_string(r) + "\n");
           ::kill(pids[r], SIGKILL);
         }
       }
@@ -196,8 +194,8 @@ int launch_local_workers(int64_t nproc) {
     if (!ok && !interrupted && !failed) {
       failed = true;
       result = WIFEXITED(status) ? WEXITSTATUS(status) : 1;
-      std::cerr << "train: worker rank " << r << " (pid " << pid << ") " << describe(status)
-                << "; stopping the other workers\n";
+      write_stderr("train: worker rank " + std::to_string(r) + " (pid " + std::to_string(pid) +
+                   ") " + describe(status) + "; stopping the other workers\n");
       // A few seconds for the others to report their own error, then SIGKILL.
       deadline = std::chrono::steady_clock::now() + std::chrono::seconds(3);
     }

@@ -188,6 +188,17 @@ Args parse_flags(const std::vector<std::string>& tokens, const std::vector<FlagS
   return args;
 }
 
+void write_stderr(const std::string& text) {
+  std::cerr.flush();
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::write(STDERR_FILENO, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;  // nowhere left to report to
+    done += static_cast<size_t>(n);
+  }
+}
+
 std::string format_table(const std::vector<std::string>& header,
                          const std::vector<std::vector<std::string>>& rows,
                          const std::vector<bool>& right) {
@@ -470,15 +481,17 @@ int main(int argc, char** argv) {
   try {
     return fastattn::cli::run_main(args);
   } catch (const fastattn::cli::UsageError& e) {
-    std::cerr << "fastattn: error: " << e.what() << "\n(see fastattn --help)\n";
+    fastattn::cli::write_stderr(std::string("fastattn: error: ") + e.what() +
+                                "\n(see fastattn --help)\n");
     return 2;
   } catch (const c10::Error& e) {
     // c10 messages carry a C++ backtrace after the first line break only in
     // what(); what_without_backtrace() is the user-facing part.
-    std::cerr << "fastattn: error: " << e.what_without_backtrace() << "\n";
+    fastattn::cli::write_stderr(std::string("fastattn: error: ") + e.what_without_backtrace() +
+                                "\n");
     return 1;
   } catch (const std::exception& e) {
-    std::cerr << "fastattn: error: " << e.what() << "\n";
+    fastattn::cli::write_stderr(std::string("fastattn: error: ") + e.what() + "\n");
     return 1;
   }
 }
