@@ -212,18 +212,24 @@ TEST_P(EluLinearAttentionCases, MatchesReference) {
 // chunk (40), on a boundary (64), at 0 and at S.
 INSTANTIATE_TEST_SUITE_P(
     Shapes, EluLinearAttentionCases,
-    ::testing::Values(EluLinearCfg{"causal_L1", 1, 1, 1, 1, 3, 2, true},
-                      EluLinearCfg{"causal_97_E_ne_M", 2, 3, 97, 97, 16, 24, true},
-                      EluLinearCfg{"causal_130_64x64", 1, 2, 130, 130, 64, 64, true},
-                      EluLinearCfg{"causal_1025_odd", 1, 1, 1025, 1025, 7, 5, true},
-                      EluLinearCfg{"causal_lengths", 4, 2, 150, 150, 9, 11, true, {150, 64, 40, 0}},
-                      EluLinearCfg{"full_L1_S1", 1, 1, 1, 1, 3, 2, false},
-                      EluLinearCfg{"full_S_ne_L", 2, 2, 37, 200, 16, 24, false},
-                      EluLinearCfg{"full_1025_odd", 1, 2, 1025, 70, 33, 17, false},
-                      EluLinearCfg{"full_lengths", 4, 1, 90, 130, 8, 5, false, {130, 64, 1, 0}},
-                      EluLinearCfg{
-                          "causal_heads_in_rows", 2, 3, 97, 97, 16, 24, true, {97, 40}, true},
-                      EluLinearCfg{"full_heads_in_rows", 2, 3, 37, 70, 7, 5, false, {70, 1}, true}),
+    ::testing::Values(
+        EluLinearCfg{"causal_L1", 1, 1, 1, 1, 3, 2, true},
+        EluLinearCfg{"causal_97_E_ne_M", 2, 3, 97, 97, 16, 24, true},
+        EluLinearCfg{"causal_130_64x64", 1, 2, 130, 130, 64, 64, true},
+        EluLinearCfg{"causal_1025_odd", 1, 1, 1025, 1025, 7, 5, true},
+        EluLinearCfg{"causal_lengths", 4, 2, 150, 150, 9, 11, true, {150, 64, 40, 0}},
+        EluLinearCfg{"full_L1_S1", 1, 1, 1, 1, 3, 2, false},
+        EluLinearCfg{"full_S_ne_L", 2, 2, 37, 200, 16, 24, false},
+        EluLinearCfg{"full_1025_odd", 1, 2, 1025, 70, 33, 17, false},
+        EluLinearCfg{"full_lengths", 4, 1, 90, 130, 8, 5, false, {130, 64, 1, 0}},
+        EluLinearCfg{"causal_heads_in_rows", 2, 3, 97, 97, 16, 24, true, {97, 40}, true},
+        EluLinearCfg{"full_heads_in_rows", 2, 3, 37, 70, 7, 5, false, {70, 1}, true},
+        // The non-causal passes go by blocks of rows (about 16 over the batch, whole chunks)
+        // and groups of at most 16 heads: 6 query blocks of 128 rows and 5 key blocks, a length
+        // inside one (517), 20 heads in two groups of 10; one entry: 9 query blocks of 128 rows
+        // and 16 key blocks of 64, eight heads side by side.
+        EluLinearCfg{"full_blocks_groups", 2, 20, 700, 600, 5, 3, false, {600, 517}, true},
+        EluLinearCfg{"full_blocks_one_entry", 1, 8, 1025, 1000, 9, 7, false, {}, true}),
     [](const ::testing::TestParamInfo<EluLinearCfg>& info) { return info.param.name; });
 
 TEST(EluLinearAttentionOp, MatchesTheComposedProductPath) {
@@ -259,16 +265,32 @@ TEST(EluLinearAttentionOp, ReadsAndWritesRowLayoutsInPlace) {
 }
 
 TEST(EluLinearAttentionOp, SameResultWithOneOrTwoThreads) {
-  auto q = torch::randn({1, 3, 300, 16}), k = torch::randn({1, 3, 300, 16}),
-       v = torch::randn({1, 3, 300, 8});
-  for (bool causal : {false, true}) {
-    const int saved = at::get_num_threads();
-    at::set_num_threads(1);
-    auto a = elu_linear_attention(q, k, v, std::nullopt, causal);
-    at::set_num_threads(2);
-    auto b = elu_linear_attention(q, k, v, std::nullopt, causal);
-    at::set_num_threads(saved);
-    EXPECT_TRUE(torch::equal(a, b));
+  // Outputs and gradients, contiguous and on the layers' views (the non-causal passes' blocks of
+  // rows and their sums do not depend on the thread count).
+  for (bool views : {false, true}) {
+    auto make = [&](int64_t H, int64_t L, int64_t D) {
+      auto x = torch::randn({2, H, L, D});
+      return (views ? in_heads_in_rows_layout(x) : x).requires_grad_();
+    };
+    auto q = make(3, 300, 16), k = make(3, 700, 16), v = make(3, 700, 8);
+    const auto lengths = torch::tensor({int64_t(700), int64_t(333)});
+    for (bool causal : {false, true}) {
+      SCOPED_TRACE(std::string(views ? "views" : "contiguous") + (causal ? " causal" : ""));
+      auto kk = causal ? q : k, vv = causal ? make(3, 300, 8) : v;
+      const auto len = causal ? std::optional<Tensor>() : std::optional<Tensor>(lengths);
+      const int saved = at::get_num_threads();
+      std::vector<std::vector<Tensor>> got;
+      for (int threads : {1, 2}) {
+        at::set_num_threads(threads);
+        auto out = elu_linear_attention(q, kk, vv, len, causal);
+        auto grads = torch::autograd::grad({out}, {q, kk, vv}, {torch::ones_like(out)});
+        grads.insert(grads.begin(), out);
+        got.push_back(grads);
+      }
+      at::set_num_threads(saved);
+      for (size_t i = 0; i < got[0].size(); ++i)
+        EXPECT_TRUE(torch::equal(got[0][i], got[1][i])) << "output/grad " << i;
+    }
   }
 }
 
@@ -757,11 +779,12 @@ TEST(LinearAttention, FiniteWitnessSumsEveryStoredValue) {
     const bool causal = std::string(type) == "causal-linear";
     for (auto dtype : {torch::kDouble, torch::kFloat}) {
       SCOPED_TRACE(std::string(type) + (dtype == torch::kDouble ? " float64" : " float32"));
+      // 300 rows: the non-causal forward's sums come from 5 blocks of rows per entry.
       auto make = [&](int64_t D) {
-        return in_heads_in_rows_layout(torch::randn({2, 3, 90, D}, torch::kDouble)).to(dtype);
+        return in_heads_in_rows_layout(torch::randn({2, 3, 300, D}, torch::kDouble)).to(dtype);
       };
       auto q = make(9), k = make(9), v = make(21);
-      auto mask = Mask().with_causal(causal).with_key_lengths(torch::tensor({90, 37}));
+      auto mask = Mask().with_causal(causal).with_key_lengths(torch::tensor({300, 37}));
       auto attn = make_attention(type);
       auto out = attn->forward(q, k, v, mask);
       auto w = attn->take_finite_witness();

@@ -1,6 +1,7 @@
 // CPU kernels of the fused elu linear attention (see elu_linear_attention.h).
-// Work items are (n, a group of heads) (for_each_item); every product is a register-blocked tile
-// gemm of kernels/common/gemm.h. Tiles (C rows): qf = phi(Q_c), kf = phi(K_c) with padded rows
+// Work items are (n, a group of heads) in the causal passes (for_each_item), (n, a group of heads,
+// a block of rows) in the non-causal ones (for_each_block); every product is a register-blocked
+// tile gemm of kernels/common/gemm.h. Tiles (C rows): qf = phi(Q_c), kf = phi(K_c) with padded rows
 // zeroed, their transposes, gn / gd (the output gradient scaled by the normaliser), and a C×C score
 // tile.
 //
@@ -32,6 +33,8 @@ struct HeadState {
   std::vector<T> s, st;   // E × M state and an M × E transpose
   std::vector<T> z;       // E
   std::vector<T> ds, dz;  // E × M and E: key-state gradients (non-causal backward)
+  std::vector<T> xf, yf;  // C × E and C × M: the head's rows of a chunk (swept_rows)
+  std::vector<T> wd;      // C: the backward's gd of those rows
 };
 
 template <typename T>
@@ -66,6 +69,9 @@ struct Scratch {
       h.z.resize(E);
       h.ds.resize(E * M);
       h.dz.resize(E);
+      h.xf.resize(C * E);
+      h.yf.resize(C * M);
+      h.wd.resize(C);
     }
   }
 };
@@ -121,20 +127,19 @@ void store_output(Rows<F> tile, int64_t rows, int64_t cols, T* x, int64_t ld,
     }
   }
 }
-// The forward's out_sums[nh] += sum_r |scale[r]| · sum_c |tile[r, c]| (float32 / float64): at
-// least each |stored value| = |scale[r] · tile[r, c]| as rounded, so an infinite or NaN value
-// makes it so (an overflow of the sum itself only sends the check to the output). From the tile
-// in L1, instead of the registry operator's pass over the whole output (32 MiB at L = 16384, 8
-// heads, 1-2 ms of a 20 ms forward).
+// *sum += sum_r |scale[r]| · sum_c |tile[r, c]| (float32 / float64; nothing when sum is null):
+// at least each |stored value| = |scale[r] · tile[r, c]| as rounded, so an infinite or NaN value
+// makes it so (an overflow of the sum itself only sends the check to the output). The forward's
+// out_sums per head, from the tile in L1, instead of the registry operator's pass over the whole
+// output (32 MiB at L = 16384, 8 heads, 1-2 ms of a 20 ms forward).
 template <typename T, typename F>
-void add_stored_abs_sum(const EluLinearForwardArgs<T>& p, int64_t nh, Rows<F> tile, int64_t rows,
-                        int64_t cols, const F* scale) {
+void add_stored_abs_sum(F* sum, Rows<F> tile, int64_t rows, int64_t cols, const F* scale) {
   if constexpr (std::is_same_v<T, F>) {
-    if (!p.out_sums) return;
+    if (!sum) return;
     F s = 0;
     for (int64_t r = 0; r < rows; ++r)
       s += std::abs(scale[r]) * simd_abs_sum(tile.p + r * tile.ld, cols);
-    p.out_sums[nh] += s;
+    *sum += s;
   }
 }
 
@@ -227,25 +232,70 @@ int64_t valid_keys(const EluLinearParams<T>& p, int64_t nh) {
   return p.key_lengths ? std::clamp<int64_t>(p.key_lengths[nh / p.H], 0, p.S) : p.S;
 }
 
-// Work items are (n, a group of G consecutive heads), and every pass runs
-// over the chunks of rows with the item's heads inside: in the layers'
-// (N, L, H, E) layout a chunk's rows of G heads lie side by side (G·E
-// contiguous entries per row instead of E H·E apart, which the hardware
-// prefetcher does not follow; per head, the strided backward took 1.8x the
-// contiguous one). Each head's arithmetic is the same whatever the grouping.
+// Work items hold G consecutive heads, and every pass runs over the chunks of
+// rows with the item's heads inside: in the layers' (N, L, H, E) layout a
+// chunk's rows of G heads lie side by side (G·E contiguous entries per row
+// instead of E H·E apart, which the hardware prefetcher does not follow; per
+// head, the strided backward took 1.8x the contiguous one). Each head's
+// arithmetic is the same whatever the grouping.
 
-// S = sum phi(k_j) v_j^T (E × M) and z = sum phi(k_j) over the first len
-// keys, for heads nh0 .. nh0 + G - 1 (len depends on n only).
+// Whether the rows of heads nh0 .. nh0 + G - 1 lie side by side (the layers' (N, L, H, E)
+// views: head h + 1's row right after head h's), so that one sweep over the rows reads the
+// chunk's memory in address order (swept_rows).
+inline bool heads_side_by_side(const RowStrides& x, int64_t G, int64_t cols) {
+  return G > 1 && x.sh == cols;
+}
+
+// Rows [j0, j0 + rows) of heads nh0 .. nh0 + G - 1 into each head's tiles in one sweep in
+// address order: xf = phi(x rows) (E entries), yf = y rows (M entries; none when y is null),
+// widened to F. The rows of a chunk then stream from memory as contiguous rows do, where a pass
+// per head reads pieces E entries long H·E apart, which the hardware prefetcher does not follow.
 template <typename T, typename F>
-void key_states(const EluLinearParams<T>& p, int64_t nh0, int64_t G, int64_t len, Scratch<F>& w) {
+void swept_rows(const EluLinearParams<T>& p, const T* x, RowStrides xs, const T* y, RowStrides ys,
+                int64_t nh0, int64_t G, int64_t j0, int64_t rows, int64_t valid, Scratch<F>& w) {
+  const int64_t E = p.E, M = p.M;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < G; ++g) {
+      auto& hs = w.heads[g];
+      if (r < valid) {
+        phi_rows(xs.row(x, nh0 + g, p.H, j0 + r), E, 1, 1, E, hs.xf.data() + r * E);
+      } else {
+        std::fill_n(hs.xf.data() + r * E, E, F(0));
+      }
+      if (!y) continue;
+      const T* yr = ys.row(y, nh0 + g, p.H, j0 + r);
+      if constexpr (std::is_same_v<T, F>) {
+        std::copy_n(yr, M, hs.yf.data() + r * M);
+      } else {
+        widen_bf16(yr, hs.yf.data() + r * M, M);
+      }
+    }
+  }
+}
+
+// S = sum phi(k_j) v_j^T (E × M) and z = sum phi(k_j) over keys [from, len), for heads
+// nh0 .. nh0 + G - 1 (len depends on n only).
+template <typename T, typename F>
+void key_states(const EluLinearParams<T>& p, int64_t nh0, int64_t G, int64_t len, Scratch<F>& w,
+                int64_t from = 0) {
   const int64_t C = p.chunk, E = p.E, M = p.M;
   const int64_t lk = p.k_rows.sr, lv = p.v_rows.sr;
   for (int64_t g = 0; g < G; ++g) {
     zero(w.heads[g].s);
     zero(w.heads[g].z);
   }
-  for (int64_t j0 = 0; j0 < len; j0 += C) {
+  const bool swept = heads_side_by_side(p.k_rows, G, E) && heads_side_by_side(p.v_rows, G, M);
+  for (int64_t j0 = from; j0 < len; j0 += C) {
     const int64_t rows = std::min(C, len - j0);
+    if (swept) {
+      swept_rows(p, p.k, p.k_rows, p.v, p.v_rows, nh0, G, j0, rows, rows, w);
+      for (int64_t g = 0; g < G; ++g) {
+        auto& hs = w.heads[g];
+        gemm_tn(E, M, rows, hs.xf.data(), E, hs.yf.data(), M, hs.s.data(), M, true);
+        add_row_sum(hs.xf.data(), rows, E, hs.z.data());
+      }
+      continue;
+    }
     for (int64_t g = 0; g < G; ++g) {
       auto& hs = w.heads[g];
       const T* k = p.k_rows.head(p.k, nh0 + g, p.H) + j0 * lk;
@@ -304,7 +354,7 @@ void forward_causal(const EluLinearForwardArgs<T>& p, int64_t nh0, int64_t G, Sc
         w.gd[r] = F(1) / d;
       }
       store_output(oc, rows, M, o, lo, w.gd.data());
-      add_stored_abs_sum(p, nh, oc, rows, M, w.gd.data());
+      add_stored_abs_sum<T>(p.out_sums ? p.out_sums + nh : nullptr, oc, rows, M, w.gd.data());
       if (i0 + rows < L && i0 < len) {
         gemm(E, M, rows, w.xt.data(), C, vc.p, vc.ld, hs.s.data(), M, true);
         add_row_sum(w.kf.data(), rows, E, hs.z.data());
@@ -314,57 +364,70 @@ void forward_causal(const EluLinearForwardArgs<T>& p, int64_t nh0, int64_t G, Sc
 }
 
 // [S | z] of heads nh0 .. nh0 + G - 1 to and from `state` ((N·H) × E × (M + 1), row e of a head
-// S's row e and z_e).
+// S's row e and z_e); grads: [dS | dz] instead.
 template <typename F>
-void save_key_states(const Scratch<F>& w, int64_t nh0, int64_t G, int64_t E, int64_t M, F* state) {
+void save_key_states(const Scratch<F>& w, int64_t nh0, int64_t G, int64_t E, int64_t M, F* state,
+                     bool grads = false) {
   for (int64_t g = 0; g < G; ++g) {
     F* x = state + (nh0 + g) * E * (M + 1);
     const auto& hs = w.heads[g];
+    const F* s = grads ? hs.ds.data() : hs.s.data();
+    const F* z = grads ? hs.dz.data() : hs.z.data();
     for (int64_t e = 0; e < E; ++e) {
-      std::copy_n(hs.s.data() + e * M, M, x + e * (M + 1));
-      x[e * (M + 1) + M] = hs.z[e];
+      std::copy_n(s + e * M, M, x + e * (M + 1));
+      x[e * (M + 1) + M] = z[e];
     }
   }
 }
 template <typename F>
-void load_key_states(const F* state, int64_t nh0, int64_t G, int64_t E, int64_t M, Scratch<F>& w) {
+void load_key_states(const F* state, int64_t nh0, int64_t G, int64_t E, int64_t M, Scratch<F>& w,
+                     bool grads = false) {
   for (int64_t g = 0; g < G; ++g) {
     const F* x = state + (nh0 + g) * E * (M + 1);
     auto& hs = w.heads[g];
+    F* s = grads ? hs.ds.data() : hs.s.data();
+    F* z = grads ? hs.dz.data() : hs.z.data();
     for (int64_t e = 0; e < E; ++e) {
-      std::copy_n(x + e * (M + 1), M, hs.s.data() + e * M);
-      hs.z[e] = x[e * (M + 1) + M];
+      std::copy_n(x + e * (M + 1), M, s + e * M);
+      z[e] = x[e * (M + 1) + M];
     }
   }
 }
 
+// The non-causal forward's query rows [from, to) of heads nh0 .. nh0 + G - 1, from the key
+// states in w.heads; sums (G, or null) += add_stored_abs_sum of each head's rows.
 template <typename T, typename F>
-void forward_full(const EluLinearForwardArgs<T>& p, int64_t nh0, int64_t G, Scratch<F>& w) {
+void forward_rows(const EluLinearForwardArgs<T>& p, int64_t nh0, int64_t G, int64_t from,
+                  int64_t to, F* sums, Scratch<F>& w) {
   const int64_t L = p.L, E = p.E, M = p.M, C = p.chunk;
   const int64_t lq = p.q_rows.sr, lo = p.out_rows.sr;
-  key_states(p, nh0, G, valid_keys(p, nh0), w);
-  if (p.state) save_key_states(w, nh0, G, E, M, p.state);
-  for (int64_t i0 = 0; i0 < L; i0 += C) {
-    const int64_t rows = std::min(C, L - i0);
+  const bool swept = heads_side_by_side(p.q_rows, G, E);
+  for (int64_t i0 = from; i0 < to; i0 += C) {
+    const int64_t rows = std::min(C, to - i0);
+    if (swept) swept_rows<T>(p, p.q, p.q_rows, nullptr, p.q_rows, nh0, G, i0, rows, rows, w);
     for (int64_t g = 0; g < G; ++g) {
       const int64_t nh = nh0 + g;
       const auto& hs = w.heads[g];
       T* o = p.out_rows.head(p.out, nh, p.H) + i0 * lo;
       F* den = p.den + nh * L + i0;
-      const T* q = p.q_rows.head(p.q, nh, p.H) + i0 * lq;
-      const int64_t next = std::min(C, L - i0 - C);
-      prefetch_rows(q + C * lq, next, E, lq);
+      const int64_t next = std::min(C, to - i0 - C);
       if (kPrefetchOutputs<T>) prefetch_rows(o + C * lo, next, M, lo, /*write=*/true);
-      phi_rows(q, lq, rows, rows, E, w.qf.data());
+      const F* qf = hs.xf.data();
+      if (!swept) {
+        const T* q = p.q_rows.head(p.q, nh, p.H) + i0 * lq;
+        prefetch_rows(q + C * lq, next, E, lq);
+        phi_rows(q, lq, rows, rows, E, w.qf.data());
+        qf = w.qf.data();
+      }
       const auto oc = output_tile(M, w.out_a);
-      gemm(rows, M, E, w.qf.data(), E, hs.s.data(), M, oc.p, oc.ld, false);
+      gemm(rows, M, E, qf, E, hs.s.data(), M, oc.p, oc.ld, false);
       for (int64_t r = 0; r < rows; ++r) {
-        const F d = p.eps + simd_dot(w.qf.data() + r * E, hs.z.data(), E);
+        const F d = p.eps + simd_dot(qf + r * E, hs.z.data(), E);
         den[r] = d;
         w.gd[r] = F(1) / d;
       }
       store_output(oc, rows, M, o, lo, w.gd.data());
-      add_stored_abs_sum(p, nh, oc, rows, M, w.gd.data());
+      add_stored_abs_sum<T>(sums ? sums + g : nullptr, oc, rows, M, w.gd.data());
     }
   }
 }
@@ -530,62 +593,105 @@ void backward_causal(const EluLinearBackwardArgs<T>& p, int64_t nh0, int64_t G, 
   }
 }
 
+// The non-causal backward's query rows [from, to) of heads nh0 .. nh0 + G - 1, from the key
+// states [S | z] in w.heads: dQ, and the rows' dS = sum phi(q_i) gn_i^T, dz = sum phi(q_i) gd_i
+// into w.heads.
 template <typename T, typename F>
-void backward_full(const EluLinearBackwardArgs<T>& p, int64_t nh0, int64_t G, Scratch<F>& w) {
-  const int64_t L = p.L, S = p.S, E = p.E, M = p.M, C = p.chunk;
-  const int64_t len = valid_keys(p, nh0);
-
-  // The forward's key states (kept by it, else recomputed); S^T for dQ = gn S^T + gd z^T.
-  if (p.state) {
-    load_key_states(p.state, nh0, G, E, M, w);
-  } else {
-    key_states(p, nh0, G, len, w);
-  }
-  for (int64_t g = 0; g < G; ++g) {
+void backward_query_rows(const EluLinearBackwardArgs<T>& p, int64_t nh0, int64_t G, int64_t from,
+                         int64_t to, Scratch<F>& w) {
+  const int64_t E = p.E, M = p.M, C = p.chunk;
+  for (int64_t g = 0; g < G; ++g) {  // S^T for dQ = gn S^T + gd z^T
     auto& hs = w.heads[g];
     transpose(hs.s.data(), E, M, M, hs.st.data(), E);
     zero(hs.ds);
     zero(hs.dz);
   }
-  // Query pass: dQ, and dS = sum phi(q_i) gn_i^T, dz = sum phi(q_i) gd_i.
-  for (int64_t i0 = 0; i0 < L; i0 += C) {
-    const int64_t rows = std::min(C, L - i0);
+  const bool swept = heads_side_by_side(p.q_rows, G, E) &&
+                     heads_side_by_side(p.grad_out_rows, G, M) &&
+                     heads_side_by_side(p.out_rows, G, M);
+  for (int64_t i0 = from; i0 < to; i0 += C) {
+    const int64_t rows = std::min(C, to - i0);
+    if (swept) {
+      // phi(q) into xf, gn into yf, gd into wd, head by head along each row (swept_rows).
+      swept_rows<T>(p, p.q, p.q_rows, p.grad_out, p.grad_out_rows, nh0, G, i0, rows, rows, w);
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t g = 0; g < G; ++g) {
+          auto& hs = w.heads[g];
+          // scaled_grads' arithmetic, in place.
+          const auto o = widened(p.out_rows.row(p.out, nh0 + g, p.H, i0 + r), M, 1, M, w.in_o);
+          F* gr = hs.yf.data() + r * M;
+          const F inv = F(1) / p.den[(nh0 + g) * p.L + i0 + r];
+          hs.wd[r] = -simd_dot(gr, o.p, M) * inv;
+          for (int64_t m = 0; m < M; ++m) gr[m] *= inv;
+        }
+      }
+    }
     for (int64_t g = 0; g < G; ++g) {
       auto& hs = w.heads[g];
       const ChunkRows<T> c(p, nh0 + g, i0);
-      c.prefetch_queries(C, std::min(C, L - i0 - C), E, M);
-      phi_rows(c.q, c.lq, rows, rows, E, w.qf.data());
-      c.scale_grads(rows, M, w);
+      const F *qf = hs.xf.data(), *gn = hs.yf.data(), *gd = hs.wd.data();
+      if (!swept) {
+        c.prefetch_queries(C, std::min(C, to - i0 - C), E, M);
+        phi_rows(c.q, c.lq, rows, rows, E, w.qf.data());
+        c.scale_grads(rows, M, w);
+        qf = w.qf.data();
+        gn = w.gn.data();
+        gd = w.gd.data();
+      } else if (kPrefetchOutputs<T>) {
+        prefetch_rows(c.gq + C * c.lgq, std::min(C, to - i0 - C), E, c.lgq, /*write=*/true);
+      }
       const auto gq = output_tile(E, w.out_a);
-      gemm(rows, E, M, w.gn.data(), M, hs.st.data(), E, gq.p, gq.ld, false);
-      add_outer(w.gd.data(), hs.z.data(), rows, E, gq.p, gq.ld);
-      times_phi_prime_from_phi(w.qf.data(), rows, E, gq.p, gq.ld);
+      gemm(rows, E, M, gn, M, hs.st.data(), E, gq.p, gq.ld, false);
+      add_outer(gd, hs.z.data(), rows, E, gq.p, gq.ld);
+      times_phi_prime_from_phi(qf, rows, E, gq.p, gq.ld);
       store_output(gq, rows, E, c.gq, c.lgq);
-      gemm_tn(E, M, rows, w.qf.data(), E, w.gn.data(), M, hs.ds.data(), M, true);
-      add_weighted_row_sum(w.qf.data(), w.gd.data(), rows, E, hs.dz.data());
+      gemm_tn(E, M, rows, qf, E, gn, M, hs.ds.data(), M, true);
+      add_weighted_row_sum(qf, gd, rows, E, hs.dz.data());
     }
   }
-  // Key pass: dV = phi(K) dS, dphi(K) = V dS^T + 1 dz^T.
+}
+
+// Its key rows [from, to), from [dS | dz] in w.heads: dV = phi(K) dS, dphi(K) = V dS^T + 1 dz^T
+// (zero past the valid keys).
+template <typename T, typename F>
+void backward_key_rows(const EluLinearBackwardArgs<T>& p, int64_t nh0, int64_t G, int64_t from,
+                       int64_t to, Scratch<F>& w) {
+  const int64_t E = p.E, M = p.M, C = p.chunk;
+  const int64_t len = valid_keys(p, nh0);
   for (int64_t g = 0; g < G; ++g) {
     auto& hs = w.heads[g];
     transpose(hs.ds.data(), E, M, M, hs.st.data(), E);
   }
-  for (int64_t j0 = 0; j0 < S; j0 += C) {
-    const int64_t rows = std::min(C, S - j0);
+  const bool swept = heads_side_by_side(p.k_rows, G, E) && heads_side_by_side(p.v_rows, G, M);
+  for (int64_t j0 = from; j0 < to; j0 += C) {
+    const int64_t rows = std::min(C, to - j0);
     const int64_t valid = std::clamp<int64_t>(len - j0, 0, rows);
+    if (swept && valid > 0)
+      swept_rows(p, p.k, p.k_rows, p.v, p.v_rows, nh0, G, j0, valid, valid, w);
     for (int64_t g = 0; g < G; ++g) {
       const auto& hs = w.heads[g];
       const ChunkRows<T> c(p, nh0 + g, j0);
-      c.prefetch_keys(C, std::min(C, S - j0 - C), E, M, /*write=*/true);
+      const int64_t next = std::min(C, to - j0 - C);
+      if (!swept) {
+        c.prefetch_keys(C, next, E, M, /*write=*/true);
+      } else if (kPrefetchOutputs<T>) {
+        prefetch_rows(c.gk + C * c.lgk, next, E, c.lgk, /*write=*/true);
+        prefetch_rows(c.gv + C * c.lgv, next, M, c.lgv, /*write=*/true);
+      }
       const auto gk = output_tile(E, w.out_a);
       const auto gv = output_tile(M, w.out_b);
       if (valid > 0) {
-        const auto v = widened(c.v, c.lv, valid, M, w.in_v);
-        phi_rows(c.k, c.lk, valid, valid, E, w.kf.data());
-        gemm(valid, M, E, w.kf.data(), E, hs.ds.data(), M, gv.p, gv.ld, false);
+        Rows<const F> v{hs.yf.data(), M};
+        const F* kf = hs.xf.data();
+        if (!swept) {
+          v = widened(c.v, c.lv, valid, M, w.in_v);
+          phi_rows(c.k, c.lk, valid, valid, E, w.kf.data());
+          kf = w.kf.data();
+        }
+        gemm(valid, M, E, kf, E, hs.ds.data(), M, gv.p, gv.ld, false);
         gemm(valid, E, M, v.p, v.ld, hs.st.data(), E, gk.p, gk.ld, false);
         add_outer<F>(nullptr, hs.dz.data(), valid, E, gk.p, gk.ld);
-        times_phi_prime_from_phi(w.kf.data(), valid, E, gk.p, gk.ld);
+        times_phi_prime_from_phi(kf, valid, E, gk.p, gk.ld);
       }
       zero_rows(gk.p, gk.ld, valid, rows, E);
       zero_rows(gv.p, gv.ld, valid, rows, M);
@@ -621,14 +727,21 @@ inline int64_t heads_per_item(int64_t N, int64_t H, int threads) {
   return 1;
 }
 
+// p with its row layouts resolved and a chunk of at least one row.
+template <typename Args>
+Args resolved(const Args& p) {
+  Args q = p;
+  q.chunk = std::max<int64_t>(1, p.chunk);
+  resolve_rows(q);
+  return q;
+}
+
 // body(args with resolved layouts and chunk, nh0, G, scratch) per work item:
 // heads nh0 .. nh0 + G - 1 of one batch entry.
 template <typename T, typename Args, typename Body>
 void for_each_item(const Args& p, Body body) {
   if (p.N * p.H == 0 || p.L == 0) return;
-  Args q = p;
-  q.chunk = std::max<int64_t>(1, p.chunk);
-  resolve_rows(q);
+  const Args q = resolved(p);
   const int64_t G = heads_per_item(p.N, p.H, std::max(1, p.num_threads));
   const int64_t groups = (p.H + G - 1) / G;
   using F = KernelScalar<T>;
@@ -642,17 +755,163 @@ void for_each_item(const Args& p, Body body) {
       });
 }
 
+// ---- the non-causal passes by blocks of rows ----------------------------
+//
+// The non-causal forward and backward split each pass by rows instead of heads: a work item is
+// (n, a group of up to kBlockHeads heads, a block of rows), and the states summed over the keys
+// ([S | z]; the backward's [dS | dz] over the queries) are added up over the blocks between the
+// passes. On the layers' (N, L, H, E) views an item's rows of its heads lie side by side, and
+// swept_rows reads them in address order, a stream the hardware prefetcher follows (the forward
+// on those views at L = 16384 28 -> 24 ms, the backward 61 -> 46 ms; docs/benchmarks.md), where
+// the items of a few heads each over all rows read a part of every row. The blocks depend on N
+// and the rows only, never on the thread count: the sums, and so the results, are the same with
+// any number of threads.
+
+// Heads per item: all H up to 16 (their state and chunk tiles, 80 KiB a head at E = M = 64, stay
+// in L2), else as few groups of at most 16 as there can be.
+inline constexpr int64_t kBlockHeads = 16;
+
+// The items of one pass over `rows` rows.
+struct Blocks {
+  int64_t R;       // rows per block: whole chunks, about 16 blocks over the batch
+  int64_t blocks;  // per batch entry (at least one)
+  int64_t G;       // heads per group
+  int64_t groups;  // per batch entry
+  Blocks(int64_t N, int64_t H, int64_t rows, int64_t C) {
+    const int64_t chunks = (rows + C - 1) / C;
+    const int64_t per_entry =
+        std::clamp<int64_t>((16 + N - 1) / N, 1, std::max<int64_t>(1, chunks));
+    R = std::max<int64_t>(1, (chunks + per_entry - 1) / per_entry) * C;
+    blocks = std::max<int64_t>(1, (rows + R - 1) / R);
+    groups = (H + kBlockHeads - 1) / kBlockHeads;
+    G = (H + groups - 1) / groups;
+    groups = (H + G - 1) / G;
+  }
+  // The index of block b of heads nh0 .. of entry n among all (entry, block) pairs, times H, plus
+  // the head's index in n: where its per-block values go (part buffers below).
+  int64_t slot(int64_t n, int64_t b, int64_t H, int64_t h) const {
+    return (n * blocks + b) * H + h;
+  }
+};
+
+// body(n, h0, G, from, to, scratch) for every item: heads n·H + h0 .. + G - 1, rows [from, to)
+// of `rows`, with scratch for G heads.
+template <typename T, typename Args, typename Body>
+void for_each_block(const Args& q, int64_t rows, Body body) {
+  using F = KernelScalar<T>;
+  const Blocks k(q.N, q.H, rows, q.chunk);
+  parallel_items<Scratch<F>>(
+      q.N * k.groups * k.blocks, q.num_threads,
+      [&](Scratch<F>& w) { w.init(q.chunk, q.E, q.M, k.G, !std::is_same_v<T, F>); },
+      [&](int64_t item, Scratch<F>& w) {
+        const int64_t b = item % k.blocks, rest = item / k.blocks;
+        const int64_t n = rest / k.groups, h0 = rest % k.groups * k.G, from = b * k.R;
+        body(n, h0, std::min(k.G, q.H - h0), from, std::min(rows, from + k.R), w);
+        stream_fence();
+      });
+}
+
+// The sum over the blocks of `rows` rows of what block(n, h0, G, from, to, scratch) leaves in
+// the scratch's heads ([S | z], or [dS | dz] with grads), for every head: into `out` (layout of
+// save_key_states), added up in block order.
+template <typename T, typename Args, typename Block>
+void summed_over_blocks(const Args& q, int64_t rows, bool grads, KernelScalar<T>* out,
+                        Block block) {
+  using F = KernelScalar<T>;
+  const int64_t H = q.H, D = q.E * (q.M + 1);
+  const Blocks k(q.N, H, rows, q.chunk);
+  // One block per entry: straight into out.
+  std::vector<F> part(k.blocks > 1 ? q.N * k.blocks * H * D : 0);
+  for_each_block<T>(
+      q, rows, [&](int64_t n, int64_t h0, int64_t G, int64_t from, int64_t to, Scratch<F>& w) {
+        block(n * H + h0, G, from, to, w);
+        F* x =
+            part.empty() ? out + (n * H + h0) * D : part.data() + k.slot(n, from / k.R, H, h0) * D;
+        save_key_states(w, 0, G, q.E, q.M, x, grads);
+      });
+  if (part.empty()) return;
+  for (int64_t n = 0; n < q.N; ++n) {
+    F* x = out + n * H * D;
+    std::copy_n(part.data() + k.slot(n, 0, H, 0) * D, H * D, x);
+    for (int64_t b = 1; b < k.blocks; ++b) {
+      const F* y = part.data() + k.slot(n, b, H, 0) * D;
+      for (int64_t i = 0; i < H * D; ++i) x[i] += y[i];
+    }
+  }
+}
+
+// [S | z] of every head summed over the key blocks.
+template <typename T, typename Args>
+void summed_key_states(const Args& q, KernelScalar<T>* states) {
+  using F = KernelScalar<T>;
+  summed_over_blocks<T>(q, q.S, false, states,
+                        [&](int64_t nh0, int64_t G, int64_t from, int64_t to, Scratch<F>& w) {
+                          key_states(q, nh0, G, std::min(valid_keys(q, nh0), to), w, from);
+                        });
+}
+
+template <typename T>
+void forward_by_blocks(const EluLinearForwardArgs<T>& p) {
+  using F = KernelScalar<T>;
+  const auto q = resolved(p);
+  const int64_t H = q.H;
+  std::vector<F> own;
+  F* states = q.state;
+  if (!states) {
+    own.resize(q.N * H * q.E * (q.M + 1));
+    states = own.data();
+  }
+  summed_key_states<T>(q, states);
+  // out_sums per block, added up in block order after the pass.
+  const Blocks k(q.N, H, q.L, q.chunk);
+  std::vector<F> sums(q.out_sums ? q.N * k.blocks * H : 0, F(0));
+  for_each_block<T>(q, q.L,
+                    [&](int64_t n, int64_t h0, int64_t G, int64_t from, int64_t to, Scratch<F>& w) {
+                      load_key_states(states, n * H + h0, G, q.E, q.M, w);
+                      F* s = sums.empty() ? nullptr : sums.data() + k.slot(n, from / k.R, H, h0);
+                      forward_rows(q, n * H + h0, G, from, to, s, w);
+                    });
+  for (int64_t n = 0; n < q.N && !sums.empty(); ++n)
+    for (int64_t b = 0; b < k.blocks; ++b)
+      for (int64_t h = 0; h < H; ++h) q.out_sums[n * H + h] += sums[k.slot(n, b, H, h)];
+}
+
+template <typename T>
+void backward_by_blocks(const EluLinearBackwardArgs<T>& p) {
+  using F = KernelScalar<T>;
+  const auto q = resolved(p);
+  const int64_t H = q.H, D = q.E * (q.M + 1);
+  // The forward's key states (kept by it, else recomputed).
+  std::vector<F> own, grads(q.N * H * D);
+  const F* states = q.state;
+  if (!states) {
+    own.resize(q.N * H * D);
+    summed_key_states<T>(q, own.data());
+    states = own.data();
+  }
+  summed_over_blocks<T>(q, q.L, true, grads.data(),
+                        [&](int64_t nh0, int64_t G, int64_t from, int64_t to, Scratch<F>& w) {
+                          load_key_states(states, nh0, G, q.E, q.M, w);
+                          backward_query_rows(q, nh0, G, from, to, w);
+                        });
+  for_each_block<T>(q, q.S,
+                    [&](int64_t n, int64_t h0, int64_t G, int64_t from, int64_t to, Scratch<F>& w) {
+                      load_key_states(grads.data(), n * H + h0, G, q.E, q.M, w, /*grads=*/true);
+                      backward_key_rows(q, n * H + h0, G, from, to, w);
+                    });
+}
+
 }  // namespace
 
 template <typename T>
 void elu_linear_attention_forward_cpu(const EluLinearForwardArgs<T>& p) {
   using F = KernelScalar<T>;
+  if (!p.causal) {
+    if (p.N * p.H > 0 && p.L > 0) forward_by_blocks(p);
+    return;
+  }
   for_each_item<T>(p, [](const EluLinearForwardArgs<T>& a, int64_t nh0, int64_t G, Scratch<F>& w) {
-    if (a.causal) {
-      forward_causal(a, nh0, G, w);
-    } else {
-      forward_full(a, nh0, G, w);
-    }
+    forward_causal(a, nh0, G, w);
   });
 }
 
@@ -666,13 +925,13 @@ void elu_linear_attention_backward_cpu(const EluLinearBackwardArgs<T>& p) {
     zero_all_rows(p.grad_v, z.grad_v_rows, p.N * p.H, p.H, p.S, p.M);
     return;
   }
+  if (!p.causal) {
+    if (p.N * p.H > 0) backward_by_blocks(p);
+    return;
+  }
   using F = KernelScalar<T>;
   for_each_item<T>(p, [](const EluLinearBackwardArgs<T>& a, int64_t nh0, int64_t G, Scratch<F>& w) {
-    if (a.causal) {
-      backward_causal(a, nh0, G, w);
-    } else {
-      backward_full(a, nh0, G, w);
-    }
+    backward_causal(a, nh0, G, w);
   });
 }
 
