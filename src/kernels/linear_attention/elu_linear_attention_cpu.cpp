@@ -787,8 +787,7 @@ struct Blocks {
     G = (H + groups - 1) / groups;
     groups = (H + G - 1) / G;
   }
-  // The index of block b of heads nh0 .. of entry n among all (entry, block) pairs, times H, plus
-  // the head's index in n: where its per-block values go (part buffers below).
+  // Where head h of entry n puts its values of block b in a per-block buffer (N, blocks, H).
   int64_t slot(int64_t n, int64_t b, int64_t H, int64_t h) const {
     return (n * blocks + b) * H + h;
   }
