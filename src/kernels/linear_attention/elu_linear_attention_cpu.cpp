@@ -252,16 +252,12 @@ inline bool heads_side_by_side(const RowStrides& x, int64_t G, int64_t cols) {
 // per head reads pieces E entries long H·E apart, which the hardware prefetcher does not follow.
 template <typename T, typename F>
 void swept_rows(const EluLinearParams<T>& p, const T* x, RowStrides xs, const T* y, RowStrides ys,
-                int64_t nh0, int64_t G, int64_t j0, int64_t rows, int64_t valid, Scratch<F>& w) {
+                int64_t nh0, int64_t G, int64_t j0, int64_t rows, Scratch<F>& w) {
   const int64_t E = p.E, M = p.M;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t g = 0; g < G; ++g) {
       auto& hs = w.heads[g];
-      if (r < valid) {
-        phi_rows(xs.row(x, nh0 + g, p.H, j0 + r), E, 1, 1, E, hs.xf.data() + r * E);
-      } else {
-        std::fill_n(hs.xf.data() + r * E, E, F(0));
-      }
+      phi_rows(xs.row(x, nh0 + g, p.H, j0 + r), E, 1, 1, E, hs.xf.data() + r * E);
       if (!y) continue;
       const T* yr = ys.row(y, nh0 + g, p.H, j0 + r);
       if constexpr (std::is_same_v<T, F>) {
@@ -288,7 +284,7 @@ void key_states(const EluLinearParams<T>& p, int64_t nh0, int64_t G, int64_t len
   for (int64_t j0 = from; j0 < len; j0 += C) {
     const int64_t rows = std::min(C, len - j0);
     if (swept) {
-      swept_rows(p, p.k, p.k_rows, p.v, p.v_rows, nh0, G, j0, rows, rows, w);
+      swept_rows(p, p.k, p.k_rows, p.v, p.v_rows, nh0, G, j0, rows, w);
       for (int64_t g = 0; g < G; ++g) {
         auto& hs = w.heads[g];
         gemm_tn(E, M, rows, hs.xf.data(), E, hs.yf.data(), M, hs.s.data(), M, true);
@@ -404,7 +400,7 @@ void forward_rows(const EluLinearForwardArgs<T>& p, int64_t nh0, int64_t G, int6
   const bool swept = heads_side_by_side(p.q_rows, G, E);
   for (int64_t i0 = from; i0 < to; i0 += C) {
     const int64_t rows = std::min(C, to - i0);
-    if (swept) swept_rows<T>(p, p.q, p.q_rows, nullptr, p.q_rows, nh0, G, i0, rows, rows, w);
+    if (swept) swept_rows<T>(p, p.q, p.q_rows, nullptr, p.q_rows, nh0, G, i0, rows, w);
     for (int64_t g = 0; g < G; ++g) {
       const int64_t nh = nh0 + g;
       const auto& hs = w.heads[g];
@@ -613,7 +609,7 @@ void backward_query_rows(const EluLinearBackwardArgs<T>& p, int64_t nh0, int64_t
     const int64_t rows = std::min(C, to - i0);
     if (swept) {
       // phi(q) into xf, gn into yf, gd into wd, head by head along each row (swept_rows).
-      swept_rows<T>(p, p.q, p.q_rows, p.grad_out, p.grad_out_rows, nh0, G, i0, rows, rows, w);
+      swept_rows<T>(p, p.q, p.q_rows, p.grad_out, p.grad_out_rows, nh0, G, i0, rows, w);
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t g = 0; g < G; ++g) {
           auto& hs = w.heads[g];
@@ -666,8 +662,7 @@ void backward_key_rows(const EluLinearBackwardArgs<T>& p, int64_t nh0, int64_t G
   for (int64_t j0 = from; j0 < to; j0 += C) {
     const int64_t rows = std::min(C, to - j0);
     const int64_t valid = std::clamp<int64_t>(len - j0, 0, rows);
-    if (swept && valid > 0)
-      swept_rows(p, p.k, p.k_rows, p.v, p.v_rows, nh0, G, j0, valid, valid, w);
+    if (swept && valid > 0) swept_rows(p, p.k, p.k_rows, p.v, p.v_rows, nh0, G, j0, valid, w);
     for (int64_t g = 0; g < G; ++g) {
       const auto& hs = w.heads[g];
       const ChunkRows<T> c(p, nh0 + g, j0);
