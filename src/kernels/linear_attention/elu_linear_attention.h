@@ -22,7 +22,8 @@
 // for dQ with the prefix state, a reversed pass for dK, dV with the suffix
 // state R = sum phi(q_i) gn_i^T, r = sum phi(q_i) gd_i) and recompute phi on
 // each tile; dQ = dphi(Q) ∘ phi'(Q), likewise dK. Padded keys get zero
-// gradients.
+// gradients. The non-causal backward does not read out: g_i·out_i =
+// phi(q_i)·(S g_i) / den_i, and S g_i / den_i is already dQ's first product.
 //
 // Every (N, H, rows, cols) operand but den may have any row layout
 // (kernels/common/rows.h): the layers' (N, L, H, E) projections are read and
@@ -68,7 +69,7 @@ struct EluLinearForwardArgs : EluLinearParams<T> {
 template <typename T>
 struct EluLinearBackwardArgs : EluLinearParams<T> {
   const T* grad_out = nullptr;           // (N, H, L, M)
-  const T* out = nullptr;                // (N, H, L, M), from the forward
+  const T* out = nullptr;                // (N, H, L, M), from the forward (causal only)
   const KernelScalar<T>* den = nullptr;  // (N, H, L) contiguous, from the forward
   // CPU, non-causal: the forward's key state (EluLinearForwardArgs::state), or null to recompute
   // it from k and v.

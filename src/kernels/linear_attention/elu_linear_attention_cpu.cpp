@@ -34,7 +34,6 @@ struct HeadState {
   std::vector<T> z;       // E
   std::vector<T> ds, dz;  // E × M and E: key-state gradients (non-causal backward)
   std::vector<T> xf, yf;  // C × E and C × M: the head's rows of a chunk (swept_rows)
-  std::vector<T> wd;      // C: the backward's gd of those rows
 };
 
 template <typename T>
@@ -71,7 +70,6 @@ struct Scratch {
       h.dz.resize(E);
       h.xf.resize(C * E);
       h.yf.resize(C * M);
-      h.wd.resize(C);
     }
   }
 };
@@ -201,15 +199,26 @@ void add_outer(const T* w, const T* z, int64_t rows, int64_t E, T* out, int64_t 
 }
 
 // The output rows' gradients scaled by the normaliser: gn = g / den
-// (rows × M), gd = -(g·out) / den (rows); g and out with row strides ldg, ldo.
+// (rows × M), gd = -(g·out) / den (rows; not when out is null); g and out with row strides ldg,
+// ldo.
 template <typename T>
 void scaled_grads(const T* g, int64_t ldg, const T* out, int64_t ldo, const T* den, int64_t rows,
                   int64_t M, T* gn, T* gd) {
   for (int64_t r = 0; r < rows; ++r) {
     const T inv = T(1) / den[r];
     for (int64_t m = 0; m < M; ++m) gn[r * M + m] = g[r * ldg + m] * inv;
-    gd[r] = -simd_dot(g + r * ldg, out + r * ldo, M) * inv;
+    if (out) gd[r] = -simd_dot(g + r * ldg, out + r * ldo, M) * inv;
   }
+}
+
+// The non-causal gd = -(g·out) / den without out: with out_i = S^T phi(q_i) / den_i,
+// g_i·out_i = phi(q_i)·(S g_i) / den_i, and u = gn S^T (rows × E, row stride ldu) holds
+// S g_i / den_i, the first product of dQ. So gd_i = -phi(q_i)·u_i / den_i, a dot of E values in
+// L1 where the other reads the 32 MiB output (L = 16384, 8 heads) back from memory.
+template <typename T>
+void den_grads_from_products(const T* qf, const T* u, int64_t ldu, const T* den, int64_t rows,
+                             int64_t E, T* gd) {
+  for (int64_t r = 0; r < rows; ++r) gd[r] = -simd_dot(qf + r * E, u + r * ldu, E) / den[r];
 }
 
 // x (rows × E, row stride ldx) = x ∘ phi'(pre) in place (pre's row stride ldp).
@@ -459,11 +468,12 @@ struct ChunkRows {
     gv = p.grad_v_rows.head(p.grad_v, nh, p.H) + i0 * lgv;
   }
   // Asks for `rows` rows `step` rows on (negative: back) of what a query
-  // pass reads (q, g, out) and writes (gq).
-  void prefetch_queries(int64_t step, int64_t rows, int64_t E, int64_t M) const {
+  // pass reads (q, g, out unless not `with_out`) and writes (gq).
+  void prefetch_queries(int64_t step, int64_t rows, int64_t E, int64_t M,
+                        bool with_out = true) const {
     prefetch_rows(q + step * lq, rows, E, lq);
     prefetch_rows(g + step * lg, rows, M, lg);
-    prefetch_rows(out + step * lo, rows, M, lo);
+    if (with_out) prefetch_rows(out + step * lo, rows, M, lo);
     if (kPrefetchOutputs<T>) prefetch_rows(gq + step * lgq, rows, E, lgq, /*write=*/true);
   }
   // The same for the keys' side: k, v read, gk, gv written when `write`.
@@ -474,10 +484,10 @@ struct ChunkRows {
     prefetch_rows(gk + step * lgk, rows, E, lgk, true);
     prefetch_rows(gv + step * lgv, rows, M, lgv, true);
   }
-  // scaled_grads of the chunk's first `rows` output rows.
-  void scale_grads(int64_t rows, int64_t M, Scratch<F>& w) const {
+  // scaled_grads of the chunk's first `rows` output rows (gd too unless not `with_out`).
+  void scale_grads(int64_t rows, int64_t M, Scratch<F>& w, bool with_out = true) const {
     const auto gf = widened(g, lg, rows, M, w.in_g);
-    const auto of = widened(out, lo, rows, M, w.in_o);
+    const auto of = with_out ? widened(out, lo, rows, M, w.in_o) : Rows<const F>{nullptr, 0};
     scaled_grads(gf.p, gf.ld, of.p, of.ld, den, rows, M, w.gn.data(), w.gd.data());
   }
 };
@@ -591,7 +601,7 @@ void backward_causal(const EluLinearBackwardArgs<T>& p, int64_t nh0, int64_t G, 
 
 // The non-causal backward's query rows [from, to) of heads nh0 .. nh0 + G - 1, from the key
 // states [S | z] in w.heads: dQ, and the rows' dS = sum phi(q_i) gn_i^T, dz = sum phi(q_i) gd_i
-// into w.heads.
+// into w.heads. It does not read out (den_grads_from_products).
 template <typename T, typename F>
 void backward_query_rows(const EluLinearBackwardArgs<T>& p, int64_t nh0, int64_t G, int64_t from,
                          int64_t to, Scratch<F>& w) {
@@ -602,42 +612,39 @@ void backward_query_rows(const EluLinearBackwardArgs<T>& p, int64_t nh0, int64_t
     zero(hs.ds);
     zero(hs.dz);
   }
-  const bool swept = heads_side_by_side(p.q_rows, G, E) &&
-                     heads_side_by_side(p.grad_out_rows, G, M) &&
-                     heads_side_by_side(p.out_rows, G, M);
+  const bool swept =
+      heads_side_by_side(p.q_rows, G, E) && heads_side_by_side(p.grad_out_rows, G, M);
   for (int64_t i0 = from; i0 < to; i0 += C) {
     const int64_t rows = std::min(C, to - i0);
     if (swept) {
-      // phi(q) into xf, gn into yf, gd into wd, head by head along each row (swept_rows).
+      // phi(q) into xf, gn into yf, head by head along each row (swept_rows).
       swept_rows<T>(p, p.q, p.q_rows, p.grad_out, p.grad_out_rows, nh0, G, i0, rows, w);
-      for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t g = 0; g < G; ++g) {
-          auto& hs = w.heads[g];
-          // scaled_grads' arithmetic, in place.
-          const auto o = widened(p.out_rows.row(p.out, nh0 + g, p.H, i0 + r), M, 1, M, w.in_o);
-          F* gr = hs.yf.data() + r * M;
-          const F inv = F(1) / p.den[(nh0 + g) * p.L + i0 + r];
-          hs.wd[r] = -simd_dot(gr, o.p, M) * inv;
-          for (int64_t m = 0; m < M; ++m) gr[m] *= inv;
+      for (int64_t g = 0; g < G; ++g) {
+        F* gn = w.heads[g].yf.data();
+        const F* den = p.den + (nh0 + g) * p.L + i0;
+        for (int64_t r = 0; r < rows; ++r) {
+          const F inv = F(1) / den[r];
+          for (int64_t m = 0; m < M; ++m) gn[r * M + m] *= inv;
         }
       }
     }
     for (int64_t g = 0; g < G; ++g) {
       auto& hs = w.heads[g];
       const ChunkRows<T> c(p, nh0 + g, i0);
-      const F *qf = hs.xf.data(), *gn = hs.yf.data(), *gd = hs.wd.data();
+      const F *qf = hs.xf.data(), *gn = hs.yf.data();
       if (!swept) {
-        c.prefetch_queries(C, std::min(C, to - i0 - C), E, M);
+        c.prefetch_queries(C, std::min(C, to - i0 - C), E, M, /*with_out=*/false);
         phi_rows(c.q, c.lq, rows, rows, E, w.qf.data());
-        c.scale_grads(rows, M, w);
+        c.scale_grads(rows, M, w, /*with_out=*/false);
         qf = w.qf.data();
         gn = w.gn.data();
-        gd = w.gd.data();
       } else if (kPrefetchOutputs<T>) {
         prefetch_rows(c.gq + C * c.lgq, std::min(C, to - i0 - C), E, c.lgq, /*write=*/true);
       }
+      F* gd = w.gd.data();
       const auto gq = output_tile(E, w.out_a);
       gemm(rows, E, M, gn, M, hs.st.data(), E, gq.p, gq.ld, false);
+      den_grads_from_products(qf, gq.p, gq.ld, c.den, rows, E, gd);
       add_outer(gd, hs.z.data(), rows, E, gq.p, gq.ld);
       times_phi_prime_from_phi(qf, rows, E, gq.p, gq.ld);
       store_output(gq, rows, E, c.gq, c.lgq);
