@@ -32,7 +32,8 @@
 //     unspecified (the emulator's differs from the GPU's): touch frag.x[i] only
 //     with the same operation for every i (scaling, conversion), and go through
 //     shared memory for anything row- or column-wise.
-// Not available: inline PTX, cp.async, cooperative groups, CUB, cuBLAS, and any
+// Not available: inline PTX (except mma.sync m16n8k16, through
+// mma_m16n8k16.cuh, which the emulator knows), cp.async, cooperative groups, CUB, cuBLAS, and any
 // CUDA runtime call inside kernel sources (memory is allocated by the caller;
 // launchers receive every buffer, workspace included, as a pointer).
 //
