@@ -74,21 +74,19 @@ __device__ __forceinline__ void mma_m16n8k16(MmaC& d, const MmaA<T>& a, const Mm
   const uint32_t* ra = reinterpret_cast<const uint32_t*>(a.x);
   const uint32_t* rb = reinterpret_cast<const uint32_t*>(b.x);
   const float c0 = c.x[0], c1 = c.x[1], c2 = c.x[2], c3 = c.x[3];
+// One instruction per operand type; only the type names differ.
+#define FA_MMA_M16N8K16(type)                                                                     \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." type "." type                             \
+               ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};\n"       \
+               : "=f"(d.x[0]), "=f"(d.x[1]), "=f"(d.x[2]), "=f"(d.x[3])                           \
+               : "r"(ra[0]), "r"(ra[1]), "r"(ra[2]), "r"(ra[3]), "r"(rb[0]), "r"(rb[1]), "f"(c0), \
+                 "f"(c1), "f"(c2), "f"(c3))
   if constexpr (std::is_same<T, __half>::value) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};\n"
-        : "=f"(d.x[0]), "=f"(d.x[1]), "=f"(d.x[2]), "=f"(d.x[3])
-        : "r"(ra[0]), "r"(ra[1]), "r"(ra[2]), "r"(ra[3]), "r"(rb[0]), "r"(rb[1]), "f"(c0), "f"(c1),
-          "f"(c2), "f"(c3));
+    FA_MMA_M16N8K16("f16");
   } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};\n"
-        : "=f"(d.x[0]), "=f"(d.x[1]), "=f"(d.x[2]), "=f"(d.x[3])
-        : "r"(ra[0]), "r"(ra[1]), "r"(ra[2]), "r"(ra[3]), "r"(rb[0]), "r"(rb[1]), "f"(c0), "f"(c1),
-          "f"(c2), "f"(c3));
+    FA_MMA_M16N8K16("bf16");
   }
+#undef FA_MMA_M16N8K16
 #else
   // Code for an older GPU: the launcher must not run this (FA_KERNEL_ARCH).
   (void)d, (void)a, (void)b, (void)c;
