@@ -33,9 +33,10 @@
 //     with the same operation for every i (scaling, conversion), and go through
 //     shared memory for anything row- or column-wise.
 // Not available: inline PTX (except mma.sync m16n8k16, through
-// mma_m16n8k16.cuh, which the emulator knows), cp.async, cooperative groups, CUB, cuBLAS, and any
-// CUDA runtime call inside kernel sources (memory is allocated by the caller;
-// launchers receive every buffer, workspace included, as a pointer).
+// mma_m16n8k16.cuh, which the emulator knows), cp.async, cooperative groups,
+// CUB, cuBLAS, and any CUDA runtime call inside kernel sources (memory is
+// allocated by the caller; launchers receive every buffer, workspace included,
+// as a pointer).
 //
 // Tensor cores by architecture: WMMA tiles of __half need compute capability
 // 7.0, of __nv_bfloat16 8.0. A kernel that uses them for T keeps its body in a

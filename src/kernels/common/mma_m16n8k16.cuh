@@ -102,8 +102,7 @@ void mma_m16n8k16(MmaC& d, const MmaA<T>& a, const MmaB<T>& b, const MmaC& c) {
   namespace e = ::fastattn::cuda::emu;
   if (e::kernel_arch() < kMmaMinArch)
     e::fail("mma.sync m16n8k16 in code for compute capability " +
-            std::to_string(e::kernel_arch() / 10) + "." + std::to_string(e::kernel_arch() % 10) +
-            " (it needs 8.0)");
+            detail::arch_string(e::kernel_arch()) + " (it needs 8.0)");
   const dim3& bd = e::block_dim();
   if ((bd.x * bd.y * bd.z) % 32 != 0) e::fail("mma.sync m16n8k16 in a block of partial warps");
   float* s = e::warp_scratch();  // A 16x16 | B 16x8 | C 16x8, row-major

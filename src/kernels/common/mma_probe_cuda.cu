@@ -31,7 +31,7 @@ void launch(const void* a, const void* b, const float* c, float* d, cudaStream_t
     throw std::runtime_error(
         "fastattn CUDA kernel mma_m16n8k16_probe: mma.sync m16n8k16 needs "
         "compute capability 8.0; the code for this device is for " +
-        std::to_string(arch / 10) + "." + std::to_string(arch % 10));
+        detail::arch_string(arch));
   FA_LAUNCH(dim3(1), dim3(32), 0, stream, mma_probe_kernel<T>)
   (static_cast<const T*>(a), static_cast<const T*>(b), c, d);
   FA_CHECK_LAUNCH("mma_m16n8k16_probe");
