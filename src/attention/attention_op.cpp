@@ -121,6 +121,38 @@ auto naming_allocation_failures(const std::string& op, const std::string& type,
               "too large for this machine, or the inputs are");
 }
 
+// Whether every element of t is finite. One reduction first, not isfinite's
+// five passes and two temporaries (they took half the registry operator's
+// time for linear attention at L = 16384): the sum is finite when every
+// element is, unless it overflows, which the exact check then settles.
+// `witness`: a tensor whose sum is finite only if t's elements are (the
+// type's take_finite_witness()), read instead of t when defined.
+bool all_finite(const at::Tensor& t, const at::Tensor& witness = at::Tensor()) {
+  if (!t.defined() || !t.is_floating_point() || t.numel() == 0) return true;
+  if (std::isfinite((witness.defined() ? witness : t).sum().item<double>())) return true;
+  return torch::isfinite(t).all().item<bool>();
+}
+
+// Whether non-finite results are explained by the inputs: a non-finite q, k,
+// v (or output gradient), or an additive mask or state with NaN or +inf (-inf
+// drops a key).
+bool nonfinite_inputs(std::initializer_list<const at::Tensor*> inputs,
+                      at::TensorList other_inputs) {
+  for (const at::Tensor* t : inputs) {
+    if (!all_finite(*t)) return true;
+  }
+  for (const auto& t : other_inputs) {
+    if (t.defined() && t.is_floating_point() &&
+        (t.isnan().any().item<bool>() || t.isposinf().any().item<bool>()))
+      return true;
+  }
+  return false;
+}
+
+double largest_abs(const at::Tensor& t) {
+  return t.defined() && t.numel() ? t.abs().max().item<double>() : 0.0;
+}
+
 // Output that is not finite although q, k and v are (scores past the dtype's
 // range, an exponential that overflows): an error that says so, rather than
 // NaN or inf handed on silently. On the CPU only: on CUDA the check would
@@ -132,27 +164,39 @@ void check_finite_result(const char* op, const std::string& type, const std::str
                          const at::Tensor& out, const at::Tensor& witness, const at::Tensor& q,
                          const at::Tensor& k, const at::Tensor& v,
                          at::TensorList other_inputs = {}) {
-  if (!out.device().is_cpu() || !out.is_floating_point() || out.numel() == 0) return;
-  // One reduction first, not isfinite's five passes and two temporaries (they
-  // took half the registry operator's time for linear attention at
-  // L = 16384): the sum is finite when every element is, unless it overflows,
-  // which the exact check then settles.
-  if (std::isfinite((witness.defined() ? witness : out).sum().item<double>())) return;
-  if (torch::isfinite(out).all().item<bool>()) return;
-  auto finite = [](const at::Tensor& t) {
-    return !t.defined() || !t.is_floating_point() || torch::isfinite(t).all().item<bool>();
-  };
-  if (!finite(q) || !finite(k) || !finite(v)) return;  // non-finite in, non-finite out
-  for (const auto& t : other_inputs) {  // an additive mask (-inf drops a key), a state
-    if (t.is_floating_point() && (t.isnan().any().item<bool>() || t.isposinf().any().item<bool>()))
-      return;
-  }
-  auto largest = [](const at::Tensor& t) { return t.numel() ? t.abs().max().item<double>() : 0.0; };
+  if (!out.device().is_cpu() || all_finite(out, witness)) return;
+  if (nonfinite_inputs({&q, &k, &v}, other_inputs)) return;  // non-finite in, non-finite out
   TORCH_CHECK(false, op, ": ", type_and_params(type, params_json), " overflowed ",
-              out.scalar_type(), " on finite inputs (largest |q| = ", largest(q),
-              ", |k| = ", largest(k), ", |v| = ", largest(v),
+              out.scalar_type(), " on finite inputs (largest |q| = ", largest_abs(q),
+              ", |k| = ", largest_abs(k), ", |v| = ", largest_abs(v),
               "): the output would hold inf or NaN. Scale the inputs down, lower softmax_temp, "
               "or use float64");
+}
+
+// The same rule for the backward (issue 66): gradients that are not finite
+// although q, k, v and the output's gradient are raise an error naming the
+// type, its parameters and the gradient, instead of reaching the optimiser.
+// CPU only, as the forward's check.
+void check_finite_gradients(const std::string& type, const std::string& params_json,
+                            const std::vector<at::Tensor>& grads, const at::Tensor& grad_out,
+                            const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const c10::optional<at::Tensor>& attn_mask) {
+  static const char* const kNames[] = {"grad_q", "grad_k", "grad_v"};
+  int bad = -1;
+  for (int i = 0; i < 3 && bad < 0; ++i) {
+    if (grads[i].defined() && grads[i].device().is_cpu() && !all_finite(grads[i])) bad = i;
+  }
+  if (bad < 0) return;
+  if (nonfinite_inputs({&q, &k, &v, &grad_out},
+                       attn_mask ? at::TensorList(*attn_mask) : at::TensorList()))
+    return;
+  TORCH_CHECK(false, "fastattn::attention: ", type_and_params(type, params_json), " overflowed ",
+              grads[bad].scalar_type(),
+              " in the backward on finite inputs and a finite output gradient (largest |q| = ",
+              largest_abs(q), ", |k| = ", largest_abs(k), ", |v| = ", largest_abs(v),
+              ", |grad_out| = ", largest_abs(grad_out), "): ", kNames[bad],
+              " would hold inf or NaN. Scale the inputs down, lower softmax_temp, or use "
+              "float64");
 }
 
 // A type's output and its take_finite_witness().
@@ -269,6 +313,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
                                   /*retain_graph=*/false,
                                   /*create_graph=*/false, /*allow_unused=*/true);
   }
+  check_finite_gradients(type, params_json, grads, grad_out, q, k, v, attn_mask);
   // In the inputs' row layouts, as the fake implementation promises
   // (inductor asserts the strides): autograd gives most gradients of a strided
   // input (a transposed (N, L, H, E) projection, say) that input's strides.
@@ -361,6 +406,9 @@ class EagerAttentionFunction : public torch::autograd::Function<EagerAttentionFu
     check_finite_result("fastattn::attention", type, params_json, inner.out, inner.finite_witness,
                         q, k, v, attn_mask ? at::TensorList(*attn_mask) : at::TensorList());
     ctx->save_for_backward({ql, kl, vl, inner.out});
+    ctx->saved_data["type"] = type;
+    ctx->saved_data["params"] = params_json;
+    ctx->saved_data["attn_mask"] = attn_mask ? *attn_mask : at::Tensor();
     at::Tensor out = inner.out.detach();
     // Not sharing memory with the inputs, in q's row layout (as attention_forward).
     if (out.is_alias_of(q) || out.is_alias_of(k) || out.is_alias_of(v)) out = out.clone();
@@ -383,6 +431,11 @@ class EagerAttentionFunction : public torch::autograd::Function<EagerAttentionFu
                                      /*create_graph=*/false, /*allow_unused=*/true);
       for (size_t j = 0; j < index.size(); ++j) result[index[j]] = g[j];
     }
+    const auto mask = ctx->saved_data["attn_mask"].toTensor();
+    check_finite_gradients(ctx->saved_data["type"].toStringRef(),
+                           ctx->saved_data["params"].toStringRef(), result, grads[0], saved[0],
+                           saved[1], saved[2],
+                           mask.defined() ? c10::optional<at::Tensor>(mask) : c10::nullopt);
     // Zeros for an input the output does not depend on (as attention_backward),
     // in the inputs' row layouts.
     for (int i = 0; i < 3; ++i) {
@@ -449,19 +502,23 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> attention_step(
     at::TensorList state, std::string params_json) {
   constexpr const char* op = "fastattn::attention_step";
   check_step_shapes(op, q, v);
-  TORCH_CHECK(state.size() <= 2, op,
-              ": state must be empty or the two tensors the previous step returned, got ",
-              state.size(),
+  // A cache's fixed-size state ends in its int64 fill count.
+  const bool in_place_state = !state.empty() && state.back().defined() &&
+                              state.back().scalar_type() == at::kLong && state.back().dim() == 0;
+  TORCH_CHECK(state.size() <= 3 && !in_place_state, op,
+              ": state must be empty or the tensors the previous step returned, got ", state.size(),
               " tensors (attention_step_ steps the fixed-size state of "
               "attention_step_state in place)");
-  auto [out, next] = naming_allocation_failures(op, type, params_json, q, k, v, [&] {
+  auto [out, compact] = naming_allocation_failures(op, type, params_json, q, k, v, [&] {
     auto attn = recurrent_instance(type, params_json, q, v);
-    return attn->step(q, k, v, RecurrentState{{state.begin(), state.end()}});
+    auto [o, next] = attn->step(q, k, v, RecurrentState{{state.begin(), state.end()}});
+    return std::make_pair(o, attn->compact_state(next));
   });
   check_finite_result(op, type, params_json, out, at::Tensor(), q, k, v, state);
   // The compact state: a cache step returns views of its new buffers (exactly
   // t + 1 rows from a compact state, 16 from an empty one).
-  return {out, {next.tensors[0].contiguous(), next.tensors[1].contiguous()}};
+  for (auto& t : compact) t = t.contiguous();
+  return {out, compact};
 }
 
 // A zero state for attention_step_ (see make_state).

@@ -16,7 +16,9 @@ model sizes (rounds, n_features, ClusterFormer's clusters), feature maps
 that overflow (generalized exp, eps below the dtype's range), large scores
 (improved-clustered), overflow near the dtype's range (an error saying so),
 dtypes, and every numeric parameter of every type at the ends of its range,
-one past them and far past them.
+one past them and far past them, in float32 and float64 with gradients
+(issue 66: a case with "grad" runs the backward too, whose gradients must be
+finite unless the call raises).
 
 Run: part of `make test` (ctest's python_tests and the pip suite), or
   PYTHONPATH=python FASTATTN_LIBRARY=build/libfastattn.so /usr/bin/python3 -m pytest tests/python/test_hostile.py
@@ -77,6 +79,13 @@ _WORKER = textwrap.dedent(
                 x = torch.randn(N, H, L, E, generator=g, dtype=torch.float64) * c.get("scale", 1.0)
                 return x.to(dt)
             q, k, v = make(), make(), make()
+            # Sign patterns: "abs" and "-abs" make relu features all positive
+            # or all zero.
+            signs = c.get("signs", {})
+            if signs.get("q"): q = q.abs() if signs["q"] == "abs" else -q.abs()
+            if signs.get("k"): k = k.abs() if signs["k"] == "abs" else -k.abs()
+            grad = c.get("grad", False)
+            q, k, v = (t.detach().requires_grad_(grad) for t in (q, k, v))
             if c.get("step"):
                 state, outs = None, []
                 for t in range(L):
@@ -89,6 +98,13 @@ _WORKER = textwrap.dedent(
                                          **c.get("params", {}))
             res = {"status": "ok", "shape": list(out.shape),
                    "finite": bool(torch.isfinite(out.double()).all())}
+            if grad and out.requires_grad:
+                go = torch.randn(out.shape, generator=g, dtype=torch.float64).to(dt)
+                grads = torch.autograd.grad(out, (q, k, v), go, allow_unused=True)
+                grads = [x.double() for x in grads if x is not None]
+                res["grad_finite"] = all(bool(torch.isfinite(x).all()) for x in grads)
+                res["grad_max"] = max((float(x.abs().max()) for x in grads if x.numel()),
+                                      default=0.0)
         except Exception as e:
             res = {"status": "error", "kind": type(e).__name__, "msg": str(e).split("\n")[0][:600]}
         res["growth_mib"] = peak_mib() - before
@@ -165,6 +181,9 @@ def check(worker, case, *, ok=None, error=None, shape=None):
     if r["status"] == "ok":
         assert error is None, "%s: expected an error naming %s, got an output" % (what, error)
         assert r["finite"], "%s: output not finite, without an error saying so" % what
+        if case.get("grad"):
+            assert r.get("grad_finite", True), (
+                "%s: gradient not finite, without an error saying so" % what)
         N, H, L, E = case.get("shape", [1, 2, 9, 4])
         assert r["shape"] == (shape or [N, H, L, E]), what
     else:
@@ -327,7 +346,7 @@ def test_bfloat16_steps_every_recurrent_type(worker, name):
 
 
 def edge_values(spec):
-    """(value, in_range) pairs at and around the spec's range."""
+    """(value, in_range) pairs at and around the spec's range, and far past it."""
     is_int = spec["type"] == "int"
     lo, hi = spec.get("min"), spec.get("max")
     out = []
@@ -337,29 +356,34 @@ def edge_values(spec):
     if hi is not None:
         out.append((int(hi) if is_int else hi, not spec.get("max_exclusive", False)))
         out.append((int(hi) + 1 if is_int else hi + 1e-9, False))
-    far = [2**31, 2**62] if is_int else [1e-300, 1e30]
+    far = [2**31, 2**62, 2**63 - 1] if is_int else [1e-300, 1e30, 1e300]
     for v in far:
         ok = (lo is None or v >= lo) and (hi is None or v <= hi)
         out.append((v, ok))
     return out
 
 
+# In-range values run in float32 and float64 with gradients; a value out of
+# range is refused before any arithmetic, once.
 EDGE_CASES = [
-    (name, spec["name"], value, in_range)
+    (name, spec["name"], value, in_range, dtype)
     for name in TYPES
     for spec in SPECS[name]
     if spec["type"] in ("int", "float")
     for value, in_range in edge_values(spec)
+    for dtype in (["f32", "f64"] if in_range else ["f32"])
 ]
 
 
 @pytest.mark.parametrize(
-    "name,param,value,in_range",
+    "name,param,value,in_range,dtype",
     EDGE_CASES,
-    ids=["%s-%s-%r" % c[:3] for c in EDGE_CASES],
+    ids=["%s-%s-%r-%s" % (c[0], c[1], c[2], c[4]) for c in EDGE_CASES],
 )
-def test_every_numeric_parameter_at_and_past_its_range(worker, name, param, value, in_range):
-    case = {"type": name, "params": {param: value}, "causal": causal_for(name)}
+def test_every_numeric_parameter_at_and_past_its_range(worker, name, param, value, in_range,
+                                                       dtype):
+    case = {"type": name, "params": {param: value}, "causal": causal_for(name), "dtype": dtype,
+            "grad": True}
     if not in_range:
         check(worker, case, error=[param])
         return
@@ -369,3 +393,69 @@ def test_every_numeric_parameter_at_and_past_its_range(worker, name, param, valu
         # combination: summary > stride, n_features with the elu map), or
         # for softmax_temp = 1e30 by overflow -- never for an allocation.
         assert "could not allocate" not in r["msg"], r["msg"]
+
+
+# ---- gradients (issue 66) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("stride", [2**62, 2**63 - 1])
+def test_sparse_strided_huge_stride_backward(worker, causal, stride):
+    # The backward of stride 2**63 - 1 died of a segmentation fault (its plans'
+    # position arithmetic wrapped around); the forward's output was wrong.
+    check(worker, {"type": "sparse-strided", "params": {"stride": stride}, "causal": causal,
+                   "dtype": "f64", "grad": True}, ok=True)
+
+
+@pytest.mark.parametrize("name", ["local", "sparse-fixed"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_block_sparse_huge_sizes_backward(worker, name, causal):
+    param = "window" if name == "local" else "stride"
+    params = {param: 2**63 - 1}
+    if name == "sparse-fixed":
+        params.update(summary=2**62, per_head_summary=True)
+    check(worker, {"type": name, "params": params, "causal": causal, "shape": [1, 3, 9, 4],
+                   "grad": True}, ok=True, shape=[1, 3, 9, 4])
+
+
+@pytest.mark.parametrize("name", ["full", "clustered", "improved-clustered", "hard-retrieval",
+                                  "local", "clusterformer", "reformer", "sparse-fixed",
+                                  "exact-topk", "sparse-strided"])
+@pytest.mark.parametrize("temp", [1e30, 1e300])
+@pytest.mark.parametrize("dtype", ["f32", "f64"])
+def test_huge_softmax_temp_gradients_are_finite_or_refused(worker, name, temp, dtype):
+    # inf or NaN in dq, dk, dv with finite inputs and outputs, and no error.
+    r = check(worker, {"type": name, "params": {"softmax_temp": temp}, "dtype": dtype,
+                       "grad": True})
+    if r["status"] == "error":
+        assert "overflowed" in r["msg"] and "softmax_temp" in r["msg"], r["msg"]
+
+
+@pytest.mark.parametrize("name,params", [
+    ("linear", {"feature_map": "relu"}),
+    ("linear", {"feature_map": "relu", "eps": 1e-45}),
+    ("causal-linear", {"feature_map": "relu"}),
+    ("causal-linear", {"feature_map": "relu", "eps": 1e-45}),
+    ("causal-linear", {"feature_map": "relu", "eps": 1e-300}),
+])
+@pytest.mark.parametrize("dtype", ["f32", "f64"])
+def test_all_zero_key_features_give_zero_gradients(worker, name, params, dtype):
+    # Every key's relu features are 0: the output is 0 whatever q, k, v are
+    # (0 / eps, as the forward defines it), so every gradient is exactly 0.
+    # NaN came out of dv (linear) and dq (causal-linear, eps = 1e-45).
+    r = check(worker, {"type": name, "params": params, "causal": causal_for(name),
+                       "dtype": dtype, "grad": True, "signs": {"q": "abs", "k": "-abs"}},
+              ok=True)
+    assert r["grad_max"] == 0.0, r
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("dtype", ["f32", "f64"])
+def test_gradients_near_the_dtype_range(worker, name, dtype):
+    # Inputs whose scores come near the dtype's range: finite gradients or the
+    # overflow error, never inf or NaN handed back.
+    scale = 1e18 if dtype == "f32" else 1e150
+    r = check(worker, {"type": name, "scale": scale, "dtype": dtype, "grad": True,
+                       "causal": causal_for(name)})
+    if r["status"] == "error":
+        assert "overflowed" in r["msg"] or name in r["msg"], r["msg"]

@@ -37,6 +37,13 @@ FASTATTN_ISA_BEGIN
 
 // ---- patterns -> parts --------------------------------------------------------
 
+// Offsets and strides beyond any distance between two positions act alike
+// (every key in the band; one key per residue class): they are cut to kFar so
+// that the kernels' position arithmetic (p + hi, j + l) cannot overflow int64
+// (a stride of 2^63 - 1 wrapped around in the backward's plans and crashed
+// it). Positions stay below 2^62 (tensor sizes).
+constexpr int64_t kFar = int64_t{1} << 62;
+
 std::vector<SparsePart> make_sparse_parts(int pattern, const std::vector<int64_t>& params,
                                           bool causal, int64_t H) {
   std::vector<SparsePart> parts;
@@ -44,14 +51,16 @@ std::vector<SparsePart> make_sparse_parts(int pattern, const std::vector<int64_t
     const int64_t w = params.at(0);
     SparsePart p;
     p.kind = SparsePartKind::Band;
-    p.lo = causal ? -(w - 1) : -(w / 2);
-    p.hi = causal ? 0 : w - 1 - w / 2;
+    p.lo = std::max(-kFar, causal ? -(w - 1) : -(w / 2));
+    p.hi = std::min(kFar, causal ? 0 : w - 1 - w / 2);
     p.head_end = H;
     parts.push_back(p);
     return parts;
   }
-  const int64_t l = params.at(0);
   const bool fixed = pattern == kFixedPattern;
+  // fixed: the stride also places the summary positions (the last c of each
+  // block), so it is kept; its arithmetic stays in range (l - c·g >= 0).
+  const int64_t l = fixed ? params.at(0) : std::min(params.at(0), kFar);
   const int64_t which = fixed ? params.at(2) : params.at(1);
   SparsePart a1, a2;
   if (fixed) {
@@ -239,7 +248,9 @@ PartGeometries make_part_geometries(const SparsePart& part, int64_t H, int64_t L
   PartGeometries pg;
   pg.index.assign(H, -1);
   const bool per_head = part.kind == SparsePartKind::Summary && part.per_head;
-  const int64_t groups = per_head ? std::max<int64_t>(1, part.stride / part.summary) : 1;
+  // Head h uses group h mod (l / c): at most H of them exist (l / c can be 2^62).
+  const int64_t groups =
+      per_head ? std::min(H, std::max<int64_t>(1, part.stride / part.summary)) : 1;
   std::vector<int64_t> made(groups, -1);
   for (int64_t h = part.head_begin; h < part.head_end; ++h) {
     const int64_t grp = per_head ? h % groups : 0;
