@@ -32,12 +32,16 @@
 //
 // Numerical stabilisation of FAVOR+ (as in the Performer code): queries
 // subtract the max exponent of each row (per query, over the m features);
-// keys subtract the max exponent over all kept keys and features of each
-// (n, h). Either constant cancels in the normalised attention (the query's
-// between numerator and denominator, the keys' because it is shared by every
-// key a query sees); the maxes are taken without gradient, so gradients are
-// those of the unstabilised form. forward() itself is unstabilised (the plain
-// kernel estimate); forward_queries / forward_keys are what attention uses.
+// keys subtract the max exponent c over all kept keys and features of each
+// (n, h) (map_keys returns c as the keys' offset). The query's constant
+// cancels between numerator and denominator; the keys' is shared by every key
+// a query sees, and linear attention scales its eps by exp(-c) too, so the
+// output is that of the unstabilised keys whatever c is: the recurrent form,
+// which only knows the keys so far, carries a running c and gives the same
+// numbers. The maxes are taken without gradient, so gradients are those of the
+// unstabilised form. forward() itself is unstabilised (the plain kernel
+// estimate); forward_queries / map_keys are what attention uses. The
+// generalized map with kernel_fn exp is stabilised the same way.
 //
 // Tested by tests/cpp/test_linear_attention.cpp.
 #pragma once
@@ -60,9 +64,22 @@ class FeatureMap : public torch::nn::Module {
   // key_keep: optional (N, L) bool, true for real (not padded) keys; maps
   // whose key form depends on other keys (favor) look at kept keys only.
   virtual torch::Tensor forward_queries(const torch::Tensor& x) { return forward(x); }
-  virtual torch::Tensor forward_keys(const torch::Tensor& x,
-                                     const std::optional<torch::Tensor>& key_keep = std::nullopt) {
-    return forward(x);
+  // Key features shifted by a per-(n, h) offset: features = forward(x) ·
+  // exp(-offset), offset (N, H, 1, 1) taken without gradient (the
+  // exponential maps' stabilisation, see the file comment), or undefined for
+  // maps without one (features = forward(x)).
+  struct KeyFeatures {
+    torch::Tensor features, offset;
+  };
+  virtual KeyFeatures map_keys(const torch::Tensor& x,
+                               const std::optional<torch::Tensor>& key_keep = std::nullopt) {
+    return {forward(x), torch::Tensor()};
+  }
+  // Whether map_keys returns an offset (favor; generalized with kernel_fn exp).
+  virtual bool shifts_keys() const { return false; }
+  torch::Tensor forward_keys(const torch::Tensor& x,
+                             const std::optional<torch::Tensor>& key_keep = std::nullopt) {
+    return map_keys(x, key_keep).features;
   }
   virtual int64_t output_dim() const = 0;
   // The registry name of the map ("elu", "favor", ...).

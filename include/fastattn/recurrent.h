@@ -15,7 +15,12 @@
 // Types:
 //   causal-linear  state (S (N, H, F, M), Z (N, H, F)):
 //                  S += phi(k) v^T, Z += phi(k), out = phi(q)·S / (phi(q)·Z + eps).
-//                  O(F·M) time and constant memory per step and head.
+//                  O(F·M) time and constant memory per step and head. The
+//                  exponential maps (favor, generalized with kernel_fn exp)
+//                  add offset (N, H): S and Z hold the sums times
+//                  exp(-offset), the largest key offset so far
+//                  (FeatureMap::map_keys), rescaled when it grows, and eps is
+//                  scaled with them, as in the batch form.
 //   full           key/value cache (K (N, H, t, E), V (N, H, t, M)), growing
 //                  by one row per step into preallocated buffers whose
 //                  capacity doubles (amortised O(E + M) copy per step);
@@ -29,15 +34,10 @@
 // With the same parameters (and so the same feature map weights), step i
 // equals row i of the batch type's output under a causal mask.
 //
-// Limitation (random feature maps): the batch causal-linear type stabilises
-// FAVOR+ keys by subtracting the max exponent over the whole sequence, which
-// a step cannot know in advance. The recurrent form maps keys with the
-// unstabilised map (FeatureMap::forward, a fixed offset of 0) and queries with
-// forward_queries (a per-query offset, which cancels). The two forms then
-// agree up to how eps weighs against the normaliser, and very large key
-// exponents can overflow in the recurrent form. For elu and relu (and rff,
-// which has no offset) both forms compute the same thing. Steps never redraw
-// random features (a redraw mid-sequence would invalidate the state).
+// Every feature map's steps give the batch form's numbers (to rounding): the
+// exponential maps' stabilising offset is carried in the state (above), and
+// both forms scale eps with it, so neither depends on the offset. Steps never
+// redraw random features (a redraw mid-sequence would invalidate the state).
 //
 // Tested by tests/cpp/test_recurrent.cpp.
 #pragma once
@@ -86,6 +86,11 @@ class RecurrentAttentionBase : public torch::nn::Module {
   // capacity, when a cache is full.
   virtual torch::Tensor step_in_place(const torch::Tensor& query, const torch::Tensor& key,
                                       const torch::Tensor& value, torch::TensorList state) = 0;
+  // What of a state step() returned the next step needs, without buffers
+  // kept for growth (the attention_step operator's functional state).
+  virtual std::vector<torch::Tensor> compact_state(const RecurrentState& state) const {
+    return state.tensors;
+  }
 };
 using RecurrentAttentionPtr = std::shared_ptr<RecurrentAttentionBase>;
 
@@ -145,6 +150,10 @@ class RecurrentCacheAttention : public RecurrentAttentionBase {
                                         const torch::TensorOptions& options) const override;
   torch::Tensor step_in_place(const torch::Tensor& query, const torch::Tensor& key,
                               const torch::Tensor& value, torch::TensorList state) override;
+  // {K, V}: the views of the filled rows.
+  std::vector<torch::Tensor> compact_state(const RecurrentState& state) const override {
+    return {state.tensors.at(0), state.tensors.at(1)};
+  }
 };
 
 // full (causal) softmax attention with a key/value cache (above).

@@ -328,7 +328,9 @@ def attention_step_state(type, q, v, capacity, **params):
     and ``v (N, H, M)`` with room for ``capacity`` positions.
 
     ``causal-linear``: ``[S (N, H, F, M), Z (N, H, F)]`` (constant size;
-    ``capacity`` is not used). ``full``, ``hard-retrieval``: ``[K (N, H,
+    ``capacity`` is not used), and for the exponential feature maps (``favor``,
+    ``generalized`` with ``kernel_fn='exp'``) a third tensor, the running key
+    offset ``(N, H)`` (``-inf`` before the first key). ``full``, ``hard-retrieval``: ``[K (N, H,
     capacity, E), V (N, H, capacity, M), filled]`` where ``filled`` is an
     int64 scalar on the CPU counting the positions written (set it to 0 to
     reuse the state). Allocate it outside a compiled function, like Hugging

@@ -112,7 +112,8 @@ class FavorFeatureMap : public RandomFeatureMap {
     return finish(e - std::get<0>(e.detach().max(-1, /*keepdim=*/true)));  // per row
   }
 
-  Tensor forward_keys(const Tensor& x, const std::optional<Tensor>& key_keep) override {
+  bool shifts_keys() const override { return true; }
+  KeyFeatures map_keys(const Tensor& x, const std::optional<Tensor>& key_keep) override {
     auto e = exponent(x);  // (N, H, L, m)
     if (key_keep) {
       // Padded keys: exponent -inf, so phi = 0 and exp's gradient is 0 (not
@@ -124,7 +125,7 @@ class FavorFeatureMap : public RandomFeatureMap {
     // Max over the kept keys and features of each (n, h); 0 when none is kept.
     auto mx = std::get<0>(d.flatten(2).max(-1, /*keepdim=*/true)).unsqueeze(-1);
     mx = mx.masked_fill(torch::isinf(mx), 0.0);
-    return finish(e - mx);
+    return {finish(e - mx), mx};
   }
 
  private:
@@ -196,16 +197,19 @@ class GeneralizedFeatureMap : public RandomFeatureMap {
     return shifted_exp(u, std::get<0>(u.detach().max(-1, /*keepdim=*/true)));
   }
 
-  Tensor forward_keys(const Tensor& x, const std::optional<Tensor>& key_keep) override {
-    if (kernel_fn_ != "exp") return forward(x);
+  bool shifts_keys() const override { return kernel_fn_ == "exp"; }
+  KeyFeatures map_keys(const Tensor& x, const std::optional<Tensor>& key_keep) override {
+    if (kernel_fn_ != "exp") return {forward(x), Tensor()};
     auto u = project(x).second;  // (N, H, L, m)
     if (key_keep) {
       // Padded keys: -inf, so their features and gradients are 0 (not 0·inf).
       const auto keep = key_keep->reshape({x.size(0), 1, x.size(2), 1});
       u = u.masked_fill(keep.logical_not(), -std::numeric_limits<double>::infinity());
     }
-    return shifted_exp(u,
-                       std::get<0>(u.detach().flatten(2).max(-1, /*keepdim=*/true)).unsqueeze(-1));
+    // max(the largest exponent, 0) of each (n, h); -inf (no key kept) gives 0.
+    auto c =
+        std::get<0>(u.detach().flatten(2).max(-1, /*keepdim=*/true)).unsqueeze(-1).clamp_min(0.0);
+    return {shifted_exp(u, c), c};
   }
 
  private:

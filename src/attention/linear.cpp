@@ -32,29 +32,41 @@ using torch::Tensor;
 
 namespace {
 
-// out = prod[..., :M] / (prod[..., M] + eps) for prod (N, H, L, M + 1), with
-// a fused backward (grad_num = g / d, grad_den = -sum(g ∘ out) / d): two
-// passes instead of the generic narrow / add / div chain (about ten at
-// L·M size).
+// out = prod[..., :M] / (prod[..., M] + eps) for prod (N, H, L, M + 1) and
+// eps a scalar or (N, H, 1, 1) tensor (shifted_eps), with a fused backward
+// (grad_num = g / d, grad_den = -sum(g ∘ out) / d): two passes instead of the
+// generic narrow / add / div chain (about ten at L·M size).
+// A query whose features meet no key's (normaliser and numerator exactly 0:
+// with relu features, a query whose positive features no key shares) is a
+// query without keys: output 0 (0 / eps), as a fully masked row of softmax
+// attention, and no gradient. Its 1/eps would otherwise overflow for a tiny
+// eps and reach dv or dq as 0 · inf = NaN; with non-negative features every
+// product of that row with a key is 0, so 0 is also the exact derivative.
 class NormaliseLastColumn : public torch::autograd::Function<NormaliseLastColumn> {
  public:
-  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& prod, double eps) {
+  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& prod,
+                        const Tensor& eps) {
     const int64_t M = prod.size(-1) - 1;
-    auto d = prod.narrow(-1, M, 1) + eps_in(eps, prod.scalar_type());  // (N, H, L, 1)
-    auto out = prod.narrow(-1, 0, M) / d;                              // (N, H, L, M)
-    ctx->save_for_backward({out, d});
+    auto den = prod.narrow(-1, M, 1);
+    auto d = den + eps;                    // (N, H, L, 1)
+    auto out = prod.narrow(-1, 0, M) / d;  // (N, H, L, M)
+    ctx->save_for_backward({out, d, den.eq(0)});
     return out;
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const auto &out = saved[0], &d = saved[1];
+    const auto &out = saved[0], &d = saved[1], &zero_den = saved[2];
     const auto& g = grads[0];
     const int64_t M = out.size(-1);
     auto grad = torch::empty({out.size(0), out.size(1), out.size(2), M + 1}, out.options());
     auto head = grad.narrow(-1, 0, M);
     torch::div_out(head, g, d);
     grad.narrow(-1, M, 1).copy_(-(g * out).sum(-1, /*keepdim=*/true) / d);
+    // Rows without keys (above); on the CPU their test runs only when a
+    // normaliser is 0 (no host synchronisation on other devices).
+    if (!out.device().is_cpu() || zero_den.any().item<bool>())
+      grad.masked_fill_(zero_den & out.eq(0).all(-1, /*keepdim=*/true), 0.0);
     return {grad, Tensor()};
   }
 };
@@ -85,21 +97,26 @@ Tensor fused_elu_attention(const Tensor& q, const Tensor& k, const Tensor& v, co
   return out;
 }
 
-// phi(Q) (N, H, L, F) and phi(K) (N, H, S, F) with padded keys zeroed.
-std::pair<Tensor, Tensor> feature_mapped(const char* type, FeatureMap& fm, bool training,
-                                         const Tensor& q, const Tensor& k, const Mask& mask) {
+struct MappedFeatures {
+  Tensor qf, kf;  // phi(Q) (N, H, L, F), phi(K) (N, H, S, F)
+  Tensor eps;     // the normaliser's eps in the keys' scale (shifted_eps)
+};
+
+// phi(Q) and phi(K) with padded keys zeroed, and the eps that goes with them.
+MappedFeatures feature_mapped(const char* type, FeatureMap& fm, bool training, const Tensor& q,
+                              const Tensor& k, const Mask& mask, double eps) {
   fm.maybe_redraw(training);
   const int64_t N = k.size(0), S = k.size(2);
   std::optional<Tensor> keep;
   if (mask.key_lengths()) keep = mask.key_keep(N, S, k.device());  // (N, S)
   auto qf = fm.forward_queries(q);
-  auto kf = fm.forward_keys(k, keep);
+  auto [kf, offset] = fm.map_keys(k, keep);
   TORCH_CHECK(qf.dim() == 4 && kf.dim() == 4 && qf.size(3) == kf.size(3) &&
                   qf.size(2) == q.size(2) && kf.size(2) == S,
               type, ": feature map '", fm.name(), "' must map (N, H, L, E) to (N, H, L, F), got ",
               qf.sizes(), " for queries ", q.sizes(), " and ", kf.sizes(), " for keys ", k.sizes());
   if (keep) kf = kf.masked_fill(keep->reshape({N, 1, S, 1}).logical_not(), 0.0);
-  return {qf, kf};
+  return {qf, kf, shifted_eps(eps, offset, q.scalar_type(), q.options())};
 }
 
 struct LinearOptions {
@@ -178,12 +195,13 @@ Tensor LinearAttention::forward(const Tensor& queries,  // (N, H, L, E)
   if (fused_elu(*feature_map_, queries))
     return fused_elu_attention(queries, keys, values, mask, /*causal=*/false, eps_,
                                &finite_witness_);
-  auto [qf, kf] = feature_mapped("linear", *feature_map_, is_training(), queries, keys, mask);
+  auto [qf, kf, eps] =
+      feature_mapped("linear", *feature_map_, is_training(), queries, keys, mask, eps_);
   // [phi(K)^T V | sum_j phi(K_j)] is small (F × (M + 1) per head): one product
   // with phi(Q) then gives numerator and normaliser together.
   auto kvz = torch::cat({torch::matmul(kf.transpose(-1, -2), values), kf.sum(2).unsqueeze(-1)},
-                        -1);                                        // (N, H, F, M + 1)
-  return NormaliseLastColumn::apply(torch::matmul(qf, kvz), eps_);  // (N, H, L, M)
+                        -1);                                       // (N, H, F, M + 1)
+  return NormaliseLastColumn::apply(torch::matmul(qf, kvz), eps);  // (N, H, L, M)
 }
 
 // ---- causal-linear ----------------------------------------------------------
@@ -215,14 +233,14 @@ Tensor CausalLinearAttention::forward(const Tensor& queries,  // (N, H, L, E)
   if (fused_elu(*feature_map_, queries))
     return fused_elu_attention(queries, keys, values, mask, /*causal=*/true, eps_,
                                &finite_witness_);
-  auto [qf, kf] =
-      feature_mapped("causal-linear", *feature_map_, is_training(), queries, keys, mask);
+  auto [qf, kf, eps] =
+      feature_mapped("causal-linear", *feature_map_, is_training(), queries, keys, mask, eps_);
   // One product for numerator and normaliser: v gets a column of ones, so
   // column M of the result is phi(q_i)·sum_{j<=i} phi(k_j), accumulated in
   // exactly the numerator's order (and its precision).
   auto ones = torch::ones({values.size(0), values.size(1), values.size(2), 1}, values.options());
   auto prod = causal_linear_product(qf, kf, torch::cat({values, ones}, -1));  // (N, H, L, M + 1)
-  return NormaliseLastColumn::apply(prod, eps_);
+  return NormaliseLastColumn::apply(prod, eps);
 }
 
 void register_linear_attention_types(AttentionRegistry& registry) {

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "attention/normaliser_eps.h"
 #include "fastattn/feature_maps.h"
@@ -77,44 +78,72 @@ std::pair<Tensor, RecurrentState> RecurrentLinearAttention::step(const Tensor& q
   const int64_t N = query.size(0), H = query.size(1), M = value.size(2);
   const int64_t F = feature_map_->output_dim();
   auto qf = feature_map_->forward_queries(query.unsqueeze(2));  // (N, H, 1, F)
-  // Keys: the unstabilised map (offset 0), see the header's limitation.
-  auto kf = feature_map_->forward(key.unsqueeze(2));  // (N, H, 1, F)
+  // The key's features shifted by its own offset c_k (exponential maps; see
+  // include/fastattn/feature_maps.h), or unshifted.
+  auto [kf, key_offset] = feature_map_->map_keys(key.unsqueeze(2));  // (N, H, 1, F)
   TORCH_CHECK(qf.dim() == 4 && qf.size(3) == F && kf.sizes() == qf.sizes(), type, ": feature map '",
               feature_map_->name(), "' must map (N, H, 1, E) to (N, H, 1, ", F, "), got ",
               qf.sizes(), " for the query and ", kf.sizes(), " for the key");
-  Tensor S, Z;
+  const bool shifted = key_offset.defined();
+  const size_t tensors = shifted ? 3 : 2;
+  auto kv = torch::matmul(kf.transpose(-1, -2), value.unsqueeze(2));  // (N, H, F, M)
+  auto kz = kf.squeeze(2);                                            // (N, H, F)
+  Tensor S, Z, offset;
   if (state.empty()) {
-    S = torch::matmul(kf.transpose(-1, -2), value.unsqueeze(2));  // (N, H, F, M)
-    Z = kf.squeeze(2);                                            // (N, H, F)
+    S = kv;
+    Z = kz;
+    if (shifted) offset = key_offset.view({N, H});
   } else {
-    TORCH_CHECK(state.tensors.size() == 2, type,
-                ": state must be empty or hold {S (N, H, F, M), Z (N, H, F)}, got ",
-                state.tensors.size(), " tensors");
+    TORCH_CHECK(state.tensors.size() == tensors, type,
+                ": state must be empty or hold {S (N, H, F, M), Z (N, H, F)",
+                shifted ? ", offset (N, H)" : "", "} for feature map '", feature_map_->name(),
+                "', got ", state.tensors.size(), " tensors");
     check_state_tensor(type, "S", state.tensors[0], {N, H, F, M}, query);
     check_state_tensor(type, "Z", state.tensors[1], {N, H, F}, query);
-    S = state.tensors[0] + torch::matmul(kf.transpose(-1, -2), value.unsqueeze(2));
-    Z = state.tensors[1] + kf.squeeze(2);
+    if (!shifted) {
+      S = state.tensors[0] + kv;
+      Z = state.tensors[1] + kz;
+    } else {
+      // S and Z hold the unshifted sums times exp(-offset), offset the largest
+      // key offset so far: when this key's is larger, the sums are rescaled
+      // to it; otherwise the key is. make_state's offset -inf: no key yet.
+      check_state_tensor(type, "offset", state.tensors[2], {N, H}, query);
+      const auto& old = state.tensors[2];
+      offset = torch::maximum(old, key_offset.view({N, H}));
+      auto keep_old = (old - offset).exp(), scale_key = (key_offset.view({N, H}) - offset).exp();
+      S = state.tensors[0] * keep_old.view({N, H, 1, 1}) + kv * scale_key.view({N, H, 1, 1});
+      Z = state.tensors[1] * keep_old.view({N, H, 1}) + kz * scale_key.view({N, H, 1});
+    }
   }
   auto num = torch::matmul(qf, S).squeeze(2);  // (N, H, M)
-  auto den =
-      (qf.squeeze(2) * Z).sum(-1, /*keepdim=*/true) + eps_in(eps_, qf.scalar_type());  // (N, H, 1)
-  return {num / den, RecurrentState{{S, Z}}};
+  auto eps = shifted_eps(eps_, shifted ? offset.view({N, H, 1}) : Tensor(), qf.scalar_type(),
+                         qf.options());
+  auto den = (qf.squeeze(2) * Z).sum(-1, /*keepdim=*/true) + eps;  // (N, H, 1)
+  RecurrentState next{{S, Z}};
+  if (shifted) next.tensors.push_back(offset);
+  return {num / den, std::move(next)};
 }
 
 std::vector<Tensor> RecurrentLinearAttention::make_state(
     int64_t N, int64_t H, int64_t /*E*/, int64_t M, int64_t /*capacity*/,
     const torch::TensorOptions& options) const {
   const int64_t F = feature_map_->output_dim();
-  return {torch::zeros({N, H, F, M}, options), torch::zeros({N, H, F}, options)};
+  std::vector<Tensor> state{torch::zeros({N, H, F, M}, options), torch::zeros({N, H, F}, options)};
+  // The running offset of the exponential maps: -inf before the first key.
+  if (feature_map_->shifts_keys())
+    state.push_back(torch::full({N, H}, -std::numeric_limits<double>::infinity(), options));
+  return state;
 }
 
 Tensor RecurrentLinearAttention::step_in_place(const Tensor& query, const Tensor& key,
                                                const Tensor& value, torch::TensorList state) {
-  TORCH_CHECK(state.size() == 2, "recurrent causal-linear: an in-place state must hold {S (N, H, ",
-              "F, M), Z (N, H, F)} from make_state, got ", state.size(), " tensors");
-  auto [out, next] = step(query, key, value, RecurrentState{{state[0], state[1]}});
-  state[0].copy_(next.tensors[0]);
-  state[1].copy_(next.tensors[1]);
+  const size_t tensors = feature_map_->shifts_keys() ? 3 : 2;
+  TORCH_CHECK(state.size() == tensors,
+              "recurrent causal-linear: an in-place state must hold {S (N, H, F, M), Z (N, H, F)",
+              tensors == 3 ? ", offset (N, H)" : "", "} from make_state, got ", state.size(),
+              " tensors");
+  auto [out, next] = step(query, key, value, RecurrentState{state.vec()});
+  for (size_t i = 0; i < tensors; ++i) state[i].copy_(next.tensors[i]);
   return out;
 }
 

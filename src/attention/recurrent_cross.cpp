@@ -103,21 +103,26 @@ RecurrentState RecurrentCrossLinearAttention::prepare(const Tensor& keys,    // 
     keep = torch::arange(S, keys.options().dtype(torch::kLong)).unsqueeze(0) <
            key_lengths->to(keys.device(), torch::kLong).unsqueeze(1);  // (N, S)
   }
-  auto kf = feature_map_->forward_keys(keys, keep);  // (N, H, S, F)
+  auto [kf, offset] = feature_map_->map_keys(keys, keep);  // (N, H, S, F)
   TORCH_CHECK(kf.dim() == 4 && kf.size(2) == S, type, ": feature map '", feature_map_->name(),
               "' must map (N, H, S, E) to (N, H, S, F), got ", kf.sizes());
   if (keep) kf = kf.masked_fill(keep->reshape({N, 1, S, 1}).logical_not(), 0.0);
   auto Sm = torch::matmul(kf.transpose(-1, -2), values);  // (N, H, F, M)
   auto Z = kf.sum(2);                                     // (N, H, F)
-  return RecurrentState{{Sm, Z}};
+  RecurrentState memory{{Sm, Z}};
+  // The keys' offset (exponential maps), for the normaliser's eps.
+  if (offset.defined()) memory.tensors.push_back(offset.view({N, keys.size(1)}));
+  return memory;
 }
 
 Tensor RecurrentCrossLinearAttention::step(const Tensor& query,  // (N, H, E)
                                            const RecurrentState& memory) {
   constexpr const char* type = "recurrent cross linear";
-  TORCH_CHECK(memory.tensors.size() == 2, type,
-              ": memory state must hold {S (N, H, F, M), Z (N, H, F)} from prepare, got ",
-              memory.tensors.size(), " tensors");
+  const size_t tensors = feature_map_->shifts_keys() ? 3 : 2;
+  TORCH_CHECK(memory.tensors.size() == tensors, type,
+              ": memory state must hold {S (N, H, F, M), Z (N, H, F)",
+              tensors == 3 ? ", offset (N, H)" : "", "} from prepare, got ", memory.tensors.size(),
+              " tensors");
   const auto &Sm = memory.tensors[0], &Z = memory.tensors[1];
   TORCH_CHECK(query.defined() && query.dim() == 3 && Sm.dim() == 4 && query.size(0) == Sm.size(0) &&
                   query.size(1) == Sm.size(1),
@@ -130,8 +135,9 @@ Tensor RecurrentCrossLinearAttention::step(const Tensor& query,  // (N, H, E)
               feature_map_->name(), "' gave query features ", qf.sizes(), " for a memory of ",
               Sm.size(2), " features");
   auto num = torch::matmul(qf, Sm).squeeze(2);  // (N, H, M)
-  auto den =
-      (qf.squeeze(2) * Z).sum(-1, /*keepdim=*/true) + eps_in(eps_, qf.scalar_type());  // (N, H, 1)
+  const auto offset = tensors == 3 ? memory.tensors[2].view({Sm.size(0), Sm.size(1), 1}) : Tensor();
+  auto den = (qf.squeeze(2) * Z).sum(-1, /*keepdim=*/true) +
+             shifted_eps(eps_, offset, qf.scalar_type(), qf.options());  // (N, H, 1)
   return num / den;
 }
 

@@ -327,22 +327,36 @@ def test_improved_clustered_attention_op_gradients():
         fastattn.ops.improved_clustered_attention(q, k, v, assignments, counts, 12)
 
 
-@pytest.mark.parametrize("type,params", [("causal-linear", {}), ("full", {"softmax_temp": 0.3}),
-                                         ("hard-retrieval", {})])
+@pytest.mark.parametrize("type,params", [
+    ("causal-linear", {}), ("full", {"softmax_temp": 0.3}), ("hard-retrieval", {}),
+    ("causal-linear", {"feature_map": "favor", "n_features": 7}),
+    ("causal-linear", {"feature_map": "generalized", "kernel_fn": "exp"}),
+])
 def test_attention_step_equals_causal_batch_rows(type, params):
-    # Token by token through attention_step == the causal batch type, row by row.
+    # Token by token through attention_step == the causal batch type, row by
+    # row; the exponential maps with keys whose exponents grow along the
+    # sequence (their running offset is rescaled, issue 66). The fixed-size
+    # state stepped in place gives the same rows.
     torch.manual_seed(6)
     q = torch.randn(2, 3, 9, 4, dtype=torch.float64)
-    k = torch.randn(2, 3, 9, 4, dtype=torch.float64)
+    k = torch.randn(2, 3, 9, 4, dtype=torch.float64) * torch.linspace(0.3, 3, 9).view(9, 1)
     v = torch.randn(2, 3, 9, 5, dtype=torch.float64)
     batch = fastattn.attention(type, q, k, v, causal=True, **params)
     state = None
+    fixed = fastattn.attention_step_state(type, q[:, :, 0], v[:, :, 0], 9, **params)
     for t in range(9):
         out, state = fastattn.attention_step(type, q[:, :, t], k[:, :, t], v[:, :, t], state,
                                              **params)
         assert out.shape == (2, 3, 5)
-        assert torch.allclose(out, batch[:, :, t], atol=1e-10), f"{type} position {t}"
+        err = float((out - batch[:, :, t]).abs().max() / (1 + batch[:, :, t].abs().max()))
+        assert err <= 1e-10, f"{type} {params} position {t}: {err}"
+        in_place = fastattn.attention_step_(type, q[:, :, t], k[:, :, t], v[:, :, t], fixed,
+                                            **params)
+        assert torch.allclose(in_place, out, rtol=0, atol=1e-12)
     assert all(isinstance(s, torch.Tensor) for s in state)
+    shifted = params.get("feature_map") == "favor" or params.get("kernel_fn") == "exp"
+    if type == "causal-linear":
+        assert len(state) == (3 if shifted else 2)
 
 
 @pytest.mark.parametrize("type", ["full", "linear"])
