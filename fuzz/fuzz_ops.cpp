@@ -181,7 +181,7 @@ Qkv make_qkv(Bytes& b, const Setup& s, bool grad) {
         values(b, {s.N, s.H, s.S, s.E}, s.dtype, s.scale, s.strided),
         values(b, {s.N, s.H, s.S, s.M}, s.dtype, 1.0, s.strided)};
   if (grad) {
-    for (auto* x : {&t.q, &t.k, &t.v}) *x = x->detach().requires_grad_(s.dtype == torch::kDouble);
+    for (auto* x : {&t.q, &t.k, &t.v}) *x = x->detach().requires_grad_(true);
   }
   return t;
 }
@@ -406,7 +406,9 @@ void fuzz_clustered_topk(Bytes& b, Setup s) {
 }
 
 void fuzz_clustering(Bytes& b, Setup s) {
-  auto x = values(b, {s.N, s.H, s.L, s.E}, s.dtype, s.scale, s.strided);
+  // Inputs that require grad: the codes are integers, nothing to
+  // differentiate, and the call must neither refuse nor record anything.
+  auto x = values(b, {s.N, s.H, s.L, s.E}, s.dtype, s.scale, s.strided).requires_grad_(true);
   const int64_t B = b.range(1, 64);
   auto planes = values(b, {B, s.E + 1}, s.dtype, 1.0, s.strided);
   auto lengths = key_lengths(b, s.N, s.L);
@@ -432,6 +434,8 @@ void fuzz_clustering(Bytes& b, Setup s) {
       }))
     return;
   check_shape(codes, {s.N, s.H, s.L}, "hash_queries");
+  FUZZ_CHECK(!codes.requires_grad() && !asg.requires_grad() && !counts.requires_grad(),
+             "hash_queries / cluster_codes: an integer output records a gradient");
   // Codes agree with the reference wherever no projection is within rounding of 0.
   auto proj = torch::matmul(x.to(torch::kDouble), planes.to(torch::kDouble).narrow(1, 0, s.E).t()) +
               planes.to(torch::kDouble).select(1, s.E);
@@ -626,7 +630,7 @@ void fuzz_type_params(Bytes& b, Setup s) {
   const double factor = kFactors[b.range(0, 4)];
   s.scale *= factor;
   bool extreme = factor >= 1e20;
-  auto t = make_qkv(b, s, false);
+  auto t = make_qkv(b, s, true);
   nlohmann::json params = nlohmann::json::object();
   std::vector<std::string> out_of_range;  // parameters given a value their spec refuses
   for (int n = b.range(1, 2); n > 0; --n) {
@@ -689,6 +693,18 @@ void fuzz_type_params(Bytes& b, Setup s) {
              name << " " << json << ": accepted the out-of-range " << out_of_range.front());
   check_shape(out, {s.N, s.H, s.L, s.M}, name.c_str());
   FUZZ_CHECK(finite(out), name << " " << json << ": output not finite");
+  // Gradients (issue 66): finite, or the backward's overflow error naming the
+  // type and its parameters (only where the forward could overflow too).
+  try {
+    check_backward(out, {t.q, t.k, t.v}, (name + " " + json).c_str());
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what_without_backtrace();
+    FUZZ_CHECK(
+        msg.find("overflowed") != std::string::npos && msg.find(name) != std::string::npos,
+        name << " " << json << ": the backward raised without saying it overflowed: " << msg);
+    FUZZ_CHECK(extreme, name << " " << json << " at input scale " << s.scale
+                             << ": the backward overflowed at an ordinary scale: " << msg);
+  }
 }
 
 // full_attention_lse_topk: out as full attention (key lengths, not causal), lse
@@ -916,11 +932,15 @@ void fuzz_attention_step(Bytes& b, Setup s) {
   const auto& names = recurrent_attention_names();
   const std::string type = names[b.range(0, static_cast<int64_t>(names.size()) - 1)];
   s.S = s.L;
-  auto t = make_qkv(b, s, false);
+  auto t = make_qkv(b, s, true);
   std::string params = "{}";
   if (type == "full" && b.flag()) params = R"({"softmax_temp": 0.25})";
   if (type == "causal-linear") {
-    params = b.flag() ? R"({"feature_map": "relu", "eps": 0.001})" : R"({"feature_map": "elu"})";
+    // favor: its state carries the running key offset (issue 66).
+    static const char* const kMaps[] = {
+        R"({"feature_map": "elu"})", R"({"feature_map": "relu", "eps": 0.001})",
+        R"({"feature_map": "favor", "n_features": 6, "seed": 1})", R"({"feature_map": "elu"})"};
+    params = kMaps[b.range(0, 3)];
   }
   const bool branch = b.flag();
   const int c = b.range(0, 15);
@@ -989,8 +1009,12 @@ void fuzz_attention_step(Bytes& b, Setup s) {
     outs.push_back(out);
     state = next;
   }
-  if (s.L == 0 || s.dtype != torch::kDouble) return;
+  if (s.L == 0) return;
   auto got = torch::stack(outs, 2);  // (N, H, L, M)
+  // Gradients through the steps (the functional step is differentiable).
+  check_backward(got, {t.q, t.k, t.v}, ("attention_step(" + type + ")").c_str());
+  if (s.dtype != torch::kDouble) return;
+  got = got.detach();
   if (type != "hard-retrieval") {
     auto want = batch.call(type, t.q, t.k, t.v, true, c10::nullopt, c10::nullopt, params);
     check_close(got, want, "attention_step vs the causal batch type");
