@@ -30,9 +30,16 @@ int check_sparse_pattern(const char* op, const std::string& pattern,
     TORCH_CHECK(params[0] >= 1, op, ": window must be >= 1, got ", params[0]);
     return kernels::kLocalPattern;
   }
+  if (pattern == "window") {
+    need(2, "[left, right]");
+    TORCH_CHECK(params[0] >= 0 && params[1] >= 0, op,
+                ": window offsets left and right must be >= 0, got [", params[0], ", ", params[1],
+                "]");
+    return kernels::kWindowPattern;
+  }
   const bool fixed = pattern == "fixed";
   TORCH_CHECK(fixed || pattern == "strided", op,
-              ": pattern must be one of local, strided, fixed, got '", pattern, "'");
+              ": pattern must be one of local, strided, fixed, window, got '", pattern, "'");
   if (fixed)
     need(4, "[stride, summary, which, per_head_summary]");
   else

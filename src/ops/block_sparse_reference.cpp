@@ -19,6 +19,11 @@ torch::Tensor block_sparse_mask(const std::string& pattern, const std::vector<in
     auto keep = causal ? (d >= -(w - 1)) & past : (d >= -(w / 2)) & (d <= w - 1 - w / 2);
     return keep.unsqueeze(0).expand({H, L, S}).contiguous();
   }
+  if (kind == 3) {  // window: offsets [-left, right], causal: and <= 0
+    auto keep = (d >= -params[0]) & (d <= params[1]);
+    if (causal) keep = keep & past;
+    return keep.unsqueeze(0).expand({H, L, S}).contiguous();
+  }
   const int64_t l = params[0];
   const bool fixed = kind == 2;
   const int64_t which = fixed ? params[2] : params[1];

@@ -131,7 +131,9 @@ TORCH_LIBRARY(fastattn, m) {
 
   // ---- block-sparse attention (local, Sparse Transformer, Child et al. 2019) --
   // pattern: "local" [window], "strided" [stride, which], "fixed" [stride,
-  // summary, which, per_head_summary]; which: 0 merged, 1 A1, 2 A2, 3 split.
+  // summary, which, per_head_summary]; which: 0 merged, 1 A1, 2 A2, 3 split;
+  // "window" [left, right]: keys at offsets [-left, right] from the query's
+  // position (the dense-attention engine's windows, src/ops/dense_attention.h).
   m.def(
       "block_sparse_attention(Tensor q, Tensor k, Tensor v, str pattern, int[] params, "
       "Tensor? key_lengths=None, bool causal=False, float? softmax_temp=None) -> Tensor");

@@ -84,6 +84,10 @@ INSTANTIATE_TEST_SUITE_P(
         // keeps in its slots (8): tiles leave their slot and come back, their
         // dQ written, then added to.
         SparseCfg{"local_window_over_many_tiles", "local", {700}, 1, 1, 760, 760, 8, 8},
+        // The dense-attention engine's windows: offsets [-left, right].
+        SparseCfg{"window_3_5", "window", {3, 5}, 1, 2, 97, 97, 8, 8},
+        SparseCfg{"window_causal_S_lt_L", "window", {6, 2}, 1, 2, 50, 30, 8, 6, true},
+        SparseCfg{"window_0_0_lengths", "window", {0, 0}, 3, 1, 40, 40, 4, 4, false, {40, 9, 0}},
         SparseCfg{"strided_merged_causal", "strided", {10, 0}, 2, 2, 97, 97, 16, 16, true},
         SparseCfg{"strided_merged_bidir", "strided", {10, 0}, 2, 2, 97, 97, 16, 16},
         SparseCfg{"strided_A1_causal", "strided", {10, 1}, 1, 2, 97, 97, 8, 8, true},

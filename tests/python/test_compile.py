@@ -99,7 +99,8 @@ def op_cases():
         cases.append((f"hard-retrieval-causal-{d}", ops.hard_retrieval_attention, (q, k, v),
                       dict(causal=True)))
         sq, sk, sv = qkv(dt, l=S)
-        for pattern, params in (("local", [2]), ("strided", [3, 0]), ("fixed", [3, 1, 0, 0])):
+        for pattern, params in (("local", [2]), ("strided", [3, 0]), ("fixed", [3, 1, 0, 0]),
+                                ("window", [2, 1])):
             cases.append((f"block-sparse-{pattern}-{d}", ops.block_sparse_attention,
                           (sq, sk, sv, pattern, params),
                           dict(key_lengths=lengths(), causal=pattern != "local")))

@@ -54,13 +54,20 @@ struct SparsePart {
 
 // The parts of a named pattern (parameters already validated by the op):
 //   "local":   {window}                          one Band part
+//   "window":  {left, right}                     one Band part: offsets [-left, right]
+//                                                (causal: [-left, min(right, 0)])
 //   "strided": {stride, which}                   which: 0 merged, 1 A1, 2 A2, 3 split heads
 //   "fixed":   {stride, summary, which, per_head_summary}
 // Split: heads [0, ceil(H/2)) use A1, the others A2. Local offsets: causal
 // [-(w-1), 0]; otherwise [-floor(w/2), w - 1 - floor(w/2)] (w keys).
 std::vector<SparsePart> make_sparse_parts(int pattern, const std::vector<int64_t>& params,
                                           bool causal, int64_t H);
-enum SparsePattern : int { kLocalPattern = 0, kStridedPattern = 1, kFixedPattern = 2 };
+enum SparsePattern : int {
+  kLocalPattern = 0,
+  kStridedPattern = 1,
+  kFixedPattern = 2,
+  kWindowPattern = 3
+};
 
 // The CPU kernels' arguments: the operands of every kernel (QKVParams of
 // kernels/common/kernel_args.h, T = float or double) and the pattern's parts.

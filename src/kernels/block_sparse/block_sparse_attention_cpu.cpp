@@ -47,12 +47,17 @@ constexpr int64_t kFar = int64_t{1} << 62;
 std::vector<SparsePart> make_sparse_parts(int pattern, const std::vector<int64_t>& params,
                                           bool causal, int64_t H) {
   std::vector<SparsePart> parts;
-  if (pattern == kLocalPattern) {
-    const int64_t w = params.at(0);
+  if (pattern == kLocalPattern || pattern == kWindowPattern) {
     SparsePart p;
     p.kind = SparsePartKind::Band;
-    p.lo = std::max(-kFar, causal ? -(w - 1) : -(w / 2));
-    p.hi = std::min(kFar, causal ? 0 : w - 1 - w / 2);
+    if (pattern == kLocalPattern) {
+      const int64_t w = params.at(0);
+      p.lo = std::max(-kFar, causal ? -(w - 1) : -(w / 2));
+      p.hi = std::min(kFar, causal ? 0 : w - 1 - w / 2);
+    } else {  // keys p - left .. p + right (causal: .. p)
+      p.lo = -std::min(params.at(0), kFar);
+      p.hi = std::min(causal ? int64_t{0} : kFar, params.at(1));
+    }
     p.head_end = H;
     parts.push_back(p);
     return parts;

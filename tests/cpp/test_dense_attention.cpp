@@ -1,0 +1,256 @@
+// The dense-attention engine (src/ops/dense_attention.h, issue 62): forward
+// (out and lse) and backward against the float64 reference of its semantics
+// (bottom-right alignment, causal, windows, key lengths, packed
+// variable-length sequences), float32 and float64; and the composition
+// plumbing the GPU route will use: a key set split into disjoint pieces,
+// merged by logsumexp, with every piece's backward given the merged out and
+// lse, has the whole's output and gradients.
+//
+//   build/fastattn_tests --gtest_filter='DenseAttention*'
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+#include "expect_error.h"
+#include "ops/dense_attention.h"
+
+namespace fastattn {
+namespace {
+
+using ops::DenseAttentionSpec;
+using torch::Tensor;
+
+struct Case {
+  int64_t L, S;
+  bool causal;
+  int64_t left, right;
+  bool lengths;
+};
+
+std::string case_name(const Case& c) {
+  auto w = [](int64_t x) { return x < 0 ? std::string("inf") : std::to_string(x); };
+  return "L" + std::to_string(c.L) + "S" + std::to_string(c.S) + (c.causal ? "_causal" : "") +
+         "_w" + w(c.left) + "_" + w(c.right) + (c.lengths ? "_lengths" : "");
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  for (auto [L, S] :
+       std::vector<std::pair<int64_t, int64_t>>{{7, 7}, {5, 70}, {70, 5}, {1, 9}, {66, 66}})
+    for (bool causal : {false, true})
+      for (auto [l, r] : std::vector<std::pair<int64_t, int64_t>>{
+               {-1, -1}, {3, -1}, {-1, 2}, {2, 0}, {0, 0}, {40, 1}})
+        for (bool lengths : {false, true}) out.push_back({L, S, causal, l, r, lengths});
+  return out;
+}
+
+DenseAttentionSpec spec_of(const Case& c, int64_t N) {
+  DenseAttentionSpec spec;
+  spec.scale = 0.37;
+  spec.causal = c.causal;
+  spec.window_left = c.left;
+  spec.window_right = c.right;
+  if (c.lengths) {
+    std::vector<int64_t> kl(N);
+    for (int64_t n = 0; n < N; ++n) kl[n] = (c.S * (n + 1)) / (N + 1);  // includes 0 for S < 3
+    spec.key_lengths = torch::tensor(kl, torch::kLong);
+  }
+  return spec;
+}
+
+double max_err(const Tensor& a, const Tensor& b) {
+  // -inf in the same places counts as equal.
+  auto both_inf = torch::isinf(a) & torch::isinf(b) & (a.sign() == b.sign());
+  return (a.to(torch::kDouble) - b.to(torch::kDouble))
+      .masked_fill(both_inf, 0.0)
+      .abs()
+      .max()
+      .item<double>();
+}
+
+class DenseAttentionCases : public ::testing::TestWithParam<Case> {};
+
+TEST_P(DenseAttentionCases, ForwardAndBackwardEqualTheReference) {
+  const Case c = GetParam();
+  const int64_t N = 2, H = 3, E = 5, M = 4;
+  torch::manual_seed(7);
+  auto q = torch::randn({N, H, c.L, E}, torch::kDouble),
+       k = torch::randn({N, H, c.S, E}, torch::kDouble),
+       v = torch::randn({N, H, c.S, M}, torch::kDouble);
+  const auto spec = spec_of(c, N);
+  auto [ref_out, ref_lse] = reference::dense_attention(q, k, v, spec);
+  // Gradients of the reference through autograd, for a fixed output weight.
+  auto g = torch::randn({N, H, c.L, M}, torch::kDouble);
+  auto ql = q.clone().requires_grad_(true), kl = k.clone().requires_grad_(true),
+       vl = v.clone().requires_grad_(true);
+  auto [o_ref, l_ref] = reference::dense_attention(ql, kl, vl, spec);
+  auto ref_grads = torch::autograd::grad({o_ref}, {ql, kl, vl}, {g});
+
+  for (auto dtype : {torch::kDouble, torch::kFloat}) {
+    const double tol = dtype == torch::kDouble ? 1e-12 : 2e-5;
+    auto [out, lse] = ops::dense_attention_forward(q.to(dtype), k.to(dtype), v.to(dtype), spec);
+    EXPECT_EQ(out.sizes(), (std::vector<int64_t>{N, H, c.L, M}));
+    EXPECT_EQ(lse.sizes(), (std::vector<int64_t>{N, H, c.L}));
+    EXPECT_LE(max_err(out, ref_out), tol) << "out, " << dtype;
+    EXPECT_LE(max_err(lse, ref_lse), tol * 10) << "lse, " << dtype;
+    auto [dq, dk, dv] = ops::dense_attention_backward(g.to(dtype), q.to(dtype), k.to(dtype),
+                                                      v.to(dtype), out, lse, spec);
+    EXPECT_LE(max_err(dq, ref_grads[0]), tol * 10) << "dq, " << dtype;
+    EXPECT_LE(max_err(dk, ref_grads[1]), tol * 10) << "dk, " << dtype;
+    EXPECT_LE(max_err(dv, ref_grads[2]), tol * 10) << "dv, " << dtype;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, DenseAttentionCases, ::testing::ValuesIn(cases()),
+                         [](const auto& info) { return case_name(info.param); });
+
+TEST(DenseAttention, RowsWithoutKeysGiveZeroAndMinusInfinity) {
+  // Causal with L > S: the first L - S queries sit before every key.
+  torch::manual_seed(1);
+  auto q = torch::randn({1, 2, 6, 3}, torch::kDouble),
+       k = torch::randn({1, 2, 2, 3}, torch::kDouble),
+       v = torch::randn({1, 2, 2, 4}, torch::kDouble);
+  DenseAttentionSpec spec;
+  spec.causal = true;
+  auto [out, lse] = ops::dense_attention_forward(q, k, v, spec);
+  EXPECT_TRUE(torch::equal(out.narrow(2, 0, 4), torch::zeros({1, 2, 4, 4}, torch::kDouble)));
+  auto dead = lse.narrow(2, 0, 4);
+  EXPECT_TRUE((torch::isinf(dead) & dead.lt(0)).all().item<bool>());
+  EXPECT_TRUE(torch::isfinite(lse.narrow(2, 4, 2)).all().item<bool>());
+}
+
+// Packed sequences of (queries, keys): empty ones included.
+struct PackedInputs {
+  Tensor q, k, v, cu_q, cu_k;
+};
+
+PackedInputs packed_inputs(const std::vector<std::pair<int64_t, int64_t>>& lengths, int64_t H,
+                           int64_t E, int64_t M) {
+  std::vector<int64_t> cq{0}, ck{0};
+  for (auto [l, s] : lengths) {
+    cq.push_back(cq.back() + l);
+    ck.push_back(ck.back() + s);
+  }
+  return {torch::randn({cq.back(), H, E}, torch::kDouble),
+          torch::randn({ck.back(), H, E}, torch::kDouble),
+          torch::randn({ck.back(), H, M}, torch::kDouble), torch::tensor(cq, torch::kLong),
+          torch::tensor(ck, torch::kLong)};
+}
+
+TEST(DenseAttention, PackedSequencesEqualTheirOwnPaddedCalls) {
+  torch::manual_seed(3);
+  const auto in = packed_inputs({{3, 5}, {0, 4}, {6, 2}, {4, 0}, {65, 70}}, 2, 4, 3);
+  for (bool causal : {false, true}) {
+    for (auto [l, r] : std::vector<std::pair<int64_t, int64_t>>{{-1, -1}, {1, 0}, {3, 2}}) {
+      DenseAttentionSpec spec;
+      spec.scale = 0.5;
+      spec.causal = causal;
+      spec.window_left = l;
+      spec.window_right = r;
+      spec.cu_seqlens_q = in.cu_q;
+      spec.cu_seqlens_k = in.cu_k;
+      const std::string what = std::string(causal ? "causal" : "") + " window " +
+                               std::to_string(l) + "," + std::to_string(r);
+      auto [ref_out, ref_lse] = reference::dense_attention(in.q, in.k, in.v, spec);
+      auto [out, lse] = ops::dense_attention_forward(in.q, in.k, in.v, spec);
+      ASSERT_EQ(out.sizes(), ref_out.sizes());
+      EXPECT_LE(max_err(out, ref_out), 1e-12) << what;
+      EXPECT_LE(max_err(lse, ref_lse), 1e-12) << what;
+      auto g = torch::randn_like(out);
+      auto ql = in.q.clone().requires_grad_(true), kl = in.k.clone().requires_grad_(true),
+           vl = in.v.clone().requires_grad_(true);
+      auto ref = torch::autograd::grad({std::get<0>(reference::dense_attention(ql, kl, vl, spec))},
+                                       {ql, kl, vl}, {g});
+      auto [dq, dk, dv] = ops::dense_attention_backward(g, in.q, in.k, in.v, out, lse, spec);
+      EXPECT_LE(max_err(dq, ref[0]), 1e-11) << what;
+      EXPECT_LE(max_err(dk, ref[1]), 1e-11) << what;
+      EXPECT_LE(max_err(dv, ref[2]), 1e-11) << what;
+    }
+  }
+}
+
+// The composition the GPU route uses: causal attention as two disjoint pieces
+// (a window of the w keys up to the query, and the causal attention over the
+// keys before it: the first S - w keys, whose bottom-right alignment puts
+// query i at p - w), merged by logsumexp; each piece's backward gets the
+// merged out and lse, and the pieces' gradients add up.
+TEST(DenseAttention, PiecesMergedByLseHaveTheWholesOutputAndGradients) {
+  torch::manual_seed(5);
+  const int64_t N = 2, H = 2, L = 40, S = 40, E = 6, M = 5, w = 7;
+  auto q = torch::randn({N, H, L, E}, torch::kDouble),
+       k = torch::randn({N, H, S, E}, torch::kDouble),
+       v = torch::randn({N, H, S, M}, torch::kDouble);
+  DenseAttentionSpec whole;
+  whole.scale = 0.4;
+  whole.causal = true;
+  DenseAttentionSpec band = whole;
+  band.window_left = w - 1;
+  const auto k_early = k.narrow(2, 0, S - w), v_early = v.narrow(2, 0, S - w);
+
+  auto [o1, l1] = ops::dense_attention_forward(q, k, v, band);
+  auto [o2, l2] = ops::dense_attention_forward(q, k_early, v_early, whole);
+  auto [out, lse] = ops::merge_by_lse({o1, o2}, {l1, l2});
+  auto [ref_out, ref_lse] = reference::dense_attention(q, k, v, whole);
+  EXPECT_LE(max_err(out, ref_out), 1e-12);
+  EXPECT_LE(max_err(lse, ref_lse), 1e-12);
+
+  auto g = torch::randn_like(out);
+  auto [dq1, dk1, dv1] = ops::dense_attention_backward(g, q, k, v, out, lse, band);
+  auto [dq2, dk2, dv2] = ops::dense_attention_backward(g, q, k_early, v_early, out, lse, whole);
+  auto dq = dq1 + dq2, dk = dk1.clone(), dv = dv1.clone();
+  dk.narrow(2, 0, S - w).add_(dk2);
+  dv.narrow(2, 0, S - w).add_(dv2);
+  auto [dq_ref, dk_ref, dv_ref] = ops::dense_attention_backward(g, q, k, v, out, lse, whole);
+  EXPECT_LE(max_err(dq, dq_ref), 1e-11);
+  EXPECT_LE(max_err(dk, dk_ref), 1e-11);
+  EXPECT_LE(max_err(dv, dv_ref), 1e-11);
+  // ... and the reference's autograd gradients.
+  auto ql = q.clone().requires_grad_(true), kl = k.clone().requires_grad_(true),
+       vl = v.clone().requires_grad_(true);
+  auto ref = torch::autograd::grad({std::get<0>(reference::dense_attention(ql, kl, vl, whole))},
+                                   {ql, kl, vl}, {g});
+  EXPECT_LE(max_err(dq, ref[0]), 1e-11);
+  EXPECT_LE(max_err(dk, ref[1]), 1e-11);
+  EXPECT_LE(max_err(dv, ref[2]), 1e-11);
+  // Without the merged out and lse, a piece's own backward is not the whole's.
+  auto [dq_own, dk_own, dv_own] = ops::dense_attention_backward(g, q, k, v, o1, l1, band);
+  EXPECT_GT(max_err(dq_own + dq2, ref[0]), 1e-3);
+}
+
+TEST(DenseAttention, MergeOfPiecesWithoutKeys) {
+  // A row no piece has keys for: out 0, lse -inf (not NaN).
+  auto o = torch::zeros({1, 1, 2, 3}, torch::kDouble);
+  auto l = torch::full({1, 1, 2}, -std::numeric_limits<double>::infinity(), torch::kDouble);
+  auto o2 = torch::ones({1, 1, 2, 3}, torch::kDouble);
+  auto l2 = l.clone();
+  l2[0][0][1] = 0.5;
+  auto [out, lse] = ops::merge_by_lse({o, o2}, {l, l2});
+  EXPECT_TRUE(torch::equal(out[0][0][0], torch::zeros({3}, torch::kDouble)));
+  EXPECT_TRUE(torch::equal(out[0][0][1], torch::ones({3}, torch::kDouble)));
+  EXPECT_TRUE(std::isinf(lse[0][0][0].item<double>()));
+  EXPECT_DOUBLE_EQ(lse[0][0][1].item<double>(), 0.5);
+}
+
+TEST(DenseAttention, BadSpecsNameTheArgument) {
+  auto q = torch::randn({1, 1, 3, 2}), k = torch::randn({1, 1, 3, 2}),
+       v = torch::randn({1, 1, 3, 2});
+  DenseAttentionSpec spec;
+  spec.window_left = -2;
+  EXPECT_ERROR_CONTAINS(ops::dense_attention_forward(q, k, v, spec), "window_left");
+  spec = {};
+  spec.cu_seqlens_q = torch::tensor({0, 3}, torch::kLong);
+  EXPECT_ERROR_CONTAINS(ops::dense_attention_forward(q[0][0], k[0][0], v[0][0], spec),
+                        "cu_seqlens_k");
+  spec.cu_seqlens_k = torch::tensor({0, 2}, torch::kLong);
+  auto qp = torch::randn({3, 1, 2}), kp = torch::randn({3, 1, 2}), vp = torch::randn({3, 1, 2});
+  EXPECT_ERROR_CONTAINS(ops::dense_attention_forward(qp, kp, vp, spec),
+                        "cu_seqlens_k must start at 0 and end at the number of rows (3)");
+  spec.cu_seqlens_k = torch::tensor({0, 3}, torch::kLong);
+  spec.key_lengths = torch::tensor({3}, torch::kLong);
+  EXPECT_ERROR_CONTAINS(ops::dense_attention_forward(qp, kp, vp, spec), "key_lengths");
+}
+
+}  // namespace
+}  // namespace fastattn
