@@ -16,6 +16,7 @@
 #include "fastattn/ops.h"
 #include "fastattn/recurrent.h"
 #include "fastattn/registry.h"
+#include "ops/dense_attention.h"
 #include "ops/op_util.h"
 
 namespace fastattn {
@@ -80,6 +81,16 @@ torch::Tensor FullAttention::forward(const torch::Tensor& queries,  // (N, H, L,
                                      const Mask& mask) {
   check_attention_inputs(queries, keys, values, mask);
   if (!(is_training() && attention_dropout_ > 0)) {
+    if (!mask.attn_mask()) {
+      // The dense-attention engine where it runs on PyTorch's fused kernels
+      // (src/ops/dense_attention.h).
+      ops::DenseAttentionSpec spec;
+      spec.scale = softmax_temp_.value_or(1.0 / std::sqrt(static_cast<double>(queries.size(3))));
+      spec.causal = mask.is_causal();
+      spec.key_lengths = to_c10(mask.key_lengths());
+      if (ops::types_use_dense_engine(queries, values, spec))
+        return ops::dense_attention(queries, keys, values, spec);
+    }
     return full_attention(queries, keys, values, mask.attn_mask(), mask.key_lengths(),
                           mask.is_causal(), softmax_temp_);
   }

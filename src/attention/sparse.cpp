@@ -7,6 +7,8 @@
 #include "attention/builtin_types.h"
 #include "fastattn/ops.h"
 #include "fastattn/registry.h"
+#include "ops/dense_attention.h"
+#include "ops/op_util.h"
 
 namespace fastattn {
 
@@ -38,6 +40,16 @@ torch::Tensor LocalAttention::forward(const torch::Tensor& queries,  // (N, H, L
                                       const Mask& mask) {
   check_attention_inputs(queries, keys, values, mask);
   check_no_attn_mask("local", mask);
+  // The window on the dense-attention engine where it runs on PyTorch's fused
+  // kernels (src/ops/dense_attention.h): the same keys as the "local" pattern.
+  ops::DenseAttentionSpec spec;
+  spec.scale = softmax_temp_.value_or(1.0 / std::sqrt(static_cast<double>(queries.size(3))));
+  spec.causal = mask.is_causal();
+  spec.window_left = mask.is_causal() ? window_ - 1 : window_ / 2;
+  spec.window_right = mask.is_causal() ? 0 : window_ - 1 - window_ / 2;
+  spec.key_lengths = to_c10(mask.key_lengths());
+  if (ops::types_use_dense_engine(queries, values, spec))
+    return ops::dense_attention(queries, keys, values, spec);
   return block_sparse_attention(queries, keys, values, "local", {window_}, mask.key_lengths(),
                                 mask.is_causal(), softmax_temp_);
 }

@@ -4,11 +4,23 @@
 #include "ops/dense_attention.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+#include <torch/version.h>
 
+#include <atomic>
+#include <cstdlib>
 #include <limits>
 #include <string>
 
 #include "ops/op_util.h"
+
+// PyTorch's flash attention ops with windows: torch >= 2.4 (their signature
+// of 2.4-2.15 up to the window arguments, which is all this file passes).
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+#define FASTATTN_FLASH_OPS 1
+#include <ATen/ops/_flash_attention_backward.h>
+#include <ATen/ops/_flash_attention_forward.h>
+#endif
 
 namespace fastattn::ops {
 namespace {
@@ -98,12 +110,104 @@ Packed check_packed(const Tensor& q, const Tensor& k, const Tensor& v,
   return p;
 }
 
+// ---- PyTorch's flash attention (CUDA; meta tensors check the plumbing) -------
+//
+// Flash attention has the engine's semantics (bottom-right alignment, windows
+// with -1 for no bound, packed sequences with int32 offsets and an (H, Tq)
+// lse) in the layouts (N, L, H, E) and (T, H, E). Two differences: a row
+// without keys gets lse = +inf there (-inf here), and key lengths would align
+// the causal diagonal on each item's own length (seqused_k), so padded calls
+// with key_lengths keep fastattn's kernels.
+bool flash_route(const Tensor& q, const Tensor& v, const DenseAttentionSpec& spec) {
+#ifdef FASTATTN_FLASH_OPS
+  const auto device = q.device().type();
+  const int64_t E = q.size(-1);
+  return (device == c10::DeviceType::CUDA || device == c10::DeviceType::Meta) &&
+         (q.scalar_type() == torch::kHalf || q.scalar_type() == torch::kBFloat16) && E % 8 == 0 &&
+         E <= 256 && v.size(-1) == E && !spec.key_lengths;
+#else
+  (void)q, (void)v, (void)spec;
+  return false;
+#endif
+}
+
+#ifdef FASTATTN_FLASH_OPS
+struct FlashArgs {
+  c10::optional<Tensor> cu_q, cu_k;
+  int64_t max_q = 0, max_k = 0;
+  int64_t left = -1, right = -1;  // windows past every offset: -1 (flash's ints)
+};
+
+FlashArgs flash_args(const Tensor& q, const Tensor& k, const DenseAttentionSpec& spec) {
+  FlashArgs a;
+  const auto windows = [&](FlashArgs& f) {
+    const int64_t far = f.max_q + f.max_k;
+    f.left = spec.window_left >= far ? -1 : spec.window_left;
+    f.right = spec.window_right >= far ? -1 : spec.window_right;
+  };
+  if (!spec.packed()) {
+    a.max_q = q.size(2);
+    a.max_k = k.size(2);
+    windows(a);
+    return a;
+  }
+  a.cu_q = spec.cu_seqlens_q->to(q.device(), torch::kInt);
+  a.cu_k = spec.cu_seqlens_k->to(q.device(), torch::kInt);
+  if (q.device().is_meta()) {  // no values: the bound of the rows
+    a.max_q = q.size(0);
+    a.max_k = k.size(0);
+  } else {
+    a.max_q = spec.cu_seqlens_q->diff().max().item<int64_t>();
+    a.max_k = spec.cu_seqlens_k->diff().max().item<int64_t>();
+  }
+  windows(a);
+  return a;
+}
+
+// (N, H, L, D) <-> flash's (N, L, H, D); packed tensors as they are.
+Tensor to_flash(const Tensor& x, const DenseAttentionSpec& spec) {
+  return spec.packed() ? x : x.transpose(1, 2);
+}
+
+std::tuple<Tensor, Tensor> flash_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                         const DenseAttentionSpec& spec) {
+  const auto a = flash_args(q, k, spec);
+  auto r = at::_flash_attention_forward(
+      to_flash(q, spec), to_flash(k, spec), to_flash(v, spec), a.cu_q, a.cu_k, a.max_q, a.max_k,
+      /*dropout_p=*/0.0, spec.causal, /*return_debug_mask=*/false, spec.scale, a.left, a.right);
+  auto lse = std::get<1>(r);
+  lse = lse.masked_fill(torch::isposinf(lse), -std::numeric_limits<double>::infinity());
+  return {to_flash(std::get<0>(r), spec), lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor> flash_backward(const Tensor& grad_out, const Tensor& q,
+                                                  const Tensor& k, const Tensor& v,
+                                                  const Tensor& out, const Tensor& lse,
+                                                  const DenseAttentionSpec& spec) {
+  const auto a = flash_args(q, k, spec);
+  // Rows without keys back to flash's +inf (exp(s - lse) = 0 for them).
+  auto l = lse.to(torch::kFloat)
+               .masked_fill(torch::isneginf(lse), std::numeric_limits<double>::infinity());
+  // No dropout: the random state is not read.
+  const auto none = torch::empty({0}, q.options().dtype(torch::kLong));
+  const auto empty_cu = torch::empty({0}, q.options().dtype(torch::kInt));
+  auto [dq, dk, dv] = at::_flash_attention_backward(
+      to_flash(grad_out, spec), to_flash(q, spec), to_flash(k, spec), to_flash(v, spec),
+      to_flash(out, spec), l, a.cu_q.value_or(empty_cu), a.cu_k.value_or(empty_cu), a.max_q,
+      a.max_k, /*dropout_p=*/0.0, spec.causal, none, none, spec.scale, a.left, a.right);
+  return {to_flash(dq, spec), to_flash(dk, spec), to_flash(dv, spec)};
+}
+#endif
+
 }  // namespace
 
 std::tuple<Tensor, Tensor> dense_attention_forward(const Tensor& q, const Tensor& k,
                                                    const Tensor& v,
                                                    const DenseAttentionSpec& spec) {
   check_spec(spec);
+#ifdef FASTATTN_FLASH_OPS
+  if (flash_route(q, v, spec)) return flash_forward(q, k, v, spec);
+#endif
   if (!spec.packed()) return padded_forward(q, k, v, spec);
   const auto p = check_packed(q, k, v, spec);
   const int64_t H = q.size(1);
@@ -125,6 +229,9 @@ std::tuple<Tensor, Tensor, Tensor> dense_attention_backward(const Tensor& grad_o
                                                             const Tensor& out, const Tensor& lse,
                                                             const DenseAttentionSpec& spec) {
   check_spec(spec);
+#ifdef FASTATTN_FLASH_OPS
+  if (flash_route(q, v, spec)) return flash_backward(grad_out, q, k, v, out, lse, spec);
+#endif
   if (!spec.packed()) return padded_backward(grad_out, q, k, v, out, lse, spec);
   const auto p = check_packed(q, k, v, spec);
   TORCH_CHECK(grad_out.sizes() == out.sizes() && out.dim() == 3 && out.size(0) == q.size(0) &&
@@ -164,7 +271,141 @@ std::tuple<Tensor, Tensor> merge_by_lse(const std::vector<Tensor>& outs,
   return {out, lse};
 }
 
+// ---- with autograd, and the types' route ------------------------------------
+
+namespace {
+
+class DenseAttentionFunction : public torch::autograd::Function<DenseAttentionFunction> {
+ public:
+  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& q, const Tensor& k,
+                        const Tensor& v, const DenseAttentionSpec& spec) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, lse] = dense_attention_forward(q, k, v, spec);
+    ctx->save_for_backward({q, k, v, out, lse});
+    ctx->saved_data["scale"] = spec.scale;
+    ctx->saved_data["causal"] = spec.causal;
+    ctx->saved_data["window"] = std::vector<int64_t>{spec.window_left, spec.window_right};
+    const auto opt = [](const c10::optional<Tensor>& t) { return t ? *t : Tensor(); };
+    ctx->saved_data["key_lengths"] = opt(spec.key_lengths);
+    ctx->saved_data["cu_seqlens_q"] = opt(spec.cu_seqlens_q);
+    ctx->saved_data["cu_seqlens_k"] = opt(spec.cu_seqlens_k);
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto opt = [&](const char* name) {
+      const auto t = ctx->saved_data[name].toTensor();
+      return t.defined() ? c10::optional<Tensor>(t) : c10::nullopt;
+    };
+    DenseAttentionSpec spec;
+    spec.scale = ctx->saved_data["scale"].toDouble();
+    spec.causal = ctx->saved_data["causal"].toBool();
+    const auto window = ctx->saved_data["window"].toIntVector();
+    spec.window_left = window[0];
+    spec.window_right = window[1];
+    spec.key_lengths = opt("key_lengths");
+    spec.cu_seqlens_q = opt("cu_seqlens_q");
+    spec.cu_seqlens_k = opt("cu_seqlens_k");
+    auto [dq, dk, dv] = dense_attention_backward(grads[0].to(saved[3].scalar_type()), saved[0],
+                                                 saved[1], saved[2], saved[3], saved[4], spec);
+    return {dq, dk, dv, Tensor()};
+  }
+};
+
+DenseEngineRoute route_from_environment() {
+  const char* env = std::getenv("FASTATTN_DENSE_ENGINE");
+  const std::string value = env ? env : "auto";
+  if (value == "always") return DenseEngineRoute::Always;
+  if (value == "never" || value == "0") return DenseEngineRoute::Never;
+  TORCH_CHECK(value == "auto" || value == "1" || value.empty(),
+              "FASTATTN_DENSE_ENGINE must be auto, always or never, got '", value, "'");
+  return DenseEngineRoute::Auto;
+}
+
+std::atomic<int>& route_setting() {
+  static std::atomic<int> route{static_cast<int>(route_from_environment())};
+  return route;
+}
+
+}  // namespace
+
+Tensor dense_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                       const DenseAttentionSpec& spec) {
+  return DenseAttentionFunction::apply(q, k, v, spec);
+}
+
+DenseEngineRoute dense_engine_route() {
+  return static_cast<DenseEngineRoute>(route_setting().load());
+}
+
+void set_dense_engine_route(DenseEngineRoute route) {
+  route_setting().store(static_cast<int>(route));
+}
+
+bool types_use_dense_engine(const Tensor& q, const Tensor& v, const DenseAttentionSpec& spec) {
+  switch (dense_engine_route()) {
+    case DenseEngineRoute::Always:
+      return true;
+    case DenseEngineRoute::Never:
+      return false;
+    default:
+      return flash_route(q, v, spec);
+  }
+}
+
+namespace {
+
+DenseAttentionSpec spec_of(double scale, bool causal, int64_t window_left, int64_t window_right,
+                           const c10::optional<Tensor>& key_lengths,
+                           const c10::optional<Tensor>& cu_seqlens_q,
+                           const c10::optional<Tensor>& cu_seqlens_k) {
+  DenseAttentionSpec spec;
+  spec.scale = scale;
+  spec.causal = causal;
+  spec.window_left = window_left;
+  spec.window_right = window_right;
+  spec.key_lengths = key_lengths;
+  spec.cu_seqlens_q = cu_seqlens_q;
+  spec.cu_seqlens_k = cu_seqlens_k;
+  return spec;
+}
+
+// The engine as internal operators (torch.ops.fastattn._dense_attention_*),
+// for the Python tests: on meta tensors of float16 / bfloat16 they run
+// PyTorch's flash route's shape functions (torch >= 2.4).
+std::tuple<Tensor, Tensor> forward_op(const Tensor& q, const Tensor& k, const Tensor& v,
+                                      double scale, bool causal, int64_t window_left,
+                                      int64_t window_right,
+                                      const c10::optional<Tensor>& key_lengths,
+                                      const c10::optional<Tensor>& cu_seqlens_q,
+                                      const c10::optional<Tensor>& cu_seqlens_k) {
+  return dense_attention_forward(
+      q, k, v,
+      spec_of(scale, causal, window_left, window_right, key_lengths, cu_seqlens_q, cu_seqlens_k));
+}
+
+std::tuple<Tensor, Tensor, Tensor> backward_op(const Tensor& grad_out, const Tensor& q,
+                                               const Tensor& k, const Tensor& v, const Tensor& out,
+                                               const Tensor& lse, double scale, bool causal,
+                                               int64_t window_left, int64_t window_right,
+                                               const c10::optional<Tensor>& key_lengths,
+                                               const c10::optional<Tensor>& cu_seqlens_q,
+                                               const c10::optional<Tensor>& cu_seqlens_k) {
+  return dense_attention_backward(
+      grad_out, q, k, v, out, lse,
+      spec_of(scale, causal, window_left, window_right, key_lengths, cu_seqlens_q, cu_seqlens_k));
+}
+
+}  // namespace
+
 }  // namespace fastattn::ops
+
+TORCH_LIBRARY_IMPL(fastattn, CompositeExplicitAutograd, m) {
+  m.impl("_dense_attention_forward", fastattn::ops::forward_op);
+  m.impl("_dense_attention_backward", fastattn::ops::backward_op);
+}
 
 namespace fastattn::reference {
 

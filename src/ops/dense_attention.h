@@ -69,6 +69,23 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> dense_attention_backward
 std::tuple<torch::Tensor, torch::Tensor> merge_by_lse(const std::vector<torch::Tensor>& outs,
                                                       const std::vector<torch::Tensor>& lses);
 
+// With autograd: the engine's forward, and its backward from the saved out
+// and lse. What the types call.
+torch::Tensor dense_attention(const torch::Tensor& q, const torch::Tensor& k,
+                              const torch::Tensor& v, const DenseAttentionSpec& spec);
+
+// Where the attention types compute on the engine instead of their own
+// kernels. Auto (the default): where the engine runs on PyTorch's fused
+// kernels (CUDA, float16 / bfloat16, torch >= 2.4); Always: everywhere (on the
+// CPU the engine's block-sparse route: how the compositions are tested
+// without a GPU); Never: the types' own kernels. FASTATTN_DENSE_ENGINE=auto |
+// always | never sets it for the process; set_dense_engine_route changes it.
+enum class DenseEngineRoute { Auto, Always, Never };
+DenseEngineRoute dense_engine_route();
+void set_dense_engine_route(DenseEngineRoute route);
+bool types_use_dense_engine(const torch::Tensor& q, const torch::Tensor& v,
+                            const DenseAttentionSpec& spec);
+
 }  // namespace fastattn::ops
 
 namespace fastattn::reference {

@@ -147,6 +147,19 @@ TORCH_LIBRARY(fastattn, m) {
       "Tensor out, Tensor lse, str pattern, int[] params, Tensor? key_lengths, bool causal, "
       "float softmax_temp) -> (Tensor, Tensor, Tensor)");
 
+  // ---- the dense-attention engine (src/ops/dense_attention.h), internal ------
+  // q (N,H,L,E) or packed (Tq,H,E) with cu_seqlens_q / cu_seqlens_k (B + 1);
+  // windows -1 for no bound -> (out, lse (N,H,L) or (H,Tq)). No autograd.
+  m.def(
+      "_dense_attention_forward(Tensor q, Tensor k, Tensor v, float scale, bool causal=False, "
+      "int window_left=-1, int window_right=-1, Tensor? key_lengths=None, "
+      "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None) -> (Tensor, Tensor)");
+  m.def(
+      "_dense_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
+      "Tensor lse, float scale, bool causal=False, int window_left=-1, int window_right=-1, "
+      "Tensor? key_lengths=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None) "
+      "-> (Tensor, Tensor, Tensor)");
+
   // ---- Reformer LSH attention (Kitaev et al. 2020) ---------------------------
   // Buckets by argmax over [x·R_r ; -x·R_r]: x (N,H,L,E), rotations (R,E,B2)
   // -> (N,H,R,L) int64 in [0, 2·B2) (B2 = 0: one bucket, all 0).

@@ -14,6 +14,9 @@
 #include <vector>
 
 #include "expect_error.h"
+#include "fastattn/attention.h"
+#include "fastattn/mask.h"
+#include "fastattn/registry.h"
 #include "ops/dense_attention.h"
 
 namespace fastattn {
@@ -231,6 +234,73 @@ TEST(DenseAttention, MergeOfPiecesWithoutKeys) {
   EXPECT_TRUE(torch::equal(out[0][0][1], torch::ones({3}, torch::kDouble)));
   EXPECT_TRUE(std::isinf(lse[0][0][0].item<double>()));
   EXPECT_DOUBLE_EQ(lse[0][0][1].item<double>(), 0.5);
+}
+
+// The types composed on the engine (the route CUDA takes with float16 /
+// bfloat16) give their own kernels' outputs and gradients: run on the CPU
+// with the route forced (DenseEngineRoute::Always).
+class DenseEngineRouteScope {
+ public:
+  explicit DenseEngineRouteScope(ops::DenseEngineRoute r) : saved_(ops::dense_engine_route()) {
+    ops::set_dense_engine_route(r);
+  }
+  ~DenseEngineRouteScope() { ops::set_dense_engine_route(saved_); }
+
+ private:
+  ops::DenseEngineRoute saved_;
+};
+
+TEST(DenseAttention, TypesOnTheEngineEqualTheirOwnKernels) {
+  struct TypeCase {
+    std::string type;
+    ParamMap params;
+  };
+  const std::vector<TypeCase> types = {
+      {"full", {}},
+      {"full", {{"softmax_temp", 0.3}}},
+      {"local", {{"window", int64_t{5}}}},
+      {"local", {{"window", int64_t{4}}, {"softmax_temp", 0.6}}},
+      {"local", {{"window", int64_t{1}}}},
+  };
+  torch::manual_seed(9);
+  for (const auto& tc : types) {
+    for (bool causal : {false, true}) {
+      for (bool lengths : {false, true}) {
+        for (auto [L, S] : std::vector<std::pair<int64_t, int64_t>>{{11, 11}, {6, 13}, {13, 6}}) {
+          const std::string what = tc.type + (causal ? " causal" : "") +
+                                   (lengths ? " lengths" : "") + " L" + std::to_string(L) + " S" +
+                                   std::to_string(S);
+          auto attn = make_attention(tc.type, tc.params, {2, 4, 3});
+          attn->eval();
+          Mask mask = Mask().with_causal(causal);
+          if (lengths) mask = mask.with_key_lengths(torch::tensor({S, S / 2}, torch::kLong));
+          auto q = torch::randn({2, 2, L, 4}, torch::kDouble).requires_grad_(true);
+          auto k = torch::randn({2, 2, S, 4}, torch::kDouble).requires_grad_(true);
+          auto v = torch::randn({2, 2, S, 3}, torch::kDouble).requires_grad_(true);
+          auto g = torch::randn({2, 2, L, 3}, torch::kDouble);
+          std::vector<Tensor> results[2];
+          for (int engine = 0; engine < 2; ++engine) {
+            DenseEngineRouteScope scope(engine ? ops::DenseEngineRoute::Always
+                                               : ops::DenseEngineRoute::Never);
+            auto out = attn->forward(q, k, v, mask);
+            auto grads = torch::autograd::grad({out}, {q, k, v}, {g});
+            results[engine] = {out.detach(), grads[0], grads[1], grads[2]};
+          }
+          for (int i = 0; i < 4; ++i)
+            EXPECT_LE(max_err(results[1][i], results[0][i]), 1e-12) << what << " result " << i;
+        }
+      }
+    }
+  }
+}
+
+TEST(DenseAttention, AutoRouteKeepsTheCpuKernels) {
+  // Auto takes the engine only where it runs PyTorch's fused kernels.
+  DenseEngineRouteScope scope(ops::DenseEngineRoute::Auto);
+  DenseAttentionSpec spec;
+  auto x = torch::randn({1, 1, 4, 8});
+  EXPECT_FALSE(ops::types_use_dense_engine(x, x, spec));
+  EXPECT_FALSE(ops::types_use_dense_engine(x.to(torch::kBFloat16), x, spec));
 }
 
 TEST(DenseAttention, BadSpecsNameTheArgument) {

@@ -104,6 +104,17 @@ def op_cases():
             cases.append((f"block-sparse-{pattern}-{d}", ops.block_sparse_attention,
                           (sq, sk, sv, pattern, params),
                           dict(key_lengths=lengths(), causal=pattern != "local")))
+        # The dense-attention engine's internal operators (no autograd: inputs
+        # without grad).
+        dq_, dk_, dv_ = (t.detach() for t in qkv(dt, l=S))
+        dout, dlse = ops._dense_attention_forward(dq_, dk_, dv_, 0.5, True, 2, 1)
+        cases += [
+            (f"dense-forward-{d}", ops._dense_attention_forward, (dq_, dk_, dv_, 0.5),
+             dict(causal=True, window_left=2, window_right=1)),
+            (f"dense-backward-{d}", ops._dense_attention_backward,
+             (torch.randn_like(dout), dq_, dk_, dv_, dout, dlse, 0.5),
+             dict(causal=True, window_left=2, window_right=1)),
+        ]
         rot = torch.randn(2, E, 2, dtype=dt, generator=torch.Generator().manual_seed(4))
         buckets = ops.lsh_hash(sq.detach(), rot)
         cases += [

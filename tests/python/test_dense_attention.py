@@ -1,0 +1,112 @@
+"""The dense-attention engine through its internal operators
+(``torch.ops.fastattn._dense_attention_forward`` / ``_backward``, issue 62).
+
+- On the CPU: windows, causal alignment and packed sequences against a plain
+  float64 softmax written here, forward and backward.
+- On meta tensors (torch >= 2.4): float16 / bfloat16 inputs take the route to
+  PyTorch's flash attention ops, whose meta kernels check the arguments fastattn
+  passes (layouts, windows, packed offsets) and give the shapes and dtypes the
+  GPU will; the C++ tests cover the CPU route in depth
+  (tests/cpp/test_dense_attention.cpp).
+"""
+
+import pytest
+import torch
+
+import fastattn  # noqa: F401  (loads the operators)
+
+ops = torch.ops.fastattn
+HAS_FLASH_OPS = hasattr(torch.ops.aten, "_flash_attention_forward") and tuple(
+    int(x) for x in torch.__version__.split(".")[:2]) >= (2, 4)
+
+
+def reference(q, k, v, scale, causal, left, right):
+    """Plain softmax over the keys the engine's rules keep, float64."""
+    L, S = q.shape[-2], k.shape[-2]
+    p = torch.arange(L).view(L, 1) + (S - L)
+    j = torch.arange(S).view(1, S)
+    keep = torch.ones(L, S, dtype=torch.bool)
+    if causal:
+        keep &= j <= p
+    if left >= 0:
+        keep &= j >= p - left
+    if right >= 0:
+        keep &= j <= p + right
+    s = (q.double() @ k.double().transpose(-1, -2)) * scale
+    s = s.masked_fill(~keep, float("-inf"))
+    lse = s.logsumexp(-1)
+    w = (s - lse.unsqueeze(-1)).exp().nan_to_num(0.0)
+    return w @ v.double(), lse
+
+
+@pytest.mark.parametrize("L,S", [(6, 6), (4, 9), (9, 4)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("left,right", [(-1, -1), (2, -1), (1, 1), (3, 0)])
+def test_cpu_route_equals_a_plain_softmax(L, S, causal, left, right):
+    g = torch.Generator().manual_seed(L * 31 + S)
+    q, k = (torch.randn(2, 3, n, 4, generator=g, dtype=torch.float64) for n in (L, S))
+    v = torch.randn(2, 3, S, 5, generator=g, dtype=torch.float64)
+    out, lse = ops._dense_attention_forward(q, k, v, 0.6, causal, left, right)
+    ref_out, ref_lse = reference(q, k, v, 0.6, causal, left, right)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-12)
+    dead = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), dead)
+    torch.testing.assert_close(lse[~dead], ref_lse[~dead], rtol=0, atol=1e-12)
+    # Backward against autograd through the reference.
+    x = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    go = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    want = torch.autograd.grad(reference(*x, 0.6, causal, left, right)[0], x, go)
+    got = ops._dense_attention_backward(go, q, k, v, out, lse, 0.6, causal, left, right)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-11)
+
+
+def test_cpu_route_packed_sequences():
+    g = torch.Generator().manual_seed(2)
+    lens = [(3, 5), (0, 2), (4, 4)]
+    cq = torch.tensor([0, 3, 3, 7])
+    ck = torch.tensor([0, 5, 7, 11])
+    q = torch.randn(7, 2, 4, generator=g, dtype=torch.float64)
+    k = torch.randn(11, 2, 4, generator=g, dtype=torch.float64)
+    v = torch.randn(11, 2, 3, generator=g, dtype=torch.float64)
+    out, lse = ops._dense_attention_forward(q, k, v, 0.5, True, -1, -1, None, cq, ck)
+    assert out.shape == (7, 2, 3) and lse.shape == (2, 7)
+    for b, (nl, ns) in enumerate(lens):
+        if nl == 0:
+            continue
+        qs = q[cq[b]:cq[b + 1]].transpose(0, 1)
+        ks, vs = (t[ck[b]:ck[b + 1]].transpose(0, 1) for t in (k, v))
+        ro, rl = reference(qs, ks, vs, 0.5, True, -1, -1)
+        torch.testing.assert_close(out[cq[b]:cq[b + 1]].transpose(0, 1), ro, rtol=0, atol=1e-12)
+        torch.testing.assert_close(lse[:, cq[b]:cq[b + 1]], rl, rtol=0, atol=1e-12)
+
+
+@pytest.mark.skipif(not HAS_FLASH_OPS, reason="PyTorch's flash ops with windows need torch >= 2.4")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_meta_tensors_take_the_flash_route(dtype):
+    N, H, L, S, E = 2, 3, 5, 7, 64
+    q = torch.empty(N, H, L, E, device="meta", dtype=dtype)
+    k = torch.empty(N, H, S, E, device="meta", dtype=dtype)
+    v = torch.empty(N, H, S, E, device="meta", dtype=dtype)
+    out, lse = ops._dense_attention_forward(q, k, v, 0.125, True, 3, 0)
+    assert out.shape == (N, H, L, E) and out.dtype == dtype
+    assert lse.shape == (N, H, L) and lse.dtype == torch.float32
+    dq, dk, dv = ops._dense_attention_backward(out, q, k, v, out, lse, 0.125, True, 3, 0)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    assert dq.dtype == dk.dtype == dv.dtype == dtype
+    # Packed sequences: flash's own layout, lse (H, Tq).
+    qp = torch.empty(9, H, E, device="meta", dtype=dtype)
+    kp = torch.empty(11, H, E, device="meta", dtype=dtype)
+    cq = torch.tensor([0, 4, 9], device="meta")
+    ck = torch.tensor([0, 6, 11], device="meta")
+    out, lse = ops._dense_attention_forward(qp, kp, kp, 0.125, False, -1, -1, None, cq, ck)
+    assert out.shape == (9, H, E) and lse.shape == (H, 9)
+    grads = ops._dense_attention_backward(out, qp, kp, kp, out, lse, 0.125, False, -1, -1, None,
+                                          cq, ck)
+    assert [g.shape for g in grads] == [qp.shape, kp.shape, kp.shape]
+
+
+def test_bad_windows_name_the_argument():
+    q = torch.randn(1, 1, 3, 2)
+    with pytest.raises(RuntimeError, match="window_left"):
+        ops._dense_attention_forward(q, q, q, 1.0, False, -5, -1)
