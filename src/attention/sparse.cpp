@@ -8,6 +8,7 @@
 #include "fastattn/ops.h"
 #include "fastattn/registry.h"
 #include "ops/dense_attention.h"
+#include "ops/engine_pieces.h"
 #include "ops/op_util.h"
 
 namespace fastattn {
@@ -89,6 +90,16 @@ torch::Tensor SparseTransformerAttention::forward(const torch::Tensor& queries, 
   TORCH_CHECK(options_.mode != SparseMode::Split || queries.size(1) >= 2, type_name(),
               ": mode split needs at least 2 heads, got ", queries.size(1));
   const auto [pattern_name, params] = this->pattern(queries.size(2));
+  // On the dense-attention engine where it runs on PyTorch's fused kernels:
+  // the pattern as disjoint pieces merged by logsumexp (src/ops/engine_pieces.h).
+  // Key lengths keep the block-sparse kernels (the pieces' sequences are
+  // planned once for every batch item).
+  if (!mask.key_lengths() && ops::types_use_dense_engine(queries, values, {})) {
+    const double scale =
+        options_.softmax_temp.value_or(1.0 / std::sqrt(static_cast<double>(queries.size(3))));
+    return ops::block_sparse_on_engine(queries, keys, values, scale, pattern_name, params,
+                                       mask.is_causal());
+  }
   return block_sparse_attention(queries, keys, values, pattern_name, params, mask.key_lengths(),
                                 mask.is_causal(), options_.softmax_temp);
 }

@@ -265,10 +265,10 @@ std::tuple<Tensor, Tensor> merge_by_lse(const std::vector<Tensor>& outs,
     auto w = (lses[i] - lse).exp().masked_fill(none, 0.0);
     // lse (N, H, L) against out (N, H, L, M); packed: lse (H, T), out (T, H, M).
     w = outs[i].dim() == 3 ? w.t().unsqueeze(-1) : w.unsqueeze(-1);
-    auto term = outs[i] * w.to(outs[i].scalar_type());
+    auto term = outs[i].to(w.scalar_type()) * w;  // summed in lse's precision
     out = out.defined() ? out + term : term;
   }
-  return {out, lse};
+  return {out.to(outs[0].scalar_type()), lse};
 }
 
 // ---- with autograd, and the types' route ------------------------------------

@@ -159,6 +159,13 @@ TORCH_LIBRARY(fastattn, m) {
       "Tensor lse, float scale, bool causal=False, int window_left=-1, int window_right=-1, "
       "Tensor? key_lengths=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None) "
       "-> (Tensor, Tensor, Tensor)");
+  // A block-sparse pattern ("strided", "fixed", "local", "window" with the
+  // block_sparse_attention operator's params) composed on the engine:
+  // disjoint pieces merged by logsumexp (src/ops/engine_pieces.h).
+  // Differentiable; the Python tests run it on meta tensors.
+  m.def(
+      "_block_sparse_on_engine(Tensor q, Tensor k, Tensor v, float scale, str pattern, "
+      "int[] params, bool causal=False) -> Tensor");
 
   // ---- Reformer LSH attention (Kitaev et al. 2020) ---------------------------
   // Buckets by argmax over [x·R_r ; -x·R_r]: x (N,H,L,E), rotations (R,E,B2)

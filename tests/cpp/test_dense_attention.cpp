@@ -16,8 +16,10 @@
 #include "expect_error.h"
 #include "fastattn/attention.h"
 #include "fastattn/mask.h"
+#include "fastattn/ops.h"
 #include "fastattn/registry.h"
 #include "ops/dense_attention.h"
+#include "ops/engine_pieces.h"
 
 namespace fastattn {
 namespace {
@@ -261,25 +263,51 @@ TEST(DenseAttention, TypesOnTheEngineEqualTheirOwnKernels) {
       {"local", {{"window", int64_t{5}}}},
       {"local", {{"window", int64_t{4}}, {"softmax_temp", 0.6}}},
       {"local", {{"window", int64_t{1}}}},
+      {"sparse-strided", {{"stride", int64_t{3}}}},
+      {"sparse-strided", {{"stride", int64_t{1}}}},
+      {"sparse-strided", {{"stride", int64_t{4}}, {"mode", std::string("split")}}},
+      {"sparse-strided", {{"stride", int64_t{2}}, {"mode", std::string("interleaved")}}},
+      {"sparse-strided",
+       {{"stride", int64_t{3}}, {"mode", std::string("interleaved")}, {"part", int64_t{2}}}},
+      {"sparse-strided", {{"stride", int64_t{1} << 62}}},
+      {"sparse-strided", {}},
+      {"sparse-fixed", {{"stride", int64_t{4}}, {"summary", int64_t{2}}}},
+      {"sparse-fixed",
+       {{"stride", int64_t{4}}, {"summary", int64_t{1}}, {"per_head_summary", true}}},
+      {"sparse-fixed",
+       {{"stride", int64_t{5}},
+        {"mode", std::string("split")},
+        {"summary", int64_t{2}},
+        {"per_head_summary", true}}},
+      {"sparse-fixed", {{"stride", int64_t{3}}, {"mode", std::string("interleaved")}}},
+      {"sparse-fixed",
+       {{"stride", int64_t{4}},
+        {"summary", int64_t{3}},
+        {"mode", std::string("interleaved")},
+        {"part", int64_t{2}}}},
+      {"sparse-fixed", {{"stride", int64_t{1} << 62}, {"summary", int64_t{2}}}},
+      {"sparse-fixed", {}},
   };
   torch::manual_seed(9);
   for (const auto& tc : types) {
     for (bool causal : {false, true}) {
       for (bool lengths : {false, true}) {
         for (auto [L, S] : std::vector<std::pair<int64_t, int64_t>>{{11, 11}, {6, 13}, {13, 6}}) {
-          const std::string what = tc.type + (causal ? " causal" : "") +
-                                   (lengths ? " lengths" : "") + " L" + std::to_string(L) + " S" +
-                                   std::to_string(S);
+          const std::string what = tc.type + "#" + std::to_string(&tc - types.data()) +
+                                   (causal ? " causal" : "") + (lengths ? " lengths" : "") + " L" +
+                                   std::to_string(L) + " S" + std::to_string(S);
           auto attn = make_attention(tc.type, tc.params, {2, 4, 3});
           attn->eval();
           Mask mask = Mask().with_causal(causal);
           if (lengths) mask = mask.with_key_lengths(torch::tensor({S, S / 2}, torch::kLong));
-          auto q = torch::randn({2, 2, L, 4}, torch::kDouble).requires_grad_(true);
-          auto k = torch::randn({2, 2, S, 4}, torch::kDouble).requires_grad_(true);
-          auto v = torch::randn({2, 2, S, 3}, torch::kDouble).requires_grad_(true);
-          auto g = torch::randn({2, 2, L, 3}, torch::kDouble);
-          std::vector<Tensor> results[2];
-          for (int engine = 0; engine < 2; ++engine) {
+          auto q = torch::randn({2, 3, L, 4}, torch::kDouble).requires_grad_(true);
+          auto k = torch::randn({2, 3, S, 4}, torch::kDouble).requires_grad_(true);
+          auto v = torch::randn({2, 3, S, 3}, torch::kDouble).requires_grad_(true);
+          auto g = torch::randn({2, 3, L, 3}, torch::kDouble);
+          // 0: own kernels; 1: the engine; 2: the engine again (the sparse
+          // types' cached plan)
+          std::vector<Tensor> results[3];
+          for (int engine = 0; engine < 3; ++engine) {
             DenseEngineRouteScope scope(engine ? ops::DenseEngineRoute::Always
                                                : ops::DenseEngineRoute::Never);
             auto out = attn->forward(q, k, v, mask);
@@ -287,11 +315,76 @@ TEST(DenseAttention, TypesOnTheEngineEqualTheirOwnKernels) {
             results[engine] = {out.detach(), grads[0], grads[1], grads[2]};
           }
           for (int i = 0; i < 4; ++i)
-            EXPECT_LE(max_err(results[1][i], results[0][i]), 1e-12) << what << " result " << i;
+            for (int engine = 1; engine < 3; ++engine)
+              EXPECT_LE(max_err(results[engine][i], results[0][i]), 1e-12)
+                  << what << " result " << i << " run " << engine;
         }
       }
     }
   }
+}
+
+// How many pieces give query i key j in head h: (H, L, S), from the pieces'
+// own rules (windows; packed sequences, causal aligned bottom-right).
+Tensor piece_cover(const std::vector<ops::EnginePiece>& pieces, int64_t H, int64_t L, int64_t S) {
+  auto count = torch::zeros({H, L, S}, torch::kLong);
+  auto a = count.accessor<int64_t, 3>();
+  for (const auto& p : pieces) {
+    std::vector<int64_t> heads = p.heads;
+    if (heads.empty())
+      for (int64_t h = 0; h < H; ++h) heads.push_back(h);
+    for (int64_t h : heads) {
+      if (p.padded) {
+        for (int64_t i = 0; i < L; ++i)
+          for (int64_t j = 0; j < S; ++j) {
+            const int64_t pos = i + S - L;
+            const bool keep = (!p.causal || j <= pos) &&
+                              (p.window_left < 0 || j >= pos - p.window_left) &&
+                              (p.window_right < 0 || j <= pos + p.window_right);
+            a[h][i][j] += keep;
+          }
+        continue;
+      }
+      for (size_t b = 0; b + 1 < p.cu_q.size(); ++b) {
+        const int64_t nq = p.cu_q[b + 1] - p.cu_q[b], nk = p.cu_k[b + 1] - p.cu_k[b];
+        for (int64_t x = 0; x < nq; ++x)
+          for (int64_t y = 0; y < nk; ++y)
+            if (!p.causal || y <= x + nk - nq)
+              a[h][p.q_rows[p.cu_q[b] + x]][p.k_rows[p.cu_k[b] + y]] += 1;
+      }
+    }
+  }
+  return count;
+}
+
+TEST(DenseAttention, PiecesCoverTheBlockSparsePatternOnce) {
+  // The pieces of every strided / fixed pattern are disjoint and their union
+  // is the block-sparse operator's pattern (reference::block_sparse_mask).
+  int64_t checked = 0;
+  for (auto [L, S] : std::vector<std::pair<int64_t, int64_t>>{{9, 9}, {5, 12}, {12, 5}, {1, 7}})
+    for (int64_t H : {1, 2, 3, 4})
+      for (bool causal : {false, true})
+        for (int64_t which = 0; which < 4; ++which) {
+          if (which == 3 && H < 2) continue;
+          std::vector<std::pair<std::string, std::vector<int64_t>>> patterns;
+          for (int64_t l : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{5}, int64_t{1} << 62})
+            patterns.push_back({"strided", {l, which}});
+          for (int64_t l : {int64_t{1}, int64_t{3}, int64_t{4}, int64_t{6}, int64_t{1} << 62})
+            for (int64_t c : {int64_t{1}, int64_t{2}, int64_t{3}, l})
+              for (int64_t per_head : {0, 1})
+                if (c <= l) patterns.push_back({"fixed", {l, c, which, per_head}});
+          for (const auto& [name, params] : patterns) {
+            const auto pieces = ops::block_sparse_pieces(name, params, causal, H, L, S);
+            const auto cover = piece_cover(pieces, H, L, S);
+            const auto want =
+                reference::block_sparse_mask(name, params, causal, H, L, S).to(torch::kLong);
+            ASSERT_TRUE(torch::equal(cover, want))
+                << name << " " << c10::IntArrayRef(params) << (causal ? " causal" : "") << " H" << H
+                << " L" << L << " S" << S << ": max cover " << cover.max().item<int64_t>();
+            ++checked;
+          }
+        }
+  EXPECT_GT(checked, 1000);
 }
 
 TEST(DenseAttention, AutoRouteKeepsTheCpuKernels) {

@@ -106,6 +106,41 @@ def test_meta_tensors_take_the_flash_route(dtype):
     assert [g.shape for g in grads] == [qp.shape, kp.shape, kp.shape]
 
 
+PATTERNS = [("strided", [3, 0]), ("strided", [2, 3]), ("fixed", [4, 2, 0, 0]),
+            ("fixed", [4, 1, 3, 1]), ("fixed", [3, 2, 2, 0])]
+
+
+@pytest.mark.parametrize("pattern,params", PATTERNS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_block_sparse_on_the_engine_equals_the_operator(pattern, params, causal):
+    """The pattern as pieces merged by logsumexp (CPU route), forward and
+    gradients, against fastattn's block-sparse operator, float64."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 4, n, 3, generator=g, dtype=torch.float64, requires_grad=True)
+               for n in (10, 13, 13))
+    go = torch.randn(2, 4, 10, 3, generator=g, dtype=torch.float64)
+    got = ops._block_sparse_on_engine(q, k, v, 0.7, pattern, params, causal)
+    want = ops.block_sparse_attention(q, k, v, pattern, params, None, causal, 0.7)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), go),
+                    torch.autograd.grad(want, (q, k, v), go)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+@pytest.mark.skipif(not HAS_FLASH_OPS, reason="PyTorch's flash ops with windows need torch >= 2.4")
+@pytest.mark.parametrize("pattern,params", PATTERNS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_block_sparse_pieces_take_the_flash_route_on_meta_tensors(pattern, params, causal):
+    """The gathers, packed flash calls (forward and backward) and merges of a
+    composed pattern on meta tensors: the shapes and dtypes the GPU gets."""
+    q, k, v = (torch.empty(2, 4, n, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+               for n in (24, 30, 30))
+    out = ops._block_sparse_on_engine(q, k, v, 0.125, pattern, params, causal)
+    assert out.shape == (2, 4, 24, 64) and out.dtype == torch.bfloat16
+    grads = torch.autograd.grad(out, (q, k, v), torch.empty_like(out))
+    assert [(x.shape, x.dtype) for x in grads] == [(t.shape, t.dtype) for t in (q, k, v)]
+
+
 def test_bad_windows_name_the_argument():
     q = torch.randn(1, 1, 3, 2)
     with pytest.raises(RuntimeError, match="window_left"):
