@@ -13,8 +13,61 @@
 #include "fastattn/ops.h"
 #include "fastattn/recurrent.h"
 #include "fastattn/registry.h"
+#include "ops/dense_attention.h"
+#include "ops/op_util.h"
 
 namespace fastattn {
+
+namespace {
+
+// Hard retrieval with the straight-through backward on the dense-attention
+// engine: the forward's one-hot choice (argmax or sample) from fastattn's
+// kernel; the softmax P it stands for as the engine's (P V, lse), so that
+// dq, dk are the engine's backward of P V for the same grad_out (the
+// operator's eqs. 8-10, src/ops/hard_retrieval_attention.cpp) and dv is the
+// index-add of grad_out.
+class HardRetrievalOnEngine : public torch::autograd::Function<HardRetrievalOnEngine> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const torch::Tensor& q, const torch::Tensor& k,
+                                                const torch::Tensor& v,
+                                                const ops::DenseAttentionSpec& spec, bool sample,
+                                                int64_t seed) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, index] = hard_retrieval_attention(q, k, v, std::nullopt, to_std(spec.key_lengths),
+                                                 spec.causal, sample, spec.scale, seed);
+    auto [soft, lse] = ops::dense_attention_forward(q, k, v, spec);
+    ctx->save_for_backward({q, k, v, soft, lse, index});
+    ctx->saved_data["scale"] = spec.scale;
+    ctx->saved_data["causal"] = spec.causal;
+    ctx->saved_data["key_lengths"] = spec.key_lengths ? *spec.key_lengths : torch::Tensor();
+    ctx->mark_non_differentiable({index});
+    return {out, index};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    torch::autograd::variable_list none(6);
+    if (!grads[0].defined()) return none;
+    const auto s = ctx->get_saved_variables();
+    ops::DenseAttentionSpec spec;
+    spec.scale = ctx->saved_data["scale"].toDouble();
+    spec.causal = ctx->saved_data["causal"].toBool();
+    const auto lengths = ctx->saved_data["key_lengths"].toTensor();
+    if (lengths.defined()) spec.key_lengths = lengths;
+    const auto go = grads[0].to(s[3].scalar_type());
+    auto [dq, dk, soft_dv] = ops::dense_attention_backward(go, s[0], s[1], s[2], s[3], s[4], spec);
+    const auto& index = s[5];
+    auto src = go * (index >= 0).unsqueeze(-1).to(go.scalar_type());
+    none[0] = dq;
+    none[1] = dk;
+    none[2] = torch::zeros_like(s[2]).scatter_add_(
+        2, index.clamp_min(0).unsqueeze(-1).expand_as(go), src);
+    return none;
+  }
+};
+
+}  // namespace
 
 HardRetrievalAttention::HardRetrievalAttention(std::string train_mode,
                                                std::optional<double> softmax_temp,
@@ -48,6 +101,18 @@ std::pair<torch::Tensor, torch::Tensor> HardRetrievalAttention::forward_with_ind
     // One op seed per forward from the module's generator (drawn on the CPU;
     // randint locks the generator itself).
     seed = torch::randint(0, int64_t(1) << 62, {1}, gen_, torch::kLong).item<int64_t>();
+  }
+  ops::DenseAttentionSpec spec;
+  spec.scale = softmax_temp_.value_or(1.0 / std::sqrt(static_cast<double>(queries.size(3))));
+  spec.causal = mask.is_causal();
+  spec.key_lengths = to_c10(mask.key_lengths());
+  // Training through q or k: the softmax the straight-through backward sees
+  // from the dense-attention engine where it runs on PyTorch's fused kernels.
+  if (!mask.attn_mask() && torch::GradMode::is_enabled() &&
+      (queries.requires_grad() || keys.requires_grad()) &&
+      ops::types_use_dense_engine(queries, values, spec)) {
+    auto r = HardRetrievalOnEngine::apply(queries, keys, values, spec, sample, seed);
+    return {r[0], r[1]};
   }
   auto [out, index] =
       hard_retrieval_attention(queries, keys, values, mask.attn_mask(), mask.key_lengths(),

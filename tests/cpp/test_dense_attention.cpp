@@ -287,6 +287,11 @@ TEST(DenseAttention, TypesOnTheEngineEqualTheirOwnKernels) {
         {"part", int64_t{2}}}},
       {"sparse-fixed", {{"stride", int64_t{1} << 62}, {"summary", int64_t{2}}}},
       {"sparse-fixed", {}},
+      // training: the straight-through backward on the engine (evaluation
+      // without training: the argmax, the same gradients)
+      {"hard-retrieval", {{"seed", int64_t{7}}}},
+      {"hard-retrieval", {{"seed", int64_t{7}}, {"train_mode", std::string("argmax")}}},
+      {"hard-retrieval", {{"softmax_temp", 0.8}}},
   };
   torch::manual_seed(9);
   for (const auto& tc : types) {
@@ -296,8 +301,6 @@ TEST(DenseAttention, TypesOnTheEngineEqualTheirOwnKernels) {
           const std::string what = tc.type + "#" + std::to_string(&tc - types.data()) +
                                    (causal ? " causal" : "") + (lengths ? " lengths" : "") + " L" +
                                    std::to_string(L) + " S" + std::to_string(S);
-          auto attn = make_attention(tc.type, tc.params, {2, 4, 3});
-          attn->eval();
           Mask mask = Mask().with_causal(causal);
           if (lengths) mask = mask.with_key_lengths(torch::tensor({S, S / 2}, torch::kLong));
           auto q = torch::randn({2, 3, L, 4}, torch::kDouble).requires_grad_(true);
@@ -310,6 +313,10 @@ TEST(DenseAttention, TypesOnTheEngineEqualTheirOwnKernels) {
           for (int engine = 0; engine < 3; ++engine) {
             DenseEngineRouteScope scope(engine ? ops::DenseEngineRoute::Always
                                                : ops::DenseEngineRoute::Never);
+            // A fresh module per run: hard retrieval's seeded generator draws
+            // the same samples.
+            auto attn = make_attention(tc.type, tc.params, {2, 4, 3});
+            attn->train(tc.params.count("seed") > 0);
             auto out = attn->forward(q, k, v, mask);
             auto grads = torch::autograd::grad({out}, {q, k, v}, {g});
             results[engine] = {out.detach(), grads[0], grads[1], grads[2]};
