@@ -39,6 +39,7 @@
 #include "fastattn/ops.h"
 #include "fastattn/registry.h"
 #include "ops/cluster_members.h"
+#include "ops/dense_attention.h"
 #include "ops/op_util.h"
 
 namespace fastattn {
@@ -235,10 +236,68 @@ Tensor centroid_attention(const Tensor& queries, const Tensor& keys, const Tenso
         masked_softmax(scores, key_keep(key_lengths, keys.size(0), keys.size(2), keys.device()));
     centroid_values = torch::matmul(maybe_dropout(probs, dropout), values);
   } else {
+    ops::DenseAttentionSpec spec;
+    spec.scale = temp_or_default(queries, softmax_temp);
+    spec.key_lengths = to_c10(key_lengths);
+    if (ops::types_use_dense_engine(centroids, values, spec))
+      return ops::dense_attention(centroids, keys, values, spec);
     centroid_values = full_attention(centroids, keys, values, std::nullopt, key_lengths,
                                      /*causal=*/false, softmax_temp);
   }
   return centroid_values;
+}
+
+// Improved clustered attention composed on the dense-attention engine
+// (issue 62): the centroids' pass over the keys (output, lse and top-k keys,
+// fastattn's selecting kernel), the centroid's probabilities on its top-k keys
+// P^c_T = exp(s_cT - lse_c), their mass m̂_c and the rest r_c = out_c -
+// P^c_T V_T; the members' exact softmax over their cluster's top-k keys as
+// packed variable-length sequences, one per (n, h, cluster), on the engine:
+// out_i = m̂_c · softmax_T(q_i) V_T + r_c (eq. 9-11). Differentiable as
+// composed (gathers, the engine's packed backward, the centroid pass's).
+// Without key lengths (the top-k of a row with fewer valid keys than k holds
+// masked keys, which the fused operator drops).
+Tensor improved_clustered_on_engine(const Tensor& queries, const Tensor& keys, const Tensor& values,
+                                    const QueryClusters& clusters, int64_t k, double temp) {
+  const int64_t N = queries.size(0), H = queries.size(1), L = queries.size(2), E = queries.size(3),
+                M = values.size(3), C = clusters.counts.size(2);
+  auto centroids = cluster_centroids(queries, clusters);  // (N, H, C, E)
+  auto [out_c, lse_c, top] =
+      full_attention_lse_topk(centroids, keys, values, std::nullopt, temp, k);
+  const auto gather_rows = [&](const Tensor& x) {  // (N, H, S, D) -> (N, H, C, k, D)
+    const int64_t D = x.size(3);
+    return x.gather(2, top.reshape({N, H, C * k, 1}).expand({N, H, C * k, D}))
+        .view({N, H, C, k, D});
+  };
+  auto k_top = gather_rows(keys), v_top = gather_rows(values);
+  auto p_top = ((centroids.unsqueeze(3) * k_top).sum(-1) * temp - lse_c.unsqueeze(-1)).exp();
+  auto mass = p_top.sum(-1);                                 // (N, H, C)
+  auto rest = out_c - (p_top.unsqueeze(-1) * v_top).sum(3);  // (N, H, C, M)
+  // The members of each (n, h, c), in that order; padded queries (-1) left out.
+  const auto& a = clusters.assignments;
+  auto seq = (torch::arange(N * H, a.options()).view({N, H, 1}) * C + a).flatten();
+  auto assigned = a.flatten().ge(0);
+  seq = seq.masked_fill(assigned.logical_not(), N * H * C);
+  auto order = std::get<1>(seq.sort(/*stable=*/true, 0, false));
+  const int64_t T = assigned.sum().item<int64_t>();
+  order = order.narrow(0, 0, T);
+  auto members = torch::bincount(seq.index_select(0, order), {}, N * H * C);
+  auto zero = torch::zeros({1}, members.options());
+  ops::DenseAttentionSpec spec;
+  spec.scale = temp;
+  spec.cu_seqlens_q = torch::cat({zero, members.cumsum(0)});
+  spec.cu_seqlens_k = torch::arange(N * H * C + 1, members.options()) * k;
+  auto q_sorted = queries.reshape({N * H * L, E}).index_select(0, order).view({T, 1, E});
+  auto o_sorted = ops::dense_attention(q_sorted, k_top.reshape({N * H * C * k, 1, E}),
+                                       v_top.reshape({N * H * C * k, 1, M}), spec);
+  auto o_top = torch::zeros({N * H * L, M}, o_sorted.options())
+                   .index_copy(0, order, o_sorted.view({T, M}))
+                   .view({N, H, L, M});
+  const auto per_query = [&](const Tensor& x) {  // (N, H, C, D) -> (N, H, L, D)
+    return x.gather(2, a.clamp_min(0).unsqueeze(-1).expand({N, H, L, x.size(3)}));
+  };
+  auto valid = a.ge(0).unsqueeze(-1).to(o_top.scalar_type());
+  return (per_query(mass.unsqueeze(-1)) * o_top + per_query(rest)) * valid;
 }
 
 }  // namespace
@@ -275,6 +334,12 @@ Tensor improved_clustered_attention(const Tensor& queries, const Tensor& keys, c
     return top_part_with_dropout(queries, keys, values, clusters, top_idx, mass, key_lengths, temp,
                                  dropout) +
            broadcast_to_queries(rest_values, clusters, queries);
+  }
+  if (!key_lengths) {
+    ops::DenseAttentionSpec spec;
+    spec.scale = temp;
+    if (ops::types_use_dense_engine(queries, values, spec))
+      return improved_clustered_on_engine(queries, keys, values, clusters, k, temp);
   }
   // The fused operator: one pass of the centroids over the keys (output,
   // log-sum-exp and top-k keys of each, never (N, H, C, S)), then per cluster
