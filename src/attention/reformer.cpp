@@ -13,6 +13,8 @@
 #include "fastattn/ops.h"
 #include "fastattn/reformer.h"
 #include "fastattn/registry.h"
+#include "ops/dense_attention.h"
+#include "ops/engine_pieces.h"
 
 namespace fastattn {
 
@@ -73,6 +75,16 @@ torch::Tensor ReformerAttention::forward(const torch::Tensor& queries,  // (N, H
     lengths = lengths ? torch::minimum(lengths->to(torch::kLong), ql) : ql;
   }
   auto buckets = hash(queries);
+  // On the dense-attention engine where it runs on PyTorch's fused kernels:
+  // each round's sorted chunks as packed sequences (src/ops/engine_pieces.h).
+  // Causal and padded calls keep the Reformer kernels (their order is not the
+  // sorted one).
+  if (!mask.is_causal() && !lengths && ops::types_use_dense_engine(queries, values, {})) {
+    const double temp =
+        options_.softmax_temp.value_or(1.0 / std::sqrt(static_cast<double>(queries.size(3))));
+    return ops::reformer_on_engine(queries, values, buckets, options_.chunk_size, options_.masked,
+                                   temp);
+  }
   return reformer_attention(queries, values, buckets, lengths, options_.chunk_size,
                             mask.is_causal(), options_.masked, options_.softmax_temp);
 }

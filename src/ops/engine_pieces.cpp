@@ -16,6 +16,7 @@
 #include "ops/block_sparse_pattern.h"
 #include "ops/dense_attention.h"
 #include "ops/op_util.h"
+#include "kernels/reformer/reformer.h"
 
 namespace fastattn::ops {
 
@@ -55,10 +56,13 @@ using torch::Tensor;
 
 // A piece's index tensors on the inputs' device (sequence offsets stay on the
 // host: the engine reads their maxima there), for N batch items.
+// Rows are (T) positions shared by every (n, h), or (N, H', T) per (n, h)
+// (a piece through a row map).
 struct PieceIndex {
   Tensor heads, q_rows, k_rows;  // undefined: all heads / padded
-  Tensor cu_q, cu_k;
   DenseAttentionSpec spec;
+  bool self = false;  // out_i = v_i with lse self_lse (no engine call)
+  double self_lse = 0.0;
 };
 
 Tensor index_tensor(const std::vector<int64_t>& x, const torch::Device& device) {
@@ -80,6 +84,11 @@ Tensor repeated_offsets(const std::vector<int64_t>& cu, int64_t N) {
 PieceIndex index_of(const EnginePiece& p, double scale, int64_t N, const torch::Device& device) {
   PieceIndex x;
   x.heads = index_tensor(p.heads, device);
+  if (p.self) {
+    x.self = true;
+    x.self_lse = p.self_score + std::log(static_cast<double>(p.self_count));
+    return x;
+  }
   x.spec.scale = scale;
   x.spec.causal = p.causal;
   if (p.padded) {
@@ -94,26 +103,35 @@ PieceIndex index_of(const EnginePiece& p, double scale, int64_t N, const torch::
   return x;
 }
 
+// Per-(n, h) rows (N, H', T) as the index of a gather along dim 2 of x.
+Tensor row_index(const Tensor& rows, const Tensor& x) {
+  if (x.dim() == 3) return rows;
+  return rows.unsqueeze(-1).expand({rows.size(0), rows.size(1), rows.size(2), x.size(3)});
+}
+
 // (N, H, R, D) -> the piece's layout: padded (N, H', R, D), packed (N·T, H', D).
 Tensor to_piece(const Tensor& x, const Tensor& heads, const Tensor& rows) {
   auto y = heads.defined() ? x.index_select(1, heads) : x;
   if (!rows.defined()) return y;
-  const int64_t N = y.size(0), T = rows.size(0);
-  return y.transpose(1, 2).index_select(1, rows).reshape({N * T, y.size(1), y.size(3)});
+  const int64_t N = y.size(0), T = rows.size(-1);
+  y = rows.dim() == 1 ? y.transpose(1, 2).index_select(1, rows)
+                      : y.gather(2, row_index(rows, y)).transpose(1, 2);
+  return y.reshape({N * T, y.size(2), y.size(3)});
 }
 
 // lse (N, H, L) -> padded (N, H', L), packed (H', N·T).
 Tensor lse_to_piece(const Tensor& lse, const Tensor& heads, const Tensor& rows) {
   auto y = heads.defined() ? lse.index_select(1, heads) : lse;
   if (!rows.defined()) return y;
-  return y.index_select(2, rows).transpose(0, 1).reshape({y.size(1), -1});
+  y = rows.dim() == 1 ? y.index_select(2, rows) : y.gather(2, rows);
+  return y.transpose(0, 1).reshape({y.size(1), -1});
 }
 
 // A piece's (N, H', ...) result into `full` (N, H, R, ...): rows and heads
 // by index (added: keys repeat across sequences; copied for out and lse).
 void from_piece(Tensor& full, Tensor piece, const Tensor& heads, const Tensor& rows, bool add) {
   if (rows.defined()) {
-    const int64_t N = full.size(0), T = rows.size(0);
+    const int64_t N = full.size(0), T = rows.size(-1);
     if (piece.dim() == 3 && full.dim() == 4) {  // (N·T, H', D) -> (N, H', T, D)
       piece = piece.view({N, T, piece.size(1), piece.size(2)}).transpose(1, 2);
     } else {  // lse (H', N·T) -> (N, H', T)
@@ -123,10 +141,12 @@ void from_piece(Tensor& full, Tensor piece, const Tensor& heads, const Tensor& r
     sizes[1] = piece.size(1);
     auto spread = add ? torch::zeros(sizes, full.options())
                       : torch::full(sizes, full.dim() == 3 ? -INFINITY : 0.0, full.options());
-    if (add)
-      spread.index_add_(2, rows, piece.to(full.scalar_type()));
+    piece = piece.to(full.scalar_type());
+    if (rows.dim() == 3)
+      add ? spread.scatter_add_(2, row_index(rows, spread), piece)
+          : spread.scatter_(2, row_index(rows, spread), piece);
     else
-      spread.index_copy_(2, rows, piece.to(full.scalar_type()));
+      add ? spread.index_add_(2, rows, piece) : spread.index_copy_(2, rows, piece);
     piece = spread;
   }
   if (!heads.defined()) {
@@ -142,9 +162,14 @@ std::tuple<Tensor, Tensor> pieces_forward(const Tensor& q, const Tensor& k, cons
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), M = v.size(3);
   Tensor out, lse;
   for (const auto& p : pieces) {
-    auto [o, l] =
-        dense_attention_forward(to_piece(q, p.heads, p.q_rows), to_piece(k, p.heads, p.k_rows),
-                                to_piece(v, p.heads, p.k_rows), p.spec);
+    Tensor o, l;
+    if (p.self) {
+      o = v, l = torch::full({N, H, L}, p.self_lse, q.options().dtype(stats_dtype(q)));
+    } else {
+      std::tie(o, l) =
+          dense_attention_forward(to_piece(q, p.heads, p.q_rows), to_piece(k, p.heads, p.k_rows),
+                                  to_piece(v, p.heads, p.k_rows), p.spec);
+    }
     o = o.to(l.scalar_type());  // merged in lse's precision (float32 for 16-bit inputs)
     if (p.heads.defined() || p.q_rows.defined()) {
       auto o_full = torch::zeros({N, H, L, M}, o.options());
@@ -204,6 +229,10 @@ class PiecesFunction : public torch::autograd::Function<PiecesFunction> {
     auto dv = torch::zeros(v.sizes(), v.options().dtype(acc));
     const auto grad_out = grads[0].to(out.scalar_type());
     for (const auto& p : saved->pieces) {
+      if (p.self) {  // dv_i += P_ii grad_out_i, P_ii = exp(self_lse - lse_i)
+        dv.add_((p.self_lse - lse).exp().unsqueeze(-1).to(acc) * grad_out.to(acc));
+        continue;
+      }
       auto [gq, gk, gv] = dense_attention_backward(
           to_piece(grad_out, p.heads, p.q_rows), to_piece(q, p.heads, p.q_rows),
           to_piece(k, p.heads, p.k_rows), to_piece(v, p.heads, p.k_rows),
@@ -222,41 +251,6 @@ Tensor attention_over_pieces(const Tensor& q, const Tensor& k, const Tensor& v, 
                              std::vector<EnginePiece> pieces) {
   auto saved = c10::make_intrusive<SavedPieces>();
   saved->pieces = index_all(pieces, scale, q.size(0), q.device());
-  return PiecesFunction::apply(q, k, v, saved);
-}
-
-Tensor block_sparse_on_engine(const Tensor& q, const Tensor& k, const Tensor& v, double scale,
-                              const std::string& pattern, const std::vector<int64_t>& params,
-                              bool causal) {
-  // Planning walks every position on the host and uploads index tensors:
-  // once per pattern, shape and device (the 16 latest), not once per call.
-  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
-  std::ostringstream os;
-  os << pattern << c10::IntArrayRef(params) << causal << ' ' << N << ' ' << H << ' ' << L << ' '
-     << S << ' ' << q.device();
-  const std::string key = os.str();
-  static std::mutex mutex;
-  static std::list<std::pair<std::string, std::vector<PieceIndex>>> cache;
-  auto saved = c10::make_intrusive<SavedPieces>();
-  bool found = false;
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    for (auto it = cache.begin(); it != cache.end(); ++it)
-      if (it->first == key) {
-        cache.splice(cache.begin(), cache, it);
-        saved->pieces = it->second;
-        found = true;
-        break;
-      }
-  }
-  if (!found) {
-    saved->pieces =
-        index_all(block_sparse_pieces(pattern, params, causal, H, L, S), scale, N, q.device());
-    std::lock_guard<std::mutex> lock(mutex);
-    cache.emplace_front(key, saved->pieces);
-    if (cache.size() > 16) cache.pop_back();
-  }
-  for (auto& p : saved->pieces) p.spec.scale = scale;
   return PiecesFunction::apply(q, k, v, saved);
 }
 
@@ -462,6 +456,105 @@ std::vector<EnginePiece> block_sparse_pieces(const std::string& pattern,
       std::remove_if(pieces.begin(), pieces.end(), [](const EnginePiece& p) { return p.empty(); }),
       pieces.end());
   return pieces;
+}
+
+// ---- compositions with cached plans ---------------------------------------
+
+namespace {
+
+// Plans that depend only on a pattern and a shape, indexed on a device: the
+// 16 latest by key (planning walks every position on the host and uploads
+// index tensors: once per shape, not once per call).
+std::vector<PieceIndex> cached_plan(const std::string& key,
+                                    const std::function<std::vector<EnginePiece>()>& plan,
+                                    int64_t N, const torch::Device& device) {
+  static std::mutex mutex;
+  static std::list<std::pair<std::string, std::vector<PieceIndex>>> cache;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (auto it = cache.begin(); it != cache.end(); ++it)
+      if (it->first == key) {
+        cache.splice(cache.begin(), cache, it);
+        return it->second;
+      }
+  }
+  auto indexed = index_all(plan(), 1.0, N, device);
+  std::lock_guard<std::mutex> lock(mutex);
+  cache.emplace_front(key, indexed);
+  if (cache.size() > 16) cache.pop_back();
+  return indexed;
+}
+
+// Reformer's window in sorted order: the chunk of c slots holding a query
+// and the chunk before it. With mask_self the query's own slot is left out
+// of the engine's pieces (the slots before it, a causal sequence per chunk;
+// those after it, one over the chunk in reverse) and comes back as a piece
+// of its own with score kReformerSelfScore.
+std::vector<EnginePiece> reformer_slot_pieces(int64_t L, int64_t c, bool mask_self) {
+  EnginePiece before = packed_piece(true, {}), after = packed_piece(true, {}),
+              window = packed_piece(false, {});
+  for (int64_t m0 = 0; m0 < L; m0 += c) {
+    const int64_t nq = std::min(c, L - m0), k0 = std::max<int64_t>(0, m0 - c);
+    std::vector<int64_t> qs = range_of(m0, m0 + nq), ks = range_of(k0, m0 + nq), f(nq);
+    for (int64_t t = 0; t < nq; ++t) f[t] = mask_self ? m0 - k0 + t : m0 - k0 + nq;
+    add_prefix_sequences(qs, ks, f, before, window);
+    if (!mask_self) continue;
+    std::reverse(qs.begin(), qs.end());
+    ks = range_of(m0, m0 + nq);
+    std::reverse(ks.begin(), ks.end());
+    for (int64_t t = 0; t < nq; ++t) f[t] = t;
+    add_prefix_sequences(qs, ks, f, after, window);
+  }
+  return {before, after, window};
+}
+
+}  // namespace
+
+Tensor block_sparse_on_engine(const Tensor& q, const Tensor& k, const Tensor& v, double scale,
+                              const std::string& pattern, const std::vector<int64_t>& params,
+                              bool causal) {
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
+  std::ostringstream key;
+  key << pattern << c10::IntArrayRef(params) << causal << ' ' << N << ' ' << H << ' ' << L << ' '
+      << S << ' ' << q.device();
+  auto saved = c10::make_intrusive<SavedPieces>();
+  saved->pieces = cached_plan(
+      key.str(), [&] { return block_sparse_pieces(pattern, params, causal, H, L, S); }, N,
+      q.device());
+  for (auto& p : saved->pieces) p.spec.scale = scale;
+  return PiecesFunction::apply(q, k, v, saved);
+}
+
+Tensor reformer_on_engine(const Tensor& q, const Tensor& v, const Tensor& buckets,
+                          int64_t chunk_size, bool mask_self, double scale) {
+  const int64_t N = q.size(0), L = q.size(2), R = buckets.size(2);
+  const int64_t c = chunk_size < L ? chunk_size : std::max<int64_t>(L, 1);
+  std::ostringstream key;
+  key << "reformer " << c << ' ' << mask_self << ' ' << N << ' ' << L << ' ' << q.device();
+  const auto plan = cached_plan(
+      key.str(), [&] { return reformer_slot_pieces(L, c, mask_self); }, N, q.device());
+  // Each round's pieces through its sorted order: slot t of (n, h) holds
+  // position order[n][h][r][t] (by bucket, then position, as the operator).
+  auto order = (buckets * L + torch::arange(L, buckets.options())).argsort(int64_t{-1});
+  auto saved = c10::make_intrusive<SavedPieces>();
+  for (int64_t r = 0; r < R; ++r) {
+    const auto map = order.select(2, r);
+    for (auto p : plan) {
+      p.q_rows = map.index_select(2, p.q_rows);
+      p.k_rows = map.index_select(2, p.k_rows);
+      p.spec.scale = scale;
+      saved->pieces.push_back(std::move(p));
+    }
+  }
+  if (mask_self) {  // every round's window holds the query itself once
+    PieceIndex self;
+    self.self = true;
+    self.self_lse = kernels::kReformerSelfScore + std::log(static_cast<double>(R));
+    saved->pieces.push_back(self);
+  }
+  // Shared QK: the keys are the normalised queries (gradients to q through both).
+  auto keys = q / q.norm(2, -1, true).clamp_min(1e-12);
+  return PiecesFunction::apply(q, keys, v, saved);
 }
 
 }  // namespace fastattn::ops

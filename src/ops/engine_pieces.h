@@ -35,7 +35,13 @@ struct EnginePiece {
   std::vector<int64_t> q_rows, k_rows;          // packed: positions in [0, L) / [0, S)
   std::vector<int64_t> cu_q{0}, cu_k{0};        // packed: sequence offsets into the rows
 
-  bool empty() const { return !padded && q_rows.empty(); }
+  // A self piece: query i sees key i alone with the fixed score self_score,
+  // self_count times (L == S; no engine call): Reformer's masked self.
+  bool self = false;
+  double self_score = 0.0;
+  int64_t self_count = 1;
+
+  bool empty() const { return !padded && !self && q_rows.empty(); }
   void add_sequence(const int64_t* queries, int64_t nq, const int64_t* keys, int64_t nk);
 };
 
@@ -59,6 +65,16 @@ torch::Tensor block_sparse_on_engine(const torch::Tensor& q, const torch::Tensor
                                      const torch::Tensor& v, double scale,
                                      const std::string& pattern, const std::vector<int64_t>& params,
                                      bool causal);
+
+// Reformer's LSH attention without causal and key lengths on the engine
+// (shared QK: keys are q normalised; buckets (N, H, R, L) from lsh_hash):
+// per round the positions sorted by (bucket, position), each chunk of
+// chunk_size sorted slots attending itself and the chunk before; mask_self
+// gives the query's own key the score kReformerSelfScore; the rounds merged
+// by logsumexp, as the reformer_attention operator.
+torch::Tensor reformer_on_engine(const torch::Tensor& q, const torch::Tensor& v,
+                                 const torch::Tensor& buckets, int64_t chunk_size, bool mask_self,
+                                 double scale);
 
 // The block-sparse patterns ("strided", "fixed"; "local" and "window" are
 // one padded piece) as pieces, for H heads, L queries and S keys
