@@ -26,6 +26,8 @@
 #include "attention/builtin_types.h"
 #include "fastattn/ops.h"
 #include "fastattn/registry.h"
+#include "ops/dense_attention.h"
+#include "ops/engine_pieces.h"
 
 namespace fastattn {
 
@@ -124,6 +126,15 @@ Tensor clusterformer_block_attention(const Tensor& q, const Tensor& k, const Ten
   if (key_lengths) Mask().with_key_lengths(*key_lengths).check(N, H, L, L);
   if (L == 0) return torch::zeros({N, H, 0, M}, q.options());
   const int64_t w = (L + clusters - 1) / clusters;  // tokens per block
+  const double temp = softmax_temp.value_or(1.0 / std::sqrt(static_cast<double>(E)));
+  // On the dense-attention engine where it runs on PyTorch's fused kernels:
+  // the blocks as packed sequences through the sort order
+  // (src/ops/engine_pieces.h). Causal (by original position) and padded
+  // calls keep the masked block attention below.
+  if (!causal && !key_lengths && ops::types_use_dense_engine(q, v, {})) {
+    auto slots = order.to(q.device()).unsqueeze(1).expand({N, H, L});
+    return ops::sorted_chunks_on_engine(q, k, v, {slots}, w, /*mask_self=*/false, temp);
+  }
   // Blocks holding a token: with clusters > L the rest would be all padding
   // (and a huge `clusters` would size the buffers), so only these are built.
   const int64_t blocks = (L + w - 1) / w;
@@ -156,7 +167,6 @@ Tensor clusterformer_block_attention(const Tensor& q, const Tensor& k, const Ten
   auto qb = to_blocks(q, slots, w);
   auto kb = to_blocks(k, kslots, kw);
   auto vb = to_blocks(v, kslots, kw);
-  const double temp = softmax_temp.value_or(1.0 / std::sqrt(static_cast<double>(E)));
   auto ob = full_attention(qb, kb, vb, keep, std::nullopt, false, temp);  // (N·b, H, w, M)
   auto sorted =
       ob.view({N, blocks, H, w, M}).permute({0, 2, 1, 3, 4}).reshape({N, H, blocks * w, M});

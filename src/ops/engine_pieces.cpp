@@ -485,12 +485,12 @@ std::vector<PieceIndex> cached_plan(const std::string& key,
   return indexed;
 }
 
-// Reformer's window in sorted order: the chunk of c slots holding a query
-// and the chunk before it. With mask_self the query's own slot is left out
+// The window of Reformer and ClusterFormer in sorted order: the chunk of c
+// slots holding a query and the chunk before it. With mask_self the query's own slot is left out
 // of the engine's pieces (the slots before it, a causal sequence per chunk;
 // those after it, one over the chunk in reverse) and comes back as a piece
 // of its own with score kReformerSelfScore.
-std::vector<EnginePiece> reformer_slot_pieces(int64_t L, int64_t c, bool mask_self) {
+std::vector<EnginePiece> sorted_chunk_pieces(int64_t L, int64_t c, bool mask_self) {
   EnginePiece before = packed_piece(true, {}), after = packed_piece(true, {}),
               window = packed_piece(false, {});
   for (int64_t m0 = 0; m0 < L; m0 += c) {
@@ -525,36 +525,44 @@ Tensor block_sparse_on_engine(const Tensor& q, const Tensor& k, const Tensor& v,
   return PiecesFunction::apply(q, k, v, saved);
 }
 
-Tensor reformer_on_engine(const Tensor& q, const Tensor& v, const Tensor& buckets,
-                          int64_t chunk_size, bool mask_self, double scale) {
-  const int64_t N = q.size(0), L = q.size(2), R = buckets.size(2);
+Tensor sorted_chunks_on_engine(const Tensor& q, const Tensor& k, const Tensor& v,
+                               const std::vector<Tensor>& orders, int64_t chunk_size,
+                               bool mask_self, double scale) {
+  const int64_t N = q.size(0), L = q.size(2);
   const int64_t c = chunk_size < L ? chunk_size : std::max<int64_t>(L, 1);
   std::ostringstream key;
-  key << "reformer " << c << ' ' << mask_self << ' ' << N << ' ' << L << ' ' << q.device();
+  key << "sorted chunks " << c << ' ' << mask_self << ' ' << N << ' ' << L << ' ' << q.device();
   const auto plan = cached_plan(
-      key.str(), [&] { return reformer_slot_pieces(L, c, mask_self); }, N, q.device());
-  // Each round's pieces through its sorted order: slot t of (n, h) holds
-  // position order[n][h][r][t] (by bucket, then position, as the operator).
-  auto order = (buckets * L + torch::arange(L, buckets.options())).argsort(int64_t{-1});
+      key.str(), [&] { return sorted_chunk_pieces(L, c, mask_self); }, N, q.device());
+  // Each order's pieces through it: slot t of (n, h) holds position order[n][h][t].
   auto saved = c10::make_intrusive<SavedPieces>();
-  for (int64_t r = 0; r < R; ++r) {
-    const auto map = order.select(2, r);
+  for (const auto& order : orders) {
     for (auto p : plan) {
-      p.q_rows = map.index_select(2, p.q_rows);
-      p.k_rows = map.index_select(2, p.k_rows);
+      p.q_rows = order.index_select(2, p.q_rows);
+      p.k_rows = order.index_select(2, p.k_rows);
       p.spec.scale = scale;
       saved->pieces.push_back(std::move(p));
     }
   }
-  if (mask_self) {  // every round's window holds the query itself once
+  if (mask_self) {  // every order's window holds the query itself once
     PieceIndex self;
     self.self = true;
-    self.self_lse = kernels::kReformerSelfScore + std::log(static_cast<double>(R));
+    self.self_lse = kernels::kReformerSelfScore + std::log(static_cast<double>(orders.size()));
     saved->pieces.push_back(self);
   }
+  return PiecesFunction::apply(q, k, v, saved);
+}
+
+Tensor reformer_on_engine(const Tensor& q, const Tensor& v, const Tensor& buckets,
+                          int64_t chunk_size, bool mask_self, double scale) {
+  const int64_t L = q.size(2);
+  // Per round the positions by bucket, then position (as the operator).
+  auto order = (buckets * L + torch::arange(L, buckets.options())).argsort(int64_t{-1});
+  std::vector<Tensor> orders;
+  for (int64_t r = 0; r < buckets.size(2); ++r) orders.push_back(order.select(2, r));
   // Shared QK: the keys are the normalised queries (gradients to q through both).
   auto keys = q / q.norm(2, -1, true).clamp_min(1e-12);
-  return PiecesFunction::apply(q, keys, v, saved);
+  return sorted_chunks_on_engine(q, keys, v, orders, chunk_size, mask_self, scale);
 }
 
 }  // namespace fastattn::ops

@@ -66,6 +66,16 @@ torch::Tensor block_sparse_on_engine(const torch::Tensor& q, const torch::Tensor
                                      const std::string& pattern, const std::vector<int64_t>& params,
                                      bool causal);
 
+// Attention in sorted chunks: for each order (N, H, L), slot t of (n, h)
+// holding position order[n][h][t], every chunk of chunk_size slots attends
+// itself and the chunk before (the last may be shorter); mask_self gives a
+// query's own key the score kReformerSelfScore (L == S); the orders merged
+// by logsumexp. ClusterFormer's blocks (one order), Reformer's rounds.
+torch::Tensor sorted_chunks_on_engine(const torch::Tensor& q, const torch::Tensor& k,
+                                      const torch::Tensor& v,
+                                      const std::vector<torch::Tensor>& orders, int64_t chunk_size,
+                                      bool mask_self, double scale);
+
 // Reformer's LSH attention without causal and key lengths on the engine
 // (shared QK: keys are q normalised; buckets (N, H, R, L) from lsh_hash):
 // per round the positions sorted by (bucket, position), each chunk of

@@ -315,6 +315,10 @@ TEST(DenseAttention, TypesOnTheEngineEqualTheirOwnKernels) {
         {"seed", int64_t{2}}}},
       {"reformer", {{"chunk_size", int64_t{1}}, {"rounds", int64_t{1}}, {"seed", int64_t{4}}}},
       {"reformer", {{"chunk_size", int64_t{64}}, {"seed", int64_t{4}}}},
+      // the sorted blocks as packed sequences (without causal and key lengths)
+      {"clusterformer", {{"clusters", int64_t{3}}, {"seed", int64_t{1}}}},
+      {"clusterformer", {{"clusters", int64_t{5}}, {"seed", int64_t{2}}, {"softmax_temp", 0.3}}},
+      {"clusterformer", {{"clusters", int64_t{1}}, {"seed", int64_t{3}}}},
   };
   torch::manual_seed(9);
   for (const auto& tc : types) {
@@ -322,7 +326,7 @@ TEST(DenseAttention, TypesOnTheEngineEqualTheirOwnKernels) {
       if (causal && !tc.causal) continue;
       for (bool lengths : {false, true}) {
         for (auto [L, S] : std::vector<std::pair<int64_t, int64_t>>{{11, 11}, {6, 13}, {13, 6}}) {
-          if (tc.type == "reformer" && L != S) continue;  // shared QK
+          if ((tc.type == "reformer" || tc.type == "clusterformer") && L != S) continue;
           const std::string what = tc.type + "#" + std::to_string(&tc - types.data()) +
                                    (causal ? " causal" : "") + (lengths ? " lengths" : "") + " L" +
                                    std::to_string(L) + " S" + std::to_string(S);
@@ -340,7 +344,7 @@ TEST(DenseAttention, TypesOnTheEngineEqualTheirOwnKernels) {
                                                : ops::DenseEngineRoute::Never);
             // A fresh module per run: hard retrieval's seeded generator draws
             // the same samples.
-            auto attn = make_attention(tc.type, tc.params, {2, 4, 3});
+            auto attn = make_attention(tc.type, tc.params, {3, 4, 3});
             attn->train(tc.type == "hard-retrieval" && tc.params.count("seed") > 0);
             auto out = attn->forward(q, k, v, mask);
             // (reformer's keys are its normalised queries: k is unused)
