@@ -338,7 +338,7 @@ Tensor improved_clustered_attention(const Tensor& queries, const Tensor& keys, c
   if (!key_lengths) {
     ops::DenseAttentionSpec spec;
     spec.scale = temp;
-    if (ops::types_use_dense_engine(queries, values, spec))
+    if (ops::types_use_dense_engine(queries, values, spec, /*pieces=*/true))
       return improved_clustered_on_engine(queries, keys, values, clusters, k, temp);
   }
   // The fused operator: one pass of the centroids over the keys (output,

@@ -131,7 +131,7 @@ Tensor clusterformer_block_attention(const Tensor& q, const Tensor& k, const Ten
   // the blocks as packed sequences through the sort order
   // (src/ops/engine_pieces.h). Causal (by original position) and padded
   // calls keep the masked block attention below.
-  if (!causal && !key_lengths && ops::types_use_dense_engine(q, v, {})) {
+  if (!causal && !key_lengths && ops::types_use_dense_engine(q, v, {}, /*pieces=*/true)) {
     auto slots = order.to(q.device()).unsqueeze(1).expand({N, H, L});
     return ops::sorted_chunks_on_engine(q, k, v, {slots}, w, /*mask_self=*/false, temp);
   }

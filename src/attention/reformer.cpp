@@ -79,7 +79,8 @@ torch::Tensor ReformerAttention::forward(const torch::Tensor& queries,  // (N, H
   // each round's sorted chunks as packed sequences (src/ops/engine_pieces.h).
   // Causal and padded calls keep the Reformer kernels (their order is not the
   // sorted one).
-  if (!mask.is_causal() && !lengths && ops::types_use_dense_engine(queries, values, {})) {
+  if (!mask.is_causal() && !lengths &&
+      ops::types_use_dense_engine(queries, values, {}, /*pieces=*/true)) {
     const double temp =
         options_.softmax_temp.value_or(1.0 / std::sqrt(static_cast<double>(queries.size(3))));
     return ops::reformer_on_engine(queries, values, buckets, options_.chunk_size, options_.masked,

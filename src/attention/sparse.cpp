@@ -94,7 +94,7 @@ torch::Tensor SparseTransformerAttention::forward(const torch::Tensor& queries, 
   // the pattern as disjoint pieces merged by logsumexp (src/ops/engine_pieces.h).
   // Key lengths keep the block-sparse kernels (the pieces' sequences are
   // planned once for every batch item).
-  if (!mask.key_lengths() && ops::types_use_dense_engine(queries, values, {})) {
+  if (!mask.key_lengths() && ops::types_use_dense_engine(queries, values, {}, /*pieces=*/true)) {
     const double scale =
         options_.softmax_temp.value_or(1.0 / std::sqrt(static_cast<double>(queries.size(3))));
     return ops::block_sparse_on_engine(queries, keys, values, scale, pattern_name, params,

@@ -18,6 +18,8 @@
 // of 2.4-2.15 up to the window arguments, which is all this file passes).
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
 #define FASTATTN_FLASH_OPS 1
+#include <ATen/ops/_efficient_attention_backward.h>
+#include <ATen/ops/_efficient_attention_forward.h>
 #include <ATen/ops/_flash_attention_backward.h>
 #include <ATen/ops/_flash_attention_forward.h>
 #endif
@@ -197,6 +199,55 @@ std::tuple<Tensor, Tensor, Tensor> flash_backward(const Tensor& grad_out, const 
       a.max_k, /*dropout_p=*/0.0, spec.causal, none, none, spec.scale, a.left, a.right);
   return {to_flash(dq, spec), to_flash(dk, spec), to_flash(dv, spec)};
 }
+
+// ---- PyTorch's memory-efficient attention (CUDA; meta tensors) --------------
+//
+// Where flash does not apply: float32 (and 16-bit inputs flash refuses, e.g.
+// v narrower than q), padded calls without windows or key lengths; causal
+// aligned bottom-right (custom_mask_type 2). Its lse is (N, H, L rounded up
+// to a multiple of 32) in float32, -inf for rows without keys.
+bool efficient_route(const Tensor& q, const Tensor& k, const Tensor& v,
+                     const DenseAttentionSpec& spec) {
+  const auto device = q.device().type();
+  const auto dtype = q.scalar_type();
+  const int64_t align = dtype == torch::kFloat ? 4 : 8;
+  const int64_t far = q.size(-2) + k.size(-2);
+  const auto unbounded = [&](int64_t w) { return w < 0 || w >= far; };
+  return (device == c10::DeviceType::CUDA || device == c10::DeviceType::Meta) &&
+         (dtype == torch::kFloat || dtype == torch::kHalf || dtype == torch::kBFloat16) &&
+         q.size(-1) % align == 0 && v.size(-1) % align == 0 && !spec.packed() &&
+         !spec.key_lengths && unbounded(spec.window_left) && unbounded(spec.window_right);
+}
+
+int64_t efficient_mask_type(const DenseAttentionSpec& spec) { return spec.causal ? 2 : 0; }
+
+std::tuple<Tensor, Tensor> efficient_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                             const DenseAttentionSpec& spec) {
+  const int64_t L = q.size(2), S = k.size(2);
+  auto r = at::_efficient_attention_forward(
+      q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), /*bias=*/c10::nullopt,
+      /*cu_seqlens_q=*/c10::nullopt, /*cu_seqlens_k=*/c10::nullopt, L, S, /*dropout_p=*/0.0,
+      efficient_mask_type(spec), /*compute_log_sumexp=*/true, spec.scale);
+  return {std::get<0>(r).transpose(1, 2), std::get<1>(r).narrow(2, 0, L)};
+}
+
+std::tuple<Tensor, Tensor, Tensor> efficient_backward(const Tensor& grad_out, const Tensor& q,
+                                                      const Tensor& k, const Tensor& v,
+                                                      const Tensor& out, const Tensor& lse,
+                                                      const DenseAttentionSpec& spec) {
+  const int64_t L = q.size(2), S = k.size(2), padded = (L + 31) / 32 * 32;
+  // The lse back in the forward's padded shape (the rows past L are not read).
+  auto l = torch::zeros({lse.size(0), lse.size(1), padded}, lse.options().dtype(torch::kFloat));
+  l.narrow(2, 0, L).copy_(lse);
+  const auto none = torch::empty({0}, q.options().dtype(torch::kLong));
+  auto r = at::_efficient_attention_backward(
+      grad_out.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+      /*bias=*/c10::nullopt, out.transpose(1, 2), /*cu_seqlens_q=*/c10::nullopt,
+      /*cu_seqlens_k=*/c10::nullopt, L, S, l, /*dropout_p=*/0.0, none, none,
+      efficient_mask_type(spec), /*bias_requires_grad=*/false, spec.scale);
+  return {std::get<0>(r).transpose(1, 2), std::get<1>(r).transpose(1, 2),
+          std::get<2>(r).transpose(1, 2)};
+}
 #endif
 
 }  // namespace
@@ -207,6 +258,7 @@ std::tuple<Tensor, Tensor> dense_attention_forward(const Tensor& q, const Tensor
   check_spec(spec);
 #ifdef FASTATTN_FLASH_OPS
   if (flash_route(q, v, spec)) return flash_forward(q, k, v, spec);
+  if (efficient_route(q, k, v, spec)) return efficient_forward(q, k, v, spec);
 #endif
   if (!spec.packed()) return padded_forward(q, k, v, spec);
   const auto p = check_packed(q, k, v, spec);
@@ -231,6 +283,7 @@ std::tuple<Tensor, Tensor, Tensor> dense_attention_backward(const Tensor& grad_o
   check_spec(spec);
 #ifdef FASTATTN_FLASH_OPS
   if (flash_route(q, v, spec)) return flash_backward(grad_out, q, k, v, out, lse, spec);
+  if (efficient_route(q, k, v, spec)) return efficient_backward(grad_out, q, k, v, out, lse, spec);
 #endif
   if (!spec.packed()) return padded_backward(grad_out, q, k, v, out, lse, spec);
   const auto p = check_packed(q, k, v, spec);
@@ -344,14 +397,22 @@ void set_dense_engine_route(DenseEngineRoute route) {
   route_setting().store(static_cast<int>(route));
 }
 
-bool types_use_dense_engine(const Tensor& q, const Tensor& v, const DenseAttentionSpec& spec) {
+bool types_use_dense_engine(const Tensor& q, const Tensor& v, const DenseAttentionSpec& spec,
+                            bool pieces) {
   switch (dense_engine_route()) {
     case DenseEngineRoute::Always:
       return true;
     case DenseEngineRoute::Never:
       return false;
     default:
+#ifdef FASTATTN_FLASH_OPS
+      // Memory-efficient attention takes plain calls only (no windows, no
+      // packed sequences): compositions of pieces need flash.
+      return flash_route(q, v, spec) || (!pieces && efficient_route(q, q, v, spec));
+#else
+      (void)pieces;
       return flash_route(q, v, spec);
+#endif
   }
 }
 

@@ -9,11 +9,12 @@
 // merge_by_lse, has the gradients of the whole when every piece's backward is
 // given the merged out and lse (its probabilities exp(s - lse) and the
 // softmax backward's rowsum(grad_out ∘ out) are then the whole's). This is
-// how the sparse and clustered types are composed on PyTorch's fused kernels
-// on the GPU (flash / memory-efficient attention take the same arguments and
-// return the same float32 logsumexp); on the CPU, and on CUDA until that
-// route lands, the engine runs fastattn's block-sparse kernels (their
-// "window" pattern).
+// how the sparse and clustered types are composed (src/ops/engine_pieces.h).
+// Routes: on CUDA, PyTorch's flash attention (float16 / bfloat16) and, for
+// plain padded calls flash refuses (float32 among them), its
+// memory-efficient attention (torch >= 2.4; both return the float32
+// logsumexp); otherwise, and on the CPU, fastattn's block-sparse kernels
+// (their "window" pattern).
 //
 // Layouts. Padded: q (N, H, L, E), k (N, H, S, E), v (N, H, S, M) -> out
 // (N, H, L, M), lse (N, H, L). Packed variable-length sequences (spec.cu_seqlens_q
@@ -76,7 +77,10 @@ torch::Tensor dense_attention(const torch::Tensor& q, const torch::Tensor& k,
 
 // Where the attention types compute on the engine instead of their own
 // kernels. Auto (the default): where the engine runs on PyTorch's fused
-// kernels (CUDA, float16 / bfloat16, torch >= 2.4); Always: everywhere (on the
+// kernels (CUDA, torch >= 2.4: flash for float16 / bfloat16; memory-efficient
+// attention for float32 and what flash refuses, only for plain calls: spec
+// without windows or key lengths, and `pieces` false, i.e. not a composition
+// of windowed or packed calls); Always: everywhere (on the
 // CPU the engine's block-sparse route: how the compositions are tested
 // without a GPU); Never: the types' own kernels. FASTATTN_DENSE_ENGINE=auto |
 // always | never sets it for the process; set_dense_engine_route changes it.
@@ -84,7 +88,7 @@ enum class DenseEngineRoute { Auto, Always, Never };
 DenseEngineRoute dense_engine_route();
 void set_dense_engine_route(DenseEngineRoute route);
 bool types_use_dense_engine(const torch::Tensor& q, const torch::Tensor& v,
-                            const DenseAttentionSpec& spec);
+                            const DenseAttentionSpec& spec, bool pieces = false);
 
 }  // namespace fastattn::ops
 

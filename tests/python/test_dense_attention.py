@@ -20,6 +20,13 @@ HAS_FLASH_OPS = hasattr(torch.ops.aten, "_flash_attention_forward") and tuple(
     int(x) for x in torch.__version__.split(".")[:2]) >= (2, 4)
 
 
+def operators_called(fn):
+    """The names of the operators fn dispatches (PyTorch's profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.name for e in prof.events()}
+
+
 def reference(q, k, v, scale, causal, left, right):
     """Plain softmax over the keys the engine's rules keep, float64."""
     L, S = q.shape[-2], k.shape[-2]
@@ -106,6 +113,28 @@ def test_meta_tensors_take_the_flash_route(dtype):
     assert [g.shape for g in grads] == [qp.shape, kp.shape, kp.shape]
 
 
+@pytest.mark.skipif(not HAS_FLASH_OPS, reason="PyTorch's fused attention ops need torch >= 2.4")
+@pytest.mark.parametrize("dtype,E,M", [(torch.float32, 12, 20), (torch.float16, 64, 32)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_meta_tensors_take_the_memory_efficient_route(dtype, E, M, causal):
+    """Plain calls flash refuses (float32; v narrower than q) go to PyTorch's
+    memory-efficient attention: its lse (N, H, L rounded up to 32) comes back
+    as (N, H, L), and the backward takes it padded again."""
+    N, H, L, S = 2, 3, 5, 7
+    q = torch.empty(N, H, L, E, device="meta", dtype=dtype)
+    k = torch.empty(N, H, S, E, device="meta", dtype=dtype)
+    v = torch.empty(N, H, S, M, device="meta", dtype=dtype)
+    out, lse = ops._dense_attention_forward(q, k, v, 0.3, causal)
+    assert out.shape == (N, H, L, M) and out.dtype == dtype
+    assert lse.shape == (N, H, L) and lse.dtype == torch.float32
+    dq, dk, dv = ops._dense_attention_backward(out, q, k, v, out, lse, 0.3, causal)
+    assert [(g.shape, g.dtype) for g in (dq, dk, dv)] == [(t.shape, dtype) for t in (q, k, v)]
+    called = operators_called(lambda: ops._dense_attention_backward(
+        out, q, k, v, *ops._dense_attention_forward(q, k, v, 0.3, causal), 0.3, causal))
+    assert {"aten::_efficient_attention_forward", "aten::_efficient_attention_backward"} <= called
+    assert "aten::_flash_attention_forward" not in called
+
+
 PATTERNS = [("strided", [3, 0]), ("strided", [2, 3]), ("fixed", [4, 2, 0, 0]),
             ("fixed", [4, 1, 3, 1]), ("fixed", [3, 2, 2, 0])]
 
@@ -135,9 +164,18 @@ def test_block_sparse_pieces_take_the_flash_route_on_meta_tensors(pattern, param
     composed pattern on meta tensors: the shapes and dtypes the GPU gets."""
     q, k, v = (torch.empty(2, 4, n, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
                for n in (24, 30, 30))
-    out = ops._block_sparse_on_engine(q, k, v, 0.125, pattern, params, causal)
+    result = {}
+
+    def run():
+        result["out"] = ops._block_sparse_on_engine(q, k, v, 0.125, pattern, params, causal)
+        result["grads"] = torch.autograd.grad(result["out"], (q, k, v),
+                                              torch.empty_like(result["out"]))
+
+    called = operators_called(run)
+    assert {"aten::_flash_attention_forward", "aten::_flash_attention_backward"} <= called
+    assert not any(name.startswith("fastattn::block_sparse_attention") for name in called)
+    out, grads = result["out"], result["grads"]
     assert out.shape == (2, 4, 24, 64) and out.dtype == torch.bfloat16
-    grads = torch.autograd.grad(out, (q, k, v), torch.empty_like(out))
     assert [(x.shape, x.dtype) for x in grads] == [(t.shape, t.dtype) for t in (q, k, v)]
 
 
