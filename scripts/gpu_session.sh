@@ -19,7 +19,9 @@
 #          or reports an illegal access is run again under compute-sanitizer;
 #       2. the CUDA opcheck cases of the Python suite (tests/python/test_compile.py);
 #       3. the benchmarks: bench/cuda/bench_types.py (every type, forward and
-#          forward+backward, peak memory, against SDPA flash) until DEADLINE
+#          forward+backward, peak memory, on the dense-attention engine's route
+#          and on fastattn's own kernels, against SDPA flash and SDPA's
+#          default backend) until DEADLINE
 #          seconds from the start (default 360).
 # Logs and results go to $OUT (the device tool's output folder) or build-gpu/out.
 set -uo pipefail
@@ -146,7 +148,7 @@ import json, sys
 for line in open(sys.argv[1]):
     r = json.loads(line)
     if "type" in r:
-        print(r["dtype"], r["type"], r["L"], *(f"{k}={r[k]:.3g}" for k in
+        print(r["dtype"], r["type"], r.get("route", "-"), r["L"], *(f"{k}={r[k]:.3g}" for k in
               ("fwd_ms", "fwd_bwd_ms", "fwd_peak_mib", "fwd_bwd_peak_mib") if isinstance(r.get(k), float)),
               r.get("error", ""), r.get("skipped", ""))
     elif "child_exit" in r:

@@ -1,12 +1,17 @@
 #!/usr/bin/env python3
-"""Every attention type on the GPU against PyTorch's flash attention, in one run.
+"""Every attention type on the GPU against PyTorch's SDPA, in one run.
 
 For each dtype, each registered type (through ``fastattn.attention``, the
 registry operator users call) and each sequence length: the forward time, the
 forward+backward time, and the peak GPU memory of each above the inputs'.
 The reference rows ``sdpa-flash`` and ``sdpa-flash-causal`` are
 ``torch.nn.functional.scaled_dot_product_attention`` with the flash backend on
-inputs of the same shape. Issue 24's targets are read off these rows
+inputs of the same shape, ``sdpa-default`` and ``sdpa-default-causal`` the
+backend SDPA picks itself (what a user gets: cuDNN or flash). Each type runs
+once per --routes entry, the dense-attention engine's route
+(FASTATTN_DENSE_ENGINE: ``auto`` composes the types on PyTorch's fused
+kernels, ``never`` keeps fastattn's own CUDA kernels; issue 62), recorded as
+the row's ``route``. Issue 24's and 62's targets are read off these rows
 (docs/benchmarks.md, "GPU").
 
 Robust to what a first run on a GPU may bring: each (dtype, type) group runs
@@ -38,7 +43,7 @@ PARAMS = {
     "improved-clustered": dict(clusters=100, topk=32),
     "causal-improved-clustered": dict(clusters=100, topk=32),
 }
-REFERENCES = ("sdpa-flash", "sdpa-flash-causal")
+REFERENCES = ("sdpa-flash", "sdpa-flash-causal", "sdpa-default", "sdpa-default-causal")
 
 
 def parse():
@@ -48,6 +53,9 @@ def parse():
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16"])
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
     p.add_argument("--types", nargs="+", help="default: every registered type")
+    p.add_argument("--routes", nargs="+", default=["auto", "never"],
+                   choices=["auto", "always", "never"],
+                   help="dense-engine routes each type runs under (FASTATTN_DENSE_ENGINE)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--dim", type=int, default=64)
@@ -126,7 +134,7 @@ def child(args):
             causal = name.endswith("causal")
 
             def fwd(q, k, v):
-                if not cuda:
+                if not cuda or "default" in name:
                     return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
                 with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
                     return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
@@ -138,12 +146,15 @@ def child(args):
 
     for group in args.child.split(","):
         dtype_name, name = group.split(":", 1)
+        name = name.split("@")[0]  # the route: this child's FASTATTN_DENSE_ENGINE
         dtype = getattr(torch, dtype_name)
         emit(args.jsonl, dict(group_start=group))
         forward = make_forward(name)
         for length in args.lengths:
             row = dict(type=name, dtype=dtype_name, L=length, N=args.batch, H=args.heads,
                        E=args.dim, params=PARAMS.get(name, {}))
+            if name not in REFERENCES:
+                row["route"] = os.environ.get("FASTATTN_DENSE_ENGINE", "auto")
             if args.deadline and time.time() > args.deadline:
                 row["skipped"] = "deadline"
                 emit(args.jsonl, row)
@@ -187,21 +198,35 @@ def parent(args):
     import fastattn
 
     names = args.types or [t["name"] for t in fastattn.attention_types()["types"]]
-    groups = ["%s:%s" % (d, n) for d in args.dtypes for n in list(REFERENCES) + names]
+    # The references once, then every type under each route (one child
+    # environment per route: the engine reads FASTATTN_DENSE_ENGINE once).
+    runs = [(None, ["%s:%s" % (d, n) for d in args.dtypes for n in REFERENCES])]
+    runs += [(r, ["%s:%s@%s" % (d, n, r) for d in args.dtypes for n in names])
+             for r in args.routes]
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
     emit(args.jsonl, dict(device=device, torch=torch.__version__, fastattn=fastattn.__version__,
-                          lengths=args.lengths, groups=len(groups)))
+                          lengths=args.lengths, routes=args.routes,
+                          groups=sum(len(g) for _, g in runs)))
     argv = [a for a in sys.argv[1:]]
     if args.deadline and args.deadline < 1e9:  # relative: make it absolute for the children
         i = argv.index("--deadline")
         argv[i + 1] = str(time.time() + args.deadline)
     deadline = float(argv[argv.index("--deadline") + 1]) if args.deadline else 0.0
+    for route, groups in runs:
+        env = dict(os.environ)
+        if route:
+            env["FASTATTN_DENSE_ENGINE"] = route
+        run_groups(args, argv, groups, deadline, env)
+
+
+def run_groups(args, argv, groups, deadline, env):
+    """Children over the groups until each is done or has failed."""
     while groups:
         # A child that hangs (a kernel that never ends) is killed 60 s after the deadline.
         limit = max(60.0, deadline - time.time() + 60.0) if deadline else None
         try:
             rc = subprocess.call([sys.executable, __file__] + argv + ["--child", ",".join(groups)],
-                                 timeout=limit)
+                                 timeout=limit, env=env)
         except subprocess.TimeoutExpired:
             emit(args.jsonl, dict(group=groups[0], child_exit="killed after %.0f s" % limit))
             break
