@@ -8,6 +8,8 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <cmath>
+#include <limits>
+#include <tuple>
 
 #include "attention/builtin_types.h"
 #include "fastattn/ops.h"
@@ -20,9 +22,50 @@ namespace fastattn {
 
 namespace {
 
+// The argmax of the raw scores q·k over the keys each query sees (causal
+// aligned bottom-right, key lengths) by score tiles: a chunk of queries
+// against all keys as one matrix product (cuBLAS on the GPU; float32 for
+// 16-bit inputs, as the kernels accumulate), masked, then argmax (ties: the
+// lowest j, as the kernels); -1 for a query without keys. (N, H, L) int64.
+torch::Tensor argmax_by_score_tiles(const torch::Tensor& q, const torch::Tensor& k,
+                                    const c10::optional<torch::Tensor>& key_lengths, bool causal) {
+  torch::NoGradGuard no_grad;
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
+  auto index = torch::full({N, H, L}, -1, q.options().dtype(torch::kLong));
+  if (L == 0 || S == 0) return index;
+  const bool widen = q.scalar_type() == torch::kHalf || q.scalar_type() == torch::kBFloat16;
+  const auto kt = (widen ? k.to(torch::kFloat) : k).transpose(-1, -2);
+  const auto j = torch::arange(S, index.options()).view({1, 1, 1, S});
+  // About 2^24 scores at a time.
+  const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 24) / std::max<int64_t>(1, N * H * S));
+  for (int64_t l0 = 0; l0 < L; l0 += chunk) {
+    const int64_t n = std::min(chunk, L - l0);
+    auto qc = q.narrow(2, l0, n);
+    auto scores = torch::matmul(widen ? qc.to(torch::kFloat) : qc, kt);  // (N, H, n, S)
+    auto keep = torch::ones({1, 1, n, S}, index.options().dtype(torch::kBool));
+    if (causal) {
+      auto p = torch::arange(l0, l0 + n, index.options()).view({1, 1, n, 1}) + (S - L);
+      keep = keep & j.le(p);
+    }
+    if (key_lengths) keep = keep & j.lt(key_lengths->to(index.options()).view({N, 1, 1, 1}));
+    scores.masked_fill_(keep.logical_not(), -std::numeric_limits<double>::infinity());
+    auto dead = keep.any(-1).expand({N, H, n}).logical_not();
+    index.narrow(2, l0, n).copy_(scores.argmax(-1).masked_fill(dead, -1));
+  }
+  return index;
+}
+
+// The rows of v at index (0 for -1): the hard retrieval's output, with the
+// straight-through gradient to v (an index-add of grad_out) from autograd.
+torch::Tensor gather_values(const torch::Tensor& v, const torch::Tensor& index) {
+  auto rows = v.gather(2, index.clamp_min(0).unsqueeze(-1).expand(
+                              {index.size(0), index.size(1), index.size(2), v.size(3)}));
+  return rows * index.ge(0).unsqueeze(-1).to(v.scalar_type());
+}
+
 // Hard retrieval with the straight-through backward on the dense-attention
-// engine: the forward's one-hot choice (argmax or sample) from fastattn's
-// kernel; the softmax P it stands for as the engine's (P V, lse), so that
+// engine: the forward's one-hot choice (the argmax by score tiles, or a
+// sample from fastattn's kernel); the softmax P it stands for as the engine's (P V, lse), so that
 // dq, dk are the engine's backward of P V for the same grad_out (the
 // operator's eqs. 8-10, src/ops/hard_retrieval_attention.cpp) and dv is the
 // index-add of grad_out.
@@ -34,8 +77,14 @@ class HardRetrievalOnEngine : public torch::autograd::Function<HardRetrievalOnEn
                                                 const ops::DenseAttentionSpec& spec, bool sample,
                                                 int64_t seed) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [out, index] = hard_retrieval_attention(q, k, v, std::nullopt, to_std(spec.key_lengths),
-                                                 spec.causal, sample, spec.scale, seed);
+    torch::Tensor out, index;
+    if (sample) {
+      std::tie(out, index) = hard_retrieval_attention(
+          q, k, v, std::nullopt, to_std(spec.key_lengths), spec.causal, true, spec.scale, seed);
+    } else {
+      index = argmax_by_score_tiles(q, k, spec.key_lengths, spec.causal);
+      out = gather_values(v, index);
+    }
     auto [soft, lse] = ops::dense_attention_forward(q, k, v, spec);
     ctx->save_for_backward({q, k, v, soft, lse, index});
     ctx->saved_data["scale"] = spec.scale;
@@ -106,13 +155,18 @@ std::pair<torch::Tensor, torch::Tensor> HardRetrievalAttention::forward_with_ind
   spec.scale = softmax_temp_.value_or(1.0 / std::sqrt(static_cast<double>(queries.size(3))));
   spec.causal = mask.is_causal();
   spec.key_lengths = to_c10(mask.key_lengths());
-  // Training through q or k: the softmax the straight-through backward sees
-  // from the dense-attention engine where it runs on PyTorch's fused kernels.
-  if (!mask.attn_mask() && torch::GradMode::is_enabled() &&
-      (queries.requires_grad() || keys.requires_grad()) &&
-      ops::types_use_dense_engine(queries, values, spec)) {
-    auto r = HardRetrievalOnEngine::apply(queries, keys, values, spec, sample, seed);
-    return {r[0], r[1]};
+  // Where the dense-attention engine runs on PyTorch's fused kernels: the
+  // argmax by score tiles (matrix products), and in training through q or k
+  // the softmax the straight-through backward sees from the engine.
+  if (!mask.attn_mask() && ops::types_use_dense_engine(queries, values, spec)) {
+    if (torch::GradMode::is_enabled() && (queries.requires_grad() || keys.requires_grad())) {
+      auto r = HardRetrievalOnEngine::apply(queries, keys, values, spec, sample, seed);
+      return {r[0], r[1]};
+    }
+    if (!sample) {
+      auto index = argmax_by_score_tiles(queries, keys, spec.key_lengths, spec.causal);
+      return {gather_values(values, index), index};
+    }
   }
   auto [out, index] =
       hard_retrieval_attention(queries, keys, values, mask.attn_mask(), mask.key_lengths(),

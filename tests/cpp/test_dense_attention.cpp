@@ -15,6 +15,7 @@
 
 #include "expect_error.h"
 #include "fastattn/attention.h"
+#include "fastattn/hard_retrieval.h"
 #include "fastattn/mask.h"
 #include "fastattn/ops.h"
 #include "fastattn/registry.h"
@@ -424,6 +425,40 @@ TEST(DenseAttention, PiecesCoverTheBlockSparsePatternOnce) {
           }
         }
   EXPECT_GT(checked, 1000);
+}
+
+TEST(DenseAttention, HardRetrievalArgmaxByScoreTilesEqualsTheKernel) {
+  // Evaluation without gradients: the argmax by score tiles (matrix
+  // products) against the hard-retrieval kernel, index and output, with
+  // exact ties (a repeated key: the lowest index wins) and rows without keys.
+  torch::manual_seed(4);
+  for (auto dtype : {torch::kFloat, torch::kDouble})
+    for (bool causal : {false, true})
+      for (bool lengths : {false, true})
+        for (auto [L, S] : std::vector<std::pair<int64_t, int64_t>>{{9, 9}, {4, 12}, {12, 4}}) {
+          auto q = torch::randn({2, 3, L, 5}, dtype), k = torch::randn({2, 3, S, 5}, dtype),
+               v = torch::randn({2, 3, S, 4}, dtype);
+          k.narrow(2, S - 1, 1).copy_(k.narrow(2, 1, 1));  // ties with key 1
+          Mask mask = Mask().with_causal(causal);
+          if (lengths) mask = mask.with_key_lengths(torch::tensor({S, int64_t{0}}, torch::kLong));
+          std::pair<Tensor, Tensor> r[2];
+          for (int engine = 0; engine < 2; ++engine) {
+            DenseEngineRouteScope scope(engine ? ops::DenseEngineRoute::Always
+                                               : ops::DenseEngineRoute::Never);
+            torch::NoGradGuard no_grad;
+            auto attn = std::dynamic_pointer_cast<HardRetrievalAttention>(
+                make_attention("hard-retrieval", {}, {3, 5, 4}));
+            attn->eval();
+            r[engine] = attn->forward_with_indices(q, k, v, mask);
+          }
+          const std::string what = std::string(c10::toString(dtype)) + (causal ? " causal" : "") +
+                                   (lengths ? " lengths" : "") + " L" + std::to_string(L) + " S" +
+                                   std::to_string(S);
+          EXPECT_TRUE(torch::equal(r[1].second, r[0].second)) << what;
+          EXPECT_TRUE(torch::equal(r[1].first, r[0].first)) << what;
+          EXPECT_TRUE(r[1].second.eq(-1).any().item<bool>() == (lengths || (causal && L > S)))
+              << what;
+        }
 }
 
 TEST(DenseAttention, AutoRouteKeepsTheCpuKernels) {
