@@ -273,25 +273,28 @@ Tensor improved_clustered_on_engine(const Tensor& queries, const Tensor& keys, c
   auto p_top = ((centroids.unsqueeze(3) * k_top).sum(-1) * temp - lse_c.unsqueeze(-1)).exp();
   auto mass = p_top.sum(-1);                                 // (N, H, C)
   auto rest = out_c - (p_top.unsqueeze(-1) * v_top).sum(3);  // (N, H, C, M)
-  // The members of each (n, h, c), in that order; padded queries (-1) left out.
+  // The members of each (n, h, c), in that order, one sequence each; the
+  // padded queries (-1) last, one sequence without keys. Its sizes come from
+  // the counts: nothing is read on the host.
   const auto& a = clusters.assignments;
   auto seq = (torch::arange(N * H, a.options()).view({N, H, 1}) * C + a).flatten();
-  auto assigned = a.flatten().ge(0);
-  seq = seq.masked_fill(assigned.logical_not(), N * H * C);
+  seq = seq.masked_fill(a.flatten().lt(0), N * H * C);
   auto order = std::get<1>(seq.sort(/*stable=*/true, 0, false));
-  const int64_t T = assigned.sum().item<int64_t>();
-  order = order.narrow(0, 0, T);
-  auto members = torch::bincount(seq.index_select(0, order), {}, N * H * C);
+  auto members = clusters.counts.flatten().to(torch::kLong);
+  auto padded = (N * H * L - members.sum()).view({1});
   auto zero = torch::zeros({1}, members.options());
   ops::DenseAttentionSpec spec;
   spec.scale = temp;
-  spec.cu_seqlens_q = torch::cat({zero, members.cumsum(0)});
-  spec.cu_seqlens_k = torch::arange(N * H * C + 1, members.options()) * k;
-  auto q_sorted = queries.reshape({N * H * L, E}).index_select(0, order).view({T, 1, E});
+  spec.cu_seqlens_q = torch::cat({zero, torch::cat({members, padded}).cumsum(0)});
+  auto key_ends = torch::arange(N * H * C + 1, members.options()) * k;
+  spec.cu_seqlens_k = torch::cat({key_ends, key_ends.narrow(0, N * H * C, 1)});
+  spec.max_seqlen_q = L;
+  spec.max_seqlen_k = k;
+  auto q_sorted = queries.reshape({N * H * L, E}).index_select(0, order).view({N * H * L, 1, E});
   auto o_sorted = ops::dense_attention(q_sorted, k_top.reshape({N * H * C * k, 1, E}),
                                        v_top.reshape({N * H * C * k, 1, M}), spec);
   auto o_top = torch::zeros({N * H * L, M}, o_sorted.options())
-                   .index_copy(0, order, o_sorted.view({T, M}))
+                   .index_copy(0, order, o_sorted.view({N * H * L, M}))
                    .view({N, H, L, M});
   const auto per_query = [&](const Tensor& x) {  // (N, H, C, D) -> (N, H, L, D)
     return x.gather(2, a.clamp_min(0).unsqueeze(-1).expand({N, H, L, x.size(3)}));

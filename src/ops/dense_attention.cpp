@@ -155,7 +155,10 @@ FlashArgs flash_args(const Tensor& q, const Tensor& k, const DenseAttentionSpec&
   }
   a.cu_q = spec.cu_seqlens_q->to(q.device(), torch::kInt);
   a.cu_k = spec.cu_seqlens_k->to(q.device(), torch::kInt);
-  if (q.device().is_meta()) {  // no values: the bound of the rows
+  if (spec.max_seqlen_q >= 0 && spec.max_seqlen_k >= 0) {
+    a.max_q = spec.max_seqlen_q;
+    a.max_k = spec.max_seqlen_k;
+  } else if (q.device().is_meta()) {  // no values: the bound of the rows
     a.max_q = q.size(0);
     a.max_k = k.size(0);
   } else {
@@ -263,10 +266,11 @@ std::tuple<Tensor, Tensor> dense_attention_forward(const Tensor& q, const Tensor
   if (!spec.packed()) return padded_forward(q, k, v, spec);
   const auto p = check_packed(q, k, v, spec);
   const int64_t H = q.size(1);
-  auto out = torch::empty({q.size(0), H, v.size(2)}, q.options());
-  auto lse = torch::empty({H, q.size(0)}, q.options().dtype(stats_dtype(q)));
+  // Rows of sequences without keys: out 0, lse -inf.
+  auto out = torch::zeros({q.size(0), H, v.size(2)}, q.options());
+  auto lse = torch::full({H, q.size(0)}, -INFINITY, q.options().dtype(stats_dtype(q)));
   for (size_t b = 0; b + 1 < p.cq.size(); ++b) {
-    if (p.cq[b + 1] == p.cq[b]) continue;
+    if (p.cq[b + 1] == p.cq[b] || p.ck[b + 1] == p.ck[b]) continue;
     auto [o, l] =
         padded_forward(sequence(q, p.cq[b], p.cq[b + 1]), sequence(k, p.ck[b], p.ck[b + 1]),
                        sequence(v, p.ck[b], p.ck[b + 1]), spec);
@@ -293,7 +297,8 @@ std::tuple<Tensor, Tensor, Tensor> dense_attention_backward(const Tensor& grad_o
               grad_out.sizes(), ", out ", out.sizes(), ", lse ", lse.sizes());
   auto dq = torch::zeros_like(q), dk = torch::zeros_like(k), dv = torch::zeros_like(v);
   for (size_t b = 0; b + 1 < p.cq.size(); ++b) {
-    if (p.cq[b + 1] == p.cq[b]) continue;  // no query: no gradient reaches its keys
+    // no query: no gradient reaches its keys; no key: none reaches its queries
+    if (p.cq[b + 1] == p.cq[b] || p.ck[b + 1] == p.ck[b]) continue;
     const int64_t q0 = p.cq[b], q1 = p.cq[b + 1], k0 = p.ck[b], k1 = p.ck[b + 1];
     auto [gq, gk, gv] = padded_backward(
         sequence(grad_out, q0, q1), sequence(q, q0, q1), sequence(k, k0, k1), sequence(v, k0, k1),
@@ -337,7 +342,8 @@ class DenseAttentionFunction : public torch::autograd::Function<DenseAttentionFu
     ctx->save_for_backward({q, k, v, out, lse});
     ctx->saved_data["scale"] = spec.scale;
     ctx->saved_data["causal"] = spec.causal;
-    ctx->saved_data["window"] = std::vector<int64_t>{spec.window_left, spec.window_right};
+    ctx->saved_data["sizes"] = std::vector<int64_t>{spec.window_left, spec.window_right,
+                                                    spec.max_seqlen_q, spec.max_seqlen_k};
     const auto opt = [](const c10::optional<Tensor>& t) { return t ? *t : Tensor(); };
     ctx->saved_data["key_lengths"] = opt(spec.key_lengths);
     ctx->saved_data["cu_seqlens_q"] = opt(spec.cu_seqlens_q);
@@ -355,9 +361,11 @@ class DenseAttentionFunction : public torch::autograd::Function<DenseAttentionFu
     DenseAttentionSpec spec;
     spec.scale = ctx->saved_data["scale"].toDouble();
     spec.causal = ctx->saved_data["causal"].toBool();
-    const auto window = ctx->saved_data["window"].toIntVector();
-    spec.window_left = window[0];
-    spec.window_right = window[1];
+    const auto sizes = ctx->saved_data["sizes"].toIntVector();
+    spec.window_left = sizes[0];
+    spec.window_right = sizes[1];
+    spec.max_seqlen_q = sizes[2];
+    spec.max_seqlen_k = sizes[3];
     spec.key_lengths = opt("key_lengths");
     spec.cu_seqlens_q = opt("cu_seqlens_q");
     spec.cu_seqlens_k = opt("cu_seqlens_k");

@@ -49,6 +49,9 @@ struct DenseAttentionSpec {
   int64_t window_left = -1, window_right = -1;              // -1: unbounded
   c10::optional<torch::Tensor> key_lengths;                 // (N,) int64, padded layout only
   c10::optional<torch::Tensor> cu_seqlens_q, cu_seqlens_k;  // (B + 1,) int64: packed layout
+  // Packed: bounds of the sequences' lengths when known (flash takes them
+  // from the host; without them it reads the offsets there, a device sync).
+  int64_t max_seqlen_q = -1, max_seqlen_k = -1;
 
   bool packed() const { return cu_seqlens_q.has_value(); }
 };

@@ -427,6 +427,30 @@ TEST(DenseAttention, PiecesCoverTheBlockSparsePatternOnce) {
   EXPECT_GT(checked, 1000);
 }
 
+TEST(DenseAttention, ImprovedClusteredWithPaddedQueriesOnTheEngine) {
+  // Padded queries join no cluster: on the engine they form one last
+  // sequence without keys (output 0, no gradient), as the fused operator.
+  torch::manual_seed(6);
+  auto q = torch::randn({2, 3, 10, 4}, torch::kDouble).requires_grad_(true);
+  auto k = torch::randn({2, 3, 10, 4}, torch::kDouble).requires_grad_(true);
+  auto v = torch::randn({2, 3, 10, 3}, torch::kDouble).requires_grad_(true);
+  auto g = torch::randn({2, 3, 10, 3}, torch::kDouble);
+  const Mask mask = Mask().with_query_lengths(torch::tensor({10, 6}, torch::kLong));
+  std::vector<Tensor> r[2];
+  for (int engine = 0; engine < 2; ++engine) {
+    DenseEngineRouteScope scope(engine ? ops::DenseEngineRoute::Always
+                                       : ops::DenseEngineRoute::Never);
+    auto attn = make_attention(
+        "improved-clustered",
+        {{"clusters", int64_t{3}}, {"topk", int64_t{4}}, {"seed", int64_t{1}}}, {3, 4, 3});
+    auto out = attn->forward(q, k, v, mask);
+    auto grads = torch::autograd::grad({out}, {q, k, v}, {g});
+    r[engine] = {out.detach(), grads[0], grads[1], grads[2]};
+  }
+  EXPECT_TRUE(r[1][0][1].narrow(1, 6, 4).eq(0).all().item<bool>());
+  for (int i = 0; i < 4; ++i) EXPECT_LE(max_err(r[1][i], r[0][i]), 1e-12) << "result " << i;
+}
+
 TEST(DenseAttention, HardRetrievalArgmaxByScoreTilesEqualsTheKernel) {
   // Evaluation without gradients: the argmax by score tiles (matrix
   // products) against the hard-retrieval kernel, index and output, with
