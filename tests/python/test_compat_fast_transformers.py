@@ -92,6 +92,122 @@ def test_inner_attention_layout_and_masks_match_the_reference():
     assert (got - ref()).abs().max() < 1e-12
 
 
+def test_key_lengths_take_any_mask_as_the_reference_does():
+    """A FullMask as key_lengths: a length mask gives key lengths, one that
+    keeps keys out of order joins the attention mask (fast-transformers adds
+    any mask's additive matrix there)."""
+    attention = FullAttention(softmax_temp=0.3).eval()
+    q, k, v = torch.randn(2, 7, 3, 5), torch.randn(2, 9, 3, 5), torch.randn(2, 9, 3, 4)
+    keep = torch.rand(7, 9) > 0.3
+
+    def ref(**masks):
+        out = reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                        softmax_temp=0.3, **masks)
+        return out.transpose(1, 2)
+
+    prefix = LengthMask(torch.tensor([9, 4]), max_len=9).bool_matrix
+    got = attention(q, k, v, FullMask(keep), None, FullMask(prefix))
+    assert (got - ref(attn_mask=keep, key_lengths=torch.tensor([9, 4]))).abs().max() < 1e-12
+    scattered = torch.rand(2, 9) > 0.4
+    scattered[:, 0] = True
+    got = attention(q, k, v, FullMask(keep), None, FullMask(scattered))
+    both = keep.unsqueeze(0) & scattered.unsqueeze(1)  # (N, L, S)
+    assert (got - ref(attn_mask=both.unsqueeze(1))).abs().max() < 1e-12
+    # With causal (fastattn's: aligned bottom-right when L != S).
+    got = attention(q, k, v, TriangularCausalMask(7), None, FullMask(scattered))
+    causal = torch.ones(7, 9, dtype=torch.bool).tril(2)
+    want = ref(attn_mask=(causal.unsqueeze(0) & scattered.unsqueeze(1)).unsqueeze(1))
+    assert (got - want).abs().max() < 1e-12
+    with pytest.raises(ValueError, match=r"key_lengths must be an \(N, S = 9\) mask"):
+        attention(q, k, v, None, None, FullMask(torch.ones(2, 8, dtype=torch.bool)))
+    with pytest.raises(TypeError, match="key_lengths must be a fast_transformers mask"):
+        attention(q, k, v, None, None, torch.tensor([3, 4]))
+
+
+def test_mask_semantics_are_the_reference_ones():
+    # .lengths of a mask that is not a length mask raises ValueError.
+    with pytest.raises(ValueError, match="not a length mask"):
+        FullMask(torch.tensor([[True, False, True]])).lengths
+    assert FullMask(torch.tensor([[True, True, False]])).lengths.tolist() == [2]
+    # lower_triangular: lengths 1, 2, ..., N only.
+    assert not LengthMask(torch.tensor([3, 1]), max_len=4).lower_triangular
+    assert not LengthMask(torch.tensor([1, 1])).lower_triangular
+    assert LengthMask(torch.tensor([1, 2, 3])).lower_triangular
+    assert not FullMask(torch.tensor([[True, False], [True, False]])).lower_triangular
+    assert FullMask(torch.ones(4, 4, dtype=torch.bool).tril()).lower_triangular
+    assert TriangularCausalMask(5).lower_triangular
+    assert not FullMask(torch.tensor([[False, True], [True, True]])).lower_triangular
+
+
+def test_the_reference_module_tree_imports_each_name_where_it_lives():
+    import importlib
+
+    tree = {
+        "attention.attention_layer": ["AttentionLayer"],
+        "attention.full_attention": ["FullAttention"],
+        "attention.linear_attention": ["LinearAttention"],
+        "attention.causal_linear_attention": ["CausalLinearAttention"],
+        "attention.clustered_attention": ["ClusteredAttention"],
+        "attention.improved_clustered_attention": ["ImprovedClusteredAttention"],
+        "attention.improved_clustered_causal_attention": ["ImprovedClusteredCausalAttention"],
+        "attention.reformer_attention": ["ReformerAttention"],
+        "attention.conditional_full_attention": ["ConditionalFullAttention"],
+        "attention.exact_topk_attention": ["ExactTopKAttention"],
+        "attention.local_attention": ["LocalAttention"],
+        "builders.base": ["BaseBuilder"],
+        "builders.attention_builders": ["AttentionBuilder", "RecurrentAttentionBuilder",
+                                        "RecurrentCrossAttentionBuilder"],
+        "builders.transformer_builders": ["TransformerEncoderBuilder", "RecurrentEncoderBuilder",
+                                          "TransformerDecoderBuilder", "RecurrentDecoderBuilder"],
+        "feature_maps.base": ["FeatureMap", "ActivationFunctionFeatureMap", "elu_feature_map"],
+        "feature_maps.fourier_features": ["RandomFourierFeatures", "SmoothedRandomFourierFeatures",
+                                          "Favor", "GeneralizedRandomFeatures"],
+        "masking": ["BaseMask", "FullMask", "LengthMask", "TriangularCausalMask"],
+        "transformers": ["TransformerEncoderLayer", "TransformerEncoder",
+                         "TransformerDecoderLayer", "TransformerDecoder"],
+        "recurrent.attention.self_attention.attention_layer": ["RecurrentAttentionLayer"],
+        "recurrent.attention.self_attention.full_attention": ["RecurrentFullAttention"],
+        "recurrent.attention.self_attention.linear_attention": ["RecurrentLinearAttention"],
+        "recurrent.attention.cross_attention.attention_layer": ["RecurrentCrossAttentionLayer"],
+        "recurrent.attention.cross_attention.full_attention": ["RecurrentCrossFullAttention"],
+        "recurrent.attention.cross_attention.linear_attention": ["RecurrentCrossLinearAttention"],
+        "recurrent.transformers": ["RecurrentTransformerEncoderLayer",
+                                   "RecurrentTransformerEncoder",
+                                   "RecurrentTransformerDecoderLayer",
+                                   "RecurrentTransformerDecoder"],
+        "recurrent._utils": ["check_state"],
+        "utils": ["make_mirror"],
+    }
+    root = "fastattn.compat.fast_transformers"
+    for module, names in tree.items():
+        m = importlib.import_module(root + "." + module)
+        package = importlib.import_module(root + "." + module.rsplit(".", 1)[0]) \
+            if "." in module else None
+        for name in names:
+            assert hasattr(m, name), (module, name)
+            # The package re-exports the same object (one class, not two).
+            if package is not None and hasattr(package, name):
+                assert getattr(package, name) is getattr(m, name), (module, name)
+
+
+def test_make_mirror_and_check_state():
+    from fastattn.compat.fast_transformers.recurrent._utils import check_state
+    from fastattn.compat.fast_transformers.utils import make_mirror
+
+    batch = TransformerEncoderBuilder.from_kwargs(
+        n_layers=1, n_heads=2, query_dimensions=4, value_dimensions=4,
+        feed_forward_dimensions=16, attention_type="causal-linear").get()
+    twin = RecurrentEncoderBuilder.from_kwargs(
+        n_layers=1, n_heads=2, query_dimensions=4, value_dimensions=4,
+        feed_forward_dimensions=16, attention_type="causal-linear").get()
+    make_mirror(batch, twin)
+    pairs = dict(twin.named_parameters())
+    assert pairs and all(pairs[n] is p for n, p in batch.named_parameters())
+    assert check_state(state=1) == 1 and check_state() is None
+    with pytest.warns(DeprecationWarning, match="memory"):
+        assert check_state(memory=2) == 2
+
+
 def test_masks_views():
     m = LengthMask(torch.tensor([3, 1]), max_len=4)
     assert m.bool_matrix.tolist() == [[True, True, True, False], [True, False, False, False]]
@@ -196,7 +312,12 @@ def test_install_makes_import_fast_transformers_resolve_here():
         "from fast_transformers.builders import TransformerEncoderBuilder\n"
         "from fast_transformers.masking import LengthMask\n"
         "from fast_transformers.recurrent.transformers import RecurrentTransformerEncoder\n"
-        "assert fast_transformers is ft\n"
+        "from fast_transformers.attention.full_attention import FullAttention\n"
+        "from fast_transformers.recurrent.attention.cross_attention.linear_attention import "
+        "RecurrentCrossLinearAttention\n"
+        "from fast_transformers.feature_maps.fourier_features import Favor\n"
+        "import fastattn.compat.fast_transformers.attention as fa\n"
+        "assert fast_transformers is ft and FullAttention is fa.FullAttention\n"
         "import torch\n"
         "m = TransformerEncoderBuilder.from_kwargs(n_layers=1, n_heads=2, query_dimensions=4,"
         " value_dimensions=4).get()\n"

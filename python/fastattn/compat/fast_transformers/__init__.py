@@ -3,21 +3,24 @@
     import fastattn.compat.fast_transformers as fast_transformers
     from fastattn.compat.fast_transformers.builders import TransformerEncoderBuilder
 
-Submodules as in fast-transformers: ``builders``, ``attention``,
-``masking``, ``feature_maps``, ``transformers``, ``recurrent.attention``,
-``recurrent.transformers``. :func:`install` makes ``import fast_transformers``
-(and its submodules) resolve to this package, for programs that cannot be
-edited.
+Its modules are fast-transformers' public tree, module for module:
+``attention`` (``attention_layer``, ``full_attention``, ``linear_attention``,
+...), ``builders`` (``base``, ``attention_builders``, ``transformer_builders``),
+``feature_maps`` (``base``, ``fourier_features``), ``masking``,
+``transformers``, ``recurrent`` (``attention.self_attention``,
+``attention.cross_attention``, ``transformers``), ``utils``; each name
+where fast-transformers puts it. :func:`install` makes ``import
+fast_transformers`` (and every submodule) resolve to this package, for
+programs that cannot be edited.
 """
 
 import sys
 
-from . import attention, builders, feature_maps, masking, transformers  # noqa: F401
-from .recurrent import attention as _recurrent_attention  # noqa: F401
-from .recurrent import transformers as _recurrent_transformers  # noqa: F401
+from . import attention, builders, feature_maps, masking, recurrent, transformers  # noqa: F401
+from . import utils  # noqa: F401
 
 __all__ = ["attention", "builders", "feature_maps", "masking", "transformers", "recurrent",
-           "install"]
+           "utils", "install"]
 
 
 def install():

@@ -31,8 +31,16 @@ class BaseMask:
 
     @property
     def lengths(self):
-        """The number of kept positions per row."""
-        return self.bool_matrix.long().sum(dim=-1)
+        """The number of kept positions per row, for a length mask (each row
+        kept positions first, then masked ones); ValueError otherwise, as in
+        fast-transformers."""
+        m = self.bool_matrix
+        lengths = m.long().sum(dim=-1)
+        prefix = torch.arange(m.shape[-1], device=m.device) < lengths.unsqueeze(-1)
+        if not torch.equal(prefix, m):
+            raise ValueError("The mask is not a length mask: a row keeps a position after a "
+                             "masked one")
+        return lengths
 
     @property
     def additive_matrix(self):
@@ -50,8 +58,14 @@ class BaseMask:
 
     @property
     def lower_triangular(self):
-        m = self.bool_matrix
-        return m.dim() == 2 and m.shape[0] == m.shape[1] and torch.equal(m, m.tril())
+        """True for a length mask whose lengths are 1, 2, ..., N (the causal
+        mask), as in fast-transformers; False for any other mask."""
+        try:
+            lengths = self.lengths
+        except ValueError:
+            return False
+        return lengths.dim() == 1 and torch.equal(
+            lengths, torch.arange(1, lengths.numel() + 1, device=lengths.device))
 
 
 class FullMask(_NnFullMask, BaseMask):

@@ -13,18 +13,18 @@ take full, linear and causal-linear.
 
 import torch
 
-from .attention import (AttentionLayer, CausalLinearAttention, ClusteredAttention,
+from ..attention import (AttentionLayer, CausalLinearAttention, ClusteredAttention,
                         ConditionalFullAttention, ExactTopKAttention, FullAttention,
                         ImprovedClusteredAttention, ImprovedClusteredCausalAttention,
                         LinearAttention, LocalAttention, ReformerAttention)
-from .recurrent.attention import (RecurrentAttentionLayer, RecurrentCrossAttentionLayer,
+from ..recurrent.attention import (RecurrentAttentionLayer, RecurrentCrossAttentionLayer,
                                   RecurrentCrossFullAttention, RecurrentCrossLinearAttention,
                                   RecurrentFullAttention, RecurrentLinearAttention)
-from .recurrent.transformers import (RecurrentTransformerDecoder,
+from ..recurrent.transformers import (RecurrentTransformerDecoder,
                                      RecurrentTransformerDecoderLayer,
                                      RecurrentTransformerEncoder,
                                      RecurrentTransformerEncoderLayer)
-from .transformers import (TransformerDecoder, TransformerDecoderLayer, TransformerEncoder,
+from ..transformers import (TransformerDecoder, TransformerDecoderLayer, TransformerEncoder,
                            TransformerEncoderLayer)
 
 __all__ = ["AttentionBuilder", "RecurrentAttentionBuilder", "RecurrentCrossAttentionBuilder",
@@ -132,6 +132,10 @@ class _Builder:
 
 _MODEL = dict(n_layers=4, n_heads=4, value_dimensions=64, feed_forward_dimensions=1024,
               dropout=0.1, activation="relu", final_normalization=True, **_ATTENTION_PARAMS)
+
+
+# fast-transformers' name for the common base (builders/base.py).
+BaseBuilder = _Builder
 
 
 class AttentionBuilder(_Builder):

@@ -9,9 +9,9 @@ the state is fastattn's (opaque: pass it back unchanged).
 
 from torch import nn
 
-from .... import attention as _attention
-from .... import attention_step as _attention_step
-from ..attention import AttentionLayer, fastattn_masks
+from ..... import attention as _attention
+from ..... import attention_step as _attention_step
+from ...attention import AttentionLayer, fastattn_masks
 
 __all__ = ["RecurrentAttentionLayer", "RecurrentCrossAttentionLayer", "RecurrentFullAttention",
            "RecurrentLinearAttention", "RecurrentCrossFullAttention",
@@ -47,7 +47,7 @@ class RecurrentLinearAttention(_RecurrentInner):
     kind = "causal-linear"
 
     def __init__(self, query_dimensions, feature_map=None, eps=1e-6, event_dispatcher=""):
-        from ..feature_maps import elu_feature_map
+        from ...feature_maps import elu_feature_map
 
         fmap = (feature_map or elu_feature_map)(query_dimensions)
         super().__init__(eps=eps, **fmap.fastattn_params())
@@ -84,7 +84,7 @@ class RecurrentCrossLinearAttention(_RecurrentCrossInner):
     kind = "linear"
 
     def __init__(self, query_dimensions, feature_map=None, eps=1e-6, event_dispatcher=""):
-        from ..feature_maps import elu_feature_map
+        from ...feature_maps import elu_feature_map
 
         fmap = (feature_map or elu_feature_map)(query_dimensions)
         super().__init__(eps=eps, **fmap.fastattn_params())

@@ -13,8 +13,8 @@ import warnings
 import torch
 from torch import nn
 
-from ... import attention as _attention
-from .masking import FullMask, LengthMask, TriangularCausalMask
+from .... import attention as _attention
+from ..masking import FullMask, LengthMask, TriangularCausalMask
 
 __all__ = ["AttentionLayer", "FullAttention", "LinearAttention", "CausalLinearAttention",
            "ClusteredAttention", "ImprovedClusteredAttention",
@@ -22,8 +22,14 @@ __all__ = ["AttentionLayer", "FullAttention", "LinearAttention", "CausalLinearAt
            "LocalAttention", "ConditionalFullAttention"]
 
 
-def fastattn_masks(attn_mask, key_lengths, S, where):
-    """(attn_mask tensor or None, key_lengths tensor or None, causal) for fastattn."""
+def fastattn_masks(attn_mask, key_lengths, S, where, L=None):
+    """(attn_mask tensor or None, key_lengths tensor or None, causal) for fastattn.
+
+    ``key_lengths`` may be any fast_transformers mask of shape (N, S), as in
+    fast-transformers: a length mask gives fastattn's key lengths, any other
+    (keys kept out of order) joins ``attn_mask`` as an (N, L, S) keep mask
+    (L: the number of queries).
+    """
     causal, mask = False, None
     if isinstance(attn_mask, TriangularCausalMask):
         causal = True
@@ -37,12 +43,30 @@ def fastattn_masks(attn_mask, key_lengths, S, where):
             else:
                 mask = attn_mask.bool_matrix
     lengths = None
-    if key_lengths is not None:
-        if not isinstance(key_lengths, LengthMask):
-            raise TypeError("%s: key_lengths must be a LengthMask, got %s"
-                            % (where, type(key_lengths).__name__))
+    if key_lengths is None:
+        return mask, lengths, causal
+    if not hasattr(key_lengths, "bool_matrix"):
+        raise TypeError("%s: key_lengths must be a fast_transformers mask (LengthMask, FullMask, "
+                        "...), got %s" % (where, type(key_lengths).__name__))
+    if isinstance(key_lengths, LengthMask):  # its lengths (max_len may be shorter than S)
         if not (key_lengths.all_ones and key_lengths.max_len == S):
             lengths = key_lengths.lengths
+        return mask, lengths, causal
+    keep = key_lengths.bool_matrix
+    if keep.dim() != 2 or keep.shape[-1] != S:
+        raise ValueError("%s: key_lengths must be an (N, S = %d) mask, got shape %s"
+                         % (where, S, tuple(keep.shape)))
+    try:
+        lengths = key_lengths.lengths
+    except ValueError:  # keys kept out of order: part of the attention mask
+        if L is None:
+            raise ValueError("%s: key_lengths must be a length mask here (kept keys first), got "
+                             "one that keeps a key after a masked one" % where)
+        rows = mask if mask is not None else torch.ones(L, S, dtype=torch.bool,
+                                                         device=keep.device)
+        return rows.unsqueeze(0) & keep.unsqueeze(1), None, causal
+    if bool((lengths == S).all()):
+        lengths = None
     return mask, lengths, causal
 
 
@@ -67,7 +91,8 @@ class _Inner(nn.Module):
             warnings.warn("%s: attention_dropout=%g is not applied by fastattn (its operators run "
                           "the attention types without dropout)" % (where, self.attention_dropout))
             self._warned = True
-        mask, lengths, causal = fastattn_masks(attn_mask, key_lengths, keys.shape[1], where)
+        mask, lengths, causal = fastattn_masks(attn_mask, key_lengths, keys.shape[1], where,
+                                               L=queries.shape[1])
         out = _attention(self._type(), queries.transpose(1, 2), keys.transpose(1, 2),
                          values.transpose(1, 2), causal=causal, key_lengths=lengths,
                          attn_mask=mask, **self.params)
@@ -83,7 +108,7 @@ class FullAttention(_Inner):
 
 class _Linear(_Inner):
     def __init__(self, query_dimensions, feature_map=None, eps=1e-6, event_dispatcher=""):
-        from .feature_maps import elu_feature_map
+        from ..feature_maps import elu_feature_map
 
         fmap = (feature_map or elu_feature_map)(query_dimensions)
         super().__init__(0.0, eps=eps, **fmap.fastattn_params())
