@@ -35,13 +35,19 @@ namespace fastattn {
 //   key_lengths: (N,) integers in [0, S]; keys at positions >= length are ignored.
 //   causal:      query i sees key j iff j <= i + (S - L).
 //   softmax_temp: scale of the scores, default 1/sqrt(E).
+//   dropout_p:   attention dropout in [0, 1), fused (CPU): each weight kept
+//                with probability 1 - dropout_p and scaled by 1 / (1 - p);
+//                the keep mask comes from a counter-based generator keyed by
+//                dropout_seed (default: drawn from torch's CPU generator), so
+//                the backward regenerates it and nothing L×S is stored.
 // A query that sees no key outputs zeros. Gradients flow to q, k and v (not to
 // an additive mask).
 torch::Tensor full_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                              const std::optional<torch::Tensor>& attn_mask = std::nullopt,
                              const std::optional<torch::Tensor>& key_lengths = std::nullopt,
-                             bool causal = false,
-                             std::optional<double> softmax_temp = std::nullopt);
+                             bool causal = false, std::optional<double> softmax_temp = std::nullopt,
+                             double dropout_p = 0.0,
+                             std::optional<int64_t> dropout_seed = std::nullopt);
 
 // full_attention (key lengths only, not causal) that also returns the row
 // log-sum-exp of the scaled scores, lse (N, H, L) (-inf for a row that sees no
@@ -223,12 +229,19 @@ torch::Tensor causal_linear_product(const torch::Tensor& q, const torch::Tensor&
                                     const torch::Tensor& v);
 
 // Plain-ATen oracle with the same contract (materialises L×S): for tests and
-// benchmarks only.
+// benchmarks only. dropout_keep (N, H, L, S): the softmax weights are
+// multiplied by it (attention_dropout_keep: dropout with a given mask).
 torch::Tensor full_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                              const std::optional<torch::Tensor>& attn_mask = std::nullopt,
                              const std::optional<torch::Tensor>& key_lengths = std::nullopt,
-                             bool causal = false,
-                             std::optional<double> softmax_temp = std::nullopt);
+                             bool causal = false, std::optional<double> softmax_temp = std::nullopt,
+                             const std::optional<torch::Tensor>& dropout_keep = std::nullopt);
+
+// The fused kernels' attention-dropout mask for a seed, float64 (N, H, L, S):
+// 1 / (1 - dropout_p) where weight (i, j) of head (n, h) is kept, 0 where
+// dropped (kernels/common/dropout.h).
+torch::Tensor attention_dropout_keep(int64_t seed, double dropout_p, int64_t N, int64_t H,
+                                     int64_t L, int64_t S);
 
 // Dense oracle of hard_retrieval_attention's contract (materialises L×S).
 // Without `index`: the argmax indices (ties: lowest). With `index`: the given

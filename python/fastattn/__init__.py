@@ -357,7 +357,8 @@ def attention_step_(type, q, k, v, state, **params):
     return ops.attention_step_(type, q, k, v, state, _params_json(params))
 
 
-def full_attention(q, k, v, attn_mask=None, key_lengths=None, causal=False, softmax_temp=None):
+def full_attention(q, k, v, attn_mask=None, key_lengths=None, causal=False, softmax_temp=None,
+                   dropout_p=0.0, dropout_seed=None):
     """Exact softmax attention, fused (no L x S matrix is kept).
 
     Args:
@@ -370,12 +371,20 @@ def full_attention(q, k, v, attn_mask=None, key_lengths=None, causal=False, soft
         causal: query i sees key j iff ``j <= i + (S - L)`` (the last query is
             aligned with the last key).
         softmax_temp: scale of the scores; default ``1 / sqrt(E)``.
+        dropout_p: attention dropout in ``[0, 1)``, fused (CPU): each weight
+            is kept with probability ``1 - dropout_p`` and scaled by
+            ``1 / (1 - dropout_p)``; the keep mask comes from a counter-based
+            generator keyed by ``dropout_seed`` (default: drawn from torch's
+            generator, so ``torch.manual_seed`` reproduces a run), and the
+            backward regenerates it: nothing L x S is stored. Pass it only in
+            training.
 
     Returns:
         ``softmax(q k^T * softmax_temp + masks) v``, shape ``(N, H, L, M)``;
         a query that sees no key outputs zeros. Differentiable in q, k and v.
     """
-    return ops.full_attention(q, k, v, attn_mask, key_lengths, causal, softmax_temp)
+    return ops.full_attention(q, k, v, attn_mask, key_lengths, causal, softmax_temp, dropout_p,
+                              dropout_seed)
 
 
 def attention_types():

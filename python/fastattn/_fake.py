@@ -94,16 +94,17 @@ def register():
 
     # ---- full attention ----------------------------------------------------
     @fake("fastattn::full_attention")
-    def _(q, k, v, attn_mask=None, key_lengths=None, causal=False, softmax_temp=None):
+    def _(q, k, v, attn_mask=None, key_lengths=None, causal=False, softmax_temp=None,
+          dropout_p=0.0, dropout_seed=None):
         return _rows_like(q, v.shape[-1])
 
     @fake("fastattn::full_attention_forward")
-    def _(q, k, v, attn_mask, key_lengths, causal, softmax_temp):
+    def _(q, k, v, attn_mask, key_lengths, causal, softmax_temp, dropout_p=0.0, dropout_seed=0):
         return _rows_like(q, v.shape[-1]), _stats(q)
 
     @fake("fastattn::full_attention_backward")
     def _(grad_out, q, k, v, out, lse, attn_mask, key_lengths, causal, softmax_temp,
-          grad_lse=None):
+          grad_lse=None, dropout_p=0.0, dropout_seed=0):
         return _row_grads(q, k, v)
 
     def lse_topk(q, k, v, key_lengths=None, softmax_temp=None, topk=0):

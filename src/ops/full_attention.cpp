@@ -90,13 +90,18 @@ std::tuple<Tensor, Tensor> full_attention_forward_cpu(const Tensor& q, const Ten
                                                       const Tensor& v,
                                                       const c10::optional<Tensor>& attn_mask,
                                                       const c10::optional<Tensor>& key_lengths,
-                                                      bool causal, double softmax_temp) {
+                                                      bool causal, double softmax_temp,
+                                                      double dropout_p, int64_t dropout_seed) {
   check_inputs(q, k, v, attn_mask, key_lengths);
-  if (q.scalar_type() == torch::kBFloat16 && kernels::cpu_isa() >= kernels::CpuIsa::kAvx512Bf16)
+  ops::check_dropout(kOp, dropout_p);
+  // The bfloat16 kernels have no dropout: with it, the float32 kernels.
+  if (q.scalar_type() == torch::kBFloat16 && dropout_p == 0 &&
+      kernels::cpu_isa() >= kernels::CpuIsa::kAvx512Bf16)
     return forward_bf16(q, k, v, attn_mask, key_lengths, causal, softmax_temp);
   if (ops::is_reduced_float(q)) {
-    auto [out, lse] = ops::in_float32<1>(q.scalar_type(), full_attention_forward_cpu, q, k, v,
-                                         attn_mask, key_lengths, causal, softmax_temp);
+    auto [out, lse] =
+        ops::in_float32<1>(q.scalar_type(), full_attention_forward_cpu, q, k, v, attn_mask,
+                           key_lengths, causal, softmax_temp, dropout_p, dropout_seed);
     return {ops::in_rows_layout_of(out, q), lse};
   }
   auto p = ops::full_attention_inputs(q, k, v, attn_mask, key_lengths);
@@ -114,6 +119,7 @@ std::tuple<Tensor, Tensor> full_attention_forward_cpu(const Tensor& q, const Ten
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "full_attention_forward_cpu", [&] {
     kernels::FullAttentionForwardArgs<scalar_t> a;
     ops::fill_full_attention_args(a, kOp, p, causal, softmax_temp);
+    ops::set_dropout_args(a, dropout_p, dropout_seed);
     a.out = out.data_ptr<scalar_t>();
     a.out_rows = ops::row_strides(out);
     a.lse = lse.data_ptr<scalar_t>();
@@ -126,16 +132,19 @@ std::tuple<Tensor, Tensor, Tensor> full_attention_backward_cpu(
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
     const Tensor& lse, const c10::optional<Tensor>& attn_mask,
     const c10::optional<Tensor>& key_lengths, bool causal, double softmax_temp,
-    const c10::optional<Tensor>& grad_lse) {
+    const c10::optional<Tensor>& grad_lse, double dropout_p, int64_t dropout_seed) {
   check_inputs(q, k, v, attn_mask, key_lengths);
   ops::check_full_attention_grads(grad_out, out, lse, grad_lse);
-  if (q.scalar_type() == torch::kBFloat16 && kernels::cpu_isa() >= kernels::CpuIsa::kAvx512Bf16)
+  ops::check_dropout(kOp, dropout_p);
+  if (q.scalar_type() == torch::kBFloat16 && dropout_p == 0 &&
+      kernels::cpu_isa() >= kernels::CpuIsa::kAvx512Bf16)
     return backward_bf16(grad_out, q, k, v, out, lse, attn_mask, key_lengths, causal, softmax_temp,
                          grad_lse);
   if (ops::is_reduced_float(q)) {
     return ops::in_rows_layouts_of(
         ops::in_float32(q.scalar_type(), full_attention_backward_cpu, grad_out, q, k, v, out, lse,
-                        attn_mask, key_lengths, causal, softmax_temp, grad_lse),
+                        attn_mask, key_lengths, causal, softmax_temp, grad_lse, dropout_p,
+                        dropout_seed),
         q, k, v);
   }
   auto p = ops::full_attention_inputs(q, k, v, attn_mask, key_lengths);
@@ -154,6 +163,7 @@ std::tuple<Tensor, Tensor, Tensor> full_attention_backward_cpu(
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "full_attention_backward_cpu", [&] {
     kernels::FullAttentionBackwardArgs<scalar_t> a;
     ops::fill_full_attention_args(a, kOp, p, causal, softmax_temp);
+    ops::set_dropout_args(a, dropout_p, dropout_seed);
     a.grad_out = go.data_ptr<scalar_t>();
     ops::set_grad_rows(a, go, gq, gk, gv);
     a.lse = lse_c.data_ptr<scalar_t>();
@@ -170,20 +180,24 @@ std::tuple<Tensor, Tensor, Tensor> full_attention_backward_cpu(
 std::tuple<Tensor, Tensor> call_forward(const Tensor& q, const Tensor& k, const Tensor& v,
                                         const c10::optional<Tensor>& attn_mask,
                                         const c10::optional<Tensor>& key_lengths, bool causal,
-                                        double temp) {
+                                        double temp, double dropout_p = 0.0,
+                                        int64_t dropout_seed = 0) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fastattn::full_attention_forward", "")
                        .typed<decltype(full_attention_forward_cpu)>();
-  return op.call(q, k, v, attn_mask, key_lengths, causal, temp);
+  return op.call(q, k, v, attn_mask, key_lengths, causal, temp, dropout_p, dropout_seed);
 }
 
 Tensor full_attention_no_grad(const Tensor& q, const Tensor& k, const Tensor& v,
                               const c10::optional<Tensor>& attn_mask,
                               const c10::optional<Tensor>& key_lengths, bool causal,
-                              c10::optional<double> softmax_temp) {
+                              c10::optional<double> softmax_temp, double dropout_p,
+                              c10::optional<int64_t> dropout_seed) {
   ops::check_qkv(kOp, q, k, v);
+  ops::check_dropout(kOp, dropout_p);
   return std::get<0>(call_forward(q, k, v, attn_mask, key_lengths, causal,
-                                  ops::resolve_softmax_temp(kOp, q, softmax_temp)));
+                                  ops::resolve_softmax_temp(kOp, q, softmax_temp), dropout_p,
+                                  ops::resolve_dropout_seed(dropout_p, dropout_seed)));
 }
 
 class FullAttentionFunction : public torch::autograd::Function<FullAttentionFunction> {
@@ -191,16 +205,22 @@ class FullAttentionFunction : public torch::autograd::Function<FullAttentionFunc
   static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                         const c10::optional<Tensor>& attn_mask,
                         const c10::optional<Tensor>& key_lengths, bool causal,
-                        c10::optional<double> softmax_temp) {
+                        c10::optional<double> softmax_temp, double dropout_p,
+                        c10::optional<int64_t> dropout_seed) {
     at::AutoDispatchBelowADInplaceOrView guard;
     ops::check_qkv(kOp, q, k, v);
+    ops::check_dropout(kOp, dropout_p);
     const double temp = ops::resolve_softmax_temp(kOp, q, softmax_temp);
-    auto [out, lse] = call_forward(q, k, v, attn_mask, key_lengths, causal, temp);
+    // One seed for the forward and the backward: the same keep mask.
+    const int64_t seed = ops::resolve_dropout_seed(dropout_p, dropout_seed);
+    auto [out, lse] = call_forward(q, k, v, attn_mask, key_lengths, causal, temp, dropout_p, seed);
     ctx->save_for_backward({q, k, v, out, lse});
     ctx->saved_data["attn_mask"] = attn_mask ? *attn_mask : Tensor();
     ctx->saved_data["key_lengths"] = key_lengths ? *key_lengths : Tensor();
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["temp"] = temp;
+    ctx->saved_data["dropout_p"] = dropout_p;
+    ctx->saved_data["dropout_seed"] = seed;
     return out;
   }
 
@@ -215,8 +235,9 @@ class FullAttentionFunction : public torch::autograd::Function<FullAttentionFunc
     auto [gq, gk, gv] = op.call(
         grads[0], saved[0], saved[1], saved[2], saved[3], saved[4],
         opt(ctx->saved_data["attn_mask"]), opt(ctx->saved_data["key_lengths"]),
-        ctx->saved_data["causal"].toBool(), ctx->saved_data["temp"].toDouble(), c10::nullopt);
-    return {gq, gk, gv, Tensor(), Tensor(), Tensor(), Tensor()};
+        ctx->saved_data["causal"].toBool(), ctx->saved_data["temp"].toDouble(), c10::nullopt,
+        ctx->saved_data["dropout_p"].toDouble(), ctx->saved_data["dropout_seed"].toInt());
+    return {gq, gk, gv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -294,7 +315,8 @@ class FullAttentionLseTopkFunction
         op.call(grad_out, saved[0], saved[1], saved[2], saved[3], saved[4], c10::nullopt,
                 klen.defined() ? c10::optional<Tensor>(klen) : c10::nullopt,
                 /*causal=*/false, ctx->saved_data["temp"].toDouble(),
-                grads[1].defined() ? c10::optional<Tensor>(grads[1]) : c10::nullopt);
+                grads[1].defined() ? c10::optional<Tensor>(grads[1]) : c10::nullopt,
+                /*dropout_p=*/0.0, /*dropout_seed=*/0);
     return {gq, gk, gv, Tensor(), Tensor(), Tensor()};
   }
 };
@@ -309,8 +331,10 @@ std::tuple<Tensor, Tensor, Tensor> full_attention_lse_topk_autograd(
 Tensor full_attention_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
                                const c10::optional<Tensor>& attn_mask,
                                const c10::optional<Tensor>& key_lengths, bool causal,
-                               c10::optional<double> softmax_temp) {
-  return FullAttentionFunction::apply(q, k, v, attn_mask, key_lengths, causal, softmax_temp);
+                               c10::optional<double> softmax_temp, double dropout_p,
+                               c10::optional<int64_t> dropout_seed) {
+  return FullAttentionFunction::apply(q, k, v, attn_mask, key_lengths, causal, softmax_temp,
+                                      dropout_p, dropout_seed);
 }
 
 }  // namespace
@@ -331,12 +355,14 @@ TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
 Tensor full_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                       const std::optional<Tensor>& attn_mask,
                       const std::optional<Tensor>& key_lengths, bool causal,
-                      std::optional<double> softmax_temp) {
+                      std::optional<double> softmax_temp, double dropout_p,
+                      std::optional<int64_t> dropout_seed) {
   ops::check_defined("fastattn::full_attention", {"q", "k", "v"}, {q, k, v});
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fastattn::full_attention", "")
                        .typed<decltype(full_attention_no_grad)>();
-  return op.call(q, k, v, to_c10(attn_mask), to_c10(key_lengths), causal, to_c10(softmax_temp));
+  return op.call(q, k, v, to_c10(attn_mask), to_c10(key_lengths), causal, to_c10(softmax_temp),
+                 dropout_p, to_c10(dropout_seed));
 }
 
 std::tuple<Tensor, Tensor, Tensor> full_attention_lse_topk(const Tensor& q, const Tensor& k,
@@ -462,8 +488,10 @@ std::tuple<Tensor, Tensor, Tensor> full_attention_dense(const Tensor& q, const T
 Tensor full_attention_no_grad_entry(const Tensor& q, const Tensor& k, const Tensor& v,
                                     const c10::optional<Tensor>& attn_mask,
                                     const c10::optional<Tensor>& key_lengths, bool causal,
-                                    c10::optional<double> softmax_temp) {
-  return full_attention_no_grad(q, k, v, attn_mask, key_lengths, causal, softmax_temp);
+                                    c10::optional<double> softmax_temp, double dropout_p,
+                                    c10::optional<int64_t> dropout_seed) {
+  return full_attention_no_grad(q, k, v, attn_mask, key_lengths, causal, softmax_temp, dropout_p,
+                                dropout_seed);
 }
 
 std::tuple<Tensor, Tensor, Tensor> full_attention_lse_topk_no_grad_entry(

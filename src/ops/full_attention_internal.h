@@ -88,7 +88,8 @@ torch::Tensor full_attention_no_grad_entry(const torch::Tensor& q, const torch::
                                            const torch::Tensor& v,
                                            const c10::optional<torch::Tensor>& attn_mask,
                                            const c10::optional<torch::Tensor>& key_lengths,
-                                           bool causal, c10::optional<double> softmax_temp);
+                                           bool causal, c10::optional<double> softmax_temp,
+                                           double dropout_p, c10::optional<int64_t> dropout_seed);
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> full_attention_lse_topk_no_grad_entry(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
     const c10::optional<torch::Tensor>& key_lengths, c10::optional<double> softmax_temp,

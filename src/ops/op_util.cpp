@@ -138,6 +138,19 @@ double resolve_softmax_temp(const char* op, const torch::Tensor& q,
   return 1.0 / std::sqrt(static_cast<double>(q.size(3)));
 }
 
+void check_dropout(const char* op, double dropout_p) {
+  TORCH_CHECK(dropout_p >= 0 && dropout_p < 1, op, ": dropout_p must be in [0, 1), got ",
+              dropout_p);
+}
+
+int64_t resolve_dropout_seed(double dropout_p, c10::optional<int64_t> dropout_seed) {
+  if (dropout_p == 0) return 0;
+  if (dropout_seed) return *dropout_seed;
+  torch::NoGradGuard no_grad;
+  return torch::randint(0, int64_t{1} << 62, {1}, torch::TensorOptions().dtype(torch::kLong))
+      .item<int64_t>();
+}
+
 torch::Tensor additive_mask(const torch::Tensor& attn_mask, torch::ScalarType dtype) {
   if (attn_mask.scalar_type() == torch::kBool) {
     return torch::zeros(attn_mask.sizes(), attn_mask.options().dtype(dtype))

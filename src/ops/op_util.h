@@ -10,6 +10,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "kernels/common/dropout.h"
 #include "kernels/common/kernel_args.h"
 
 namespace fastattn {
@@ -246,6 +247,22 @@ void check_defined(const char* op, std::initializer_list<const char*> names,
 // the message naming `op`), otherwise 1/sqrt(E) for q (N, H, L, E).
 double resolve_softmax_temp(const char* op, const torch::Tensor& q,
                             c10::optional<double> softmax_temp);
+
+// Attention dropout: dropout_p must be in [0, 1) (the message naming `op`).
+void check_dropout(const char* op, double dropout_p);
+
+// The seed of a call's dropout mask: dropout_seed when given, else one drawn
+// from torch's default CPU generator (torch.manual_seed makes it
+// reproducible); 0 without dropout.
+int64_t resolve_dropout_seed(double dropout_p, c10::optional<int64_t> dropout_seed);
+
+// A kernel argument struct's dropout fields (kernels/common/dropout.h).
+template <typename Args>
+void set_dropout_args(Args& a, double dropout_p, int64_t dropout_seed) {
+  a.dropout_threshold = kernels::dropout_threshold(dropout_p);
+  a.dropout_seed = static_cast<uint64_t>(dropout_seed);
+  a.dropout_scale = static_cast<decltype(a.dropout_scale)>(1.0 / (1.0 - dropout_p));
+}
 
 // A bool mask (true = keep) as 0 / -inf of `dtype`; a floating mask cast.
 torch::Tensor additive_mask(const torch::Tensor& attn_mask, torch::ScalarType dtype);

@@ -6,19 +6,27 @@
 TORCH_LIBRARY(fastattn, m) {
   // ---- fused softmax attention ---------------------------------------------
   // q (N,H,L,E), k (N,H,S,E), v (N,H,S,M) -> (N,H,L,M).
+  // dropout_p: attention dropout, fused (the weights' keep mask from a
+  // counter-based generator keyed by dropout_seed, drawn from torch's
+  // default generator when None; kernels/common/dropout.h), scaled by
+  // 1 / (1 - dropout_p); the backward regenerates the same mask. CPU.
   m.def(
       "full_attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, "
-      "Tensor? key_lengths=None, bool causal=False, float? softmax_temp=None) -> Tensor");
-  // Forward kernel: output and the row log-sum-exp (N,H,L) of the scaled scores.
+      "Tensor? key_lengths=None, bool causal=False, float? softmax_temp=None, "
+      "float dropout_p=0.0, int? dropout_seed=None) -> Tensor");
+  // Forward kernel: output and the row log-sum-exp (N,H,L) of the scaled
+  // scores (undropped).
   m.def(
       "full_attention_forward(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, "
-      "Tensor? key_lengths, bool causal, float softmax_temp) -> (Tensor, Tensor)");
+      "Tensor? key_lengths, bool causal, float softmax_temp, float dropout_p=0.0, "
+      "int dropout_seed=0) -> (Tensor, Tensor)");
   // Backward kernel: recomputes the scores per tile from the saved lse.
   // grad_lse: the gradient with respect to lse where lse is an output too.
   m.def(
       "full_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor lse, Tensor? attn_mask, Tensor? key_lengths, bool causal, float softmax_temp, "
-      "Tensor? grad_lse=None) -> (Tensor, Tensor, Tensor)");
+      "Tensor? grad_lse=None, float dropout_p=0.0, int dropout_seed=0) "
+      "-> (Tensor, Tensor, Tensor)");
   // Fused attention that also returns the row log-sum-exp (differentiable)
   // and each row's topk key indices by score (the centroid step of improved
   // clustered attention): -> (out (N,H,L,M), lse (N,H,L), top_idx (N,H,L,topk)).

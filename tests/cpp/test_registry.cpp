@@ -306,17 +306,18 @@ TEST(FullAttention, DropoutPathMatchesTheReferenceWithTheSameDropout) {
   auto ref = reference::full_attention(q, k, v, am, torch::tensor({5, 3}), false, temp);
   EXPECT_TRUE(torch::allclose(eval_out, ref, 1e-10, 1e-12));
 
-  // Training: the composite path, with dropout drawn as torch::dropout draws it.
+  // Training: the operator's fused dropout, its seed drawn from torch's
+  // generator (tests/cpp/test_attention_dropout.cpp in depth).
   attn->train();
   auto qg = q.clone().requires_grad_(true);
   torch::manual_seed(7);
   auto out = attn->forward(qg, k, v, mask);
-  auto keep = mask.dense_bool(N, H, L, S);
-  auto scores =
-      (torch::matmul(q, k.transpose(-1, -2)) * temp).masked_fill(keep.logical_not(), -1e300);
-  auto probs = torch::softmax(scores, -1) * keep.any(-1, true);
   torch::manual_seed(7);
-  auto expected = torch::matmul(torch::dropout(probs, p, true), v);
+  const int64_t seed =
+      torch::randint(0, int64_t{1} << 62, {1}, torch::TensorOptions().dtype(torch::kLong))
+          .item<int64_t>();
+  auto expected = reference::full_attention(q, k, v, am, torch::tensor({5, 3}), false, temp,
+                                            reference::attention_dropout_keep(seed, p, N, H, L, S));
   EXPECT_TRUE(torch::allclose(out, expected, 1e-10, 1e-12));
   EXPECT_FALSE(torch::allclose(out, ref));
   EXPECT_EQ(out[1].select(1, 0).abs().max().item<double>(), 0.0);

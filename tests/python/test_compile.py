@@ -68,6 +68,10 @@ def op_cases():
              dict(attn_mask=bool_mask(), key_lengths=lengths(), softmax_temp=0.3)),
             (f"full-additive-causal-{d}", ops.full_attention, (q, k, v),
              dict(attn_mask=torch.zeros(L, S, dtype=dt), causal=True)),
+            # Attention dropout with a seed: the same mask in every run and
+            # in the backward.
+            (f"full-dropout-{d}", ops.full_attention, (q, k, v),
+             dict(key_lengths=lengths(), causal=True, dropout_p=0.25, dropout_seed=17)),
             (f"full-lse-topk-{d}", ops.full_attention_lse_topk, (q, k, v),
              dict(key_lengths=lengths(), topk=3)),
         ]

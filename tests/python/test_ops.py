@@ -167,6 +167,32 @@ def test_full_attention_gradients_match_autograd_of_reference(mask):
         assert err <= 1e-9, "d%s: max abs error %g" % (name, err)
 
 
+def test_full_attention_dropout_rate_scale_and_reproducibility():
+    """Fused attention dropout (the C++ tests check it against the float64
+    reference given the same mask): with q = 0 every weight is 1/S, so with
+    V the identity an output element is 0 (dropped) or 1 / ((1 - p) S)."""
+    N, H, L, S, p = 2, 2, 128, 128, 0.2
+    q = torch.zeros(N, H, L, 4, dtype=torch.float64)
+    k = torch.randn(N, H, S, 4, dtype=torch.float64)
+    v = torch.eye(S, dtype=torch.float64).expand(N, H, S, S)
+    out = fastattn.full_attention(q, k, v, dropout_p=p, dropout_seed=5)
+    kept = out > 0
+    assert torch.allclose(out[kept], torch.tensor(1 / ((1 - p) * S), dtype=torch.float64),
+                          rtol=0, atol=1e-15)
+    sd = (p * (1 - p) / kept.numel()) ** 0.5
+    assert abs(kept.double().mean().item() - (1 - p)) < 5 * sd
+    assert torch.equal(out, fastattn.full_attention(q, k, v, dropout_p=p, dropout_seed=5))
+    torch.manual_seed(3)
+    a = fastattn.full_attention(q, k, v, dropout_p=p)
+    torch.manual_seed(3)
+    assert torch.equal(a, fastattn.full_attention(q, k, v, dropout_p=p))
+    assert not torch.equal(a, fastattn.full_attention(q, k, v, dropout_p=p))
+    assert torch.equal(fastattn.full_attention(q, k, v, dropout_p=0.0, dropout_seed=9),
+                       fastattn.full_attention(q, k, v))
+    with pytest.raises(RuntimeError, match=r"dropout_p must be in \[0, 1\)"):
+        fastattn.full_attention(q, k, v, dropout_p=1.0)
+
+
 def test_attention_full_equals_full_attention():
     q, k, v = make_inputs(2, 3, 19, 29, 8, 6)
     attn_mask, key_lengths, causal = make_mask("causal+key_lengths", 2, 3, 19, 29)

@@ -29,6 +29,14 @@ struct FullAttentionParams : QKVParams<T> {
   int64_t mask_sn = 0, mask_sh = 0, mask_sl = 0;
   bool causal = false;        // query i sees key j iff j <= i + (S - L)
   KernelScalar<T> scale = 1;  // softmax temperature applied to q·k
+  // Attention dropout, fused (CPU float / double): weight (i, j) of head
+  // nh = n·H + h is kept iff dropout_bits(dropout_row_key(dropout_seed, nh,
+  // i), j) >= dropout_threshold (kernels/common/dropout.h; 0: no dropout)
+  // and then scaled by dropout_scale = 1 / (1 - p); lse stays the undropped
+  // softmax's. The backward regenerates the same mask from the same seed.
+  uint32_t dropout_threshold = 0;
+  uint64_t dropout_seed = 0;
+  KernelScalar<T> dropout_scale = 1;
 };
 
 template <typename T>

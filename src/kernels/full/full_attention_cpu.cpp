@@ -23,6 +23,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/common/dropout.h"
 #include "kernels/common/isa_target.h"
 #include "kernels/common/gemm.h"
 #include "kernels/common/parallel.h"
@@ -237,6 +238,9 @@ void single_query_forward(const FullAttentionForwardArgs<T>& a) {
         std::fill(s.begin() + kend, s.begin() + width, neg_inf<T>());
         const T m = row_max(s.data(), width);
         const T l = exp_shift_sum(s.data(), width, m);  // s = exp(s - m)
+        if (a.dropout_threshold)  // the weights of O only; l is the undropped sum
+          apply_dropout(s.data(), kend, dropout_row_key(a.dropout_seed, nh, 0), 0,
+                        a.dropout_threshold, T(a.dropout_scale));
         // out = sum_j p_j v_j, up to eight vectors of columns held in
         // registers over all keys (one pass over V for M <= 8 W).
         int64_t c = 0;
@@ -362,6 +366,9 @@ void full_attention_forward_cpu(const FullAttentionForwardArgs<T>& args) {
               T* orow = w.o.data() + r * M;
               for (int64_t c = 0; c < M; ++c) orow[c] *= alpha;
             }
+            if (a.dropout_threshold)  // the weights of O only; l is the undropped sum
+              apply_dropout(row, cols, dropout_row_key(a.dropout_seed, nh, i), j0,
+                            a.dropout_threshold, T(a.dropout_scale));
           }
           gemm(rows, M, cols, w.s.data(), kFwdBc, vh + j0 * lv, lv, w.o.data(), M, true);
         }
@@ -380,7 +387,8 @@ void full_attention_forward_cpu(const FullAttentionForwardArgs<T>& args) {
 namespace {
 template <typename T>
 struct BackwardScratch {
-  std::vector<T> kp, vp, p, pt, dp, dst, dk, dv;  // kp, vp: the key tile's K and V packed
+  // kp, vp: the key tile's K and V packed; pd: P with dropout applied
+  std::vector<T> kp, vp, p, pd, pt, dp, dst, dk, dv;
   // few_queries_tiles: the head's Q^T and dO^T (query columns padded to a
   // vector), Q and dO rows, -lse and delta per column, S^T / P^T and dP^T /
   // dS^T, the key tile's K and V rows.
@@ -391,7 +399,7 @@ struct BackwardScratch {
 // queries, no mask and not causal (clustered attention's centroid pass).
 template <typename T>
 bool few_queries(const FullAttentionBackwardArgs<T>& a) {
-  return a.L <= kFwdOneTileMax && !a.mask && !a.causal;
+  return a.L <= kFwdOneTileMax && !a.mask && !a.causal && !a.dropout_threshold;
 }
 
 // rows x cols values ld apart -> contiguous.
@@ -549,6 +557,7 @@ void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& args) {
         w.kp.resize(kBwdBc * E);
         w.vp.resize(kBwdBc * M);
         w.p.resize(kBwdBr * kBwdBc);
+        if (a.dropout_threshold) w.pd.resize(kBwdBr * kBwdBc);
         w.pt.resize(kBwdBc * kBwdBr);
         w.dp.resize(kBwdBr * kBwdBc);
         w.dst.resize(kBwdBc * kBwdBr);
@@ -608,9 +617,20 @@ void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& args) {
                              a.scale);
               exp_shift_sum(row, width, lse[i]);
             }
-            // dV_j += P^T dO_i
+            // With dropout, Pd = P ∘ Z / (1 - p), Z the forward's keep mask
+            // regenerated: O used Pd, so dV = Pd^T dO and dS = P ∘ (dP ∘ Z /
+            // (1 - p) - delta) = Pd ∘ dP - P ∘ delta (delta from the dropped O).
+            const T* pd = w.p.data();
+            if (a.dropout_threshold) {
+              for (int64_t r = 0; r < rows; ++r)
+                dropped_copy(w.p.data() + r * kBwdBc, cols,
+                             dropout_row_key(a.dropout_seed, nh, i0 + r), j0, a.dropout_threshold,
+                             T(a.dropout_scale), w.pd.data() + r * kBwdBc);
+              pd = w.pd.data();
+            }
+            // dV_j += Pd^T dO_i
             if (a.grad_v) {
-              transpose(w.p.data(), rows, cols, kBwdBc, w.pt.data(), kBwdBr);
+              transpose(pd, rows, cols, kBwdBc, w.pt.data(), kBwdBr);
               gemm(cols, M, rows, w.pt.data(), kBwdBr, doi, lg, w.dv.data(), M, true);
             }
             // dP = dO_i V_j^T, then dS = P ∘ (dP - delta) · scale (in w.dp)
@@ -620,7 +640,13 @@ void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& args) {
               const T d = delta[i0 + r];
               const T* prow = w.p.data() + r * kBwdBc;
               T* dprow = w.dp.data() + r * kBwdBc;
-              for (int64_t c = 0; c < cols; ++c) dprow[c] = prow[c] * (dprow[c] - d) * a.scale;
+              if (a.dropout_threshold) {
+                const T* pdrow = pd + r * kBwdBc;
+                for (int64_t c = 0; c < cols; ++c)
+                  dprow[c] = (pdrow[c] * dprow[c] - prow[c] * d) * a.scale;
+              } else {
+                for (int64_t c = 0; c < cols; ++c) dprow[c] = prow[c] * (dprow[c] - d) * a.scale;
+              }
             }
             // dQ_i += dS K_j ; dK_j += dS^T Q_i
             gemm(rows, E, cols, w.dp.data(), kBwdBc, kh + j0 * lk, lk, dq + i0 * ldq, ldq, true);

@@ -228,12 +228,13 @@ std::tuple<Tensor, Tensor, Tensor> improved_backward_cuda_op(
           .typed<std::tuple<Tensor, Tensor, Tensor>(
               const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
               const Tensor&, const c10::optional<Tensor>&, const c10::optional<Tensor>&, bool,
-              double, const c10::optional<Tensor>&)>();
+              double, const c10::optional<Tensor>&, double, int64_t)>();
   Tensor gc2, gk2, gv2;
   std::tie(gc2, gk2, gv2) = fa_backward.call(
       g_out_c.to(q.scalar_type()), centroids, k, v, out_c, lse, c10::nullopt,
       in.lengths.defined() ? c10::optional<Tensor>(in.lengths) : c10::nullopt,
-      /*causal=*/false, softmax_temp, c10::optional<Tensor>(g_lse.to(lse.scalar_type())));
+      /*causal=*/false, softmax_temp, c10::optional<Tensor>(g_lse.to(lse.scalar_type())),
+      /*dropout_p=*/0.0, /*dropout_seed=*/0);
   g_cen.add_(gc2.to(torch::kFloat));
   gk.add_(gk2.to(torch::kFloat));
   gv.add_(gv2.to(torch::kFloat));

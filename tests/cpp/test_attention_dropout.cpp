@@ -1,0 +1,165 @@
+// Attention dropout fused in the full-attention kernels (issue 64): the keep
+// mask of a counter-based generator (kernels/common/dropout.h), regenerated
+// by the backward. Against the float64 reference given the same mask
+// (reference::attention_dropout_keep), forward and gradients; the drop rate
+// and scale; reproducibility under a seed and torch::manual_seed; masks
+// independent across heads and batch items; p = 0 bit-identical to no
+// dropout; the `full` module in training.
+//
+//   build/fastattn_tests --gtest_filter='AttentionDropout*'
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+#include "expect_error.h"
+#include "fastattn/mask.h"
+#include "fastattn/ops.h"
+#include "fastattn/registry.h"
+
+namespace fastattn {
+namespace {
+
+using torch::Tensor;
+
+double max_err(const Tensor& a, const Tensor& b) { return (a - b).abs().max().item<double>(); }
+
+struct Case {
+  int64_t L, S;
+  bool causal, lengths, mask;
+};
+
+TEST(AttentionDropout, EqualsTheReferenceWithTheSameMask) {
+  // Shapes past one query tile (192) and one key tile (128), a single query
+  // (its own path), L != S, masks and rows without keys; float64 and float32.
+  const std::vector<Case> cases = {{7, 9, false, false, false},    {7, 9, true, true, false},
+                                   {1, 40, false, true, false},    {200, 150, false, false, true},
+                                   {150, 260, true, false, false}, {9, 5, true, false, false}};
+  const double p = 0.3, temp = 0.4;
+  const int64_t seed = 1234567;
+  torch::manual_seed(3);
+  for (auto dtype : {torch::kDouble, torch::kFloat}) {
+    for (const auto& c : cases) {
+      const int64_t N = 2, H = 3;
+      auto q = torch::randn({N, H, c.L, 8}, dtype).requires_grad_(true);
+      auto k = torch::randn({N, H, c.S, 8}, dtype).requires_grad_(true);
+      auto v = torch::randn({N, H, c.S, 5}, dtype).requires_grad_(true);
+      auto g = torch::randn({N, H, c.L, 5}, dtype);
+      std::optional<Tensor> lengths, mask;
+      if (c.lengths) lengths = torch::tensor({c.S, int64_t{0}}, torch::kLong);
+      if (c.mask) mask = torch::rand({c.L, c.S}) > 0.2;
+      auto out = full_attention(q, k, v, mask, lengths, c.causal, temp, p, seed);
+      auto grads = torch::autograd::grad({out}, {q, k, v}, {g});
+      // The reference in float64 with the kernels' mask.
+      auto keep = reference::attention_dropout_keep(seed, p, N, H, c.L, c.S);
+      auto x = std::vector<Tensor>{q.detach().to(torch::kDouble).requires_grad_(true),
+                                   k.detach().to(torch::kDouble).requires_grad_(true),
+                                   v.detach().to(torch::kDouble).requires_grad_(true)};
+      auto ref = reference::full_attention(x[0], x[1], x[2], mask, lengths, c.causal, temp, keep);
+      auto ref_grads = torch::autograd::grad({ref}, x, {g.to(torch::kDouble)});
+      const double tol = dtype == torch::kDouble ? 1e-12 : 2e-5;
+      const std::string what = std::string(c10::toString(dtype)) + " L" + std::to_string(c.L) +
+                               " S" + std::to_string(c.S) + (c.causal ? " causal" : "") +
+                               (c.lengths ? " lengths" : "") + (c.mask ? " mask" : "");
+      EXPECT_LE(max_err(out.to(torch::kDouble), ref), tol) << what;
+      for (int i = 0; i < 3; ++i)
+        EXPECT_LE(max_err(grads[i].to(torch::kDouble), ref_grads[i]), 10 * tol)
+            << what << " grad " << i;
+    }
+  }
+}
+
+TEST(AttentionDropout, DropRateAndScale) {
+  // q = 0: every weight is 1/S, so out = V's rows weighted by keep/(1-p)/S;
+  // with V the identity, out[i][j] = keep_ij / ((1 - p) S).
+  const int64_t N = 2, H = 4, L = 256, S = 256;
+  for (double p : {0.1, 0.5, 0.9}) {
+    auto q = torch::zeros({N, H, L, 8}, torch::kDouble),
+         k = torch::randn({N, H, S, 8}, torch::kDouble);
+    auto v = torch::eye(S, torch::kDouble).expand({N, H, S, S});
+    auto out = full_attention(q, k, v, std::nullopt, std::nullopt, false, 1.0, p, 99);
+    const double value = 1.0 / ((1.0 - p) * S);
+    auto kept = out.gt(0);
+    // Every weight is 0 or exactly 1/((1-p) S).
+    EXPECT_LE(max_err(out.masked_select(kept), torch::full({1}, value, torch::kDouble)), 1e-15);
+    const double rate = kept.to(torch::kDouble).mean().item<double>();
+    // N·H·L·S = 524288 draws: the rate within 5 standard deviations.
+    const double sd = std::sqrt(p * (1 - p) / static_cast<double>(kept.numel()));
+    EXPECT_NEAR(rate, 1 - p, 5 * sd) << "p = " << p;
+  }
+}
+
+TEST(AttentionDropout, SeedsHeadsAndBatchItems) {
+  const int64_t N = 2, H = 2, L = 64, S = 64;
+  const double p = 0.5;
+  auto q = torch::zeros({N, H, L, 4}, torch::kDouble),
+       k = torch::randn({N, H, S, 4}, torch::kDouble);
+  auto v = torch::eye(S, torch::kDouble).expand({N, H, S, S}).contiguous();
+  auto run = [&](std::optional<int64_t> seed) {
+    return full_attention(q, k, v, std::nullopt, std::nullopt, false, 1.0, p, seed).gt(0);
+  };
+  // The same seed, the same mask; another seed, another mask.
+  EXPECT_TRUE(torch::equal(run(5), run(5)));
+  EXPECT_FALSE(torch::equal(run(5), run(6)));
+  // Without a seed: drawn from torch's generator, so manual_seed reproduces it.
+  torch::manual_seed(11);
+  auto a = run(std::nullopt);
+  torch::manual_seed(11);
+  EXPECT_TRUE(torch::equal(a, run(std::nullopt)));
+  EXPECT_FALSE(torch::equal(a, run(std::nullopt)));
+  // Heads and batch items draw independent masks: they agree on about
+  // p^2 + (1-p)^2 = 1/2 of the weights, not all.
+  auto m = run(7).to(torch::kDouble);
+  for (auto [x, y] :
+       std::vector<std::pair<Tensor, Tensor>>{{m[0][0], m[0][1]}, {m[0][0], m[1][0]}}) {
+    const double agree = x.eq(y).to(torch::kDouble).mean().item<double>();
+    EXPECT_NEAR(agree, 0.5, 0.05);
+  }
+  // Rows of one head: independent too.
+  const double rows = m[0][0][0].eq(m[0][0][1]).to(torch::kDouble).mean().item<double>();
+  EXPECT_NEAR(rows, 0.5, 0.25);
+}
+
+TEST(AttentionDropout, ZeroIsBitIdenticalToNoDropout) {
+  torch::manual_seed(2);
+  auto q = torch::randn({2, 2, 30, 8}), k = torch::randn({2, 2, 40, 8}),
+       v = torch::randn({2, 2, 40, 8});
+  EXPECT_TRUE(torch::equal(full_attention(q, k, v, std::nullopt, std::nullopt, true, 0.5, 0.0, 3),
+                           full_attention(q, k, v, std::nullopt, std::nullopt, true, 0.5)));
+}
+
+TEST(AttentionDropout, BadProbabilitiesNameTheArgument) {
+  auto q = torch::randn({1, 1, 3, 4});
+  for (double p : {-0.1, 1.0, 2.0, std::nan("")})
+    EXPECT_ERROR_CONTAINS(full_attention(q, q, q, std::nullopt, std::nullopt, false, 1.0, p),
+                          "dropout_p must be in [0, 1)");
+}
+
+TEST(AttentionDropout, FullModuleTrainsWithTheFusedDropout) {
+  // In training the `full` type drops with the operator's fused dropout (the
+  // seed drawn from torch's generator); in evaluation it never drops.
+  const int64_t N = 2, H = 2, L = 6, S = 7;
+  torch::manual_seed(1);
+  auto q = torch::randn({N, H, L, 4}, torch::kDouble),
+       k = torch::randn({N, H, S, 4}, torch::kDouble),
+       v = torch::randn({N, H, S, 3}, torch::kDouble);
+  auto attn = make_attention("full", {{"attention_dropout", 0.25}, {"softmax_temp", 0.5}});
+  attn->train();
+  torch::manual_seed(7);
+  auto out = attn->forward(q, k, v, Mask().with_causal(true));
+  torch::manual_seed(7);
+  const int64_t seed =
+      torch::randint(0, int64_t{1} << 62, {1}, torch::TensorOptions().dtype(torch::kLong))
+          .item<int64_t>();
+  auto keep = reference::attention_dropout_keep(seed, 0.25, N, H, L, S);
+  auto ref = reference::full_attention(q, k, v, std::nullopt, std::nullopt, true, 0.5, keep);
+  EXPECT_LE(max_err(out, ref), 1e-12);
+  attn->eval();
+  EXPECT_LE(max_err(attn->forward(q, k, v, Mask().with_causal(true)),
+                    reference::full_attention(q, k, v, std::nullopt, std::nullopt, true, 0.5)),
+            1e-12);
+}
+
+}  // namespace
+}  // namespace fastattn
