@@ -23,7 +23,7 @@
 #include <utility>
 #include <vector>
 
-#include "kernels/common/dropout.h"
+#include "kernels/common/dropout_rows.h"
 #include "kernels/common/isa_target.h"
 #include "kernels/common/gemm.h"
 #include "kernels/common/parallel.h"
