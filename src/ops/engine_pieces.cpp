@@ -7,16 +7,16 @@
 
 #include <algorithm>
 #include <functional>
+#include <limits>
 #include <list>
 #include <mutex>
-#include <sstream>
-#include <limits>
 #include <numeric>
+#include <sstream>
 
+#include "kernels/reformer/reformer.h"
 #include "ops/block_sparse_pattern.h"
 #include "ops/dense_attention.h"
 #include "ops/op_util.h"
-#include "kernels/reformer/reformer.h"
 
 namespace fastattn::ops {
 

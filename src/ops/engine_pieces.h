@@ -7,8 +7,10 @@
 // A piece is one engine call over some of the heads, either
 //   padded: all L queries over all S keys with a window (and causal), or
 //   packed: variable-length sequences, each some queries over some keys,
-//           gathered by position (the same rows for every batch item), with
-//           or without causal (bottom-right aligned per sequence).
+//           gathered by position (the same rows for every batch item, or,
+//           through a sort order, rows per (n, h): sorted_chunks_on_engine),
+//           with or without causal (bottom-right aligned per sequence), or
+//   self:   each query its own key at a fixed score (no engine call).
 // Within one piece a query appears at most once; across pieces a query's key
 // sets must not overlap (the merge adds them).
 //
