@@ -12,22 +12,6 @@
 
 FASTATTN_ISA_BEGIN
 
-// row[c] *= (kept ? scale : 0) for the columns j0 + c, c in [0, cols)
-// (branch-free, so that the loop vectorises).
-template <typename T>
-inline void apply_dropout(T* row, int64_t cols, uint64_t row_key, int64_t j0, uint32_t threshold,
-                          T scale) {
-  const uint32_t lo = static_cast<uint32_t>(row_key), hi = static_cast<uint32_t>(row_key >> 32);
-  const uint32_t base = static_cast<uint32_t>(j0) + lo;
-  const int32_t t = dropout_signed(threshold);
-  for (int64_t c = 0; c < cols; ++c) {
-    const uint32_t u = dropout_hash32(dropout_hash32(base + static_cast<uint32_t>(c)) ^ hi);
-    // kept as an int32 first: static_cast<T>(bool) left the loop scalar (GCC 12)
-    const int32_t kept = dropout_signed(u) >= t;
-    row[c] *= static_cast<T>(kept) * scale;
-  }
-}
-
 // out[c] = row[c] · (kept ? scale : 0): the dropped weights beside the
 // undropped ones (the backward needs both).
 template <typename T>
@@ -38,9 +22,17 @@ inline void dropped_copy(const T* row, int64_t cols, uint64_t row_key, int64_t j
   const int32_t t = dropout_signed(threshold);
   for (int64_t c = 0; c < cols; ++c) {
     const uint32_t u = dropout_hash32(dropout_hash32(base + static_cast<uint32_t>(c)) ^ hi);
+    // kept as an int32 first: static_cast<T>(bool) left the loop scalar (GCC 12)
     const int32_t kept = dropout_signed(u) >= t;
     out[c] = row[c] * (static_cast<T>(kept) * scale);
   }
+}
+
+// In place: row[c] *= (kept ? scale : 0), the forward's dropped weights.
+template <typename T>
+inline void apply_dropout(T* row, int64_t cols, uint64_t row_key, int64_t j0, uint32_t threshold,
+                          T scale) {
+  dropped_copy(row, cols, row_key, j0, threshold, scale, row);
 }
 
 FASTATTN_ISA_END
