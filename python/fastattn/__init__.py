@@ -179,7 +179,8 @@ def _params_json(params):
     return json.dumps(out)
 
 
-def attention(type, q, k, v, *, causal=False, key_lengths=None, attn_mask=None, **params):
+def attention(type, q, k, v, *, causal=False, key_lengths=None, attn_mask=None, training=False,
+              **params):
     """Any registered attention type by name.
 
     Builds the type from the C++ registry with ``params`` (validated there:
@@ -203,13 +204,21 @@ def attention(type, q, k, v, *, causal=False, key_lengths=None, attn_mask=None, 
             ``>= length`` are padding.
         attn_mask: ``(L, S)``, ``(N, L, S)`` or ``(N, H, L, S)``; bool (True
             keeps) or floating (added to the scores).
-        **params: the type's parameters, e.g. ``softmax_temp=0.125``.
+        training: run the type in its training form: attention dropout
+            (the ``attention_dropout`` parameter of the types that have it)
+            applies, and training-only behaviour such as hard-retrieval's
+            sampling. False by default, so inference code never drops.
+        **params: the type's parameters, e.g. ``softmax_temp=0.125`` or
+            ``attention_dropout=0.1``.
 
     Returns:
         ``(N, H, L, M)``. A query that sees no key outputs zeros.
 
-    Each call builds a fresh instance in evaluation mode (no dropout;
-    training-only behaviour is off). Random draws: types with a ``seed``
+    Each call builds a fresh instance, in evaluation mode unless
+    ``training``. Attention dropout keeps each weight with probability
+    ``1 - attention_dropout`` and scales it by ``1 / (1 - attention_dropout)``;
+    its mask's seed is drawn from torch's default CPU generator (on CUDA,
+    where a type composes torch's dropout, from the device's). Random draws: types with a ``seed``
     parameter (clustered types, reformer, clusterformer, hard-retrieval) use
     their own generator when it is given; otherwise they, and the random
     feature maps of ``linear``/``causal-linear`` (whose ``seed`` defaults to
@@ -219,7 +228,8 @@ def attention(type, q, k, v, *, causal=False, key_lengths=None, attn_mask=None, 
     generator state the forward started with, so gradients belong to the
     output that was returned.
     """
-    return ops.attention(type, q, k, v, causal, key_lengths, attn_mask, _params_json(params))
+    return ops.attention(type, q, k, v, causal, key_lengths, attn_mask, _params_json(params),
+                         bool(training))
 
 
 def attention_step(type, q, k, v, state=None, **params):

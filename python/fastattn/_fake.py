@@ -19,8 +19,15 @@ import json
 import torch
 
 _LONG = torch.int64
-# The default CPU generator's state (attention_forward returns it).
-_RNG_STATE_SHAPE = tuple(torch.get_rng_state().shape)
+# The generators' states attention_forward returns: the default CPU
+# generator's, then on CUDA the device's.
+_CPU_RNG_STATE_SIZE = torch.get_rng_state().numel()
+
+
+def _rng_state_shape(device):
+    if device.type != "cuda":
+        return (_CPU_RNG_STATE_SIZE,)
+    return (_CPU_RNG_STATE_SIZE + torch.cuda.get_rng_state(device).numel(),)
 
 
 def _like(t):
@@ -249,16 +256,18 @@ def register():
 
     # ---- any registered type (fastattn.attention) --------------------------
     @fake("fastattn::attention")
-    def _(type, q, k, v, causal=False, key_lengths=None, attn_mask=None, params_json="{}"):
+    def _(type, q, k, v, causal=False, key_lengths=None, attn_mask=None, params_json="{}",
+          training=False):
         return _rows_like(q, v.shape[-1])
 
     @fake("fastattn::attention_forward")
-    def _(type, q, k, v, causal, key_lengths, attn_mask, params_json):
+    def _(type, q, k, v, causal, key_lengths, attn_mask, params_json, training=False):
         return (_rows_like(q, v.shape[-1]),
-                q.new_empty(_RNG_STATE_SHAPE, dtype=torch.uint8, device="cpu"))
+                q.new_empty(_rng_state_shape(q.device), dtype=torch.uint8, device="cpu"))
 
     @fake("fastattn::attention_backward")
-    def _(type, grad_out, q, k, v, causal, key_lengths, attn_mask, params_json, rng_state):
+    def _(type, grad_out, q, k, v, causal, key_lengths, attn_mask, params_json, rng_state,
+          training=False):
         return _row_grads(q, k, v)
 
     # ---- recurrent steps -----------------------------------------------------

@@ -322,15 +322,19 @@ def _decoding_hint(kind):
             "also decode with the cache).")
 
 
+def _types_with_dropout():
+    types, _ = _registry()
+    return sorted(t for t, names in types.items() if "attention_dropout" in names)
+
+
 def _check(kind, caps, params, L, S, causal, attn_mask, mask, training, dropout):
     base = _base(kind)
-    if dropout and dropout > 0:
+    if dropout and dropout > 0 and "attention_dropout" not in _param_names(kind):
         raise _error(kind, (
-            "attention dropout p=%g in training is not available: fastattn.attention runs the "
-            "type in its evaluation form (no dropout of the attention weights). Build the model "
-            "with its attention dropout at 0 (BERT: attention_probs_dropout_prob=0.0; Llama: "
-            "attention_dropout=0.0), or train with attn_implementation='eager'/'sdpa'."
-            % dropout))
+            "the model asks for attention dropout p=%g, and '%s' has none (types with "
+            "attention dropout: %s). Build the model with its attention dropout at 0 (BERT: "
+            "attention_probs_dropout_prob=0.0; Llama: attention_dropout=0.0), or use one of "
+            "those types." % (dropout, base, ", ".join(_types_with_dropout()))))
     if training and base in _LEARNED_TYPES:
         raise _error(kind, (
             "this type has learned parameters, which fastattn's Python operator re-initialises "
@@ -425,8 +429,14 @@ def attention_forward(kind):
                module.training, dropout)
         if scaling is not None and accepts_temp:
             params.setdefault("softmax_temp", float(scaling))
+        # The type's training form while the model trains (attention dropout,
+        # hard-retrieval's sampling). Hugging Face's models pass their
+        # attention dropout in training only (0 in evaluation): fused in the
+        # type, its mask never stored.
+        if dropout and dropout > 0:
+            params["attention_dropout"] = float(dropout)
         out = _attention(kind, query, key, value, causal=causal, key_lengths=key_lengths,
-                         attn_mask=attn_mask, **params)
+                         attn_mask=attn_mask, training=bool(module.training), **params)
         return out.transpose(1, 2).contiguous(), None
 
     forward.__name__ = "fastattn_%s_attention" % kind.replace("-", "_").replace(":", "__")

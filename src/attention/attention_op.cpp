@@ -1,9 +1,10 @@
 // Registry access through the dispatcher (torch.ops.fastattn.<op> in Python):
 //
 //   attention(type, q (N,H,L,E), k (N,H,S,E), v (N,H,S,M), causal, key_lengths (N,)?,
-//             attn_mask?, params_json) -> (N,H,L,M)
+//             attn_mask?, params_json, training) -> (N,H,L,M)
 //     builds `type` from AttentionRegistry::global() with the JSON parameters
-//     and the dims of the tensors, and runs its forward once;
+//     and the dims of the tensors, in training mode when `training` (attention
+//     dropout, sampling), and runs its forward once;
 //   attention_forward(...same...) -> (out, rng_state)
 //   attention_backward(type, grad_out, q, k, v, ..., rng_state) -> (grad_q, grad_k, grad_v)
 //   attention_step(type, q (N,H,E), k (N,H,E), v (N,H,M), state, params_json)
@@ -27,11 +28,13 @@
 // forward (a third of a forward+backward for most types), at the memory of
 // whatever the type's forward saves (as any PyTorch module's does).
 // Random draws (clustering planes, Reformer rotations, types' initial
-// parameters) come from the default CPU generator; attention_forward returns
-// that generator's state as it found it and attention_backward replays from
-// it, so both passes draw the same numbers. Each call builds a fresh
-// instance, in evaluation mode (no dropout; training-only behaviour such as
-// sampling is off). Tested by tests/python/test_ops.py and test_compile.py.
+// parameters, dropout seeds) come from the default CPU generator, and on
+// CUDA torch's dropout draws from the device's; attention_forward returns
+// those generators' states as it found them and attention_backward replays
+// from them, so both passes draw the same numbers (the same dropout mask
+// included). Each call builds a fresh instance, in evaluation mode unless
+// `training` (then attention dropout applies, and training-only behaviour
+// such as hard-retrieval's sampling). Tested by tests/python/test_ops.py and test_compile.py.
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <cmath>
@@ -71,11 +74,12 @@ AttentionDims dims_of(const at::Tensor& q, const at::Tensor& v) {
   return dims;
 }
 
-// A fresh instance, in evaluation mode, on q's device. It holds its
+// A fresh instance, in training mode only when asked (attention dropout,
+// hard-retrieval's sampling), on q's device. It holds its
 // parameters and buffers on the CPU; only the device changes, since
 // Module::to(dtype) would also convert integer buffers.
-void prepare_instance(torch::nn::Module& m, const at::Tensor& q) {
-  m.eval();
+void prepare_instance(torch::nn::Module& m, const at::Tensor& q, bool training = false) {
+  m.train(training);
   if (!q.device().is_cpu()) m.to(q.device());
 }
 
@@ -208,7 +212,8 @@ struct TypeResult {
 // dispatcher on LibTorch 1.13 and 2.x alike.
 TypeResult run_type(const std::string& type, const at::Tensor& q, const at::Tensor& k,
                     const at::Tensor& v, bool causal, const c10::optional<at::Tensor>& key_lengths,
-                    const c10::optional<at::Tensor>& attn_mask, const std::string& params_json) {
+                    const c10::optional<at::Tensor>& attn_mask, const std::string& params_json,
+                    bool training) {
   // The dims come from the tensors, so check their ranks before reading them.
   TORCH_CHECK(q.dim() == 4, "fastattn::attention: q must have shape (N, H, L, E), got ", q.dim(),
               " dimensions ", q.sizes());
@@ -222,7 +227,7 @@ TypeResult run_type(const std::string& type, const at::Tensor& q, const at::Tens
   const ParamMap params = parse_params(type, params_json);
   return naming_allocation_failures("fastattn::attention", type, params_json, q, k, v, [&] {
     AttentionPtr attn = AttentionRegistry::global().build(type, params, dims_of(q, v));
-    prepare_instance(*attn, q);
+    prepare_instance(*attn, q, training);
     Mask mask;
     if (causal) mask = mask.with_causal(true);
     if (key_lengths.has_value()) mask = mask.with_key_lengths(*key_lengths);
@@ -242,28 +247,53 @@ at::Tensor zero_grad_like(const at::Tensor& input) {
   return ops::empty_rows_like(input, input.size(3)).zero_();
 }
 
-// The default CPU generator's state, and a scope that replays from a saved
-// one (restoring the generator's own state after). The generator's lock is
-// held only to read and write the state: the type's draws take it too.
-at::Tensor rng_state() {
-  auto gen = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  return gen.get_state();
+// The generators a call on `device` draws from: the default CPU generator
+// (the types' own draws), and on CUDA the device's default generator too
+// (attention dropout there: torch's dropout, PyTorch's fused kernels).
+std::vector<at::Generator> generators_of(const c10::Device& device) {
+  std::vector<at::Generator> gens{at::detail::getDefaultCPUGenerator()};
+  if (device.is_cuda()) gens.push_back(at::globalContext().defaultGenerator(device));
+  return gens;
+}
+
+// Their states as one uint8 tensor (the CPU generator's first), and a scope
+// that replays from a saved one (restoring the generators' own states after).
+// A generator's lock is held only to read and write its state: the type's
+// draws take it too.
+at::Tensor rng_state(const c10::Device& device) {
+  std::vector<at::Tensor> states;
+  for (auto& gen : generators_of(device)) {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    states.push_back(gen.get_state());
+  }
+  return states.size() == 1 ? states[0] : at::cat(states);
 }
 
 class ReplayRng {
  public:
-  explicit ReplayRng(const at::Tensor& state) : saved_(rng_state()) { set(state); }
+  ReplayRng(const at::Tensor& state, const c10::Device& device)
+      : device_(device), saved_(rng_state(device)) {
+    set(state);
+  }
   ~ReplayRng() { set(saved_); }
   ReplayRng(const ReplayRng&) = delete;
   ReplayRng& operator=(const ReplayRng&) = delete;
 
  private:
-  static void set(const at::Tensor& state) {
-    auto gen = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_state(state);
+  void set(const at::Tensor& state) const {
+    int64_t offset = 0;
+    for (auto& gen : generators_of(device_)) {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      const int64_t n = gen.get_state().numel();
+      TORCH_CHECK(offset + n <= state.numel(), "fastattn::attention_backward: rng_state holds ",
+                  state.numel(), " bytes, fewer than the generators of ", device_,
+                  " take; pass the rng_state "
+                  "attention_forward returned for inputs on the same device");
+      gen.set_state(state.narrow(0, offset, n));
+      offset += n;
+    }
   }
+  c10::Device device_;
   at::Tensor saved_;
 };
 
@@ -272,9 +302,10 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(std::string type, const at:
                                                      bool causal,
                                                      const c10::optional<at::Tensor>& key_lengths,
                                                      const c10::optional<at::Tensor>& attn_mask,
-                                                     std::string params_json) {
-  auto rng = rng_state();
-  auto [out, witness] = run_type(type, q, k, v, causal, key_lengths, attn_mask, params_json);
+                                                     std::string params_json, bool training) {
+  auto rng = rng_state(q.device());
+  auto [out, witness] =
+      run_type(type, q, k, v, causal, key_lengths, attn_mask, params_json, training);
   check_finite_result("fastattn::attention", type, params_json, out, witness, q, k, v,
                       attn_mask ? at::TensorList(*attn_mask) : at::TensorList());
   // An operator's output must not share memory with its inputs, and has the
@@ -288,7 +319,8 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(std::string type, const at:
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     std::string type, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
     const at::Tensor& v, bool causal, const c10::optional<at::Tensor>& key_lengths,
-    const c10::optional<at::Tensor>& attn_mask, std::string params_json, const at::Tensor& rng) {
+    const c10::optional<at::Tensor>& attn_mask, std::string params_json, const at::Tensor& rng,
+    bool training) {
   // Autograd records even where the caller runs in inference mode (a
   // compiled graph, torch.inference_mode): leave it, and copy the inference
   // tensors, which autograd may not save.
@@ -302,9 +334,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
        vd = usable(v).detach().requires_grad_(true);
   at::Tensor out;
   {
-    ReplayRng replay(rng);
+    ReplayRng replay(rng, q.device());
     out = run_type(type, qd, kd, vd, causal, usable_opt(key_lengths), usable_opt(attn_mask),
-                   params_json)
+                   params_json, training)
               .out;
   }
   std::vector<at::Tensor> grads(3);
@@ -330,16 +362,18 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, std::string type,
                             const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             bool causal, const c10::optional<at::Tensor>& key_lengths,
-                            const c10::optional<at::Tensor>& attn_mask, std::string params_json) {
+                            const c10::optional<at::Tensor>& attn_mask, std::string params_json,
+                            bool training) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("fastattn::attention_forward", "")
                          .typed<decltype(attention_forward)>();
-    auto [out, rng] = op.call(type, q, k, v, causal, key_lengths, attn_mask, params_json);
+    auto [out, rng] = op.call(type, q, k, v, causal, key_lengths, attn_mask, params_json, training);
     ctx->save_for_backward({q, k, v, rng});
     ctx->saved_data["type"] = type;
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["params"] = params_json;
+    ctx->saved_data["training"] = training;
     ctx->saved_data["key_lengths"] = key_lengths ? *key_lengths : at::Tensor();
     ctx->saved_data["attn_mask"] = attn_mask ? *attn_mask : at::Tensor();
     return out;
@@ -354,11 +388,13 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     auto opt = [](const c10::IValue& t) {
       return t.toTensor().defined() ? c10::optional<at::Tensor>(t.toTensor()) : c10::nullopt;
     };
-    auto [gq, gk, gv] = op.call(
-        ctx->saved_data["type"].toStringRef(), grads[0], saved[0], saved[1], saved[2],
-        ctx->saved_data["causal"].toBool(), opt(ctx->saved_data["key_lengths"]),
-        opt(ctx->saved_data["attn_mask"]), ctx->saved_data["params"].toStringRef(), saved[3]);
-    return {at::Tensor(), gq, gk, gv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    auto [gq, gk, gv] =
+        op.call(ctx->saved_data["type"].toStringRef(), grads[0], saved[0], saved[1], saved[2],
+                ctx->saved_data["causal"].toBool(), opt(ctx->saved_data["key_lengths"]),
+                opt(ctx->saved_data["attn_mask"]), ctx->saved_data["params"].toStringRef(),
+                saved[3], ctx->saved_data["training"].toBool());
+    return {at::Tensor(), gq,           gk,           gv,          at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -374,11 +410,12 @@ bool records_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 at::Tensor attention_no_grad(std::string type, const at::Tensor& q, const at::Tensor& k,
                              const at::Tensor& v, bool causal,
                              const c10::optional<at::Tensor>& key_lengths,
-                             const c10::optional<at::Tensor>& attn_mask, std::string params_json) {
+                             const c10::optional<at::Tensor>& attn_mask, std::string params_json,
+                             bool training) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fastattn::attention_forward", "")
                        .typed<decltype(attention_forward)>();
-  return std::get<0>(op.call(type, q, k, v, causal, key_lengths, attn_mask, params_json));
+  return std::get<0>(op.call(type, q, k, v, causal, key_lengths, attn_mask, params_json, training));
 }
 
 // Eager form: the forward runs the type with autograd on, on leaves that
@@ -393,7 +430,8 @@ class EagerAttentionFunction : public torch::autograd::Function<EagerAttentionFu
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, std::string type,
                             const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             bool causal, const c10::optional<at::Tensor>& key_lengths,
-                            const c10::optional<at::Tensor>& attn_mask, std::string params_json) {
+                            const c10::optional<at::Tensor>& attn_mask, std::string params_json,
+                            bool training) {
     const auto leaf = [](const at::Tensor& t) {
       return t.detach().requires_grad_(t.requires_grad());
     };
@@ -401,7 +439,7 @@ class EagerAttentionFunction : public torch::autograd::Function<EagerAttentionFu
     TypeResult inner;
     {
       at::AutoGradMode grad_mode(true);
-      inner = run_type(type, ql, kl, vl, causal, key_lengths, attn_mask, params_json);
+      inner = run_type(type, ql, kl, vl, causal, key_lengths, attn_mask, params_json, training);
     }
     check_finite_result("fastattn::attention", type, params_json, inner.out, inner.finite_witness,
                         q, k, v, attn_mask ? at::TensorList(*attn_mask) : at::TensorList());
@@ -443,7 +481,7 @@ class EagerAttentionFunction : public torch::autograd::Function<EagerAttentionFu
       result[i] = result[i].defined() ? ops::in_rows_layout_of(result[i], saved[i])
                                       : zero_grad_like(saved[i]);
     }
-    return {at::Tensor(), result[0],    result[1],    result[2],
+    return {at::Tensor(), result[0],    result[1],    result[2],   at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
@@ -466,16 +504,18 @@ bool eager_tensors(std::initializer_list<const at::Tensor*> tensors) {
 at::Tensor attention_autograd(std::string type, const at::Tensor& q, const at::Tensor& k,
                               const at::Tensor& v, bool causal,
                               const c10::optional<at::Tensor>& key_lengths,
-                              const c10::optional<at::Tensor>& attn_mask, std::string params_json) {
+                              const c10::optional<at::Tensor>& attn_mask, std::string params_json,
+                              bool training) {
   if (!records_grad(q, k, v)) {
     at::AutoDispatchBelowAutograd below;
-    return attention_no_grad(type, q, k, v, causal, key_lengths, attn_mask, params_json);
+    return attention_no_grad(type, q, k, v, causal, key_lengths, attn_mask, params_json, training);
   }
   if (eager_tensors(
           {&q, &k, &v, key_lengths ? &*key_lengths : nullptr, attn_mask ? &*attn_mask : nullptr}))
-    return EagerAttentionFunction::apply(type, q, k, v, causal, key_lengths, attn_mask,
-                                         params_json);
-  return AttentionFunction::apply(type, q, k, v, causal, key_lengths, attn_mask, params_json);
+    return EagerAttentionFunction::apply(type, q, k, v, causal, key_lengths, attn_mask, params_json,
+                                         training);
+  return AttentionFunction::apply(type, q, k, v, causal, key_lengths, attn_mask, params_json,
+                                  training);
 }
 
 void check_step_shapes(const char* op, const at::Tensor& q, const at::Tensor& v) {

@@ -211,17 +211,21 @@ TORCH_LIBRARY(fastattn, m) {
   // (src/attention/attention_op.cpp).
   m.def(
       "attention(str type, Tensor q, Tensor k, Tensor v, bool causal=False, "
-      "Tensor? key_lengths=None, Tensor? attn_mask=None, str params_json='{}') -> Tensor");
-  // Its forward: the output and the default CPU generator's state before the
-  // type drew anything (uint8), which the backward replays.
+      "Tensor? key_lengths=None, Tensor? attn_mask=None, str params_json='{}', "
+      "bool training=False) -> Tensor");
+  // Its forward: the output and the generators' states before the type drew
+  // anything (uint8: the default CPU generator's, then on CUDA the device's),
+  // which the backward replays.
   m.def(
       "attention_forward(str type, Tensor q, Tensor k, Tensor v, bool causal, "
-      "Tensor? key_lengths, Tensor? attn_mask, str params_json) -> (Tensor, Tensor)");
+      "Tensor? key_lengths, Tensor? attn_mask, str params_json, bool training=False) "
+      "-> (Tensor, Tensor)");
   // Its backward: the type's forward recomputed with autograd, differentiated
   // at grad_out -> (grad_q, grad_k, grad_v).
   m.def(
       "attention_backward(str type, Tensor grad_out, Tensor q, Tensor k, Tensor v, bool causal, "
-      "Tensor? key_lengths, Tensor? attn_mask, str params_json, Tensor rng_state) "
+      "Tensor? key_lengths, Tensor? attn_mask, str params_json, Tensor rng_state, "
+      "bool training=False) "
       "-> (Tensor, Tensor, Tensor)");
   // One recurrent step of a type with a step form (causal-linear, full,
   // hard-retrieval): q, k (N,H,E), v (N,H,M) of the new position and the

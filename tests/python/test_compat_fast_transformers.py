@@ -16,9 +16,10 @@ import warnings
 import pytest
 import torch
 
+import fastattn
 import fastattn.nn as fnn
 from fastattn.compat.fast_transformers.attention import AttentionLayer, FullAttention, \
-    LinearAttention
+    ImprovedClusteredAttention, LinearAttention, LocalAttention
 from fastattn.compat.fast_transformers.builders import (RecurrentDecoderBuilder,
                                                         RecurrentEncoderBuilder,
                                                         TransformerDecoderBuilder,
@@ -279,13 +280,38 @@ def test_what_cannot_be_matched_is_named():
         builder.get()
     with pytest.raises(ValueError, match="attention_type 'clustered' is not available.*full"):
         RecurrentEncoderBuilder.from_kwargs(attention_type="clustered").get()
-    layer = AttentionLayer(FullAttention(), 8, 2)
+    layer = AttentionLayer(LocalAttention(2), 8, 2)
     x = torch.rand(1, 3, 8)
-    with pytest.warns(UserWarning, match="attention_dropout=0.1 is not applied"):
+    with pytest.warns(UserWarning, match="attention_dropout=0.1 is not applied: fastattn's "
+                                         "'local' has no attention dropout yet"):
         layer(x, x, x, None, None, None)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         layer.eval()(x, x, x, None, None, None)
+
+
+def test_attention_dropout_is_applied_in_training():
+    """fast-transformers' attention_dropout, fused in fastattn's types: what
+    fastattn.attention(training=True) computes under the same seed, and
+    nothing dropped in evaluation."""
+    q, k, v = (torch.randn(2, 32, 2, 8, generator=torch.Generator().manual_seed(i))
+               for i in range(3))
+    for inner, kind, params in [
+            (FullAttention(attention_dropout=0.2), "full", {}),
+            (ImprovedClusteredAttention(clusters=3, topk=4, attention_dropout=0.2),
+             "improved-clustered", dict(clusters=3, topk=4, iterations=10, bits=32,
+                                        hash_bias=True))]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            torch.manual_seed(3)
+            got = inner.train()(q, k, v)
+        torch.manual_seed(3)
+        want = fastattn.attention(kind, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                  training=True, attention_dropout=0.2, **params)
+        torch.testing.assert_close(got, want.transpose(1, 2), rtol=0, atol=0)
+        torch.manual_seed(3)
+        evaluated = inner.eval()(q, k, v)
+        assert (got - evaluated).abs().max() > 1e-2, kind
 
 
 def test_hashing_parameters_mean_what_they_mean_in_fast_transformers():

@@ -329,6 +329,42 @@ def test_attention_backward_replays_random_draws(name, type, params):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_training_dropout_compiles_and_replays_its_mask(backend):
+    """fastattn.attention(training=True, attention_dropout=p) compiled: one
+    node whose backward recomputes the forward with the same dropout mask, so
+    under one seed the compiled output and gradients equal the eager ones."""
+    q, k, v = qkv(torch.float64, l=S)
+
+    def f(q, k, v):
+        return fastattn.attention("full", q, k, v, causal=True, training=True,
+                                  attention_dropout=0.25)
+
+    compiled = torch.compile(f, fullgraph=True, backend=backend)
+    runs = []
+    for fn in (f, compiled):
+        torch.manual_seed(5)
+        out = fn(q, k, v)
+        runs.append((out,) + torch.autograd.grad(out.square().sum(), (q, k, v)))
+    torch.manual_seed(6)
+    assert not torch.equal(f(q, k, v), runs[0][0])  # another seed, another mask
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("type,params", [
+    ("full", {}), ("improved-clustered", dict(clusters=3, topk=3, seed=1))])
+def test_opcheck_attention_training_with_dropout(type, params):
+    q, k, v = qkv(torch.float64, l=S)
+    kwargs = dict(causal=False, params_json=json.dumps(dict(params, attention_dropout=0.25)),
+                  training=True)
+    torch.library.opcheck(torch.ops.fastattn.attention, (type, q, k, v), kwargs)
+    calls = inner_calls(torch.ops.fastattn.attention, (type, q, k, v), kwargs)
+    assert len(calls) >= 2
+    for func, (a, kw_) in calls:
+        torch.library.opcheck(func, a, kw_)
+
+
 class Encoder(torch.nn.Module):
     """Two post-norm transformer layers around a fastattn type."""
 

@@ -334,8 +334,33 @@ def test_training_backward_and_dropout(padded_batch):
     scale = grads["eager"].abs().max().item()
     assert scale > 1e-2
     assert (grads["eager"] - grads["fastattn-full"]).abs().max().item() <= 1e-5 * scale
-    model = _bert("fastattn-full", attention_probs_dropout_prob=0.1).train()
-    with pytest.raises(ValueError, match=r"fastattn-full: attention dropout p=0.1"):
+
+    # The model's attention dropout, fused in the type while it trains: a
+    # different output from evaluation's, reproducible under a seed, and a
+    # backward through the same mask (the kernels' tests check it against a
+    # float64 reference given that mask).
+    for impl in ("fastattn-full", "fastattn-improved-clustered"):
+        model = _bert(impl, attention_probs_dropout_prob=0.1, hidden_dropout_prob=0.0)
+        model.config.fastattn_params = {"improved-clustered": dict(clusters=4, topk=8, seed=1)}
+        model.eval()
+        evaluated = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        model.train()
+        runs = []
+        for _ in range(2):
+            torch.manual_seed(5)
+            out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+            (out * mask[..., None] * probe).sum().backward()
+            runs.append((out.detach(), model.encoder.layer[0].attention.self.query.weight.grad))
+            model.zero_grad()
+        assert torch.equal(runs[0][0], runs[1][0]), impl
+        assert torch.equal(runs[0][1], runs[1][1]), impl
+        assert torch.isfinite(runs[0][1]).all() and runs[0][1].abs().max() > 0, impl
+        valid = mask.bool()
+        assert (runs[0][0] - evaluated)[valid].abs().max() > 1e-3, impl
+    model = _bert("fastattn-linear", attention_probs_dropout_prob=0.1).train()
+    with pytest.raises(ValueError, match=r"fastattn-linear: the model asks for attention "
+                                         r"dropout p=0.1, and 'linear' has none \(types with "
+                                         r"attention dropout: clustered, full"):
         model(input_ids=ids, attention_mask=mask)
 
 

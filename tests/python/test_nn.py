@@ -77,6 +77,31 @@ def test_attention_layer_gradients_match_the_reference():
         assert (g - w).abs().max() < 1e-9
 
 
+def test_attention_dropout_in_training_mode_only():
+    """Attention(type, attention_dropout=p) drops weights in train() (what
+    fastattn.attention(training=True) computes under the same seed) and
+    never in eval(); an encoder built with it trains reproducibly."""
+    q, k, v = (torch.randn(2, 2, 16, 8, dtype=torch.float64) for _ in range(3))
+    attn = fnn.Attention("full", attention_dropout=0.25)
+    plain = fastattn.attention("full", q, k, v)
+    assert torch.equal(attn.eval()(q, k, v), plain)
+    torch.manual_seed(1)
+    got = attn.train()(q, k, v)
+    torch.manual_seed(1)
+    assert torch.equal(got, fastattn.attention("full", q, k, v, training=True,
+                                               attention_dropout=0.25))
+    assert (got - plain).abs().max() > 0.1
+    enc = fnn.build_encoder(n_layers=1, n_heads=2, query_dimensions=4, dropout=0.0,
+                            attention_params={"attention_dropout": 0.25}).double()
+    x = torch.randn(2, 16, 8, dtype=torch.float64)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(2)
+        runs.append(enc.train()(x))
+    assert torch.equal(runs[0], runs[1])
+    assert (runs[0] - enc.eval()(x)).abs().max() > 1e-3
+
+
 def test_all_true_full_mask_works_with_types_without_attn_mask():
     layer = fnn.AttentionLayer("linear", d_model=8, n_heads=2)
     x = torch.randn(1, 6, 8)

@@ -9,6 +9,7 @@ Run: ctest -R python_tests (sets PYTHONPATH and FASTATTN_LIBRARY), or
   PYTHONPATH=python FASTATTN_LIBRARY=build/libfastattn.so /usr/bin/python3 -m pytest tests/python
 """
 
+import json
 import math
 import os
 import subprocess
@@ -191,6 +192,53 @@ def test_full_attention_dropout_rate_scale_and_reproducibility():
                        fastattn.full_attention(q, k, v))
     with pytest.raises(RuntimeError, match=r"dropout_p must be in \[0, 1\)"):
         fastattn.full_attention(q, k, v, dropout_p=1.0)
+
+
+@pytest.mark.parametrize("type,params", [
+    ("full", {}),
+    ("improved-clustered", dict(clusters=3, topk=4, seed=1)),
+])
+def test_attention_training_applies_attention_dropout(type, params):
+    """The registry operator drops attention weights only with training=True;
+    the mask's seed comes from torch's generator (manual_seed reproduces), and
+    the recomputing backward (attention_forward / attention_backward, what
+    torch.compile runs) replays it: its gradients equal the eager ones."""
+    q, k, v = make_inputs(2, 2, 24, 24, 8, 6)
+    p = 0.3
+    plain = fastattn.attention(type, q, k, v, **params)
+    assert torch.equal(fastattn.attention(type, q, k, v, attention_dropout=p, **params), plain)
+    assert torch.equal(fastattn.attention(type, q, k, v, training=True, **params), plain)
+
+    def run(g):
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        torch.manual_seed(7)
+        out = fastattn.attention(type, qg, kg, vg, training=True, attention_dropout=p, **params)
+        return (out,) + torch.autograd.grad(out, (qg, kg, vg), g)
+
+    g = torch.randn(2, 2, 24, 6, dtype=torch.float64)
+    eager = run(g)
+    assert torch.equal(eager[0], run(g)[0])
+    assert (eager[0] - plain).abs().max() > 0.1
+    torch.manual_seed(7)
+    params_json = json.dumps(dict(params, attention_dropout=p))
+    out, rng = fastattn.ops.attention_forward(type, q, k, v, False, None, None, params_json, True)
+    torch.rand(100)  # draws between the passes change nothing
+    traced = (out,) + fastattn.ops.attention_backward(type, g, q, k, v, False, None, None,
+                                                      params_json, rng, True)
+    for name, a, b in zip(["out", "dq", "dk", "dv"], eager, traced):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12), name
+    if type == "full":  # the fused kernel, with the seed drawn the same way
+        torch.manual_seed(7)
+        torch.testing.assert_close(eager[0], fastattn.full_attention(q, k, v, dropout_p=p),
+                                   rtol=0, atol=1e-12)
+
+
+def test_attention_dropout_refusals_name_the_parameter():
+    q, k, v = make_inputs(1, 1, 8, 8, 4, 4)
+    with pytest.raises(RuntimeError, match="attention_dropout"):
+        fastattn.attention("full", q, k, v, training=True, attention_dropout=1.0)
+    with pytest.raises(RuntimeError, match="attention_dropout"):
+        fastattn.attention("linear", q, k, v, training=True, attention_dropout=0.1)
 
 
 def test_attention_full_equals_full_attention():

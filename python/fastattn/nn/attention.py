@@ -74,8 +74,9 @@ class Attention(nn.Module):
     ``forward(q, k, v, attn_mask=None, key_lengths=None, causal=False)`` takes
     ``(N, H, L, E)``, ``(N, H, S, E)``, ``(N, H, S, M)`` and returns
     ``(N, H, L, M)``; masks as :func:`fastattn.nn.masking.resolve_masks`.
-    Dropout of the attention weights is not applied (fastattn's operators
-    run types in evaluation form); the layers around it have their own.
+    In training mode (``module.train()``) the type runs its training form:
+    ``attention_dropout`` (a parameter of ``full``, ``clustered`` and
+    ``improved-clustered``) drops attention weights, fused in the kernels.
     """
 
     def __init__(self, type="full", feature_map=None, **params):
@@ -99,7 +100,8 @@ class Attention(nn.Module):
         attn_mask, key_lengths, causal = resolve_masks(attn_mask, key_lengths, causal,
                                                        "Attention('%s')" % self.type)
         return _attention(self.type, queries, keys, values, causal=causal,
-                          key_lengths=key_lengths, attn_mask=attn_mask, **self.params)
+                          key_lengths=key_lengths, attn_mask=attn_mask, training=self.training,
+                          **self.params)
 
     def step(self, query, key, value, state=None):
         """One recurrent step: ``(N, H, E)``, ``(N, H, E)``, ``(N, H, M)`` -> ``((N, H, M), state)``."""

@@ -3,8 +3,10 @@
 Inner attentions take and return fast-transformers' layout ``(N, L, H, E)``
 and its masks (``attn_mask``: FullMask / TriangularCausalMask;
 ``query_lengths``, ``key_lengths``: LengthMask) and run fastattn's registered
-types. Differences (docs/python.md, "compat"): attention dropout is not
-applied (a warning says so in training mode), padded queries are clustered
+types. Differences (docs/python.md, "compat"): attention dropout is applied
+(fused) by the types that have it in fastattn (full, clustered,
+improved-clustered) and not yet by the others (a warning says so in training
+mode), padded queries are clustered
 with the real ones, and Reformer hashes with fastattn's angular LSH.
 """
 
@@ -14,6 +16,7 @@ import torch
 from torch import nn
 
 from .... import attention as _attention
+from ....hf import _param_names
 from ..masking import FullMask, LengthMask, TriangularCausalMask
 
 __all__ = ["AttentionLayer", "FullAttention", "LinearAttention", "CausalLinearAttention",
@@ -87,15 +90,20 @@ class _Inner(nn.Module):
     def forward(self, queries, keys, values, attn_mask=None, query_lengths=None,
                 key_lengths=None):
         where = type(self).__name__
-        if self.training and self.attention_dropout > 0 and not self._warned:
-            warnings.warn("%s: attention_dropout=%g is not applied by fastattn (its operators run "
-                          "the attention types without dropout)" % (where, self.attention_dropout))
-            self._warned = True
+        params = self.params
+        if self.training and self.attention_dropout > 0:
+            if "attention_dropout" in _param_names(self._type()):
+                params = dict(params, attention_dropout=self.attention_dropout)
+            elif not self._warned:
+                warnings.warn("%s: attention_dropout=%g is not applied: fastattn's '%s' has no "
+                              "attention dropout yet" % (where, self.attention_dropout,
+                                                         self._type()))
+                self._warned = True
         mask, lengths, causal = fastattn_masks(attn_mask, key_lengths, keys.shape[1], where,
                                                L=queries.shape[1])
         out = _attention(self._type(), queries.transpose(1, 2), keys.transpose(1, 2),
                          values.transpose(1, 2), causal=causal, key_lengths=lengths,
-                         attn_mask=mask, **self.params)
+                         attn_mask=mask, training=self.training, **params)
         return out.transpose(1, 2).contiguous()
 
 
