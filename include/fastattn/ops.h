@@ -173,12 +173,16 @@ std::tuple<torch::Tensor, torch::Tensor> hard_retrieval_attention(
 //   which: 0 merged (A1 ∪ A2), 1 only A1, 2 only A2, 3 split (heads
 //   [0, ceil(H/2)) use A1, the others A2).
 // A query that keeps no key outputs zeros. Gradients flow to q, k and v.
+// dropout_p, dropout_seed: attention dropout as full_attention's (CPU; the
+// same mask full attention draws for the kept weights).
 torch::Tensor block_sparse_attention(const torch::Tensor& q, const torch::Tensor& k,
                                      const torch::Tensor& v, const std::string& pattern,
                                      const std::vector<int64_t>& params,
                                      const std::optional<torch::Tensor>& key_lengths = std::nullopt,
                                      bool causal = false,
-                                     std::optional<double> softmax_temp = std::nullopt);
+                                     std::optional<double> softmax_temp = std::nullopt,
+                                     double dropout_p = 0.0,
+                                     std::optional<int64_t> dropout_seed = std::nullopt);
 
 // Reformer (Kitaev et al. 2020), step 1: LSH buckets by random rotations.
 // Bucket of x in round r = argmax over the 2·B2 values [x·R_r ; -x·R_r].
@@ -258,12 +262,12 @@ std::tuple<torch::Tensor, torch::Tensor> hard_retrieval_attention(
 // for tests and benchmarks only.
 torch::Tensor block_sparse_mask(const std::string& pattern, const std::vector<int64_t>& params,
                                 bool causal, int64_t H, int64_t L, int64_t S);
-torch::Tensor block_sparse_attention(const torch::Tensor& q, const torch::Tensor& k,
-                                     const torch::Tensor& v, const std::string& pattern,
-                                     const std::vector<int64_t>& params,
-                                     const std::optional<torch::Tensor>& key_lengths = std::nullopt,
-                                     bool causal = false,
-                                     std::optional<double> softmax_temp = std::nullopt);
+torch::Tensor block_sparse_attention(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+    const std::string& pattern, const std::vector<int64_t>& params,
+    const std::optional<torch::Tensor>& key_lengths = std::nullopt, bool causal = false,
+    std::optional<double> softmax_temp = std::nullopt,
+    const std::optional<torch::Tensor>& dropout_keep = std::nullopt);
 
 // Plain-ATen LSH hashing (matmul, cat, argmax): for tests only.
 torch::Tensor lsh_hash(const torch::Tensor& x, const torch::Tensor& rotations);

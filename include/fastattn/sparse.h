@@ -18,7 +18,10 @@ namespace fastattn {
 // [-floor(window/2), window - 1 - floor(window/2)] (window keys).
 class LocalAttention : public AttentionBase {
  public:
-  explicit LocalAttention(int64_t window, std::optional<double> softmax_temp = std::nullopt);
+  // attention_dropout: dropout on the attention weights in training mode,
+  // fused in the CPU kernels (the CUDA kernels refuse it by name so far).
+  explicit LocalAttention(int64_t window, std::optional<double> softmax_temp = std::nullopt,
+                          double attention_dropout = 0.0);
   torch::Tensor forward(const torch::Tensor& queries, const torch::Tensor& keys,
                         const torch::Tensor& values, const Mask& mask) override;
   std::string type_name() const override { return "local"; }
@@ -26,6 +29,7 @@ class LocalAttention : public AttentionBase {
  private:
   int64_t window_;
   std::optional<double> softmax_temp_;
+  double attention_dropout_;
 };
 
 // How a layer uses the two halves A1, A2 of a factorized pattern.
@@ -38,6 +42,7 @@ struct SparseTransformerOptions {
   SparseMode mode = SparseMode::Merged;
   int64_t part = 1;  // Interleaved: 1 (A1) or 2 (A2)
   std::optional<double> softmax_temp;
+  double attention_dropout = 0.0;  // in training mode, fused (CPU)
 };
 
 // sparse-strided (fixed = false) and sparse-fixed (fixed = true).

@@ -462,3 +462,24 @@ def capabilities():
 @functools.lru_cache(maxsize=None)
 def _capabilities():
     return {t["name"]: t["capabilities"] for t in attention_types()["types"]}
+
+
+@functools.lru_cache(maxsize=None)
+def _registry_params():
+    """{type: its parameter names}, and {decorator prefix: its parameter names}."""
+    info = attention_types()
+    types = {t["name"]: frozenset(p["name"] for p in t["params"]) for t in info["types"]}
+    decorators = {d["name"].split(":", 1)[0]: frozenset(p["name"] for p in d["params"])
+                  for d in info.get("decorators", [])}
+    return types, decorators
+
+
+def _param_names(kind):
+    """The parameter names of a (possibly decorated) type, e.g.
+    ``"conditional-full:local"``."""
+    types, decorators = _registry_params()
+    parts = kind.split(":")
+    names = set(types.get(parts[-1], ()))
+    for prefix in parts[:-1]:
+        names |= decorators.get(prefix, set())
+    return names

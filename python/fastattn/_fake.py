@@ -215,15 +215,18 @@ def register():
 
     # ---- block-sparse attention --------------------------------------------
     @fake("fastattn::block_sparse_attention")
-    def _(q, k, v, pattern, params, key_lengths=None, causal=False, softmax_temp=None):
+    def _(q, k, v, pattern, params, key_lengths=None, causal=False, softmax_temp=None,
+          dropout_p=0.0, dropout_seed=None):
         return _rows_like(q, v.shape[-1])
 
     @fake("fastattn::block_sparse_attention_forward")
-    def _(q, k, v, pattern, params, key_lengths, causal, softmax_temp):
+    def _(q, k, v, pattern, params, key_lengths, causal, softmax_temp, dropout_p=0.0,
+          dropout_seed=0):
         return _rows_like(q, v.shape[-1]), _stats(q)
 
     @fake("fastattn::block_sparse_attention_backward")
-    def _(grad_out, q, k, v, out, lse, pattern, params, key_lengths, causal, softmax_temp):
+    def _(grad_out, q, k, v, out, lse, pattern, params, key_lengths, causal, softmax_temp,
+          dropout_p=0.0, dropout_seed=0):
         return _row_grads(q, k, v)
 
     # ---- Reformer ----------------------------------------------------------

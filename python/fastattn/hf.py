@@ -42,8 +42,6 @@ sequences, ...) goes to the type as ``attn_mask`` where the type takes one
 type and the mask. See :data:`CAPABILITIES` and docs/python.md, "Hugging Face".
 """
 
-import functools
-
 import torch
 
 #: The transformers release from which the BERT family routes its attention
@@ -92,7 +90,8 @@ if _release(transformers.__version__) < _release(MIN_TRANSFORMERS):
 
 from . import attention as _attention
 from . import _capabilities
-from . import attention_types as _attention_types
+from . import _param_names
+from . import _registry_params as _registry
 
 __all__ = [
     "MIN_TRANSFORMERS",
@@ -137,25 +136,6 @@ _LEARNED_TYPES = tuple(n for n, c in _capabilities().items() if c["learned"])
 _CAUSAL_TWIN = {n: c["causal_form"] for n, c in _capabilities().items() if c["causal_form"]}
 _BIDIRECTIONAL_TWIN = {n: c["bidirectional_form"] for n, c in _capabilities().items()
                        if c["bidirectional_form"]}
-
-
-@functools.lru_cache(maxsize=None)
-def _registry():
-    """{type: set of parameter names}, and {decorator prefix: its parameter names}."""
-    info = _attention_types()
-    types = {t["name"]: frozenset(p["name"] for p in t["params"]) for t in info["types"]}
-    decorators = {d["name"].split(":", 1)[0]: frozenset(p["name"] for p in d["params"])
-                  for d in info.get("decorators", [])}
-    return types, decorators
-
-
-def _param_names(kind):
-    types, decorators = _registry()
-    parts = kind.split(":")
-    names = set(types.get(parts[-1], ()))
-    for prefix in parts[:-1]:
-        names |= decorators.get(prefix, set())
-    return names
 
 
 def _base(kind):

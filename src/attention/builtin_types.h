@@ -26,6 +26,14 @@ void register_reformer_attention_types(AttentionRegistry& registry);
 // clusterformer (src/attention/clusterformer.cpp).
 void register_clusterformer_attention_types(AttentionRegistry& registry);
 
+// The attention_dropout parameter of the softmax types: applied in training
+// mode only (fused where the type's kernels have it, issue 64).
+inline ParamSpec attention_dropout_spec() {
+  return ParamSpec::real("attention_dropout", 0.0,
+                         "dropout on the attention weights, in training mode only", 0.0, 1.0)
+      .exclusive_max();
+}
+
 inline void register_builtin_types(AttentionRegistry& registry) {
   register_full_attention_types(registry);
   register_linear_attention_types(registry);

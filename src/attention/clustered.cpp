@@ -589,9 +589,7 @@ std::vector<ParamSpec> clustered_specs(bool improved) {
       ParamSpec::real("softmax_temp", std::nullopt, "scale of the scores q·k; default 1/sqrt(E)",
                       0.0)
           .exclusive_min(),
-      ParamSpec::real("attention_dropout", 0.0, "dropout on the attention weights in training", 0.0,
-                      1.0)
-          .exclusive_max(),
+      attention_dropout_spec(),
       ParamSpec::integer("seed", std::nullopt,
                          "seed of the module's generator (planes, K-means initialisation); "
                          "default: the global CPU generator")};

@@ -161,11 +161,7 @@ void register_full_attention_types(AttentionRegistry& registry) {
        {ParamSpec::real("softmax_temp", std::nullopt, "scale of the scores q·k; default 1/sqrt(E)",
                         0.0)
             .exclusive_min(),
-        ParamSpec::real("attention_dropout", 0.0,
-                        "dropout on the attention weights in training (then the L×S "
-                        "matrix is materialised)",
-                        0.0, 1.0)
-            .exclusive_max()},
+        attention_dropout_spec()},
        [](const Params& p, const AttentionDims&) -> AttentionPtr {
          return std::make_shared<FullAttention>(p.get_optional_float("softmax_temp"),
                                                 p.get_float("attention_dropout"));

@@ -27,12 +27,18 @@ void check_temp(const char* type, const std::optional<double>& t) {
               ": softmax_temp must be a finite number > 0, got ", t.value_or(0.0));
 }
 
+void check_dropout(const char* type, double p) {
+  TORCH_CHECK(p >= 0 && p < 1, type, ": attention_dropout must be in [0, 1), got ", p);
+}
+
 }  // namespace
 
-LocalAttention::LocalAttention(int64_t window, std::optional<double> softmax_temp)
-    : window_(window), softmax_temp_(softmax_temp) {
+LocalAttention::LocalAttention(int64_t window, std::optional<double> softmax_temp,
+                               double attention_dropout)
+    : window_(window), softmax_temp_(softmax_temp), attention_dropout_(attention_dropout) {
   TORCH_CHECK(window >= 1, "local: window must be >= 1, got ", window);
   check_temp("local", softmax_temp);
+  check_dropout("local", attention_dropout);
 }
 
 torch::Tensor LocalAttention::forward(const torch::Tensor& queries,  // (N, H, L, E)
@@ -41,18 +47,20 @@ torch::Tensor LocalAttention::forward(const torch::Tensor& queries,  // (N, H, L
                                       const Mask& mask) {
   check_attention_inputs(queries, keys, values, mask);
   check_no_attn_mask("local", mask);
+  const double dropout = is_training() ? attention_dropout_ : 0.0;
   // The window on the dense-attention engine where it runs on PyTorch's fused
   // kernels (src/ops/dense_attention.h): the same keys as the "local" pattern.
+  // With dropout, the block-sparse kernels (the engine's calls take none yet).
   ops::DenseAttentionSpec spec;
   spec.scale = softmax_temp_.value_or(1.0 / std::sqrt(static_cast<double>(queries.size(3))));
   spec.causal = mask.is_causal();
   spec.window_left = mask.is_causal() ? window_ - 1 : window_ / 2;
   spec.window_right = mask.is_causal() ? 0 : window_ - 1 - window_ / 2;
   spec.key_lengths = to_c10(mask.key_lengths());
-  if (ops::types_use_dense_engine(queries, values, spec))
+  if (dropout == 0 && ops::types_use_dense_engine(queries, values, spec))
     return ops::dense_attention(queries, keys, values, spec);
   return block_sparse_attention(queries, keys, values, "local", {window_}, mask.key_lengths(),
-                                mask.is_causal(), softmax_temp_);
+                                mask.is_causal(), softmax_temp_, dropout);
 }
 
 SparseTransformerAttention::SparseTransformerAttention(bool fixed, SparseTransformerOptions options)
@@ -67,6 +75,7 @@ SparseTransformerAttention::SparseTransformerAttention(bool fixed, SparseTransfo
   TORCH_CHECK(fixed || !o.per_head_summary, who, ": per_head_summary applies only to sparse-fixed");
   TORCH_CHECK(o.part == 1 || o.part == 2, who, ": part must be 1 (A1) or 2 (A2), got ", o.part);
   check_temp(who, o.softmax_temp);
+  check_dropout(who, o.attention_dropout);
 }
 
 std::pair<std::string, std::vector<int64_t>> SparseTransformerAttention::pattern(int64_t L) const {
@@ -90,18 +99,20 @@ torch::Tensor SparseTransformerAttention::forward(const torch::Tensor& queries, 
   TORCH_CHECK(options_.mode != SparseMode::Split || queries.size(1) >= 2, type_name(),
               ": mode split needs at least 2 heads, got ", queries.size(1));
   const auto [pattern_name, params] = this->pattern(queries.size(2));
+  const double dropout = is_training() ? options_.attention_dropout : 0.0;
   // On the dense-attention engine where it runs on PyTorch's fused kernels:
   // the pattern as disjoint pieces merged by logsumexp (src/ops/engine_pieces.h).
   // Key lengths keep the block-sparse kernels (the pieces' sequences are
-  // planned once for every batch item).
-  if (!mask.key_lengths() && ops::types_use_dense_engine(queries, values, {}, /*pieces=*/true)) {
+  // planned once for every batch item), and so does dropout.
+  if (!mask.key_lengths() && dropout == 0 &&
+      ops::types_use_dense_engine(queries, values, {}, /*pieces=*/true)) {
     const double scale =
         options_.softmax_temp.value_or(1.0 / std::sqrt(static_cast<double>(queries.size(3))));
     return ops::block_sparse_on_engine(queries, keys, values, scale, pattern_name, params,
                                        mask.is_causal());
   }
   return block_sparse_attention(queries, keys, values, pattern_name, params, mask.key_lengths(),
-                                mask.is_causal(), options_.softmax_temp);
+                                mask.is_causal(), options_.softmax_temp, dropout);
 }
 
 // ---- registration ---------------------------------------------------------
@@ -134,6 +145,7 @@ std::vector<ParamSpec> factorized_specs(bool fixed) {
         "head h uses the c positions [l - c·(g+1), l - c·g) of each block, g = h mod (l / c)"));
   }
   specs.push_back(temp_spec());
+  specs.push_back(attention_dropout_spec());
   return specs;
 }
 
@@ -154,6 +166,7 @@ AttentionPtr make_factorized(bool fixed, const Params& p) {
     o.per_head_summary = p.get_bool("per_head_summary");
   }
   o.softmax_temp = p.get_optional_float("softmax_temp");
+  o.attention_dropout = p.get_float("attention_dropout");
   return std::make_shared<SparseTransformerAttention>(fixed, o);
 }
 
@@ -167,10 +180,11 @@ void register_sparse_attention_types(AttentionRegistry& registry) {
                                     "keys per query: causal offsets [-(w-1), 0], else "
                                     "[-floor(w/2), w-1-floor(w/2)]",
                                     1),
-                 temp_spec()},
+                 temp_spec(), attention_dropout_spec()},
                 [](const Params& p, const AttentionDims&) -> AttentionPtr {
                   return std::make_shared<LocalAttention>(p.get_int("window"),
-                                                          p.get_optional_float("softmax_temp"));
+                                                          p.get_optional_float("softmax_temp"),
+                                                          p.get_float("attention_dropout"));
                 },
                 Capabilities().rows("yes"),
                 /*recurrent=*/nullptr});

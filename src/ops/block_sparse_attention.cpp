@@ -99,21 +99,26 @@ Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v, const std::s
 }
 
 template <typename T>
-void fill_params(kernels::BlockSparseParams<T>& a, const Prepared& p, double temp) {
+void fill_params(kernels::BlockSparseParams<T>& a, const Prepared& p, double temp, double dropout_p,
+                 int64_t dropout_seed) {
   ops::set_qkv_args(a, kOp, p.in);
   a.scale = static_cast<T>(temp);
   a.parts = p.parts.data();
   a.num_parts = static_cast<int>(p.parts.size());
+  ops::set_dropout_args(a, dropout_p, dropout_seed);
 }
 
 std::tuple<Tensor, Tensor> forward_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
                                        c10::string_view pattern, c10::IntArrayRef params,
                                        const c10::optional<Tensor>& key_lengths, bool causal,
-                                       double softmax_temp) {
+                                       double softmax_temp, double dropout_p,
+                                       int64_t dropout_seed) {
   const auto p = prepare(q, k, v, std::string(pattern), params, key_lengths, causal);
+  ops::check_dropout(kOp, dropout_p);
   if (ops::is_reduced_float(q)) {
-    auto [out, lse] = ops::in_float32<1>(q.scalar_type(), forward_cpu, q, k, v, pattern, params,
-                                         key_lengths, causal, softmax_temp);
+    auto [out, lse] =
+        ops::in_float32<1>(q.scalar_type(), forward_cpu, q, k, v, pattern, params, key_lengths,
+                           causal, softmax_temp, dropout_p, dropout_seed);
     return {ops::in_rows_layout_of(out, q), lse};
   }
   // out in q's row layout: the layers' transpose back to (N, L, H, M) is a view.
@@ -121,7 +126,7 @@ std::tuple<Tensor, Tensor> forward_cpu(const Tensor& q, const Tensor& k, const T
   auto lse = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "block_sparse_attention_forward_cpu", [&] {
     kernels::BlockSparseForwardArgs<scalar_t> a;
-    fill_params<scalar_t>(a, p, softmax_temp);
+    fill_params<scalar_t>(a, p, softmax_temp, dropout_p, dropout_seed);
     a.out = out.data_ptr<scalar_t>();
     a.out_rows = ops::row_strides(out);
     a.lse = lse.data_ptr<scalar_t>();
@@ -135,13 +140,15 @@ std::tuple<Tensor, Tensor, Tensor> backward_cpu(const Tensor& grad_out, const Te
                                                 const Tensor& lse, c10::string_view pattern,
                                                 c10::IntArrayRef params,
                                                 const c10::optional<Tensor>& key_lengths,
-                                                bool causal, double softmax_temp) {
+                                                bool causal, double softmax_temp, double dropout_p,
+                                                int64_t dropout_seed) {
   const auto p = prepare(q, k, v, std::string(pattern), params, key_lengths, causal);
   ops::check_block_sparse_backward(kOp, grad_out, out, lse);
+  ops::check_dropout(kOp, dropout_p);
   if (ops::is_reduced_float(q)) {
     return ops::in_rows_layouts_of(
         ops::in_float32(q.scalar_type(), backward_cpu, grad_out, q, k, v, out, lse, pattern, params,
-                        key_lengths, causal, softmax_temp),
+                        key_lengths, causal, softmax_temp, dropout_p, dropout_seed),
         q, k, v);
   }
   auto go = ops::rows_contiguous(grad_out.to(q.scalar_type()));
@@ -152,7 +159,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_cpu(const Tensor& grad_out, const Te
        gv = ops::empty_rows_like(v, v.size(3));
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "block_sparse_attention_backward_cpu", [&] {
     kernels::BlockSparseBackwardArgs<scalar_t> a;
-    fill_params<scalar_t>(a, p, softmax_temp);
+    fill_params<scalar_t>(a, p, softmax_temp, dropout_p, dropout_seed);
     a.grad_out = go.data_ptr<scalar_t>();
     a.lse = lse_c.data_ptr<scalar_t>();
     a.delta = delta.data_ptr<scalar_t>();
@@ -168,11 +175,11 @@ std::tuple<Tensor, Tensor, Tensor> backward_cpu(const Tensor& grad_out, const Te
 std::tuple<Tensor, Tensor> call_forward(const Tensor& q, const Tensor& k, const Tensor& v,
                                         c10::string_view pattern, c10::IntArrayRef params,
                                         const c10::optional<Tensor>& key_lengths, bool causal,
-                                        double temp) {
+                                        double temp, double dropout_p, int64_t dropout_seed) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fastattn::block_sparse_attention_forward", "")
                        .typed<decltype(forward_cpu)>();
-  return op.call(q, k, v, pattern, params, key_lengths, causal, temp);
+  return op.call(q, k, v, pattern, params, key_lengths, causal, temp, dropout_p, dropout_seed);
 }
 
 class BlockSparseFunction : public torch::autograd::Function<BlockSparseFunction> {
@@ -180,12 +187,19 @@ class BlockSparseFunction : public torch::autograd::Function<BlockSparseFunction
   static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                         c10::string_view pattern, c10::IntArrayRef params,
                         const c10::optional<Tensor>& key_lengths, bool causal,
-                        c10::optional<double> softmax_temp) {
+                        c10::optional<double> softmax_temp, double dropout_p,
+                        c10::optional<int64_t> dropout_seed) {
     at::AutoDispatchBelowADInplaceOrView guard;
     ops::check_qkv(kOp, q, k, v);
+    ops::check_dropout(kOp, dropout_p);
     const double temp = ops::resolve_softmax_temp(kOp, q, softmax_temp);
-    auto [out, lse] = call_forward(q, k, v, pattern, params, key_lengths, causal, temp);
+    // One seed for the forward and the backward: the same keep mask.
+    const int64_t seed = ops::resolve_dropout_seed(dropout_p, dropout_seed);
+    auto [out, lse] =
+        call_forward(q, k, v, pattern, params, key_lengths, causal, temp, dropout_p, seed);
     ctx->save_for_backward({q, k, v, out, lse});
+    ctx->saved_data["dropout_p"] = dropout_p;
+    ctx->saved_data["dropout_seed"] = seed;
     ctx->saved_data["pattern"] = std::string(pattern);
     ctx->saved_data["params"] = params.vec();
     ctx->saved_data["key_lengths"] = key_lengths ? *key_lengths : Tensor();
@@ -205,15 +219,18 @@ class BlockSparseFunction : public torch::autograd::Function<BlockSparseFunction
     auto [gq, gk, gv] =
         op.call(grads[0], saved[0], saved[1], saved[2], saved[3], saved[4], pattern, params,
                 kl.defined() ? c10::optional<Tensor>(kl) : c10::nullopt,
-                ctx->saved_data["causal"].toBool(), ctx->saved_data["temp"].toDouble());
-    return {gq, gk, gv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+                ctx->saved_data["causal"].toBool(), ctx->saved_data["temp"].toDouble(),
+                ctx->saved_data["dropout_p"].toDouble(), ctx->saved_data["dropout_seed"].toInt());
+    return {gq, gk, gv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
 Tensor autograd_impl(const Tensor& q, const Tensor& k, const Tensor& v, c10::string_view pattern,
                      c10::IntArrayRef params, const c10::optional<Tensor>& key_lengths, bool causal,
-                     c10::optional<double> softmax_temp) {
-  return BlockSparseFunction::apply(q, k, v, pattern, params, key_lengths, causal, softmax_temp);
+                     c10::optional<double> softmax_temp, double dropout_p,
+                     c10::optional<int64_t> dropout_seed) {
+  return BlockSparseFunction::apply(q, k, v, pattern, params, key_lengths, causal, softmax_temp,
+                                    dropout_p, dropout_seed);
 }
 
 }  // namespace
@@ -224,10 +241,13 @@ namespace ops {
 Tensor block_sparse_no_grad_entry(const Tensor& q, const Tensor& k, const Tensor& v,
                                   c10::string_view pattern, c10::IntArrayRef params,
                                   const c10::optional<Tensor>& key_lengths, bool causal,
-                                  c10::optional<double> softmax_temp) {
+                                  c10::optional<double> softmax_temp, double dropout_p,
+                                  c10::optional<int64_t> dropout_seed) {
   ops::check_qkv(kOp, q, k, v);
+  ops::check_dropout(kOp, dropout_p);
   return std::get<0>(call_forward(q, k, v, pattern, params, key_lengths, causal,
-                                  ops::resolve_softmax_temp(kOp, q, softmax_temp)));
+                                  ops::resolve_softmax_temp(kOp, q, softmax_temp), dropout_p,
+                                  ops::resolve_dropout_seed(dropout_p, dropout_seed)));
 }
 
 }  // namespace ops
@@ -243,12 +263,14 @@ TORCH_LIBRARY_IMPL(fastattn, Autograd, m) { m.impl("block_sparse_attention", aut
 Tensor block_sparse_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                               const std::string& pattern, const std::vector<int64_t>& params,
                               const std::optional<Tensor>& key_lengths, bool causal,
-                              std::optional<double> softmax_temp) {
+                              std::optional<double> softmax_temp, double dropout_p,
+                              std::optional<int64_t> dropout_seed) {
   ops::check_defined("fastattn::block_sparse_attention", {"q", "k", "v"}, {q, k, v});
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fastattn::block_sparse_attention", "")
                        .typed<decltype(ops::block_sparse_no_grad_entry)>();
-  return op.call(q, k, v, pattern, params, to_c10(key_lengths), causal, to_c10(softmax_temp));
+  return op.call(q, k, v, pattern, params, to_c10(key_lengths), causal, to_c10(softmax_temp),
+                 dropout_p, to_c10(dropout_seed));
 }
 
 }  // namespace fastattn

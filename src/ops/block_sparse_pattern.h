@@ -34,6 +34,7 @@ torch::Tensor block_sparse_no_grad_entry(const torch::Tensor& q, const torch::Te
                                          const torch::Tensor& v, c10::string_view pattern,
                                          c10::IntArrayRef params,
                                          const c10::optional<torch::Tensor>& key_lengths,
-                                         bool causal, c10::optional<double> softmax_temp);
+                                         bool causal, c10::optional<double> softmax_temp,
+                                         double dropout_p, c10::optional<int64_t> dropout_seed);
 
 }  // namespace fastattn::ops

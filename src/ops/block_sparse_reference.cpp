@@ -73,11 +73,12 @@ torch::Tensor block_sparse_attention(const torch::Tensor& q, const torch::Tensor
                                      const torch::Tensor& v, const std::string& pattern,
                                      const std::vector<int64_t>& params,
                                      const std::optional<torch::Tensor>& key_lengths, bool causal,
-                                     std::optional<double> softmax_temp) {
+                                     std::optional<double> softmax_temp,
+                                     const std::optional<torch::Tensor>& dropout_keep) {
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
   auto keep = block_sparse_mask(pattern, params, causal, H, L, S).to(q.device());
   return full_attention(q, k, v, keep.unsqueeze(0).expand({N, H, L, S}), key_lengths, false,
-                        softmax_temp);
+                        softmax_temp, dropout_keep);
 }
 
 }  // namespace fastattn::reference

@@ -52,12 +52,14 @@ void check_spec(const DenseAttentionSpec& spec) {
 
 std::tuple<Tensor, Tensor> padded_forward(const Tensor& q, const Tensor& k, const Tensor& v,
                                           const DenseAttentionSpec& spec) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fastattn::block_sparse_attention_forward", "")
-                       .typed<std::tuple<Tensor, Tensor>(
-                           const Tensor&, const Tensor&, const Tensor&, c10::string_view,
-                           c10::IntArrayRef, const c10::optional<Tensor>&, bool, double)>();
-  return op.call(q, k, v, "window", window_params(spec), spec.key_lengths, spec.causal, spec.scale);
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("fastattn::block_sparse_attention_forward", "")
+          .typed<std::tuple<Tensor, Tensor>(
+              const Tensor&, const Tensor&, const Tensor&, c10::string_view, c10::IntArrayRef,
+              const c10::optional<Tensor>&, bool, double, double, int64_t)>();
+  return op.call(q, k, v, "window", window_params(spec), spec.key_lengths, spec.causal, spec.scale,
+                 /*dropout_p=*/0.0, /*dropout_seed=*/0);
 }
 
 std::tuple<Tensor, Tensor, Tensor> padded_backward(const Tensor& grad_out, const Tensor& q,
@@ -69,9 +71,9 @@ std::tuple<Tensor, Tensor, Tensor> padded_backward(const Tensor& grad_out, const
                        .typed<std::tuple<Tensor, Tensor, Tensor>(
                            const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                            const Tensor&, const Tensor&, c10::string_view, c10::IntArrayRef,
-                           const c10::optional<Tensor>&, bool, double)>();
+                           const c10::optional<Tensor>&, bool, double, double, int64_t)>();
   return op.call(grad_out, q, k, v, out, lse, "window", window_params(spec), spec.key_lengths,
-                 spec.causal, spec.scale);
+                 spec.causal, spec.scale, /*dropout_p=*/0.0, /*dropout_seed=*/0);
 }
 
 // The packed layout's offsets on the host, checked against the row counts.

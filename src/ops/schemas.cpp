@@ -144,16 +144,20 @@ TORCH_LIBRARY(fastattn, m) {
   // position (the dense-attention engine's windows, src/ops/dense_attention.h).
   m.def(
       "block_sparse_attention(Tensor q, Tensor k, Tensor v, str pattern, int[] params, "
-      "Tensor? key_lengths=None, bool causal=False, float? softmax_temp=None) -> Tensor");
-  // Forward kernel: output and the row log-sum-exp (N,H,L) of the kept scaled scores.
+      "Tensor? key_lengths=None, bool causal=False, float? softmax_temp=None, "
+      "float dropout_p=0.0, int? dropout_seed=None) -> Tensor");
+  // Forward kernel: output and the row log-sum-exp (N,H,L) of the kept scaled
+  // scores (undropped). dropout_p, dropout_seed: as full_attention's (CPU).
   m.def(
       "block_sparse_attention_forward(Tensor q, Tensor k, Tensor v, str pattern, int[] params, "
-      "Tensor? key_lengths, bool causal, float softmax_temp) -> (Tensor, Tensor)");
+      "Tensor? key_lengths, bool causal, float softmax_temp, float dropout_p=0.0, "
+      "int dropout_seed=0) -> (Tensor, Tensor)");
   // Backward kernel: recomputes P per tile from the saved lse.
   m.def(
       "block_sparse_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, "
       "Tensor out, Tensor lse, str pattern, int[] params, Tensor? key_lengths, bool causal, "
-      "float softmax_temp) -> (Tensor, Tensor, Tensor)");
+      "float softmax_temp, float dropout_p=0.0, int dropout_seed=0) "
+      "-> (Tensor, Tensor, Tensor)");
 
   // ---- the dense-attention engine (src/ops/dense_attention.h), internal ------
   // q (N,H,L,E) or packed (Tq,H,E) with cu_seqlens_q / cu_seqlens_k (B + 1);

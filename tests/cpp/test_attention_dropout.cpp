@@ -161,5 +161,85 @@ TEST(AttentionDropout, FullModuleTrainsWithTheFusedDropout) {
             1e-12);
 }
 
+// Block-sparse attention (local, sparse-strided, sparse-fixed): the kept
+// weights drop as full attention's do, by the original query and key
+// indices, in every part and key order (residue-major, summaries), so the
+// reference is the dense masked softmax given the same mask.
+struct SparseCase {
+  std::string pattern;
+  std::vector<int64_t> params;
+  int64_t L, S;
+  bool causal, lengths;
+};
+
+TEST(AttentionDropout, BlockSparseEqualsTheReferenceWithTheSameMask) {
+  const std::vector<SparseCase> cases = {
+      {"local", {5}, 40, 40, false, false},
+      {"local", {64}, 300, 300, true, true},         // several query and key tiles
+      {"strided", {6, 0}, 50, 50, true, false},      // merged: band + residues
+      {"strided", {5, 3}, 41, 41, false, true},      // split heads
+      {"fixed", {8, 2, 0, 1}, 70, 70, true, false},  // per-head summaries
+      {"fixed", {6, 3, 2, 0}, 37, 29, false, true},  // summaries only, L != S
+  };
+  const double p = 0.3, temp = 0.45;
+  const int64_t seed = 424242;
+  torch::manual_seed(5);
+  for (auto dtype : {torch::kDouble, torch::kFloat}) {
+    for (const auto& c : cases) {
+      const int64_t N = 2, H = 4;
+      auto q = torch::randn({N, H, c.L, 8}, dtype).requires_grad_(true);
+      auto k = torch::randn({N, H, c.S, 8}, dtype).requires_grad_(true);
+      auto v = torch::randn({N, H, c.S, 6}, dtype).requires_grad_(true);
+      auto g = torch::randn({N, H, c.L, 6}, dtype);
+      std::optional<Tensor> lengths;
+      if (c.lengths) lengths = torch::tensor({c.S, c.S / 2}, torch::kLong);
+      auto out =
+          block_sparse_attention(q, k, v, c.pattern, c.params, lengths, c.causal, temp, p, seed);
+      auto grads = torch::autograd::grad({out}, {q, k, v}, {g});
+      auto keep = reference::attention_dropout_keep(seed, p, N, H, c.L, c.S);
+      auto x = std::vector<Tensor>{q.detach().to(torch::kDouble).requires_grad_(true),
+                                   k.detach().to(torch::kDouble).requires_grad_(true),
+                                   v.detach().to(torch::kDouble).requires_grad_(true)};
+      auto ref = reference::block_sparse_attention(x[0], x[1], x[2], c.pattern, c.params, lengths,
+                                                   c.causal, temp, keep);
+      auto ref_grads = torch::autograd::grad({ref}, x, {g.to(torch::kDouble)});
+      const double tol = dtype == torch::kDouble ? 1e-12 : 2e-5;
+      const std::string what = std::string(c10::toString(dtype)) + " " + c.pattern + " L" +
+                               std::to_string(c.L) + (c.causal ? " causal" : "") +
+                               (c.lengths ? " lengths" : "");
+      EXPECT_LE(max_err(out.to(torch::kDouble), ref), tol) << what;
+      for (int i = 0; i < 3; ++i)
+        EXPECT_LE(max_err(grads[i].to(torch::kDouble), ref_grads[i]), 10 * tol)
+            << what << " grad " << i;
+      // Dropout changed the output (the test would pass without it otherwise).
+      auto undropped = reference::block_sparse_attention(x[0], x[1], x[2], c.pattern, c.params,
+                                                         lengths, c.causal, temp);
+      EXPECT_GT(max_err(ref, undropped), 1e-3) << what;
+    }
+  }
+}
+
+TEST(AttentionDropout, SparseTypesDropInTrainingOnly) {
+  const int64_t N = 1, H = 2, L = 33;
+  torch::manual_seed(4);
+  auto q = torch::randn({N, H, L, 4}, torch::kDouble),
+       k = torch::randn({N, H, L, 4}, torch::kDouble),
+       v = torch::randn({N, H, L, 3}, torch::kDouble);
+  for (const std::string type : {"local", "sparse-strided", "sparse-fixed"}) {
+    auto attn = make_attention(type, {{"attention_dropout", 0.4}});
+    attn->eval();
+    const auto eval_out = attn->forward(q, k, v, Mask().with_causal(true));
+    auto plain = make_attention(type, {});
+    EXPECT_LE(max_err(eval_out, plain->forward(q, k, v, Mask().with_causal(true))), 0) << type;
+    attn->train();
+    torch::manual_seed(9);
+    auto a = attn->forward(q, k, v, Mask().with_causal(true));
+    torch::manual_seed(9);
+    EXPECT_TRUE(torch::equal(a, attn->forward(q, k, v, Mask().with_causal(true)))) << type;
+    EXPECT_GT(max_err(a, eval_out), 1e-2) << type;
+    EXPECT_ERROR_CONTAINS(make_attention(type, {{"attention_dropout", 1.0}}), "attention_dropout");
+  }
+}
+
 }  // namespace
 }  // namespace fastattn

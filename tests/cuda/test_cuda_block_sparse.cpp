@@ -39,12 +39,12 @@ std::vector<Cfg> configs() {
 
 TEST(CudaBlockSparse, MatchesCpuForwardAndGradients) {
   FASTATTN_SKIP_WITHOUT_CUDA();
-  static auto fwd =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("fastattn::block_sparse_attention_forward", "")
-          .typed<std::tuple<torch::Tensor, torch::Tensor>(
-              const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, c10::string_view,
-              c10::IntArrayRef, const c10::optional<torch::Tensor>&, bool, double)>();
+  static auto fwd = c10::Dispatcher::singleton()
+                        .findSchemaOrThrow("fastattn::block_sparse_attention_forward", "")
+                        .typed<std::tuple<torch::Tensor, torch::Tensor>(
+                            const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                            c10::string_view, c10::IntArrayRef, const c10::optional<torch::Tensor>&,
+                            bool, double, double, int64_t)>();
   for (const auto& c : configs()) {
     for (auto dtype : cuda_dtypes()) {
       const std::string what = c.name + " " + std::string(c10::toString(dtype));
@@ -75,12 +75,12 @@ TEST(CudaBlockSparse, MatchesCpuForwardAndGradients) {
       expect_close(vg.grad(), vc.grad(), tol, what + " grad_v");
 
       const double temp = 1.0 / std::sqrt(static_cast<double>(c.E));
-      auto [o2, lse_g] =
-          fwd.call(q.gpu, k.gpu, v.gpu, c.pattern, c.params,
-                   len_gpu ? c10::optional<torch::Tensor>(*len_gpu) : c10::nullopt, c.causal, temp);
-      auto [o3, lse_c] =
-          fwd.call(q.cpu64, k.cpu64, v.cpu64, c.pattern, c.params,
-                   len_cpu ? c10::optional<torch::Tensor>(*len_cpu) : c10::nullopt, c.causal, temp);
+      auto [o2, lse_g] = fwd.call(q.gpu, k.gpu, v.gpu, c.pattern, c.params,
+                                  len_gpu ? c10::optional<torch::Tensor>(*len_gpu) : c10::nullopt,
+                                  c.causal, temp, 0.0, 0);
+      auto [o3, lse_c] = fwd.call(q.cpu64, k.cpu64, v.cpu64, c.pattern, c.params,
+                                  len_cpu ? c10::optional<torch::Tensor>(*len_cpu) : c10::nullopt,
+                                  c.causal, temp, 0.0, 0);
       EXPECT_EQ(lse_g.scalar_type(), torch::kFloat) << what;
       const auto finite = torch::isfinite(lse_c);
       EXPECT_TRUE(torch::equal(torch::isfinite(lse_g.cpu()), finite)) << what << " lse -inf rows";

@@ -19,7 +19,7 @@ import torch
 import fastattn
 import fastattn.nn as fnn
 from fastattn.compat.fast_transformers.attention import AttentionLayer, FullAttention, \
-    ImprovedClusteredAttention, LinearAttention, LocalAttention
+    ExactTopKAttention, ImprovedClusteredAttention, LinearAttention, LocalAttention
 from fastattn.compat.fast_transformers.builders import (RecurrentDecoderBuilder,
                                                         RecurrentEncoderBuilder,
                                                         TransformerDecoderBuilder,
@@ -280,10 +280,10 @@ def test_what_cannot_be_matched_is_named():
         builder.get()
     with pytest.raises(ValueError, match="attention_type 'clustered' is not available.*full"):
         RecurrentEncoderBuilder.from_kwargs(attention_type="clustered").get()
-    layer = AttentionLayer(LocalAttention(2), 8, 2)
+    layer = AttentionLayer(ExactTopKAttention(2), 8, 2)
     x = torch.rand(1, 3, 8)
     with pytest.warns(UserWarning, match="attention_dropout=0.1 is not applied: fastattn's "
-                                         "'local' has no attention dropout yet"):
+                                         "'exact-topk' has no attention dropout yet"):
         layer(x, x, x, None, None, None)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -300,7 +300,8 @@ def test_attention_dropout_is_applied_in_training():
             (FullAttention(attention_dropout=0.2), "full", {}),
             (ImprovedClusteredAttention(clusters=3, topk=4, attention_dropout=0.2),
              "improved-clustered", dict(clusters=3, topk=4, iterations=10, bits=32,
-                                        hash_bias=True))]:
+                                        hash_bias=True)),
+            (LocalAttention(5, attention_dropout=0.2), "local", dict(window=5))]:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             torch.manual_seed(3)

@@ -108,6 +108,9 @@ def op_cases():
             cases.append((f"block-sparse-{pattern}-{d}", ops.block_sparse_attention,
                           (sq, sk, sv, pattern, params),
                           dict(key_lengths=lengths(), causal=pattern != "local")))
+        cases.append((f"block-sparse-strided-dropout-{d}", ops.block_sparse_attention,
+                      (sq, sk, sv, "strided", [3, 0]),
+                      dict(key_lengths=lengths(), causal=True, dropout_p=0.25, dropout_seed=17)))
         # The dense-attention engine's internal operators (no autograd: inputs
         # without grad).
         dq_, dk_, dv_ = (t.detach() for t in qkv(dt, l=S))

@@ -197,6 +197,8 @@ def test_full_attention_dropout_rate_scale_and_reproducibility():
 @pytest.mark.parametrize("type,params", [
     ("full", {}),
     ("improved-clustered", dict(clusters=3, topk=4, seed=1)),
+    ("local", dict(window=7)),
+    ("sparse-fixed", dict(stride=6, summary=2)),
 ])
 def test_attention_training_applies_attention_dropout(type, params):
     """The registry operator drops attention weights only with training=True;

@@ -78,6 +78,13 @@ struct BlockSparseParams : QKVParams<T> {
   T scale = 1;  // softmax temperature applied to q·k
   const SparsePart* parts = nullptr;
   int num_parts = 0;
+  // Attention dropout, fused (CPU): as FullAttentionParams' (kernel weight
+  // (i, j) of head nh by the original query and key indices, so every part
+  // and tiling gives full attention's mask; 0: no dropout). lse stays the
+  // undropped softmax's.
+  uint32_t dropout_threshold = 0;
+  uint64_t dropout_seed = 0;
+  T dropout_scale = 1;
 };
 
 template <typename T>

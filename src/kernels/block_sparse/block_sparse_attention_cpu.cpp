@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "kernels/common/isa_target.h"
+#include "kernels/common/dropout_rows.h"
 #include "kernels/common/gemm.h"
 #include "kernels/common/parallel.h"
 #include "kernels/common/scratch.h"
@@ -378,6 +379,21 @@ inline T exp_kept(T* row, const Kept& k, int64_t width, T shift) {
   return exp_shift_sum(row + k.v0, k.v1 - k.v0, shift);
 }
 
+// Attention dropout of query i's weights in ordered key columns [j0, j0 +
+// cols) of a part (kernels/common/dropout.h, keyed by the original key
+// indices): row's values kept and scaled or zeroed into out (out == row: in
+// place).
+template <typename T>
+inline void drop_weights(const BlockSparseParams<T>& a, const Geometry& g, int64_t nh, int64_t i,
+                         const T* row, int64_t j0, int64_t cols, T* out) {
+  const uint64_t key = dropout_row_key(a.dropout_seed, nh, i);
+  if (g.k_order.empty())
+    dropped_copy(row, cols, key, j0, a.dropout_threshold, a.dropout_scale, out);
+  else
+    dropped_copy_at(row, cols, key, g.k_order.data() + j0, a.dropout_threshold, a.dropout_scale,
+                    out);
+}
+
 // The rows of one query tile: their indices, ranges, and the key tiles
 // [kb_lo, kb_hi] they reach (kb_hi < kb_lo: none).
 struct TileRows {
@@ -650,6 +666,12 @@ void block_sparse_attention_forward_cpu(const BlockSparseForwardArgs<T>& args) {
                 const T sum = exp_kept(row, kept, width, m_new);
                 w.l[r] = w.l[r] * alpha + sum;
                 w.m[r] = m_new;
+                if (a.dropout_threshold) {  // the weights of O only; l is the undropped sum
+                  const int64_t c1 = std::min(kept.v1, chunk_cols);
+                  if (c1 > kept.v0)
+                    drop_weights(a, *g, nh, tile.qidx[r], row + kept.v0, J0 + kept.v0, c1 - kept.v0,
+                                 row + kept.v0);
+                }
                 if (alpha != T(1)) {
                   T* orow = w.o.data() + r * M;
                   for (int64_t c = 0; c < M; ++c) orow[c] *= alpha;
@@ -699,7 +721,7 @@ constexpr int64_t kQuerySlots = 8;
 
 template <typename T>
 struct BackwardScratch {
-  std::vector<T> p, dp, acc1, acc2, kp, vp;
+  std::vector<T> p, pd, dp, acc1, acc2, kp, vp;  // pd: P with dropout applied
   QueryTile<T> slots[kQuerySlots];
 };
 
@@ -728,10 +750,13 @@ int first_part_of(const SparsePart* parts, int num_parts, int64_t h) {
 // P = exp(S·scale - lse) cut to the rows' ranges, for the tile's rows
 // [r0, r1) against key tile [j0, j0 + cols) (its keys and values packed in
 // panels at kp, vp); dS = P ∘ (dO·V^T - delta)·scale in w.dp (row r of both
-// at r·kBk).
+// at r·kBk). With dropout, Pd = P ∘ Z / (1 - p) (Z the forward's keep mask,
+// regenerated) in w.pd and dS = (Pd ∘ dP - P ∘ delta)·scale, as in full
+// attention's backward. Returns the weights of O: P, or Pd.
 template <typename T>
-void tile_p_ds(const BlockSparseBackwardArgs<T>& a, BackwardScratch<T>& w, const QueryTile<T>& qt,
-               const T* kp, const T* vp, int64_t j0, int64_t cols, int64_t r0, int64_t r1) {
+const T* tile_p_ds(const BlockSparseBackwardArgs<T>& a, BackwardScratch<T>& w,
+                   const QueryTile<T>& qt, const Geometry& g, const T* kp, const T* vp, int64_t j0,
+                   int64_t cols, int64_t r0, int64_t r1) {
   constexpr int64_t NR = panel_width<T>();
   const int64_t width = round_up(cols, NR);
   gemm_packed(r1 - r0, width, a.E, qt.q + r0 * a.E, a.E, kp, w.p.data() + r0 * kBk, kBk, false);
@@ -744,12 +769,25 @@ void tile_p_ds(const BlockSparseBackwardArgs<T>& a, BackwardScratch<T>& w, const
     exp_kept(row, prepare_row(row, qt.tile.rr[r], j0, cols, width, a.scale), width, qt.lse[r]);
   }
   gemm_packed(r1 - r0, width, a.M, qt.dO + r0 * a.M, a.M, vp, w.dp.data() + r0 * kBk, kBk, false);
+  if (a.dropout_threshold) {
+    const int64_t nh = qt.nh;
+    for (int64_t r = r0; r < r1; ++r) {
+      const T d = qt.delta[r];
+      const T* prow = w.p.data() + r * kBk;
+      T* pdrow = w.pd.data() + r * kBk;
+      T* dprow = w.dp.data() + r * kBk;
+      drop_weights<T>(a, g, nh, qt.tile.qidx[r], prow, j0, cols, pdrow);
+      for (int64_t c = 0; c < cols; ++c) dprow[c] = (pdrow[c] * dprow[c] - prow[c] * d) * a.scale;
+    }
+    return w.pd.data();
+  }
   for (int64_t r = r0; r < r1; ++r) {
     const T d = qt.delta[r];
     const T* prow = w.p.data() + r * kBk;
     T* dprow = w.dp.data() + r * kBk;
     for (int64_t c = 0; c < cols; ++c) dprow[c] = prow[c] * (dprow[c] - d) * a.scale;
   }
+  return w.p.data();
 }
 }  // namespace
 
@@ -809,6 +847,7 @@ void block_sparse_attention_backward_cpu(const BlockSparseBackwardArgs<T>& args)
   const bool one_pass = NH % a.num_threads == 0 || NH >= 4 * a.num_threads;
   auto init = [&](BackwardScratch<T>& w) {
     w.p.resize(kBq * kBk);
+    if (a.dropout_threshold) w.pd.resize(kBq * kBk);
     w.dp.resize(kBq * kBk);
     w.acc1.resize(kBk * E);
     w.acc2.resize(kBk * M);
@@ -878,7 +917,7 @@ void block_sparse_attention_backward_cpu(const BlockSparseBackwardArgs<T>& args)
         const int64_t j0 = kb * kBk, cols = std::min(kBk, g->Sp - j0);
         int64_t r0 = 0, r1 = 0;
         if (cols <= 0 || !qt.tile.span(j0, cols, &r0, &r1)) continue;
-        tile_p_ds(a, w, qt, kp + j0 * E, vp + j0 * M, j0, cols, r0, r1);
+        tile_p_ds(a, w, qt, *g, kp + j0 * E, vp + j0 * M, j0, cols, r0, r1);
         add_dq(w, qt, ko, j0, cols, r0, r1);
       }
       flush_dq(qt);
@@ -909,9 +948,8 @@ void block_sparse_attention_backward_cpu(const BlockSparseBackwardArgs<T>& args)
         if (!qt.tile.span(j0, cols, &r0, &r1)) continue;
         any = true;
         const int64_t rows = r1 - r0;
-        tile_p_ds(a, w, qt, w.kp.data(), w.vp.data(), j0, cols, r0, r1);
-        gemm_tn(cols, M, rows, w.p.data() + r0 * kBk, kBk, qt.dO + r0 * M, M, w.acc2.data(), M,
-                true);
+        const T* pw = tile_p_ds(a, w, qt, *g, w.kp.data(), w.vp.data(), j0, cols, r0, r1);
+        gemm_tn(cols, M, rows, pw + r0 * kBk, kBk, qt.dO + r0 * M, M, w.acc2.data(), M, true);
         gemm_tn(cols, E, rows, w.dp.data() + r0 * kBk, kBk, qt.q + r0 * E, E, w.acc1.data(), E,
                 true);
         if (with_dq) add_dq(w, qt, ko, j0, cols, r0, r1);

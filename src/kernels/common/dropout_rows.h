@@ -28,6 +28,20 @@ inline void dropped_copy(const T* row, int64_t cols, uint64_t row_key, int64_t j
   }
 }
 
+// dropped_copy for columns whose key indices are keys[c] (a kernel's own
+// key order: a block-sparse part's residue-major or summary order).
+template <typename T>
+inline void dropped_copy_at(const T* row, int64_t cols, uint64_t row_key, const int64_t* keys,
+                            uint32_t threshold, T scale, T* out) {
+  const uint32_t lo = static_cast<uint32_t>(row_key), hi = static_cast<uint32_t>(row_key >> 32);
+  const int32_t t = dropout_signed(threshold);
+  for (int64_t c = 0; c < cols; ++c) {
+    const uint32_t u = dropout_hash32(dropout_hash32(static_cast<uint32_t>(keys[c]) + lo) ^ hi);
+    const int32_t kept = dropout_signed(u) >= t;
+    out[c] = row[c] * (static_cast<T>(kept) * scale);
+  }
+}
+
 // In place: row[c] *= (kept ? scale : 0), the forward's dropped weights.
 template <typename T>
 inline void apply_dropout(T* row, int64_t cols, uint64_t row_key, int64_t j0, uint32_t threshold,

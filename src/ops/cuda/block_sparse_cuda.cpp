@@ -109,7 +109,9 @@ Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v, const std::s
 std::tuple<Tensor, Tensor> forward_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
                                         c10::string_view pattern, c10::IntArrayRef params,
                                         const c10::optional<Tensor>& key_lengths, bool causal,
-                                        double softmax_temp) {
+                                        double softmax_temp, double dropout_p,
+                                        int64_t /*dropout_seed*/) {
+  ops::cuda::check_no_dropout(kOp, dropout_p);
   c10::cuda::CUDAGuard guard(q.device());
   const auto p = prepare(q, k, v, std::string(pattern), params, key_lengths, causal, softmax_temp);
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), M = v.size(3);
@@ -136,7 +138,9 @@ std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& grad_out, const T
                                                  const Tensor& out, const Tensor& lse,
                                                  c10::string_view pattern, c10::IntArrayRef params,
                                                  const c10::optional<Tensor>& key_lengths,
-                                                 bool causal, double softmax_temp) {
+                                                 bool causal, double softmax_temp, double dropout_p,
+                                                 int64_t /*dropout_seed*/) {
+  ops::cuda::check_no_dropout(kOp, dropout_p);
   c10::cuda::CUDAGuard guard(q.device());
   const auto p = prepare(q, k, v, std::string(pattern), params, key_lengths, causal, softmax_temp);
   ops::check_block_sparse_backward(kOp, grad_out, out, lse);

@@ -20,4 +20,11 @@ inline void check_same_device(const char* op, const char* name, const torch::Ten
               t.device());
 }
 
+// Attention dropout is fused in the CPU kernels only so far.
+inline void check_no_dropout(const char* op, double dropout_p) {
+  TORCH_CHECK(dropout_p == 0, op, ": attention dropout (dropout_p = ", dropout_p,
+              ") is not in the CUDA kernels yet; on CUDA float16 / bfloat16 the dense-attention "
+              "engine's route is to take it (issue 64)");
+}
+
 }  // namespace fastattn::ops::cuda

@@ -60,13 +60,6 @@ std::tuple<Tensor, Tensor> forward_impl(const char* op, const Tensor& q, const T
   return {out, lse};
 }
 
-// Attention dropout is fused in the CPU kernels only so far.
-void check_no_dropout(double dropout_p) {
-  TORCH_CHECK(dropout_p == 0, kOp, ": attention dropout (dropout_p = ", dropout_p,
-              ") is not in the CUDA kernels yet; on CUDA float16 / bfloat16 the dense-attention "
-              "engine's route is to take it (issue 64)");
-}
-
 // The fused forward runs a block per 64 queries and (n, h), each over all S
 // keys: below one block per SM and from S = 4096 keys the dense products
 // (cuBLAS, float32 scores of at most 256 MiB) are faster (100 centroids at
@@ -85,7 +78,7 @@ std::tuple<Tensor, Tensor> full_attention_forward_cuda(const Tensor& q, const Te
                                                        bool causal, double softmax_temp,
                                                        double dropout_p, int64_t dropout_seed) {
   ops::check_full_attention_inputs(q, k, v, attn_mask, key_lengths);
-  check_no_dropout(dropout_p);
+  ops::cuda::check_no_dropout(kOp, dropout_p);
   Tensor out, lse;
   if (!attn_mask && few_query_blocks(q, k)) {
     check_cuda_inputs(kOp, q, k, v);  // the backward's kernels
@@ -137,7 +130,7 @@ std::tuple<Tensor, Tensor, Tensor> full_attention_backward_cuda(
     const c10::optional<Tensor>& key_lengths, bool causal, double softmax_temp,
     const c10::optional<Tensor>& grad_lse, double dropout_p, int64_t dropout_seed) {
   ops::check_full_attention_inputs(q, k, v, attn_mask, key_lengths);
-  check_no_dropout(dropout_p);
+  ops::cuda::check_no_dropout(kOp, dropout_p);
   ops::check_full_attention_grads(grad_out, out, lse, grad_lse);
   auto gq = torch::empty(q.sizes(), q.options());
   auto gk = torch::empty(k.sizes(), k.options());

@@ -4,7 +4,7 @@ Inner attentions take and return fast-transformers' layout ``(N, L, H, E)``
 and its masks (``attn_mask``: FullMask / TriangularCausalMask;
 ``query_lengths``, ``key_lengths``: LengthMask) and run fastattn's registered
 types. Differences (docs/python.md, "compat"): attention dropout is applied
-(fused) by the types that have it in fastattn (full, clustered,
+(fused) by the types that have it in fastattn (full, local, clustered,
 improved-clustered) and not yet by the others (a warning says so in training
 mode), padded queries are clustered
 with the real ones, and Reformer hashes with fastattn's angular LSH.
@@ -15,8 +15,8 @@ import warnings
 import torch
 from torch import nn
 
+from .... import _param_names
 from .... import attention as _attention
-from ....hf import _param_names
 from ..masking import FullMask, LengthMask, TriangularCausalMask
 
 __all__ = ["AttentionLayer", "FullAttention", "LinearAttention", "CausalLinearAttention",
