@@ -40,15 +40,15 @@ namespace {
 // score is 0, so the operator's lse is log(count).
 double keys_per_query(const std::string& pattern, const std::vector<int64_t>& params, bool causal,
                       int64_t H, int64_t L) {
-  static auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("fastattn::block_sparse_attention_forward", "")
-          .typed<std::tuple<torch::Tensor, torch::Tensor>(
-              const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, c10::string_view,
-              c10::IntArrayRef, const c10::optional<torch::Tensor>&, bool, double)>();
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastattn::block_sparse_attention_forward", "")
+                       .typed<std::tuple<torch::Tensor, torch::Tensor>(
+                           const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                           c10::string_view, c10::IntArrayRef, const c10::optional<torch::Tensor>&,
+                           bool, double, double, int64_t)>();
   torch::NoGradGuard no_grad;
   auto z = torch::zeros({1, H, L, 1}, torch::kDouble);
-  auto lse = std::get<1>(op.call(z, z, z, pattern, params, c10::nullopt, causal, 1.0));
+  auto lse = std::get<1>(op.call(z, z, z, pattern, params, c10::nullopt, causal, 1.0, 0.0, 0));
   return lse.exp().mean().item<double>();
 }
 

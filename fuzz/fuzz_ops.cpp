@@ -660,15 +660,15 @@ void fuzz_type_params(Bytes& b, Setup s) {
   }
   // The byte of the seed of the global generator (types without their own).
   torch::manual_seed(b.byte());
-  static auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("fastattn::attention", "")
-          .typed<Tensor(std::string, const Tensor&, const Tensor&, const Tensor&, bool,
-                        const c10::optional<Tensor>&, const c10::optional<Tensor>&, std::string)>();
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastattn::attention", "")
+                       .typed<Tensor(std::string, const Tensor&, const Tensor&, const Tensor&, bool,
+                                     const c10::optional<Tensor>&, const c10::optional<Tensor>&,
+                                     std::string, bool)>();
   const std::string json = params.dump();
   Tensor out;
   try {
-    out = op.call(name, t.q, t.k, t.v, causal, c10::nullopt, c10::nullopt, json);
+    out = op.call(name, t.q, t.k, t.v, causal, c10::nullopt, c10::nullopt, json, false);
   } catch (const c10::Error& e) {
     const std::string msg = e.what_without_backtrace();
     if (!out_of_range.empty()) {
@@ -879,16 +879,17 @@ void fuzz_improved_clustered(Bytes& b, Setup s) {
   } else {
     what = corrupt_qkv(c, t, kl, s);
   }
-  static auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("fastattn::improved_clustered_attention", "")
-          .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                        int64_t, const c10::optional<Tensor>&, c10::optional<double>)>();
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastattn::improved_clustered_attention", "")
+                       .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                     const Tensor&, int64_t, const c10::optional<Tensor>&,
+                                     c10::optional<double>, double, c10::optional<int64_t>)>();
   Tensor out;
   const c10::optional<Tensor> klc = kl ? c10::optional<Tensor>(*kl) : c10::nullopt;
   const c10::optional<double> tempc = temp ? c10::optional<double>(*temp) : c10::nullopt;
-  if (!run_expecting(corrupt, what,
-                     [&] { out = op.call(t.q, t.k, t.v, assignments, counts, topk, klc, tempc); }))
+  if (!run_expecting(corrupt, what, [&] {
+        out = op.call(t.q, t.k, t.v, assignments, counts, topk, klc, tempc, 0.0, c10::nullopt);
+      }))
     return;
   const char* name = "improved_clustered_attention";
   check_shape(out, {s.N, s.H, s.L, s.M}, name);
@@ -951,11 +952,11 @@ void fuzz_attention_step(Bytes& b, Setup s) {
                          .typed<std::tuple<Tensor, std::vector<Tensor>>(
                              std::string, const Tensor&, const Tensor&, const Tensor&,
                              at::TensorList, std::string)>();
-  static auto batch =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("fastattn::attention", "")
-          .typed<Tensor(std::string, const Tensor&, const Tensor&, const Tensor&, bool,
-                        const c10::optional<Tensor>&, const c10::optional<Tensor>&, std::string)>();
+  static auto batch = c10::Dispatcher::singleton()
+                          .findSchemaOrThrow("fastattn::attention", "")
+                          .typed<Tensor(std::string, const Tensor&, const Tensor&, const Tensor&,
+                                        bool, const c10::optional<Tensor>&,
+                                        const c10::optional<Tensor>&, std::string, bool)>();
   std::vector<Tensor> state, outs;
   for (int64_t i = 0; i < s.L; ++i) {
     Tensor q = t.q.select(2, i), k = t.k.select(2, i), v = t.v.select(2, i);
@@ -1016,7 +1017,7 @@ void fuzz_attention_step(Bytes& b, Setup s) {
   if (s.dtype != torch::kDouble) return;
   got = got.detach();
   if (type != "hard-retrieval") {
-    auto want = batch.call(type, t.q, t.k, t.v, true, c10::nullopt, c10::nullopt, params);
+    auto want = batch.call(type, t.q, t.k, t.v, true, c10::nullopt, c10::nullopt, params, false);
     check_close(got, want, "attention_step vs the causal batch type");
     return;
   }

@@ -175,11 +175,13 @@ def register():
         return _row_grads(q, k, v) + (_like(mass),)
 
     @fake("fastattn::improved_clustered_attention")
-    def _(q, k, v, assignments, counts, topk, key_lengths=None, softmax_temp=None):
+    def _(q, k, v, assignments, counts, topk, key_lengths=None, softmax_temp=None, dropout_p=0.0,
+          dropout_seed=None):
         return _rows_like(q, v.shape[-1])
 
     @fake("fastattn::improved_clustered_attention_forward")
-    def _(q, k, v, assignments, counts, topk, key_lengths, softmax_temp):
+    def _(q, k, v, assignments, counts, topk, key_lengths, softmax_temp, dropout_p=0.0,
+          dropout_seed=0):
         clusters = counts.shape[-1]
         centroids = q.new_empty(q.shape[:2] + (clusters, q.shape[-1]))
         return (
@@ -192,7 +194,7 @@ def register():
 
     @fake("fastattn::improved_clustered_attention_backward")
     def _(grad_out, q, k, v, assignments, counts, centroids, lse, out_c, top_idx, key_lengths,
-          softmax_temp):
+          softmax_temp, dropout_p=0.0, dropout_seed=0):
         return _row_grads(q, k, v)
 
     # ---- hard retrieval ----------------------------------------------------

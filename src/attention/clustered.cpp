@@ -12,9 +12,11 @@
 // over the keys gives each centroid's full output, log-sum-exp and top-k keys
 // (never (N,H,C,S)); per cluster, its members' exact attention on those k
 // keys scaled by the centroid's mass there, plus the centroid's weights on the
-// other keys (its full output minus the top-k share). Only training with
-// dropout > 0 materialises the centroid weights (N,H,C,S) and gathers
-// (N,H,L,k,E) keys and (N,H,L,k,M) values through ATen.
+// other keys (its full output minus the top-k share). Attention dropout in
+// training is fused on the CPU (full attention's and the top-k kernels' keep
+// masks); on CUDA training with dropout > 0 still materialises the centroid
+// weights (N,H,C,S) and gathers (N,H,L,k,E) keys and (N,H,L,k,M) values
+// through ATen.
 // Causal improved: prefix top-k sets per cluster and block of local_context
 // positions (a running top-k over the blocks, selection only), then per query
 // an exact softmax over its set (keys <= i - w) and its window (i-w+1 .. i),
@@ -228,7 +230,11 @@ Tensor centroid_attention(const Tensor& queries, const Tensor& keys, const Tenso
                           std::optional<double> softmax_temp, double dropout) {
   auto centroids = cluster_centroids(queries, clusters);  // (N, H, C, E)
   Tensor centroid_values;                                 // (N, H, C, M)
-  if (dropout > 0) {
+  if (dropout > 0 && queries.device().is_cpu()) {
+    // Fused in full attention's CPU kernels (the centroid rows' keep mask).
+    centroid_values = full_attention(centroids, keys, values, std::nullopt, key_lengths,
+                                     /*causal=*/false, softmax_temp, dropout);
+  } else if (dropout > 0) {
     // Dropout acts on the weights, which the fused op never forms: (N,H,C,S).
     const double temp = temp_or_default(queries, softmax_temp);
     auto scores = torch::matmul(centroids, keys.transpose(-1, -2)) * temp;
@@ -323,7 +329,7 @@ Tensor improved_clustered_attention(const Tensor& queries, const Tensor& keys, c
   if (S == 0) return torch::zeros({N, H, L, M}, queries.options());
   const int64_t k = std::min(topk, S);
   const double temp = temp_or_default(queries, softmax_temp);
-  if (dropout > 0) {
+  if (dropout > 0 && !queries.device().is_cpu()) {
     auto centroids = cluster_centroids(queries, clusters);  // (N, H, C, E)
     // Dropout acts on the centroid weights, so they are materialised:
     // A^c (N, H, C, S), its top-k keys and masses (eq. 9); the keys outside
@@ -338,7 +344,7 @@ Tensor improved_clustered_attention(const Tensor& queries, const Tensor& keys, c
                                  dropout) +
            broadcast_to_queries(rest_values, clusters, queries);
   }
-  if (!key_lengths) {
+  if (!key_lengths && dropout == 0) {
     ops::DenseAttentionSpec spec;
     spec.scale = temp;
     if (ops::types_use_dense_engine(queries, values, spec, /*pieces=*/true))
@@ -348,13 +354,17 @@ Tensor improved_clustered_attention(const Tensor& queries, const Tensor& keys, c
   // log-sum-exp and top-k keys of each, never (N, H, C, S)), then per cluster
   // the members' exact top-k part plus the centroid's rest, one output and
   // one gradient buffer per input.
-  static auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("fastattn::improved_clustered_attention", "")
-          .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                        int64_t, const c10::optional<Tensor>&, c10::optional<double>)>();
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastattn::improved_clustered_attention", "")
+                       .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                     const Tensor&, int64_t, const c10::optional<Tensor>&,
+                                     c10::optional<double>, double, c10::optional<int64_t>)>();
+  // With dropout (CPU), fused in it: the members' top-k weights and the
+  // centroid's (its output and rest) drop, the seed drawn from torch's
+  // generator; the masses stay undropped.
   return op.call(queries, keys, values, clusters.assignments, clusters.counts, k,
-                 key_lengths ? c10::optional<Tensor>(*key_lengths) : c10::nullopt, temp);
+                 key_lengths ? c10::optional<Tensor>(*key_lengths) : c10::nullopt, temp, dropout,
+                 c10::nullopt);
 }
 
 Tensor causal_improved_clustered_attention(const Tensor& queries,  // (N, H, L, E)

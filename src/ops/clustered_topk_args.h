@@ -34,7 +34,8 @@ torch::Tensor improved_clustered_no_grad_entry(const torch::Tensor& q, const tor
                                                const torch::Tensor& assignments,
                                                const torch::Tensor& counts, int64_t topk,
                                                const c10::optional<torch::Tensor>& key_lengths,
-                                               c10::optional<double> softmax_temp);
+                                               c10::optional<double> softmax_temp, double dropout_p,
+                                               c10::optional<int64_t> dropout_seed);
 
 // The struct's operands (qkv_inputs), the clusters' top-k keys (N, H, C, K)
 // and the queries' assignments (N, H, L), int64 contiguous, and the scale;

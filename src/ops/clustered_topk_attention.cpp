@@ -233,26 +233,35 @@ constexpr const char* kImprovedOp = "fastattn::improved_clustered_attention";
 template <typename T>
 void fill_improved(kernels::ClusteredTopkParams<T>& a, const ops::QKVInputs& in,
                    const Tensor& assignments, const Tensor& top_idx, const Tensor& centroids,
-                   const Tensor& lse, const Tensor& out_c, double temp) {
+                   const Tensor& lse, const Tensor& out_c, double temp, double dropout_p,
+                   int64_t dropout_seed) {
   ops::fill_clustered_topk_args(a, kImprovedOp, in, top_idx, assignments, temp);
   a.centroids = centroids.data_ptr<T>();
   a.lse = lse.data_ptr<T>();
   a.out_c = out_c.data_ptr<T>();
+  ops::set_dropout_args(a, dropout_p, dropout_seed);
+}
+
+// The centroid rows' dropout seed (kernels/clustered_topk/clustered_topk.h).
+int64_t centroid_dropout_seed(int64_t seed) {
+  return static_cast<int64_t>(
+      kernels::dropout_stream_seed(static_cast<uint64_t>(seed), kernels::kDropoutCentroidStream));
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> improved_clustered_forward_cpu(
     const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, const Tensor& assignments_in,
     const Tensor& counts_in, int64_t topk, const c10::optional<Tensor>& key_lengths,
-    double softmax_temp) {
+    double softmax_temp, double dropout_p, int64_t dropout_seed) {
   ops::check_qkv(kImprovedOp, q_in, k_in, v_in);
   ops::check_masks(kImprovedOp, q_in, k_in.size(2), std::nullopt, to_std(key_lengths));
   ops::check_improved_clusters(q_in, assignments_in, counts_in);
   TORCH_CHECK(topk >= 1 && topk <= k_in.size(2), kImprovedOp, ": topk must be in [1, S] = [1, ",
               k_in.size(2), "], got ", topk);
+  ops::check_dropout(kImprovedOp, dropout_p);
   if (ops::is_reduced_float(q_in)) {
-    auto [out, centroids, lse, out_c, top_idx] =
-        ops::in_float32<2>(q_in.scalar_type(), improved_clustered_forward_cpu, q_in, k_in, v_in,
-                           assignments_in, counts_in, topk, key_lengths, softmax_temp);
+    auto [out, centroids, lse, out_c, top_idx] = ops::in_float32<2>(
+        q_in.scalar_type(), improved_clustered_forward_cpu, q_in, k_in, v_in, assignments_in,
+        counts_in, topk, key_lengths, softmax_temp, dropout_p, dropout_seed);
     return {ops::in_rows_layout_of(out, q_in), centroids, lse, out_c, top_idx};
   }
   // Rows read in place (the layers' (N, L, H, E) views): the kernels take row strides.
@@ -260,18 +269,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> improved_clustered_forward_cp
   const auto &q = in.q, &k = in.k, &v = in.v;
   auto assignments = assignments_in.contiguous(), counts = counts_in.contiguous();
   auto centroids = ops::cluster_sums(q, assignments, counts.size(2), counts);  // the means
-  static auto lse_topk = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("fastattn::full_attention_lse_topk_forward", "")
-                             .typed<std::tuple<Tensor, Tensor, Tensor>(
-                                 const Tensor&, const Tensor&, const Tensor&,
-                                 const c10::optional<Tensor>&, double, int64_t)>();
   // Named tensors, not structured bindings: lambdas cannot capture those before C++20 (clang).
+  // With dropout, out_c's weights drop by the centroid rows' mask.
   Tensor out_c, lse, top_idx;
-  std::tie(out_c, lse, top_idx) = lse_topk.call(centroids, k, v, key_lengths, softmax_temp, topk);
+  std::tie(out_c, lse, top_idx) =
+      ops::full_attention_lse_topk_cpu(centroids, k, v, key_lengths, softmax_temp, topk, dropout_p,
+                                       centroid_dropout_seed(dropout_seed));
   auto out = ops::empty_rows_like(q, v.size(3));
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "improved_clustered_forward_cpu", [&] {
     kernels::ClusteredTopkForwardArgs<scalar_t> a;
-    fill_improved(a, in, assignments, top_idx, centroids, lse, out_c, softmax_temp);
+    fill_improved(a, in, assignments, top_idx, centroids, lse, out_c, softmax_temp, dropout_p,
+                  dropout_seed);
     a.out = out.data_ptr<scalar_t>();
     a.out_rows = ops::row_strides(out);
     kernels::clustered_topk_forward_cpu(a);
@@ -283,14 +291,16 @@ std::tuple<Tensor, Tensor, Tensor> improved_clustered_backward_cpu(
     const Tensor& grad_out, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
     const Tensor& assignments_in, const Tensor& counts_in, const Tensor& centroids,
     const Tensor& lse, const Tensor& out_c, const Tensor& top_idx,
-    const c10::optional<Tensor>& key_lengths, double softmax_temp) {
+    const c10::optional<Tensor>& key_lengths, double softmax_temp, double dropout_p,
+    int64_t dropout_seed) {
   ops::check_qkv(kImprovedOp, q_in, k_in, v_in);
   ops::check_improved_clusters(q_in, assignments_in, counts_in);
+  ops::check_dropout(kImprovedOp, dropout_p);
   if (ops::is_reduced_float(q_in)) {
     return ops::in_rows_layouts_of(
         ops::in_float32(q_in.scalar_type(), improved_clustered_backward_cpu, grad_out, q_in, k_in,
                         v_in, assignments_in, counts_in, centroids, lse, out_c, top_idx,
-                        key_lengths, softmax_temp),
+                        key_lengths, softmax_temp, dropout_p, dropout_seed),
         q_in, k_in, v_in);
   }
   const auto in = ops::qkv_inputs(q_in, k_in, v_in, key_lengths);
@@ -304,7 +314,8 @@ std::tuple<Tensor, Tensor, Tensor> improved_clustered_backward_cpu(
        g_out_c = torch::empty_like(out_c);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "improved_clustered_backward_cpu", [&] {
     kernels::ClusteredTopkBackwardArgs<scalar_t> a;
-    fill_improved(a, in, assignments, top_idx, centroids, lse, out_c, softmax_temp);
+    fill_improved(a, in, assignments, top_idx, centroids, lse, out_c, softmax_temp, dropout_p,
+                  dropout_seed);
     a.grad_out = go.data_ptr<scalar_t>();
     a.grad_q = gq.data_ptr<scalar_t>();
     a.grad_k = gk.data_ptr<scalar_t>();
@@ -318,7 +329,8 @@ std::tuple<Tensor, Tensor, Tensor> improved_clustered_backward_cpu(
   // The centroid pass: its gradients to k and v add to the top-k ones; to the
   // centroids, then to every member query (centroid = mean of the members).
   ops::full_attention_backward_accumulate(g_out_c, g_lse, centroids, k, v, out_c, lse,
-                                          to_std(key_lengths), softmax_temp, g_cen, gk, gv);
+                                          to_std(key_lengths), softmax_temp, g_cen, gk, gv,
+                                          dropout_p, centroid_dropout_seed(dropout_seed));
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "improved_clustered_centroid_grads", [&] {
     kernels::CentroidSpreadArgs<scalar_t> g;
     g.dst = gq.data_ptr<scalar_t>();
@@ -339,11 +351,12 @@ std::tuple<Tensor, Tensor, Tensor> improved_clustered_backward_cpu(
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> call_improved_forward(
     const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& assignments,
-    const Tensor& counts, int64_t topk, const c10::optional<Tensor>& key_lengths, double temp) {
+    const Tensor& counts, int64_t topk, const c10::optional<Tensor>& key_lengths, double temp,
+    double dropout_p, int64_t dropout_seed) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fastattn::improved_clustered_attention_forward", "")
                        .typed<decltype(improved_clustered_forward_cpu)>();
-  return op.call(q, k, v, assignments, counts, topk, key_lengths, temp);
+  return op.call(q, k, v, assignments, counts, topk, key_lengths, temp, dropout_p, dropout_seed);
 }
 
 class ImprovedClusteredFunction : public torch::autograd::Function<ImprovedClusteredFunction> {
@@ -351,15 +364,21 @@ class ImprovedClusteredFunction : public torch::autograd::Function<ImprovedClust
   static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& assignments, const Tensor& counts, int64_t topk,
                         const c10::optional<Tensor>& key_lengths,
-                        c10::optional<double> softmax_temp) {
+                        c10::optional<double> softmax_temp, double dropout_p,
+                        c10::optional<int64_t> dropout_seed) {
     at::AutoDispatchBelowADInplaceOrView guard;
     ops::check_qkv(kImprovedOp, q, k, v);
+    ops::check_dropout(kImprovedOp, dropout_p);
     const double temp = ops::resolve_softmax_temp(kImprovedOp, q, softmax_temp);
-    auto [out, centroids, lse, out_c, top_idx] =
-        call_improved_forward(q, k, v, assignments, counts, topk, key_lengths, temp);
+    // One seed for the forward and the backward: the same keep masks.
+    const int64_t seed = ops::resolve_dropout_seed(dropout_p, dropout_seed);
+    auto [out, centroids, lse, out_c, top_idx] = call_improved_forward(
+        q, k, v, assignments, counts, topk, key_lengths, temp, dropout_p, seed);
     ctx->save_for_backward({q, k, v, assignments, counts, centroids, lse, out_c, top_idx});
     ctx->saved_data["key_lengths"] = key_lengths ? *key_lengths : Tensor();
     ctx->saved_data["temp"] = temp;
+    ctx->saved_data["dropout_p"] = dropout_p;
+    ctx->saved_data["dropout_seed"] = seed;
     return out;
   }
 
@@ -369,19 +388,21 @@ class ImprovedClusteredFunction : public torch::autograd::Function<ImprovedClust
                          .typed<decltype(improved_clustered_backward_cpu)>();
     const auto s = ctx->get_saved_variables();
     const auto kl = ctx->saved_data["key_lengths"].toTensor();
-    auto [gq, gk, gv] = op.call(grads[0], s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8],
-                                kl.defined() ? c10::optional<Tensor>(kl) : c10::nullopt,
-                                ctx->saved_data["temp"].toDouble());
-    return {gq, gk, gv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    auto [gq, gk, gv] = op.call(
+        grads[0], s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8],
+        kl.defined() ? c10::optional<Tensor>(kl) : c10::nullopt, ctx->saved_data["temp"].toDouble(),
+        ctx->saved_data["dropout_p"].toDouble(), ctx->saved_data["dropout_seed"].toInt());
+    return {gq, gk, gv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
 Tensor improved_clustered_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
                                    const Tensor& assignments, const Tensor& counts, int64_t topk,
                                    const c10::optional<Tensor>& key_lengths,
-                                   c10::optional<double> softmax_temp) {
+                                   c10::optional<double> softmax_temp, double dropout_p,
+                                   c10::optional<int64_t> dropout_seed) {
   return ImprovedClusteredFunction::apply(q, k, v, assignments, counts, topk, key_lengths,
-                                          softmax_temp);
+                                          softmax_temp, dropout_p, dropout_seed);
 }
 
 }  // namespace
@@ -392,11 +413,14 @@ namespace ops {
 Tensor improved_clustered_no_grad_entry(const Tensor& q, const Tensor& k, const Tensor& v,
                                         const Tensor& assignments, const Tensor& counts,
                                         int64_t topk, const c10::optional<Tensor>& key_lengths,
-                                        c10::optional<double> softmax_temp) {
+                                        c10::optional<double> softmax_temp, double dropout_p,
+                                        c10::optional<int64_t> dropout_seed) {
   ops::check_qkv(kImprovedOp, q, k, v);
-  return std::get<0>(
-      call_improved_forward(q, k, v, assignments, counts, topk, key_lengths,
-                            ops::resolve_softmax_temp(kImprovedOp, q, softmax_temp)));
+  ops::check_dropout(kImprovedOp, dropout_p);
+  return std::get<0>(call_improved_forward(q, k, v, assignments, counts, topk, key_lengths,
+                                           ops::resolve_softmax_temp(kImprovedOp, q, softmax_temp),
+                                           dropout_p,
+                                           ops::resolve_dropout_seed(dropout_p, dropout_seed)));
 }
 
 }  // namespace ops

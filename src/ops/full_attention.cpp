@@ -248,25 +248,7 @@ constexpr const char* kLseTopkOp = "fastattn::full_attention_lse_topk";
 std::tuple<Tensor, Tensor, Tensor> full_attention_lse_topk_forward_cpu(
     const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& key_lengths,
     double softmax_temp, int64_t topk) {
-  ops::check_lse_topk_inputs(q, k, v, key_lengths, topk);
-  if (ops::is_reduced_float(q))
-    return ops::in_float32<1>(q.scalar_type(), full_attention_lse_topk_forward_cpu, q, k, v,
-                              key_lengths, softmax_temp, topk);
-  const auto p = ops::full_attention_inputs(q, k, v, c10::nullopt, key_lengths);
-  const int64_t N = q.size(0), H = q.size(1), L = q.size(2);
-  auto out = ops::empty_output({N, H, L, v.size(3)}, q.options());
-  auto lse = torch::empty({N, H, L}, q.options());
-  auto idx = torch::empty({N, H, L, topk}, q.options().dtype(torch::kLong));
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "full_attention_lse_topk_forward_cpu", [&] {
-    kernels::FullAttentionForwardArgs<scalar_t> a;
-    ops::fill_full_attention_args(a, kOp, p, /*causal=*/false, softmax_temp);
-    a.out = out.data_ptr<scalar_t>();
-    a.lse = lse.data_ptr<scalar_t>();
-    a.topk = topk;
-    a.top_idx = idx.data_ptr<int64_t>();
-    kernels::full_attention_forward_cpu(a);
-  });
-  return {out, lse, idx};
+  return ops::full_attention_lse_topk_cpu(q, k, v, key_lengths, softmax_temp, topk, 0.0, 0);
 }
 
 std::tuple<Tensor, Tensor, Tensor> call_lse_topk_forward(const Tensor& q, const Tensor& k,
@@ -500,13 +482,41 @@ std::tuple<Tensor, Tensor, Tensor> full_attention_lse_topk_no_grad_entry(
   return full_attention_lse_topk_no_grad(q, k, v, key_lengths, softmax_temp, topk);
 }
 
+std::tuple<Tensor, Tensor, Tensor> full_attention_lse_topk_cpu(
+    const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& key_lengths,
+    double softmax_temp, int64_t topk, double dropout_p, int64_t dropout_seed) {
+  ops::check_lse_topk_inputs(q, k, v, key_lengths, topk);
+  ops::check_dropout(kLseTopkOp, dropout_p);
+  if (ops::is_reduced_float(q))
+    return ops::in_float32<1>(q.scalar_type(), full_attention_lse_topk_cpu, q, k, v, key_lengths,
+                              softmax_temp, topk, dropout_p, dropout_seed);
+  const auto p = ops::full_attention_inputs(q, k, v, c10::nullopt, key_lengths);
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2);
+  auto out = ops::empty_output({N, H, L, v.size(3)}, q.options());
+  auto lse = torch::empty({N, H, L}, q.options());
+  auto idx = torch::empty({N, H, L, topk}, q.options().dtype(torch::kLong));
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "full_attention_lse_topk_forward_cpu", [&] {
+    kernels::FullAttentionForwardArgs<scalar_t> a;
+    ops::fill_full_attention_args(a, kOp, p, /*causal=*/false, softmax_temp);
+    a.out = out.data_ptr<scalar_t>();
+    a.lse = lse.data_ptr<scalar_t>();
+    ops::set_dropout_args(a, dropout_p, dropout_seed);
+    a.topk = topk;
+    a.top_idx = idx.data_ptr<int64_t>();
+    kernels::full_attention_forward_cpu(a);
+  });
+  return {out, lse, idx};
+}
+
 void full_attention_backward_accumulate(const Tensor& grad_out, const Tensor& grad_lse,
                                         const Tensor& q, const Tensor& k, const Tensor& v,
                                         const Tensor& out, const Tensor& lse,
                                         const std::optional<Tensor>& key_lengths,
                                         double softmax_temp, Tensor& grad_q, Tensor& grad_k,
-                                        Tensor& grad_v) {
+                                        Tensor& grad_v, double dropout_p, int64_t dropout_seed) {
   if (q.is_cuda()) {
+    TORCH_CHECK(dropout_p == 0,
+                "full_attention_backward_accumulate: attention dropout is CPU-only so far");
     TORCH_CHECK(grad_q.is_contiguous() && grad_k.is_contiguous() && grad_v.is_contiguous(),
                 "full_attention_backward_accumulate: gradient buffers must be contiguous");
 #ifdef FASTATTN_WITH_CUDA
@@ -525,6 +535,7 @@ void full_attention_backward_accumulate(const Tensor& grad_out, const Tensor& gr
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "full_attention_backward_accumulate", [&] {
     kernels::FullAttentionBackwardArgs<scalar_t> a;
     ops::fill_full_attention_args(a, kOp, p, /*causal=*/false, softmax_temp);
+    ops::set_dropout_args(a, dropout_p, dropout_seed);
     a.grad_out = go.data_ptr<scalar_t>();
     a.lse = lse_c.data_ptr<scalar_t>();
     a.delta = delta.data_ptr<scalar_t>();

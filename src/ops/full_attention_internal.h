@@ -18,14 +18,24 @@ namespace fastattn::ops {
 // added into grad_q, grad_k, grad_v (q's dtype and shapes; any row layout on
 // the CPU, contiguous on CUDA):
 // gradients of the loss with respect to out (grad_out) and lse (grad_lse).
-// CPU or CUDA tensors.
+// CPU or CUDA tensors; dropout_p, dropout_seed: the forward's attention
+// dropout (CPU).
 void full_attention_backward_accumulate(const torch::Tensor& grad_out,
                                         const torch::Tensor& grad_lse, const torch::Tensor& q,
                                         const torch::Tensor& k, const torch::Tensor& v,
                                         const torch::Tensor& out, const torch::Tensor& lse,
                                         const std::optional<torch::Tensor>& key_lengths,
                                         double softmax_temp, torch::Tensor& grad_q,
-                                        torch::Tensor& grad_k, torch::Tensor& grad_v);
+                                        torch::Tensor& grad_k, torch::Tensor& grad_v,
+                                        double dropout_p = 0.0, int64_t dropout_seed = 0);
+
+// full_attention_lse_topk's forward on the CPU (out, lse, top_idx), with
+// attention dropout on out's weights (lse and the top-k from the undropped
+// scores).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> full_attention_lse_topk_cpu(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+    const c10::optional<torch::Tensor>& key_lengths, double softmax_temp, int64_t topk,
+    double dropout_p, int64_t dropout_seed);
 
 #ifdef FASTATTN_WITH_CUDA
 // Its CUDA implementation (cuda/full_attention_cuda.cpp).

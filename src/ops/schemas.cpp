@@ -103,16 +103,21 @@ TORCH_LIBRARY(fastattn, m) {
   // the centroids), k and v.
   m.def(
       "improved_clustered_attention(Tensor q, Tensor k, Tensor v, Tensor assignments, "
-      "Tensor counts, int topk, Tensor? key_lengths=None, float? softmax_temp=None) -> Tensor");
-  // Forward kernel: (out, centroids, lse, centroid outputs, top_idx) for the backward.
+      "Tensor counts, int topk, Tensor? key_lengths=None, float? softmax_temp=None, "
+      "float dropout_p=0.0, int? dropout_seed=None) -> Tensor");
+  // Forward kernel: (out, centroids, lse, centroid outputs, top_idx) for the
+  // backward. dropout_p, dropout_seed (CPU): the members' top-k weights drop
+  // by the query rows' mask, the centroid weights (its output, its rest) by
+  // the centroid rows' (a second stream of the seed); masses stay undropped.
   m.def(
       "improved_clustered_attention_forward(Tensor q, Tensor k, Tensor v, Tensor assignments, "
-      "Tensor counts, int topk, Tensor? key_lengths, float softmax_temp) "
-      "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "Tensor counts, int topk, Tensor? key_lengths, float softmax_temp, float dropout_p=0.0, "
+      "int dropout_seed=0) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "improved_clustered_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, "
       "Tensor assignments, Tensor counts, Tensor centroids, Tensor lse, Tensor out_c, "
-      "Tensor top_idx, Tensor? key_lengths, float softmax_temp) -> (Tensor, Tensor, Tensor)");
+      "Tensor top_idx, Tensor? key_lengths, float softmax_temp, float dropout_p=0.0, "
+      "int dropout_seed=0) -> (Tensor, Tensor, Tensor)");
 
   // ---- hard retrieval attention (Xu et al.) -----------------------------------
   // q (N,H,L,E), k (N,H,S,E), v (N,H,S,M) -> (out (N,H,L,M), index (N,H,L) int64):

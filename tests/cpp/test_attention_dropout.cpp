@@ -10,10 +10,12 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <limits>
 #include <string>
 #include <vector>
 
 #include "expect_error.h"
+#include "fastattn/clustered.h"
 #include "fastattn/mask.h"
 #include "fastattn/ops.h"
 #include "fastattn/registry.h"
@@ -238,6 +240,82 @@ TEST(AttentionDropout, SparseTypesDropInTrainingOnly) {
     EXPECT_TRUE(torch::equal(a, attn->forward(q, k, v, Mask().with_causal(true)))) << type;
     EXPECT_GT(max_err(a, eval_out), 1e-2) << type;
     EXPECT_ERROR_CONTAINS(make_attention(type, {{"attention_dropout", 1.0}}), "attention_dropout");
+  }
+}
+
+// Improved clustered attention: the members' top-k weights drop by the query
+// rows' mask, the centroid's weights (its output and so its rest) by the
+// centroid rows' (the seed's second stream); the masses stay undropped. The
+// float64 reference composes that densely from the same masks.
+Tensor improved_clustered_reference(const Tensor& q, const Tensor& k, const Tensor& v,
+                                    const QueryClusters& c, int64_t topk,
+                                    const std::optional<Tensor>& lengths, double temp,
+                                    const Tensor& keep_q, const Tensor& keep_c) {
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), C = c.counts.size(2);
+  const auto a = c.assignments;
+  auto member = torch::one_hot(a.clamp_min(0), C).to(torch::kDouble) *
+                a.ge(0).unsqueeze(-1).to(torch::kDouble);  // (N, H, L, C)
+  auto centroids = torch::matmul(member.transpose(-1, -2), q) /
+                   c.counts.clamp_min(1).to(torch::kDouble).unsqueeze(-1);  // (N, H, C, E)
+  auto valid = torch::ones({N, 1, 1, S}, torch::kBool);
+  if (lengths) valid = torch::arange(S).view({1, 1, 1, S}).lt(lengths->view({N, 1, 1, 1}));
+  const double inf = std::numeric_limits<double>::infinity();
+  auto sc = (torch::matmul(centroids, k.transpose(-1, -2)) * temp).masked_fill(~valid, -inf);
+  auto probs_c = torch::softmax(sc, -1);
+  auto top = torch::zeros({N, H, C, S}, torch::kDouble)
+                 .scatter(-1, std::get<1>(sc.detach().topk(topk, -1)), 1.0);
+  auto mass = (probs_c * top).sum(-1, /*keepdim=*/true);                       // (N, H, C, 1)
+  auto rest = torch::matmul(probs_c * keep_c * (1 - top), v);                  // (N, H, C, M)
+  auto per_query = [&](const Tensor& x) { return torch::matmul(member, x); };  // zeros: padding
+  auto top_q = per_query(top).gt(0.5) & valid;                                 // (N, H, L, S)
+  auto sq = (torch::matmul(q, k.transpose(-1, -2)) * temp).masked_fill(~top_q, -inf);
+  auto p_q = torch::softmax(sq, -1).nan_to_num(0.0);  // padded queries: no key
+  return torch::matmul(p_q * keep_q, v) * per_query(mass) + per_query(rest);
+}
+
+TEST(AttentionDropout, ImprovedClusteredEqualsTheReferenceWithTheSameMasks) {
+  const int64_t N = 2, H = 2, L = 150, S = 40, E = 8, M = 5, C = 4, topk = 6;
+  const double p = 0.3, temp = 0.5;
+  for (bool with_lengths : {false, true}) {
+    torch::manual_seed(12);
+    auto q = torch::randn({N, H, L, E}, torch::kDouble).requires_grad_(true);
+    auto k = torch::randn({N, H, S, E}, torch::kDouble).requires_grad_(true);
+    auto v = torch::randn({N, H, S, M}, torch::kDouble).requires_grad_(true);
+    auto g = torch::randn({N, H, L, M}, torch::kDouble);
+    QueryClusters c;
+    c.assignments = torch::randint(0, C, {N, H, L}, torch::kLong);
+    c.assignments.narrow(2, L - 5, 5).fill_(-1);  // padded queries
+    c.counts =
+        torch::one_hot(c.assignments.clamp_min(0), C).mul(c.assignments.ge(0).unsqueeze(-1)).sum(2);
+    std::optional<Tensor> lengths;
+    if (with_lengths) lengths = torch::tensor({S, S / 2}, torch::kLong);
+    torch::manual_seed(21);
+    auto out = improved_clustered_attention(q, k, v, c, topk, lengths, temp, p);
+    auto grads = torch::autograd::grad({out}, {q, k, v}, {g});
+    torch::manual_seed(21);  // the seed the operator drew
+    const int64_t seed =
+        torch::randint(0, int64_t{1} << 62, {1}, torch::TensorOptions().dtype(torch::kLong))
+            .item<int64_t>();
+    const int64_t centroid_seed =
+        static_cast<int64_t>(static_cast<uint64_t>(seed) ^ 0xa0761d6478bd642full);
+    auto keep_q = reference::attention_dropout_keep(seed, p, N, H, L, S);
+    auto keep_c = reference::attention_dropout_keep(centroid_seed, p, N, H, C, S);
+    auto x = std::vector<Tensor>{q.detach().requires_grad_(true), k.detach().requires_grad_(true),
+                                 v.detach().requires_grad_(true)};
+    auto ref =
+        improved_clustered_reference(x[0], x[1], x[2], c, topk, lengths, temp, keep_q, keep_c);
+    auto ref_grads = torch::autograd::grad({ref}, x, {g});
+    const std::string what = with_lengths ? "key lengths" : "all keys";
+    EXPECT_LE(max_err(out, ref), 1e-12) << what;
+    for (int i = 0; i < 3; ++i)
+      EXPECT_LE(max_err(grads[i], ref_grads[i]), 1e-11) << what << " grad " << i;
+    auto ones = torch::ones_like(keep_q), ones_c = torch::ones_like(keep_c);
+    auto undropped =
+        improved_clustered_reference(x[0], x[1], x[2], c, topk, lengths, temp, ones, ones_c);
+    EXPECT_GT(max_err(ref, undropped), 1e-2) << what;
+    EXPECT_LE(max_err(improved_clustered_attention(q, k, v, c, topk, lengths, temp), undropped),
+              1e-12)
+        << what;
   }
 }
 

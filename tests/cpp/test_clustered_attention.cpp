@@ -419,28 +419,36 @@ TEST(ImprovedClusteredOp, BadInputsNameTheArgument) {
           .findSchemaOrThrow("fastattn::improved_clustered_attention", "")
           .typed<torch::Tensor(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                                const torch::Tensor&, const torch::Tensor&, int64_t,
-                               const c10::optional<torch::Tensor>&, c10::optional<double>)>();
+                               const c10::optional<torch::Tensor>&, c10::optional<double>, double,
+                               c10::optional<int64_t>)>();
   auto q = torch::randn({1, 2, 5, 4}), k = torch::randn({1, 2, 6, 4}),
        v = torch::randn({1, 2, 6, 3});
   auto a = torch::zeros({1, 2, 5}, torch::kLong);
   auto counts = torch::zeros({1, 2, 3}, torch::kLong);
   counts.select(2, 0).fill_(5);
-  EXPECT_EQ(op.call(q, k, v, a, counts, 2, c10::nullopt, c10::nullopt).sizes(),
+  EXPECT_EQ(op.call(q, k, v, a, counts, 2, c10::nullopt, c10::nullopt, 0.0, c10::nullopt).sizes(),
             (std::vector<int64_t>{1, 2, 5, 3}));
-  EXPECT_ERROR_CONTAINS(op.call(q, k, v, a, counts, 7, c10::nullopt, c10::nullopt),
-                        "topk must be in [1, S] = [1, 6], got 7");
-  EXPECT_ERROR_CONTAINS(op.call(q, k, v, a[0], counts, 2, c10::nullopt, c10::nullopt),
-                        "assignments must have shape (N, H, L)");
-  EXPECT_ERROR_CONTAINS(op.call(q, k, v, a + 3, counts, 2, c10::nullopt, c10::nullopt),
-                        "assignments must be in [-1, C) = [-1, 3)");
-  EXPECT_ERROR_CONTAINS(op.call(q, k, v, a, counts.to(torch::kInt), 2, c10::nullopt, c10::nullopt),
-                        "counts must be int64");
-  EXPECT_ERROR_CONTAINS(op.call(q, k, v, a, counts + 1, 2, c10::nullopt, c10::nullopt),
-                        "counts must be the number of queries assigned to each cluster");
-  EXPECT_ERROR_CONTAINS(op.call(q, k, v, a, counts.roll(1, 2), 2, c10::nullopt, c10::nullopt),
-                        "they disagree with the assignments");
-  EXPECT_ERROR_CONTAINS(op.call(q, k.narrow(3, 0, 3), v, a, counts, 2, c10::nullopt, c10::nullopt),
-                        "k must agree with q");
+  EXPECT_ERROR_CONTAINS(
+      op.call(q, k, v, a, counts, 7, c10::nullopt, c10::nullopt, 0.0, c10::nullopt),
+      "topk must be in [1, S] = [1, 6], got 7");
+  EXPECT_ERROR_CONTAINS(
+      op.call(q, k, v, a[0], counts, 2, c10::nullopt, c10::nullopt, 0.0, c10::nullopt),
+      "assignments must have shape (N, H, L)");
+  EXPECT_ERROR_CONTAINS(
+      op.call(q, k, v, a + 3, counts, 2, c10::nullopt, c10::nullopt, 0.0, c10::nullopt),
+      "assignments must be in [-1, C) = [-1, 3)");
+  EXPECT_ERROR_CONTAINS(
+      op.call(q, k, v, a, counts.to(torch::kInt), 2, c10::nullopt, c10::nullopt, 0.0, c10::nullopt),
+      "counts must be int64");
+  EXPECT_ERROR_CONTAINS(
+      op.call(q, k, v, a, counts + 1, 2, c10::nullopt, c10::nullopt, 0.0, c10::nullopt),
+      "counts must be the number of queries assigned to each cluster");
+  EXPECT_ERROR_CONTAINS(
+      op.call(q, k, v, a, counts.roll(1, 2), 2, c10::nullopt, c10::nullopt, 0.0, c10::nullopt),
+      "they disagree with the assignments");
+  EXPECT_ERROR_CONTAINS(
+      op.call(q, k.narrow(3, 0, 3), v, a, counts, 2, c10::nullopt, c10::nullopt, 0.0, c10::nullopt),
+      "k must agree with q");
 }
 
 TEST(ClusteredTopkAttention, BadInputsNameTheArgument) {

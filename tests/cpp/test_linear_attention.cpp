@@ -823,16 +823,16 @@ TEST(LinearAttention, FiniteWitnessSumsEveryStoredValue) {
 // a finite output whose witness sum overflows (640 values of 1e36 a head:
 // the check then reads the output).
 TEST(LinearAttention, RegistryOperatorOverflowCheckReadsTheWitness) {
-  auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("fastattn::attention", "")
-          .typed<Tensor(std::string, const Tensor&, const Tensor&, const Tensor&, bool,
-                        const c10::optional<Tensor>&, const c10::optional<Tensor>&, std::string)>();
+  auto op = c10::Dispatcher::singleton()
+                .findSchemaOrThrow("fastattn::attention", "")
+                .typed<Tensor(std::string, const Tensor&, const Tensor&, const Tensor&, bool,
+                              const c10::optional<Tensor>&, const c10::optional<Tensor>&,
+                              std::string, bool)>();
   for (const char* type : {"linear", "causal-linear"}) {
     SCOPED_TRACE(type);
     const bool causal = std::string(type) == "causal-linear";
     auto q = torch::rand({1, 2, 40, 8}) * 1e20;
-    EXPECT_ERROR_CONTAINS(op.call(type, q, q, q, causal, c10::nullopt, c10::nullopt, "{}"),
+    EXPECT_ERROR_CONTAINS(op.call(type, q, q, q, causal, c10::nullopt, c10::nullopt, "{}", false),
                           "overflowed");
     // E = 1, phi <= 2 on [0, 1): numerators below 2 · 40 · 2 · 1e36, while
     // a head's 640 output values of 1e36 sum past float32's range.
@@ -841,7 +841,7 @@ TEST(LinearAttention, RegistryOperatorOverflowCheckReadsTheWitness) {
     auto attn = make_attention(type);
     attn->forward(small, small, v, Mask().with_causal(causal));
     EXPECT_FALSE(std::isfinite(attn->take_finite_witness().sum().item<double>()));
-    auto out = op.call(type, small, small, v, causal, c10::nullopt, c10::nullopt, "{}");
+    auto out = op.call(type, small, small, v, causal, c10::nullopt, c10::nullopt, "{}", false);
     EXPECT_TRUE(torch::isfinite(out).all().item<bool>());
   }
 }

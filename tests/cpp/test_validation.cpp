@@ -491,22 +491,24 @@ TEST(Validation, OpParametersAndAuxiliaryTensorsNamed) {
 TEST(Validation, DispatcherAttentionOpNamesTypeAndParams) {
   auto q = torch::randn({1, 1, 3, 4});
   auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fastattn::attention", "");
-  auto typed =
-      op.typed<Tensor(std::string, const Tensor&, const Tensor&, const Tensor&, bool,
-                      const c10::optional<Tensor>&, const c10::optional<Tensor>&, std::string)>();
+  auto typed = op.typed<Tensor(std::string, const Tensor&, const Tensor&, const Tensor&, bool,
+                               const c10::optional<Tensor>&, const c10::optional<Tensor>&,
+                               std::string, bool)>();
   EXPECT_TRUE(raises_naming(
-      [&] { typed.call("no-such-type", q, q, q, false, c10::nullopt, c10::nullopt, "{}"); },
+      [&] { typed.call("no-such-type", q, q, q, false, c10::nullopt, c10::nullopt, "{}", false); },
       "no-such-type"));
   EXPECT_TRUE(raises_naming(
-      [&] { typed.call("full", q, q, q, false, c10::nullopt, c10::nullopt, "{bad json"); },
+      [&] { typed.call("full", q, q, q, false, c10::nullopt, c10::nullopt, "{bad json", false); },
       "params_json"));
   EXPECT_TRUE(raises_naming(
       [&] {
-        typed.call("full", q, q, q, false, c10::nullopt, c10::nullopt, R"({"softmax_temp": -1})");
+        typed.call("full", q, q, q, false, c10::nullopt, c10::nullopt, R"({"softmax_temp": -1})",
+                   false);
       },
       "softmax_temp"));
   EXPECT_TRUE(raises_naming(
-      [&] { typed.call("full", q[0], q, q, false, c10::nullopt, c10::nullopt, "{}"); }, "q"));
+      [&] { typed.call("full", q[0], q, q, false, c10::nullopt, c10::nullopt, "{}", false); },
+      "q"));
 }
 
 // ---- non-contiguous inputs ---------------------------------------------------

@@ -70,16 +70,15 @@ TEST(CudaSparseProduct, ClusteredTopkForwardAndGradients) {
 }
 
 using ImprovedFn = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                          int64_t, const c10::optional<Tensor>&, c10::optional<double>);
+                          int64_t, const c10::optional<Tensor>&, c10::optional<double>, double,
+                          c10::optional<int64_t>);
 using ImprovedForwardFn = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>(
     const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t,
-    const c10::optional<Tensor>&, double);
-using ImprovedBackwardFn = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&,
-                                                              const Tensor&, const Tensor&,
-                                                              const Tensor&, const Tensor&,
-                                                              const Tensor&, const Tensor&,
-                                                              const Tensor&, const Tensor&,
-                                                              const c10::optional<Tensor>&, double);
+    const c10::optional<Tensor>&, double, double, int64_t);
+using ImprovedBackwardFn = std::tuple<Tensor, Tensor, Tensor>(
+    const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+    const Tensor&, const Tensor&, const Tensor&, const Tensor&, const c10::optional<Tensor>&,
+    double, double, int64_t);
 
 template <typename Fn>
 auto op(const char* name) {
@@ -109,8 +108,9 @@ TEST(CudaSparseProduct, ImprovedClusteredEndToEnd) {
              vg = v.gpu.clone().requires_grad_(true);
         auto qc = q.cpu64.clone().requires_grad_(true), kc = k.cpu64.clone().requires_grad_(true),
              vc = v.cpu64.clone().requires_grad_(true);
-        auto og = improved.call(qg, kg, vg, a.cuda(), counts.cuda(), topk, kl_gpu, c10::nullopt);
-        auto oc = improved.call(qc, kc, vc, a, counts, topk, kl, c10::nullopt);
+        auto og = improved.call(qg, kg, vg, a.cuda(), counts.cuda(), topk, kl_gpu, c10::nullopt,
+                                0.0, c10::nullopt);
+        auto oc = improved.call(qc, kc, vc, a, counts, topk, kl, c10::nullopt, 0.0, c10::nullopt);
         const auto tol = tolerance_for(dtype);
         expect_close(og, oc.detach(), tol, "out");
         og.backward(g.gpu);
@@ -135,20 +135,21 @@ TEST(CudaSparseProduct, ImprovedClusteredBackwardFromCudaForward) {
          v = random_pair({N, H, S, M}, dtype), g = random_pair({N, H, L, M}, dtype);
     const auto [a, counts] = random_clusters(N, H, L, C);
     const double temp = 0.125;
-    const auto [out, cen, lse, out_c, idx] =
-        forward.call(q.gpu, k.gpu, v.gpu, a.cuda(), counts.cuda(), topk, c10::nullopt, temp);
+    const auto [out, cen, lse, out_c, idx] = forward.call(
+        q.gpu, k.gpu, v.gpu, a.cuda(), counts.cuda(), topk, c10::nullopt, temp, 0.0, 0);
     const auto [gq, gk, gv] = backward.call(g.gpu, q.gpu, k.gpu, v.gpu, a.cuda(), counts.cuda(),
-                                            cen, lse, out_c, idx, c10::nullopt, temp);
+                                            cen, lse, out_c, idx, c10::nullopt, temp, 0.0, 0);
     auto d = [](const Tensor& t) { return t.to(torch::kCPU, torch::kDouble); };
-    const auto [rq, rk, rv] = backward.call(g.cpu64, q.cpu64, k.cpu64, v.cpu64, a, counts, d(cen),
-                                            d(lse), d(out_c), idx.cpu(), c10::nullopt, temp);
+    const auto [rq, rk, rv] =
+        backward.call(g.cpu64, q.cpu64, k.cpu64, v.cpu64, a, counts, d(cen), d(lse), d(out_c),
+                      idx.cpu(), c10::nullopt, temp, 0.0, 0);
     const auto tol = tolerance_for(dtype);
     expect_close(gq, rq, tol, "grad q");
     expect_close(gk, rk, tol, "grad k");
     expect_close(gv, rv, tol, "grad v");
     // The centroids are the members' means.
     const auto [rout, rcen, rlse, rout_c, ridx] =
-        forward.call(q.cpu64, k.cpu64, v.cpu64, a, counts, topk, c10::nullopt, temp);
+        forward.call(q.cpu64, k.cpu64, v.cpu64, a, counts, topk, c10::nullopt, temp, 0.0, 0);
     expect_close(cen, rcen, tol, "centroids");
   }
 }

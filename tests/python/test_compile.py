@@ -87,6 +87,9 @@ def op_cases():
         cases += [
             (f"improved-clustered-{d}", ops.improved_clustered_attention,
              (q, k, v, assignments, counts, 3), dict(key_lengths=lengths(), softmax_temp=0.5)),
+            (f"improved-clustered-dropout-{d}", ops.improved_clustered_attention,
+             (q, k, v, assignments, counts, 3),
+             dict(key_lengths=lengths(), softmax_temp=0.5, dropout_p=0.25, dropout_seed=17)),
         ]
         C = counts.shape[-1]
         topk = torch.stack([torch.randperm(S, generator=torch.Generator().manual_seed(i))[:4]

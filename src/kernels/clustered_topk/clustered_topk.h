@@ -43,6 +43,15 @@ struct ClusteredTopkParams : QKVParams<T> {
   // grouping (cluster_means_cuda ran on it), the forward skips its own.
   void* workspace = nullptr;
   bool grouped = false;
+  // Attention dropout, fused (CPU, improved form): member l's weight on key
+  // j is kept iff dropout_bits(dropout_row_key(dropout_seed, nh, l), j) >=
+  // dropout_threshold (kernels/common/dropout.h; 0: no dropout), then scaled
+  // by dropout_scale; the centroid's weights in its rest use the rows of
+  // centroid_seed = dropout_stream_seed(dropout_seed, kDropoutCentroidStream),
+  // the mask out_c was computed with. mass stays the undropped one.
+  uint32_t dropout_threshold = 0;
+  uint64_t dropout_seed = 0;
+  KernelScalar<T> dropout_scale = 1;
 };
 
 template <typename T>

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "kernels/common/isa_target.h"
+#include "kernels/common/dropout_rows.h"
 #include "kernels/common/gemm.h"
 #include "kernels/common/parallel.h"
 #include "kernels/common/simd.h"
@@ -61,6 +62,9 @@ struct Scratch {
   std::vector<T> g, dq, pt, dk, dv;
   // Improved form: centroid weights (Kp), the rest and its gradient (M).
   std::vector<T> pc, rest, grest;
+  // Dropout: the centroid's keep factors (Kp: 0 or the scale), and the
+  // backward's dropped P (kRows, Kp).
+  std::vector<T> zc, pd;
 };
 
 // A head's rows (of keys, values or their gradients): row j at at + j·sr.
@@ -130,12 +134,22 @@ void block_softmax(int64_t rows, int64_t Kp, int64_t E, T scale, Scratch<T>& w) 
   }
 }
 
+// Dropout of member l's weights on the cluster's keys idx[0, K): row (or
+// its dropped copy in out) kept and scaled, or zeroed.
+template <typename T>
+void drop_member_row(const ClusteredTopkParams<T>& a, int64_t nh, int64_t l, const int64_t* idx,
+                     const T* row, T* out) {
+  dropped_copy_at(row, a.K, dropout_row_key(a.dropout_seed, nh, l), idx, a.dropout_threshold,
+                  T(a.dropout_scale), out);
+}
+
 // Improved form: the centroid's weights on the cluster's gathered keys,
 // w.pc[t] = exp(scale·c·k_t - lse) (0 for dropped keys); returns their sum,
-// the mass. With want_rest, w.rest = out_c - Σ_t pc[t]·v_t.
+// the mass. With want_rest, w.rest = out_c - Σ_t pc[t]·zc[t]·v_t, zc the
+// centroid row's dropout factors (1 without dropout; kept in w.zc).
 template <typename T>
-T centroid_weights(const ClusteredTopkParams<T>& a, int64_t nh, int64_t c, int64_t Kp,
-                   bool want_rest, Scratch<T>& w) {
+T centroid_weights(const ClusteredTopkParams<T>& a, int64_t nh, int64_t c, const int64_t* idx,
+                   int64_t Kp, bool want_rest, Scratch<T>& w) {
   const int64_t E = a.E, M = a.M;
   const T* cen = a.centroids + (nh * a.C + c) * E;
   const T lse = a.lse[nh * a.C + c];
@@ -148,12 +162,19 @@ T centroid_weights(const ClusteredTopkParams<T>& a, int64_t nh, int64_t c, int64
     w.pc[t] = std::exp(std::min(T(0), a.scale * simd_dot(cen, w.ks.data() + t * E, E) - lse));
     mass += w.pc[t];
   }
+  w.zc.assign(Kp, T(1));
+  if (a.dropout_threshold) {
+    const uint64_t seed = dropout_stream_seed(a.dropout_seed, kDropoutCentroidStream);
+    dropped_copy_at(w.zc.data(), a.K, dropout_row_key(seed, nh, c), idx, a.dropout_threshold,
+                    T(a.dropout_scale), w.zc.data());
+  }
   if (want_rest) {
     const T* oc = a.out_c + (nh * a.C + c) * M;
     w.rest.assign(oc, oc + M);
     for (int64_t t = 0; t < Kp; ++t) {
-      if (w.pc[t] == T(0)) continue;
-      for (int64_t x = 0; x < M; ++x) w.rest[x] -= w.pc[t] * w.vs[t * M + x];
+      const T f = w.pc[t] * w.zc[t];
+      if (f == T(0)) continue;
+      for (int64_t x = 0; x < M; ++x) w.rest[x] -= f * w.vs[t * M + x];
     }
   }
   return mass;
@@ -268,14 +289,20 @@ void clustered_topk_forward_cpu(const ClusteredTopkForwardArgs<T>& args) {
                                  a.mass[nh * C + c], w.s.data(), out.row(l));
             continue;
           }
-          const int64_t Kp =
-              gather_cluster(a.topk + (nh * C + c) * K, K, len, k, v, E, M, false, w);
-          const T m = improved ? centroid_weights(a, nh, c, Kp, true, w) : a.mass[nh * C + c];
+          const int64_t* idx = a.topk + (nh * C + c) * K;
+          const int64_t Kp = gather_cluster(idx, K, len, k, v, E, M, false, w);
+          const T m = improved ? centroid_weights(a, nh, c, idx, Kp, true, w) : a.mass[nh * C + c];
           for (int64_t r0 = b; r0 < e; r0 += kRows) {
             const int64_t rows = std::min(kRows, e - r0);
             const int64_t* members = w.groups.order.data() + r0;
             gather_rows(q, E, members, rows, w.q.data());
             block_softmax(rows, Kp, E, a.scale, w);
+            if (a.dropout_threshold) {  // the weights of the output (mass stays undropped)
+              for (int64_t r = 0; r < rows; ++r) {
+                T* row = w.s.data() + r * Kp;
+                drop_member_row(a, nh, members[r], idx, row, row);
+              }
+            }
             gemm(rows, M, Kp, w.s.data(), Kp, w.vs.data(), M, w.o.data(), M, false);
             for (int64_t r = 0; r < rows; ++r) {
               T* dst = out.row(members[r]);
@@ -310,6 +337,7 @@ void clustered_topk_backward_cpu(const ClusteredTopkBackwardArgs<T>& args) {
         w.pt.resize(Kp_max * kRows);
         w.dk.resize(Kp_max * E);
         w.dv.resize(Kp_max * M);
+        if (a.dropout_threshold) w.pd.resize(kRows * Kp_max);
       },
       [&](int64_t nh, Scratch<T>& w) {
         const int64_t len = a.key_lengths ? a.key_lengths[nh / H] : S;
@@ -347,7 +375,7 @@ void clustered_topk_backward_cpu(const ClusteredTopkBackwardArgs<T>& args) {
             continue;
           }
           const int64_t Kp = gather_cluster(idx, K, len, k, v, E, M, true, w);
-          const T m = improved ? centroid_weights(a, nh, c, Kp, false, w) : a.mass[nh * C + c];
+          const T m = improved ? centroid_weights(a, nh, c, idx, Kp, false, w) : a.mass[nh * C + c];
           std::fill(w.dk.begin(), w.dk.begin() + Kp * E, T(0));
           std::fill(w.dv.begin(), w.dv.begin() + Kp * M, T(0));
           if (improved) w.grest.assign(M, T(0));
@@ -362,20 +390,37 @@ void clustered_topk_backward_cpu(const ClusteredTopkBackwardArgs<T>& args) {
                 for (int64_t x = 0; x < M; ++x) w.grest[x] += w.g[r * M + x];
             }
             block_softmax(rows, Kp, E, a.scale, w);
-            // gv_t = G·Vᵀ; d mass = Σ P ∘ gv; dP = m · gv.
+            // With dropout, the output's weights Pd = P ∘ Z / (1 - p) (the
+            // forward's mask, regenerated): d mass = Σ Pd ∘ gv, dS = (Pd ∘ gv
+            // - P·row_dot)·m·scale, dV += m·Pdᵀ·G.
+            const T* pw = w.s.data();
+            if (a.dropout_threshold) {
+              for (int64_t r = 0; r < rows; ++r) {
+                T* pd = w.pd.data() + r * Kp;
+                drop_member_row(a, nh, members[r], idx, w.s.data() + r * Kp, pd);
+                std::fill(pd + K, pd + Kp, T(0));
+              }
+              pw = w.pd.data();
+            }
+            // gv_t = G·Vᵀ; d mass = Σ Pd ∘ gv; dP = m · gv.
             gemm_packed(rows, Kp, M, w.g.data(), M, w.vp.data(), w.o.data(), Kp, false);
             for (int64_t r = 0; r < rows; ++r) {
-              T* p = w.s.data() + r * Kp;
+              const T* p = w.s.data() + r * Kp;
+              const T* pd = pw + r * Kp;
               T* dp = w.o.data() + r * Kp;
               T row_dot = 0;
-              for (int64_t t = 0; t < Kp; ++t) row_dot += p[t] * dp[t];
+              for (int64_t t = 0; t < Kp; ++t) row_dot += pd[t] * dp[t];
               g_mass += row_dot;
-              // dS = P ∘ (m·gv - m·row_dot) · scale, written over gv.
+              // dS = (Pd ∘ m·gv - P·m·row_dot) · scale, written over gv.
               const T f = m * a.scale;
-              for (int64_t t = 0; t < Kp; ++t) dp[t] = p[t] * (dp[t] - row_dot) * f;
+              if (pd == p) {
+                for (int64_t t = 0; t < Kp; ++t) dp[t] = p[t] * (dp[t] - row_dot) * f;
+              } else {
+                for (int64_t t = 0; t < Kp; ++t) dp[t] = (pd[t] * dp[t] - p[t] * row_dot) * f;
+              }
             }
-            // dV += m · Pᵀ·G (m applied to G's copy below via Pᵀ scaling).
-            transpose(w.s.data(), rows, Kp, Kp, w.pt.data(), rows);
+            // dV += m · Pdᵀ·G (m applied to G's copy below via Pdᵀ scaling).
+            transpose(pw, rows, Kp, Kp, w.pt.data(), rows);
             for (int64_t x = 0; x < Kp * rows; ++x) w.pt[x] *= m;
             gemm(Kp, M, rows, w.pt.data(), rows, w.g.data(), M, w.dv.data(), M, true);
             // dQ = dS·K, scattered to the members.
@@ -387,9 +432,10 @@ void clustered_topk_backward_cpu(const ClusteredTopkBackwardArgs<T>& args) {
             gemm(Kp, E, rows, w.pt.data(), rows, w.q.data(), E, w.dk.data(), E, true);
           }
           if (improved) {
-            // rest = out_c - Σ p_t v_t, mass = Σ p_t, p_t = exp(scale·c·k_t - lse):
-            // d p_t = g_mass - g_rest·v_t; d s_t = p_t · d p_t; d lse = -Σ d s_t;
-            // d c = scale Σ d s_t k_t; d k_t += scale · d s_t · c; d v_t -= p_t g_rest.
+            // rest = out_c - Σ p_t z_t v_t, mass = Σ p_t, p_t = exp(scale·c·k_t - lse),
+            // z_t the centroid row's dropout factor (1 without): d p_t = g_mass -
+            // z_t g_rest·v_t; d s_t = p_t · d p_t; d lse = -Σ d s_t;
+            // d c = scale Σ d s_t k_t; d k_t += scale · d s_t · c; d v_t -= p_t z_t g_rest.
             const T* cen = a.centroids + (nh * C + c) * E;
             T* gcen = a.grad_centroids + (nh * C + c) * E;
             std::copy(w.grest.begin(), w.grest.end(), a.grad_out_c + (nh * C + c) * M);
@@ -397,12 +443,13 @@ void clustered_topk_backward_cpu(const ClusteredTopkBackwardArgs<T>& args) {
             for (int64_t t = 0; t < Kp; ++t) {
               if (w.pc[t] == T(0)) continue;
               const T* vt = w.vs.data() + t * M;
-              T gp = g_mass;
+              const T z = w.zc[t], pz = w.pc[t] * z;
+              T gr = 0;
               for (int64_t x = 0; x < M; ++x) {
-                gp -= w.grest[x] * vt[x];
-                w.dv[t * M + x] -= w.pc[t] * w.grest[x];
+                gr += w.grest[x] * vt[x];
+                w.dv[t * M + x] -= pz * w.grest[x];
               }
-              const T gs = gp * w.pc[t];
+              const T gs = (g_mass - z * gr) * w.pc[t];
               g_lse -= gs;
               for (int64_t x = 0; x < E; ++x) {
                 gcen[x] += a.scale * gs * w.ks[t * E + x];

@@ -56,6 +56,12 @@ inline uint32_t dropout_bits(uint64_t row_key, int64_t j) {
   return dropout_hash32(dropout_hash32(static_cast<uint32_t>(j) + lo) ^ hi);
 }
 
+// The seed of a second mask under one dropout seed (improved clustered
+// attention's centroid rows beside its query rows): another stream of the
+// same generator, independent of the first.
+constexpr uint64_t kDropoutCentroidStream = 0xa0761d6478bd642full;
+inline uint64_t dropout_stream_seed(uint64_t seed, uint64_t stream) { return seed ^ stream; }
+
 // u >= v for unsigned u, v is dropout_signed(u) >= dropout_signed(v): a
 // signed comparison, which vector units have (an unsigned one made GCC 12
 // leave the loops scalar, 3.8 ns a weight on Zen 3).

@@ -118,8 +118,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> clustered_topk_backward_cuda_op(
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> improved_forward_cuda_op(
     const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, const Tensor& assignments_in,
     const Tensor& counts_in, int64_t topk, const c10::optional<Tensor>& key_lengths,
-    double softmax_temp) {
+    double softmax_temp, double dropout_p, int64_t /*dropout_seed*/) {
   constexpr const char* op = ops::kImprovedClusteredOp;
+  ops::cuda::check_no_dropout(op, dropout_p);
   ops::check_qkv(op, q_in, k_in, v_in);
   ops::check_masks(op, q_in, k_in.size(2), std::nullopt, to_std(key_lengths));
   check_devices(op, q_in, {{"assignments", &assignments_in}, {"counts", &counts_in}});
@@ -176,8 +177,10 @@ std::tuple<Tensor, Tensor, Tensor> improved_backward_cuda_op(
     const Tensor& grad_out, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
     const Tensor& assignments_in, const Tensor& counts_in, const Tensor& centroids_in,
     const Tensor& lse, const Tensor& out_c_in, const Tensor& top_idx_in,
-    const c10::optional<Tensor>& key_lengths, double softmax_temp) {
+    const c10::optional<Tensor>& key_lengths, double softmax_temp, double dropout_p,
+    int64_t /*dropout_seed*/) {
   constexpr const char* op = ops::kImprovedClusteredOp;
+  ops::cuda::check_no_dropout(op, dropout_p);
   ops::check_qkv(op, q_in, k_in, v_in);
   check_devices(op, q_in,
                 {{"grad_out", &grad_out},
