@@ -174,6 +174,23 @@ def test_masks_from_hf_decomposes_padding_and_causal():
     assert fhf.masks_from_hf(None, 4, 4, True) == (None, True, None)
 
 
+def test_mask_decomposition_is_reused_only_for_the_same_mask():
+    """The layers of one forward share a mask tensor: decomposed once. A new
+    tensor, or the same one modified in place, is decomposed again."""
+    m = torch.ones(2, 1, 1, 10, dtype=torch.bool)
+    m[1, ..., 7:] = False
+    first = fhf._masks_from_hf_memo(m, 1, 10, True)
+    assert first[0].tolist() == [10, 7]
+    assert fhf._masks_from_hf_memo(m, 1, 10, True) is first  # reused
+    m[0, ..., 5:] = False  # in place: its version changes
+    assert fhf._masks_from_hf_memo(m, 1, 10, True)[0].tolist() == [5, 7]
+    other = m.clone()
+    other[1, ..., 3:] = False
+    assert fhf._masks_from_hf_memo(other, 1, 10, True)[0].tolist() == [5, 3]
+    assert fhf._masks_from_hf_memo(m, 1, 10, True)[0].tolist() == [5, 7]
+    assert fhf._masks_from_hf_memo(m, 1, 8, True)[0].tolist() == [5, 7]  # other shapes
+
+
 def test_masks_from_hf_passes_other_masks_on():
     L = S = 5
     j = torch.arange(S)
@@ -408,13 +425,13 @@ def test_llama_generate_with_cache_gives_eager_tokens(padded_batch, monkeypatch)
     model.set_attn_implementation("eager")
     want = model.generate(prompts, attention_mask=prompt_mask, **kw)
     shapes = []
-    real = fhf._attention
+    real = fhf._full_attention  # fastattn-full on the CPU calls the fused operator directly
 
-    def spy(kind, q, k, v, **rest):
+    def spy(q, k, v, **rest):
         shapes.append((q.shape[2], k.shape[2]))
-        return real(kind, q, k, v, **rest)
+        return real(q, k, v, **rest)
 
-    monkeypatch.setattr(fhf, "_attention", spy)
+    monkeypatch.setattr(fhf, "_full_attention", spy)
     model.set_attn_implementation("fastattn-full")
     got = model.generate(prompts, attention_mask=prompt_mask, **kw)
     assert torch.equal(got, want)

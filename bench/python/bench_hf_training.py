@@ -1,0 +1,96 @@
+"""Training a Hugging Face BERT through fastattn (issue 64): a
+BertForSequenceClassification built from BertConfig's defaults (attention
+dropout 0.1, hidden dropout 0.1) learns a small synthetic task with
+attn_implementation 'sdpa', 'fastattn-full' and 'fastattn-improved-clustered'
+in one run, from the same initial weights and batches; the loss curves
+(means over windows of steps) are printed side by side, so fastattn's fused
+attention dropout can be compared with sdpa's within the noise of dropout.
+
+The task: sequences of random tokens, the label whether the first marker
+token appears before the second (a dependency across the sequence).
+
+  .venv/bin/python bench/python/bench_hf_training.py [--steps 300] [--batch 8] [--length 128]
+      [--layers 12] [--threads 2]
+
+(--layers below 12 shortens the default config's depth for a quick check;
+the issue's figure uses the default.)
+"""
+import argparse
+import platform
+import time
+
+import torch
+import transformers
+
+import fastattn.hf
+
+IMPLS = ("sdpa", "fastattn-full", "fastattn-improved-clustered")
+
+
+def batches(steps, batch, length, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a, b = 1000, 1001  # the two markers
+    for _ in range(steps):
+        ids = torch.randint(2000, vocab, (batch, length), generator=g)
+        pa = torch.randint(1, length, (batch,), generator=g)
+        pb = torch.randint(1, length - 1, (batch,), generator=g)
+        pb = pb + (pb >= pa).long()  # distinct positions
+        ids[torch.arange(batch), pa] = a
+        ids[torch.arange(batch), pb] = b
+        ids[:, 0] = 101  # [CLS]
+        yield ids, (pa < pb).long()
+
+
+def train(impl, args, cfg):
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(cfg)
+    model.set_attn_implementation(impl)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    torch.manual_seed(1)  # the dropout streams start alike
+    losses, t0 = [], time.perf_counter()
+    for ids, labels in batches(args.steps, args.batch, args.length, cfg.vocab_size):
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, time.perf_counter() - t0
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--length", type=int, default=128)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--window", type=int, default=25)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    fastattn.hf.register(["full", "improved-clustered"])
+    cfg = transformers.BertConfig(num_hidden_layers=args.layers, num_labels=2)
+    cfg.fastattn_params = {"improved-clustered": {"clusters": 16, "topk": 32}}
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                if line.startswith("model name")), platform.processor())
+    print("# %s, %d threads, torch %s, transformers %s; BertConfig() defaults, %d layers, "
+          "attention dropout %g; %d steps of %d x %d tokens, AdamW lr %g"
+          % (cpu, args.threads, torch.__version__, transformers.__version__,
+             cfg.num_hidden_layers, cfg.attention_probs_dropout_prob, args.steps, args.batch,
+             args.length, args.lr))
+    curves, seconds = {}, {}
+    for impl in IMPLS:
+        curves[impl], seconds[impl] = train(impl, args, cfg)
+    w = args.window
+    print("| steps | " + " | ".join(IMPLS) + " |")
+    print("|---|" + "---|" * len(IMPLS))
+    for s in range(0, args.steps, w):
+        means = [sum(curves[i][s:s + w]) / len(curves[i][s:s + w]) for i in IMPLS]
+        print("| %d-%d | " % (s + 1, min(s + w, args.steps))
+              + " | ".join("%.4f" % m for m in means) + " |")
+    print("| seconds | " + " | ".join("%.0f" % seconds[i] for i in IMPLS) + " |")
+
+
+if __name__ == "__main__":
+    main()
