@@ -70,11 +70,13 @@ torch::Tensor improved_clustered_attention(
 // O(N·H·L·k·(E+M)) for the attention (fastattn::clustered_topk_attention with
 // one "cluster" per query). topk is clamped to S; with topk >= S it equals
 // full attention. Gradients flow to q, k, v (the selection is piecewise
-// constant).
+// constant). dropout: attention dropout on the k weights, fused (CPU; the
+// mask full attention would draw for them, the seed from torch's generator).
 torch::Tensor exact_topk_attention(const torch::Tensor& queries, const torch::Tensor& keys,
                                    const torch::Tensor& values, int64_t topk,
                                    const std::optional<torch::Tensor>& key_lengths = std::nullopt,
-                                   std::optional<double> softmax_temp = std::nullopt);
+                                   std::optional<double> softmax_temp = std::nullopt,
+                                   double dropout = 0.0);
 
 // causal-improved-clustered: exact softmax attention of query i over the
 // union of
@@ -94,7 +96,7 @@ torch::Tensor causal_improved_clustered_attention(
     const torch::Tensor& queries, const torch::Tensor& keys, const torch::Tensor& values,
     const QueryClusters& clusters, int64_t topk, int64_t local_context,
     const std::optional<torch::Tensor>& key_lengths = std::nullopt,
-    std::optional<double> softmax_temp = std::nullopt);
+    std::optional<double> softmax_temp = std::nullopt, double dropout = 0.0);
 
 struct ClusteredOptions {
   int64_t clusters = 100;
@@ -151,7 +153,8 @@ class CausalImprovedClusteredAttention : public AttentionBase {
 // an error.
 class ExactTopkAttention : public AttentionBase {
  public:
-  explicit ExactTopkAttention(int64_t topk = 32, std::optional<double> softmax_temp = std::nullopt);
+  explicit ExactTopkAttention(int64_t topk = 32, std::optional<double> softmax_temp = std::nullopt,
+                              double attention_dropout = 0.0);
   torch::Tensor forward(const torch::Tensor& queries, const torch::Tensor& keys,
                         const torch::Tensor& values, const Mask& mask) override;
   std::string type_name() const override { return "exact-topk"; }
@@ -159,6 +162,7 @@ class ExactTopkAttention : public AttentionBase {
  private:
   int64_t topk_;
   std::optional<double> softmax_temp_;
+  double attention_dropout_;  // in training mode
 };
 
 }  // namespace fastattn

@@ -128,12 +128,14 @@ std::tuple<torch::Tensor, torch::Tensor> cluster_codes(const torch::Tensor& code
 //   (a set of fewer than K keys); mass: (N, H, C) (q's dtype);
 //   assignments: (N, H, L) int64 in [-1, C).
 // Reads keys and values in place: O(N·H·L·K·(E + M)). Gradients flow to q, k,
-// v and mass.
+// v and mass. dropout_p, dropout_seed: attention dropout as full_attention's
+// (CPU): query l's weight on key j drops as full attention's (l, j) would.
 torch::Tensor clustered_topk_attention(const torch::Tensor& q, const torch::Tensor& k,
                                        const torch::Tensor& v, const torch::Tensor& topk,
                                        const torch::Tensor& mass, const torch::Tensor& assignments,
                                        const std::optional<torch::Tensor>& key_lengths,
-                                       double softmax_temp);
+                                       double softmax_temp, double dropout_p = 0.0,
+                                       std::optional<int64_t> dropout_seed = std::nullopt);
 
 // Hard retrieval attention (Xu et al., "Learning Hard Retrieval Decoder
 // Attention for Transformers"): each query (per head) retrieves one value row.

@@ -167,11 +167,13 @@ def register():
         return _like(codes), codes.new_empty(codes.shape[:-1] + (C,))
 
     @fake("fastattn::clustered_topk_attention")
-    def _(q, k, v, topk, mass, assignments, key_lengths, softmax_temp):
+    def _(q, k, v, topk, mass, assignments, key_lengths, softmax_temp, dropout_p=0.0,
+          dropout_seed=None):
         return _rows_like(q, v.shape[-1])
 
     @fake("fastattn::clustered_topk_attention_backward")
-    def _(grad_out, q, k, v, topk, mass, assignments, key_lengths, softmax_temp):
+    def _(grad_out, q, k, v, topk, mass, assignments, key_lengths, softmax_temp, dropout_p=0.0,
+          dropout_seed=0):
         return _row_grads(q, k, v) + (_like(mass),)
 
     @fake("fastattn::improved_clustered_attention")

@@ -373,7 +373,7 @@ Tensor causal_improved_clustered_attention(const Tensor& queries,  // (N, H, L, 
                                            const QueryClusters& clusters, int64_t topk,
                                            int64_t local_context,
                                            const std::optional<Tensor>& key_lengths,
-                                           std::optional<double> softmax_temp) {
+                                           std::optional<double> softmax_temp, double dropout) {
   const char* who = "causal_improved_clustered_attention";
   TORCH_CHECK(topk >= 1, who, ": topk must be >= 1, got ", topk);
   TORCH_CHECK(local_context >= 1, who, ": local_context must be >= 1, got ", local_context);
@@ -440,12 +440,12 @@ Tensor causal_improved_clustered_attention(const Tensor& queries,  // (N, H, L, 
   auto self = torch::arange(L, lopt).view({1, 1, L}).expand({N, H, L}).masked_fill(a.lt(0), -1);
   auto mass = torch::ones({N, H, L}, queries.options());
   return clustered_topk_attention(queries, keys, values, idx, mass, self.contiguous(), key_lengths,
-                                  temp);
+                                  temp, dropout);
 }
 
 Tensor exact_topk_attention(const Tensor& queries, const Tensor& keys, const Tensor& values,
                             int64_t topk, const std::optional<Tensor>& key_lengths,
-                            std::optional<double> softmax_temp) {
+                            std::optional<double> softmax_temp, double dropout) {
   TORCH_CHECK(topk >= 1, "exact_topk_attention: topk must be >= 1, got ", topk);
   const int64_t N = queries.size(0), H = queries.size(1), L = queries.size(2), S = keys.size(2),
                 M = values.size(3);
@@ -471,12 +471,16 @@ Tensor exact_topk_attention(const Tensor& queries, const Tensor& keys, const Ten
   // One cluster per query with mass 1: the sparse top-k kernel.
   auto self = torch::arange(L, idx.options()).view({1, 1, L}).expand({N, H, L}).contiguous();
   auto mass = torch::ones({N, H, L}, queries.options());
-  return clustered_topk_attention(queries, keys, values, idx, mass, self, key_lengths, temp);
+  return clustered_topk_attention(queries, keys, values, idx, mass, self, key_lengths, temp,
+                                  dropout);
 }
 
-ExactTopkAttention::ExactTopkAttention(int64_t topk, std::optional<double> softmax_temp)
-    : topk_(topk), softmax_temp_(softmax_temp) {
+ExactTopkAttention::ExactTopkAttention(int64_t topk, std::optional<double> softmax_temp,
+                                       double attention_dropout)
+    : topk_(topk), softmax_temp_(softmax_temp), attention_dropout_(attention_dropout) {
   TORCH_CHECK(topk_ >= 1, "ExactTopkAttention: topk must be >= 1, got ", topk_);
+  TORCH_CHECK(attention_dropout >= 0 && attention_dropout < 1,
+              "ExactTopkAttention: attention_dropout must be in [0, 1), got ", attention_dropout);
   TORCH_CHECK(!softmax_temp_ || (std::isfinite(*softmax_temp_) && *softmax_temp_ > 0),
               "ExactTopkAttention: softmax_temp must be a finite number > 0, got ",
               softmax_temp_.value_or(0.0));
@@ -491,7 +495,8 @@ Tensor ExactTopkAttention::forward(const Tensor& queries,  // (N, H, L, E)
   TORCH_CHECK(
       !mask.attn_mask(),
       "exact-topk: attn_mask: an attention mask is not supported (only key lengths); got one");
-  return exact_topk_attention(queries, keys, values, topk_, mask.key_lengths(), softmax_temp_);
+  return exact_topk_attention(queries, keys, values, topk_, mask.key_lengths(), softmax_temp_,
+                              is_training() ? attention_dropout_ : 0.0);
 }
 
 // ---- the attention types ------------------------------------------------------
@@ -556,6 +561,8 @@ CausalImprovedClusteredAttention::CausalImprovedClusteredAttention(ClusteredOpti
   check_clustered_options(who, options_);
   TORCH_CHECK(options_.local_context >= 1, who, ": local_context must be >= 1, got ",
               options_.local_context);
+  TORCH_CHECK(options_.attention_dropout >= 0 && options_.attention_dropout < 1, who,
+              ": attention_dropout must be in [0, 1), got ", options_.attention_dropout);
   gen_ = clustered_generator(options_);
 }
 
@@ -578,9 +585,9 @@ Tensor CausalImprovedClusteredAttention::forward(const Tensor& queries,  // (N, 
       mask.attn_mask() ? mask.attn_mask()->sizes() : torch::IntArrayRef{});
   auto clusters = cluster_queries(queries, mask.query_lengths(), options_.clusters,
                                   options_.iterations, options_.bits, options_.hash_bias, gen_);
-  return causal_improved_clustered_attention(queries, keys, values, clusters, options_.topk,
-                                             options_.local_context, mask.key_lengths(),
-                                             options_.softmax_temp);
+  return causal_improved_clustered_attention(
+      queries, keys, values, clusters, options_.topk, options_.local_context, mask.key_lengths(),
+      options_.softmax_temp, is_training() ? options_.attention_dropout : 0.0);
 }
 
 // ---- registration ---------------------------------------------------------------
@@ -633,6 +640,7 @@ AttentionPtr build_causal_improved_clustered(const Params& p) {
   o.seed = p.get_optional_int("seed");
   o.topk = p.get_int("topk");
   o.local_context = p.get_int("local_context");
+  o.attention_dropout = p.get_float("attention_dropout");
   return std::make_shared<CausalImprovedClusteredAttention>(o);
 }
 
@@ -655,6 +663,7 @@ std::vector<ParamSpec> causal_improved_clustered_specs() {
           ParamSpec::real("softmax_temp", std::nullopt,
                           "scale of the scores q·k; default 1/sqrt(E)", 0.0)
               .exclusive_min(),
+          attention_dropout_spec(),
           ParamSpec::integer("seed", std::nullopt,
                              "seed of the module's generator (planes, K-means initialisation); "
                              "default: the global CPU generator")};
@@ -692,10 +701,12 @@ void register_clustered_attention_types(AttentionRegistry& registry) {
                 {ParamSpec::integer("topk", 32, "keys per query (clamped to S)", 1),
                  ParamSpec::real("softmax_temp", std::nullopt,
                                  "scale of the scores q·k; default 1/sqrt(E)", 0.0)
-                     .exclusive_min()},
+                     .exclusive_min(),
+                 attention_dropout_spec()},
                 [](const Params& p, const AttentionDims&) -> AttentionPtr {
                   return std::make_shared<ExactTopkAttention>(p.get_int("topk"),
-                                                              p.get_optional_float("softmax_temp"));
+                                                              p.get_optional_float("softmax_temp"),
+                                                              p.get_float("attention_dropout"));
                 },
                 Capabilities().bidirectional_only("").as_oracle().selecting(),
                 /*recurrent=*/nullptr});

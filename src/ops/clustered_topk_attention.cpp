@@ -115,28 +115,34 @@ Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
 }
 
 template <typename T>
-void fill_params(kernels::ClusteredTopkParams<T>& a, const Prepared& p, double scale) {
+void fill_params(kernels::ClusteredTopkParams<T>& a, const Prepared& p, double scale,
+                 double dropout_p, int64_t dropout_seed) {
   ops::fill_clustered_topk_args(a, kOp, p.in, p.topk, p.assignments, scale);
   a.mass = p.mass.data_ptr<T>();
+  ops::set_dropout_args(a, dropout_p, dropout_seed);
 }
 
 Tensor clustered_topk_attention_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
                                     const Tensor& topk, const Tensor& mass,
                                     const Tensor& assignments,
-                                    const c10::optional<Tensor>& key_lengths, double softmax_temp) {
+                                    const c10::optional<Tensor>& key_lengths, double softmax_temp,
+                                    double dropout_p, c10::optional<int64_t> dropout_seed) {
   ops::check_clustered_topk_inputs(q, k, v, topk, mass, assignments, key_lengths);
   ops::resolve_softmax_temp(kOp, q, softmax_temp);  // checks it is finite and > 0
+  ops::check_dropout(kOp, dropout_p);
+  const int64_t seed = ops::resolve_dropout_seed(dropout_p, dropout_seed);
   if (ops::is_reduced_float(q))
     return ops::in_rows_layout_of(
         ops::in_float32(q.scalar_type(), clustered_topk_attention_cpu, q, k, v, topk, mass,
-                        assignments, key_lengths, softmax_temp),
+                        assignments, key_lengths, softmax_temp, dropout_p,
+                        c10::optional<int64_t>(seed)),
         q);
   const auto p = prepare(q, k, v, topk, mass, assignments, key_lengths);
   // out in q's row layout: the layers' transpose back to (N, L, H, M) is a view.
   auto out = ops::empty_rows_like(q, v.size(3));
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "clustered_topk_attention_cpu", [&] {
     kernels::ClusteredTopkForwardArgs<scalar_t> a;
-    fill_params<scalar_t>(a, p, softmax_temp);
+    fill_params<scalar_t>(a, p, softmax_temp, dropout_p, seed);
     a.out = out.data_ptr<scalar_t>();
     a.out_rows = ops::row_strides(out);
     kernels::clustered_topk_forward_cpu(a);
@@ -147,16 +153,17 @@ Tensor clustered_topk_attention_cpu(const Tensor& q, const Tensor& k, const Tens
 std::tuple<Tensor, Tensor, Tensor, Tensor> clustered_topk_attention_backward_cpu(
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& topk,
     const Tensor& mass, const Tensor& assignments, const c10::optional<Tensor>& key_lengths,
-    double softmax_temp) {
+    double softmax_temp, double dropout_p, int64_t dropout_seed) {
   ops::check_clustered_topk_inputs(q, k, v, topk, mass, assignments, key_lengths);
+  ops::check_dropout(kOp, dropout_p);
   TORCH_CHECK(grad_out.dim() == 4 && grad_out.size(0) == q.size(0) &&
                   grad_out.size(1) == q.size(1) && grad_out.size(2) == q.size(2) &&
                   grad_out.size(3) == v.size(3),
               kOp, ": grad_out must have shape (N, H, L, M), got ", grad_out.sizes());
   if (ops::is_reduced_float(q)) {
-    auto [gq, gk, gv, gm] =
-        ops::in_float32(q.scalar_type(), clustered_topk_attention_backward_cpu, grad_out, q, k, v,
-                        topk, mass, assignments, key_lengths, softmax_temp);
+    auto [gq, gk, gv, gm] = ops::in_float32(q.scalar_type(), clustered_topk_attention_backward_cpu,
+                                            grad_out, q, k, v, topk, mass, assignments, key_lengths,
+                                            softmax_temp, dropout_p, dropout_seed);
     return {ops::in_rows_layout_of(gq, q), ops::in_rows_layout_of(gk, k),
             ops::in_rows_layout_of(gv, v), gm};
   }
@@ -167,7 +174,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> clustered_topk_attention_backward_cpu
        gv = ops::empty_rows_like(v, v.size(3)), gm = torch::empty_like(p.mass);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "clustered_topk_attention_backward_cpu", [&] {
     kernels::ClusteredTopkBackwardArgs<scalar_t> a;
-    fill_params<scalar_t>(a, p, softmax_temp);
+    fill_params<scalar_t>(a, p, softmax_temp, dropout_p, dropout_seed);
     a.grad_out = go.data_ptr<scalar_t>();
     a.grad_q = gq.data_ptr<scalar_t>();
     a.grad_k = gk.data_ptr<scalar_t>();
@@ -183,23 +190,30 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> clustered_topk_attention_backward_cpu
 // backend kernel through the dispatcher.
 Tensor call_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& topk,
                     const Tensor& mass, const Tensor& assignments,
-                    const c10::optional<Tensor>& key_lengths, double temp) {
+                    const c10::optional<Tensor>& key_lengths, double temp, double dropout_p,
+                    int64_t dropout_seed) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fastattn::clustered_topk_attention", "")
                        .typed<decltype(clustered_topk_attention_cpu)>();
-  return op.call(q, k, v, topk, mass, assignments, key_lengths, temp);
+  return op.call(q, k, v, topk, mass, assignments, key_lengths, temp, dropout_p, dropout_seed);
 }
 
 class ClusteredTopkFunction : public torch::autograd::Function<ClusteredTopkFunction> {
  public:
   static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& topk, const Tensor& mass, const Tensor& assignments,
-                        const c10::optional<Tensor>& key_lengths, double temp) {
+                        const c10::optional<Tensor>& key_lengths, double temp, double dropout_p,
+                        c10::optional<int64_t> dropout_seed) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto out = call_forward(q, k, v, topk, mass, assignments, key_lengths, temp);
+    ops::check_dropout(kOp, dropout_p);
+    // One seed for the forward and the backward: the same keep mask.
+    const int64_t seed = ops::resolve_dropout_seed(dropout_p, dropout_seed);
+    auto out = call_forward(q, k, v, topk, mass, assignments, key_lengths, temp, dropout_p, seed);
     ctx->save_for_backward({q, k, v, topk, mass, assignments});
     ctx->saved_data["key_lengths"] = key_lengths ? *key_lengths : Tensor();
     ctx->saved_data["temp"] = temp;
+    ctx->saved_data["dropout_p"] = dropout_p;
+    ctx->saved_data["dropout_seed"] = seed;
     return out;
   }
 
@@ -209,10 +223,11 @@ class ClusteredTopkFunction : public torch::autograd::Function<ClusteredTopkFunc
                          .typed<decltype(clustered_topk_attention_backward_cpu)>();
     const auto s = ctx->get_saved_variables();
     const auto kl = ctx->saved_data["key_lengths"].toTensor();
-    auto [gq, gk, gv, gm] = op.call(grads[0], s[0], s[1], s[2], s[3], s[4], s[5],
-                                    kl.defined() ? c10::optional<Tensor>(kl) : c10::nullopt,
-                                    ctx->saved_data["temp"].toDouble());
-    return {gq, gk, gv, Tensor(), gm, Tensor(), Tensor(), Tensor()};
+    auto [gq, gk, gv, gm] = op.call(
+        grads[0], s[0], s[1], s[2], s[3], s[4], s[5],
+        kl.defined() ? c10::optional<Tensor>(kl) : c10::nullopt, ctx->saved_data["temp"].toDouble(),
+        ctx->saved_data["dropout_p"].toDouble(), ctx->saved_data["dropout_seed"].toInt());
+    return {gq, gk, gv, Tensor(), gm, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -220,8 +235,10 @@ Tensor clustered_topk_attention_autograd(const Tensor& q, const Tensor& k, const
                                          const Tensor& topk, const Tensor& mass,
                                          const Tensor& assignments,
                                          const c10::optional<Tensor>& key_lengths,
-                                         double softmax_temp) {
-  return ClusteredTopkFunction::apply(q, k, v, topk, mass, assignments, key_lengths, softmax_temp);
+                                         double softmax_temp, double dropout_p,
+                                         c10::optional<int64_t> dropout_seed) {
+  return ClusteredTopkFunction::apply(q, k, v, topk, mass, assignments, key_lengths, softmax_temp,
+                                      dropout_p, dropout_seed);
 }
 
 // ---- improved_clustered_attention (fused) ------------------------------------------
@@ -440,13 +457,15 @@ TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
 
 Tensor clustered_topk_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                 const Tensor& topk, const Tensor& mass, const Tensor& assignments,
-                                const std::optional<Tensor>& key_lengths, double softmax_temp) {
+                                const std::optional<Tensor>& key_lengths, double softmax_temp,
+                                double dropout_p, std::optional<int64_t> dropout_seed) {
   ops::check_defined(kOp, {"q", "k", "v", "topk", "mass", "assignments"},
                      {q, k, v, topk, mass, assignments});
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fastattn::clustered_topk_attention", "")
                        .typed<decltype(clustered_topk_attention_cpu)>();
-  return op.call(q, k, v, topk, mass, assignments, to_c10(key_lengths), softmax_temp);
+  return op.call(q, k, v, topk, mass, assignments, to_c10(key_lengths), softmax_temp, dropout_p,
+                 to_c10(dropout_seed));
 }
 
 }  // namespace fastattn

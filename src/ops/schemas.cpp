@@ -88,12 +88,14 @@ TORCH_LIBRARY(fastattn, m) {
   // mass (N,H,C), assignments (N,H,L) int64 -> (N,H,L,M).
   m.def(
       "clustered_topk_attention(Tensor q, Tensor k, Tensor v, Tensor topk, Tensor mass, "
-      "Tensor assignments, Tensor? key_lengths, float softmax_temp) -> Tensor");
-  // Backward kernel: gradients of q, k, v and mass.
+      "Tensor assignments, Tensor? key_lengths, float softmax_temp, float dropout_p=0.0, "
+      "int? dropout_seed=None) -> Tensor");
+  // Backward kernel: gradients of q, k, v and mass. dropout_p, dropout_seed
+  // (CPU): query l's weights drop by row l of full attention's mask.
   m.def(
       "clustered_topk_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, "
-      "Tensor topk, Tensor mass, Tensor assignments, Tensor? key_lengths, float softmax_temp) "
-      "-> (Tensor, Tensor, Tensor, Tensor)");
+      "Tensor topk, Tensor mass, Tensor assignments, Tensor? key_lengths, float softmax_temp, "
+      "float dropout_p=0.0, int dropout_seed=0) -> (Tensor, Tensor, Tensor, Tensor)");
   // Improved clustered attention given the clusters, fused (Vyas et al.
   // eq. 9-11): centroids = mean of the members (assignments (N,H,L) in
   // [-1, C), counts (N,H,C)), one pass of the centroids over the keys

@@ -319,5 +319,81 @@ TEST(AttentionDropout, ImprovedClusteredEqualsTheReferenceWithTheSameMasks) {
   }
 }
 
+// The per-cluster top-k kernel (exact-topk and causal-improved-clustered run
+// it with one cluster per query; improved clustered's plain form with
+// several members): query l's weights drop as full attention's row l.
+TEST(AttentionDropout, ClusteredTopkEqualsTheReferenceWithTheSameMask) {
+  const int64_t N = 2, H = 2, L = 20, S = 30, E = 8, M = 5, K = 6;
+  const double p = 0.3, temp = 0.6;
+  const int64_t seed = 99;
+  for (const int64_t C : {L, int64_t{4}}) {
+    torch::manual_seed(3);
+    auto q = torch::randn({N, H, L, E}, torch::kDouble).requires_grad_(true);
+    auto k = torch::randn({N, H, S, E}, torch::kDouble).requires_grad_(true);
+    auto v = torch::randn({N, H, S, M}, torch::kDouble).requires_grad_(true);
+    auto mass = (torch::rand({N, H, C}, torch::kDouble) + 0.5).requires_grad_(true);
+    auto g = torch::randn({N, H, L, M}, torch::kDouble);
+    auto idx = std::get<1>(torch::rand({N, H, C, S}).sort(-1)).narrow(-1, 0, K).contiguous();
+    idx.select(2, 0).select(2, K - 1).fill_(-1);  // an empty slot
+    auto a = C == L ? torch::arange(L).view({1, 1, L}).expand({N, H, L}).contiguous()
+                    : torch::randint(0, C, {N, H, L}, torch::kLong);
+    a.select(2, L - 1).fill_(-1);  // a padded query
+    const auto lengths = torch::tensor({S, int64_t{20}}, torch::kLong);
+    auto out = clustered_topk_attention(q, k, v, idx, mass, a, lengths, temp, p, seed);
+    auto grads = torch::autograd::grad({out}, {q, k, v, mass}, {g});
+    // The reference: each query's softmax over its cluster's kept keys, dropped
+    // by the mask, times the cluster's mass.
+    auto x =
+        std::vector<Tensor>{q.detach().requires_grad_(true), k.detach().requires_grad_(true),
+                            v.detach().requires_grad_(true), mass.detach().requires_grad_(true)};
+    auto in_set = torch::zeros({N, H, C, S + 1}, torch::kDouble)
+                      .scatter(-1, idx.clamp_min(-1).add(1), 1.0)
+                      .narrow(-1, 1, S);  // slot -1 lands in column 0, cut off
+    auto member = torch::one_hot(a.clamp_min(0), C).to(torch::kDouble) *
+                  a.ge(0).unsqueeze(-1).to(torch::kDouble);  // (N, H, L, C)
+    auto valid = torch::arange(S).view({1, 1, 1, S}).lt(lengths.view({N, 1, 1, 1}));
+    auto keep = torch::matmul(member, in_set).gt(0.5) & valid;  // (N, H, L, S)
+    auto scores = (torch::matmul(x[0], x[1].transpose(-1, -2)) * temp)
+                      .masked_fill(~keep, -std::numeric_limits<double>::infinity());
+    auto weights = torch::softmax(scores, -1).nan_to_num(0.0) *
+                   reference::attention_dropout_keep(seed, p, N, H, L, S);
+    auto ref = torch::matmul(weights, x[2]) * torch::matmul(member, x[3].unsqueeze(-1));
+    auto ref_grads = torch::autograd::grad({ref}, x, {g});
+    const std::string what = C == L ? "one query per cluster" : "clusters of several queries";
+    EXPECT_LE(max_err(out, ref), 1e-12) << what;
+    for (int i = 0; i < 4; ++i)
+      EXPECT_LE(max_err(grads[i], ref_grads[i]), 1e-11) << what << " grad " << i;
+    EXPECT_GT(max_err(out, clustered_topk_attention(q, k, v, idx, mass, a, lengths, temp)), 1e-2)
+        << what;
+  }
+}
+
+TEST(AttentionDropout, TopkTypesDropInTrainingOnly) {
+  const int64_t N = 1, H = 2, L = 40;
+  torch::manual_seed(4);
+  auto q = torch::randn({N, H, L, 4}, torch::kDouble),
+       k = torch::randn({N, H, L, 4}, torch::kDouble),
+       v = torch::randn({N, H, L, 3}, torch::kDouble);
+  const std::vector<std::pair<std::string, Mask>> types = {
+      {"exact-topk", Mask()}, {"causal-improved-clustered", Mask().with_causal(true)}};
+  for (const auto& [type, mask] : types) {
+    // A fresh instance per call: a seeded clustering generator advances.
+    auto run = [&, type = type, mask = mask](double p, bool training) {
+      ParamMap params{{"attention_dropout", p}, {"topk", int64_t{8}}};
+      if (type != "exact-topk") params["seed"] = int64_t{1};
+      auto attn = make_attention(type, params);
+      attn->train(training);
+      return attn->forward(q, k, v, mask);
+    };
+    const auto plain = run(0.0, false);
+    EXPECT_LE(max_err(run(0.4, false), plain), 0) << type;
+    torch::manual_seed(9);
+    auto a = run(0.4, true);
+    torch::manual_seed(9);
+    EXPECT_TRUE(torch::equal(a, run(0.4, true))) << type;
+    EXPECT_GT(max_err(a, plain), 1e-2) << type;
+  }
+}
+
 }  // namespace
 }  // namespace fastattn

@@ -605,7 +605,7 @@ TEST(CausalImprovedClustered, RegistryAndBadParams) {
                         "clusters");
   EXPECT_ERROR_CONTAINS(make_attention("causal-improved-clustered", {{"softmax_temp", -1.0}}),
                         "softmax_temp");
-  EXPECT_ERROR_CONTAINS(make_attention("causal-improved-clustered", {{"attention_dropout", 0.1}}),
+  EXPECT_ERROR_CONTAINS(make_attention("causal-improved-clustered", {{"attention_dropout", 1.0}}),
                         "attention_dropout");
   auto q = torch::randn({1, 1, 5, 4});
   auto attn = make_attention("causal-improved-clustered");

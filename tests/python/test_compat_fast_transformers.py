@@ -19,7 +19,8 @@ import torch
 import fastattn
 import fastattn.nn as fnn
 from fastattn.compat.fast_transformers.attention import AttentionLayer, FullAttention, \
-    ExactTopKAttention, ImprovedClusteredAttention, LinearAttention, LocalAttention
+    ExactTopKAttention, ImprovedClusteredAttention, LinearAttention, LocalAttention, \
+    ReformerAttention
 from fastattn.compat.fast_transformers.builders import (RecurrentDecoderBuilder,
                                                         RecurrentEncoderBuilder,
                                                         TransformerDecoderBuilder,
@@ -280,10 +281,10 @@ def test_what_cannot_be_matched_is_named():
         builder.get()
     with pytest.raises(ValueError, match="attention_type 'clustered' is not available.*full"):
         RecurrentEncoderBuilder.from_kwargs(attention_type="clustered").get()
-    layer = AttentionLayer(ExactTopKAttention(2), 8, 2)
-    x = torch.rand(1, 3, 8)
+    layer = AttentionLayer(ReformerAttention(chunk_size=2), 8, 2)
+    x = torch.rand(1, 4, 8)
     with pytest.warns(UserWarning, match="attention_dropout=0.1 is not applied: fastattn's "
-                                         "'exact-topk' has no attention dropout yet"):
+                                         "'reformer' has no attention dropout yet"):
         layer(x, x, x, None, None, None)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -301,7 +302,8 @@ def test_attention_dropout_is_applied_in_training():
             (ImprovedClusteredAttention(clusters=3, topk=4, attention_dropout=0.2),
              "improved-clustered", dict(clusters=3, topk=4, iterations=10, bits=32,
                                         hash_bias=True)),
-            (LocalAttention(5, attention_dropout=0.2), "local", dict(window=5))]:
+            (LocalAttention(5, attention_dropout=0.2), "local", dict(window=5)),
+            (ExactTopKAttention(topk=5, attention_dropout=0.2), "exact-topk", dict(topk=5))]:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             torch.manual_seed(3)

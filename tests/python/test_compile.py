@@ -98,6 +98,9 @@ def op_cases():
         cases += [
             (f"clustered-topk-{d}", ops.clustered_topk_attention,
              (q, k, v, topk, mass.requires_grad_(), assignments, None, 0.5), {}),
+            (f"clustered-topk-dropout-{d}", ops.clustered_topk_attention,
+             (q, k, v, topk, mass, assignments, None, 0.5),
+             dict(dropout_p=0.25, dropout_seed=17)),
         ]
         for sample in (False, True):
             cases.append((f"hard-retrieval-sample{int(sample)}-{d}", ops.hard_retrieval_attention,

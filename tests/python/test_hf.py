@@ -377,7 +377,8 @@ def test_training_backward_and_dropout(padded_batch):
     model = _bert("fastattn-linear", attention_probs_dropout_prob=0.1).train()
     with pytest.raises(ValueError, match=r"fastattn-linear: the model asks for attention "
                                          r"dropout p=0.1, and 'linear' has none \(types with "
-                                         r"attention dropout: clustered, full"):
+                                         r"attention dropout: causal-improved-clustered, clustered, exact-topk, "
+                                         r"full, improved-clustered, local"):
         model(input_ids=ids, attention_mask=mask)
 
 

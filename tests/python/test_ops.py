@@ -199,6 +199,7 @@ def test_full_attention_dropout_rate_scale_and_reproducibility():
     ("improved-clustered", dict(clusters=3, topk=4, seed=1)),
     ("local", dict(window=7)),
     ("sparse-fixed", dict(stride=6, summary=2)),
+    ("exact-topk", dict(topk=5)),
 ])
 def test_attention_training_applies_attention_dropout(type, params):
     """The registry operator drops attention weights only with training=True;

@@ -75,8 +75,8 @@ class Attention(nn.Module):
     ``(N, H, L, E)``, ``(N, H, S, E)``, ``(N, H, S, M)`` and returns
     ``(N, H, L, M)``; masks as :func:`fastattn.nn.masking.resolve_masks`.
     In training mode (``module.train()``) the type runs its training form:
-    ``attention_dropout`` (a parameter of ``full``, ``local``, ``sparse-*``,
-    ``clustered`` and ``improved-clustered``) drops attention weights.
+    ``attention_dropout`` (a parameter of the softmax types but ``reformer``,
+    ``clusterformer`` and ``hard-retrieval`` so far) drops attention weights.
     """
 
     def __init__(self, type="full", feature_map=None, **params):

@@ -209,13 +209,15 @@ bool single_query_weights(const T* qrow, const int64_t* idx, int64_t K, int64_t 
   return true;
 }
 
-// out (M) = m · Σ_t p_t v_{idx[t]} (written).
+// out (M) = m · Σ_t p_t v_{idx[t]} (written); with dropout (a's), p_t
+// dropped by query l's row of the mask.
 template <typename T>
-void single_query_forward(const T* qrow, const int64_t* idx, int64_t K, int64_t len,
-                          HeadRows<const T> k, HeadRows<const T> v, int64_t E, int64_t M, T scale,
-                          T m, T* p, T* out) {
+void single_query_forward(const ClusteredTopkParams<T>& a, int64_t nh, int64_t l, const T* qrow,
+                          const int64_t* idx, int64_t K, int64_t len, HeadRows<const T> k,
+                          HeadRows<const T> v, int64_t E, int64_t M, T scale, T m, T* p, T* out) {
   std::fill(out, out + M, T(0));
   if (!single_query_weights(qrow, idx, K, len, k, E, scale, p)) return;
+  if (a.dropout_threshold) drop_member_row(a, nh, l, idx, p, p);
   for (int64_t t = 0; t < K; ++t) {
     if (p[t] == T(0)) continue;
     const T w = m * p[t];
@@ -225,28 +227,34 @@ void single_query_forward(const T* qrow, const int64_t* idx, int64_t K, int64_t 
 }
 
 // The single query's gradients: grad_q's row written, grad_k and grad_v's
-// rows added to in place; returns d mass = Σ_t p_t (g·v_t).
+// rows added to in place; returns d mass = Σ_t pd_t (g·v_t), pd the weights
+// the forward used (p, or p dropped by query l's row of the mask, into pd).
 template <typename T>
-T single_query_backward(const T* qrow, const T* grow, const int64_t* idx, int64_t K, int64_t len,
+T single_query_backward(const ClusteredTopkParams<T>& a, int64_t nh, int64_t l, const T* qrow,
+                        const T* grow, const int64_t* idx, int64_t K, int64_t len,
                         HeadRows<const T> k, HeadRows<const T> v, int64_t E, int64_t M, T scale,
-                        T m, T* p, T* gv, T* gq_row, HeadRows<T> gk, HeadRows<T> gvals) {
+                        T m, T* p, T* pd, T* gv, T* gq_row, HeadRows<T> gk, HeadRows<T> gvals) {
   std::fill(gq_row, gq_row + E, T(0));
   if (!single_query_weights(qrow, idx, K, len, k, E, scale, p)) return T(0);
+  if (a.dropout_threshold)
+    drop_member_row(a, nh, l, idx, p, pd);
+  else
+    pd = p;
   T row_dot = 0;
   for (int64_t t = 0; t < K; ++t) {
     gv[t] = p[t] == T(0) ? T(0) : simd_dot(grow, v.row(idx[t]), M);
-    row_dot += p[t] * gv[t];
+    row_dot += pd[t] * gv[t];
   }
   for (int64_t t = 0; t < K; ++t) {
     if (p[t] == T(0)) continue;
-    const T ds = p[t] * (gv[t] - row_dot) * m * scale;
+    const T ds = (pd[t] * gv[t] - p[t] * row_dot) * m * scale;
     const T* kt = k.row(idx[t]);
     T* dk = gk.row(idx[t]);
     for (int64_t x = 0; x < E; ++x) {
       gq_row[x] += ds * kt[x];
       dk[x] += ds * qrow[x];
     }
-    const T w = m * p[t];
+    const T w = m * pd[t];
     T* dv = gvals.row(idx[t]);
     for (int64_t x = 0; x < M; ++x) dv[x] += w * grow[x];
   }
@@ -285,8 +293,8 @@ void clustered_topk_forward_cpu(const ClusteredTopkForwardArgs<T>& args) {
           if (b == e) continue;
           if (e - b == 1 && !improved) {
             const int64_t l = w.groups.order[b];
-            single_query_forward(q.row(l), a.topk + (nh * C + c) * K, K, len, k, v, E, M, a.scale,
-                                 a.mass[nh * C + c], w.s.data(), out.row(l));
+            single_query_forward(a, nh, l, q.row(l), a.topk + (nh * C + c) * K, K, len, k, v, E, M,
+                                 a.scale, a.mass[nh * C + c], w.s.data(), out.row(l));
             continue;
           }
           const int64_t* idx = a.topk + (nh * C + c) * K;
@@ -370,8 +378,8 @@ void clustered_topk_backward_cpu(const ClusteredTopkBackwardArgs<T>& args) {
           if (e - b == 1 && !improved) {
             const int64_t l = w.groups.order[b];
             a.grad_mass[nh * C + c] = single_query_backward(
-                q.row(l), g.row(l), idx, K, len, k, v, E, M, a.scale, a.mass[nh * C + c],
-                w.s.data(), w.o.data(), gq.row(l), gk, gv);
+                a, nh, l, q.row(l), g.row(l), idx, K, len, k, v, E, M, a.scale, a.mass[nh * C + c],
+                w.s.data(), w.pd.data(), w.o.data(), gq.row(l), gk, gv);
             continue;
           }
           const int64_t Kp = gather_cluster(idx, K, len, k, v, E, M, true, w);

@@ -51,9 +51,10 @@ void fill_common(cuda::ClusteredTopkCudaArgs& a, const char* op, const ops::QKVI
 Tensor clustered_topk_forward_cuda_op(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
                                       const Tensor& topk_in, const Tensor& mass_in,
                                       const Tensor& assignments_in,
-                                      const c10::optional<Tensor>& key_lengths,
-                                      double softmax_temp) {
+                                      const c10::optional<Tensor>& key_lengths, double softmax_temp,
+                                      double dropout_p, c10::optional<int64_t> /*dropout_seed*/) {
   constexpr const char* op = ops::kClusteredTopkOp;
+  ops::cuda::check_no_dropout(op, dropout_p);
   check_devices(op, q_in,
                 {{"topk", &topk_in}, {"mass", &mass_in}, {"assignments", &assignments_in}});
   ops::check_clustered_topk_inputs(q_in, k_in, v_in, topk_in, mass_in, assignments_in, key_lengths);
@@ -76,8 +77,10 @@ Tensor clustered_topk_forward_cuda_op(const Tensor& q_in, const Tensor& k_in, co
 std::tuple<Tensor, Tensor, Tensor, Tensor> clustered_topk_backward_cuda_op(
     const Tensor& grad_out, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
     const Tensor& topk_in, const Tensor& mass_in, const Tensor& assignments_in,
-    const c10::optional<Tensor>& key_lengths, double softmax_temp) {
+    const c10::optional<Tensor>& key_lengths, double softmax_temp, double dropout_p,
+    int64_t /*dropout_seed*/) {
   constexpr const char* op = ops::kClusteredTopkOp;
+  ops::cuda::check_no_dropout(op, dropout_p);
   check_devices(op, q_in,
                 {{"topk", &topk_in},
                  {"mass", &mass_in},
