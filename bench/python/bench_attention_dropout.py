@@ -21,6 +21,21 @@ import torch.nn.functional as F
 import fastattn
 
 
+def inputs(L):
+    """q, k, v (1, 8, L, 64) that want gradients, and an output gradient."""
+    torch.manual_seed(0)
+    return [torch.randn(1, 8, L, 64, requires_grad=True) for _ in range(3)], torch.randn(1, 8, L, 64)
+
+
+def step(x, g, fn):
+    """One forward+backward of fn(q, k, v) at g."""
+    def run():
+        for t in x:
+            t.grad = None
+        fn(*x).backward(g)
+    return run
+
+
 def timed(fn, reps):
     fn()
     ts = []
@@ -58,24 +73,13 @@ def main():
           % (args.dropout, args.dropout))
     print("|---|---|---|---|---|---|")
     for L in args.lengths:
-        torch.manual_seed(0)
-        x = [torch.randn(1, 8, L, 64, requires_grad=True) for _ in range(3)]
-        g = torch.randn(1, 8, L, 64)
-
-        def step(fn):
-            def run():
-                for t in x:
-                    t.grad = None
-                fn(*x).backward(g)
-            return run
-
-        base = timed(step(lambda q, k, v: fastattn.full_attention(q, k, v)), args.reps)
-        drop = timed(step(lambda q, k, v: fastattn.full_attention(q, k, v,
-                                                                  dropout_p=args.dropout)),
-                     args.reps)
+        x, g = inputs(L)
+        base = timed(step(x, g, lambda q, k, v: fastattn.full_attention(q, k, v)), args.reps)
+        drop = timed(step(x, g, lambda q, k, v: fastattn.full_attention(
+            q, k, v, dropout_p=args.dropout)), args.reps)
         sdpa = (float("nan"), float("nan"))
         if hasattr(F, "scaled_dot_product_attention"):  # torch >= 2.0
-            sdpa = timed(step(lambda q, k, v: F.scaled_dot_product_attention(
+            sdpa = timed(step(x, g, lambda q, k, v: F.scaled_dot_product_attention(
                 q, k, v, dropout_p=args.dropout)), args.reps)
         print("| %d | %.3f (%.3f) | %.3f (%.3f) | %.2fx | %.3f (%.3f) | %.2fx |"
               % (L, base[0], base[1], drop[0], drop[1], drop[0] / base[0], sdpa[0], sdpa[1],
@@ -88,20 +92,10 @@ def main():
         name, L = spec.rsplit(":", 1)
         L = int(L)
         params = TYPE_PARAMS.get(name, {})
-        torch.manual_seed(0)
-        x = [torch.randn(1, 8, L, 64, requires_grad=True) for _ in range(3)]
-        g = torch.randn(1, 8, L, 64)
-
-        def run_type(pdrop):
-            def run():
-                for t in x:
-                    t.grad = None
-                fastattn.attention(name, *x, training=True, attention_dropout=pdrop,
-                                   **params).backward(g)
-            return run
-
-        base = timed(run_type(0.0), args.reps)
-        drop = timed(run_type(args.dropout), args.reps)
+        x, g = inputs(L)
+        base, drop = (timed(step(x, g, lambda q, k, v, p=pdrop: fastattn.attention(
+            name, q, k, v, training=True, attention_dropout=p, **params)), args.reps)
+            for pdrop in (0.0, args.dropout))
         print("| %s | %d | %.3f (%.3f) | %.3f (%.3f) | %.2fx |"
               % (name, L, base[0], base[1], drop[0], drop[1], drop[0] / base[0]))
 

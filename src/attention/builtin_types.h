@@ -34,6 +34,11 @@ inline ParamSpec attention_dropout_spec() {
       .exclusive_max();
 }
 
+// Its check in the types' constructors (which run without the registry too).
+inline void check_attention_dropout(const char* who, double p) {
+  TORCH_CHECK(p >= 0 && p < 1, who, ": attention_dropout must be in [0, 1), got ", p);
+}
+
 inline void register_builtin_types(AttentionRegistry& registry) {
   register_full_attention_types(registry);
   register_linear_attention_types(registry);

@@ -479,8 +479,7 @@ ExactTopkAttention::ExactTopkAttention(int64_t topk, std::optional<double> softm
                                        double attention_dropout)
     : topk_(topk), softmax_temp_(softmax_temp), attention_dropout_(attention_dropout) {
   TORCH_CHECK(topk_ >= 1, "ExactTopkAttention: topk must be >= 1, got ", topk_);
-  TORCH_CHECK(attention_dropout >= 0 && attention_dropout < 1,
-              "ExactTopkAttention: attention_dropout must be in [0, 1), got ", attention_dropout);
+  check_attention_dropout("ExactTopkAttention", attention_dropout);
   TORCH_CHECK(!softmax_temp_ || (std::isfinite(*softmax_temp_) && *softmax_temp_ > 0),
               "ExactTopkAttention: softmax_temp must be a finite number > 0, got ",
               softmax_temp_.value_or(0.0));
@@ -524,8 +523,7 @@ ClusteredAttention::ClusteredAttention(ClusteredOptions options, bool improved)
     : options_(std::move(options)), improved_(improved) {
   const char* who = improved ? "ImprovedClusteredAttention" : "ClusteredAttention";
   check_clustered_options(who, options_);
-  TORCH_CHECK(options_.attention_dropout >= 0 && options_.attention_dropout < 1, who,
-              ": attention_dropout must be in [0, 1), got ", options_.attention_dropout);
+  check_attention_dropout(who, options_.attention_dropout);
   gen_ = clustered_generator(options_);
 }
 
@@ -561,8 +559,7 @@ CausalImprovedClusteredAttention::CausalImprovedClusteredAttention(ClusteredOpti
   check_clustered_options(who, options_);
   TORCH_CHECK(options_.local_context >= 1, who, ": local_context must be >= 1, got ",
               options_.local_context);
-  TORCH_CHECK(options_.attention_dropout >= 0 && options_.attention_dropout < 1, who,
-              ": attention_dropout must be in [0, 1), got ", options_.attention_dropout);
+  check_attention_dropout(who, options_.attention_dropout);
   gen_ = clustered_generator(options_);
 }
 

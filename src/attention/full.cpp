@@ -72,8 +72,7 @@ FullAttention::FullAttention(std::optional<double> softmax_temp, double attentio
   TORCH_CHECK(!softmax_temp || (std::isfinite(*softmax_temp) && *softmax_temp > 0),
               "FullAttention: softmax_temp must be a finite number > 0, got ",
               softmax_temp.value_or(0.0));
-  TORCH_CHECK(attention_dropout >= 0 && attention_dropout < 1,
-              "FullAttention: attention_dropout must be in [0, 1), got ", attention_dropout);
+  check_attention_dropout("FullAttention", attention_dropout);
 }
 
 torch::Tensor FullAttention::forward(const torch::Tensor& queries,  // (N, H, L, E)

@@ -27,10 +27,6 @@ void check_temp(const char* type, const std::optional<double>& t) {
               ": softmax_temp must be a finite number > 0, got ", t.value_or(0.0));
 }
 
-void check_dropout(const char* type, double p) {
-  TORCH_CHECK(p >= 0 && p < 1, type, ": attention_dropout must be in [0, 1), got ", p);
-}
-
 }  // namespace
 
 LocalAttention::LocalAttention(int64_t window, std::optional<double> softmax_temp,
@@ -38,7 +34,7 @@ LocalAttention::LocalAttention(int64_t window, std::optional<double> softmax_tem
     : window_(window), softmax_temp_(softmax_temp), attention_dropout_(attention_dropout) {
   TORCH_CHECK(window >= 1, "local: window must be >= 1, got ", window);
   check_temp("local", softmax_temp);
-  check_dropout("local", attention_dropout);
+  check_attention_dropout("local", attention_dropout);
 }
 
 torch::Tensor LocalAttention::forward(const torch::Tensor& queries,  // (N, H, L, E)
@@ -75,7 +71,7 @@ SparseTransformerAttention::SparseTransformerAttention(bool fixed, SparseTransfo
   TORCH_CHECK(fixed || !o.per_head_summary, who, ": per_head_summary applies only to sparse-fixed");
   TORCH_CHECK(o.part == 1 || o.part == 2, who, ": part must be 1 (A1) or 2 (A2), got ", o.part);
   check_temp(who, o.softmax_temp);
-  check_dropout(who, o.attention_dropout);
+  check_attention_dropout(who, o.attention_dropout);
 }
 
 std::pair<std::string, std::vector<int64_t>> SparseTransformerAttention::pattern(int64_t L) const {

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <functional>
 #include <limits>
 #include <string>
 #include <vector>
@@ -32,6 +33,34 @@ struct Case {
   bool causal, lengths, mask;
 };
 
+using QKVFn = std::function<Tensor(const Tensor&, const Tensor&, const Tensor&)>;
+
+// Random q (N, H, L, E), k, v (N, H, S, E | M) of dtype: `kernel`'s output
+// and gradients (at a random output gradient) against `reference`'s on the
+// same inputs in float64. Returns the reference's output and inputs.
+std::pair<Tensor, std::vector<Tensor>> expect_matches_reference(
+    const std::string& what, torch::ScalarType dtype, int64_t N, int64_t H, int64_t L, int64_t S,
+    int64_t E, int64_t M, const QKVFn& kernel, const QKVFn& reference) {
+  auto q = torch::randn({N, H, L, E}, dtype).requires_grad_(true);
+  auto k = torch::randn({N, H, S, E}, dtype).requires_grad_(true);
+  auto v = torch::randn({N, H, S, M}, dtype).requires_grad_(true);
+  auto g = torch::randn({N, H, L, M}, dtype);
+  auto out = kernel(q, k, v);
+  auto grads = torch::autograd::grad({out}, {q, k, v}, {g});
+  auto x = std::vector<Tensor>{q.detach().to(torch::kDouble).requires_grad_(true),
+                               k.detach().to(torch::kDouble).requires_grad_(true),
+                               v.detach().to(torch::kDouble).requires_grad_(true)};
+  auto ref = reference(x[0], x[1], x[2]);
+  auto ref_grads = torch::autograd::grad({ref}, x, {g.to(torch::kDouble)});
+  const double tol = dtype == torch::kDouble ? 1e-12 : 2e-5;
+  const std::string where = std::string(c10::toString(dtype)) + " " + what;
+  EXPECT_LE(max_err(out.to(torch::kDouble), ref), tol) << where;
+  for (int i = 0; i < 3; ++i)
+    EXPECT_LE(max_err(grads[i].to(torch::kDouble), ref_grads[i]), 10 * tol)
+        << where << " grad " << i;
+  return {ref.detach(), x};
+}
+
 TEST(AttentionDropout, EqualsTheReferenceWithTheSameMask) {
   // Shapes past one query tile (192) and one key tile (128), a single query
   // (its own path), L != S, masks and rows without keys; float64 and float32.
@@ -44,30 +73,22 @@ TEST(AttentionDropout, EqualsTheReferenceWithTheSameMask) {
   for (auto dtype : {torch::kDouble, torch::kFloat}) {
     for (const auto& c : cases) {
       const int64_t N = 2, H = 3;
-      auto q = torch::randn({N, H, c.L, 8}, dtype).requires_grad_(true);
-      auto k = torch::randn({N, H, c.S, 8}, dtype).requires_grad_(true);
-      auto v = torch::randn({N, H, c.S, 5}, dtype).requires_grad_(true);
-      auto g = torch::randn({N, H, c.L, 5}, dtype);
       std::optional<Tensor> lengths, mask;
       if (c.lengths) lengths = torch::tensor({c.S, int64_t{0}}, torch::kLong);
       if (c.mask) mask = torch::rand({c.L, c.S}) > 0.2;
-      auto out = full_attention(q, k, v, mask, lengths, c.causal, temp, p, seed);
-      auto grads = torch::autograd::grad({out}, {q, k, v}, {g});
       // The reference in float64 with the kernels' mask.
-      auto keep = reference::attention_dropout_keep(seed, p, N, H, c.L, c.S);
-      auto x = std::vector<Tensor>{q.detach().to(torch::kDouble).requires_grad_(true),
-                                   k.detach().to(torch::kDouble).requires_grad_(true),
-                                   v.detach().to(torch::kDouble).requires_grad_(true)};
-      auto ref = reference::full_attention(x[0], x[1], x[2], mask, lengths, c.causal, temp, keep);
-      auto ref_grads = torch::autograd::grad({ref}, x, {g.to(torch::kDouble)});
-      const double tol = dtype == torch::kDouble ? 1e-12 : 2e-5;
-      const std::string what = std::string(c10::toString(dtype)) + " L" + std::to_string(c.L) +
-                               " S" + std::to_string(c.S) + (c.causal ? " causal" : "") +
-                               (c.lengths ? " lengths" : "") + (c.mask ? " mask" : "");
-      EXPECT_LE(max_err(out.to(torch::kDouble), ref), tol) << what;
-      for (int i = 0; i < 3; ++i)
-        EXPECT_LE(max_err(grads[i].to(torch::kDouble), ref_grads[i]), 10 * tol)
-            << what << " grad " << i;
+      const auto keep = reference::attention_dropout_keep(seed, p, N, H, c.L, c.S);
+      const std::string what = "L" + std::to_string(c.L) + " S" + std::to_string(c.S) +
+                               (c.causal ? " causal" : "") + (c.lengths ? " lengths" : "") +
+                               (c.mask ? " mask" : "");
+      expect_matches_reference(
+          what, dtype, N, H, c.L, c.S, 8, 5,
+          [&](const Tensor& q, const Tensor& k, const Tensor& v) {
+            return full_attention(q, k, v, mask, lengths, c.causal, temp, p, seed);
+          },
+          [&](const Tensor& q, const Tensor& k, const Tensor& v) {
+            return reference::full_attention(q, k, v, mask, lengths, c.causal, temp, keep);
+          });
     }
   }
 }
@@ -189,30 +210,21 @@ TEST(AttentionDropout, BlockSparseEqualsTheReferenceWithTheSameMask) {
   for (auto dtype : {torch::kDouble, torch::kFloat}) {
     for (const auto& c : cases) {
       const int64_t N = 2, H = 4;
-      auto q = torch::randn({N, H, c.L, 8}, dtype).requires_grad_(true);
-      auto k = torch::randn({N, H, c.S, 8}, dtype).requires_grad_(true);
-      auto v = torch::randn({N, H, c.S, 6}, dtype).requires_grad_(true);
-      auto g = torch::randn({N, H, c.L, 6}, dtype);
       std::optional<Tensor> lengths;
       if (c.lengths) lengths = torch::tensor({c.S, c.S / 2}, torch::kLong);
-      auto out =
-          block_sparse_attention(q, k, v, c.pattern, c.params, lengths, c.causal, temp, p, seed);
-      auto grads = torch::autograd::grad({out}, {q, k, v}, {g});
-      auto keep = reference::attention_dropout_keep(seed, p, N, H, c.L, c.S);
-      auto x = std::vector<Tensor>{q.detach().to(torch::kDouble).requires_grad_(true),
-                                   k.detach().to(torch::kDouble).requires_grad_(true),
-                                   v.detach().to(torch::kDouble).requires_grad_(true)};
-      auto ref = reference::block_sparse_attention(x[0], x[1], x[2], c.pattern, c.params, lengths,
-                                                   c.causal, temp, keep);
-      auto ref_grads = torch::autograd::grad({ref}, x, {g.to(torch::kDouble)});
-      const double tol = dtype == torch::kDouble ? 1e-12 : 2e-5;
-      const std::string what = std::string(c10::toString(dtype)) + " " + c.pattern + " L" +
-                               std::to_string(c.L) + (c.causal ? " causal" : "") +
-                               (c.lengths ? " lengths" : "");
-      EXPECT_LE(max_err(out.to(torch::kDouble), ref), tol) << what;
-      for (int i = 0; i < 3; ++i)
-        EXPECT_LE(max_err(grads[i].to(torch::kDouble), ref_grads[i]), 10 * tol)
-            << what << " grad " << i;
+      const auto keep = reference::attention_dropout_keep(seed, p, N, H, c.L, c.S);
+      const std::string what = c.pattern + " L" + std::to_string(c.L) +
+                               (c.causal ? " causal" : "") + (c.lengths ? " lengths" : "");
+      auto [ref, x] = expect_matches_reference(
+          what, dtype, N, H, c.L, c.S, 8, 6,
+          [&](const Tensor& q, const Tensor& k, const Tensor& v) {
+            return block_sparse_attention(q, k, v, c.pattern, c.params, lengths, c.causal, temp, p,
+                                          seed);
+          },
+          [&](const Tensor& q, const Tensor& k, const Tensor& v) {
+            return reference::block_sparse_attention(q, k, v, c.pattern, c.params, lengths,
+                                                     c.causal, temp, keep);
+          });
       // Dropout changed the output (the test would pass without it otherwise).
       auto undropped = reference::block_sparse_attention(x[0], x[1], x[2], c.pattern, c.params,
                                                          lengths, c.causal, temp);
