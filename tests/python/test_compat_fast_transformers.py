@@ -50,6 +50,7 @@ def test_quick_start_program_runs_every_attention_type():
                  "local", "conditional-full:improved-clustered"]:
         builder.attention_type = kind
         builder.clusters = 5
+        builder.local_context = 8
         model = builder.get().eval()
         y = model(x, length_mask=lengths)
         assert y.shape == x.shape and torch.isfinite(y).all(), kind
@@ -276,11 +277,10 @@ def test_what_cannot_be_matched_is_named():
     with pytest.raises(ValueError, match="unknown argument 'n_layer'.*n_layers"):
         TransformerEncoderBuilder.from_kwargs(n_layer=2)
     builder = TransformerEncoderBuilder.from_kwargs(n_layer=2, strict=False)
-    builder.attention_type = "linformer"
     with pytest.raises(ValueError, match="attention_type 'linformer' is not available.*full"):
-        builder.get()
+        builder.attention_type = "linformer"
     with pytest.raises(ValueError, match="attention_type 'clustered' is not available.*full"):
-        RecurrentEncoderBuilder.from_kwargs(attention_type="clustered").get()
+        RecurrentEncoderBuilder.from_kwargs(attention_type="clustered")
     layer = AttentionLayer(ReformerAttention(chunk_size=2), 8, 2)
     x = torch.rand(1, 4, 8)
     with pytest.warns(UserWarning, match="attention_dropout=0.1 is not applied: fastattn's "

@@ -8,7 +8,9 @@ Its modules are fast-transformers' public tree, module for module:
 ...), ``builders`` (``base``, ``attention_builders``, ``transformer_builders``),
 ``feature_maps`` (``base``, ``fourier_features``), ``masking``,
 ``transformers``, ``recurrent`` (``attention.self_attention``,
-``attention.cross_attention``, ``transformers``), ``utils``; each name
+``attention.cross_attention``, ``transformers``), ``attention_registry``
+(``registry``, ``spec``), ``events`` (``event``, ``event_dispatcher``,
+``filters``), ``weight_mapper``, ``utils``; each name
 where fast-transformers puts it. :func:`install` makes ``import
 fast_transformers`` (and every submodule) resolve to this package, for
 programs that cannot be edited.
@@ -16,11 +18,11 @@ programs that cannot be edited.
 
 import sys
 
-from . import attention, builders, feature_maps, masking, recurrent, transformers  # noqa: F401
-from . import utils  # noqa: F401
+from . import attention, attention_registry, builders, events, feature_maps  # noqa: F401
+from . import masking, recurrent, transformers, utils, weight_mapper  # noqa: F401
 
-__all__ = ["attention", "builders", "feature_maps", "masking", "transformers", "recurrent",
-           "utils", "install"]
+__all__ = ["attention", "attention_registry", "builders", "events", "feature_maps", "masking",
+           "transformers", "recurrent", "utils", "weight_mapper", "install"]
 
 
 def install():

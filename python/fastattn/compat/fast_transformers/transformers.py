@@ -10,10 +10,29 @@ import torch
 from torch import nn
 
 from ...nn.transformers import _FeedForwardBlock
+from .events import EventDispatcher, IntermediateOutput
 from .masking import FullMask, LengthMask
 
 __all__ = ["TransformerEncoderLayer", "TransformerEncoder", "TransformerDecoderLayer",
            "TransformerDecoder"]
+
+
+class Stack(nn.Module):
+    """Layers and an optional final norm; dispatches an IntermediateOutput
+    after each layer (before the norm), as fast-transformers' stacks do."""
+
+    def __init__(self, layers, norm_layer=None, event_dispatcher=""):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm_layer
+        self.event_dispatcher = EventDispatcher.get(event_dispatcher)
+
+    def _report(self, x):
+        if self.event_dispatcher.listening:
+            self.event_dispatcher.dispatch(IntermediateOutput(self, x))
+
+    def _normed(self, x):
+        return x if self.norm is None else self.norm(x)
 
 
 def default_masks(x, attn_mask, length_mask):
@@ -43,19 +62,15 @@ class TransformerEncoderLayer(_FeedForwardBlock):
         return self._sublayer(x, self.norm2, self._feed_forward)
 
 
-class TransformerEncoder(nn.Module):
+class TransformerEncoder(Stack):
     """``TransformerEncoder(layers, norm_layer=None, event_dispatcher="")``."""
-
-    def __init__(self, layers, norm_layer=None, event_dispatcher=""):
-        super().__init__()
-        self.layers = nn.ModuleList(layers)
-        self.norm = norm_layer
 
     def forward(self, x, attn_mask=None, length_mask=None):
         attn_mask, length_mask = default_masks(x, attn_mask, length_mask)
         for layer in self.layers:
             x = layer(x, attn_mask=attn_mask, length_mask=length_mask)
-        return x if self.norm is None else self.norm(x)
+            self._report(x)
+        return self._normed(x)
 
 
 class TransformerDecoderLayer(_FeedForwardBlock):
@@ -88,17 +103,13 @@ class TransformerDecoderLayer(_FeedForwardBlock):
         return self._sublayer(x, self.norm3, self._feed_forward)
 
 
-class TransformerDecoder(nn.Module):
+class TransformerDecoder(Stack):
     """``TransformerDecoder(layers, norm_layer=None, event_dispatcher="")``."""
-
-    def __init__(self, layers, norm_layer=None, event_dispatcher=""):
-        super().__init__()
-        self.layers = nn.ModuleList(layers)
-        self.norm = norm_layer
 
     def forward(self, x, memory, x_mask=None, x_length_mask=None, memory_mask=None,
                 memory_length_mask=None):
         for layer in self.layers:
             x = layer(x, memory, x_mask=x_mask, x_length_mask=x_length_mask,
                       memory_mask=memory_mask, memory_length_mask=memory_length_mask)
-        return x if self.norm is None else self.norm(x)
+            self._report(x)
+        return self._normed(x)

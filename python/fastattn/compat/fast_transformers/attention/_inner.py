@@ -10,6 +10,7 @@ mode), padded queries are clustered
 with the real ones, and Reformer hashes with fastattn's angular LSH.
 """
 
+import contextlib
 import warnings
 
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 
 from .... import _param_names
 from .... import attention as _attention
+from ..events import AttentionEvent, EventDispatcher, QKVEvent
 from ..masking import FullMask, LengthMask, TriangularCausalMask
 
 __all__ = ["AttentionLayer", "FullAttention", "LinearAttention", "CausalLinearAttention",
@@ -73,15 +75,53 @@ def fastattn_masks(attn_mask, key_lengths, S, where, L=None):
     return mask, lengths, causal
 
 
+def rng_state(x):
+    """The generator state(s) an operator on ``x`` draws from."""
+    return (torch.get_rng_state(),
+            torch.cuda.get_rng_state(x.device) if x.is_cuda else None)
+
+
+@contextlib.contextmanager
+def _rng_restored(state, x):
+    now = rng_state(x)
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], x.device)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(now[0])
+        if now[1] is not None:
+            torch.cuda.set_rng_state(now[1], x.device)
+
+
+def attention_weights(kind, q, k, rng=None, **kwargs):
+    """The weights (N, H, L, S) fastattn's ``kind`` gives the rows of
+    ``q`` (N, H, L, E) over the keys ``k`` (N, H, S, E): the attention of
+    the identity values, run from generator state ``rng`` (the one the
+    forward started from, so with the same dropout) when given. For the
+    events: the kernels never materialise the matrix."""
+    N, H, S = k.shape[0], k.shape[1], k.shape[2]
+    eye = torch.eye(S, dtype=q.dtype, device=q.device).expand(N, H, S, S).contiguous()
+    if rng is None:
+        return _attention(kind, q, k, eye, **kwargs)
+    with _rng_restored(rng, q):
+        return _attention(kind, q, k, eye, **kwargs)
+
+
 class _Inner(nn.Module):
     """An inner attention running fastattn type ``kind`` with ``params``."""
 
     kind = None
+    # Whether forward dispatches an AttentionEvent (full attention, as in
+    # fast-transformers).
+    reports_attention = False
 
     def __init__(self, attention_dropout=0.0, event_dispatcher="", **params):
         super().__init__()
         self.params = {k: v for k, v in params.items() if v is not None}
         self.attention_dropout = float(attention_dropout)
+        self.event_dispatcher = EventDispatcher.get(event_dispatcher)
         self._warned = False
 
     def _type(self):
@@ -101,17 +141,28 @@ class _Inner(nn.Module):
                 self._warned = True
         mask, lengths, causal = fastattn_masks(attn_mask, key_lengths, keys.shape[1], where,
                                                L=queries.shape[1])
-        out = _attention(self._type(), queries.transpose(1, 2), keys.transpose(1, 2),
-                         values.transpose(1, 2), causal=causal, key_lengths=lengths,
-                         attn_mask=mask, training=self.training, **params)
+        q, k = queries.transpose(1, 2), keys.transpose(1, 2)
+        kwargs = dict(causal=causal, key_lengths=lengths, attn_mask=mask, training=self.training,
+                      **params)
+        report = self.reports_attention and self.event_dispatcher.listening
+        rng = rng_state(q) if report else None
+        out = _attention(self._type(), q, k, values.transpose(1, 2), **kwargs)
+        if report:
+            kind = self._type()
+            self.event_dispatcher.dispatch(AttentionEvent(
+                self, lambda: attention_weights(kind, q, k, rng, **kwargs)))
         return out.transpose(1, 2).contiguous()
 
 
 class FullAttention(_Inner):
+    """Dispatches an AttentionEvent with its weights (N, H, L, S), computed
+    only when a handler reads them."""
+
     kind = "full"
+    reports_attention = True
 
     def __init__(self, softmax_temp=None, attention_dropout=0.1, event_dispatcher=""):
-        super().__init__(attention_dropout, softmax_temp=softmax_temp)
+        super().__init__(attention_dropout, event_dispatcher, softmax_temp=softmax_temp)
 
 
 class _Linear(_Inner):
@@ -119,7 +170,7 @@ class _Linear(_Inner):
         from ..feature_maps import elu_feature_map
 
         fmap = (feature_map or elu_feature_map)(query_dimensions)
-        super().__init__(0.0, eps=eps, **fmap.fastattn_params())
+        super().__init__(0.0, event_dispatcher, eps=eps, **fmap.fastattn_params())
         self.feature_map = fmap
 
 
@@ -138,7 +189,8 @@ class ClusteredAttention(_Inner):
 
     def __init__(self, clusters, iterations=10, bits=32, hash_bias=True, softmax_temp=None,
                  attention_dropout=0.1, event_dispatcher=""):
-        super().__init__(attention_dropout, clusters=clusters, iterations=iterations, bits=bits,
+        super().__init__(attention_dropout, event_dispatcher, clusters=clusters,
+                         iterations=iterations, bits=bits,
                          hash_bias=hash_bias, softmax_temp=softmax_temp)
 
 
@@ -147,7 +199,8 @@ class ImprovedClusteredAttention(_Inner):
 
     def __init__(self, clusters, iterations=10, bits=32, hash_bias=True, topk=32,
                  softmax_temp=None, attention_dropout=0.1, event_dispatcher=""):
-        super().__init__(attention_dropout, clusters=clusters, iterations=iterations, bits=bits,
+        super().__init__(attention_dropout, event_dispatcher, clusters=clusters,
+                         iterations=iterations, bits=bits,
                          hash_bias=hash_bias, topk=topk, softmax_temp=softmax_temp)
 
 
@@ -169,7 +222,8 @@ class ReformerAttention(_Inner):
                  attention_dropout=0.1, event_dispatcher=""):
         if isinstance(bits, bool) or not isinstance(bits, int) or bits < 1:
             raise ValueError("ReformerAttention: bits must be an int >= 1, got %r" % (bits,))
-        super().__init__(attention_dropout, chunk_size=chunk_size, n_buckets=2 * bits,
+        super().__init__(attention_dropout, event_dispatcher, chunk_size=chunk_size,
+                         n_buckets=2 * bits,
                          rounds=rounds, masked=masked, softmax_temp=softmax_temp)
 
 
@@ -177,7 +231,7 @@ class ExactTopKAttention(_Inner):
     kind = "exact-topk"
 
     def __init__(self, topk=32, softmax_temp=None, attention_dropout=0.1, event_dispatcher=""):
-        super().__init__(attention_dropout, topk=topk, softmax_temp=softmax_temp)
+        super().__init__(attention_dropout, event_dispatcher, topk=topk, softmax_temp=softmax_temp)
 
 
 class LocalAttention(_Inner):
@@ -187,43 +241,66 @@ class LocalAttention(_Inner):
 
     def __init__(self, local_context, softmax_temp=None, attention_dropout=0.1,
                  event_dispatcher=""):
-        super().__init__(attention_dropout, window=local_context, softmax_temp=softmax_temp)
+        super().__init__(attention_dropout, event_dispatcher, window=local_context,
+                         softmax_temp=softmax_temp)
 
 
 class ConditionalFullAttention(_Inner):
-    """Full attention up to ``length_limit`` keys, ``other_attention`` beyond."""
+    """Full attention up to ``length_limit`` queries and keys,
+    ``other_attention`` beyond: fused in one fastattn type
+    (``conditional-full:<type>``) when the other is one of this module's
+    attentions; any other module (a registered one of the user's) is called
+    as it is."""
 
     def __init__(self, other_attention, length_limit=512, softmax_temp=None,
                  attention_dropout=0.1, event_dispatcher=""):
-        if not isinstance(other_attention, _Inner) or other_attention.kind is None:
-            raise TypeError("ConditionalFullAttention: other_attention must be one of this "
-                            "module's attentions, got %s" % type(other_attention).__name__)
-        self.other = other_attention.kind
-        params = dict(other_attention.params, length_limit=length_limit)
-        super().__init__(attention_dropout, **params)
+        if not isinstance(other_attention, nn.Module):
+            raise TypeError("ConditionalFullAttention: other_attention must be an attention "
+                            "module, got %s" % type(other_attention).__name__)
+        fused = isinstance(other_attention, _Inner) and other_attention.kind is not None
+        if fused:
+            params = dict(other_attention.params, length_limit=length_limit)
+        else:
+            params = dict(softmax_temp=softmax_temp)
+        super().__init__(attention_dropout, event_dispatcher, **params)
+        self.other = other_attention.kind if fused else None
+        self.length_limit = int(length_limit)
+        self.other_attention = None if fused else other_attention
 
     def _type(self):
-        return "conditional-full:" + self.other
+        return "full" if self.other is None else "conditional-full:" + self.other
+
+    def forward(self, queries, keys, values, attn_mask=None, query_lengths=None,
+                key_lengths=None):
+        if self.other_attention is not None and \
+                max(queries.shape[1], keys.shape[1]) > self.length_limit:
+            return self.other_attention(queries, keys, values, attn_mask, query_lengths,
+                                        key_lengths)
+        return super().forward(queries, keys, values, attn_mask, query_lengths, key_lengths)
 
 
 class AttentionLayer(nn.Module):
     """Projections around an inner attention: fast-transformers'
     ``AttentionLayer(attention, d_model, n_heads, d_keys=None, d_values=None,
-    event_dispatcher="")``, with its weight names (``query_projection``,
-    ``key_projection``, ``value_projection``, ``out_projection``,
-    ``inner_attention``)."""
+    d_model_keys=None, event_dispatcher="")``, with its weight names
+    (``query_projection``, ``key_projection``, ``value_projection``,
+    ``out_projection``, ``inner_attention``); keys and values come in with
+    ``d_model_keys`` features (default ``d_model``). Dispatches a QKVEvent
+    with the projections (N, L, H, E), (N, S, H, E), (N, S, H, D)."""
 
     def __init__(self, attention, d_model, n_heads, d_keys=None, d_values=None,
-                 event_dispatcher=""):
+                 d_model_keys=None, event_dispatcher=""):
         super().__init__()
         d_keys = d_keys or (d_model // n_heads)
         d_values = d_values or (d_model // n_heads)
+        d_model_keys = d_model_keys or d_model
         self.inner_attention = attention
         self.query_projection = nn.Linear(d_model, d_keys * n_heads)
-        self.key_projection = nn.Linear(d_model, d_keys * n_heads)
-        self.value_projection = nn.Linear(d_model, d_values * n_heads)
+        self.key_projection = nn.Linear(d_model_keys, d_keys * n_heads)
+        self.value_projection = nn.Linear(d_model_keys, d_values * n_heads)
         self.out_projection = nn.Linear(d_values * n_heads, d_model)
         self.n_heads = n_heads
+        self.event_dispatcher = EventDispatcher.get(event_dispatcher)
 
     def forward(self, queries, keys, values, attn_mask, query_lengths, key_lengths):
         N, L, _ = queries.shape
@@ -232,5 +309,47 @@ class AttentionLayer(nn.Module):
         q = self.query_projection(queries).view(N, L, H, -1)
         k = self.key_projection(keys).view(N, S, H, -1)
         v = self.value_projection(values).view(N, S, H, -1)
+        if self.event_dispatcher.listening:
+            self.event_dispatcher.dispatch(QKVEvent(self, q, k, v))
         out = self.inner_attention(q, k, v, attn_mask, query_lengths, key_lengths)
         return self.out_projection(out.reshape(N, L, -1))
+
+
+def _register():
+    """fastattn's attentions in fast-transformers' registry, under its keys
+    and with its parameter specs (so its builders' defaults: 63 bits, ...)."""
+    from ..attention_registry import (AttentionRegistry, Bool, Callable,
+                                      EventDispatcherInstance, Float, Int, Optional)
+
+    temp = ("softmax_temp", Optional(Float))
+    dropout = ("attention_dropout", Optional(Float, 0.1))
+    dispatcher = ("event_dispatcher", Optional(EventDispatcherInstance, ""))
+    softmax = [temp, dropout, dispatcher]
+    # eps: fastattn's addition (the constructors take it; fast-transformers'
+    # builders do not).
+    linear = [("query_dimensions", Int), ("feature_map", Optional(Callable)),
+              ("eps", Optional(Float, 1e-6)), dispatcher]
+    hashing = [("clusters", Int), ("iterations", Optional(Int, 10)), ("bits", Optional(Int, 63)),
+               ("hash_bias", Optional(Bool, True))]
+    topk = ("topk", Optional(Int, 32))
+    for key, cls, params in [
+            ("full", FullAttention, softmax),
+            ("linear", LinearAttention, linear),
+            ("causal-linear", CausalLinearAttention, linear),
+            ("clustered", ClusteredAttention, hashing + softmax),
+            ("improved-clustered", ImprovedClusteredAttention, hashing + [topk] + softmax),
+            ("causal-improved-clustered", ImprovedClusteredCausalAttention,
+             hashing + [topk] + softmax),
+            # the key fast-transformers' documentation gives it
+            ("improved-causal", ImprovedClusteredCausalAttention, hashing + [topk] + softmax),
+            ("reformer", ReformerAttention,
+             [("chunk_size", Optional(Int, 32)), ("bits", Optional(Int, 63)),
+              ("rounds", Optional(Int, 4)), ("masked", Optional(Bool, False))] + softmax),
+            ("exact-topk", ExactTopKAttention, [topk] + softmax),
+            ("conditional-full", ConditionalFullAttention,
+             [("length_limit", Optional(Int, 512))] + softmax),
+            ("local", LocalAttention, [("local_context", Int)] + softmax)]:
+        AttentionRegistry.register(key, cls, params)
+
+
+_register()

@@ -1,6 +1,8 @@
 """fast_transformers.builders.attention_builders."""
 
 from ._builders import (  # noqa: F401
-    AttentionBuilder, RecurrentAttentionBuilder, RecurrentCrossAttentionBuilder)
+    AttentionBuilder, BaseAttentionBuilder, RecurrentAttentionBuilder,
+    RecurrentCrossAttentionBuilder)
 
-__all__ = ['AttentionBuilder', 'RecurrentAttentionBuilder', 'RecurrentCrossAttentionBuilder']
+__all__ = ['BaseAttentionBuilder', 'AttentionBuilder', 'RecurrentAttentionBuilder',
+           'RecurrentCrossAttentionBuilder']

@@ -2,10 +2,10 @@
 token at a time, with the batch modules' weight names."""
 
 import torch
-from torch import nn
 
 from ....nn.transformers import _FeedForwardBlock
 from ..masking import LengthMask
+from ..transformers import Stack
 
 __all__ = ["RecurrentTransformerEncoderLayer", "RecurrentTransformerEncoder",
            "RecurrentTransformerDecoderLayer", "RecurrentTransformerDecoder"]
@@ -31,13 +31,8 @@ class RecurrentTransformerEncoderLayer(_FeedForwardBlock):
         return self._sublayer(x, self.norm2, self._feed_forward), out["state"]
 
 
-class RecurrentTransformerEncoder(nn.Module):
+class RecurrentTransformerEncoder(Stack):
     """``forward(x, state=None, memory=None)`` -> ``(x, state)`` (a list per layer)."""
-
-    def __init__(self, layers, norm_layer=None, event_dispatcher=""):
-        super().__init__()
-        self.layers = nn.ModuleList(layers)
-        self.norm = norm_layer
 
     def forward(self, x, state=None, memory=None):
         state = memory if state is None else state
@@ -46,7 +41,8 @@ class RecurrentTransformerEncoder(nn.Module):
         for layer, s in zip(self.layers, state):
             x, s = layer(x, s)
             new_state.append(s)
-        return (x if self.norm is None else self.norm(x)), new_state
+            self._report(x)
+        return self._normed(x), new_state
 
 
 class RecurrentTransformerDecoderLayer(_FeedForwardBlock):
@@ -79,13 +75,8 @@ class RecurrentTransformerDecoderLayer(_FeedForwardBlock):
         return self._sublayer(x, self.norm3, self._feed_forward), [out["self"], out["cross"]]
 
 
-class RecurrentTransformerDecoder(nn.Module):
+class RecurrentTransformerDecoder(Stack):
     """``forward(x, memory, memory_length_mask=None, state=None)`` -> ``(x, state)``."""
-
-    def __init__(self, layers, norm_layer=None, event_dispatcher=""):
-        super().__init__()
-        self.layers = nn.ModuleList(layers)
-        self.norm = norm_layer
 
     def forward(self, x, memory, memory_length_mask=None, state=None):
         state = state if state is not None else [None] * len(self.layers)
@@ -93,5 +84,6 @@ class RecurrentTransformerDecoder(nn.Module):
         for layer, s in zip(self.layers, state):
             x, s = layer(x, memory, memory_length_mask=memory_length_mask, state=s)
             new_state.append(s)
-        return (x if self.norm is None else self.norm(x)), new_state
+            self._report(x)
+        return self._normed(x), new_state
 

@@ -12,6 +12,8 @@ from torch import nn
 from ..... import attention as _attention
 from ..... import attention_step as _attention_step
 from ...attention import AttentionLayer, fastattn_masks
+from ...attention._inner import attention_weights
+from ...events import AttentionEvent, EventDispatcher
 
 __all__ = ["RecurrentAttentionLayer", "RecurrentCrossAttentionLayer", "RecurrentFullAttention",
            "RecurrentLinearAttention", "RecurrentCrossFullAttention",
@@ -20,14 +22,22 @@ __all__ = ["RecurrentAttentionLayer", "RecurrentCrossAttentionLayer", "Recurrent
 
 class _RecurrentInner(nn.Module):
     kind = None
+    reports_attention = False
 
-    def __init__(self, **params):
+    def __init__(self, event_dispatcher="", **params):
         super().__init__()
         self.params = {k: v for k, v in params.items() if v is not None}
+        self.event_dispatcher = EventDispatcher.get(event_dispatcher)
 
     def forward(self, query, key, value, state=None, memory=None):
         state = memory if state is None else state
-        return _attention_step(self.kind, query, key, value, state, **self.params)
+        out, state = _attention_step(self.kind, query, key, value, state, **self.params)
+        if self.reports_attention and self.event_dispatcher.listening:
+            # The weights (N, H, S) of the query over the cached keys.
+            q, keys, params = query.unsqueeze(2), state[0], self.params
+            self.event_dispatcher.dispatch(AttentionEvent(
+                self, lambda: attention_weights("full", q, keys, **params).squeeze(2)))
+        return out, state
 
 
 class RecurrentFullAttention(_RecurrentInner):
@@ -35,9 +45,10 @@ class RecurrentFullAttention(_RecurrentInner):
     event_dispatcher="")``: a key/value cache."""
 
     kind = "full"
+    reports_attention = True
 
     def __init__(self, softmax_temp=None, attention_dropout=0.1, event_dispatcher=""):
-        super().__init__(softmax_temp=softmax_temp)
+        super().__init__(event_dispatcher, softmax_temp=softmax_temp)
 
 
 class RecurrentLinearAttention(_RecurrentInner):
@@ -50,7 +61,7 @@ class RecurrentLinearAttention(_RecurrentInner):
         from ...feature_maps import elu_feature_map
 
         fmap = (feature_map or elu_feature_map)(query_dimensions)
-        super().__init__(eps=eps, **fmap.fastattn_params())
+        super().__init__(event_dispatcher, eps=eps, **fmap.fastattn_params())
         self.feature_map = fmap
 
 
@@ -59,9 +70,12 @@ class _RecurrentCrossInner(nn.Module):
 
     kind = None
 
-    def __init__(self, **params):
+    reports_attention = False
+
+    def __init__(self, event_dispatcher="", **params):
         super().__init__()
         self.params = {k: v for k, v in params.items() if v is not None}
+        self.event_dispatcher = EventDispatcher.get(event_dispatcher)
 
     def forward(self, query, keys, values, key_lengths, state=None):
         # query (N, H, E); keys (N, S, H, E); values (N, S, H, M).
@@ -69,15 +83,22 @@ class _RecurrentCrossInner(nn.Module):
             state = (keys.permute(0, 2, 1, 3).contiguous(), values.permute(0, 2, 1, 3).contiguous())
         k, v = state
         _, lengths, _ = fastattn_masks(None, key_lengths, k.shape[2], type(self).__name__)
-        out = _attention(self.kind, query.unsqueeze(2), k, v, key_lengths=lengths, **self.params)
+        q = query.unsqueeze(2)
+        out = _attention(self.kind, q, k, v, key_lengths=lengths, **self.params)
+        if self.reports_attention and self.event_dispatcher.listening:
+            # The weights (N, S, H) of the query over the memory.
+            params = self.params
+            self.event_dispatcher.dispatch(AttentionEvent(self, lambda: attention_weights(
+                "full", q, k, key_lengths=lengths, **params).squeeze(2).transpose(1, 2)))
         return out.squeeze(2), state
 
 
 class RecurrentCrossFullAttention(_RecurrentCrossInner):
     kind = "full"
+    reports_attention = True
 
     def __init__(self, softmax_temp=None, attention_dropout=0.1, event_dispatcher=""):
-        super().__init__(softmax_temp=softmax_temp)
+        super().__init__(event_dispatcher, softmax_temp=softmax_temp)
 
 
 class RecurrentCrossLinearAttention(_RecurrentCrossInner):
@@ -87,7 +108,7 @@ class RecurrentCrossLinearAttention(_RecurrentCrossInner):
         from ...feature_maps import elu_feature_map
 
         fmap = (feature_map or elu_feature_map)(query_dimensions)
-        super().__init__(eps=eps, **fmap.fastattn_params())
+        super().__init__(event_dispatcher, eps=eps, **fmap.fastattn_params())
         self.feature_map = fmap
 
 
@@ -122,3 +143,24 @@ class RecurrentCrossAttentionLayer(AttentionLayer):
             k = v = None
         out, state = self.inner_attention(q, k, v, key_lengths, state=state)
         return self.out_projection(out.reshape(N, -1)), state
+
+
+def _register():
+    """The recurrent attentions under fast-transformers' keys and specs."""
+    from ...attention_registry import (Callable, EventDispatcherInstance, Float, Int, Optional,
+                                       RecurrentAttentionRegistry,
+                                       RecurrentCrossAttentionRegistry)
+
+    dispatcher = ("event_dispatcher", Optional(EventDispatcherInstance, ""))
+    full = [("softmax_temp", Optional(Float)), ("attention_dropout", Optional(Float, 0.1)),
+            dispatcher]
+    linear = [("query_dimensions", Int), ("feature_map", Optional(Callable)),
+              ("eps", Optional(Float, 1e-6)), dispatcher]
+    RecurrentAttentionRegistry.register("full", RecurrentFullAttention, full)
+    RecurrentAttentionRegistry.register("linear", RecurrentLinearAttention, linear)
+    RecurrentAttentionRegistry.register("causal-linear", RecurrentLinearAttention, linear)
+    RecurrentCrossAttentionRegistry.register("full", RecurrentCrossFullAttention, full)
+    RecurrentCrossAttentionRegistry.register("linear", RecurrentCrossLinearAttention, linear)
+
+
+_register()
