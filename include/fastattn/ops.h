@@ -208,12 +208,14 @@ torch::Tensor lsh_hash(const torch::Tensor& x, const torch::Tensor& rotations);
 // O(N·H·R·L·chunk·(E + M)) time, O(N·H·L·(E + M + R)) memory, never L x L.
 // Gradients flow to q (both roles) and v. CUDA: float32, float16, bfloat16
 // (float32 arithmetic), E and M <= 256.
-torch::Tensor reformer_attention(const torch::Tensor& q, const torch::Tensor& v,
-                                 const torch::Tensor& buckets,
-                                 const std::optional<torch::Tensor>& key_lengths = std::nullopt,
-                                 int64_t chunk_size = 32, bool causal = false,
-                                 bool mask_self = true,
-                                 std::optional<double> softmax_temp = std::nullopt);
+// dropout_p: attention dropout (CPU), each (round, key) weight of a query
+// on its own (the softmax is over those pairs); dropout_seed: the mask's
+// seed (default: drawn from torch's CPU generator).
+torch::Tensor reformer_attention(
+    const torch::Tensor& q, const torch::Tensor& v, const torch::Tensor& buckets,
+    const std::optional<torch::Tensor>& key_lengths = std::nullopt, int64_t chunk_size = 32,
+    bool causal = false, bool mask_self = true, std::optional<double> softmax_temp = std::nullopt,
+    double dropout_p = 0.0, std::optional<int64_t> dropout_seed = std::nullopt);
 
 namespace reference {
 // Plain-ATen hashing: (x·W^T + b > 0) packed into int64.
@@ -276,11 +278,14 @@ torch::Tensor lsh_hash(const torch::Tensor& x, const torch::Tensor& rotations);
 
 // Plain-ATen Reformer oracle: materialises (N, H, R, L, L) chunk visibility
 // and one softmax over scores + log(rounds in which i sees j): for tests only.
+// dropout (seed, p): the kernels' mask of each round (attention_dropout_keep
+// of the round's seed), applied to that round's share of each weight.
 torch::Tensor reformer_attention(const torch::Tensor& q, const torch::Tensor& v,
                                  const torch::Tensor& buckets,
                                  const std::optional<torch::Tensor>& key_lengths,
                                  int64_t chunk_size, bool causal, bool mask_self,
-                                 std::optional<double> softmax_temp);
+                                 std::optional<double> softmax_temp,
+                                 std::optional<std::pair<int64_t, double>> dropout = std::nullopt);
 }  // namespace reference
 
 // ClusterFormer's sort / unsort: every (n, h) slice of x takes its rows in the

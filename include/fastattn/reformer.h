@@ -32,7 +32,8 @@ struct ReformerOptions {
   // Seeds the module's own generator; without it the default CPU generator
   // (torch::manual_seed) is used. Each forward draws fresh rotations.
   std::optional<int64_t> seed;
-  bool masked = true;  // a position attends to itself only if it sees nothing else
+  bool masked = true;              // a position attends to itself only if it sees nothing else
+  double attention_dropout = 0.0;  // in training mode, fused (CPU)
 };
 
 // `reformer`. Masks: key lengths (and query lengths: the padding is the

@@ -240,16 +240,17 @@ def register():
 
     @fake("fastattn::reformer_attention")
     def _(q, v, buckets, key_lengths=None, chunk_size=32, causal=False, mask_self=True,
-          softmax_temp=None):
+          softmax_temp=None, dropout_p=0.0, dropout_seed=None):
         return _rows_like(q, v.shape[-1])
 
     @fake("fastattn::reformer_attention_forward")
-    def _(q, v, buckets, key_lengths, chunk_size, causal, mask_self, softmax_temp):
+    def _(q, v, buckets, key_lengths, chunk_size, causal, mask_self, softmax_temp, dropout_p,
+          dropout_seed):
         return _rows_like(q, v.shape[-1]), q.new_empty(q.shape[:-1] + (2,), dtype=torch.float64)
 
     @fake("fastattn::reformer_attention_backward")
     def _(grad_out, q, v, buckets, out, stats, key_lengths, chunk_size, causal, mask_self,
-          softmax_temp):
+          softmax_temp, dropout_p, dropout_seed):
         return _rows_like(q, q.shape[-1]), _rows_like(v, v.shape[-1])
 
     # ---- ClusterFormer token gather ----------------------------------------

@@ -32,6 +32,7 @@ ReformerAttention::ReformerAttention(ReformerOptions options) : options_(std::mo
   TORCH_CHECK(!o.softmax_temp || (std::isfinite(*o.softmax_temp) && *o.softmax_temp > 0), who,
               ": softmax_temp must be a finite number > 0, got ", o.softmax_temp.value_or(0.0));
   TORCH_CHECK(!o.seed || *o.seed >= 0, who, ": seed must be >= 0, got ", o.seed.value_or(0));
+  check_attention_dropout(who, o.attention_dropout);
   gen_ = o.seed ? at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(*o.seed))
                 : at::detail::getDefaultCPUGenerator();
 }
@@ -75,11 +76,12 @@ torch::Tensor ReformerAttention::forward(const torch::Tensor& queries,  // (N, H
     lengths = lengths ? torch::minimum(lengths->to(torch::kLong), ql) : ql;
   }
   auto buckets = hash(queries);
+  const double dropout = is_training() ? options_.attention_dropout : 0.0;
   // On the dense-attention engine where it runs on PyTorch's fused kernels:
   // each round's sorted chunks as packed sequences (src/ops/engine_pieces.h).
   // Causal and padded calls keep the Reformer kernels (their order is not the
-  // sorted one).
-  if (!mask.is_causal() && !lengths &&
+  // sorted one), and so does dropout (the engine's calls take none yet).
+  if (!mask.is_causal() && !lengths && dropout == 0 &&
       ops::types_use_dense_engine(queries, values, {}, /*pieces=*/true)) {
     const double temp =
         options_.softmax_temp.value_or(1.0 / std::sqrt(static_cast<double>(queries.size(3))));
@@ -87,7 +89,7 @@ torch::Tensor ReformerAttention::forward(const torch::Tensor& queries,  // (N, H
                                    temp);
   }
   return reformer_attention(queries, values, buckets, lengths, options_.chunk_size,
-                            mask.is_causal(), options_.masked, options_.softmax_temp);
+                            mask.is_causal(), options_.masked, options_.softmax_temp, dropout);
 }
 
 void register_reformer_attention_types(AttentionRegistry& registry) {
@@ -114,7 +116,8 @@ void register_reformer_attention_types(AttentionRegistry& registry) {
                            "forward); default: the global CPU generator",
                            0),
         ParamSpec::boolean("masked", true,
-                           "mask out the self position (score -1e5) unless it is the only one")},
+                           "mask out the self position (score -1e5) unless it is the only one"),
+        attention_dropout_spec()},
        [](const Params& p, const AttentionDims&) -> AttentionPtr {
          ReformerOptions o;
          o.chunk_size = p.get_int("chunk_size");
@@ -123,6 +126,7 @@ void register_reformer_attention_types(AttentionRegistry& registry) {
          o.softmax_temp = p.get_optional_float("softmax_temp");
          o.seed = p.get_optional_int("seed");
          o.masked = p.get_bool("masked");
+         o.attention_dropout = p.get_float("attention_dropout");
          return std::make_shared<ReformerAttention>(o);
        },
        Capabilities().selecting(),

@@ -1,7 +1,8 @@
 // The Reformer LSH operators (Kitaev et al. 2020):
 //   lsh_hash(x (N,H,L,E), rotations (R,E,B2)) -> buckets (N,H,R,L) int64
 //   reformer_attention(q (N,H,L,E), v (N,H,L,M), buckets (N,H,R,L), key_lengths?,
-//                      chunk_size, causal, mask_self, softmax_temp?) -> (N,H,L,M)
+//                      chunk_size, causal, mask_self, softmax_temp?, dropout_p,
+//                      dropout_seed?) -> (N,H,L,M)
 // Input checks, CPU implementations over src/kernels/reformer/, the autograd
 // function (gradients to q, through both its query and its normalised-key
 // role, and to v; the buckets are integer), the C++ entry points, and the
@@ -131,23 +132,26 @@ Prepared prepare(const Tensor& q, const Tensor& v, const Tensor& buckets,
 
 template <typename T>
 void fill_params(kernels::ReformerParams<T>& a, const Prepared& p, int64_t chunk_size, bool causal,
-                 bool mask_self, double temp) {
+                 bool mask_self, double temp, double dropout_p, int64_t dropout_seed) {
   fill_reformer_args(a, p.q, p.v, p.lengths, p.buckets.size(2), chunk_size, causal, mask_self,
                      temp);
   a.buckets = p.buckets.data_ptr<int64_t>();
   a.n_buckets = p.n_buckets;
+  ops::set_dropout_args(a, dropout_p, dropout_seed);
 }
 
 std::tuple<Tensor, Tensor> reformer_attention_forward_cpu(const Tensor& q, const Tensor& v,
                                                           const Tensor& buckets,
                                                           const c10::optional<Tensor>& key_lengths,
                                                           int64_t chunk_size, bool causal,
-                                                          bool mask_self, double softmax_temp) {
+                                                          bool mask_self, double softmax_temp,
+                                                          double dropout_p, int64_t dropout_seed) {
   const auto p = prepare(q, v, buckets, key_lengths, chunk_size);  // checks the arguments
+  ops::check_dropout(kOp, dropout_p);
   if (ops::is_reduced_float(q)) {
     auto [out, stats] =
         ops::in_float32(q.scalar_type(), reformer_attention_forward_cpu, q, v, buckets, key_lengths,
-                        chunk_size, causal, mask_self, softmax_temp);
+                        chunk_size, causal, mask_self, softmax_temp, dropout_p, dropout_seed);
     return {ops::in_rows_layout_of(out, q), stats};
   }
   // out in q's row layout: the layers' transpose back to (N, L, H, M) is a view.
@@ -156,7 +160,8 @@ std::tuple<Tensor, Tensor> reformer_attention_forward_cpu(const Tensor& q, const
       torch::empty({q.size(0), q.size(1), q.size(2), 2}, q.options().dtype(torch::kDouble));
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "reformer_attention_forward_cpu", [&] {
     kernels::ReformerForwardArgs<scalar_t> a;
-    fill_params<scalar_t>(a, p, chunk_size, causal, mask_self, softmax_temp);
+    fill_params<scalar_t>(a, p, chunk_size, causal, mask_self, softmax_temp, dropout_p,
+                          dropout_seed);
     a.out = out.data_ptr<scalar_t>();
     a.out_rows = ops::row_strides(out);
     a.stats = stats.data_ptr<double>();
@@ -170,13 +175,15 @@ std::tuple<Tensor, Tensor> reformer_attention_backward_cpu(const Tensor& grad_ou
                                                            const Tensor& out, const Tensor& stats,
                                                            const c10::optional<Tensor>& key_lengths,
                                                            int64_t chunk_size, bool causal,
-                                                           bool mask_self, double softmax_temp) {
+                                                           bool mask_self, double softmax_temp,
+                                                           double dropout_p, int64_t dropout_seed) {
   const auto p = prepare(q, v, buckets, key_lengths, chunk_size);
   check_backward_inputs(grad_out, q, v, out, stats);
+  ops::check_dropout(kOp, dropout_p);
   if (ops::is_reduced_float(q)) {
-    auto [gq, gv] =
-        ops::in_float32(q.scalar_type(), reformer_attention_backward_cpu, grad_out, q, v, buckets,
-                        out, stats, key_lengths, chunk_size, causal, mask_self, softmax_temp);
+    auto [gq, gv] = ops::in_float32(q.scalar_type(), reformer_attention_backward_cpu, grad_out, q,
+                                    v, buckets, out, stats, key_lengths, chunk_size, causal,
+                                    mask_self, softmax_temp, dropout_p, dropout_seed);
     return {ops::in_rows_layout_of(gq, q), ops::in_rows_layout_of(gv, v)};
   }
   auto go = ops::rows_contiguous(grad_out.to(q.scalar_type()));
@@ -186,7 +193,8 @@ std::tuple<Tensor, Tensor> reformer_attention_backward_cpu(const Tensor& grad_ou
   auto gq = ops::empty_rows_like(q, q.size(3)), gv = ops::empty_rows_like(v, v.size(3));
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "reformer_attention_backward_cpu", [&] {
     kernels::ReformerBackwardArgs<scalar_t> a;
-    fill_params<scalar_t>(a, p, chunk_size, causal, mask_self, softmax_temp);
+    fill_params<scalar_t>(a, p, chunk_size, causal, mask_self, softmax_temp, dropout_p,
+                          dropout_seed);
     a.grad_out = go.data_ptr<scalar_t>();
     a.stats = stats_c.data_ptr<double>();
     a.delta = delta.data_ptr<scalar_t>();
@@ -203,26 +211,27 @@ std::tuple<Tensor, Tensor> reformer_attention_backward_cpu(const Tensor& grad_ou
 std::tuple<Tensor, Tensor> call_forward(const Tensor& q, const Tensor& v, const Tensor& buckets,
                                         const c10::optional<Tensor>& key_lengths,
                                         int64_t chunk_size, bool causal, bool mask_self,
-                                        double temp) {
+                                        double temp, double dropout_p, int64_t dropout_seed) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fastattn::reformer_attention_forward", "")
                        .typed<decltype(reformer_attention_forward_cpu)>();
-  return op.call(q, v, buckets, key_lengths, chunk_size, causal, mask_self, temp);
+  return op.call(q, v, buckets, key_lengths, chunk_size, causal, mask_self, temp, dropout_p,
+                 dropout_seed);
 }
 
 }  // namespace
 
 // The top-level op without autograd (also registered under CUDA).
-torch::Tensor ops::reformer::reformer_attention_no_grad(const Tensor& q, const Tensor& v,
-                                                        const Tensor& buckets,
-                                                        const c10::optional<Tensor>& key_lengths,
-                                                        int64_t chunk_size, bool causal,
-                                                        bool mask_self,
-                                                        c10::optional<double> softmax_temp) {
+torch::Tensor ops::reformer::reformer_attention_no_grad(
+    const Tensor& q, const Tensor& v, const Tensor& buckets,
+    const c10::optional<Tensor>& key_lengths, int64_t chunk_size, bool causal, bool mask_self,
+    c10::optional<double> softmax_temp, double dropout_p, c10::optional<int64_t> dropout_seed) {
   TORCH_CHECK(q.defined() && q.dim() == 4, kOp, ": q must have shape (N, H, L, E), got ",
               q.defined() ? q.sizes() : c10::IntArrayRef{});
+  ops::check_dropout(kOp, dropout_p);
   return std::get<0>(call_forward(q, v, buckets, key_lengths, chunk_size, causal, mask_self,
-                                  ops::resolve_softmax_temp(kOp, q, softmax_temp)));
+                                  ops::resolve_softmax_temp(kOp, q, softmax_temp), dropout_p,
+                                  ops::resolve_dropout_seed(dropout_p, dropout_seed)));
 }
 
 namespace {
@@ -232,19 +241,24 @@ class ReformerFunction : public torch::autograd::Function<ReformerFunction> {
   static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& v,
                         const Tensor& buckets, const c10::optional<Tensor>& key_lengths,
                         int64_t chunk_size, bool causal, bool mask_self,
-                        c10::optional<double> softmax_temp) {
+                        c10::optional<double> softmax_temp, double dropout_p,
+                        c10::optional<int64_t> dropout_seed) {
     at::AutoDispatchBelowADInplaceOrView guard;
     TORCH_CHECK(q.defined() && q.dim() == 4, kOp, ": q must have shape (N, H, L, E), got ",
                 q.defined() ? q.sizes() : c10::IntArrayRef{});
+    ops::check_dropout(kOp, dropout_p);
     const double temp = ops::resolve_softmax_temp(kOp, q, softmax_temp);
-    auto [out, stats] =
-        call_forward(q, v, buckets, key_lengths, chunk_size, causal, mask_self, temp);
+    const int64_t seed = ops::resolve_dropout_seed(dropout_p, dropout_seed);
+    auto [out, stats] = call_forward(q, v, buckets, key_lengths, chunk_size, causal, mask_self,
+                                     temp, dropout_p, seed);
     ctx->save_for_backward({q, v, buckets, out, stats});
     ctx->saved_data["key_lengths"] = key_lengths ? *key_lengths : Tensor();
     ctx->saved_data["chunk_size"] = chunk_size;
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["mask_self"] = mask_self;
     ctx->saved_data["temp"] = temp;
+    ctx->saved_data["dropout_p"] = dropout_p;
+    ctx->saved_data["dropout_seed"] = seed;
     return out;
   }
 
@@ -258,17 +272,18 @@ class ReformerFunction : public torch::autograd::Function<ReformerFunction> {
         op.call(grads[0], s[0], s[1], s[2], s[3], s[4],
                 kl.defined() ? c10::optional<Tensor>(kl) : c10::nullopt,
                 ctx->saved_data["chunk_size"].toInt(), ctx->saved_data["causal"].toBool(),
-                ctx->saved_data["mask_self"].toBool(), ctx->saved_data["temp"].toDouble());
-    return {gq, gv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+                ctx->saved_data["mask_self"].toBool(), ctx->saved_data["temp"].toDouble(),
+                ctx->saved_data["dropout_p"].toDouble(), ctx->saved_data["dropout_seed"].toInt());
+    return {gq, gv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
 Tensor reformer_attention_autograd(const Tensor& q, const Tensor& v, const Tensor& buckets,
                                    const c10::optional<Tensor>& key_lengths, int64_t chunk_size,
-                                   bool causal, bool mask_self,
-                                   c10::optional<double> softmax_temp) {
+                                   bool causal, bool mask_self, c10::optional<double> softmax_temp,
+                                   double dropout_p, c10::optional<int64_t> dropout_seed) {
   return ReformerFunction::apply(q, v, buckets, key_lengths, chunk_size, causal, mask_self,
-                                 softmax_temp);
+                                 softmax_temp, dropout_p, dropout_seed);
 }
 
 }  // namespace
@@ -294,13 +309,14 @@ Tensor lsh_hash(const Tensor& x, const Tensor& rotations) {
 
 Tensor reformer_attention(const Tensor& q, const Tensor& v, const Tensor& buckets,
                           const std::optional<Tensor>& key_lengths, int64_t chunk_size, bool causal,
-                          bool mask_self, std::optional<double> softmax_temp) {
+                          bool mask_self, std::optional<double> softmax_temp, double dropout_p,
+                          std::optional<int64_t> dropout_seed) {
   ops::check_defined(kOp, {"q", "v", "buckets"}, {q, v, buckets});
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fastattn::reformer_attention", "")
                        .typed<decltype(reformer_attention_no_grad)>();
   return op.call(q, v, buckets, to_c10(key_lengths), chunk_size, causal, mask_self,
-                 to_c10(softmax_temp));
+                 to_c10(softmax_temp), dropout_p, to_c10(dropout_seed));
 }
 
 // ---- plain-ATen references (tests and benchmarks only) ----------------------------
@@ -322,8 +338,9 @@ Tensor lsh_hash(const Tensor& x, const Tensor& rotations) {
 // softmax combined with the rounds' lse weights.
 Tensor reformer_attention(const Tensor& q, const Tensor& v, const Tensor& buckets,
                           const std::optional<Tensor>& key_lengths, int64_t chunk_size, bool causal,
-                          bool mask_self, std::optional<double> softmax_temp) {
-  const int64_t N = q.size(0), L = q.size(2), E = q.size(3);
+                          bool mask_self, std::optional<double> softmax_temp,
+                          std::optional<std::pair<int64_t, double>> dropout) {
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), E = q.size(3);
   const double temp = softmax_temp.value_or(1.0 / std::sqrt(static_cast<double>(E)));
   const auto lopt = buckets.options();
   auto pos = torch::arange(L, lopt);
@@ -351,6 +368,19 @@ Tensor reformer_attention(const Tensor& q, const Tensor& v, const Tensor& bucket
   auto any = count.gt(0).any(-1, /*keepdim=*/true);
   scores = scores.masked_fill(any.logical_not(), 0.0);
   auto probs = torch::softmax(scores, -1).masked_fill(any.logical_not(), 0.0);
+  if (dropout) {
+    // The weight of (i, j) is shared by the count rounds in which i sees j;
+    // each round drops its share by its own mask: the kept shares' sum over
+    // the count, times 1 / (1 - p).
+    auto kept = torch::zeros_like(probs);
+    for (int64_t r = 0; r < buckets.size(2); ++r) {
+      const auto seed = static_cast<int64_t>(
+          kernels::reformer_round_seed(static_cast<uint64_t>(dropout->first), r));
+      const auto keep = attention_dropout_keep(seed, dropout->second, N, H, L, L);
+      kept = kept + seen.select(2, r).to(probs.scalar_type()) * keep.to(probs.scalar_type());
+    }
+    probs = probs * kept / count.clamp_min(1);
+  }
   return torch::matmul(probs, v);
 }
 

@@ -97,6 +97,7 @@ torch::Tensor reformer_attention_no_grad(const torch::Tensor& q, const torch::Te
                                          const torch::Tensor& buckets,
                                          const c10::optional<torch::Tensor>& key_lengths,
                                          int64_t chunk_size, bool causal, bool mask_self,
-                                         c10::optional<double> softmax_temp);
+                                         c10::optional<double> softmax_temp, double dropout_p,
+                                         c10::optional<int64_t> dropout_seed);
 
 }  // namespace fastattn::ops::reformer

@@ -196,18 +196,19 @@ TORCH_LIBRARY(fastattn, m) {
   // -> (N,H,L,M).
   m.def(
       "reformer_attention(Tensor q, Tensor v, Tensor buckets, Tensor? key_lengths=None, "
-      "int chunk_size=32, bool causal=False, bool mask_self=True, float? softmax_temp=None) "
-      "-> Tensor");
+      "int chunk_size=32, bool causal=False, bool mask_self=True, float? softmax_temp=None, "
+      "float dropout_p=0., int? dropout_seed=None) -> Tensor");
   // Forward kernel: output and float64 stats (N,H,L,2) = [max score, log of the
   // sum of exp(score - max)] over rounds and keys.
   m.def(
       "reformer_attention_forward(Tensor q, Tensor v, Tensor buckets, Tensor? key_lengths, "
-      "int chunk_size, bool causal, bool mask_self, float softmax_temp) -> (Tensor, Tensor)");
+      "int chunk_size, bool causal, bool mask_self, float softmax_temp, float dropout_p, "
+      "int dropout_seed) -> (Tensor, Tensor)");
   // Backward kernel: (grad_q, grad_v), recomputing the chunk scores from the stats.
   m.def(
       "reformer_attention_backward(Tensor grad_out, Tensor q, Tensor v, Tensor buckets, "
       "Tensor out, Tensor stats, Tensor? key_lengths, int chunk_size, bool causal, bool mask_self, "
-      "float softmax_temp) -> (Tensor, Tensor)");
+      "float softmax_temp, float dropout_p, int dropout_seed) -> (Tensor, Tensor)");
 
   // ---- ClusterFormer (Wang et al. 2022) ---------------------------------------
   // Token gather (sort / unsort by cluster): x (N,H,L,E), index (N,T) int64 in

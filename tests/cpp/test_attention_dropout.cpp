@@ -407,5 +407,73 @@ TEST(AttentionDropout, TopkTypesDropInTrainingOnly) {
   }
 }
 
+// Reformer: each (round, key) weight of a query drops on its own (the round's
+// stream of the seed), as the softmax is over those pairs; the reference
+// drops each round's share of a weight by that round's mask. Forward and
+// gradients (q in both roles, v) against float64.
+TEST(AttentionDropout, ReformerEqualsTheReferenceWithTheSameMasks) {
+  struct ReformerCase {
+    int64_t L, chunk, rounds, n_buckets;
+    bool causal, lengths, mask_self;
+  };
+  const std::vector<ReformerCase> cases = {{40, 4, 3, 6, false, true, true},
+                                           {70, 8, 2, 4, true, false, true},
+                                           {33, 5, 1, 2, false, false, false},
+                                           {130, 32, 4, 8, false, true, true}};
+  const double p = 0.3, temp = 0.6;
+  const int64_t seed = 777001, N = 2, H = 2, E = 6, M = 5;
+  torch::manual_seed(6);
+  for (auto dtype : {torch::kDouble, torch::kFloat}) {
+    for (const auto& c : cases) {
+      const std::string what = std::string(c10::toString(dtype)) + " L" + std::to_string(c.L) +
+                               " R" + std::to_string(c.rounds) + (c.causal ? " causal" : "") +
+                               (c.lengths ? " lengths" : "");
+      auto q = torch::randn({N, H, c.L, E}, dtype).requires_grad_(true);
+      auto v = torch::randn({N, H, c.L, M}, dtype).requires_grad_(true);
+      auto g = torch::randn({N, H, c.L, M}, dtype);
+      auto buckets = torch::randint(c.n_buckets, {N, H, c.rounds, c.L}, torch::kLong);
+      std::optional<Tensor> lengths;
+      if (c.lengths) lengths = torch::tensor({c.L, c.L / 3}, torch::kLong);
+      auto out =
+          reformer_attention(q, v, buckets, lengths, c.chunk, c.causal, c.mask_self, temp, p, seed);
+      auto grads = torch::autograd::grad({out}, {q, v}, {g});
+      auto qd = q.detach().to(torch::kDouble).requires_grad_(true);
+      auto vd = v.detach().to(torch::kDouble).requires_grad_(true);
+      auto ref = reference::reformer_attention(qd, vd, buckets, lengths, c.chunk, c.causal,
+                                               c.mask_self, temp, std::make_pair(seed, p));
+      auto ref_grads = torch::autograd::grad({ref}, {qd, vd}, {g.to(torch::kDouble)});
+      const double tol = dtype == torch::kDouble ? 1e-12 : 2e-5;
+      EXPECT_LE(max_err(out.to(torch::kDouble), ref), tol) << what;
+      EXPECT_LE(max_err(grads[0].to(torch::kDouble), ref_grads[0]), 20 * tol) << what << " dq";
+      EXPECT_LE(max_err(grads[1].to(torch::kDouble), ref_grads[1]), 20 * tol) << what << " dv";
+      // Dropout changed the output.
+      auto undropped = reference::reformer_attention(qd, vd, buckets, lengths, c.chunk, c.causal,
+                                                     c.mask_self, temp);
+      EXPECT_GT(max_err(ref, undropped), 1e-3) << what;
+    }
+  }
+}
+
+TEST(AttentionDropout, ReformerDropsInTrainingOnly) {
+  const int64_t N = 1, H = 2, L = 48;
+  torch::manual_seed(8);
+  auto q = torch::randn({N, H, L, 4}, torch::kDouble),
+       v = torch::randn({N, H, L, 3}, torch::kDouble);
+  auto attn = make_attention("reformer", {{"attention_dropout", 0.4},
+                                          {"seed", int64_t{3}},
+                                          {"chunk_size", int64_t{8}},
+                                          {"n_buckets", int64_t{4}}});
+  auto plain = make_attention(
+      "reformer", {{"seed", int64_t{3}}, {"chunk_size", int64_t{8}}, {"n_buckets", int64_t{4}}});
+  attn->eval();
+  EXPECT_LE(max_err(attn->forward(q, q, v, Mask()), plain->forward(q, q, v, Mask())), 0);
+  attn->train();
+  torch::manual_seed(9);
+  auto a = attn->forward(q, q, v, Mask());
+  EXPECT_GT(max_err(a, plain->forward(q, q, v, Mask())), 1e-2);
+  EXPECT_ERROR_CONTAINS(make_attention("reformer", {{"attention_dropout", 1.0}}),
+                        "attention_dropout");
+}
+
 }  // namespace
 }  // namespace fastattn

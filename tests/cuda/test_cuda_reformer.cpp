@@ -93,11 +93,12 @@ std::vector<Cfg> configs() {
 
 TEST(CudaReformer, ForwardAndStatsMatchCpu) {
   FASTATTN_SKIP_WITHOUT_CUDA();
-  static auto fwd = c10::Dispatcher::singleton()
-                        .findSchemaOrThrow("fastattn::reformer_attention_forward", "")
-                        .typed<std::tuple<torch::Tensor, torch::Tensor>(
-                            const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                            const c10::optional<torch::Tensor>&, int64_t, bool, bool, double)>();
+  static auto fwd =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("fastattn::reformer_attention_forward", "")
+          .typed<std::tuple<torch::Tensor, torch::Tensor>(
+              const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+              const c10::optional<torch::Tensor>&, int64_t, bool, bool, double, double, int64_t)>();
   torch::manual_seed(12);
   for (auto dtype : cuda_dtypes()) {
     for (const auto& c : configs()) {
@@ -112,9 +113,9 @@ TEST(CudaReformer, ForwardAndStatsMatchCpu) {
       }
       const double temp = 0.3;
       auto [out, stats] = fwd.call(q.gpu, v.gpu, buckets.to(torch::kCUDA), kl_gpu, c.chunk,
-                                   c.causal, c.mask_self, temp);
-      auto [out_ref, stats_ref] =
-          fwd.call(q.cpu64, v.cpu64, buckets, kl_cpu, c.chunk, c.causal, c.mask_self, temp);
+                                   c.causal, c.mask_self, temp, 0.0, int64_t{0});
+      auto [out_ref, stats_ref] = fwd.call(q.cpu64, v.cpu64, buckets, kl_cpu, c.chunk, c.causal,
+                                           c.mask_self, temp, 0.0, int64_t{0});
       ASSERT_TRUE(out.is_cuda()) << what;
       EXPECT_EQ(out.scalar_type(), dtype) << what;
       EXPECT_EQ(stats.scalar_type(), torch::kDouble) << what;

@@ -18,7 +18,7 @@ import torch
 
 import fastattn
 import fastattn.nn as fnn
-from fastattn.compat.fast_transformers.attention import AttentionLayer, FullAttention, \
+from fastattn.compat.fast_transformers.attention import FullAttention, \
     ExactTopKAttention, ImprovedClusteredAttention, LinearAttention, LocalAttention, \
     ReformerAttention
 from fastattn.compat.fast_transformers.builders import (RecurrentDecoderBuilder,
@@ -281,14 +281,6 @@ def test_what_cannot_be_matched_is_named():
         builder.attention_type = "linformer"
     with pytest.raises(ValueError, match="attention_type 'clustered' is not available.*full"):
         RecurrentEncoderBuilder.from_kwargs(attention_type="clustered")
-    layer = AttentionLayer(ReformerAttention(chunk_size=2), 8, 2)
-    x = torch.rand(1, 4, 8)
-    with pytest.warns(UserWarning, match="attention_dropout=0.1 is not applied: fastattn's "
-                                         "'reformer' has no attention dropout yet"):
-        layer(x, x, x, None, None, None)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        layer.eval()(x, x, x, None, None, None)
 
 
 def test_attention_dropout_is_applied_in_training():
@@ -303,7 +295,9 @@ def test_attention_dropout_is_applied_in_training():
              "improved-clustered", dict(clusters=3, topk=4, iterations=10, bits=32,
                                         hash_bias=True)),
             (LocalAttention(5, attention_dropout=0.2), "local", dict(window=5)),
-            (ExactTopKAttention(topk=5, attention_dropout=0.2), "exact-topk", dict(topk=5))]:
+            (ExactTopKAttention(topk=5, attention_dropout=0.2), "exact-topk", dict(topk=5)),
+            (ReformerAttention(chunk_size=4, bits=2, attention_dropout=0.2), "reformer",
+             dict(chunk_size=4, n_buckets=4, rounds=4, masked=False))]:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             torch.manual_seed(3)

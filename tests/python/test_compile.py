@@ -136,6 +136,8 @@ def op_cases():
              dict(key_lengths=lengths(), chunk_size=4)),
             (f"reformer-causal-{d}", ops.reformer_attention, (sq, sv, buckets),
              dict(chunk_size=3, causal=True, mask_self=False)),
+            (f"reformer-dropout-{d}", ops.reformer_attention, (sq, sv, buckets),
+             dict(key_lengths=lengths(), chunk_size=4, dropout_p=0.25, dropout_seed=17)),
             (f"gather-tokens-{d}", ops.gather_tokens,
              (q, torch.tensor([[0, 3, -1, 6], [2, 2, 1, -1]])), {}),
             (f"hash-queries-{d}", ops.hash_queries,

@@ -75,7 +75,7 @@ class Attention(nn.Module):
     ``(N, H, L, E)``, ``(N, H, S, E)``, ``(N, H, S, M)`` and returns
     ``(N, H, L, M)``; masks as :func:`fastattn.nn.masking.resolve_masks`.
     In training mode (``module.train()``) the type runs its training form:
-    ``attention_dropout`` (a parameter of the softmax types but ``reformer``,
+    ``attention_dropout`` (a parameter of the softmax types but
     ``clusterformer`` and ``hard-retrieval`` so far) drops attention weights.
     """
 

@@ -29,6 +29,7 @@
 
 #include <cstdint>
 
+#include "kernels/common/dropout.h"
 #include "kernels/common/kernel_args.h"
 
 namespace fastattn::kernels {
@@ -63,13 +64,27 @@ struct ReformerParams {
   const int64_t* perm = nullptr;
   const int64_t* lengths = nullptr;  // (N,) in [0, L], or nullptr for L
   int64_t N = 0, H = 0, L = 0, E = 0, M = 0, R = 0;
-  int64_t chunk = 32;             // chunk size in sorted positions, >= 1
-  bool causal = false;            // drop keys j > i
-  bool mask_self = true;          // self score -> -1e5
-  KernelScalar<T> scale = 1;      // softmax temperature
+  int64_t chunk = 32;         // chunk size in sorted positions, >= 1
+  bool causal = false;        // drop keys j > i
+  bool mask_self = true;      // self score -> -1e5
+  KernelScalar<T> scale = 1;  // softmax temperature
+  // Attention dropout, fused (CPU): the weight of key j in round r for query
+  // i (original positions) is kept when its bits under row key
+  // dropout_row_key(reformer_round_seed(seed, r), nh, i) reach the
+  // threshold (kernels/common/dropout.h; 0: no dropout), each (round, key)
+  // pair on its own, as the softmax is over those pairs. The stats stay the
+  // undropped softmax's.
+  uint32_t dropout_threshold = 0;
+  uint64_t dropout_seed = 0;
+  KernelScalar<T> dropout_scale = 1;
   int num_threads = 1;            // CPU
   DType dtype = DType::kFloat32;  // CUDA: the element type of the void pointers
 };
+
+// The dropout seed of round r (a stream of the call's seed per round).
+inline uint64_t reformer_round_seed(uint64_t seed, int64_t r) {
+  return dropout_stream_seed(seed, dropout_mix64(0x5265666f726d6572ull + static_cast<uint64_t>(r)));
+}
 
 template <typename T>
 struct ReformerForwardArgs : ReformerParams<T> {

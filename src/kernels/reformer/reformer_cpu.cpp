@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "kernels/common/isa_target.h"
+#include "kernels/common/dropout_rows.h"
 #include "kernels/common/gemm.h"
 #include "kernels/common/parallel.h"
 #include "kernels/common/scratch.h"
@@ -157,10 +158,10 @@ inline void gather_rows(const T* x, int64_t sr, const int64_t* idx, int64_t n, i
 // shares its windows' overlap (chunk c's rows are the second half of its
 // window and the first half of chunk c + 1's): gathered once, and in the
 // backward their dK and dV summed before one scatter. Per-chunk items
-// gathered and scattered every key and value row twice: forward+backward at
-// L = 16384, 8 heads, chunk 32, 4 rounds: 561-592 ms in runs against 629-637
-// (alternating processes); the row copies left (random rows, cache misses)
-// are still a sixth of the forward.
+// gathered and scattered every key and value row twice (measured: git show
+// 5f604de:docs/benchmarks.md, "Work items and first writes: the few-query
+// backward, local, Reformer"); the row copies left (random rows, cache
+// misses) are still a visible part of the forward.
 constexpr int64_t kRunChunks = 8;
 
 // The keys and values of win into kb (rows E apart) and vb (M apart). With
@@ -250,9 +251,10 @@ inline int64_t signed_argmax(const T* p, int64_t B2) {
 
 // Up to this many rotation columns over all rounds (R·B2) a row's
 // projections come from PackedDirections (projections.h), all rounds at
-// once; more (many buckets) from gemm, a round at a time. The compatibility
-// layer's default (4 rounds of 8) took 17 ms through gemm at L = 16384,
-// H = 8: eight of the micro-kernel's 32 columns used.
+// once; more (many buckets) from gemm, a round at a time. Through gemm the
+// compatibility layer's default (4 rounds of 8) used eight of the
+// micro-kernel's 32 columns (git show 5f604de:docs/benchmarks.md,
+// "Prefetch, cluster members, hashing, scratch buffers").
 constexpr int64_t kPackedColumns = 256;
 
 }  // namespace
@@ -374,11 +376,16 @@ void reformer_forward_cpu(const ReformerForwardArgs<T>& args) {
             gemm_packed(win.rows, width, E, w.qb.data(), E, w.kp.data(), w.s.data(), Wd, false);
             T* m_row = w.m.data();     // row max of this round's scores
             T* sum_row = w.lr.data();  // sum of exp(score - max)
+            const uint64_t round_seed = reformer_round_seed(a.dropout_seed, r);
             for (int64_t i = 0; i < win.rows; ++i) {
               T* row = w.s.data() + i * Wd;
               prepare_row(row, kpos, win.cols, width, qpos[i], win.t0 - win.k0 + i, a);
               m_row[i] = row_max(row, width);  // finite: the query itself is kept
               sum_row[i] = exp_shift_sum(row, width, m_row[i]);
+              if (a.dropout_threshold) {  // the sum above is the undropped one
+                dropped_copy_at(row, win.cols, dropout_row_key(round_seed, nh, qpos[i]), kpos,
+                                a.dropout_threshold, a.dropout_scale, row);
+              }
             }
             gemm(win.rows, M, win.cols, w.s.data(), Wd, w.vb.data(), M, w.o.data(), M, false);
             // Online softmax across rounds: stats hold the running max and sum,
@@ -433,8 +440,8 @@ void reformer_backward_cpu(const ReformerBackwardArgs<T>& args) {
   a.grad_v_rows = a.grad_v_rows.resolved(a.H, a.L, a.M);
   const int64_t NH = a.N * a.H, H = a.H, L = a.L, E = a.E, M = a.M, R = a.R, C = a.chunk;
   if (NH == 0 || L == 0) return;
-  // The gradients are written, not cleared first and added to (the clears
-  // were 3-5% of the forward+backward at L = 16384): round 0 stores what it
+  // The gradients are written, not cleared first and added to (clearing
+  // dQ, dK and dV first was a pass over fresh memory): round 0 stores what it
   // scatters first, later writes add. In round 0 every valid position is a
   // query once (dQ stored) and a key of the two windows that overlap on its
   // chunk; where those windows belong to two runs, the even run's (the first
@@ -535,16 +542,28 @@ void reformer_backward_cpu(const ReformerBackwardArgs<T>& args) {
                 exp_shift2(row, width, static_cast<T>(st[0]), static_cast<T>(st[1]));
               }
               // dS = P ∘ (dO·V^T - delta)·scale; the replaced self score is a
-              // constant and passes no gradient.
+              // constant and passes no gradient. With dropout, dO·V^T is of
+              // the dropped weights (dropped by the forward's mask) and dV
+              // is Pd^T dO with Pd the dropped P.
               gemm_packed(win.rows, width, M, w.dob.data(), M, w.vp.data(), w.dp.data(), Wd, false);
+              const uint64_t round_seed = reformer_round_seed(a.dropout_seed, r);
               for (int64_t i = 0; i < win.rows; ++i) {
                 const T d = a.delta[nh * L + qpos[i]];
-                const T* prow = w.s.data() + i * Wd;
+                T* prow = w.s.data() + i * Wd;
                 T* drow = w.dp.data() + i * Wd;
+                const uint64_t key = dropout_row_key(round_seed, nh, qpos[i]);
+                if (a.dropout_threshold) {
+                  dropped_copy_at(drow, win.cols, key, kpos, a.dropout_threshold, a.dropout_scale,
+                                  drow);
+                }
                 for (int64_t b = 0; b < win.cols; ++b) drow[b] = prow[b] * (drow[b] - d) * a.scale;
                 if (a.mask_self) drow[win.t0 - win.k0 + i] = T(0);
+                if (a.dropout_threshold) {
+                  dropped_copy_at(prow, win.cols, key, kpos, a.dropout_threshold, a.dropout_scale,
+                                  prow);
+                }
               }
-              // dV = P^T dO
+              // dV = P^T dO (Pd with dropout)
               transpose(w.s.data(), win.rows, win.cols, Wd, w.t.data(), C);
               gemm(win.cols, M, win.rows, w.t.data(), C, w.dob.data(), M, w.dvb.data(), M, true);
               // dQ = dS K (as queries)

@@ -24,6 +24,7 @@ namespace {
 
 using torch::Tensor;
 using namespace ops::reformer;
+using ops::cuda::check_no_dropout;
 using ops::cuda::check_same_device;
 using ops::cuda::current_stream;
 
@@ -80,8 +81,10 @@ std::tuple<Tensor, Tensor> reformer_attention_forward_cuda(const Tensor& q, cons
                                                            const Tensor& buckets,
                                                            const c10::optional<Tensor>& key_lengths,
                                                            int64_t chunk_size, bool causal,
-                                                           bool mask_self, double softmax_temp) {
+                                                           bool mask_self, double softmax_temp,
+                                                           double dropout_p, int64_t /*seed*/) {
   TORCH_CHECK(q.defined(), kOp, ": q must be a defined tensor");
+  check_no_dropout(kOp, dropout_p);
   // The checks come before the guard: a CPU q with CUDA buckets dispatches here too.
   const auto p = prepare(q, v, buckets, key_lengths, chunk_size);
   const c10::cuda::CUDAGuard guard(q.device());
@@ -102,8 +105,10 @@ std::tuple<Tensor, Tensor> reformer_attention_forward_cuda(const Tensor& q, cons
 std::tuple<Tensor, Tensor> reformer_attention_backward_cuda(
     const Tensor& grad_out, const Tensor& q, const Tensor& v, const Tensor& buckets,
     const Tensor& out, const Tensor& stats, const c10::optional<Tensor>& key_lengths,
-    int64_t chunk_size, bool causal, bool mask_self, double softmax_temp) {
+    int64_t chunk_size, bool causal, bool mask_self, double softmax_temp, double dropout_p,
+    int64_t /*seed*/) {
   TORCH_CHECK(q.defined(), kOp, ": q must be a defined tensor");
+  check_no_dropout(kOp, dropout_p);
   const auto p = prepare(q, v, buckets, key_lengths, chunk_size);
   check_backward_inputs(grad_out, q, v, out, stats);
   check_same_device(kOp, "grad_out", grad_out, q.device());

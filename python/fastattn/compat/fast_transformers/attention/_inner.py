@@ -3,11 +3,10 @@
 Inner attentions take and return fast-transformers' layout ``(N, L, H, E)``
 and its masks (``attn_mask``: FullMask / TriangularCausalMask;
 ``query_lengths``, ``key_lengths``: LengthMask) and run fastattn's registered
-types. Differences (docs/python.md, "compat"): attention dropout is applied
-(fused) by the types that have it in fastattn (every one here but
-Reformer's) and not yet by Reformer's (a warning says so in training
-mode), padded queries are clustered
-with the real ones, and Reformer hashes with fastattn's angular LSH.
+types. Differences (docs/python.md, "Programs written for fast-transformers"):
+attention dropout is applied (fused) by fastattn's types (a type without it
+would say so once in training mode), padded queries are clustered with the
+real ones, and Reformer hashes with fastattn's angular LSH.
 """
 
 import contextlib
