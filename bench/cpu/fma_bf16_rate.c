@@ -2,7 +2,7 @@
  * instruction) against AVX512-BF16 dot products (vdpbf16ps, 16 lanes of two
  * bfloat16 products each, 64 FLOP), on register operands only, with ACC
  * independent accumulators so that throughput, not latency, is measured
- * (docs/benchmarks.md, "An Emerald Rapids Xeon with AVX512-BF16 but no AMX").
+ * (docs/benchmarks.md, "Machines").
  * Not part of the build; needs a CPU with AVX512-BF16:
  *
  *   for a in 8 12 16; do gcc -O3 -mavx512f -mavx512bf16 -DACC=$a \

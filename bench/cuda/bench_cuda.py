@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """GPU benchmarks of fastattn's CUDA operators against PyTorch, in one run.
 
-The three speed targets of issue 10 (docs/benchmarks.md, "CUDA"):
+The three speed targets of issue 10 (docs/benchmarks.md, "CUDA operators"):
   1. fused full attention within 2x of PyTorch's scaled_dot_product_attention
      (flash backend), forward and forward+backward;
   2. causal linear attention (elu feature map, fused) forward+backward faster

@@ -12,7 +12,7 @@ once per --routes entry, the dense-attention engine's route
 (FASTATTN_DENSE_ENGINE: ``auto`` composes the types on PyTorch's fused
 kernels, ``never`` keeps fastattn's own CUDA kernels; issue 62), recorded as
 the row's ``route``. Issue 24's and 62's targets are read off these rows
-(docs/benchmarks.md, "GPU").
+(docs/benchmarks.md, "CUDA operators").
 
 Robust to what a first run on a GPU may bring: each (dtype, type) group runs
 in a child process; a child that dies or reports a CUDA error (which poisons

@@ -4,7 +4,8 @@ configurations (bench_fast_transformers.py CONFIGS, through
 fastattn.compat.fast_transformers): forward (no grad) and forward+backward of
 the inner attention module on (N, L, H, E) inputs, each library in its own
 process, the libraries alternating --rounds times (on this noisy VM, the way
-docs/benchmarks.md compares a change's before and after).
+the notebook compared a change's before and after: git show
+5f604de:docs/benchmarks.md).
 
 Usage (Debian's torch; libraries built against it, e.g. copies of
 build/libfastattn.so before and after a change):

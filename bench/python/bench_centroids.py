@@ -4,7 +4,7 @@ centroid pass): fastattn's full_attention_forward / _backward operators on q
 (N, H, L, E) over k, v (N, H, S, E), median and minimum of --reps calls.
 By default every operand is a view of an (N, L, H, E) buffer, as the layers
 pass them; --contiguous gives (N, H, L, E) copies instead
-(docs/benchmarks.md, "Few queries over many keys").
+(git show 5f604de:docs/benchmarks.md, "Few queries over many keys").
 
   PYTHONPATH=python FASTATTN_LIBRARY=build/libfastattn.so /usr/bin/python3 \\
       bench/python/bench_centroids.py [--queries 100] [--keys 16384] [--contiguous]

@@ -3,7 +3,7 @@
 hash_queries on (N, L, H, E) queries viewed as (N, H, L, E) (as the layers
 pass them) and contiguous, then cluster_codes on their codes for 0..10 Lloyd
 iterations; best of --repeat timeit runs of --number calls each, in ms
-(docs/benchmarks.md, "Clustering and hashing, float32").
+(git show 5f604de:docs/benchmarks.md, "Clustering and hashing, float32").
 
   PYTHONPATH=python FASTATTN_LIBRARY=build/libfastattn.so /usr/bin/python3 \\
       bench/python/bench_clustering.py [--length 16384] [--clusters 100] [--bits 32]

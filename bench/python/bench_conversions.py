@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """What a float32 copy of a bfloat16 operand costs under the torch it runs
 with: `Tensor.to` into fresh memory against `copy_` into a buffer in use
-(docs/benchmarks.md, "bfloat16 through the float32 kernels without fresh
-copies"). Medians of --reps calls.
+(git show 5f604de:docs/benchmarks.md, "bfloat16 through the float32 kernels
+without fresh copies"). Medians of --reps calls.
 
   /usr/bin/python3 bench/python/bench_conversions.py     # Debian's LibTorch
   .venv/bin/python bench/python/bench_conversions.py     # pip's torch

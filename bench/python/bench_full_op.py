@@ -3,7 +3,7 @@
 --sdpa, torch's scaled_dot_product_attention) on (1, H, L, E) float32 or bfloat16, the
 median time and GFLOP/s as `fastattn bench` counts them (--dtype bfloat16:
 fastattn's bfloat16 kernel where the level is amx or avx512_bf16, SDPA's own bfloat16 path). Several builds are
-compared by running it once per library, alternating (docs/benchmarks.md):
+compared by running it once per library, alternating (git show 5f604de:docs/benchmarks.md):
 
   for r in 1 2 3; do for lib in /tmp/before.so /tmp/after.so; do
     PYTHONPATH=python FASTATTN_LIBRARY=$lib /usr/bin/python3 bench/python/bench_full_op.py --length 4096

@@ -4,7 +4,8 @@ operators: forward and backward kernels (`elu_linear_attention_forward` /
 `_backward`) at N=1, H=8, E=M=64, float32, non-causal and causal, on
 contiguous (N, H, L, E) inputs and on the layers' (N, L, H, E) views. Each
 library runs in its own process, the libraries alternate --rounds times (this
-is how the figures in docs/benchmarks.md compare builds on a noisy machine).
+is how the notebook compared builds on a noisy machine: git show
+5f604de:docs/benchmarks.md).
 
 Usage (Debian's torch, libraries built against it):
   /usr/bin/python3 bench/python/bench_linear_ops.py --library /tmp/before.so /tmp/after.so

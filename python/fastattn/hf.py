@@ -285,9 +285,10 @@ def masks_from_hf(mask, L, S, is_causal=True):
 
 # The decomposition of the last mask seen: a model passes one mask tensor to
 # every layer of a forward, so decoding decomposes it once per token, not once
-# per layer (it was 71 of a layer's 232 us at a prompt of 1024). Keyed by the
-# tensor itself (a weak reference), its version counter and storage, and the
-# shapes: a new or modified mask is decomposed again.
+# per layer (per layer it was a large share of a decoding call: git show
+# 5f604de:docs/benchmarks.md, "Greedy decoding through Hugging Face (issue
+# 64)"). Keyed by the tensor itself (a weak reference), its version counter
+# and storage, and the shapes: a new or modified mask is decomposed again.
 _mask_memo = [None]
 
 
@@ -451,9 +452,9 @@ def attention_forward(kind):
             params["attention_dropout"] = float(dropout)
         if kind == "full" and query.device.type == "cpu" and set(params) <= _FULL_PARAMS:
             # The type is the fused operator on the CPU: called directly, without
-            # the registry operator's per-call construction of the type (35 of a
-            # decoding call's 90 us at a prompt of 1024). Other parameters go to
-            # the registry, which names what it refuses.
+            # the registry operator's per-call construction of the type (a large
+            # share of a decoding call). Other parameters go to the registry,
+            # which names what it refuses.
             out = _full_attention(query, key, value, attn_mask=attn_mask, key_lengths=key_lengths,
                                   causal=causal, softmax_temp=params.get("softmax_temp"),
                                   dropout_p=params.get("attention_dropout", 0.0)

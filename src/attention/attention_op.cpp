@@ -126,9 +126,11 @@ auto naming_allocation_failures(const std::string& op, const std::string& type,
 }
 
 // Whether every element of t is finite. One reduction first, not isfinite's
-// five passes and two temporaries (they took half the registry operator's
-// time for linear attention at L = 16384): the sum is finite when every
-// element is, unless it overflows, which the exact check then settles.
+// five passes and two temporaries (a large share of the registry operator's
+// time for linear attention; measured: git show 5f604de:docs/benchmarks.md,
+// "Against fast-transformers, the bounds per type, and bfloat16"): the sum
+// is finite when every element is, unless it overflows, which the exact
+// check then settles.
 // `witness`: a tensor whose sum is finite only if t's elements are (the
 // type's take_finite_witness()), read instead of t when defined.
 bool all_finite(const at::Tensor& t, const at::Tensor& witness = at::Tensor()) {
@@ -162,8 +164,7 @@ double largest_abs(const at::Tensor& t) {
 // NaN or inf handed on silently. On the CPU only: on CUDA the check would
 // synchronise the stream at every call.
 // `witness`: the type's take_finite_witness(), read instead of the output
-// when defined (a clustered output's 32 MiB at L = 16384, 8 heads: 1.4 ms of
-// a 31 ms forward).
+// when defined (a few values in place of a pass over the whole output).
 void check_finite_result(const char* op, const std::string& type, const std::string& params_json,
                          const at::Tensor& out, const at::Tensor& witness, const at::Tensor& q,
                          const at::Tensor& k, const at::Tensor& v,
@@ -241,8 +242,7 @@ TypeResult run_type(const std::string& type, const at::Tensor& q, const at::Tens
 
 // The gradient of an input the output does not depend on (Reformer's keys):
 // zeros in the input's row layout, in a buffer of the output cache (a fresh
-// 32 MiB at::zeros took 8 ms of faults in Reformer's forward+backward at
-// L = 16384, 8 heads).
+// at::zeros takes a page fault per page on every call).
 at::Tensor zero_grad_like(const at::Tensor& input) {
   return ops::empty_rows_like(input, input.size(3)).zero_();
 }

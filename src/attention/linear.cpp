@@ -77,9 +77,10 @@ void check_eps(const char* type, double eps) {
 
 // The elu map on the CPU runs as one fused operator (elu_linear_attention):
 // map, products and normaliser in one kernel; bfloat16 in float32 there
-// (the ATen composition in bfloat16 took 2.8x the float32 operator's time
-// for forward+backward at L = 16384, LibTorch 1.13's bfloat16 elu_backward
-// alone a third of it).
+// (the ATen composition in bfloat16, LibTorch 1.13's bfloat16 elu_backward
+// a large part of it, was far slower than the float32 operator; measured:
+// git show 5f604de:docs/benchmarks.md, "bfloat16 through the float32 kernels
+// without fresh copies").
 bool fused_elu(const FeatureMap& fm, const Tensor& q) {
   return fm.name() == "elu" && q.device().is_cpu() &&
          (q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kDouble ||

@@ -1,8 +1,10 @@
 // Centroids from their members and back, on the CPU with autograd: the two
 // steps around clustered attention's centroid pass (src/attention/clustered.cpp),
 // as kernels (src/kernels/clustered_topk/: cluster_means_cpu,
-// spread_centroids_cpu) instead of ATen's index_add and index_select, which
-// took a quarter of clustered attention's forward+backward at L = 16384.
+// spread_centroids_cpu) instead of ATen's index_add and index_select, whose
+// fresh (N, H, L, E) tensors were a large share of clustered attention's
+// forward+backward (git show 5f604de:docs/benchmarks.md, "Prefetch, cluster
+// members, hashing, scratch buffers").
 // Internal: the callers have checked the clusters (assignments (N, H, L)
 // int64 in [-1, C), counts (N, H, C) int64); float32 / float64 on the CPU
 // (supports() says when).

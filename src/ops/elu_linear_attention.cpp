@@ -26,13 +26,13 @@ using torch::autograd::variable_list;
 
 constexpr const char* kOp = "fastattn::elu_linear_attention";
 // Rows per chunk. The causal form does C×C work per chunk inside it: small
-// chunks keep every tile in L1 and cut that work; measured at L=16384,
-// 2 threads (dev-2c): forward fastest at 8, backward at 16; at the AVX-512
-// level a chunk is at least a vector of 16 floats (causal forward on the
-// layers' views, dev-2c-z4: 43-44 ms at 16, 47-55 at 8). The non-causal form
-// has no such work: its chunks only bound the phi tiles, and 64 rows (one
-// 16 KiB tile, K = 64 for the state products) beat 16 on dev-2c-z4 (forward
-// 26-29 ms vs 30-33, backward 50-53 vs 62-72; docs/benchmarks.md).
+// chunks keep every tile in L1 and cut that work (the forward was fastest
+// at 8 rows, the backward at 16); at the AVX-512 level a chunk is at least a
+// vector of 16 floats, which beat 8 there. The non-causal form has no such
+// work: its chunks only bound the phi tiles, and 64 rows (one 16 KiB tile,
+// K = 64 for the state products) beat 16 (measured: git show
+// 5f604de:docs/benchmarks.md, "Masked gemm tails: causal linear attention at
+// the AVX-512 level" and "Output pages and linear chunks").
 int64_t chunk_rows(bool causal, bool backward) {
   if (!causal) return 64;
   if (backward) return 16;

@@ -180,9 +180,9 @@ constexpr size_t kHugePage = size_t{1} << 21;
 // them (Linux, transparent huge pages in "madvise" mode, as on Debian), ask
 // for 2 MiB pages over the buffer's 2 MiB-aligned interior. Large buffers
 // come from mmap and go back with munmap, so every call took a page fault per
-// 4 KiB of its output: at L = 16384 (a 32 MiB output) those faults took about
-// as long as linear attention's arithmetic (forward 27-32 ms, 17.6-18.5 ms
-// with the faults taken out by keeping freed memory in malloc's heap). Then
+// 4 KiB of its output, which for a memory-bound kernel such as linear
+// attention cost about as much as its arithmetic (measured: git show
+// 5f604de:docs/benchmarks.md, "Output pages and linear chunks"). Then
 // write one byte in each page, the pages split between the threads in
 // contiguous ranges: a kernel that gives each thread a group of heads
 // writes, in the (N, L, H, M) layout, a part of every row, and both threads
@@ -194,7 +194,7 @@ void prepare_pages(char* base, int64_t bytes) {
   // FASTATTN_HUGE_PAGES=0 leaves the pages at 4 KiB: in a VM whose host takes
   // back free memory (free page reporting, as in Firecracker), 2 MiB pages
   // often come from memory the host must fault in again, and the first calls
-  // of a process took up to twice as long as with 4 KiB pages.
+  // of a process took longer than with 4 KiB pages.
   static const bool huge = [] {
     const char* e = std::getenv("FASTATTN_HUGE_PAGES");
     return !(e && std::string(e) == "0");
@@ -214,11 +214,10 @@ void prepare_pages(char* base, int64_t bytes) {
 
 // Freed output buffers of 4 MiB and more, kept for the next output of the
 // same rounded size (up to FASTATTN_CPU_CACHE_MB MiB held, default 1024; 0
-// turns the cache off). Even with huge pages, a fresh 32 MiB buffer cost the
-// kernel's clearing of every page on first touch, a tenth to a quarter of a
-// forward+backward at L = 16384 (docs/benchmarks.md, "Clustering, top-k offers
-// and the output cache");
-// a cached buffer is already in memory. Sizes are rounded up to 2 MiB. Freed
+// turns the cache off). Even with huge pages, a fresh buffer costs the
+// kernel's clearing of every page on first touch (measured: git show
+// 5f604de:docs/benchmarks.md, "Clustering, top-k offers and the output
+// cache"); a cached buffer is already in memory. Sizes are rounded up to 2 MiB. Freed
 // from any thread (the deleter of the tensors' storage); never destroyed, so
 // tensors freed at exit still find it.
 class OutputCache {

@@ -57,8 +57,9 @@ torch::ScalarType stats_dtype(const torch::Tensor& q);
 
 // t.to(dtype) in t's strides; on the CPU a dense t's copy has its buffer from
 // empty_output_strided (bfloat16 inputs widened for the float32 kernels, and
-// their results rounded back: a fresh 32 MiB float32 copy of a (1, 16384, 8,
-// 64) input took 9-11 ms of page faults against 1 ms for the conversion).
+// their results rounded back: a fresh buffer's page faults cost far more than
+// the conversion itself; measured: git show 5f604de:docs/benchmarks.md,
+// "bfloat16 through the float32 kernels without fresh copies").
 torch::Tensor converted(const torch::Tensor& t, torch::ScalarType dtype);
 
 namespace detail {

@@ -3,8 +3,8 @@
 // With a single row, x (1, in) -> (1, out) goes through a matrix-vector
 // product (BLAS gemv), which streams the weight once. ATen's linear takes a
 // matrix product for it, and the BLAS packs the whole weight into panels
-// first: measured on the development machine (one thread, float32), a
-// 2048 x 512 layer takes 403 us that way and 150 us as a gemv. More rows (a
+// first, which makes one row much slower than a gemv (git show
+// 5f604de:docs/benchmarks.md, "Token-by-token generation"). More rows (a
 // batch of sequences) keep the matrix product, which then pays off.
 // Same values either way (up to summation order); autograd works on both.
 #pragma once

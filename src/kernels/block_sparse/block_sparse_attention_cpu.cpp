@@ -805,7 +805,9 @@ void block_sparse_attention_backward_cpu(const BlockSparseBackwardArgs<T>& args)
   }
   const int64_t q_tiles = (L + kBq - 1) / kBq;
   // The gradients are written, not cleared first and added to (clearing the
-  // three was a tenth of local-128's forward+backward at L = 16384): a
+  // three first was a pass over fresh memory; git show
+  // 5f604de:docs/benchmarks.md, "Gradients written, not cleared and added;
+  // Reformer's own keys from its queries"): a
   // head's first part stores its dQ tiles (each query is in one tile of a
   // part; the tiles it never flushes are cleared after it) and, when its key
   // order holds all S keys (each key in one key tile), its dK and dV tiles;
@@ -841,9 +843,9 @@ void block_sparse_attention_backward_cpu(const BlockSparseBackwardArgs<T>& args)
   // that see it, dQ, dK and dV from one P and dS: 5 tile products) when the
   // heads alone share out evenly between the threads; otherwise a dQ pass per
   // query tile and a dK/dV pass per key tile (7 products: P and dS twice),
-  // whose finer items keep every thread busy. Local-128 at L = 16384 with
-  // 8 heads on 2 threads: forward+backward 310-335 ms in one pass against
-  // 362-384 in two (alternating processes).
+  // whose finer items keep every thread busy. One pass is the faster where
+  // both fit (measured: git show 5f604de:docs/benchmarks.md, "Work items and
+  // first writes: the few-query backward, local, Reformer").
   const bool one_pass = NH % a.num_threads == 0 || NH >= 4 * a.num_threads;
   auto init = [&](BackwardScratch<T>& w) {
     w.p.resize(kBq * kBk);

@@ -30,9 +30,10 @@
 // clusters as full scans (the comparisons keep the lowest index on ties).
 //
 // Every level gives the portable level's clusters bit for bit
-// (ClusterCodes.EveryCpuLevelGivesTheSameClusters). At L = 16384, C = 100,
-// 10 iterations, 8 heads on 2 threads: 27-30 ms before these vector paths,
-// 14-16 ms with them (docs/benchmarks.md).
+// (ClusterCodes.EveryCpuLevelGivesTheSameClusters). Measured: git show
+// 5f604de:docs/benchmarks.md, "Clustering, top-k offers and the output
+// cache" (the vector paths) and "Clustering and hashing, float32" (the
+// incremental assignments).
 #include "kernels/clustering/clustering.h"
 
 #include <algorithm>
@@ -393,10 +394,10 @@ inline std::pair<int64_t, int> nearest_by_popcount(uint64_t x, const uint64_t* c
 }
 
 // Incremental assignment while at most one cluster in this many moved: a
-// pass over the queries per moved centroid (about one cycle a query at
-// avx512), and a full scan for the queries whose own centroid moved (about
-// 1 in C / |moved|), against about 40 cycles a query for a full scan by the
-// tables at C = 100.
+// vector pass over the queries per moved centroid, and a full scan for the
+// queries whose own centroid moved (about 1 in C / |moved|), against a full
+// scan by the tables for every query, which at C = 100 costs tens of times
+// a moved centroid's pass per query.
 constexpr int64_t kIncrementalPerMoved = 4;
 
 // Assigns every valid query to its nearest centroid (the lowest index on

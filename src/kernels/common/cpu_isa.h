@@ -49,9 +49,9 @@ std::vector<CpuIsa> supported_cpu_isas();
 // The level used when none is asked for: the highest supported one, except
 // that avx512_bf16 is passed over (for avx512) on CPUs other than AMD's. Its
 // dot products pay where vdpbf16ps runs at the float32 FMA's instruction
-// rate, twice its FLOP rate (an AMD EPYC Zen 4: 224 against 112 GFLOP/s a
-// core); an Emerald Rapids Xeon without AMX ran it at half the FMA's FLOP
-// rate (docs/benchmarks.md, bench/cpu/fma_bf16_rate.c).
+// rate, twice its FLOP rate (an AMD EPYC Zen 4); an Emerald Rapids Xeon
+// without AMX ran it at half the FMA's FLOP rate (docs/benchmarks.md,
+// "Machines"; bench/cpu/fma_bf16_rate.c).
 CpuIsa best_cpu_isa();
 // The level the kernels use now: FASTATTN_CPU_CAPABILITY if set (an unknown
 // or unsupported value throws std::invalid_argument, on every call), else
@@ -67,8 +67,8 @@ void set_cpu_isa(CpuIsa isa);
 // "Haswell" (AVX2 + FMA) at avx2, where `chosen` is a core without AVX2
 // kernels; nullptr otherwise (the choice stands). OpenBLAS releases older
 // than the CPU take a generic core for it: Debian 12's 0.3.21 runs an
-// Emerald Rapids Xeon (family 6, model 207) as "Prescott", SSE3 kernels at
-// a quarter of the AVX-512 ones' speed, for every LibTorch matmul.
+// Emerald Rapids Xeon (family 6, model 207) as "Prescott": SSE3 kernels,
+// far slower than the AVX-512 ones, for every LibTorch matmul.
 const char* openblas_core_override(const std::string& chosen, CpuIsa cpu);
 
 }  // namespace fastattn::kernels

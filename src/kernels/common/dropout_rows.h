@@ -2,7 +2,8 @@
 // (kernels/common/dropout.h has the generator): inside the instruction-set
 // region, so that each level's kernels get them vectorised (outside it they
 // were compiled for the baseline, without 32-bit vector multiplies, and ran
-// scalar; docs/benchmarks.md, "Attention dropout fused in full attention").
+// scalar; docs/benchmarks.md, "Attention dropout fused in the softmax types
+// (issue 64)").
 #pragma once
 
 #include <cstdint>

@@ -20,8 +20,9 @@ FASTATTN_ISA_BEGIN
 // Vectors per micro-kernel row block: 4 where there are 32 vector registers
 // (AVX-512: 6 x 4 accumulators, 4 B vectors and a broadcast), else 2 (AVX2's
 // 16: 6 x 2 accumulators). On a Xeon with two 512-bit FMA ports the 6 x 4
-// block ran thin products (K = 64 or 128) 7-10% faster than 6 x 2, the
-// broadcasts of A being shared by twice the FMAs.
+// block ran thin products (K = 64 or 128) faster than 6 x 2, the broadcasts
+// of A being shared by twice the FMAs (git show 5f604de:docs/benchmarks.md,
+// "Full attention past SDPA on a Xeon with two 512-bit FMA ports").
 #if FASTATTN_SIMD_AVX512
 inline constexpr int kWideBlock = 4;
 #else
@@ -173,8 +174,8 @@ inline void transpose_8x8(const float* X, int64_t ldx, float* out, int64_t ldo) 
 // ldx): a 4 x 4 transpose within each 128-bit lane (as transpose_8x8's first
 // two steps), then the 4 x 4 transpose of the lanes in two lane shuffles.
 // A third fewer shuffles per value than 8 x 8 blocks and one load and store
-// per 64-byte row (the centroid backward, 100 queries over 1024 keys in
-// cache, packing K and V and transposing P and dS: 2.39 -> 2.32 ms).
+// per 64-byte row (for the centroid backward's packing of K and V and its
+// transposes of P and dS).
 inline void transpose_16x16(const float* X, int64_t ldx, float* out, int64_t ldo) {
   __m512 r[16], t[16];
   for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(X + i * ldx);
@@ -250,9 +251,8 @@ inline void transpose(const T* X, int64_t rows, int64_t cols, int64_t ldx, T* ou
 // row stride NR. Rows past `rows` are zero-filled up to padded_rows (a
 // multiple of NR). out has cols · padded_rows values. Transposing by 8 x 8
 // blocks reads X's rows in order; reading a column at a time (one value per
-// row) stalled on each row's first touch (a third of the samples outside the
-// products in full attention's backward with 100 queries, a few percent of
-// its time).
+// row) stalled on each row's first touch (in full attention's backward with
+// 100 queries, seen in its profile outside the products).
 template <typename T, int NV = 2>
 inline void pack_transposed_panels(const T* X, int64_t rows, int64_t cols, int64_t ldx,
                                    int64_t padded_rows, T* out) {

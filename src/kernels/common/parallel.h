@@ -61,8 +61,8 @@ void parallel_items(int64_t n, int num_threads, Init init, Body body) {
 
 // zero_all_rows (rows.h) split between the threads: zeroing a gradient or
 // output on one thread first (the first touch of a fresh allocation's pages)
-// left the other threads waiting, 15-20% of a backward whose own work is
-// small (full attention's with 100 queries over 16384 keys).
+// left the other threads waiting, a large part of a backward whose own work
+// is small (full attention's with 100 queries over 16384 keys).
 template <typename T>
 void zero_all_rows_parallel(T* x, const RowStrides& s, int64_t NH, int64_t H, int64_t rows,
                             int64_t cols, int num_threads) {

@@ -3,10 +3,11 @@
 // n·sn + h·sh + r·sr elements after the data pointer. The transformer layers
 // and fast-transformers' (N, L, H, E) tensors viewed as (N, H, L, E) have
 // sr = H·E and sh = E; kernels that take a RowStrides read them in place
-// instead of the op layer copying them to the contiguous layout (three such
-// copies of fresh 32 MiB buffers took longer than linear attention itself at
-// L = 16384). Inputs may use any strides >= 0 (0 on a broadcast dim);
-// outputs must not overlap.
+// instead of the op layer copying them to the contiguous layout (such copies
+// into fresh buffers took longer than linear attention itself; git show
+// 5f604de:docs/benchmarks.md, "Against fast-transformers, the bounds per
+// type, and bfloat16"). Inputs may use any strides >= 0 (0 on a broadcast
+// dim); outputs must not overlap.
 #pragma once
 
 #include <algorithm>
@@ -121,7 +122,8 @@ void prefetch_ahead(const T* x, int64_t l, int64_t L, int64_t cols, int64_t ld,
 // their own (Reformer's buckets), which no hardware prefetcher foresees, for
 // the next piece of work while this one computes. (A prefetch_row helper
 // shared with prefetch_rows, otherwise the same code, made the linear
-// attention forward on the layers' views 20% slower, 19-20 -> 24-26 ms.)
+// attention forward on the layers' views slower; git show
+// 5f604de:docs/benchmarks.md, "Local and Reformer past 10x".)
 template <typename T>
 void prefetch_indexed_rows(const T* x, int64_t sr, const int64_t* idx, int64_t n, int64_t cols,
                            bool write = false) {

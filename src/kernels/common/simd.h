@@ -67,8 +67,10 @@ struct Simd<float> {
     return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   }
   // One instruction for what AVX2 builds from nine (n is an integer in
-  // [-126, 128]; 2^128 itself is not a float, p · 2^n is): full attention's
-  // forward 3-10% faster on a Xeon.
+  // [-126, 128]; 2^128 itself is not a float, p · 2^n is), in every exp;
+  // it sped up full attention's forward on a Xeon (git show
+  // 5f604de:docs/benchmarks.md, "Full attention past SDPA on a Xeon with two
+  // 512-bit FMA ports").
   static V times_pow2(V p, V n) { return _mm512_scalef_ps(p, n); }
   static V zero_below(V x, V lo, V y) {  // also where x is -inf
     return _mm512_maskz_mov_ps(static_cast<__mmask16>(~_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ)), y);
@@ -319,7 +321,7 @@ inline void copy_values(const T* src, T* dst, int64_t n) {
 // dst[0, n) = scale · src[0, n) for rows written once and not read again
 // soon: on whole aligned 64-byte lines of float32 at AVX-512, non-temporal
 // stores, which skip reading the lines they replace (the centroid backward's
-// dK and dV rows, 100 queries over 16384 keys: 41 -> 36 ms). Writers call
+// dK and dV rows, 100 queries over 16384 keys). Writers call
 // stream_fence() before their rows are read by another thread.
 template <typename T>
 inline void stream_scaled(const T* src, T scale, T* dst, int64_t n) {

@@ -272,8 +272,9 @@ inline float prepare_row(float* row, const Bf16* mask, int64_t limit, int64_t wi
 // (-inf, NaN) gives 0 through the mask, never a subnormal, whose microcode
 // assists made the causal forward slower than the full one. Nine
 // instructions where Simd<float>::exp takes fifteen: the softmax, not the
-// tiles, bounds this kernel (full forward L = 4096: 17.7 ms of 39 were the
-// products).
+// tiles, bounds this kernel (the products were under half of the forward;
+// git show 5f604de:docs/benchmarks.md, "bfloat16 full attention on AMX
+// tiles").
 inline __m512 exp2_bf16(__m512 t) {
   const __mmask16 normal = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-125.0f), _CMP_GE_OQ);
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

@@ -79,8 +79,8 @@ inline bool worse_first(const std::pair<T, int64_t>& a, const std::pair<T, int64
 // Offers the scaled, masked scores row[0, cols) of keys j0.. to a top-k heap;
 // largest is the largest of them (or NaN). Once the heap is full, a tile row
 // or a vector of scores none of which beats the worst kept one is skipped
-// whole, as most are after the first tiles (improved-clustered's forward, 100
-// centroids keeping 32 of 16384 keys: 106-109 -> 88-100 ms).
+// whole, as most are after the first tiles (improved-clustered's centroid
+// pass: 100 centroids keeping 32 of 16384 keys).
 template <typename T>
 inline void offer_topk(const T* row, int64_t cols, int64_t j0, int64_t topk, T largest,
                        std::vector<std::pair<T, int64_t>>& heap) {
@@ -182,9 +182,10 @@ inline void weighted_rows(const T* p, const T* v, int64_t ld, int64_t rows, T* o
 // is a sliver: 100 queries (clustered attention's centroids, when there are
 // too few heads for one tile each) make tiles of 54 and 46, not 96 and 4. A
 // sliver costs most of a full tile, since the forward packs every key tile
-// for it (forward at L = 100, S = 16384: 30 against 34-45 ms). The backward
-// keeps its 48-row tiles: balanced ones (36, 36, 28), or one of 100 rows,
-// were no faster there, within this machine's noise.
+// for it. The backward keeps its 48-row tiles: balanced ones (36, 36, 28),
+// or one of 100 rows, were no faster there, within the machine's noise
+// (git show 5f604de:docs/benchmarks.md, "Smaller changes measured on the
+// way").
 inline int64_t balanced_rows(int64_t L, int64_t max_rows) {
   const int64_t tiles = (L + max_rows - 1) / max_rows;
   return std::min(max_rows, round_up((L + tiles - 1) / tiles, int64_t{6}));
@@ -271,15 +272,15 @@ void full_attention_forward_cpu(const FullAttentionForwardArgs<T>& args) {
   }
   constexpr int64_t NR = panel_width<T, kWideBlock>();
   // Up to kFwdOneTileMax queries in one tile when the heads keep the threads
-  // busy: K and V are then read and packed once per head (100 centroids over
-  // 16384 keys, 8 heads: 24 ms against 27-29 in two balanced tiles).
+  // busy: K and V are then read and packed once per head (clustered
+  // attention's 100 centroids over 16384 keys), not once per balanced tile.
   const int64_t br = L <= kFwdOneTileMax && NH >= 2 * a.num_threads ? round_up(L, int64_t{6})
                                                                     : balanced_rows(L, kFwdBr);
   const int64_t q_tiles = (L + br - 1) / br;
   const int64_t offset = S - L;
   // Each thread packs a head's keys once for all its query tiles of that head
-  // (S·E values per thread) instead of once per tile: the transposes were
-  // 3-5% of the forward at L = 1024-4096.
+  // (S·E values per thread) instead of once per tile, whose repeated
+  // transposes were a measurable part of the forward.
   const bool keep_keys = q_tiles > 1;
 
   parallel_items<ForwardScratch<T>>(
@@ -438,12 +439,13 @@ void prefetch_key_tile(const FullAttentionBackwardArgs<T>& a, int64_t nh, int64_
 // rows against the head's Q^T and dO^T packed once, so that dV_j = P^T dO and
 // dK_j = dS^T Q are plain products and dQ += dS K_j one with A transposed.
 // The general loop packs every key tile's K and V and transposes P and dS
-// for 48-query tiles: a fifth of this backward. The tile's K and V rows are
-// copied to contiguous ones first: the products read each row several times
-// (from L2, the layers' 2 KiB row stride aliasing in L1), and the copy's
-// independent loads take the tile's first reads from memory (centroid
-// backward at 16384 keys in a slow hour: 47-50 ms reading the rows in
-// place, 42-45 copied, 46-48 the general loop).
+// for 48-query tiles, a large part of this backward. The tile's K and V
+// rows are copied to contiguous ones first: the products read each row
+// several times (from L2, the layers' 2 KiB row stride aliasing in L1), and
+// the copy's independent loads take the tile's first reads from memory;
+// read in place the rows made this path no faster than the general loop at
+// 16384 keys (git show 5f604de:docs/benchmarks.md, "Few-query backward with
+// transposed products; the overflow check on centroid values").
 template <typename T>
 void few_queries_tiles(const FullAttentionBackwardArgs<T>& a, BackwardScratch<T>& w, int64_t nh,
                        int64_t split, int64_t splits, int64_t len, T* dq, int64_t ldq) {
@@ -524,12 +526,12 @@ void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& args) {
       std::min<int64_t>(k_tiles, std::max<int64_t>(1, (2 * a.num_threads + NH - 1) / NH));
   // dQ is accumulated over every key tile: into contiguous parts (one per
   // split) summed at the end when the splits share a head or grad_q's rows
-  // are strided (re-reading strided rows per key tile cost 15% at L = 4096).
+  // are strided (re-reading strided rows per key tile was slower).
   // Each item zeroes what it owns (its dQ part or the head's dQ rows, and
   // its key tiles past the key length, which it does not visit) instead of
   // one thread zeroing every gradient first: that serial pass, the first
-  // touch of dK and dV's fresh pages, was a fifth of the backward with 100
-  // queries over 16384 keys while the other thread waited.
+  // touch of dK and dV's fresh pages, took a large part of the backward with
+  // 100 queries over 16384 keys while the other threads waited.
   const bool parts = splits > 1 || a.grad_q_rows.sr != E;
   ScratchArray<T> dq_parts;
   if (parts) dq_parts.reset(static_cast<size_t>(NH * splits * L * E));

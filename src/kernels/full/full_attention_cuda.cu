@@ -548,9 +548,10 @@ __device__ __forceinline__ void full_forward_tc(const FullAttentionForwardCudaAr
 
 // The kernel: the body only where T has tensor cores (see cuda_compat.cuh).
 // Head dims <= 64 (DF = 4): at most 128 registers a thread, so that 4 blocks
-// fit an SM's registers as they fit its shared memory (56 KiB each). Measured
-// on an H200 (docs/benchmarks.md): bfloat16 took 161 registers unbounded (3
-// blocks/SM) and ran 1.7x slower than float16 at 118 (4 blocks).
+// fit an SM's registers as they fit its shared memory (56 KiB each). On an
+// H200, unbounded, bfloat16 took 161 registers (3 blocks/SM) against
+// float16's 118 (4 blocks) and ran well behind it (measured: git show
+// 5f604de:docs/benchmarks.md, "CUDA operators").
 template <typename T, int DF>
 __global__ void __launch_bounds__(kThreads, DF == 4 ? 4 : 1)
     full_forward_tc_kernel(FullAttentionForwardCudaArgs a, int Ep, int Mp, int64_t q_tiles) {

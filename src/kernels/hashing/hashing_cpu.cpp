@@ -52,7 +52,7 @@ void hash_queries_cpu(const HashParams<T>& p) {
   // Rows in memory order: with the heads within a row ((N, L, H, E) viewed
   // as (N, H, L, E)) the i-th row read is head i % H of position i / H (a
   // head at a time would read 1 of every H rows, 2 per 4 KiB page at H = 8,
-  // twice as slow at L = 16384); otherwise r = i.
+  // which the hardware prefetcher does not follow); otherwise r = i.
   const bool heads_inside = p.H > 1 && p.x_rows.sr >= 0 && xr.sh < xr.sr;
   const int64_t H = p.H;
   const int64_t items = (p.rows + kRowsPerItem - 1) / kRowsPerItem;
@@ -71,8 +71,8 @@ void hash_queries_cpu(const HashParams<T>& p) {
       [&](int64_t item, Scratch& s) {
         const int64_t i0 = item * kRowsPerItem, i1 = std::min(p.rows, i0 + kRowsPerItem);
         // Code index and row of every i in [i0, i1): divisions once per item,
-        // then counters (five divisions per row were a fifth of the kernel
-        // on the layers' view at L = 16384).
+        // then counters (five divisions per row were a visible part of the
+        // kernel on the layers' view).
         if (heads_inside) {
           int64_t n = i0 / (L * H), l = (i0 / H) % L, h = i0 % H;
           for (int64_t i = 0; i < i1 - i0; ++i) {

@@ -103,8 +103,9 @@ Rows<const F> widened(const T* x, int64_t ld, int64_t rows, int64_t cols, std::v
 // Where the arithmetic writes an output's rows (cols entries each): a tile (L1), stored into the
 // rows (ld apart) by store_output once they are final. float32 rows are streamed past the caches
 // (stream_scaled: every output row is written once, and a store that misses the caches reads its
-// line first; the forward at L = 16384 on the layers' views 18.5-18.9 -> 17.3-17.5 ms), bfloat16
-// rows rounded. The streamed rows are ordered by stream_fence() at the end of the work item.
+// line first; measured: git show 5f604de:docs/benchmarks.md, "Linear attention's output rows
+// streamed, a cheaper elu map"), bfloat16 rows rounded. The streamed rows are ordered by
+// stream_fence() at the end of the work item.
 template <typename F>
 Rows<F> output_tile(int64_t cols, std::vector<F>& tile) {
   return {tile.data(), cols};
@@ -129,7 +130,7 @@ void store_output(Rows<F> tile, int64_t rows, int64_t cols, T* x, int64_t ld,
 // at least each |stored value| = |scale[r] · tile[r, c]| as rounded, so an infinite or NaN value
 // makes it so (an overflow of the sum itself only sends the check to the output). The forward's
 // out_sums per head, from the tile in L1, instead of the registry operator's pass over the whole
-// output (32 MiB at L = 16384, 8 heads, 1-2 ms of a 20 ms forward).
+// output, which the streamed rows have already taken past the caches.
 template <typename T, typename F>
 void add_stored_abs_sum(F* sum, Rows<F> tile, int64_t rows, int64_t cols, const F* scale) {
   if constexpr (std::is_same_v<T, F>) {
@@ -244,9 +245,9 @@ int64_t valid_keys(const EluLinearParams<T>& p, int64_t nh) {
 // Work items hold G consecutive heads, and every pass runs over the chunks of
 // rows with the item's heads inside: in the layers' (N, L, H, E) layout a
 // chunk's rows of G heads lie side by side (G·E contiguous entries per row
-// instead of E H·E apart, which the hardware prefetcher does not follow; per
-// head, the strided backward took 1.8x the contiguous one). Each head's
-// arithmetic is the same whatever the grouping.
+// instead of E H·E apart, which the hardware prefetcher does not follow; read
+// per head, the strided backward was much slower than the contiguous one).
+// Each head's arithmetic is the same whatever the grouping.
 
 // Whether the rows of heads nh0 .. nh0 + G - 1 lie side by side (the layers' (N, L, H, E)
 // views: head h + 1's row right after head h's), so that one sweep over the rows reads the
@@ -763,8 +764,8 @@ void for_each_item(const Args& p, Body body) {
 // (n, a group of up to kBlockHeads heads, a block of rows), and the states summed over the keys
 // ([S | z]; the backward's [dS | dz] over the queries) are added up over the blocks between the
 // passes. On the layers' (N, L, H, E) views an item's rows of its heads lie side by side, and
-// swept_rows reads them in address order, a stream the hardware prefetcher follows (the forward
-// on those views at L = 16384 28 -> 24 ms, the backward 61 -> 46 ms; docs/benchmarks.md), where
+// swept_rows reads them in address order, a stream the hardware prefetcher follows (measured:
+// git show 5f604de:docs/benchmarks.md, "The non-causal linear kernels by blocks of rows"), where
 // the items of a few heads each over all rows read a part of every row. The blocks depend on N
 // and the rows only, never on the thread count: the sums, and so the results, are the same with
 // any number of threads.

@@ -12,7 +12,8 @@
 //    add_centroid_grads_cuda. Gradients accumulate in float32 buffers
 //    (atomics for k and v) and are cast to the dtype at the end; ATen does
 //    the casts, zero fills and the sums of the two passes' k / v gradients.
-// Tested by tests/cuda/test_cuda_clustered_topk.cpp against the CPU ops.
+// Tested by tests/cuda/test_cuda_sparse_product.cpp against the CPU ops (on a
+// GPU); the kernels under the emulator by tests/cuda_emu/test_clustered_topk.cpp.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 

@@ -12,9 +12,10 @@
 // token) and full_attention_lse_topk_forward with topk > 0 (the centroids of
 // improved clustering) are computed from materialised float32 scores
 // (ops::full_attention_dense: cuBLAS products; the top-k columns by our
-// selection kernel, stable_topk_select_cuda), which the top-k needs anyway
-// and which beats the fused kernel's few blocks (2.3 ms for 100 centroids
-// at S = 16k on an H200; a stable sort of their scores took 1.2 ms more).
+// selection kernel, stable_topk_select_cuda, in place of a stable sort of
+// their scores), which the top-k needs anyway and which beats the fused
+// kernel's few blocks (measured on an H200: git show
+// 5f604de:docs/benchmarks.md, "CUDA operators").
 #include <torch/library.h>
 
 #include "kernels/full/full_attention_cuda.h"
@@ -62,8 +63,8 @@ std::tuple<Tensor, Tensor> forward_impl(const char* op, const Tensor& q, const T
 
 // The fused forward runs a block per 64 queries and (n, h), each over all S
 // keys: below one block per SM and from S = 4096 keys the dense products
-// (cuBLAS, float32 scores of at most 256 MiB) are faster (100 centroids at
-// S = 16k, N·H = 8: 2.3 ms fused on an H200).
+// (cuBLAS, float32 scores of at most 256 MiB) are faster (as measured for
+// 100 centroids at S = 16k, N·H = 8, on an H200).
 bool few_query_blocks(const Tensor& q, const Tensor& k) {
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
   const int64_t blocks = N * H * ((L + 63) / 64);
