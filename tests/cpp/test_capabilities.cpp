@@ -1,8 +1,10 @@
 // Every registered type does what its registry entry declares, and nothing it
 // does not: causal / bidirectional, attn_mask kinds, incremental rows (L < S
 // causal = the rows of the whole computation), step form, learned
-// parameters, and the named twin of the other direction. A new type is held
-// to its declaration here without a line of this file changing.
+// parameters, and the named twin of the other direction. A refusal counts
+// only when its message names the refused argument (an error for another
+// reason fails). A new type is held to its declaration here without a line
+// of this file changing.
 //
 //   build/fastattn_tests --gtest_filter='*Capabilities*'
 #include <gtest/gtest.h>
@@ -44,11 +46,17 @@ ParamMap small_params(const AttentionType& type) {
   return out;
 }
 
-bool runs(const std::function<void()>& fn) {
+// Whether fn runs. A refusal must be the one expected: its message names
+// `what` (the refused argument); an error for any other reason fails the
+// test instead of passing for a refusal.
+bool runs(const std::function<void()>& fn, const std::string& what) {
   try {
     fn();
     return true;
-  } catch (const c10::Error&) {
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what_without_backtrace();
+    EXPECT_NE(msg.find(what), std::string::npos)
+        << "refused, but not for \"" << what << "\": " << msg;
     return false;
   }
 }
@@ -78,19 +86,24 @@ TEST_P(DeclaredCapabilities, AreWhatTheTypeDoes) {
     return attn->forward(qq, kk, vv, mask);
   };
 
-  EXPECT_EQ(runs([&] { run(q, k, v, Mask::causal_mask()); }), caps.causal) << "causal";
-  EXPECT_EQ(runs([&] { run(q, k, v, Mask::none()); }), caps.bidirectional) << "bidirectional";
+  EXPECT_EQ(runs([&] { run(q, k, v, Mask::causal_mask()); }, "causal"), caps.causal) << "causal";
+  EXPECT_EQ(runs([&] { run(q, k, v, Mask::none()); }, "causal"), caps.bidirectional)
+      << "bidirectional";
   const Mask base = caps.causal ? Mask::causal_mask() : Mask::none();
   const Tensor bool_mask = torch::rand({N, 1, L, L}) > 0.3;
   const Tensor float_mask = torch::randn({N, H, L, L});
-  EXPECT_EQ(runs([&] { run(q, k, v, base.with_attn_mask(bool_mask)); }),
+  EXPECT_EQ(runs([&] { run(q, k, v, base.with_attn_mask(bool_mask)); }, "attn_mask"),
             caps.attn_mask == "any" || caps.attn_mask == "bool")
       << "bool attn_mask";
-  EXPECT_EQ(runs([&] { run(q, k, v, base.with_attn_mask(float_mask)); }), caps.attn_mask == "any")
+  EXPECT_EQ(runs([&] { run(q, k, v, base.with_attn_mask(float_mask)); }, "attn_mask"),
+            caps.attn_mask == "any")
       << "float attn_mask";
-  EXPECT_TRUE(runs([&] {
-    run(q, k, v, base.with_key_lengths(torch::tensor({L, L - 4})));
-  })) << "key lengths";
+  EXPECT_TRUE(runs(
+      [&] {
+        run(q, k, v, base.with_key_lengths(torch::tensor({L, L - 4})));
+      },
+      "key_lengths"))
+      << "key lengths";
 
   // Incremental rows: one query at position t over keys 0..t equals row t of
   // the causal batch (with the defaults: "stride" types need an explicit one).
@@ -99,10 +112,12 @@ TEST_P(DeclaredCapabilities, AreWhatTheTypeDoes) {
     bool equal_rows = true;
     for (int64_t t : {0, 5, 11}) {
       Tensor row;
-      if (!runs([&] {
-            row = run(q.narrow(2, t, 1), k.narrow(2, 0, t + 1), v.narrow(2, 0, t + 1),
-                      Mask::causal_mask());
-          }) ||
+      if (!runs(
+              [&] {
+                row = run(q.narrow(2, t, 1), k.narrow(2, 0, t + 1), v.narrow(2, 0, t + 1),
+                          Mask::causal_mask());
+              },
+              "") ||
           (row.select(2, 0) - batch.select(2, t)).abs().max().item<double>() > 1e-5) {
         equal_rows = false;
         break;
@@ -116,7 +131,12 @@ TEST_P(DeclaredCapabilities, AreWhatTheTypeDoes) {
 
   // Step form.
   const bool recurrent = static_cast<bool>(type.recurrent);
-  EXPECT_EQ(runs([&] { make_recurrent_attention(name, params, {H, E, E}); }), recurrent);
+  EXPECT_EQ(runs(
+                [&] {
+                  make_recurrent_attention(name, params, {H, E, E});
+                },
+                "recurrent"),
+            recurrent);
   const auto& steps = recurrent_attention_names();
   EXPECT_EQ(std::count(steps.begin(), steps.end(), name), recurrent ? 1 : 0);
 
