@@ -256,6 +256,42 @@ def test_opcheck_forward_and_backward_ops(name, op, args, kwargs):
         torch.library.opcheck(func, a, kw)
 
 
+def test_every_operator_has_a_fake_and_an_opcheck_case():
+    """Each fastattn operator with tensor outputs has a fake implementation
+    (or is composite: the compiler traces its parts) and is opchecked in this
+    file: directly (CASES), as a case's own _forward / _backward, or (the
+    registry operator and its halves) by test_opcheck_attention_every_type.
+    A new schema without either fails here, naming it."""
+    from torch._library.simple_registry import singleton
+
+    def tensor_outputs(name):
+        packet = getattr(torch.ops.fastattn, name.split("::")[1])
+        return any("Tensor" in str(r.type) for o in packet.overloads()
+                   for r in getattr(packet, o)._schema.returns)
+
+    def composite(name):
+        return any(torch._C._dispatch_has_kernel_for_dispatch_key(name, key)
+                   for key in ("CompositeImplicitAutograd", "CompositeExplicitAutograd"))
+
+    names = sorted(n for n in torch._C._dispatch_get_all_op_names()
+                   if n.startswith("fastattn::") and tensor_outputs(n))
+    assert len(names) >= 30
+    no_fake = [n for n in names if singleton.find(n).fake_impl.kernel is None and not composite(n)]
+    assert not no_fake, "operators without a fake implementation: %s" % no_fake
+    checked = {c[1]._qualified_op_name for c in CASES}
+    for _, op, args, kwargs in CASES:
+        checked |= {"fastattn::" + f._overloadpacket.__name__
+                    for f, _ in inner_calls(op, args, kwargs)}
+    checked |= {"fastattn::attention", "fastattn::attention_forward",
+                "fastattn::attention_backward"}
+    # Composite operators of the GPU engine's routes: traced through their
+    # parts, which are opchecked (or need a GPU: tests/cuda).
+    unchecked = [n for n in names if n not in checked
+                 and not torch._C._dispatch_has_kernel_for_dispatch_key(
+                     n, "CompositeImplicitAutograd")]
+    assert not unchecked, "operators without an opcheck case: %s" % unchecked
+
+
 @pytest.mark.skipif(not HAVE_CUDA, reason="no CUDA operators built, or no GPU")
 @pytest.mark.parametrize("name,op,args,kwargs", CUDA_CASES or [("none", None, (), {})],
                          ids=[c[0] for c in CUDA_CASES] or ["none"])
