@@ -28,6 +28,13 @@ void register_clusterformer_attention_types(AttentionRegistry& registry);
 
 // The attention_dropout parameter of the softmax types: applied in training
 // mode only (fused where the type's kernels have it, issue 64).
+// The softmax types' temperature (one spec; `description` where a type
+// reads it differently).
+inline ParamSpec softmax_temp_spec(
+    const char* description = "scale of the scores q·k; default 1/sqrt(E)") {
+  return ParamSpec::real("softmax_temp", std::nullopt, description, 0.0).exclusive_min();
+}
+
 inline ParamSpec attention_dropout_spec() {
   return ParamSpec::real("attention_dropout", 0.0,
                          "dropout on the attention weights, in training mode only", 0.0, 1.0)

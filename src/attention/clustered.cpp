@@ -600,9 +600,7 @@ std::vector<ParamSpec> clustered_specs(bool improved) {
                          double(kMaxClusterIterations)),
       ParamSpec::integer("bits", 63, "bits B of the query hash", 1, 64),
       ParamSpec::boolean("hash_bias", true, "random bias in the hash planes"),
-      ParamSpec::real("softmax_temp", std::nullopt, "scale of the scores q·k; default 1/sqrt(E)",
-                      0.0)
-          .exclusive_min(),
+      softmax_temp_spec(),
       attention_dropout_spec(),
       ParamSpec::integer("seed", std::nullopt,
                          "seed of the module's generator (planes, K-means initialisation); "
@@ -657,9 +655,7 @@ std::vector<ParamSpec> causal_improved_clustered_specs() {
                              "local causal window: every query also attends to its last "
                              "local_context keys (also the block length of the top-k sets)",
                              1),
-          ParamSpec::real("softmax_temp", std::nullopt,
-                          "scale of the scores q·k; default 1/sqrt(E)", 0.0)
-              .exclusive_min(),
+          softmax_temp_spec(),
           attention_dropout_spec(),
           ParamSpec::integer("seed", std::nullopt,
                              "seed of the module's generator (planes, K-means initialisation); "
@@ -696,10 +692,7 @@ void register_clustered_attention_types(AttentionRegistry& registry) {
                 "each query attends to its own top-k keys by exact score (softmax over those k); "
                 "O(L·S) to select them, O(L·k) memory",
                 {ParamSpec::integer("topk", 32, "keys per query (clamped to S)", 1),
-                 ParamSpec::real("softmax_temp", std::nullopt,
-                                 "scale of the scores q·k; default 1/sqrt(E)", 0.0)
-                     .exclusive_min(),
-                 attention_dropout_spec()},
+                 softmax_temp_spec(), attention_dropout_spec()},
                 [](const Params& p, const AttentionDims&) -> AttentionPtr {
                   return std::make_shared<ExactTopkAttention>(p.get_int("topk"),
                                                               p.get_optional_float("softmax_temp"),

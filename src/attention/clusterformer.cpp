@@ -328,9 +328,7 @@ void register_clusterformer_attention_types(AttentionRegistry& registry) {
         ParamSpec::choice("centroid_mode", "handed", {"handed", "per-layer"},
                           "handed: a layer of a stack clusters with the previous layer's updated "
                           "centroids; per-layer: each layer its own learned centroids"),
-        ParamSpec::real("softmax_temp", std::nullopt, "scale of the scores q·k; default 1/sqrt(E)",
-                        0.0)
-            .exclusive_min(),
+        softmax_temp_spec(),
         ParamSpec::integer("seed", std::nullopt,
                            "seed of the initialisation of the centroids and W_C; default: the "
                            "global CPU generator")},

@@ -157,10 +157,7 @@ void register_full_attention_types(AttentionRegistry& registry) {
   registry.add(
       {"full",
        "exact softmax attention, fused (online softmax, O(N·H·L) extra memory)",
-       {ParamSpec::real("softmax_temp", std::nullopt, "scale of the scores q·k; default 1/sqrt(E)",
-                        0.0)
-            .exclusive_min(),
-        attention_dropout_spec()},
+       {softmax_temp_spec(), attention_dropout_spec()},
        [](const Params& p, const AttentionDims&) -> AttentionPtr {
          return std::make_shared<FullAttention>(p.get_optional_float("softmax_temp"),
                                                 p.get_float("attention_dropout"));

@@ -188,11 +188,8 @@ void register_hard_retrieval_attention_types(AttentionRegistry& registry) {
        {ParamSpec::choice("train_mode", "sample", {"sample", "argmax"},
                           "training forward: sample from softmax(temp·q·k) (the paper) or take "
                           "the argmax; evaluation always takes the argmax"),
-        ParamSpec::real("softmax_temp", std::nullopt,
-                        "scale of the scores in the training softmax (sampling and gradients); "
-                        "default 1/sqrt(E)",
-                        0.0)
-            .exclusive_min(),
+        softmax_temp_spec("scale of the scores in the training softmax (sampling and gradients); "
+                          "default 1/sqrt(E)"),
         ParamSpec::integer("seed", std::nullopt,
                            "seed of the module's generator (training samples); default: the "
                            "global CPU generator",

@@ -150,11 +150,8 @@ std::vector<ParamSpec> linear_params() {
                          "random maps: number of features m (rff: even; a model size: the "
                          "E x m matrix); default query_dim",
                          1, double(kMaxRandomFeatures)),
-      ParamSpec::real("softmax_temp", std::nullopt,
-                      "favor / rff: kernel scale, exp(temp·q·k) or exp(-temp·|q-k|²/2); default "
-                      "1/sqrt(E)",
-                      0.0)
-          .exclusive_min(),
+      softmax_temp_spec("favor / rff: kernel scale, exp(temp·q·k) or exp(-temp·|q-k|²/2); default "
+                        "1/sqrt(E)"),
       ParamSpec::boolean("orthogonal", true, "favor / rff: orthogonal random blocks"),
       ParamSpec::real("smoothing", 1.0, "smoothed-rff: constant added to the kernel", 0.0)
           .exclusive_min(),

@@ -108,9 +108,7 @@ void register_reformer_attention_types(AttentionRegistry& registry) {
                            1, double(int64_t(1) << 24)),
         ParamSpec::integer("rounds", 4, "hashing rounds, combined by their log-sum-exp", 1,
                            double(kMaxReformerRounds)),
-        ParamSpec::real("softmax_temp", std::nullopt, "scale of the scores q·k; default 1/sqrt(E)",
-                        0.0)
-            .exclusive_min(),
+        softmax_temp_spec(),
         ParamSpec::integer("seed", std::nullopt,
                            "seed of the module's generator (the rotations, drawn at every "
                            "forward); default: the global CPU generator",

@@ -115,12 +115,6 @@ torch::Tensor SparseTransformerAttention::forward(const torch::Tensor& queries, 
 
 namespace {
 
-ParamSpec temp_spec() {
-  return ParamSpec::real("softmax_temp", std::nullopt, "scale of the scores q·k; default 1/sqrt(E)",
-                         0.0)
-      .exclusive_min();
-}
-
 std::vector<ParamSpec> factorized_specs(bool fixed) {
   std::vector<ParamSpec> specs = {
       ParamSpec::integer("stride", std::nullopt,
@@ -140,7 +134,7 @@ std::vector<ParamSpec> factorized_specs(bool fixed) {
         "per_head_summary", false,
         "head h uses the c positions [l - c·(g+1), l - c·g) of each block, g = h mod (l / c)"));
   }
-  specs.push_back(temp_spec());
+  specs.push_back(softmax_temp_spec());
   specs.push_back(attention_dropout_spec());
   return specs;
 }
@@ -176,7 +170,7 @@ void register_sparse_attention_types(AttentionRegistry& registry) {
                                     "keys per query: causal offsets [-(w-1), 0], else "
                                     "[-floor(w/2), w-1-floor(w/2)]",
                                     1),
-                 temp_spec(), attention_dropout_spec()},
+                 softmax_temp_spec(), attention_dropout_spec()},
                 [](const Params& p, const AttentionDims&) -> AttentionPtr {
                   return std::make_shared<LocalAttention>(p.get_int("window"),
                                                           p.get_optional_float("softmax_temp"),
