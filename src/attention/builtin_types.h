@@ -35,6 +35,14 @@ inline ParamSpec softmax_temp_spec(
   return ParamSpec::real("softmax_temp", std::nullopt, description, 0.0).exclusive_min();
 }
 
+// The seed of a type's own generator (what it draws: `draws`); without it
+// the global CPU generator (torch::manual_seed).
+inline ParamSpec seed_spec(const std::string& draws) {
+  return ParamSpec::integer(
+      "seed", std::nullopt,
+      "seed of the module's generator (" + draws + "); default: the global CPU generator", 0);
+}
+
 inline ParamSpec attention_dropout_spec() {
   return ParamSpec::real("attention_dropout", 0.0,
                          "dropout on the attention weights, in training mode only", 0.0, 1.0)

@@ -602,9 +602,7 @@ std::vector<ParamSpec> clustered_specs(bool improved) {
       ParamSpec::boolean("hash_bias", true, "random bias in the hash planes"),
       softmax_temp_spec(),
       attention_dropout_spec(),
-      ParamSpec::integer("seed", std::nullopt,
-                         "seed of the module's generator (planes, K-means initialisation); "
-                         "default: the global CPU generator")};
+      seed_spec("planes, K-means initialisation")};
   if (improved) {
     specs.push_back(ParamSpec::integer(
         "topk", 32, "keys per cluster whose weights are recomputed per query (clamped to S)", 1));
@@ -657,9 +655,7 @@ std::vector<ParamSpec> causal_improved_clustered_specs() {
                              1),
           softmax_temp_spec(),
           attention_dropout_spec(),
-          ParamSpec::integer("seed", std::nullopt,
-                             "seed of the module's generator (planes, K-means initialisation); "
-                             "default: the global CPU generator")};
+          seed_spec("planes, K-means initialisation")};
 }
 
 }  // namespace

@@ -328,10 +328,7 @@ void register_clusterformer_attention_types(AttentionRegistry& registry) {
         ParamSpec::choice("centroid_mode", "handed", {"handed", "per-layer"},
                           "handed: a layer of a stack clusters with the previous layer's updated "
                           "centroids; per-layer: each layer its own learned centroids"),
-        softmax_temp_spec(),
-        ParamSpec::integer("seed", std::nullopt,
-                           "seed of the initialisation of the centroids and W_C; default: the "
-                           "global CPU generator")},
+        softmax_temp_spec(), seed_spec("the initialisation of the centroids and W_C")},
        [](const Params& p, const AttentionDims& dims) -> AttentionPtr {
          ClusterFormerOptions o;
          o.clusters = p.get_int("clusters");

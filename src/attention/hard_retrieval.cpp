@@ -190,10 +190,7 @@ void register_hard_retrieval_attention_types(AttentionRegistry& registry) {
                           "the argmax; evaluation always takes the argmax"),
         softmax_temp_spec("scale of the scores in the training softmax (sampling and gradients); "
                           "default 1/sqrt(E)"),
-        ParamSpec::integer("seed", std::nullopt,
-                           "seed of the module's generator (training samples); default: the "
-                           "global CPU generator",
-                           0)},
+        seed_spec("training samples")},
        [](const Params& p, const AttentionDims&) -> AttentionPtr {
          return std::make_shared<HardRetrievalAttention>(p.get_string("train_mode"),
                                                          p.get_optional_float("softmax_temp"),

@@ -108,11 +108,7 @@ void register_reformer_attention_types(AttentionRegistry& registry) {
                            1, double(int64_t(1) << 24)),
         ParamSpec::integer("rounds", 4, "hashing rounds, combined by their log-sum-exp", 1,
                            double(kMaxReformerRounds)),
-        softmax_temp_spec(),
-        ParamSpec::integer("seed", std::nullopt,
-                           "seed of the module's generator (the rotations, drawn at every "
-                           "forward); default: the global CPU generator",
-                           0),
+        softmax_temp_spec(), seed_spec("the rotations, drawn at every forward"),
         ParamSpec::boolean("masked", true,
                            "mask out the self position (score -1e5) unless it is the only one"),
         attention_dropout_spec()},
