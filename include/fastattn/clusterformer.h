@@ -60,11 +60,14 @@ ClusterFormerClustering clusterformer_cluster(
 // A query that keeps no key outputs zeros. Built on the fused full_attention
 // operator over an (N·k, H, w, E) × (N·k, H, 2w, E) block view with a
 // (N·k, w, 2w) keep mask, and gather_tokens for sort / unsort.
+//   dropout_p, dropout_seed: attention dropout (CPU), full_attention's on the
+//   block view (each weight of a query over its window on its own).
 torch::Tensor clusterformer_block_attention(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
     const torch::Tensor& order, int64_t clusters,
     const std::optional<torch::Tensor>& key_lengths = std::nullopt, bool causal = false,
-    std::optional<double> softmax_temp = std::nullopt);
+    std::optional<double> softmax_temp = std::nullopt, double dropout_p = 0.0,
+    std::optional<int64_t> dropout_seed = std::nullopt);
 
 // Bound on ClusterFormer's k: the centroids are learned parameters (k × H·E)
 // and clustering scores every token against each of them (N × L × k), so k
@@ -84,6 +87,7 @@ struct ClusterFormerOptions {
   // Seeds the initialisation of the centroids and W_C; without it the global
   // CPU generator (torch::manual_seed).
   std::optional<int64_t> seed;
+  double attention_dropout = 0.0;  // in training mode, fused (CPU)
 };
 
 // `clusterformer`. Self-attention only: needs S == L (the tokens are the

@@ -113,7 +113,8 @@ ClusterFormerClustering clusterformer_cluster(const Tensor& x, const Tensor& cen
 Tensor clusterformer_block_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                      const Tensor& order, int64_t clusters,
                                      const std::optional<Tensor>& key_lengths, bool causal,
-                                     std::optional<double> softmax_temp) {
+                                     std::optional<double> softmax_temp, double dropout_p,
+                                     std::optional<int64_t> dropout_seed) {
   check_attention_inputs(q, k, v, Mask().with_causal(causal));
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), E = q.size(3), M = v.size(3);
   TORCH_CHECK(k.size(2) == L, "clusterformer: needs as many keys as queries (S == L), got ",
@@ -130,8 +131,10 @@ Tensor clusterformer_block_attention(const Tensor& q, const Tensor& k, const Ten
   // On the dense-attention engine where it runs on PyTorch's fused kernels:
   // the blocks as packed sequences through the sort order
   // (src/ops/engine_pieces.h). Causal (by original position) and padded
-  // calls keep the masked block attention below.
-  if (!causal && !key_lengths && ops::types_use_dense_engine(q, v, {}, /*pieces=*/true)) {
+  // calls keep the masked block attention below, and so does dropout (the
+  // engine's calls take none yet).
+  if (!causal && !key_lengths && dropout_p == 0 &&
+      ops::types_use_dense_engine(q, v, {}, /*pieces=*/true)) {
     auto slots = order.to(q.device()).unsqueeze(1).expand({N, H, L});
     return ops::sorted_chunks_on_engine(q, k, v, {slots}, w, /*mask_self=*/false, temp);
   }
@@ -167,7 +170,8 @@ Tensor clusterformer_block_attention(const Tensor& q, const Tensor& k, const Ten
   auto qb = to_blocks(q, slots, w);
   auto kb = to_blocks(k, kslots, kw);
   auto vb = to_blocks(v, kslots, kw);
-  auto ob = full_attention(qb, kb, vb, keep, std::nullopt, false, temp);  // (N·b, H, w, M)
+  auto ob = full_attention(qb, kb, vb, keep, std::nullopt, false, temp, dropout_p,
+                           dropout_seed);  // (N·b, H, w, M)
   auto sorted =
       ob.view({N, blocks, H, w, M}).permute({0, 2, 1, 3, 4}).reshape({N, H, blocks * w, M});
   // Unsort: the slot of every original position.
@@ -198,6 +202,7 @@ ClusterFormerAttention::ClusterFormerAttention(ClusterFormerOptions options,
                   (std::isfinite(*options_.softmax_temp) && *options_.softmax_temp > 0),
               "clusterformer: softmax_temp must be a finite number > 0, got ",
               options_.softmax_temp.value_or(0.0));
+  check_attention_dropout("clusterformer", options_.attention_dropout);
   TORCH_CHECK(dims.heads >= 1 && dims.query_dim >= 1,
               "clusterformer: heads and query_dim must be >= 1, got ", dims.heads, " and ",
               dims.query_dim);
@@ -269,9 +274,9 @@ Tensor ClusterFormerAttention::forward(const Tensor& queries,  // (N, H, L, E)
   if (!c.defined()) c = centroids_;
   auto cl =
       clusterformer_cluster(x, c.to(x.scalar_type()), projection_.to(x.scalar_type()), lengths);
-  auto out =
-      clusterformer_block_attention(queries, keys, values, cl.order, options_.clusters,
-                                    mask.key_lengths(), mask.is_causal(), options_.softmax_temp);
+  auto out = clusterformer_block_attention(
+      queries, keys, values, cl.order, options_.clusters, mask.key_lengths(), mask.is_causal(),
+      options_.softmax_temp, is_training() ? options_.attention_dropout : 0.0);
   aux_loss_ = options_.clustering_loss_weight * cl.clustering_loss +
               options_.sorting_loss_weight * cl.sorting_loss;
   if (hands_on_) handed_ = cl.updated_centroids;
@@ -328,7 +333,8 @@ void register_clusterformer_attention_types(AttentionRegistry& registry) {
         ParamSpec::choice("centroid_mode", "handed", {"handed", "per-layer"},
                           "handed: a layer of a stack clusters with the previous layer's updated "
                           "centroids; per-layer: each layer its own learned centroids"),
-        softmax_temp_spec(), seed_spec("the initialisation of the centroids and W_C")},
+        softmax_temp_spec(), seed_spec("the initialisation of the centroids and W_C"),
+        attention_dropout_spec()},
        [](const Params& p, const AttentionDims& dims) -> AttentionPtr {
          ClusterFormerOptions o;
          o.clusters = p.get_int("clusters");
@@ -337,6 +343,7 @@ void register_clusterformer_attention_types(AttentionRegistry& registry) {
          o.centroid_mode = p.get_string("centroid_mode");
          o.softmax_temp = p.get_optional_float("softmax_temp");
          o.seed = p.get_optional_int("seed");
+         o.attention_dropout = p.get_float("attention_dropout");
          return std::make_shared<ClusterFormerAttention>(o, dims);
        },
        Capabilities().with_learned_parameters().selecting(),

@@ -154,6 +154,94 @@ TEST(ClusterFormer, BlockAttentionEqualsDenseBlockMask) {
   }
 }
 
+// The block view's dropout mask (full_attention's over (N·b, H, w, kw)) in
+// original positions: (N, H, L, L), query i's weight of key j at block
+// b_i's row r_i and key slot c (the previous block's rows first).
+torch::Tensor dense_dropout_keep(const torch::Tensor& order, int64_t clusters, int64_t H,
+                                 int64_t seed, double p) {
+  const int64_t N = order.size(0), L = order.size(1), w = (L + clusters - 1) / clusters;
+  const int64_t blocks = (L + w - 1) / w, kw = blocks > 1 ? 2 * w : w;
+  const auto block_keep = reference::attention_dropout_keep(seed, p, N * blocks, H, w, kw);
+  auto keep = torch::zeros({N, H, L, L}, torch::kDouble);
+  auto bk = block_keep.accessor<double, 4>();
+  auto acc = keep.accessor<double, 4>();
+  auto ord = order.accessor<int64_t, 2>();
+  for (int64_t n = 0; n < N; ++n) {
+    std::vector<int64_t> slot(L);
+    for (int64_t t = 0; t < L; ++t) slot[ord[n][t]] = t;
+    for (int64_t i = 0; i < L; ++i) {
+      const int64_t bi = slot[i] / w, ri = slot[i] % w;
+      for (int64_t j = 0; j < L; ++j) {
+        const int64_t bj = slot[j] / w, rj = slot[j] % w;
+        int64_t c = -1;
+        if (bj == bi) c = blocks > 1 ? w + rj : rj;
+        if (bj == bi - 1) c = rj;
+        if (c < 0) continue;
+        for (int64_t h = 0; h < H; ++h) acc[n][h][i][j] = bk[n * blocks + bi][h][ri][c];
+      }
+    }
+  }
+  return keep;
+}
+
+TEST(ClusterFormer, BlockAttentionDropoutEqualsTheReferenceWithTheSameMask) {
+  const double p = 0.3;
+  const int64_t seed = 90210;
+  torch::manual_seed(11);
+  for (auto dtype : {torch::kDouble, torch::kFloat}) {
+    for (const auto& b : std::vector<BlockCfg>{{"k=4 L=13", 2, 2, 13, 3, 4, 4, {}, false},
+                                               {"k=5 L=23 lengths", 2, 3, 23, 4, 4, 5, {23, 9}},
+                                               {"k=4 L=17 causal", 2, 2, 17, 3, 3, 4, {}, true},
+                                               {"k=1 L=9", 1, 2, 9, 3, 3, 1, {}, false}}) {
+      const std::string what = std::string(c10::toString(dtype)) + " " + b.name;
+      auto q = torch::randn({b.N, b.H, b.L, b.E}, dtype).requires_grad_(true);
+      auto k = torch::randn({b.N, b.H, b.L, b.E}, dtype).requires_grad_(true);
+      auto v = torch::randn({b.N, b.H, b.L, b.M}, dtype).requires_grad_(true);
+      auto g = torch::randn({b.N, b.H, b.L, b.M}, dtype);
+      auto order = random_order(b.N, b.L);
+      std::optional<torch::Tensor> lengths;
+      if (!b.key_lengths.empty()) lengths = torch::tensor(b.key_lengths, torch::kLong);
+      auto out = clusterformer_block_attention(q, k, v, order, b.clusters, lengths, b.causal,
+                                               std::nullopt, p, seed);
+      auto grads = torch::autograd::grad({out}, {q, k, v}, {g});
+      std::vector<torch::Tensor> x;
+      for (const auto& t : {q, k, v}) x.push_back(t.detach().to(kF64).requires_grad_(true));
+      const auto mask = dense_block_mask(order, b.clusters, b.key_lengths, b.causal);
+      auto ref =
+          reference::full_attention(x[0], x[1], x[2], mask, std::nullopt, false, std::nullopt,
+                                    dense_dropout_keep(order, b.clusters, b.H, seed, p));
+      auto ref_grads = torch::autograd::grad({ref}, x, {g.to(kF64)});
+      const double tol = dtype == torch::kDouble ? 1e-12 : 2e-5;
+      EXPECT_LE((out.to(kF64) - ref).abs().max().item<double>(), tol) << what;
+      for (int i = 0; i < 3; ++i)
+        EXPECT_LE((grads[i].to(kF64) - ref_grads[i]).abs().max().item<double>(), 10 * tol)
+            << what << " grad " << i;
+      auto undropped = reference::full_attention(x[0], x[1], x[2], mask);
+      EXPECT_GT((ref - undropped).abs().max().item<double>(), 1e-3) << what;
+    }
+  }
+}
+
+TEST(ClusterFormer, DropsInTrainingOnly) {
+  torch::manual_seed(5);
+  const int64_t N = 1, H = 2, L = 24, E = 4;
+  auto q = torch::randn({N, H, L, E}), v = torch::randn({N, H, L, E});
+  ParamMap params = {{"clusters", int64_t{3}}, {"seed", int64_t{1}}};
+  auto plain = make_attention("clusterformer", params, {H, E, E});
+  params["attention_dropout"] = 0.4;
+  auto attn = make_attention("clusterformer", params, {H, E, E});
+  attn->eval();
+  plain->eval();
+  EXPECT_TRUE(torch::equal(attn->forward(q, q, v, Mask()), plain->forward(q, q, v, Mask())));
+  attn->train();
+  plain->train();
+  EXPECT_GT(
+      (attn->forward(q, q, v, Mask()) - plain->forward(q, q, v, Mask())).abs().max().item<double>(),
+      1e-2);
+  params["attention_dropout"] = 1.0;
+  EXPECT_ERROR_CONTAINS(make_attention("clusterformer", params, {H, E, E}), "attention_dropout");
+}
+
 TEST(ClusterFormer, OneClusterEqualsFullAttention) {
   torch::manual_seed(3);
   const int64_t N = 2, H = 3, L = 97, E = 5;

@@ -76,7 +76,7 @@ class Attention(nn.Module):
     ``(N, H, L, M)``; masks as :func:`fastattn.nn.masking.resolve_masks`.
     In training mode (``module.train()``) the type runs its training form:
     ``attention_dropout`` (a parameter of the softmax types but
-    ``clusterformer`` and ``hard-retrieval`` so far) drops attention weights.
+    ``hard-retrieval`` so far) drops attention weights.
     """
 
     def __init__(self, type="full", feature_map=None, **params):
