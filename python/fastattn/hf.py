@@ -328,8 +328,10 @@ def _decoding_hint(kind):
 
 
 def _types_with_dropout():
+    # (Not the learned types: they cannot train from Python.)
     types, _ = _registry()
-    return sorted(t for t, names in types.items() if "attention_dropout" in names)
+    return sorted(t for t, names in types.items()
+                  if "attention_dropout" in names and t not in _LEARNED_TYPES)
 
 
 def _check(kind, caps, params, L, S, causal, attn_mask, mask, training, dropout):
