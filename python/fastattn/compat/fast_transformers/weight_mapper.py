@@ -182,36 +182,38 @@ class PytorchMapper(SimpleMapper):
         return out
 
 
-# BERT's names -> the builder model's.
-_BERT = [
-    (r"layer\.(\d+)\.attention\.self\.(query|key|value)", r"layers.\1.attention.\2_projection"),
-    (r"layer\.(\d+)\.attention\.output\.dense", r"layers.\1.attention.out_projection"),
-    (r"layer\.(\d+)\.attention\.output\.LayerNorm", r"layers.\1.norm1"),
-    (r"layer\.(\d+)\.intermediate\.dense", r"layers.\1.linear1"),
-    (r"layer\.(\d+)\.output\.dense", r"layers.\1.linear2"),
-    (r"layer\.(\d+)\.output\.LayerNorm", r"layers.\1.norm2"),
+# BERT's names and the builder model's, as templates: {i} a layer, {p} a
+# projection; one table gives the regexes both ways.
+_BERT_NAMES = [
+    ("layer.{i}.attention.self.{p}", "layers.{i}.attention.{p}_projection"),
+    ("layer.{i}.attention.output.dense", "layers.{i}.attention.out_projection"),
+    ("layer.{i}.attention.output.LayerNorm", "layers.{i}.norm1"),
+    ("layer.{i}.intermediate.dense", "layers.{i}.linear1"),
+    ("layer.{i}.output.dense", "layers.{i}.linear2"),
+    ("layer.{i}.output.LayerNorm", "layers.{i}.norm2"),
 ]
-# ... and back (the same renames reversed).
-_BERT_BACK = [
-    (r"layers\.(\d+)\.attention\.(query|key|value)_projection", r"layer.\1.attention.self.\2"),
-    (r"layers\.(\d+)\.attention\.out_projection", r"layer.\1.attention.output.dense"),
-    (r"layers\.(\d+)\.norm1", r"layer.\1.attention.output.LayerNorm"),
-    (r"layers\.(\d+)\.linear1", r"layer.\1.intermediate.dense"),
-    (r"layers\.(\d+)\.linear2", r"layer.\1.output.dense"),
-    (r"layers\.(\d+)\.norm2", r"layer.\1.output.LayerNorm"),
-]
+
+
+def _rename_rule(source, target):
+    """A RegexRule from source template to target template ({i} and {p}
+    appear in that order in both)."""
+    search = re.escape(source).replace(r"\{i\}", r"(\d+)").replace(r"\{p\}",
+                                                                  "(query|key|value)")
+    replace = target.replace("{i}", r"\1").replace("{p}", r"\2")
+    return RegexRule(search, replace)
 
 
 class HugginfaceBertEncoderMapper(SimpleMapper):
     """Hugging Face BERT's encoder -> a TransformerEncoderBuilder model."""
 
-    RULES = [RegexRule(a, b) for a, b in _BERT]
+    RULES = [_rename_rule(bert, ours) for bert, ours in _BERT_NAMES]
 
     def __init__(self):
         super().__init__(self.RULES)
 
     def unmap(self, state_dict):
-        return SimpleMapper([RegexRule(a, b) for a, b in _BERT_BACK]).map(state_dict)
+        back = [_rename_rule(ours, bert) for bert, ours in _BERT_NAMES]
+        return SimpleMapper(back).map(state_dict)
 
 
 class LongformerMapper(SimpleMapper):
