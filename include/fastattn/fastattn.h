@@ -5,6 +5,7 @@
 // fastattn/experiments/.
 #pragma once
 
+#include "fastattn/aft.h"
 #include "fastattn/attention.h"
 #include "fastattn/clustered.h"
 #include "fastattn/clusterformer.h"

@@ -159,6 +159,19 @@ std::tuple<torch::Tensor, torch::Tensor> hard_retrieval_attention(
     const std::optional<torch::Tensor>& key_lengths = std::nullopt, bool causal = false,
     bool sample = false, std::optional<double> softmax_temp = std::nullopt, int64_t seed = 0);
 
+// AFT (Zhai et al. 2021, "An Attention Free Transformer"), element-wise in the
+// channels: q, k, v (N,H,L|S,E), position_bias (L,S) shared by the heads or
+// (H,L,S), none for AFT-simple:
+//   out_t = sigmoid(q_t) ⊙ Σ_s exp(k_s + w_ts) ⊙ v_s / Σ_s exp(k_s + w_ts)
+// over the keys row t sees (causal: s <= t + S - L; s < key_lengths[n]);
+// zeros for a row without keys. AFT-simple on the CPU is one scan over the
+// keys; with a bias, two matrix products (src/ops/aft_attention.cpp).
+// Gradients to q, k, v and position_bias.
+torch::Tensor aft_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                            const std::optional<torch::Tensor>& position_bias = std::nullopt,
+                            const std::optional<torch::Tensor>& key_lengths = std::nullopt,
+                            bool causal = false);
+
 // Block-sparse softmax attention (local attention and the Sparse Transformer
 // patterns of Child et al. 2019), fused like full_attention (online softmax,
 // saved log-sum-exp, recomputation in backward). Query i sits at key position
@@ -260,6 +273,11 @@ std::tuple<torch::Tensor, torch::Tensor> hard_retrieval_attention(
     const std::optional<torch::Tensor>& attn_mask, const std::optional<torch::Tensor>& key_lengths,
     bool causal, std::optional<double> softmax_temp,
     const std::optional<torch::Tensor>& index = std::nullopt);
+
+// Dense oracle of aft_attention (materialises N·H·L·S·E).
+torch::Tensor aft_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                            const std::optional<torch::Tensor>& position_bias,
+                            const std::optional<torch::Tensor>& key_lengths, bool causal);
 
 // The block-sparse pattern as a dense (H, L, S) bool mask (true = keep), and
 // the plain-ATen oracle of block_sparse_attention built on it (O(L·S) memory):

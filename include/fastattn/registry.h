@@ -122,6 +122,9 @@ struct Capabilities {
   // LSH, argmax): in float16 / bfloat16 a near-tie may pick differently from
   // float32, so its results there follow the picks, not float32's.
   bool selects = false;
+  // Works channel by channel (AFT): values as wide as the queries and keys
+  // (M = E); other widths are refused.
+  bool channelwise = false;
 
   // Builders for the declarations: Capabilities().masks("any").rows("yes").
   Capabilities causal_only(std::string bidirectional_twin) const {
@@ -159,6 +162,11 @@ struct Capabilities {
   Capabilities selecting() const {
     auto c = *this;
     c.selects = true;
+    return c;
+  }
+  Capabilities channel_by_channel() const {
+    auto c = *this;
+    c.channelwise = true;
     return c;
   }
 

@@ -40,6 +40,7 @@ __all__ = [
     "attention_step_",
     "attention_step_state",
     "full_attention",
+    "aft_attention",
     "attention_types",
     "capabilities",
     "cpu_capability",
@@ -397,6 +398,26 @@ def full_attention(q, k, v, attn_mask=None, key_lengths=None, causal=False, soft
                               dropout_seed)
 
 
+def aft_attention(q, k, v, position_bias=None, key_lengths=None, causal=False):
+    """AFT (Zhai et al. 2021, "An Attention Free Transformer"), channel by channel.
+
+    Args:
+        q, k, v: ``(N, H, L, E)``, ``(N, H, S, E)``, ``(N, H, S, E)`` (values
+            as wide as the keys).
+        position_bias: ``w``, ``(L, S)`` shared by the heads or ``(H, L, S)``;
+            None for AFT-simple. Learned by the caller (AFT-full's ``u v^T``).
+        key_lengths: ``(N,)`` integer tensor in ``[0, S]``.
+        causal: query t sees key s iff ``s <= t + (S - L)``.
+
+    Returns:
+        ``sigmoid(q_t) * sum_s exp(k_s + w_ts) v_s / sum_s exp(k_s + w_ts)``
+        per channel, ``(N, H, L, E)``; zeros for a query that sees no key.
+        Differentiable in q, k, v and position_bias. AFT-simple on the CPU is
+        one scan over the keys (O(S E)); with a bias, two matrix products.
+    """
+    return ops.aft_attention(q, k, v, position_bias, key_lengths, causal)
+
+
 def attention_types():
     """The registry's description of every type, as parsed JSON.
 
@@ -453,9 +474,10 @@ def capabilities():
     """What each registered type can do, from its registry entry:
     ``{type: {"causal", "bidirectional", "attn_mask" ("any" | "bool" |
     "none"), "incremental" ("yes" | "no" | "stride"), "recurrent",
-    "learned", "causal_form", "bidirectional_form", "oracle", "selects"}}``
-    (see ``fastattn list``; "selects": picks keys, clusters or buckets, so
-    float16 / bfloat16 results follow their own picks)."""
+    "learned", "causal_form", "bidirectional_form", "oracle", "selects",
+    "channelwise"}}`` (see ``fastattn list``; "selects": picks keys, clusters
+    or buckets, so float16 / bfloat16 results follow their own picks;
+    "channelwise": values as wide as the keys, AFT)."""
     return {name: dict(caps) for name, caps in _capabilities().items()}
 
 

@@ -217,6 +217,21 @@ def register():
     def _(grad_out, q, k, v, index, lse, soft_out, attn_mask, key_lengths, causal, softmax_temp):
         return _row_grads(q, k, v)
 
+    # ---- AFT ---------------------------------------------------------------
+    @fake("fastattn::aft_attention")
+    def _(q, k, v, position_bias=None, key_lengths=None, causal=False):
+        return q.new_empty(q.shape)
+
+    @fake("fastattn::aft_attention_forward")
+    def _(q, k, v, position_bias, key_lengths, causal):
+        return q.new_empty(q.shape), _stats(q, q.shape), _stats(q, q.shape)
+
+    @fake("fastattn::aft_attention_backward")
+    def _(grad_out, q, k, v, position_bias, a, lse, key_lengths, causal):
+        gw = q.new_empty((0,)) if position_bias is None else position_bias.new_empty(
+            position_bias.shape)
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), gw
+
     # ---- block-sparse attention --------------------------------------------
     @fake("fastattn::block_sparse_attention")
     def _(q, k, v, pattern, params, key_lengths=None, causal=False, softmax_temp=None,

@@ -26,6 +26,9 @@ void register_reformer_attention_types(AttentionRegistry& registry);
 // clusterformer (src/attention/clusterformer.cpp).
 void register_clusterformer_attention_types(AttentionRegistry& registry);
 
+// aft-simple, aft-full (src/attention/aft.cpp).
+void register_aft_attention_types(AttentionRegistry& registry);
+
 // The attention_dropout parameter of the softmax types: applied in training
 // mode only (fused where the type's kernels have it, issue 64).
 // The softmax types' temperature (one spec; `description` where a type
@@ -62,6 +65,7 @@ inline void register_builtin_types(AttentionRegistry& registry) {
   register_sparse_attention_types(registry);
   register_reformer_attention_types(registry);
   register_clusterformer_attention_types(registry);
+  register_aft_attention_types(registry);
 }
 
 }  // namespace fastattn

@@ -356,7 +356,8 @@ nlohmann::json Capabilities::to_json() const {
           {"causal_form", causal_form},
           {"bidirectional_form", bidirectional_form},
           {"oracle", oracle},
-          {"selects", selects}};
+          {"selects", selects},
+          {"channelwise", channelwise}};
 }
 
 namespace {
@@ -371,6 +372,7 @@ Capabilities both(const Capabilities& a, const Capabilities& b) {
   c.incremental = a.incremental == b.incremental ? a.incremental : "no";
   c.learned = a.learned || b.learned;
   c.selects = a.selects || b.selects;
+  c.channelwise = a.channelwise || b.channelwise;
   return c;
 }
 

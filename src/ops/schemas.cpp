@@ -144,6 +144,27 @@ TORCH_LIBRARY(fastattn, m) {
       "Tensor index, Tensor lse, Tensor soft_out, Tensor? attn_mask, Tensor? key_lengths, "
       "bool causal, float softmax_temp) -> (Tensor, Tensor, Tensor)");
 
+  // ---- AFT (Zhai et al. 2021, "An Attention Free Transformer") ----------------
+  // q, k, v (N,H,L|S,E), position_bias (L,S) or (H,L,S) or None (AFT-simple)
+  // -> (N,H,L,E): sigmoid(q_t) ⊙ Σ_s exp(k_s + w_ts) v_s / Σ_s exp(k_s + w_ts),
+  // channel by channel over the keys row t sees (causal: s <= t + S - L; s <
+  // key_lengths[n]); zeros for a row without keys. Gradients to q, k, v and
+  // position_bias.
+  m.def(
+      "aft_attention(Tensor q, Tensor k, Tensor v, Tensor? position_bias=None, "
+      "Tensor? key_lengths=None, bool causal=False) -> Tensor");
+  // Forward kernel: (out, a, lse); a = out before the gate, lse the log of the
+  // denominator, both (N,H,L,E) float32 for 16-bit inputs, else q's dtype.
+  m.def(
+      "aft_attention_forward(Tensor q, Tensor k, Tensor v, Tensor? position_bias, "
+      "Tensor? key_lengths, bool causal) -> (Tensor, Tensor, Tensor)");
+  // Backward kernel: (grad_q, grad_k, grad_v, grad_position_bias), the last
+  // empty without a bias.
+  m.def(
+      "aft_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, "
+      "Tensor? position_bias, Tensor a, Tensor lse, Tensor? key_lengths, bool causal) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
+
   // ---- block-sparse attention (local, Sparse Transformer, Child et al. 2019) --
   // pattern: "local" [window], "strided" [stride, which], "fixed" [stride,
   // summary, which, per_head_summary]; which: 0 merged, 1 A1, 2 A2, 3 split;

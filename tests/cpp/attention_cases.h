@@ -41,6 +41,12 @@ inline AttentionDims dims(int64_t heads, int64_t query_dim, int64_t value_dim) {
   return d;
 }
 
+// The value width a type's cases use: E for the types that work channel by
+// channel (AFT: values as wide as the keys), M for the others.
+inline int64_t value_width(const std::string& name, int64_t E, int64_t M) {
+  return AttentionRegistry::global().get(name).capabilities.channelwise ? E : M;
+}
+
 // True when the type `name` has a parameter called `param`.
 inline bool has_param(const std::string& name, const std::string& param) {
   for (const auto& s : AttentionRegistry::global().get(name).params) {
@@ -64,7 +70,7 @@ inline AttentionPtr build_type(const std::string& name, const AttentionDims& d,
 // One forward and backward of `name` in `dtype` (seeded defaults, small
 // clusters / top-k / windows so that every path is taken; causal where the
 // type is, with key lengths) on shapes that leave vector tails (N=2, H=3,
-// L=S=45, E=40, M=24). The inputs, the loss weights and the type's
+// L=S=45, E=40, M=24 or E for channelwise types). The inputs, the loss weights and the type's
 // parameters are bfloat16-representable, so runs in any dtype see the same
 // values. Returns out, then grad q, k, v (zeros where a type has none).
 inline std::vector<torch::Tensor> run_small_case(const std::string& name, torch::ScalarType dtype) {
@@ -76,7 +82,7 @@ inline std::vector<torch::Tensor> run_small_case(const std::string& name, torch:
       {"stride", int64_t{6}},   {"seed", int64_t{3}},       {"length_limit", int64_t{8}}};
   for (const auto& spec : type.params)
     if (auto it = small.find(spec.name); it != small.end()) params.emplace(*it);
-  const int64_t N = 2, H = 3, L = 45, E = 40, M = 24;
+  const int64_t N = 2, H = 3, L = 45, E = 40, M = value_width(name, E, 24);
   auto attn = build_type(name, dims(H, E, M), params);
   attn->to(torch::kBFloat16);
   attn->to(dtype);

@@ -1,6 +1,7 @@
 // Every registered type does what its registry entry declares, and nothing it
-// does not: causal / bidirectional, attn_mask kinds, incremental rows (L < S
-// causal = the rows of the whole computation), step form, learned
+// does not: causal / bidirectional, attn_mask kinds, value width,
+// incremental rows (L < S causal = the rows of the whole computation), step
+// form, learned
 // parameters, and the named twin of the other direction. A refusal counts
 // only when its message names the refused argument (an error for another
 // reason fails). A new type is held to its declaration here without a line
@@ -104,6 +105,11 @@ TEST_P(DeclaredCapabilities, AreWhatTheTypeDoes) {
       },
       "key_lengths"))
       << "key lengths";
+
+  // Value width: the channelwise types (AFT) refuse values of another width.
+  EXPECT_EQ(runs([&] { run(q, k, v.narrow(3, 0, E / 2).contiguous(), base); }, "values"),
+            !caps.channelwise)
+      << "values narrower than the keys (channelwise: " << caps.channelwise << ")";
 
   // Incremental rows: one query at position t over keys 0..t equals row t of
   // the causal batch (with the defaults: "stride" types need an explicit one).

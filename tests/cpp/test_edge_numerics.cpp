@@ -48,10 +48,10 @@ std::string label(const std::pair<std::string, ParamMap>& c) {
   return s;
 }
 
-Mask base_mask(AttentionBase& a) {
+Mask base_mask(AttentionBase& a, int64_t M) {
   auto q = torch::randn({kN, kH, kL, kE}, torch::kDouble);
   try {
-    a.forward(q, q, torch::randn({kN, kH, kL, kM}, torch::kDouble), Mask());
+    a.forward(q, q, torch::randn({kN, kH, kL, M}, torch::kDouble), Mask());
     return Mask();
   } catch (const c10::Error&) {
     return Mask::causal_mask();
@@ -61,11 +61,11 @@ Mask base_mask(AttentionBase& a) {
 struct Leaves {
   Tensor q, k, v;
 };
-Leaves leaves(double scale, uint64_t seed) {
+Leaves leaves(double scale, uint64_t seed, int64_t M) {
   torch::manual_seed(seed);
   auto o = torch::TensorOptions().dtype(torch::kDouble);
   Leaves l{torch::randn({kN, kH, kL, kE}, o) * scale, torch::randn({kN, kH, kL, kE}, o) * scale,
-           torch::randn({kN, kH, kL, kM}, o)};
+           torch::randn({kN, kH, kL, M}, o)};
   for (auto* t : {&l.q, &l.k, &l.v}) t->requires_grad_(true);
   return l;
 }
@@ -75,8 +75,9 @@ bool finite(const Tensor& t) { return !t.defined() || torch::isfinite(t).all().i
 TEST(EdgeNumerics, AllKeysMaskedByKeyLengthsGivesZerosAndZeroGradients) {
   for (const auto& c : configurations()) {
     auto a = cases::build_type(c.first, kDims, c.second);
-    const Mask mask = base_mask(*a).with_key_lengths(torch::tensor({int64_t{0}, kL}));
-    auto l = leaves(1.0, 1);
+    const int64_t M = cases::value_width(c.first, kE, kM);
+    const Mask mask = base_mask(*a, M).with_key_lengths(torch::tensor({int64_t{0}, kL}));
+    auto l = leaves(1.0, 1, M);
     Tensor out;
     try {
       out = a->forward(l.q, l.k, l.v, mask);
@@ -99,11 +100,12 @@ TEST(EdgeNumerics, AllFalseAttnMaskRowGivesZerosAndFiniteGradients) {
   int covered = 0;
   for (const auto& c : configurations()) {
     auto a = cases::build_type(c.first, kDims, c.second);
-    const Mask base = base_mask(*a);
+    const int64_t M = cases::value_width(c.first, kE, kM);
+    const Mask base = base_mask(*a, M);
     auto keep = torch::ones({kL, kL}, torch::kBool);
     keep[kL - 1] = false;  // the last query keeps no key (causal keeps the rest nonempty)
     const Mask mask = base.with_attn_mask(keep);
-    auto l = leaves(1.0, 2);
+    auto l = leaves(1.0, 2, M);
     Tensor out;
     try {
       out = a->forward(l.q, l.k, l.v, mask);
@@ -127,8 +129,9 @@ TEST(EdgeNumerics, LargeScoresStayFinite) {
   // Entries ~ 70: |q·k| ~ 70² · sqrt(E) ~ 1e4.
   for (const auto& c : configurations()) {
     auto a = cases::build_type(c.first, kDims, c.second);
-    const Mask mask = base_mask(*a).with_key_lengths(torch::tensor({int64_t{3}, kL}));
-    auto l = leaves(70.0, 3);
+    const int64_t M = cases::value_width(c.first, kE, kM);
+    const Mask mask = base_mask(*a, M).with_key_lengths(torch::tensor({int64_t{3}, kL}));
+    auto l = leaves(70.0, 3, M);
     Tensor out;
     try {
       out = a->forward(l.q, l.k, l.v, mask);
@@ -146,10 +149,11 @@ TEST(EdgeNumerics, LargeScoresStayFinite) {
 TEST(EdgeNumerics, LargeScoresStayFiniteInFloat32) {
   for (const auto& c : configurations()) {
     auto a = cases::build_type(c.first, kDims, c.second);
-    const Mask mask = base_mask(*a).with_key_lengths(torch::tensor({int64_t{3}, kL}));
+    const int64_t M = cases::value_width(c.first, kE, kM);
+    const Mask mask = base_mask(*a, M).with_key_lengths(torch::tensor({int64_t{3}, kL}));
     torch::manual_seed(4);
     auto q = torch::randn({kN, kH, kL, kE}) * 70, k = torch::randn({kN, kH, kL, kE}) * 70,
-         v = torch::randn({kN, kH, kL, kM});
+         v = torch::randn({kN, kH, kL, M});
     Tensor out;
     try {
       out = a->forward(q, k, v, mask);

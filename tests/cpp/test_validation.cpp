@@ -64,13 +64,13 @@ struct Inputs {
 };
 
 Inputs make_inputs(int64_t N, int64_t H, int64_t L, int64_t S, torch::ScalarType dtype,
-                   uint64_t seed = 0) {
+                   uint64_t seed = 0, int64_t M = kM) {
   torch::manual_seed(seed);
   auto o = torch::TensorOptions().dtype(dtype);
   Inputs in;
   in.q = torch::randn({N, H, L, kE}, o);
   in.k = torch::randn({N, H, S, kE}, o);
-  in.v = torch::randn({N, H, S, kM}, o);
+  in.v = torch::randn({N, H, S, M}, o);
   return in;
 }
 
@@ -712,12 +712,13 @@ TEST(Validation, EmptyInputsOfTheOtherOps) {
 // ---- attention types (every registered one) ----------------------------------
 
 const AttentionDims kDims = cases::dims(kH, kE, kM);
+int64_t width(const std::string& name) { return cases::value_width(name, kE, kM); }
 
 // The mask a type accepts with no padding: none, or causal for types that
 // only compute causal attention. S == L keeps every type happy.
 Mask base_mask(const std::string& name) {
   auto a = cases::build_type(name, kDims);
-  auto in = make_inputs(kN, kH, kL, kL, torch::kDouble);
+  auto in = make_inputs(kN, kH, kL, kL, torch::kDouble, 0, width(name));
   try {
     a->forward(in.q, in.k, in.v, Mask());
     return Mask();
@@ -779,7 +780,7 @@ TEST(Validation, EveryAttentionTypeRejectsBadInputsNamingTheArgument) {
     const Mask base = base_mask(name);
     for (const auto& mut : mutations) {
       auto a = cases::build_type(name, kDims);
-      auto in = make_inputs(kN, kH, kL, kL, torch::kDouble);
+      auto in = make_inputs(kN, kH, kL, kL, torch::kDouble, 0, width(name));
       ASSERT_NO_THROW(a->forward(in.q, in.k, in.v, base)) << name;
       Mask m = base;
       EXPECT_TRUE(raises_naming(
@@ -842,7 +843,7 @@ TEST(Validation, EveryAttentionTypeChecksItsParameterRanges) {
 TEST(Validation, EveryAttentionTypeTakesNonContiguousInputs) {
   for (const auto& name : type_names()) {
     const Mask base = base_mask(name);
-    auto in = make_inputs(kN, kH, kL, kL, torch::kDouble, 9);
+    auto in = make_inputs(kN, kH, kL, kL, torch::kDouble, 9, width(name));
     const Mask m = base.with_key_lengths(
         torch::stack({torch::tensor({int64_t{3}, kL}), torch::tensor({int64_t{3}, kL})}, 1)
             .select(1, 0));
@@ -866,7 +867,7 @@ TEST(Validation, EveryAttentionTypeHandlesEmptyInputs) {
     const Mask base = base_mask(name);
     for (Shape s : {Shape{0, kL, kL}, Shape{kN, 0, 0}, Shape{kN, kL, 0}}) {
       auto a = cases::build_type(name, kDims);
-      auto in = make_inputs(s.N, kH, s.L, s.S, torch::kDouble);
+      auto in = make_inputs(s.N, kH, s.L, s.S, torch::kDouble, 0, width(name));
       for (auto* t : {&in.q, &in.k, &in.v}) t->requires_grad_(true);
       const std::string where = name + " N=" + std::to_string(s.N) + " L=" + std::to_string(s.L) +
                                 " S=" + std::to_string(s.S);
@@ -879,7 +880,7 @@ TEST(Validation, EveryAttentionTypeHandlesEmptyInputs) {
         EXPECT_TRUE(s.L != s.S && names_word(msg, "keys")) << where << ": " << msg;
         continue;
       }
-      ASSERT_EQ(out.sizes(), (std::vector<int64_t>{s.N, kH, s.L, kM})) << where;
+      ASSERT_EQ(out.sizes(), (std::vector<int64_t>{s.N, kH, s.L, width(name)})) << where;
       EXPECT_TRUE(torch::all(out == 0).item<bool>()) << where;
       // Some types return a fresh zero tensor here (no graph: zero gradients).
       if (out.requires_grad()) {

@@ -108,6 +108,18 @@ def op_cases():
                                           sample=sample, seed=5)))
         cases.append((f"hard-retrieval-causal-{d}", ops.hard_retrieval_attention, (q, k, v),
                       dict(causal=True)))
+        aq, ak, _ = qkv(dt, l=S)
+        av = torch.randn(N, H, S, E, dtype=dt, generator=torch.Generator().manual_seed(6))
+        bias = torch.randn(S, S, dtype=dt, generator=torch.Generator().manual_seed(7))
+        cases += [
+            (f"aft-simple-{d}", ops.aft_attention, (aq, ak, av.requires_grad_()),
+             dict(key_lengths=lengths())),
+            (f"aft-simple-causal-{d}", ops.aft_attention, (aq, ak, av), dict(causal=True)),
+            (f"aft-full-{d}", ops.aft_attention, (aq, ak, av, bias.requires_grad_()),
+             dict(key_lengths=lengths(), causal=True)),
+            (f"aft-full-per-head-{d}", ops.aft_attention,
+             (aq, ak, av, bias.expand(H, S, S).detach().clone().requires_grad_()), {}),
+        ]
         sq, sk, sv = qkv(dt, l=S)
         for pattern, params in (("local", [2]), ("strided", [3, 0]), ("fixed", [3, 1, 0, 0]),
                                 ("window", [2, 1])):

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .... import _param_names
+from .... import aft_attention as _aft_attention
 from .... import attention as _attention
 from ..events import AttentionEvent, EventDispatcher, QKVEvent
 from ..masking import FullMask, LengthMask, TriangularCausalMask
@@ -23,7 +24,7 @@ from ..masking import FullMask, LengthMask, TriangularCausalMask
 __all__ = ["AttentionLayer", "FullAttention", "LinearAttention", "CausalLinearAttention",
            "ClusteredAttention", "ImprovedClusteredAttention",
            "ImprovedClusteredCausalAttention", "ReformerAttention", "ExactTopKAttention",
-           "LocalAttention", "ConditionalFullAttention"]
+           "LocalAttention", "ConditionalFullAttention", "AFTFullAttention", "AFTSimpleAttention"]
 
 
 def fastattn_masks(attn_mask, key_lengths, S, where, L=None):
@@ -244,6 +245,86 @@ class LocalAttention(_Inner):
                          softmax_temp=softmax_temp)
 
 
+def _aft(module, queries, keys, values, attn_mask, key_lengths, bias_of):
+    """AFT on fast-transformers' layout: (N, L, H, E) in and out; ``bias_of(L,
+    S, causal, keep)`` gives the position bias (or None) for the keep mask
+    ``keep`` (L, S) or None."""
+    where = type(module).__name__
+    N, L, H, E = queries.shape
+    S, D = values.shape[1], values.shape[3]
+    if E != D:
+        raise ValueError("%s: AFT requires that queries, keys and values have the same "
+                         "dimensionality, got E = %d and D = %d" % (where, E, D))
+    keep, lengths, causal = fastattn_masks(attn_mask, key_lengths, S, where, L=L)
+    if keep is not None and keep.dim() != 2:
+        raise ValueError("%s: key_lengths must keep the first keys of each sequence (a length "
+                         "mask); AFT takes no per-sequence attention mask" % where)
+    w = bias_of(L, S, causal, keep)
+    if w is not None:
+        w = w.to(queries.dtype)
+    out = _aft_attention(queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                         w, lengths, causal)
+    return out.transpose(1, 2).contiguous()
+
+
+class AFTFullAttention(nn.Module):
+    """AFT-full (Zhai et al. 2021): ``sigmoid(q_t) * sum_s softmax_s(k_s + w_ts) v_s``
+    per channel, with the learned position bias ``w = u v^T`` (``u``, ``v``:
+    ``max_sequence_length x aft_parameterization``, shared by the heads).
+
+    As the paper and fast-transformers' docstring define it: the bias is
+    added to the keys (fast-transformers' later sources multiply them,
+    ``K * w``). A causal mask is fastattn's causal (the queries are the last
+    L positions; their bias rows ``u[S-L:S]``); any other FullMask joins the
+    bias as -inf where it drops a key."""
+
+    def __init__(self, max_sequence_length=1024, aft_parameterization=64, event_dispatcher=""):
+        super().__init__()
+        self.u = nn.Parameter(torch.randn(max_sequence_length, aft_parameterization) * 0.01)
+        self.v = nn.Parameter(torch.randn(max_sequence_length, aft_parameterization) * 0.01)
+        self.event_dispatcher = EventDispatcher.get(event_dispatcher)
+
+    def _bias(self, L, S, causal, keep):
+        limit = self.u.shape[0]
+        if max(L, S) > limit:
+            raise ValueError("AFTFullAttention: sequences up to max_sequence_length = %d "
+                             "positions, got L = %d queries and S = %d keys" % (limit, L, S))
+        first = S - L if causal else 0
+        if first < 0:
+            raise ValueError("AFTFullAttention: causal attention of more queries (L = %d) than "
+                             "keys (S = %d)" % (L, S))
+        w = self.u[first:first + L] @ self.v[:S].t()
+        return w if keep is None else w.masked_fill(~keep.to(w.device), float("-inf"))
+
+    def forward(self, queries, keys, values, attn_mask=None, query_lengths=None,
+                key_lengths=None):
+        return _aft(self, queries, keys, values, attn_mask, key_lengths, self._bias)
+
+
+class AFTSimpleAttention(nn.Module):
+    """AFT-simple (Zhai et al. 2021): ``sigmoid(q_t) * sum_s softmax_s(k_s) v_s``
+    per channel, over all keys or, under a causal mask, the prefix (the
+    paper's causal softmax: fast-transformers' later sources normalise each
+    position by its own prefix sum before the cumulative sum). One pass over
+    the keys on the CPU. No attention mask besides causal and key lengths."""
+
+    def __init__(self, event_dispatcher=""):
+        super().__init__()
+        self.event_dispatcher = EventDispatcher.get(event_dispatcher)
+
+    @staticmethod
+    def _bias(L, S, causal, keep):
+        if keep is not None:
+            raise ValueError("You cannot use general attention masks with AFTSimpleAttention "
+                             "because it would be quadratic in time. Use AFTFullAttention "
+                             "instead.")
+        return None
+
+    def forward(self, queries, keys, values, attn_mask=None, query_lengths=None,
+                key_lengths=None):
+        return _aft(self, queries, keys, values, attn_mask, key_lengths, self._bias)
+
+
 class ConditionalFullAttention(_Inner):
     """Full attention up to ``length_limit`` queries and keys,
     ``other_attention`` beyond: fused in one fastattn type
@@ -347,7 +428,11 @@ def _register():
             ("exact-topk", ExactTopKAttention, [topk] + softmax),
             ("conditional-full", ConditionalFullAttention,
              [("length_limit", Optional(Int, 512))] + softmax),
-            ("local", LocalAttention, [("local_context", Int)] + softmax)]:
+            ("local", LocalAttention, [("local_context", Int)] + softmax),
+            ("aft-full", AFTFullAttention,
+             [("max_sequence_length", Optional(Int, 1024)),
+              ("aft_parameterization", Optional(Int, 64)), dispatcher]),
+            ("aft-simple", AFTSimpleAttention, [dispatcher])]:
         AttentionRegistry.register(key, cls, params)
 
 

@@ -1,0 +1,99 @@
+// The `aft-simple` and `aft-full` attention types (include/fastattn/aft.h)
+// and their registration; the work is the operator fastattn::aft_attention
+// (src/ops/aft_attention.cpp). Tested by tests/cpp/test_aft.cpp.
+#include "fastattn/aft.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include "attention/builtin_types.h"
+#include "fastattn/ops.h"
+#include "fastattn/registry.h"
+
+namespace fastattn {
+
+namespace {
+// Bounds of aft-full's sizes: u and v hold positions × rank float32 values
+// each, and the bias is formed as an L×S matrix per call (65536² float32 is
+// 16 GiB already).
+constexpr int64_t kAftMaxPositions = 65536;
+constexpr int64_t kAftMaxRank = 1024;
+}  // namespace
+
+AftAttention::AftAttention(bool full, int64_t max_sequence_length, int64_t aft_parameterization,
+                           std::optional<int64_t> seed)
+    : full_(full), max_len_(max_sequence_length) {
+  if (!full_) return;
+  TORCH_CHECK(max_sequence_length >= 1 && max_sequence_length <= kAftMaxPositions,
+              "aft-full: max_sequence_length must be in [1, ", kAftMaxPositions, "], got ",
+              max_sequence_length);
+  TORCH_CHECK(aft_parameterization >= 1 && aft_parameterization <= kAftMaxRank,
+              "aft-full: aft_parameterization must be in [1, ", kAftMaxRank, "], got ",
+              aft_parameterization);
+  TORCH_CHECK(!seed || *seed >= 0, "aft-full: seed must be >= 0, got ", seed.value_or(0));
+  auto gen = seed ? at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(*seed))
+                  : at::detail::getDefaultCPUGenerator();
+  const std::vector<int64_t> shape = {max_sequence_length, aft_parameterization};
+  u_ = register_parameter("u", torch::randn(shape, gen, torch::kFloat) * 0.01);
+  v_ = register_parameter("v", torch::randn(shape, gen, torch::kFloat) * 0.01);
+}
+
+torch::Tensor AftAttention::position_bias(int64_t L, int64_t S, bool causal) const {
+  TORCH_CHECK(full_, "aft-simple has no position bias");
+  const int64_t rows = std::max(L, S);
+  TORCH_CHECK(rows <= max_len_, "aft-full: sequences up to max_sequence_length = ", max_len_,
+              " positions (the learned position bias), got L = ", L, " queries and S = ", S,
+              " keys");
+  const int64_t first = causal ? S - L : 0;
+  TORCH_CHECK(first >= 0, "aft-full: causal attention of more queries (L = ", L,
+              ") than keys (S = ", S, ") has no positions for the first queries");
+  return u_.narrow(0, first, L).mm(v_.narrow(0, 0, S).t());
+}
+
+torch::Tensor AftAttention::forward(const torch::Tensor& queries, const torch::Tensor& keys,
+                                    const torch::Tensor& values, const Mask& mask) {
+  check_attention_inputs(queries, keys, values, mask);
+  const char* who = full_ ? "aft-full" : "aft-simple";
+  TORCH_CHECK(!mask.attn_mask(), who,
+              ": attn_mask is not supported (only the causal mask and key_lengths), got an "
+              "attn_mask of shape ",
+              mask.attn_mask() ? mask.attn_mask()->sizes() : at::IntArrayRef{});
+  TORCH_CHECK(values.size(3) == queries.size(3), who,
+              ": AFT works channel by channel: values must have the width E = ", queries.size(3),
+              " of the queries and keys, got ", values.size(3));
+  std::optional<torch::Tensor> w;
+  if (full_) {
+    w = position_bias(queries.size(2), keys.size(2), mask.is_causal())
+            .to(queries.device(), queries.scalar_type());
+  }
+  return aft_attention(queries, keys, values, w, mask.key_lengths(), mask.is_causal());
+}
+
+void register_aft_attention_types(AttentionRegistry& registry) {
+  registry.add({"aft-simple",
+                "Attention Free Transformer without position bias (Zhai et al. 2021): "
+                "sigmoid(q) times a softmax over the keys per channel of the values; O(S·E)",
+                {},
+                [](const Params&, const AttentionDims&) -> AttentionPtr {
+                  return std::make_shared<AftAttention>(false);
+                },
+                Capabilities().rows("yes").channel_by_channel()});
+  registry.add(
+      {"aft-full",
+       "Attention Free Transformer with a learned position bias w = u·vᵀ (Zhai et al. 2021): "
+       "sigmoid(q) times a softmax over keys + w per channel; O(L·S·E) as two matrix products",
+       {ParamSpec::integer("max_sequence_length", 1024,
+                           "positions the learned position bias covers (L and S at most; its L×S "
+                           "matrix is formed per call)",
+                           1, kAftMaxPositions),
+        ParamSpec::integer("aft_parameterization", 64, "rank of the position bias u·vᵀ", 1,
+                           kAftMaxRank),
+        seed_spec("the position bias's initial values")},
+       [](const Params& p, const AttentionDims&) -> AttentionPtr {
+         return std::make_shared<AftAttention>(true, p.get_int("max_sequence_length"),
+                                               p.get_int("aft_parameterization"),
+                                               p.get_optional_int("seed"));
+       },
+       Capabilities().rows("yes").with_learned_parameters().channel_by_channel()});
+}
+
+}  // namespace fastattn

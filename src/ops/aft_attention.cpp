@@ -1,0 +1,461 @@
+// The aft_attention operator (Zhai et al. 2021, "An Attention Free
+// Transformer", eq. 2): input checks, the forward and backward on the CPU
+// and CUDA, the autograd function, the C++ entry point and the plain-ATen
+// reference.
+//   q, k, v (N,H,L|S,E), position_bias (L,S) or (H,L,S) or none -> (N,H,L,E)
+//   out_t = sigmoid(q_t) ⊙ Σ_s exp(k_s + w_ts) ⊙ v_s / Σ_s exp(k_s + w_ts)
+// element-wise in the channels, over the keys row t sees (causal: s <= t +
+// S - L; s < key_lengths[n]); a row without keys gives zeros.
+//
+// Two ways to compute it:
+// - Without a position bias on the CPU (AFT-simple): the scans of
+//   kernels/aft/aft.h, O(S·E) exps per (n, h), causal or not.
+// - Otherwise (AFT-full; AFT-simple on CUDA): the exponent splits,
+//   exp(k_sc + w_ts) = exp(w_ts - m_t)·exp(k_sc - M_c)·exp(m_t + M_c) with
+//   m_t the row maximum of w over the row's keys and M_c the channel maximum
+//   of k, and the common factor cancels in the ratio, so numerator and
+//   denominator are two matrix products of Ew = exp(w - m) (L×S) with
+//   Ek ⊙ V and Ek (S×E): O(L·S·E) multiply-adds on BLAS / cuBLAS and
+//   O(L·S + S·E) exps. A 2-D bias is shared by every head and batch item:
+//   one product over all of them. An element whose denominator falls below
+//   2^-60 (float32; 2^-800 float64), where the split's two factors lose it
+//   to underflow, is recomputed exactly (a log-sum-exp over its keys).
+// Saved for the backward: a (the average before the gate) and lse (log of
+// the denominator), both (N,H,L,E). The backward is the same products
+// transposed: with G = da / den' (da = dout ⊙ sigmoid(q), den' the split's
+// denominator),
+//   dv = Ek ⊙ (Ewᵀ G),  dk = Ek ⊙ (v ⊙ (Ewᵀ G) - Ewᵀ (G ⊙ a)),
+//   dw = Ew ⊙ (G (Ek ⊙ v)ᵀ - (G ⊙ a) Ekᵀ)   (summed over what shares w),
+// and the exactly recomputed elements' terms added exactly.
+// Tested by tests/cpp/test_aft.cpp.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "fastattn/ops.h"
+#include "kernels/aft/aft.h"
+#include "ops/mask_util.h"
+#include "ops/op_util.h"
+
+namespace fastattn {
+namespace {
+
+using torch::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+constexpr const char* kOp = "fastattn::aft_attention";
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
+                  const c10::optional<Tensor>& position_bias,
+                  const c10::optional<Tensor>& key_lengths) {
+  ops::check_qkv(kOp, q, k, v);
+  const int64_t H = q.size(1), L = q.size(2), S = k.size(2), E = q.size(3);
+  TORCH_CHECK(v.size(3) == E, kOp, ": AFT works channel by channel: v must have the width E = ", E,
+              " of q and k, got ", v.size(3));
+  ops::check_masks(kOp, q, S, std::nullopt, to_std(key_lengths));
+  if (!position_bias) return;
+  const auto& w = *position_bias;
+  TORCH_CHECK((w.dim() == 2 && w.size(0) == L && w.size(1) == S) ||
+                  (w.dim() == 3 && w.size(0) == H && w.size(1) == L && w.size(2) == S),
+              kOp, ": position_bias must have shape (L, S) = (", L, ", ", S, ") or (H, L, S) = (",
+              H, ", ", L, ", ", S, "), got ", w.sizes());
+  TORCH_CHECK(w.scalar_type() == q.scalar_type(), kOp, ": position_bias must have q's dtype ",
+              q.scalar_type(), ", got ", w.scalar_type());
+  TORCH_CHECK(w.device() == q.device(), kOp, ": position_bias must be on q's device ", q.device(),
+              ", got ", w.device());
+}
+
+// The dtype the operator computes in: float32 for float16 / bfloat16.
+torch::ScalarType compute_dtype(const Tensor& q) { return ops::stats_dtype(q); }
+
+double split_threshold(torch::ScalarType dtype) {
+  return std::ldexp(1.0, dtype == torch::kDouble ? -800 : -60);
+}
+
+// Batch items computed together: all of them without key lengths, one by
+// one with (their lengths read on the host).
+struct Group {
+  int64_t n0, count, len;
+};
+std::vector<Group> groups(const Tensor& q, int64_t S, const c10::optional<Tensor>& key_lengths) {
+  const int64_t N = q.size(0);
+  if (!key_lengths) return {{0, N, S}};
+  auto lengths = key_lengths->to(torch::kCPU, torch::kLong).contiguous();
+  std::vector<Group> g;
+  for (int64_t n = 0; n < N; ++n) g.push_back({n, 1, lengths.data_ptr<int64_t>()[n]});
+  return g;
+}
+
+// The bias side of the split: wm = w with -inf where row t does not see key
+// s, m its row maximum (0 for a row without keys), Ew = exp(wm - m); all
+// (Hw, L, S) / (Hw, L, 1). Without a bias w = 0.
+struct BiasSide {
+  Tensor wm, m, Ew;
+};
+BiasSide bias_side(const Tensor& w3, int64_t L, int64_t S, int64_t len, bool causal,
+                   const torch::TensorOptions& opt) {
+  auto s = torch::arange(S, opt.dtype(torch::kLong));
+  auto seen = s.lt(len).view({1, S}).expand({L, S});
+  if (causal) {
+    auto t = torch::arange(L, opt.dtype(torch::kLong)).view({L, 1}) + (S - L);
+    seen = seen & s.view({1, S}).le(t);
+  }
+  BiasSide b;
+  b.wm = (w3.defined() ? w3 : torch::zeros({1, L, S}, opt)).masked_fill(seen.logical_not(), -kInf);
+  b.m = std::get<0>(b.wm.max(-1, true));
+  b.m = b.m.masked_fill(b.m.eq(-kInf), 0.0);
+  b.Ew = torch::exp(b.wm - b.m);
+  return b;
+}
+
+// The key side: km = k with -inf from len on, M its channel maximum (0 when
+// no key), Ek = exp(km - M); (g, H, S, E) / (g, H, 1, E).
+struct KeySide {
+  Tensor km, M, Ek;
+};
+KeySide key_side(const Tensor& k, int64_t len) {
+  KeySide r;
+  r.km = k;
+  if (len < k.size(2)) {
+    r.km = k.clone();
+    r.km.narrow(2, len, k.size(2) - len).fill_(-kInf);
+  }
+  r.M = std::get<0>(r.km.max(2, true));
+  r.M = r.M.masked_fill(r.M.eq(-kInf), 0.0);
+  r.Ek = torch::exp(r.km - r.M);
+  return r;
+}
+
+// Σ_s Ew[h, t, s] B[i, h, s, :] for B (g, H, S, X) -> (g, H, L, X); Ew
+// (Hw, L, S) with Hw = 1 (shared: one product over every item and head) or H.
+Tensor apply_bias(const Tensor& Ew, const Tensor& B) {
+  const int64_t g = B.size(0), H = B.size(1), S = B.size(2), X = B.size(3), L = Ew.size(1);
+  if (Ew.size(0) == 1) {
+    auto R = Ew[0].mm(B.permute({2, 0, 1, 3}).reshape({S, g * H * X}));
+    return R.view({L, g, H, X}).permute({1, 2, 0, 3});
+  }
+  auto R = Ew.bmm(B.permute({1, 2, 0, 3}).reshape({H, S, g * X}));
+  return R.view({H, L, g, X}).permute({2, 0, 1, 3});
+}
+
+// Σ over what shares Ew of C[i, h] B[i, h]ᵀ: C (g, H, L, X), B (g, H, S, X)
+// -> (Hw, L, S).
+Tensor bias_products(const Tensor& C, const Tensor& B, int64_t Hw) {
+  const int64_t g = C.size(0), H = C.size(1), L = C.size(2), S = B.size(2), X = C.size(3);
+  if (Hw == 1) {
+    auto Cl = C.permute({2, 0, 1, 3}).reshape({L, g * H * X});
+    auto Bs = B.permute({2, 0, 1, 3}).reshape({S, g * H * X});
+    return Cl.mm(Bs.t()).unsqueeze(0);
+  }
+  auto Cl = C.permute({1, 2, 0, 3}).reshape({H, L, g * X});
+  auto Bs = B.permute({1, 2, 0, 3}).reshape({H, S, g * X});
+  return Cl.bmm(Bs.transpose(1, 2));
+}
+
+// The elements recomputed exactly: their indices (i, h, t, c) in the group
+// and, over the keys, x = k[i,h,:,c] + w[h,t,:] (F, S) with -inf where
+// unseen, and v[i,h,:,c].
+struct Exact {
+  Tensor i, h, t, c, x, v;
+};
+Exact exact_elements(const Tensor& where, const KeySide& ks, const BiasSide& bs, const Tensor& v) {
+  Exact e;
+  auto idx = where.nonzero();
+  e.i = idx.select(1, 0);
+  e.h = idx.select(1, 1);
+  e.t = idx.select(1, 2);
+  e.c = idx.select(1, 3);
+  auto hw = bs.wm.size(0) == 1 ? torch::zeros_like(e.h) : e.h;
+  auto kT = ks.km.transpose(2, 3);  // (g, H, E, S)
+  e.x = kT.index({e.i, e.h, e.c}) + bs.wm.index({hw, e.t});
+  e.v = v.transpose(2, 3).index({e.i, e.h, e.c});
+  return e;
+}
+
+// The forward in the split form (any device): (out, a, lse) in q's compute dtype.
+std::tuple<Tensor, Tensor, Tensor> split_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                 const Tensor& w3,
+                                                 const c10::optional<Tensor>& key_lengths,
+                                                 bool causal) {
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), E = q.size(3);
+  auto a = torch::zeros({N, H, L, E}, q.options());
+  auto lse = torch::full({N, H, L, E}, -kInf, q.options());
+  const double thr = split_threshold(q.scalar_type());
+  if (L > 0 && S > 0) {
+    for (const auto& gr : groups(q, S, key_lengths)) {
+      if (gr.len == 0) continue;
+      const auto kg = k.narrow(0, gr.n0, gr.count), vg = v.narrow(0, gr.n0, gr.count);
+      const auto bs = bias_side(w3, L, S, gr.len, causal, q.options());
+      const auto ks = key_side(kg, gr.len);
+      auto R = apply_bias(bs.Ew, torch::cat({ks.Ek * vg, ks.Ek}, -1));
+      auto num = R.narrow(-1, 0, E), den = R.narrow(-1, E, E);
+      auto ag = a.narrow(0, gr.n0, gr.count), lg = lse.narrow(0, gr.n0, gr.count);
+      auto ok = den.gt(thr);
+      ag.copy_(torch::where(ok, num / den, torch::zeros_like(den)));
+      lg.copy_(torch::where(ok, torch::log(den) + bs.m.unsqueeze(0) + ks.M,
+                            torch::full_like(den, -kInf)));
+      // Rows without keys have den = 0 exactly and stay (0, -inf); others
+      // below the threshold are recomputed.
+      auto rows = bs.wm.amax(-1).gt(-kInf).unsqueeze(0).unsqueeze(-1);  // (1, Hw, L, 1)
+      auto redo = ok.logical_not() & rows;
+      if (!redo.any().item<bool>()) continue;
+      const auto e = exact_elements(redo, ks, bs, vg);
+      auto l = torch::logsumexp(e.x, -1);
+      auto seen = l.gt(-kInf);
+      auto p = torch::exp(e.x - l.masked_fill(seen.logical_not(), 0.0).unsqueeze(-1));
+      ag.index_put_({e.i, e.h, e.t, e.c},
+                    torch::where(seen, (p * e.v).sum(-1), torch::zeros_like(l)));
+      lg.index_put_({e.i, e.h, e.t, e.c}, l);
+    }
+  }
+  return {torch::sigmoid(q) * a, a, lse};
+}
+
+// The backward in the split form: (dq, dk, dv, dw or undefined).
+std::tuple<Tensor, Tensor, Tensor, Tensor> split_backward(
+    const Tensor& go, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& w3,
+    const Tensor& a, const Tensor& lse, const c10::optional<Tensor>& key_lengths, bool causal) {
+  const int64_t L = q.size(2), S = k.size(2), E = q.size(3);
+  const auto sg = torch::sigmoid(q);
+  const auto da = go * sg;
+  auto dq = go * a * sg * (1 - sg);
+  auto dk = torch::zeros_like(k), dv = torch::zeros_like(v);
+  Tensor dw = w3.defined() ? torch::zeros_like(w3) : Tensor();
+  const double log_thr = std::log(split_threshold(q.scalar_type()));
+  if (L == 0 || S == 0) return {dq, dk, dv, dw};
+  for (const auto& gr : groups(q, S, key_lengths)) {
+    if (gr.len == 0) continue;
+    const auto sl = [&](const Tensor& t) { return t.narrow(0, gr.n0, gr.count); };
+    const auto kg = sl(k), vg = sl(v), ag = sl(a), lg = sl(lse), dag = sl(da);
+    const auto bs = bias_side(w3, L, S, gr.len, causal, q.options());
+    const auto ks = key_side(kg, gr.len);
+    // log of the split's denominator; G = da / den' where it is above the threshold.
+    auto rel = lg - bs.m.unsqueeze(0) - ks.M;
+    auto split = rel.ge(log_thr) & lg.gt(-kInf);
+    auto G = torch::where(split, dag * torch::exp(-rel.masked_fill(split.logical_not(), 0.0)),
+                          torch::zeros_like(rel));
+    auto C = torch::cat({G, G * ag}, -1);
+    auto RT = apply_bias(bs.Ew.transpose(1, 2), C);  // (g, H, S, 2E)
+    auto R1 = RT.narrow(-1, 0, E), R2 = RT.narrow(-1, E, E);
+    sl(dv).copy_(ks.Ek * R1);
+    sl(dk).copy_(ks.Ek * (vg * R1 - R2));
+    if (dw.defined()) {
+      dw.add_(bs.Ew * bias_products(C, torch::cat({ks.Ek * vg, -ks.Ek}, -1), bs.Ew.size(0)));
+    }
+    auto redo = split.logical_not() & lg.gt(-kInf);
+    if (!redo.any().item<bool>()) continue;
+    const auto e = exact_elements(redo, ks, bs, vg);
+    auto p = torch::exp(e.x - lg.index({e.i, e.h, e.t, e.c}).unsqueeze(-1));  // (F, S)
+    auto cv = dag.index({e.i, e.h, e.t, e.c}).unsqueeze(-1) * p;
+    auto ck = cv * (e.v - ag.index({e.i, e.h, e.t, e.c}).unsqueeze(-1));
+    const int64_t F = p.size(0);
+    auto s = torch::arange(S, e.i.options()).view({1, S}).expand({F, S});
+    auto col = [&](const Tensor& x) { return x.unsqueeze(-1).expand({F, S}); };
+    sl(dv).index_put_({col(e.i), col(e.h), s, col(e.c)}, cv, true);
+    sl(dk).index_put_({col(e.i), col(e.h), s, col(e.c)}, ck, true);
+    if (dw.defined()) {
+      auto hw = dw.size(0) == 1 ? torch::zeros_like(e.h) : e.h;
+      dw.index_put_({col(hw), col(e.t), s}, ck, true);
+    }
+  }
+  return {dq, dk, dv, dw};
+}
+
+Tensor bias3(const c10::optional<Tensor>& position_bias, torch::ScalarType dtype) {
+  if (!position_bias) return {};
+  auto w = position_bias->to(dtype);
+  return w.dim() == 2 ? w.unsqueeze(0) : w;
+}
+
+// (out, a, lse): out in q's dtype, a and lse in the compute dtype.
+std::tuple<Tensor, Tensor, Tensor> aft_attention_forward_impl(
+    const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& position_bias,
+    const c10::optional<Tensor>& key_lengths, bool causal) {
+  check_inputs(q, k, v, position_bias, key_lengths);
+  const auto ct = compute_dtype(q);
+  auto qc = q.to(ct).contiguous(), kc = k.to(ct).contiguous(), vc = v.to(ct).contiguous();
+  Tensor out, a, lse;
+  if (!position_bias && q.is_cpu()) {
+    const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), E = q.size(3);
+    out = torch::empty({N, H, L, E}, qc.options());
+    a = torch::empty_like(out);
+    lse = torch::empty_like(out);
+    auto lengths = key_lengths ? key_lengths->to(torch::kLong).contiguous() : Tensor();
+    AT_DISPATCH_FLOATING_TYPES(ct, "aft_attention_forward_cpu", [&] {
+      kernels::AftScanArgs<scalar_t> s;
+      s.q = qc.data_ptr<scalar_t>();
+      s.k = kc.data_ptr<scalar_t>();
+      s.v = vc.data_ptr<scalar_t>();
+      s.key_lengths = lengths.defined() ? lengths.data_ptr<int64_t>() : nullptr;
+      s.causal = causal;
+      s.N = N, s.H = H, s.L = L, s.S = S, s.E = E;
+      s.num_threads = at::get_num_threads();
+      s.out = out.data_ptr<scalar_t>();
+      s.a = a.data_ptr<scalar_t>();
+      s.lse = lse.data_ptr<scalar_t>();
+      kernels::aft_scan_forward_cpu(s);
+    });
+  } else {
+    std::tie(out, a, lse) =
+        split_forward(qc, kc, vc, bias3(position_bias, ct), key_lengths, causal);
+  }
+  return {out.to(q.scalar_type()), a, lse};
+}
+
+// (grad_q, grad_k, grad_v, grad_position_bias): the last empty without a bias.
+std::tuple<Tensor, Tensor, Tensor, Tensor> aft_attention_backward_impl(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
+    const c10::optional<Tensor>& position_bias, const Tensor& a, const Tensor& lse,
+    const c10::optional<Tensor>& key_lengths, bool causal) {
+  check_inputs(q, k, v, position_bias, key_lengths);
+  const auto ct = compute_dtype(q);
+  TORCH_CHECK(grad_out.sizes() == q.sizes(), kOp, ": grad_out must have q's shape ", q.sizes(),
+              ", got ", grad_out.sizes());
+  TORCH_CHECK(a.sizes() == q.sizes() && lse.sizes() == q.sizes() && a.scalar_type() == ct &&
+                  lse.scalar_type() == ct,
+              kOp, ": a and lse must be ", ct, " of q's shape ", q.sizes(), ", got ",
+              a.scalar_type(), " ", a.sizes(), " and ", lse.scalar_type(), " ", lse.sizes());
+  auto go = grad_out.to(ct).contiguous(), qc = q.to(ct).contiguous(), kc = k.to(ct).contiguous(),
+       vc = v.to(ct).contiguous();
+  auto ac = a.contiguous(), lc = lse.contiguous();
+  Tensor dq, dk, dv, dw;
+  if (!position_bias && q.is_cpu()) {
+    dq = torch::empty_like(qc);
+    dk = torch::empty_like(kc);
+    dv = torch::empty_like(vc);
+    auto lengths = key_lengths ? key_lengths->to(torch::kLong).contiguous() : Tensor();
+    AT_DISPATCH_FLOATING_TYPES(ct, "aft_attention_backward_cpu", [&] {
+      kernels::AftScanArgs<scalar_t> s;
+      s.q = qc.data_ptr<scalar_t>();
+      s.k = kc.data_ptr<scalar_t>();
+      s.v = vc.data_ptr<scalar_t>();
+      s.key_lengths = lengths.defined() ? lengths.data_ptr<int64_t>() : nullptr;
+      s.causal = causal;
+      s.N = q.size(0), s.H = q.size(1), s.L = q.size(2), s.S = k.size(2), s.E = q.size(3);
+      s.num_threads = at::get_num_threads();
+      s.grad_out = go.data_ptr<scalar_t>();
+      s.a_in = ac.data_ptr<scalar_t>();
+      s.lse_in = lc.data_ptr<scalar_t>();
+      s.grad_q = dq.data_ptr<scalar_t>();
+      s.grad_k = dk.data_ptr<scalar_t>();
+      s.grad_v = dv.data_ptr<scalar_t>();
+      kernels::aft_scan_backward_cpu(s);
+    });
+  } else {
+    auto w3 = bias3(position_bias, ct);
+    std::tie(dq, dk, dv, dw) = split_backward(go, qc, kc, vc, w3, ac, lc, key_lengths, causal);
+    if (dw.defined()) dw = dw.view(position_bias->sizes()).to(position_bias->scalar_type());
+  }
+  const auto dt = q.scalar_type();
+  return {dq.to(dt), dk.to(dt), dv.to(dt), dw.defined() ? dw : torch::empty({0}, q.options())};
+}
+
+std::tuple<Tensor, Tensor, Tensor> call_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                const c10::optional<Tensor>& position_bias,
+                                                const c10::optional<Tensor>& key_lengths,
+                                                bool causal) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastattn::aft_attention_forward", "")
+                       .typed<decltype(aft_attention_forward_impl)>();
+  return op.call(q, k, v, position_bias, key_lengths, causal);
+}
+
+class AftFunction : public torch::autograd::Function<AftFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k,
+                               const Tensor& v, const c10::optional<Tensor>& position_bias,
+                               const c10::optional<Tensor>& key_lengths, bool causal) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, a, lse] = call_forward(q, k, v, position_bias, key_lengths, causal);
+    ctx->save_for_backward({q, k, v, position_bias ? *position_bias : Tensor(), a, lse});
+    ctx->saved_data["key_lengths"] = key_lengths ? *key_lengths : Tensor();
+    ctx->saved_data["causal"] = causal;
+    return {out};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("fastattn::aft_attention_backward", "")
+                         .typed<decltype(aft_attention_backward_impl)>();
+    variable_list none(6);
+    if (!grads[0].defined()) return none;
+    const auto s = ctx->get_saved_variables();
+    const auto lengths = ctx->saved_data["key_lengths"].toTensor();
+    const auto opt = [](const Tensor& t) {
+      return t.defined() ? c10::optional<Tensor>(t) : c10::nullopt;
+    };
+    auto [dq, dk, dv, dw] = op.call(grads[0], s[0], s[1], s[2], opt(s[3]), s[4], s[5], opt(lengths),
+                                    ctx->saved_data["causal"].toBool());
+    return {dq, dk, dv, s[3].defined() ? dw : Tensor(), Tensor(), Tensor()};
+  }
+};
+
+Tensor aft_attention_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
+                              const c10::optional<Tensor>& position_bias,
+                              const c10::optional<Tensor>& key_lengths, bool causal) {
+  return AftFunction::apply(q, k, v, position_bias, key_lengths, causal)[0];
+}
+
+// Below autograd (no gradient wanted): the forward op alone.
+Tensor aft_attention_no_grad(const Tensor& q, const Tensor& k, const Tensor& v,
+                             const c10::optional<Tensor>& position_bias,
+                             const c10::optional<Tensor>& key_lengths, bool causal) {
+  return std::get<0>(call_forward(q, k, v, position_bias, key_lengths, causal));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
+  m.impl("aft_attention", aft_attention_no_grad);
+  m.impl("aft_attention_forward", aft_attention_forward_impl);
+  m.impl("aft_attention_backward", aft_attention_backward_impl);
+}
+
+// The split form is ATen throughout: the same functions on CUDA tensors
+// (cuBLAS products; AFT-simple on CUDA takes the split form too).
+TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
+  m.impl("aft_attention", aft_attention_no_grad);
+  m.impl("aft_attention_forward", aft_attention_forward_impl);
+  m.impl("aft_attention_backward", aft_attention_backward_impl);
+}
+
+TORCH_LIBRARY_IMPL(fastattn, Autograd, m) { m.impl("aft_attention", aft_attention_autograd); }
+
+Tensor aft_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                     const std::optional<Tensor>& position_bias,
+                     const std::optional<Tensor>& key_lengths, bool causal) {
+  ops::check_defined(kOp, {"q", "k", "v"}, {q, k, v});
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fastattn::aft_attention", "")
+                       .typed<decltype(aft_attention_no_grad)>();
+  return op.call(q, k, v, to_c10(position_bias), to_c10(key_lengths), causal);
+}
+
+// ---- reference ----------------------------------------------------------------
+
+namespace reference {
+
+Tensor aft_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                     const std::optional<Tensor>& position_bias,
+                     const std::optional<Tensor>& key_lengths, bool causal) {
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
+  auto keep = ops::dense_keep(N, L, S, std::nullopt, key_lengths, causal, q.device());  // (N,1,L,S)
+  auto w = position_bias ? (position_bias->dim() == 2 ? position_bias->view({1, 1, L, S})
+                                                      : position_bias->unsqueeze(0))
+                         : torch::zeros({1, 1, L, S}, q.options());
+  w = w.expand({N, H, L, S}).masked_fill(keep.logical_not(), -kInf);
+  // x[n,h,t,s,c] = k[n,h,s,c] + w[n,h,t,s]; softmax over s.
+  auto x = k.unsqueeze(2) + w.unsqueeze(-1);
+  auto seen = keep.any(-1).unsqueeze(-1);  // (N,1,L,1)
+  auto p = torch::softmax(x.masked_fill(seen.logical_not().unsqueeze(-1), 0.0), 3);
+  auto avg = (p * v.unsqueeze(2)).sum(3).masked_fill(seen.logical_not(), 0.0);
+  return torch::sigmoid(q) * avg;
+}
+
+}  // namespace reference
+}  // namespace fastattn
