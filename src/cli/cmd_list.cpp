@@ -63,6 +63,7 @@ std::string capabilities_text(const nlohmann::json& c) {
   if (c.value("learned", false)) out += "; learned parameters";
   if (c.value("oracle", false)) out += "; an exact oracle, not a speed-up";
   if (c.value("selects", false)) out += "; selects (in float16/bfloat16 it may pick otherwise)";
+  if (c.value("channelwise", false)) out += "; channel by channel (values as wide as the keys)";
   return out;
 }
 

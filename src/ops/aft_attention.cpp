@@ -17,7 +17,9 @@
 //   denominator are two matrix products of Ew = exp(w - m) (L×S) with
 //   Ek ⊙ V and Ek (S×E): O(L·S·E) multiply-adds on BLAS / cuBLAS and
 //   O(L·S + S·E) exps. A 2-D bias is shared by every head and batch item:
-//   one product over all of them. An element whose denominator falls below
+//   one product over all of them. Under causal the products go by blocks of
+//   rows, each over the keys its rows see (about half the work). An element
+//   whose denominator falls below
 //   2^-60 (float32; 2^-800 float64), where the split's two factors lose it
 //   to underflow, is recomputed exactly (a log-sum-exp over its keys).
 // Saved for the backward: a (the average before the gate) and lse (log of
@@ -131,30 +133,68 @@ KeySide key_side(const Tensor& k, int64_t len) {
   return r;
 }
 
-// Σ_s Ew[h, t, s] B[i, h, s, :] for B (g, H, S, X) -> (g, H, L, X); Ew
-// (Hw, L, S) with Hw = 1 (shared: one product over every item and head) or H.
-Tensor apply_bias(const Tensor& Ew, const Tensor& B) {
-  const int64_t g = B.size(0), H = B.size(1), S = B.size(2), X = B.size(3), L = Ew.size(1);
-  if (Ew.size(0) == 1) {
-    auto R = Ew[0].mm(B.permute({2, 0, 1, 3}).reshape({S, g * H * X}));
-    return R.view({L, g, H, X}).permute({1, 2, 0, 3});
-  }
-  auto R = Ew.bmm(B.permute({1, 2, 0, 3}).reshape({H, S, g * X}));
-  return R.view({H, L, g, X}).permute({2, 0, 1, 3});
+// Row blocks of a product: one block, or under causal about a sixteenth of
+// the rows each (>= 64), so that each block multiplies only the keys (or
+// queries) its rows can see: about half the work of the whole square.
+std::vector<std::pair<int64_t, int64_t>> row_blocks(int64_t R, bool causal) {
+  if (!causal) return {{0, R}};
+  const int64_t b = std::max<int64_t>(64, (R + 15) / 16);
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (int64_t r0 = 0; r0 < R; r0 += b) out.push_back({r0, std::min(R, r0 + b)});
+  return out;
 }
 
-// Σ over what shares Ew of C[i, h] B[i, h]ᵀ: C (g, H, L, X), B (g, H, S, X)
-// -> (Hw, L, S).
-Tensor bias_products(const Tensor& C, const Tensor& B, int64_t Hw) {
-  const int64_t g = C.size(0), H = C.size(1), L = C.size(2), S = B.size(2), X = C.size(3);
-  if (Hw == 1) {
-    auto Cl = C.permute({2, 0, 1, 3}).reshape({L, g * H * X});
-    auto Bs = B.permute({2, 0, 1, 3}).reshape({S, g * H * X});
-    return Cl.mm(Bs.t()).unsqueeze(0);
+// A (Hw, R, K) times Bm (Hw, K, X) -> (Hw, R, X), where the rows [r0, r1)
+// of A are zero outside the inner indices inner(r0, r1) = [lo, hi).
+template <typename Inner>
+Tensor banded_bmm(const Tensor& A, const Tensor& Bm, bool causal, Inner inner) {
+  const auto blocks = row_blocks(A.size(1), causal);
+  if (blocks.size() == 1) return A.bmm(Bm);
+  auto out = torch::zeros({A.size(0), A.size(1), Bm.size(2)}, Bm.options());
+  for (const auto& [r0, r1] : blocks) {
+    const auto [lo, hi] = inner(r0, r1);
+    if (hi <= lo) continue;
+    out.narrow(1, r0, r1 - r0)
+        .copy_(A.narrow(1, r0, r1 - r0).narrow(2, lo, hi - lo).bmm(Bm.narrow(1, lo, hi - lo)));
   }
-  auto Cl = C.permute({1, 2, 0, 3}).reshape({H, L, g * X});
-  auto Bs = B.permute({1, 2, 0, 3}).reshape({H, S, g * X});
-  return Cl.bmm(Bs.transpose(1, 2));
+  return out;
+}
+
+// Σ_k A[h, r, k] B[i, h, k, :] for B (g, H, K, X) -> (g, H, R, X); A
+// (Hw, R, K) with Hw = 1 (shared: one product over every item and head) or H.
+template <typename Inner>
+Tensor apply_bias(const Tensor& A, const Tensor& B, bool causal, Inner inner) {
+  const int64_t g = B.size(0), H = B.size(1), K = B.size(2), X = B.size(3), R = A.size(1);
+  if (A.size(0) == 1) {
+    auto Rm = banded_bmm(A, B.permute({2, 0, 1, 3}).reshape({1, K, g * H * X}), causal, inner);
+    return Rm.view({R, g, H, X}).permute({1, 2, 0, 3});
+  }
+  auto Rm = banded_bmm(A, B.permute({1, 2, 0, 3}).reshape({H, K, g * X}), causal, inner);
+  return Rm.view({H, R, g, X}).permute({2, 0, 1, 3});
+}
+
+// Σ over what shares the bias of C[i, h] B[i, h]ᵀ: C (g, H, L, X), B (g, H,
+// S, X) -> (Hw, L, S); under causal only the keys each row block sees
+// (the rest is zero).
+Tensor bias_products(const Tensor& C, const Tensor& B, int64_t Hw, bool causal) {
+  const int64_t g = C.size(0), H = C.size(1), L = C.size(2), S = B.size(2), X = C.size(3);
+  const int64_t Y = Hw == 1 ? g * H * X : g * X;
+  const auto rows = [&](const Tensor& T, int64_t n) {
+    return Hw == 1 ? T.permute({2, 0, 1, 3}).reshape({1, n, Y})
+                   : T.permute({1, 2, 0, 3}).reshape({H, n, Y});
+  };
+  const auto Cl = rows(C, L), Bs = rows(B, S);
+  const auto blocks = row_blocks(L, causal);
+  if (blocks.size() == 1) return Cl.bmm(Bs.transpose(1, 2));
+  auto out = torch::zeros({Hw, L, S}, C.options());
+  for (const auto& [t0, t1] : blocks) {
+    const int64_t hi = std::min(S, t1 + (S - L));
+    if (hi <= 0) continue;
+    out.narrow(1, t0, t1 - t0)
+        .narrow(2, 0, hi)
+        .copy_(Cl.narrow(1, t0, t1 - t0).bmm(Bs.narrow(1, 0, hi).transpose(1, 2)));
+  }
+  return out;
 }
 
 // The elements recomputed exactly: their indices (i, h, t, c) in the group
@@ -192,7 +232,11 @@ std::tuple<Tensor, Tensor, Tensor> split_forward(const Tensor& q, const Tensor& 
       const auto kg = k.narrow(0, gr.n0, gr.count), vg = v.narrow(0, gr.n0, gr.count);
       const auto bs = bias_side(w3, L, S, gr.len, causal, q.options());
       const auto ks = key_side(kg, gr.len);
-      auto R = apply_bias(bs.Ew, torch::cat({ks.Ek * vg, ks.Ek}, -1));
+      // Row t sees the keys [0, t + S - L].
+      auto R = apply_bias(bs.Ew, torch::cat({ks.Ek * vg, ks.Ek}, -1), causal,
+                          [&](int64_t t0, int64_t t1) {
+                            return std::pair<int64_t, int64_t>{0, std::min(S, t1 + (S - L))};
+                          });
       auto num = R.narrow(-1, 0, E), den = R.narrow(-1, E, E);
       auto ag = a.narrow(0, gr.n0, gr.count), lg = lse.narrow(0, gr.n0, gr.count);
       auto ok = den.gt(thr);
@@ -240,12 +284,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> split_backward(
     auto G = torch::where(split, dag * torch::exp(-rel.masked_fill(split.logical_not(), 0.0)),
                           torch::zeros_like(rel));
     auto C = torch::cat({G, G * ag}, -1);
-    auto RT = apply_bias(bs.Ew.transpose(1, 2), C);  // (g, H, S, 2E)
+    // Key s is seen by the rows [s - (S - L), L).
+    auto RT =
+        apply_bias(bs.Ew.transpose(1, 2), C, causal,  // (g, H, S, 2E)
+                   [&](int64_t s0, int64_t) {
+                     return std::pair<int64_t, int64_t>{std::max<int64_t>(0, s0 - (S - L)), L};
+                   });
     auto R1 = RT.narrow(-1, 0, E), R2 = RT.narrow(-1, E, E);
     sl(dv).copy_(ks.Ek * R1);
     sl(dk).copy_(ks.Ek * (vg * R1 - R2));
     if (dw.defined()) {
-      dw.add_(bs.Ew * bias_products(C, torch::cat({ks.Ek * vg, -ks.Ek}, -1), bs.Ew.size(0)));
+      dw.add_(bs.Ew *
+              bias_products(C, torch::cat({ks.Ek * vg, -ks.Ek}, -1), bs.Ew.size(0), causal));
     }
     auto redo = split.logical_not() & lg.gt(-kInf);
     if (!redo.any().item<bool>()) continue;
@@ -275,7 +325,7 @@ Tensor bias3(const c10::optional<Tensor>& position_bias, torch::ScalarType dtype
 // (out, a, lse): out in q's dtype, a and lse in the compute dtype.
 std::tuple<Tensor, Tensor, Tensor> aft_attention_forward_impl(
     const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& position_bias,
-    const c10::optional<Tensor>& key_lengths, bool causal) {
+    const c10::optional<Tensor>& key_lengths, bool causal, bool need_stats) {
   check_inputs(q, k, v, position_bias, key_lengths);
   const auto ct = compute_dtype(q);
   auto qc = q.to(ct).contiguous(), kc = k.to(ct).contiguous(), vc = v.to(ct).contiguous();
@@ -283,8 +333,8 @@ std::tuple<Tensor, Tensor, Tensor> aft_attention_forward_impl(
   if (!position_bias && q.is_cpu()) {
     const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), E = q.size(3);
     out = torch::empty({N, H, L, E}, qc.options());
-    a = torch::empty_like(out);
-    lse = torch::empty_like(out);
+    a = need_stats ? torch::empty_like(out) : torch::empty({0}, qc.options());
+    lse = need_stats ? torch::empty_like(out) : torch::empty({0}, qc.options());
     auto lengths = key_lengths ? key_lengths->to(torch::kLong).contiguous() : Tensor();
     AT_DISPATCH_FLOATING_TYPES(ct, "aft_attention_forward_cpu", [&] {
       kernels::AftScanArgs<scalar_t> s;
@@ -296,13 +346,17 @@ std::tuple<Tensor, Tensor, Tensor> aft_attention_forward_impl(
       s.N = N, s.H = H, s.L = L, s.S = S, s.E = E;
       s.num_threads = at::get_num_threads();
       s.out = out.data_ptr<scalar_t>();
-      s.a = a.data_ptr<scalar_t>();
-      s.lse = lse.data_ptr<scalar_t>();
+      s.a = need_stats ? a.data_ptr<scalar_t>() : nullptr;
+      s.lse = need_stats ? lse.data_ptr<scalar_t>() : nullptr;
       kernels::aft_scan_forward_cpu(s);
     });
   } else {
     std::tie(out, a, lse) =
         split_forward(qc, kc, vc, bias3(position_bias, ct), key_lengths, causal);
+  }
+  if (!need_stats) {  // two tensors: outputs of an operator must not alias
+    a = torch::empty({0}, out.options());
+    lse = torch::empty({0}, out.options());
   }
   return {out.to(q.scalar_type()), a, lse};
 }
@@ -358,11 +412,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> aft_attention_backward_impl(
 std::tuple<Tensor, Tensor, Tensor> call_forward(const Tensor& q, const Tensor& k, const Tensor& v,
                                                 const c10::optional<Tensor>& position_bias,
                                                 const c10::optional<Tensor>& key_lengths,
-                                                bool causal) {
+                                                bool causal, bool need_stats) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fastattn::aft_attention_forward", "")
                        .typed<decltype(aft_attention_forward_impl)>();
-  return op.call(q, k, v, position_bias, key_lengths, causal);
+  return op.call(q, k, v, position_bias, key_lengths, causal, need_stats);
 }
 
 class AftFunction : public torch::autograd::Function<AftFunction> {
@@ -370,8 +424,10 @@ class AftFunction : public torch::autograd::Function<AftFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k,
                                const Tensor& v, const c10::optional<Tensor>& position_bias,
                                const c10::optional<Tensor>& key_lengths, bool causal) {
+    const bool need_stats = q.requires_grad() || k.requires_grad() || v.requires_grad() ||
+                            (position_bias && position_bias->requires_grad());
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [out, a, lse] = call_forward(q, k, v, position_bias, key_lengths, causal);
+    auto [out, a, lse] = call_forward(q, k, v, position_bias, key_lengths, causal, need_stats);
     ctx->save_for_backward({q, k, v, position_bias ? *position_bias : Tensor(), a, lse});
     ctx->saved_data["key_lengths"] = key_lengths ? *key_lengths : Tensor();
     ctx->saved_data["causal"] = causal;
@@ -405,7 +461,7 @@ Tensor aft_attention_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
 Tensor aft_attention_no_grad(const Tensor& q, const Tensor& k, const Tensor& v,
                              const c10::optional<Tensor>& position_bias,
                              const c10::optional<Tensor>& key_lengths, bool causal) {
-  return std::get<0>(call_forward(q, k, v, position_bias, key_lengths, causal));
+  return std::get<0>(call_forward(q, k, v, position_bias, key_lengths, causal, false));
 }
 
 }  // namespace

@@ -154,10 +154,11 @@ TORCH_LIBRARY(fastattn, m) {
       "aft_attention(Tensor q, Tensor k, Tensor v, Tensor? position_bias=None, "
       "Tensor? key_lengths=None, bool causal=False) -> Tensor");
   // Forward kernel: (out, a, lse); a = out before the gate, lse the log of the
-  // denominator, both (N,H,L,E) float32 for 16-bit inputs, else q's dtype.
+  // denominator, both (N,H,L,E) float32 for 16-bit inputs, else q's dtype,
+  // when need_stats (for the backward), else empty.
   m.def(
       "aft_attention_forward(Tensor q, Tensor k, Tensor v, Tensor? position_bias, "
-      "Tensor? key_lengths, bool causal) -> (Tensor, Tensor, Tensor)");
+      "Tensor? key_lengths, bool causal, bool need_stats) -> (Tensor, Tensor, Tensor)");
   // Backward kernel: (grad_q, grad_k, grad_v, grad_position_bias), the last
   // empty without a bias.
   m.def(

@@ -82,6 +82,10 @@ const std::vector<AftCfg> kCases = {
     {"full_causal_fewer_queries", 2, 2, 3, 8, 4, true, 2, {8, 5}},
     {"full_causal_more_queries", 1, 2, 8, 3, 4, true, 2},
     {"one_key", 1, 1, 1, 1, 1, false, 2},
+    // Causal products by row blocks (64 rows and more): each block over its keys.
+    {"full_causal_blocks", 1, 2, 150, 150, 4, true, 2},
+    {"full_causal_blocks_fewer_queries", 2, 2, 100, 170, 3, true, 3, {170, 90}},
+    {"full_causal_blocks_more_queries", 1, 2, 130, 70, 3, true, 2},
     // Exponents far apart: products of the split underflow (float32 below
     // 2^-60) and those elements are recomputed exactly.
     {"full_wide_exponents", 2, 2, 6, 6, 4, false, 2, {}, 60.0},

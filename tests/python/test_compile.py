@@ -27,11 +27,13 @@ N, H, L, S, E, M = 2, 2, 7, 9, 4, 3
 DTYPES = [torch.float64, torch.float32]
 
 
-def qkv(dtype, l=L, s=S, grad=True, positive=False):
+def qkv(dtype, l=L, s=S, grad=True, positive=False, type=None):
+    """q, k, v; v of width M, or E for a type that works channel by channel (AFT)."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(N, H, l, E, generator=g, dtype=dtype)
     k = torch.randn(N, H, s, E, generator=g, dtype=dtype)
-    v = torch.randn(N, H, s, M, generator=g, dtype=dtype)
+    width = E if fastattn.capabilities().get(type, {}).get("channelwise") else M
+    v = torch.randn(N, H, s, width, generator=g, dtype=dtype)
     if positive:
         q, k = q.exp(), k.exp()
     return [t.requires_grad_(grad) for t in (q, k, v)]
@@ -350,7 +352,7 @@ def supported(type, q, k, v, **kw):
 @pytest.mark.parametrize("name,type,params", TYPES, ids=[c[0] for c in TYPES])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float64", "float32"])
 def test_opcheck_attention_every_type(name, type, params, dtype):
-    q, k, v = qkv(dtype, l=S)
+    q, k, v = qkv(dtype, l=S, type=type)
     variants = [dict(), dict(causal=True), dict(key_lengths=lengths())]
     ran = 0
     for kw in variants:
@@ -374,7 +376,7 @@ def test_attention_backward_replays_random_draws(name, type, params):
     """Forward and backward of the registry op see the same random draws: the
     backward replays the forward's generator state, so drawing other numbers
     from the default generator between the two passes changes nothing."""
-    q, k, v = qkv(torch.float64, l=S)
+    q, k, v = qkv(torch.float64, l=S, type=type)
     params = {k_: v_ for k_, v_ in params.items() if k_ != "seed"}  # default generator draws
     causal = type.startswith("causal")
     assert supported(type, q, k, v, causal=causal, **params)

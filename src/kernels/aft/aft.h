@@ -10,7 +10,9 @@
 // item's key length (S without key lengths). lim(t) never decreases with t,
 // so one pass over the keys per (n, h), with a running maximum per channel
 // (an online softmax per channel), gives every row: O(S·E) exps, O(L·E)
-// memory. A row without keys gives zeros (a = 0, lse = -inf).
+// memory. A row without keys gives zeros (a = 0, lse = -inf). A key of
+// -inf counts as the lowest finite value (the kernels are branch-free over
+// vectors of channels: the running maximum must be finite after one key).
 //
 // The backward runs the keys in reverse. With P_ts = exp(k_s - lse_t) and
 // da_t = dout_t ⊙ sigmoid(q_t):
@@ -37,7 +39,8 @@ struct AftScanArgs {
   bool causal = false;
   int64_t N = 0, H = 0, L = 0, S = 0, E = 0;
   int num_threads = 1;
-  // Forward: out (N, H, L, E), a and lse (N, H, L, E), written.
+  // Forward: out (N, H, L, E), written; a and lse (N, H, L, E) written when
+  // given (the backward's statistics; nullptr: not computed).
   T* out = nullptr;
   T* a = nullptr;
   T* lse = nullptr;

@@ -1,5 +1,5 @@
 // Minimal SIMD layer for fastattn's CPU kernels: one vector type per scalar
-// type with the few operations the kernels need (load/store, fma, max, exp,
+// type with the few operations the kernels need (load/store, fma, div, max, exp,
 // horizontal reductions), for the level the translation unit is compiled for
 // (kernels/common/isa_target.h): AVX-512 (16 floats / 8 doubles), AVX2+FMA
 // (8 / 4), or a scalar fallback of width 1 with the same interface, so every
@@ -41,6 +41,7 @@ struct Simd<float> {
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V div(V a, V b) { return _mm512_div_ps(a, b); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }  // a*b + c
   static V max(V a, V b) { return _mm512_max_ps(a, b); }            // b where either is NaN
   static V min(V a, V b) { return _mm512_min_ps(a, b); }            // b where either is NaN
@@ -96,6 +97,7 @@ struct Simd<double> {
   static V add(V a, V b) { return _mm512_add_pd(a, b); }
   static V sub(V a, V b) { return _mm512_sub_pd(a, b); }
   static V mul(V a, V b) { return _mm512_mul_pd(a, b); }
+  static V div(V a, V b) { return _mm512_div_pd(a, b); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_pd(a, b, c); }
   static V max(V a, V b) { return _mm512_max_pd(a, b); }
   static V min(V a, V b) { return _mm512_min_pd(a, b); }
@@ -137,6 +139,7 @@ struct Simd<float> {
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V div(V a, V b) { return _mm256_div_ps(a, b); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }  // a*b + c
   static V max(V a, V b) { return _mm256_max_ps(a, b); }
   static V min(V a, V b) { return _mm256_min_ps(a, b); }
@@ -191,6 +194,7 @@ struct Simd<double> {
   static V add(V a, V b) { return _mm256_add_pd(a, b); }
   static V sub(V a, V b) { return _mm256_sub_pd(a, b); }
   static V mul(V a, V b) { return _mm256_mul_pd(a, b); }
+  static V div(V a, V b) { return _mm256_div_pd(a, b); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_pd(a, b, c); }
   static V max(V a, V b) { return _mm256_max_pd(a, b); }
   static V min(V a, V b) { return _mm256_min_pd(a, b); }
@@ -230,6 +234,7 @@ struct ScalarSimd {
   static V add(V a, V b) { return a + b; }
   static V sub(V a, V b) { return a - b; }
   static V mul(V a, V b) { return a * b; }
+  static V div(V a, V b) { return a / b; }
   static V fma(V a, V b, V c) { return a * b + c; }
   static V max(V a, V b) { return a > b ? a : b; }
   static V min(V a, V b) { return a < b ? a : b; }
