@@ -11,6 +11,7 @@
 #include <torch/torch.h>
 
 #include "fastattn/attention.h"
+#include "fastattn/recurrent.h"
 
 namespace fastattn {
 
@@ -35,6 +36,25 @@ class AftAttention : public AttentionBase {
   bool full_;
   int64_t max_len_;
   torch::Tensor u_, v_;
+};
+
+// aft-simple's step form: causal AFT-simple one token at a time, in constant
+// memory. State {m, num, den} (N, H, E): per channel the running maximum of
+// the keys and the sums of exp(k - m)·v and exp(k - m) (make_state: -inf,
+// 0, 0). Step t gives row t of the causal batch form (a key of -inf counts
+// as the lowest finite value, as there).
+class RecurrentAftSimpleAttention : public RecurrentAttentionBase {
+ public:
+  std::pair<torch::Tensor, RecurrentState> step(const torch::Tensor& query,
+                                                const torch::Tensor& key,
+                                                const torch::Tensor& value,
+                                                const RecurrentState& state) override;
+  std::string type_name() const override { return "aft-simple"; }
+  std::vector<torch::Tensor> make_state(int64_t N, int64_t H, int64_t E, int64_t M,
+                                        int64_t capacity,
+                                        const torch::TensorOptions& options) const override;
+  torch::Tensor step_in_place(const torch::Tensor& query, const torch::Tensor& key,
+                              const torch::Tensor& value, torch::TensorList state) override;
 };
 
 }  // namespace fastattn

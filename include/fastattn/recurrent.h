@@ -31,6 +31,9 @@
 //   hard-retrieval key/value cache (K (N, H, t, E), V (N, H, t, M)); out =
 //                  V[argmax_j q·k_j] (the fused operator on the buffers, as
 //                  for full). O(t·E + M) per step.
+//   aft-simple     {m, num, den} (N, H, E): the running key maximum and the
+//                  two sums per channel (RecurrentAftSimpleAttention,
+//                  include/fastattn/aft.h). O(E) per step.
 // With the same parameters (and so the same feature map weights), step i
 // equals row i of the batch type's output under a causal mask.
 //

@@ -5,6 +5,8 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <limits>
+
 #include "attention/builtin_types.h"
 #include "fastattn/ops.h"
 #include "fastattn/registry.h"
@@ -68,6 +70,59 @@ torch::Tensor AftAttention::forward(const torch::Tensor& queries, const torch::T
   return aft_attention(queries, keys, values, w, mask.key_lengths(), mask.is_causal());
 }
 
+// ---- aft-simple's step form -------------------------------------------------
+
+std::pair<torch::Tensor, RecurrentState> RecurrentAftSimpleAttention::step(
+    const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
+    const RecurrentState& state) {
+  constexpr const char* who = "recurrent aft-simple";
+  check_step_inputs(who, query, key, value);
+  const int64_t N = query.size(0), H = query.size(1), E = query.size(2);
+  TORCH_CHECK(value.size(2) == E, who,
+              ": AFT works channel by channel: value must have the width E = ", E,
+              " of the query and key, got ", value.size(2));
+  auto s = state.empty() ? make_state(N, H, E, E, 0, query.options()) : state.tensors;
+  TORCH_CHECK(s.size() == 3, who, ": state must be empty or hold {m, num, den} (N, H, E), got ",
+              s.size(), " tensors");
+  for (const auto& t : s) {
+    TORCH_CHECK(t.sizes() == query.sizes() && t.scalar_type() == query.scalar_type() &&
+                    t.device() == query.device(),
+                who, ": state tensors must be ", query.scalar_type(),
+                " (N, H, E) = ", query.sizes(), " on ", query.device(), ", got ", t.scalar_type(),
+                " ", t.sizes(), " on ", t.device());
+  }
+  double lowest = 0;  // the lowest finite value of the key's dtype
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, key.scalar_type(), "aft step", [&] {
+    lowest = static_cast<double>(std::numeric_limits<scalar_t>::lowest());
+  });
+  const auto x = key.clamp_min(lowest);
+  auto m = torch::maximum(s[0], x);
+  auto r = (s[0] - m).exp(), e = (x - m).exp();
+  auto num = s[1] * r + e * value, den = s[2] * r + e;
+  auto out = torch::sigmoid(query) * num / den;
+  return {out, RecurrentState{{m, num, den}}};
+}
+
+std::vector<torch::Tensor> RecurrentAftSimpleAttention::make_state(
+    int64_t N, int64_t H, int64_t E, int64_t /*M*/, int64_t /*capacity*/,
+    const torch::TensorOptions& options) const {
+  return {torch::full({N, H, E}, -std::numeric_limits<double>::infinity(), options),
+          torch::zeros({N, H, E}, options), torch::zeros({N, H, E}, options)};
+}
+
+torch::Tensor RecurrentAftSimpleAttention::step_in_place(const torch::Tensor& query,
+                                                         const torch::Tensor& key,
+                                                         const torch::Tensor& value,
+                                                         torch::TensorList state) {
+  TORCH_CHECK(state.size() == 3,
+              "recurrent aft-simple: an in-place state must hold {m, num, den} from make_state, "
+              "got ",
+              state.size(), " tensors");
+  auto [out, next] = step(query, key, value, RecurrentState{state.vec()});
+  for (size_t i = 0; i < 3; ++i) state[i].copy_(next.tensors[i]);
+  return out;
+}
+
 void register_aft_attention_types(AttentionRegistry& registry) {
   registry.add({"aft-simple",
                 "Attention Free Transformer without position bias (Zhai et al. 2021): "
@@ -76,7 +131,10 @@ void register_aft_attention_types(AttentionRegistry& registry) {
                 [](const Params&, const AttentionDims&) -> AttentionPtr {
                   return std::make_shared<AftAttention>(false);
                 },
-                Capabilities().rows("yes").channel_by_channel()});
+                Capabilities().rows("yes").channel_by_channel(),
+                [](const Params&, const AttentionDims&) -> RecurrentAttentionPtr {
+                  return std::make_shared<RecurrentAftSimpleAttention>();
+                }});
   registry.add(
       {"aft-full",
        "Attention Free Transformer with a learned position bias w = u·vᵀ (Zhai et al. 2021): "

@@ -116,7 +116,8 @@ nlohmann::json time_one_length(int64_t L, int64_t repeat, bool with_reference) {
   return out;
 }
 
-// (d): every registered type with its default parameters at one length
+// (d): every registered type with its default parameters at one length (a
+// position bias covering it)
 // (causal for the causal-* types): median forward and forward+backward times.
 nlohmann::json time_every_type(int64_t L, int64_t repeat) {
   torch::manual_seed(0);
@@ -168,7 +169,11 @@ nlohmann::json time_every_type(int64_t L, int64_t repeat) {
       row["backward_ms"] = row["full_backward_ms"] =
           median(time_ms(yardstick.forward_backward, repeat));
     } else {
-      const Passes own = passes(make_attention(name, {}, dims), causal);
+      // Types with a learned position bias (aft-full) sized for this length.
+      ParamMap params;
+      for (const auto& spec : AttentionRegistry::global().get(name).params)
+        if (spec.name == "max_sequence_length") params[spec.name] = L;
+      const Passes own = passes(make_attention(name, params, dims), causal);
       const auto fwd = alternated_ms(own.forward, yardstick.forward, repeat);
       const auto fb = alternated_ms(own.forward_backward, yardstick.forward_backward, repeat);
       row["forward_ms"] = median(fwd.first);

@@ -7,11 +7,13 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <limits>
 
 #include "expect_error.h"
 #include "fastattn/aft.h"
 #include "fastattn/mask.h"
 #include "fastattn/ops.h"
+#include "fastattn/recurrent.h"
 #include "fastattn/registry.h"
 #include "op_harness.h"
 
@@ -154,6 +156,28 @@ TEST(AftType, FullIsTheOperatorWithTheModulesBias) {
   EXPECT_ERROR_CONTAINS(attn->forward(torch::randn({1, 1, 17, 4}), torch::randn({1, 1, 17, 4}),
                                       torch::randn({1, 1, 17, 4}), Mask()),
                         "max_sequence_length = 16", "L = 17");
+}
+
+TEST(AftType, SimpleStepsGiveTheCausalRows) {
+  torch::manual_seed(8);
+  auto q = torch::randn({2, 3, 7, 4}, torch::kDouble),
+       k = torch::randn({2, 3, 7, 4}, torch::kDouble),
+       v = torch::randn({2, 3, 7, 4}, torch::kDouble);
+  k[0][1][3] = -std::numeric_limits<double>::infinity();  // counts as the lowest finite key
+  auto batch = make_attention("aft-simple")->forward(q, k, v, Mask::causal_mask());
+  auto step = make_recurrent_attention("aft-simple");
+  RecurrentState state;
+  auto fixed = step->make_state(2, 3, 4, 4, 0, q.options());
+  for (int64_t t = 0; t < 7; ++t) {
+    auto [out, next] = step->step(q.select(2, t), k.select(2, t), v.select(2, t), state);
+    state = next;
+    EXPECT_LT(testing::max_abs_diff(out, batch.select(2, t)), 1e-12) << t;
+    auto in_place = step->step_in_place(q.select(2, t), k.select(2, t), v.select(2, t), fixed);
+    EXPECT_LT(testing::max_abs_diff(in_place, out), 1e-15) << t;
+  }
+  EXPECT_ERROR_CONTAINS(
+      step->step(q.select(2, 0), k.select(2, 0), v.select(2, 0).narrow(2, 0, 3), RecurrentState{}),
+      "value must have the width E = 4");
 }
 
 TEST(AftType, SimpleRefusesAnAttentionMask) {

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 import fastattn
-from fastattn.compat.fast_transformers.attention import (AFTFullAttention, AFTSimpleAttention,
-                                                         AttentionLayer)
+from fastattn.compat.fast_transformers.attention import AFTFullAttention, AFTSimpleAttention
 from fastattn.compat.fast_transformers.builders import TransformerEncoderBuilder
 from fastattn.compat.fast_transformers.masking import FullMask, LengthMask, TriangularCausalMask
 

@@ -167,8 +167,9 @@ STEP_TYPES = [
     ("causal-linear", dict(feature_map="favor", n_features=6)),
     ("full", dict(softmax_temp=0.5)),
     ("hard-retrieval", {}),
+    ("aft-simple", {}),
 ]
-STEP_IDS = ["causal-linear", "causal-linear-favor", "full", "hard-retrieval"]
+STEP_IDS = ["causal-linear", "causal-linear-favor", "full", "hard-retrieval", "aft-simple"]
 
 
 def step_cases():
@@ -178,8 +179,8 @@ def step_cases():
     cases = []
     for dt in DTYPES:
         d = str(dt).split(".")[-1]
-        q, k, v = (t[:, :, 0].detach() for t in qkv(dt, grad=False))  # (N, H, E|M)
         for (type, params), name in zip(STEP_TYPES, STEP_IDS):
+            q, k, v = (t[:, :, 0].detach() for t in qkv(dt, grad=False, type=type))  # (N, H, E|M)
             pj = fastattn._params_json(params)
             _, one = ops.attention_step(type, q, k, v, [], pj)
             _, two = ops.attention_step(type, q, k, v, one, pj)
@@ -517,7 +518,7 @@ def decode(step, type, params, q, k, v, state):
 def test_decoding_loop_in_place_compiles_once(type, params):
     # The fixed-size state keeps every step's shapes: one graph, no break,
     # no recompilation over the whole loop, and eager's outputs.
-    q, k, v = qkv(torch.float64, l=S, grad=False)
+    q, k, v = qkv(torch.float64, l=S, grad=False, type=type)
     state = fastattn.attention_step_state(type, q[:, :, 0], v[:, :, 0], S, **params)
     explained = torch._dynamo.explain(fastattn.attention_step_)(
         type, q[:, :, 0], k[:, :, 0], v[:, :, 0], state, **params)
@@ -559,7 +560,7 @@ def test_decoding_loop_with_inductor():
 def test_functional_step_compiles_fullgraph(type, params):
     # The functional step's cache grows by a row a step: dynamic shapes after
     # the first recompilation, eager's outputs.
-    q, k, v = qkv(torch.float64, l=S, grad=False)
+    q, k, v = qkv(torch.float64, l=S, grad=False, type=type)
 
     def steps(compiled_step):
         state, outs = None, []

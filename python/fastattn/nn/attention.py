@@ -218,8 +218,8 @@ class RecurrentAttentionLayer(_Projections):
 
     Same arguments and weight names: ``load_state_dict`` of a trained batch
     layer works. The type needs a step form (:data:`STEP_TYPES`: causal-linear
-    with a constant-size state, full and hard-retrieval with a key/value
-    cache). Step t of ``forward`` gives row t of the batch layer run with
+    and aft-simple with a constant-size state, full and hard-retrieval with a
+    key/value cache). Step t of ``forward`` gives row t of the batch layer run with
     ``causal=True`` on the tokens 0..t.
 
     ``forward(query, key=None, value=None, state=None)``: ``(N, D)`` tokens;
