@@ -940,6 +940,7 @@ void fuzz_attention_step(Bytes& b, Setup s) {
   const auto& names = recurrent_attention_names();
   const std::string type = names[b.range(0, static_cast<int64_t>(names.size()) - 1)];
   s.S = s.L;
+  s.M = cases::value_width(type, s.E, s.M);  // aft-simple: values as wide as the keys
   auto t = make_qkv(b, s, true);
   std::string params = "{}";
   if (type == "full" && b.flag()) params = R"({"softmax_temp": 0.25})";

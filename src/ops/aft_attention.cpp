@@ -86,7 +86,7 @@ struct Group {
 };
 std::vector<Group> groups(const Tensor& q, int64_t S, const c10::optional<Tensor>& key_lengths) {
   const int64_t N = q.size(0);
-  if (!key_lengths) return {{0, N, S}};
+  if (!key_lengths || N == 0) return {{0, N, S}};
   auto lengths = key_lengths->to(torch::kCPU, torch::kLong).contiguous();
   std::vector<Group> g;
   for (int64_t n = 0; n < N; ++n) g.push_back({n, 1, lengths.data_ptr<int64_t>()[n]});
@@ -101,17 +101,20 @@ struct BiasSide {
 };
 BiasSide bias_side(const Tensor& w3, int64_t L, int64_t S, int64_t len, bool causal,
                    const torch::TensorOptions& opt) {
-  auto s = torch::arange(S, opt.dtype(torch::kLong));
-  auto seen = s.lt(len).view({1, S}).expand({L, S});
-  if (causal) {
-    auto t = torch::arange(L, opt.dtype(torch::kLong)).view({L, 1}) + (S - L);
-    seen = seen & s.view({1, S}).le(t);
-  }
   BiasSide b;
-  b.wm = (w3.defined() ? w3 : torch::zeros({1, L, S}, opt)).masked_fill(seen.logical_not(), -kInf);
-  b.m = std::get<0>(b.wm.max(-1, true));
-  b.m = b.m.masked_fill(b.m.eq(-kInf), 0.0);
-  b.Ew = torch::exp(b.wm - b.m);
+  b.wm = w3.defined() ? w3 : torch::zeros({1, L, S}, opt);
+  if (causal || len < S) {  // (otherwise every row sees every key: w as it is)
+    auto s = torch::arange(S, opt.dtype(torch::kLong));
+    auto seen = s.lt(len).view({1, S}).expand({L, S});
+    if (causal) {
+      auto t = torch::arange(L, opt.dtype(torch::kLong)).view({L, 1}) + (S - L);
+      seen = seen & s.view({1, S}).le(t);
+    }
+    b.wm = b.wm.masked_fill(seen.logical_not(), -kInf);
+  }
+  b.m = b.wm.amax(-1, true);
+  b.m.masked_fill_(b.m.eq(-kInf), 0.0);
+  b.Ew = (b.wm - b.m).exp_();
   return b;
 }
 
@@ -127,9 +130,9 @@ KeySide key_side(const Tensor& k, int64_t len) {
     r.km = k.clone();
     r.km.narrow(2, len, k.size(2) - len).fill_(-kInf);
   }
-  r.M = std::get<0>(r.km.max(2, true));
-  r.M = r.M.masked_fill(r.M.eq(-kInf), 0.0);
-  r.Ek = torch::exp(r.km - r.M);
+  r.M = r.km.amax(2, true);
+  r.M.masked_fill_(r.M.eq(-kInf), 0.0);
+  r.Ek = (r.km - r.M).exp_();
   return r;
 }
 
@@ -222,42 +225,50 @@ std::tuple<Tensor, Tensor, Tensor> split_forward(const Tensor& q, const Tensor& 
                                                  const Tensor& w3,
                                                  const c10::optional<Tensor>& key_lengths,
                                                  bool causal) {
-  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), E = q.size(3);
-  auto a = torch::zeros({N, H, L, E}, q.options());
-  auto lse = torch::full({N, H, L, E}, -kInf, q.options());
+  const int64_t H = q.size(1), L = q.size(2), S = k.size(2), E = q.size(3);
   const double thr = split_threshold(q.scalar_type());
-  if (L > 0 && S > 0) {
-    for (const auto& gr : groups(q, S, key_lengths)) {
-      if (gr.len == 0) continue;
-      const auto kg = k.narrow(0, gr.n0, gr.count), vg = v.narrow(0, gr.n0, gr.count);
-      const auto bs = bias_side(w3, L, S, gr.len, causal, q.options());
-      const auto ks = key_side(kg, gr.len);
-      // Row t sees the keys [0, t + S - L].
-      auto R = apply_bias(bs.Ew, torch::cat({ks.Ek * vg, ks.Ek}, -1), causal,
-                          [&](int64_t t0, int64_t t1) {
-                            return std::pair<int64_t, int64_t>{0, std::min(S, t1 + (S - L))};
-                          });
-      auto num = R.narrow(-1, 0, E), den = R.narrow(-1, E, E);
-      auto ag = a.narrow(0, gr.n0, gr.count), lg = lse.narrow(0, gr.n0, gr.count);
-      auto ok = den.gt(thr);
-      ag.copy_(torch::where(ok, num / den, torch::zeros_like(den)));
-      lg.copy_(torch::where(ok, torch::log(den) + bs.m.unsqueeze(0) + ks.M,
-                            torch::full_like(den, -kInf)));
-      // Rows without keys have den = 0 exactly and stay (0, -inf); others
-      // below the threshold are recomputed.
-      auto rows = bs.wm.amax(-1).gt(-kInf).unsqueeze(0).unsqueeze(-1);  // (1, Hw, L, 1)
-      auto redo = ok.logical_not() & rows;
-      if (!redo.any().item<bool>()) continue;
-      const auto e = exact_elements(redo, ks, bs, vg);
-      auto l = torch::logsumexp(e.x, -1);
-      auto seen = l.gt(-kInf);
-      auto p = torch::exp(e.x - l.masked_fill(seen.logical_not(), 0.0).unsqueeze(-1));
-      ag.index_put_({e.i, e.h, e.t, e.c},
-                    torch::where(seen, (p * e.v).sum(-1), torch::zeros_like(l)));
-      lg.index_put_({e.i, e.h, e.t, e.c}, l);
+  std::vector<Tensor> as, ls;  // per group
+  for (const auto& gr : groups(q, S, key_lengths)) {
+    if (L == 0 || gr.len == 0 || gr.count == 0) {  // no keys: zeros, -inf
+      as.push_back(torch::zeros({gr.count, H, L, E}, q.options()));
+      ls.push_back(torch::full({gr.count, H, L, E}, -kInf, q.options()));
+      continue;
     }
+    const auto kg = k.narrow(0, gr.n0, gr.count), vg = v.narrow(0, gr.n0, gr.count);
+    const auto bs = bias_side(w3, L, S, gr.len, causal, q.options());
+    const auto ks = key_side(kg, gr.len);
+    // Row t sees the keys [0, t + S - L].
+    auto R =
+        apply_bias(bs.Ew, torch::cat({ks.Ek * vg, ks.Ek}, -1), causal, [&](int64_t t0, int64_t t1) {
+          return std::pair<int64_t, int64_t>{0, std::min(S, t1 + (S - L))};
+        });
+    auto num = R.narrow(-1, 0, E), den = R.narrow(-1, E, E);
+    auto ag = (num / den).contiguous();
+    auto lg = den.log().add_(bs.m.unsqueeze(0)).add_(ks.M).contiguous();
+    // Rows without keys have den = 0 exactly and become (0, -inf); others
+    // below the threshold are recomputed.
+    auto low = den.le(thr);
+    if (low.any().item<bool>()) {
+      ag.masked_fill_(low, 0.0);
+      lg.masked_fill_(low, -kInf);
+      auto rows = bs.wm.amax(-1).gt(-kInf).unsqueeze(0).unsqueeze(-1);  // (1, Hw, L, 1)
+      auto redo = low & rows;
+      if (redo.any().item<bool>()) {
+        const auto e = exact_elements(redo, ks, bs, vg);
+        auto l = torch::logsumexp(e.x, -1);
+        auto seen = l.gt(-kInf);
+        auto p = torch::exp(e.x - l.masked_fill(seen.logical_not(), 0.0).unsqueeze(-1));
+        ag.index_put_({e.i, e.h, e.t, e.c},
+                      torch::where(seen, (p * e.v).sum(-1), torch::zeros_like(l)));
+        lg.index_put_({e.i, e.h, e.t, e.c}, l);
+      }
+    }
+    as.push_back(ag);
+    ls.push_back(lg);
   }
-  return {torch::sigmoid(q) * a, a, lse};
+  auto a = as.size() == 1 ? as[0] : torch::cat(as, 0);
+  auto lse = ls.size() == 1 ? ls[0] : torch::cat(ls, 0);
+  return {(torch::sigmoid(q) * a).contiguous(), a, lse};
 }
 
 // The backward in the split form: (dq, dk, dv, dw or undefined).
