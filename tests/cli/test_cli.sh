@@ -112,7 +112,7 @@ else echo "FAIL: generate --seed: '$g1' vs '$g2'"; failures=$((failures + 1)); f
 expect 2 "--prefix tokens must be in \[0, --vocab = 11\), got 11" -- generate "${small[@]}" --prefix 11
 expect 2 "--top-k must be in \[1, --vocab = 11\]" -- generate "${small[@]}" --top-k 0
 expect 2 "--temperature must be a finite number > 0" -- generate "${small[@]}" --temperature 0
-expect 2 "recurrent form \(causal-linear, full, hard-retrieval\), got 'linear'" -- generate --attention linear
+expect 2 "recurrent form \(aft-simple, causal-linear, full, hard-retrieval\), got 'linear'" -- generate --attention linear
 expect 2 "--d-model \(10\) must be divisible by --heads \(4\)" -- generate --d-model 10 --heads 4
 expect 0 "full +40 +[0-9.]+ +[0-9.]+x" -- --threads 1 generate --bench "${small[@]}" \
   --positions 8,40 --steps 2 --json "$tmp/g.json"
