@@ -113,3 +113,27 @@ def test_builders_build_aft_by_name(kind):
     assert isinstance(inner, AFTFullAttention if kind == "aft-full" else AFTSimpleAttention)
     if kind == "aft-full":
         assert inner.u.grad is not None
+
+
+HAVE_CUDA = bool(fastattn.build_info.get("cuda")) and torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA build of fastattn and a GPU")
+@pytest.mark.parametrize("bias", [None, "shared"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_matches_the_cpu(causal, bias):
+    """The split form on CUDA tensors (cuBLAS), AFT-simple included, against
+    the CPU's outputs and gradients in float32."""
+    N, H, L, S, E = 2, 3, 130, 130, 16
+    q, k, v = (torch.randn(N, H, n, E, dtype=torch.float32) for n in (L, S, S))
+    w = None if bias is None else torch.randn(L, S, dtype=torch.float32)
+    lengths = torch.tensor([130, 77])
+    results = []
+    for device in ("cpu", "cuda"):
+        ins = [t.to(device).requires_grad_() for t in (q, k, v) + ((w,) if w is not None else ())]
+        out = fastattn.aft_attention(*ins[:3], ins[3] if w is not None else None,
+                                     lengths.to(device), causal)
+        out.square().sum().backward()
+        results.append([out.detach().cpu()] + [t.grad.cpu() for t in ins])
+    for a, b in zip(*results):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
