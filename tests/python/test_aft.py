@@ -115,6 +115,33 @@ def test_builders_build_aft_by_name(kind):
         assert inner.u.grad is not None
 
 
+def test_nn_attention_owns_and_trains_aft_fulls_bias():
+    import fastattn.nn as fnn
+
+    attn = fnn.Attention("aft-full", max_sequence_length=12, aft_parameterization=3, seed=2)
+    assert sorted(n for n, _ in attn.named_parameters()) == ["u", "v"]
+    attn.train()
+    q, k, v = (torch.randn(2, 2, 7, 4) for _ in range(3))
+    lengths = torch.tensor([7, 5])
+    out = attn(q, k, v, key_lengths=lengths, causal=True)
+    w = attn.u[:7] @ attn.v[:7].t()
+    assert torch.allclose(out, reference(q, k, v, w, lengths, causal=True), atol=1e-12)
+    out.sum().backward()
+    assert attn.u.grad.abs().sum() > 0 and attn.v.grad.abs().sum() > 0
+    # The last 3 queries over all 7 keys: the causal rows 4..6 of the whole.
+    rows = attn(q[:, :, 4:], k, v, key_lengths=lengths, causal=True)
+    assert torch.allclose(rows, out[:, :, 4:], atol=1e-12)
+    with pytest.raises(ValueError, match="max_sequence_length = 12"):
+        attn(*(torch.randn(1, 1, 13, 4) for _ in range(3)))
+    with pytest.raises(ValueError, match="aft_parameterization must be an int in"):
+        fnn.Attention("aft-full", aft_parameterization=0)
+    # A model built by name trains it.
+    enc = fnn.build_encoder(n_layers=1, n_heads=2, query_dimensions=4, attention_type="aft-full",
+                            attention_params=dict(max_sequence_length=16))
+    enc(torch.randn(2, 9, 8), causal=True).sum().backward()
+    assert all(p.grad is not None for n, p in enc.named_parameters() if n.endswith((".u", ".v")))
+
+
 HAVE_CUDA = bool(fastattn.build_info.get("cuda")) and torch.cuda.is_available()
 
 

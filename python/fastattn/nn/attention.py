@@ -11,6 +11,7 @@ import functools
 import torch
 from torch import nn
 
+from .. import aft_attention as _aft_attention
 from .. import attention as _attention
 from .. import attention_step as _attention_step
 from .. import _capabilities
@@ -31,8 +32,10 @@ __all__ = [
 STEP_TYPES = tuple(sorted(n for n, c in _capabilities().items() if c["recurrent"]))
 # Types whose modules hold learned parameters. The registry operator builds a
 # fresh instance for every call, so those parameters would be re-initialised
-# each time and never trained: refused in training mode.
-_LEARNED_TYPES = tuple(n for n, c in _capabilities().items() if c["learned"])
+# each time and never trained: refused in training mode, except aft-full,
+# whose position bias this module owns (below).
+_LEARNED_TYPES = tuple(n for n, c in _capabilities().items()
+                       if c["learned"] and n != "aft-full")
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,7 +66,8 @@ def _check_type(kind, params, where):
 
 
 class Attention(nn.Module):
-    """One registered attention type as a module (no parameters of its own).
+    """One registered attention type as a module (no parameters of its own,
+    but ``aft-full``'s learned position bias ``u``, ``v``, which trains here).
 
     Args:
         type: the type's name (``fastattn.attention_types()`` lists them).
@@ -88,6 +92,37 @@ class Attention(nn.Module):
         _check_type(type, params, "Attention")
         self.type = type
         self.params = params
+        if type == "aft-full":
+            self._init_aft_bias(**params)
+
+    def _init_aft_bias(self, max_sequence_length=1024, aft_parameterization=64, seed=None):
+        """aft-full's learned position bias w = u v^T as this module's
+        parameters ``u``, ``v`` (the C++ type's names, N(0, 0.01²))."""
+        for name, value, top in (("max_sequence_length", max_sequence_length, 65536),
+                                 ("aft_parameterization", aft_parameterization, 1024)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
+                raise ValueError("Attention('aft-full'): %s must be an int in [1, %d], got %r"
+                                 % (name, top, value))
+        g = torch.Generator().manual_seed(seed) if seed is not None else None
+        shape = (max_sequence_length, aft_parameterization)
+        self.u = nn.Parameter(torch.randn(shape, generator=g) * 0.01)
+        self.v = nn.Parameter(torch.randn(shape, generator=g) * 0.01)
+
+    def _aft_full(self, queries, keys, values, attn_mask, key_lengths, causal):
+        L, S = queries.shape[2], keys.shape[2]
+        where = "Attention('aft-full')"
+        if attn_mask is not None:
+            raise ValueError("%s: attn_mask is not supported (only the causal mask and "
+                             "key_lengths)" % where)
+        if max(L, S) > self.u.shape[0]:
+            raise ValueError("%s: sequences up to max_sequence_length = %d positions, got L = %d "
+                             "queries and S = %d keys" % (where, self.u.shape[0], L, S))
+        first = S - L if causal else 0
+        if first < 0:
+            raise ValueError("%s: causal attention of more queries (L = %d) than keys (S = %d)"
+                             % (where, L, S))
+        w = (self.u[first:first + L] @ self.v[:S].t()).to(queries.device, queries.dtype)
+        return _aft_attention(queries, keys, values, w, key_lengths, causal)
 
     def forward(self, queries, keys, values, attn_mask=None, key_lengths=None, causal=False):
         if self.training and self.type.rsplit(":", 1)[-1] in _LEARNED_TYPES:
@@ -99,6 +134,8 @@ class Attention(nn.Module):
             )
         attn_mask, key_lengths, causal = resolve_masks(attn_mask, key_lengths, causal,
                                                        "Attention('%s')" % self.type)
+        if self.type == "aft-full":
+            return self._aft_full(queries, keys, values, attn_mask, key_lengths, causal)
         return _attention(self.type, queries, keys, values, causal=causal,
                           key_lengths=key_lengths, attn_mask=attn_mask, training=self.training,
                           **self.params)
