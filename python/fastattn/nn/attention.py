@@ -65,6 +65,20 @@ def _check_type(kind, params, where):
             )
 
 
+def aft_position_bias(u, v, L, S, causal, where):
+    """AFT-full's bias ``u v^T`` for L queries over S keys, (L, S): rows
+    ``u[S-L:S]`` under causal (the queries are the last L positions),
+    ``u[:L]`` otherwise; columns ``v[:S]``. ``where`` names the caller in errors."""
+    if max(L, S) > u.shape[0]:
+        raise ValueError("%s: sequences up to max_sequence_length = %d positions, got L = %d "
+                         "queries and S = %d keys" % (where, u.shape[0], L, S))
+    first = S - L if causal else 0
+    if first < 0:
+        raise ValueError("%s: causal attention of more queries (L = %d) than keys (S = %d)"
+                         % (where, L, S))
+    return u[first:first + L] @ v[:S].t()
+
+
 class Attention(nn.Module):
     """One registered attention type as a module (no parameters of its own,
     but ``aft-full``'s learned position bias ``u``, ``v``, which trains here).
@@ -109,20 +123,13 @@ class Attention(nn.Module):
         self.v = nn.Parameter(torch.randn(shape, generator=g) * 0.01)
 
     def _aft_full(self, queries, keys, values, attn_mask, key_lengths, causal):
-        L, S = queries.shape[2], keys.shape[2]
         where = "Attention('aft-full')"
         if attn_mask is not None:
             raise ValueError("%s: attn_mask is not supported (only the causal mask and "
                              "key_lengths)" % where)
-        if max(L, S) > self.u.shape[0]:
-            raise ValueError("%s: sequences up to max_sequence_length = %d positions, got L = %d "
-                             "queries and S = %d keys" % (where, self.u.shape[0], L, S))
-        first = S - L if causal else 0
-        if first < 0:
-            raise ValueError("%s: causal attention of more queries (L = %d) than keys (S = %d)"
-                             % (where, L, S))
-        w = (self.u[first:first + L] @ self.v[:S].t()).to(queries.device, queries.dtype)
-        return _aft_attention(queries, keys, values, w, key_lengths, causal)
+        w = aft_position_bias(self.u, self.v, queries.shape[2], keys.shape[2], causal, where)
+        return _aft_attention(queries, keys, values, w.to(queries.device, queries.dtype),
+                              key_lengths, causal)
 
     def forward(self, queries, keys, values, attn_mask=None, key_lengths=None, causal=False):
         if self.training and self.type.rsplit(":", 1)[-1] in _LEARNED_TYPES:

@@ -18,6 +18,7 @@ from torch import nn
 from .... import _param_names
 from .... import aft_attention as _aft_attention
 from .... import attention as _attention
+from ....nn.attention import aft_position_bias
 from ..events import AttentionEvent, EventDispatcher, QKVEvent
 from ..masking import FullMask, LengthMask, TriangularCausalMask
 
@@ -285,15 +286,7 @@ class AFTFullAttention(nn.Module):
         self.event_dispatcher = EventDispatcher.get(event_dispatcher)
 
     def _bias(self, L, S, causal, keep):
-        limit = self.u.shape[0]
-        if max(L, S) > limit:
-            raise ValueError("AFTFullAttention: sequences up to max_sequence_length = %d "
-                             "positions, got L = %d queries and S = %d keys" % (limit, L, S))
-        first = S - L if causal else 0
-        if first < 0:
-            raise ValueError("AFTFullAttention: causal attention of more queries (L = %d) than "
-                             "keys (S = %d)" % (L, S))
-        w = self.u[first:first + L] @ self.v[:S].t()
+        w = aft_position_bias(self.u, self.v, L, S, causal, "AFTFullAttention")
         return w if keep is None else w.masked_fill(~keep.to(w.device), float("-inf"))
 
     def forward(self, queries, keys, values, attn_mask=None, query_lengths=None,
