@@ -96,6 +96,18 @@ class RecurrentCrossAttentionBase;
 using RecurrentCrossFactory = std::function<std::shared_ptr<RecurrentCrossAttentionBase>(
     const Params&, const AttentionDims&)>;
 
+// The attention masks a type takes besides causal and key lengths, each
+// kind taking what the one before it takes: none; boolean masks (true
+// keeps); any (boolean, or an additive float mask). Named "none", "bool",
+// "any" in JSON, `fastattn list` and fastattn.capabilities().
+enum class MaskKinds { None, Bool, Any };
+// Whether causal attention of fewer queries than keys gives the rows of the
+// whole causal computation: no; yes; only with an explicit `stride`
+// parameter ("no", "yes", "stride" in JSON).
+enum class IncrementalRows { No, Yes, Stride };
+const char* to_string(MaskKinds kinds);
+const char* to_string(IncrementalRows rows);
+
 // What a type can do, declared with its entry: `fastattn list`, the Python
 // bindings (fastattn.hf, fastattn.nn) and the recurrent code read it, and
 // tests/cpp/test_capabilities.cpp holds every type to it (what is declared
@@ -103,13 +115,12 @@ using RecurrentCrossFactory = std::function<std::shared_ptr<RecurrentCrossAttent
 struct Capabilities {
   bool causal = true;         // takes a causal mask
   bool bidirectional = true;  // runs without one
-  // Masks besides causal and key lengths: "any" (bool or additive float),
-  // "bool", or "none".
-  std::string attn_mask = "none";
+  // Masks besides causal and key lengths (MaskKinds).
+  MaskKinds attn_mask = MaskKinds::None;
   // Causal attention of fewer queries than keys (L < S: the last L
   // positions, as with a key/value cache) gives the rows of the whole causal
-  // computation: "yes", "no", or "stride" (only with an explicit `stride`).
-  std::string incremental = "no";
+  // computation (IncrementalRows).
+  IncrementalRows incremental = IncrementalRows::No;
   bool learned = false;  // holds trained parameters (ClusterFormer's centroids)
   // The type that does this one's job in the other direction, if any
   // ("linear" -> causal "causal-linear"), for suggestions in errors.
@@ -126,7 +137,8 @@ struct Capabilities {
   // (M = E); other widths are refused.
   bool channelwise = false;
 
-  // Builders for the declarations: Capabilities().masks("any").rows("yes").
+  // Builders for the declarations:
+  // Capabilities().masks(MaskKinds::Any).rows(IncrementalRows::Yes).
   Capabilities causal_only(std::string bidirectional_twin) const {
     auto c = *this;
     c.bidirectional = false;
@@ -139,14 +151,14 @@ struct Capabilities {
     c.causal_form = std::move(causal_twin);
     return c;
   }
-  Capabilities masks(std::string kinds) const {
+  Capabilities masks(MaskKinds kinds) const {
     auto c = *this;
-    c.attn_mask = std::move(kinds);
+    c.attn_mask = kinds;
     return c;
   }
-  Capabilities rows(std::string how) const {
+  Capabilities rows(IncrementalRows how) const {
     auto c = *this;
-    c.incremental = std::move(how);
+    c.incremental = how;
     return c;
   }
   Capabilities with_learned_parameters() const {

@@ -131,7 +131,7 @@ void register_aft_attention_types(AttentionRegistry& registry) {
                 [](const Params&, const AttentionDims&) -> AttentionPtr {
                   return std::make_shared<AftAttention>(false);
                 },
-                Capabilities().rows("yes").channel_by_channel(),
+                Capabilities().rows(IncrementalRows::Yes).channel_by_channel(),
                 [](const Params&, const AttentionDims&) -> RecurrentAttentionPtr {
                   return std::make_shared<RecurrentAftSimpleAttention>();
                 }});
@@ -151,7 +151,7 @@ void register_aft_attention_types(AttentionRegistry& registry) {
                                                p.get_int("aft_parameterization"),
                                                p.get_optional_int("seed"));
        },
-       Capabilities().rows("yes").with_learned_parameters().channel_by_channel()});
+       Capabilities().rows(IncrementalRows::Yes).with_learned_parameters().channel_by_channel()});
 }
 
 }  // namespace fastattn

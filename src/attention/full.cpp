@@ -162,7 +162,7 @@ void register_full_attention_types(AttentionRegistry& registry) {
          return std::make_shared<FullAttention>(p.get_optional_float("softmax_temp"),
                                                 p.get_float("attention_dropout"));
        },
-       Capabilities().masks("any").rows("yes"),
+       Capabilities().masks(MaskKinds::Any).rows(IncrementalRows::Yes),
        [](const Params& p, const AttentionDims&) -> RecurrentAttentionPtr {
          // attention_dropout is accepted; steps never drop (inference).
          return std::make_shared<RecurrentFullAttention>(p.get_optional_float("softmax_temp"));

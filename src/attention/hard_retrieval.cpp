@@ -196,7 +196,7 @@ void register_hard_retrieval_attention_types(AttentionRegistry& registry) {
                                                          p.get_optional_float("softmax_temp"),
                                                          p.get_optional_int("seed"));
        },
-       Capabilities().masks("bool").rows("yes").selecting(),
+       Capabilities().masks(MaskKinds::Bool).rows(IncrementalRows::Yes).selecting(),
        [](const Params&, const AttentionDims&) -> RecurrentAttentionPtr {
          return std::make_shared<RecurrentHardRetrievalAttention>();  // steps take the argmax
        },

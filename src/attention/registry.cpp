@@ -314,15 +314,9 @@ void AttentionRegistry::add(AttentionType type) {
   const auto& caps = type.capabilities;
   TORCH_CHECK(caps.causal || caps.bidirectional, "AttentionRegistry::add: attention type '", name,
               "' must run causal, bidirectional or both");
-  TORCH_CHECK(caps.attn_mask == "any" || caps.attn_mask == "bool" || caps.attn_mask == "none",
+  TORCH_CHECK(caps.causal || caps.incremental == IncrementalRows::No,
               "AttentionRegistry::add: attention type '", name,
-              "': capabilities.attn_mask must be any, bool or none, got '", caps.attn_mask, "'");
-  TORCH_CHECK(caps.incremental == "yes" || caps.incremental == "no" || caps.incremental == "stride",
-              "AttentionRegistry::add: attention type '", name,
-              "': capabilities.incremental must be yes, no or stride, got '", caps.incremental,
-              "'");
-  TORCH_CHECK(caps.causal || caps.incremental == "no", "AttentionRegistry::add: attention type '",
-              name, "': incremental rows need causal attention");
+              "': incremental rows need causal attention");
   std::set<std::string> seen;
   for (const auto& spec : type.params) {
     TORCH_CHECK(!spec.name.empty(), "AttentionRegistry::add: attention type '", name,
@@ -347,11 +341,33 @@ bool AttentionRegistry::contains(const std::string& name) const {
   return types_.count(name) > 0;
 }
 
+const char* to_string(MaskKinds kinds) {
+  switch (kinds) {
+    case MaskKinds::Bool:
+      return "bool";
+    case MaskKinds::Any:
+      return "any";
+    default:
+      return "none";
+  }
+}
+
+const char* to_string(IncrementalRows rows) {
+  switch (rows) {
+    case IncrementalRows::Yes:
+      return "yes";
+    case IncrementalRows::Stride:
+      return "stride";
+    default:
+      return "no";
+  }
+}
+
 nlohmann::json Capabilities::to_json() const {
   return {{"causal", causal},
           {"bidirectional", bidirectional},
-          {"attn_mask", attn_mask},
-          {"incremental", incremental},
+          {"attn_mask", to_string(attn_mask)},
+          {"incremental", to_string(incremental)},
           {"learned", learned},
           {"causal_form", causal_form},
           {"bidirectional_form", bidirectional_form},
@@ -367,9 +383,8 @@ Capabilities both(const Capabilities& a, const Capabilities& b) {
   Capabilities c;
   c.causal = a.causal && b.causal;
   c.bidirectional = a.bidirectional && b.bidirectional;
-  const auto mask_rank = [](const std::string& m) { return m == "any" ? 2 : m == "bool" ? 1 : 0; };
-  c.attn_mask = mask_rank(a.attn_mask) <= mask_rank(b.attn_mask) ? a.attn_mask : b.attn_mask;
-  c.incremental = a.incremental == b.incremental ? a.incremental : "no";
+  c.attn_mask = std::min(a.attn_mask, b.attn_mask);
+  c.incremental = a.incremental == b.incremental ? a.incremental : IncrementalRows::No;
   c.learned = a.learned || b.learned;
   c.selects = a.selects || b.selects;
   c.channelwise = a.channelwise || b.channelwise;

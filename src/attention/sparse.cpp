@@ -176,20 +176,20 @@ void register_sparse_attention_types(AttentionRegistry& registry) {
                                                           p.get_optional_float("softmax_temp"),
                                                           p.get_float("attention_dropout"));
                 },
-                Capabilities().rows("yes"),
+                Capabilities().rows(IncrementalRows::Yes),
                 /*recurrent=*/nullptr});
   registry.add({"sparse-strided",
                 "Sparse Transformer strided pattern (Child et al. 2019): A1 = the previous l "
                 "positions, A2 = every l-th position; O(L·sqrt L) with l = sqrt L",
                 factorized_specs(false),
                 [](const Params& p, const AttentionDims&) { return make_factorized(false, p); },
-                Capabilities().rows("stride"), /*recurrent=*/nullptr});
+                Capabilities().rows(IncrementalRows::Stride), /*recurrent=*/nullptr});
   registry.add({"sparse-fixed",
                 "Sparse Transformer fixed pattern (Child et al. 2019): A1 = the same block of l, "
                 "A2 = the last c positions of every block; O(L·(l + c·L/l))",
                 factorized_specs(true),
                 [](const Params& p, const AttentionDims&) { return make_factorized(true, p); },
-                Capabilities().rows("stride"), /*recurrent=*/nullptr});
+                Capabilities().rows(IncrementalRows::Stride), /*recurrent=*/nullptr});
 }
 
 }  // namespace fastattn

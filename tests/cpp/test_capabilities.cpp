@@ -94,10 +94,10 @@ TEST_P(DeclaredCapabilities, AreWhatTheTypeDoes) {
   const Tensor bool_mask = torch::rand({N, 1, L, L}) > 0.3;
   const Tensor float_mask = torch::randn({N, H, L, L});
   EXPECT_EQ(runs([&] { run(q, k, v, base.with_attn_mask(bool_mask)); }, "attn_mask"),
-            caps.attn_mask == "any" || caps.attn_mask == "bool")
+            caps.attn_mask >= MaskKinds::Bool)
       << "bool attn_mask";
   EXPECT_EQ(runs([&] { run(q, k, v, base.with_attn_mask(float_mask)); }, "attn_mask"),
-            caps.attn_mask == "any")
+            caps.attn_mask == MaskKinds::Any)
       << "float attn_mask";
   EXPECT_TRUE(runs(
       [&] {
@@ -129,10 +129,10 @@ TEST_P(DeclaredCapabilities, AreWhatTheTypeDoes) {
         break;
       }
     }
-    EXPECT_EQ(equal_rows, caps.incremental == "yes" || caps.incremental == "stride")
-        << "incremental rows (" << caps.incremental << ")";
+    EXPECT_EQ(equal_rows, caps.incremental != IncrementalRows::No)
+        << "incremental rows (" << to_string(caps.incremental) << ")";
   } else {
-    EXPECT_EQ(caps.incremental, "no");
+    EXPECT_EQ(caps.incremental, IncrementalRows::No);
   }
 
   // Step form.
@@ -166,7 +166,8 @@ TEST_P(DeclaredCapabilities, AreWhatTheTypeDoes) {
       found = true;
       EXPECT_EQ(t["capabilities"]["causal"].get<bool>(), caps.causal);
       EXPECT_EQ(t["capabilities"]["recurrent"].get<bool>(), recurrent);
-      EXPECT_EQ(t["capabilities"]["attn_mask"].get<std::string>(), caps.attn_mask);
+      EXPECT_EQ(t["capabilities"]["attn_mask"].get<std::string>(), to_string(caps.attn_mask));
+      EXPECT_EQ(t["capabilities"]["incremental"].get<std::string>(), to_string(caps.incremental));
     }
     EXPECT_TRUE(found);
   }
@@ -194,9 +195,8 @@ TEST(CapabilitiesRegistry, AddRefusesInconsistentDeclarations) {
   auto neither = Capabilities().causal_only("");
   neither.causal = false;
   EXPECT_THROW(r.add(make("a", neither)), c10::Error);
-  EXPECT_THROW(r.add(make("b", Capabilities().masks("float"))), c10::Error);
-  EXPECT_THROW(r.add(make("c", Capabilities().rows("sometimes"))), c10::Error);
-  EXPECT_THROW(r.add(make("d", Capabilities().bidirectional_only("").rows("yes"))), c10::Error);
+  EXPECT_THROW(r.add(make("d", Capabilities().bidirectional_only("").rows(IncrementalRows::Yes))),
+               c10::Error);
   r.add(make("e", Capabilities()));
   EXPECT_TRUE(r.contains("e"));
 }
