@@ -47,6 +47,7 @@
 #include "fastattn/mask.h"
 #include "fastattn/recurrent.h"
 #include "fastattn/registry.h"
+#include "ops/op_shell.h"
 #include "ops/op_util.h"
 
 namespace fastattn::ops {
@@ -357,44 +358,47 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
   return {grads[0], grads[1], grads[2]};
 }
 
-class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
- public:
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, std::string type,
-                            const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            bool causal, const c10::optional<at::Tensor>& key_lengths,
+constexpr char kForwardOp[] = "fastattn::attention_forward";
+constexpr char kBackwardOp[] = "fastattn::attention_backward";
+
+// The opaque form: the forward operator, and the backward operator that
+// recomputes the type's forward with autograd from the generators' saved
+// states.
+struct AttentionOp {
+  struct Saved {
+    at::Tensor q, k, v, rng, key_lengths, attn_mask;
+    std::string type, params_json;
+    bool causal = false, training = false;
+    auto tensors() { return std::tie(q, k, v, rng, key_lengths, attn_mask); }
+  };
+
+  static at::Tensor forward(Saved* saved, std::string type, const at::Tensor& q,
+                            const at::Tensor& k, const at::Tensor& v, bool causal,
+                            const c10::optional<at::Tensor>& key_lengths,
                             const c10::optional<at::Tensor>& attn_mask, std::string params_json,
                             bool training) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("fastattn::attention_forward", "")
-                         .typed<decltype(attention_forward)>();
-    auto [out, rng] = op.call(type, q, k, v, causal, key_lengths, attn_mask, params_json, training);
-    ctx->save_for_backward({q, k, v, rng});
-    ctx->saved_data["type"] = type;
-    ctx->saved_data["causal"] = causal;
-    ctx->saved_data["params"] = params_json;
-    ctx->saved_data["training"] = training;
-    ctx->saved_data["key_lengths"] = key_lengths ? *key_lengths : at::Tensor();
-    ctx->saved_data["attn_mask"] = attn_mask ? *attn_mask : at::Tensor();
+    auto [out, rng] = ops::call_op<kForwardOp, attention_forward>(
+        type, q, k, v, causal, key_lengths, attn_mask, params_json, training);
+    if (saved)
+      *saved = {q,
+                k,
+                v,
+                rng,
+                ops::or_undefined(key_lengths),
+                ops::or_undefined(attn_mask),
+                type,
+                params_json,
+                causal,
+                training};
     return out;
   }
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("fastattn::attention_backward", "")
-                         .typed<decltype(attention_backward)>();
-    const auto saved = ctx->get_saved_variables();
-    auto opt = [](const c10::IValue& t) {
-      return t.toTensor().defined() ? c10::optional<at::Tensor>(t.toTensor()) : c10::nullopt;
-    };
-    auto [gq, gk, gv] =
-        op.call(ctx->saved_data["type"].toStringRef(), grads[0], saved[0], saved[1], saved[2],
-                ctx->saved_data["causal"].toBool(), opt(ctx->saved_data["key_lengths"]),
-                opt(ctx->saved_data["attn_mask"]), ctx->saved_data["params"].toStringRef(),
-                saved[3], ctx->saved_data["training"].toBool());
-    return {at::Tensor(), gq,           gk,           gv,          at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  static torch::autograd::variable_list backward(const Saved& s,
+                                                 const torch::autograd::variable_list& grads) {
+    auto [gq, gk, gv] = ops::call_op<kBackwardOp, attention_backward>(
+        s.type, grads[0], s.q, s.k, s.v, s.causal, ops::opt(s.key_lengths), ops::opt(s.attn_mask),
+        s.params_json, s.rng, s.training);
+    return {at::Tensor(), gq, gk, gv};
   }
 };
 
@@ -412,10 +416,8 @@ at::Tensor attention_no_grad(std::string type, const at::Tensor& q, const at::Te
                              const c10::optional<at::Tensor>& key_lengths,
                              const c10::optional<at::Tensor>& attn_mask, std::string params_json,
                              bool training) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fastattn::attention_forward", "")
-                       .typed<decltype(attention_forward)>();
-  return std::get<0>(op.call(type, q, k, v, causal, key_lengths, attn_mask, params_json, training));
+  return ops::Shell<AttentionOp>::no_grad(type, q, k, v, causal, key_lengths, attn_mask,
+                                          params_json, training);
 }
 
 // Eager form: the forward runs the type with autograd on, on leaves that
@@ -425,11 +427,20 @@ at::Tensor attention_no_grad(std::string type, const at::Tensor& q, const at::Te
 // graph's node. retain_graph on the inner graph, so a caller's
 // retain_graph=True backward can run again; its buffers go when this node
 // releases its saved variables (after a backward without retain_graph).
-class EagerAttentionFunction : public torch::autograd::Function<EagerAttentionFunction> {
- public:
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, std::string type,
-                            const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            bool causal, const c10::optional<at::Tensor>& key_lengths,
+struct EagerAttentionOp {
+  // The forward records the type's own graph: the shell runs it with
+  // autograd's dispatch keys on.
+  static constexpr bool kRecordsGraph = true;
+
+  struct Saved {
+    at::Tensor q, k, v, out, attn_mask;
+    std::string type, params_json;
+    auto tensors() { return std::tie(q, k, v, out, attn_mask); }
+  };
+
+  static at::Tensor forward(Saved* saved, std::string type, const at::Tensor& q,
+                            const at::Tensor& k, const at::Tensor& v, bool causal,
+                            const c10::optional<at::Tensor>& key_lengths,
                             const c10::optional<at::Tensor>& attn_mask, std::string params_json,
                             bool training) {
     const auto leaf = [](const at::Tensor& t) {
@@ -443,46 +454,39 @@ class EagerAttentionFunction : public torch::autograd::Function<EagerAttentionFu
     }
     check_finite_result("fastattn::attention", type, params_json, inner.out, inner.finite_witness,
                         q, k, v, attn_mask ? at::TensorList(*attn_mask) : at::TensorList());
-    ctx->save_for_backward({ql, kl, vl, inner.out});
-    ctx->saved_data["type"] = type;
-    ctx->saved_data["params"] = params_json;
-    ctx->saved_data["attn_mask"] = attn_mask ? *attn_mask : at::Tensor();
+    if (saved) *saved = {ql, kl, vl, inner.out, ops::or_undefined(attn_mask), type, params_json};
     at::Tensor out = inner.out.detach();
     // Not sharing memory with the inputs, in q's row layout (as attention_forward).
     if (out.is_alias_of(q) || out.is_alias_of(k) || out.is_alias_of(v)) out = out.clone();
     return ops::in_rows_layout_of(out, q);
   }
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
+  static torch::autograd::variable_list backward(const Saved& s,
+                                                 const torch::autograd::variable_list& grads) {
+    const at::Tensor* saved[4] = {&s.q, &s.k, &s.v, &s.out};
     std::vector<at::Tensor> inputs, result(3);
     std::vector<int> index;
     for (int i = 0; i < 3; ++i) {
-      if (saved[i].requires_grad()) {
-        inputs.push_back(saved[i]);
+      if (saved[i]->requires_grad()) {
+        inputs.push_back(*saved[i]);
         index.push_back(i);
       }
     }
-    if (saved[3].requires_grad() && !inputs.empty()) {
-      auto g = torch::autograd::grad({saved[3]}, inputs, {grads[0]}, /*retain_graph=*/true,
+    if (saved[3]->requires_grad() && !inputs.empty()) {
+      auto g = torch::autograd::grad({*saved[3]}, inputs, {grads[0]}, /*retain_graph=*/true,
                                      /*create_graph=*/false, /*allow_unused=*/true);
       for (size_t j = 0; j < index.size(); ++j) result[index[j]] = g[j];
     }
-    const auto mask = ctx->saved_data["attn_mask"].toTensor();
-    check_finite_gradients(ctx->saved_data["type"].toStringRef(),
-                           ctx->saved_data["params"].toStringRef(), result, grads[0], saved[0],
-                           saved[1], saved[2],
-                           mask.defined() ? c10::optional<at::Tensor>(mask) : c10::nullopt);
+    check_finite_gradients(s.type, s.params_json, result, grads[0], s.q, s.k, s.v,
+                           ops::opt(s.attn_mask));
     // Zeros for an input the output does not depend on (as attention_backward),
     // in the inputs' row layouts.
     for (int i = 0; i < 3; ++i) {
-      if (!saved[i].requires_grad()) continue;
-      result[i] = result[i].defined() ? ops::in_rows_layout_of(result[i], saved[i])
-                                      : zero_grad_like(saved[i]);
+      if (!saved[i]->requires_grad()) continue;
+      result[i] = result[i].defined() ? ops::in_rows_layout_of(result[i], *saved[i])
+                                      : zero_grad_like(*saved[i]);
     }
-    return {at::Tensor(), result[0],    result[1],    result[2],   at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {at::Tensor(), result[0], result[1], result[2]};
   }
 };
 
@@ -512,10 +516,10 @@ at::Tensor attention_autograd(std::string type, const at::Tensor& q, const at::T
   }
   if (eager_tensors(
           {&q, &k, &v, key_lengths ? &*key_lengths : nullptr, attn_mask ? &*attn_mask : nullptr}))
-    return EagerAttentionFunction::apply(type, q, k, v, causal, key_lengths, attn_mask, params_json,
-                                         training);
-  return AttentionFunction::apply(type, q, k, v, causal, key_lengths, attn_mask, params_json,
-                                  training);
+    return ops::Shell<EagerAttentionOp>::autograd(type, q, k, v, causal, key_lengths, attn_mask,
+                                                  params_json, training);
+  return ops::Shell<AttentionOp>::autograd(type, q, k, v, causal, key_lengths, attn_mask,
+                                           params_json, training);
 }
 
 void check_step_shapes(const char* op, const at::Tensor& q, const at::Tensor& v) {

@@ -16,6 +16,7 @@
 #include "fastattn/recurrent.h"
 #include "fastattn/registry.h"
 #include "ops/dense_attention.h"
+#include "ops/op_shell.h"
 #include "ops/op_util.h"
 
 namespace fastattn {
@@ -69,14 +70,18 @@ torch::Tensor gather_values(const torch::Tensor& v, const torch::Tensor& index) 
 // dq, dk are the engine's backward of P V for the same grad_out (the
 // operator's eqs. 8-10, src/ops/hard_retrieval_attention.cpp) and dv is the
 // index-add of grad_out.
-class HardRetrievalOnEngine : public torch::autograd::Function<HardRetrievalOnEngine> {
- public:
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
-                                                const torch::Tensor& q, const torch::Tensor& k,
-                                                const torch::Tensor& v,
-                                                const ops::DenseAttentionSpec& spec, bool sample,
-                                                int64_t seed) {
-    at::AutoDispatchBelowADInplaceOrView guard;
+struct HardRetrievalOnEngine {
+  struct Saved {
+    torch::Tensor q, k, v, soft, lse, index;
+    ops::DenseAttentionSpec spec;
+    auto tensors() { return std::tie(q, k, v, soft, lse, index); }
+  };
+
+  static std::tuple<torch::Tensor, torch::Tensor> forward(Saved* saved, const torch::Tensor& q,
+                                                          const torch::Tensor& k,
+                                                          const torch::Tensor& v,
+                                                          const ops::DenseAttentionSpec& spec,
+                                                          bool sample, int64_t seed) {
     torch::Tensor out, index;
     if (sample) {
       std::tie(out, index) = hard_retrieval_attention(
@@ -85,34 +90,23 @@ class HardRetrievalOnEngine : public torch::autograd::Function<HardRetrievalOnEn
       index = argmax_by_score_tiles(q, k, spec.key_lengths, spec.causal);
       out = gather_values(v, index);
     }
-    auto [soft, lse] = ops::dense_attention_forward(q, k, v, spec);
-    ctx->save_for_backward({q, k, v, soft, lse, index});
-    ctx->saved_data["scale"] = spec.scale;
-    ctx->saved_data["causal"] = spec.causal;
-    ctx->saved_data["key_lengths"] = spec.key_lengths ? *spec.key_lengths : torch::Tensor();
-    ctx->mark_non_differentiable({index});
+    if (saved) {
+      auto [soft, lse] = ops::dense_attention_forward(q, k, v, spec);
+      *saved = {q, k, v, soft, lse, index, spec};
+    }
     return {out, index};
   }
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    torch::autograd::variable_list none(6);
-    if (!grads[0].defined()) return none;
-    const auto s = ctx->get_saved_variables();
-    ops::DenseAttentionSpec spec;
-    spec.scale = ctx->saved_data["scale"].toDouble();
-    spec.causal = ctx->saved_data["causal"].toBool();
-    const auto lengths = ctx->saved_data["key_lengths"].toTensor();
-    if (lengths.defined()) spec.key_lengths = lengths;
-    const auto go = grads[0].to(s[3].scalar_type());
-    auto [dq, dk, soft_dv] = ops::dense_attention_backward(go, s[0], s[1], s[2], s[3], s[4], spec);
-    const auto& index = s[5];
-    auto src = go * (index >= 0).unsqueeze(-1).to(go.scalar_type());
-    none[0] = dq;
-    none[1] = dk;
-    none[2] = torch::zeros_like(s[2]).scatter_add_(
-        2, index.clamp_min(0).unsqueeze(-1).expand_as(go), src);
-    return none;
+  static torch::autograd::variable_list backward(const Saved& s,
+                                                 const torch::autograd::variable_list& grads) {
+    if (!grads[0].defined()) return {};
+    const auto go = grads[0].to(s.soft.scalar_type());
+    auto [dq, dk, soft_dv] =
+        ops::dense_attention_backward(go, s.q, s.k, s.v, s.soft, s.lse, s.spec);
+    auto src = go * (s.index >= 0).unsqueeze(-1).to(go.scalar_type());
+    auto dv = torch::zeros_like(s.v).scatter_add_(
+        2, s.index.clamp_min(0).unsqueeze(-1).expand_as(go), src);
+    return {dq, dk, dv};
   }
 };
 
@@ -160,8 +154,9 @@ std::pair<torch::Tensor, torch::Tensor> HardRetrievalAttention::forward_with_ind
   // the softmax the straight-through backward sees from the engine.
   if (!mask.attn_mask() && ops::types_use_dense_engine(queries, values, spec)) {
     if (torch::GradMode::is_enabled() && (queries.requires_grad() || keys.requires_grad())) {
-      auto r = HardRetrievalOnEngine::apply(queries, keys, values, spec, sample, seed);
-      return {r[0], r[1]};
+      auto [out, index] =
+          ops::Shell<HardRetrievalOnEngine>::autograd(queries, keys, values, spec, sample, seed);
+      return {out, index};
     }
     if (!sample) {
       auto index = argmax_by_score_tiles(queries, keys, spec.key_lengths, spec.causal);

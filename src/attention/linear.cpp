@@ -25,6 +25,7 @@
 #include "fastattn/recurrent.h"
 #include "fastattn/registry.h"
 #include "ops/elu_linear_output_sums.h"
+#include "ops/op_shell.h"
 
 namespace fastattn {
 
@@ -42,21 +43,22 @@ namespace {
 // attention, and no gradient. Its 1/eps would otherwise overflow for a tiny
 // eps and reach dv or dq as 0 · inf = NaN; with non-negative features every
 // product of that row with a key is 0, so 0 is also the exact derivative.
-class NormaliseLastColumn : public torch::autograd::Function<NormaliseLastColumn> {
- public:
-  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& prod,
-                        const Tensor& eps) {
+struct NormaliseLastColumn {
+  struct Saved {
+    Tensor out, d, zero_den;
+    auto tensors() { return std::tie(out, d, zero_den); }
+  };
+  static Tensor forward(Saved* saved, const Tensor& prod, const Tensor& eps) {
     const int64_t M = prod.size(-1) - 1;
     auto den = prod.narrow(-1, M, 1);
     auto d = den + eps;                    // (N, H, L, 1)
     auto out = prod.narrow(-1, 0, M) / d;  // (N, H, L, M)
-    ctx->save_for_backward({out, d, den.eq(0)});
+    if (saved) *saved = {out, d, den.eq(0)};
     return out;
   }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const auto &out = saved[0], &d = saved[1], &zero_den = saved[2];
+  static torch::autograd::variable_list backward(const Saved& s,
+                                                 const torch::autograd::variable_list& grads) {
+    const auto &out = s.out, &d = s.d, &zero_den = s.zero_den;
     const auto& g = grads[0];
     const int64_t M = out.size(-1);
     auto grad = torch::empty({out.size(0), out.size(1), out.size(2), M + 1}, out.options());
@@ -67,7 +69,7 @@ class NormaliseLastColumn : public torch::autograd::Function<NormaliseLastColumn
     // normaliser is 0 (no host synchronisation on other devices).
     if (!out.device().is_cpu() || zero_den.any().item<bool>())
       grad.masked_fill_(zero_den & out.eq(0).all(-1, /*keepdim=*/true), 0.0);
-    return {grad, Tensor()};
+    return {grad};
   }
 };
 
@@ -198,8 +200,8 @@ Tensor LinearAttention::forward(const Tensor& queries,  // (N, H, L, E)
   // [phi(K)^T V | sum_j phi(K_j)] is small (F × (M + 1) per head): one product
   // with phi(Q) then gives numerator and normaliser together.
   auto kvz = torch::cat({torch::matmul(kf.transpose(-1, -2), values), kf.sum(2).unsqueeze(-1)},
-                        -1);                                       // (N, H, F, M + 1)
-  return NormaliseLastColumn::apply(torch::matmul(qf, kvz), eps);  // (N, H, L, M)
+                        -1);  // (N, H, F, M + 1)
+  return ops::Shell<NormaliseLastColumn>::autograd(torch::matmul(qf, kvz), eps);  // (N, H, L, M)
 }
 
 // ---- causal-linear ----------------------------------------------------------
@@ -238,7 +240,7 @@ Tensor CausalLinearAttention::forward(const Tensor& queries,  // (N, H, L, E)
   // exactly the numerator's order (and its precision).
   auto ones = torch::ones({values.size(0), values.size(1), values.size(2), 1}, values.options());
   auto prod = causal_linear_product(qf, kf, torch::cat({values, ones}, -1));  // (N, H, L, M + 1)
-  return NormaliseLastColumn::apply(prod, eps);
+  return ops::Shell<NormaliseLastColumn>::autograd(prod, eps);
 }
 
 void register_linear_attention_types(AttentionRegistry& registry) {

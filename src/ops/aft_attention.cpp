@@ -40,16 +40,16 @@
 #include "fastattn/ops.h"
 #include "kernels/aft/aft.h"
 #include "ops/mask_util.h"
+#include "ops/op_shell.h"
 #include "ops/op_util.h"
 
 namespace fastattn {
 namespace {
 
 using torch::Tensor;
-using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-constexpr const char* kOp = "fastattn::aft_attention";
+constexpr char kOp[] = "fastattn::aft_attention";
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
 void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -333,6 +333,22 @@ Tensor bias3(const c10::optional<Tensor>& position_bias, torch::ScalarType dtype
   return w.dim() == 2 ? w.unsqueeze(0) : w;
 }
 
+// The scan kernels' inputs (contiguous q, k, v of the compute dtype; int64
+// key lengths or undefined).
+template <typename T>
+kernels::AftScanArgs<T> scan_args(const Tensor& q, const Tensor& k, const Tensor& v,
+                                  const Tensor& lengths, bool causal) {
+  kernels::AftScanArgs<T> s;
+  s.q = q.data_ptr<T>();
+  s.k = k.data_ptr<T>();
+  s.v = v.data_ptr<T>();
+  s.key_lengths = lengths.defined() ? lengths.data_ptr<int64_t>() : nullptr;
+  s.causal = causal;
+  s.N = q.size(0), s.H = q.size(1), s.L = q.size(2), s.S = k.size(2), s.E = q.size(3);
+  s.num_threads = at::get_num_threads();
+  return s;
+}
+
 // (out, a, lse): out in q's dtype, a and lse in the compute dtype.
 std::tuple<Tensor, Tensor, Tensor> aft_attention_forward_impl(
     const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& position_bias,
@@ -342,20 +358,12 @@ std::tuple<Tensor, Tensor, Tensor> aft_attention_forward_impl(
   auto qc = q.to(ct).contiguous(), kc = k.to(ct).contiguous(), vc = v.to(ct).contiguous();
   Tensor out, a, lse;
   if (!position_bias && q.is_cpu()) {
-    const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), E = q.size(3);
-    out = torch::empty({N, H, L, E}, qc.options());
+    out = torch::empty_like(qc);
     a = need_stats ? torch::empty_like(out) : torch::empty({0}, qc.options());
     lse = need_stats ? torch::empty_like(out) : torch::empty({0}, qc.options());
     auto lengths = key_lengths ? key_lengths->to(torch::kLong).contiguous() : Tensor();
     AT_DISPATCH_FLOATING_TYPES(ct, "aft_attention_forward_cpu", [&] {
-      kernels::AftScanArgs<scalar_t> s;
-      s.q = qc.data_ptr<scalar_t>();
-      s.k = kc.data_ptr<scalar_t>();
-      s.v = vc.data_ptr<scalar_t>();
-      s.key_lengths = lengths.defined() ? lengths.data_ptr<int64_t>() : nullptr;
-      s.causal = causal;
-      s.N = N, s.H = H, s.L = L, s.S = S, s.E = E;
-      s.num_threads = at::get_num_threads();
+      auto s = scan_args<scalar_t>(qc, kc, vc, lengths, causal);
       s.out = out.data_ptr<scalar_t>();
       s.a = need_stats ? a.data_ptr<scalar_t>() : nullptr;
       s.lse = need_stats ? lse.data_ptr<scalar_t>() : nullptr;
@@ -395,14 +403,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> aft_attention_backward_impl(
     dv = torch::empty_like(vc);
     auto lengths = key_lengths ? key_lengths->to(torch::kLong).contiguous() : Tensor();
     AT_DISPATCH_FLOATING_TYPES(ct, "aft_attention_backward_cpu", [&] {
-      kernels::AftScanArgs<scalar_t> s;
-      s.q = qc.data_ptr<scalar_t>();
-      s.k = kc.data_ptr<scalar_t>();
-      s.v = vc.data_ptr<scalar_t>();
-      s.key_lengths = lengths.defined() ? lengths.data_ptr<int64_t>() : nullptr;
-      s.causal = causal;
-      s.N = q.size(0), s.H = q.size(1), s.L = q.size(2), s.S = k.size(2), s.E = q.size(3);
-      s.num_threads = at::get_num_threads();
+      auto s = scan_args<scalar_t>(qc, kc, vc, lengths, causal);
       s.grad_out = go.data_ptr<scalar_t>();
       s.a_in = ac.data_ptr<scalar_t>();
       s.lse_in = lc.data_ptr<scalar_t>();
@@ -420,65 +421,46 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> aft_attention_backward_impl(
   return {dq.to(dt), dk.to(dt), dv.to(dt), dw.defined() ? dw : torch::empty({0}, q.options())};
 }
 
-std::tuple<Tensor, Tensor, Tensor> call_forward(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                const c10::optional<Tensor>& position_bias,
-                                                const c10::optional<Tensor>& key_lengths,
-                                                bool causal, bool need_stats) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fastattn::aft_attention_forward", "")
-                       .typed<decltype(aft_attention_forward_impl)>();
-  return op.call(q, k, v, position_bias, key_lengths, causal, need_stats);
-}
+constexpr char kForwardOp[] = "fastattn::aft_attention_forward";
+constexpr char kBackwardOp[] = "fastattn::aft_attention_backward";
 
-class AftFunction : public torch::autograd::Function<AftFunction> {
- public:
-  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k,
-                               const Tensor& v, const c10::optional<Tensor>& position_bias,
-                               const c10::optional<Tensor>& key_lengths, bool causal) {
-    const bool need_stats = q.requires_grad() || k.requires_grad() || v.requires_grad() ||
-                            (position_bias && position_bias->requires_grad());
-    at::AutoDispatchBelowADInplaceOrView guard;
-    auto [out, a, lse] = call_forward(q, k, v, position_bias, key_lengths, causal, need_stats);
-    ctx->save_for_backward({q, k, v, position_bias ? *position_bias : Tensor(), a, lse});
-    ctx->saved_data["key_lengths"] = key_lengths ? *key_lengths : Tensor();
-    ctx->saved_data["causal"] = causal;
-    return {out};
+struct AftOp {
+  struct Saved {
+    Tensor q, k, v, position_bias, a, lse, key_lengths;
+    bool causal = false;
+    auto tensors() { return std::tie(q, k, v, position_bias, a, lse, key_lengths); }
+  };
+
+  static Tensor forward(Saved* saved, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const c10::optional<Tensor>& position_bias,
+                        const c10::optional<Tensor>& key_lengths, bool causal) {
+    // Statistics only when a gradient will be asked for.
+    const bool need_stats = saved && (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
+                                      (position_bias && position_bias->requires_grad()));
+    auto [out, a, lse] = ops::call_op<kForwardOp, aft_attention_forward_impl>(
+        q, k, v, position_bias, key_lengths, causal, need_stats);
+    if (saved)
+      *saved = {
+          q,     k, v, ops::or_undefined(position_bias), a, lse, ops::or_undefined(key_lengths),
+          causal};
+    return out;
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("fastattn::aft_attention_backward", "")
-                         .typed<decltype(aft_attention_backward_impl)>();
-    variable_list none(6);
-    if (!grads[0].defined()) return none;
-    const auto s = ctx->get_saved_variables();
-    const auto lengths = ctx->saved_data["key_lengths"].toTensor();
-    const auto opt = [](const Tensor& t) {
-      return t.defined() ? c10::optional<Tensor>(t) : c10::nullopt;
-    };
-    auto [dq, dk, dv, dw] = op.call(grads[0], s[0], s[1], s[2], opt(s[3]), s[4], s[5], opt(lengths),
-                                    ctx->saved_data["causal"].toBool());
-    return {dq, dk, dv, s[3].defined() ? dw : Tensor(), Tensor(), Tensor()};
+  static variable_list backward(const Saved& s, const variable_list& grads) {
+    if (!grads[0].defined()) return {};
+    auto [dq, dk, dv, dw] = ops::call_op<kBackwardOp, aft_attention_backward_impl>(
+        grads[0], s.q, s.k, s.v, ops::opt(s.position_bias), s.a, s.lse, ops::opt(s.key_lengths),
+        s.causal);
+    return {dq, dk, dv, s.position_bias.defined() ? dw : Tensor()};
   }
 };
 
-Tensor aft_attention_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
-                              const c10::optional<Tensor>& position_bias,
-                              const c10::optional<Tensor>& key_lengths, bool causal) {
-  return AftFunction::apply(q, k, v, position_bias, key_lengths, causal)[0];
-}
-
-// Below autograd (no gradient wanted): the forward op alone.
-Tensor aft_attention_no_grad(const Tensor& q, const Tensor& k, const Tensor& v,
-                             const c10::optional<Tensor>& position_bias,
-                             const c10::optional<Tensor>& key_lengths, bool causal) {
-  return std::get<0>(call_forward(q, k, v, position_bias, key_lengths, causal, false));
-}
+using AftShell = ops::Shell<AftOp>;
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
-  m.impl("aft_attention", aft_attention_no_grad);
+  m.impl("aft_attention", AftShell::no_grad);
   m.impl("aft_attention_forward", aft_attention_forward_impl);
   m.impl("aft_attention_backward", aft_attention_backward_impl);
 }
@@ -486,21 +468,19 @@ TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
 // The split form is ATen throughout: the same functions on CUDA tensors
 // (cuBLAS products; AFT-simple on CUDA takes the split form too).
 TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
-  m.impl("aft_attention", aft_attention_no_grad);
+  m.impl("aft_attention", AftShell::no_grad);
   m.impl("aft_attention_forward", aft_attention_forward_impl);
   m.impl("aft_attention_backward", aft_attention_backward_impl);
 }
 
-TORCH_LIBRARY_IMPL(fastattn, Autograd, m) { m.impl("aft_attention", aft_attention_autograd); }
+TORCH_LIBRARY_IMPL(fastattn, Autograd, m) { m.impl("aft_attention", AftShell::autograd); }
 
 Tensor aft_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                      const std::optional<Tensor>& position_bias,
                      const std::optional<Tensor>& key_lengths, bool causal) {
   ops::check_defined(kOp, {"q", "k", "v"}, {q, k, v});
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fastattn::aft_attention", "")
-                       .typed<decltype(aft_attention_no_grad)>();
-  return op.call(q, k, v, to_c10(position_bias), to_c10(key_lengths), causal);
+  return ops::call_op<kOp, AftShell::no_grad>(q, k, v, to_c10(position_bias), to_c10(key_lengths),
+                                              causal);
 }
 
 // ---- reference ----------------------------------------------------------------

@@ -12,6 +12,7 @@
 #include "kernels/block_sparse/block_sparse_attention.h"
 #include "ops/block_sparse_pattern.h"
 #include "ops/mask_util.h"
+#include "ops/op_shell.h"
 #include "ops/op_util.h"
 #include "ops/row_dots.h"
 
@@ -80,10 +81,9 @@ void check_block_sparse_backward(const char* op, const torch::Tensor& grad_out,
 namespace {
 
 using torch::Tensor;
-using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-constexpr const char* kOp = "fastattn::block_sparse_attention";
+constexpr char kOp[] = "fastattn::block_sparse_attention";
 
 struct Prepared {
   ops::QKVInputs in;
@@ -172,66 +172,57 @@ std::tuple<Tensor, Tensor, Tensor> backward_cpu(const Tensor& grad_out, const Te
   return {gq, gk, gv};
 }
 
-std::tuple<Tensor, Tensor> call_forward(const Tensor& q, const Tensor& k, const Tensor& v,
-                                        c10::string_view pattern, c10::IntArrayRef params,
-                                        const c10::optional<Tensor>& key_lengths, bool causal,
-                                        double temp, double dropout_p, int64_t dropout_seed) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fastattn::block_sparse_attention_forward", "")
-                       .typed<decltype(forward_cpu)>();
-  return op.call(q, k, v, pattern, params, key_lengths, causal, temp, dropout_p, dropout_seed);
-}
+constexpr char kForwardOp[] = "fastattn::block_sparse_attention_forward";
+constexpr char kBackwardOp[] = "fastattn::block_sparse_attention_backward";
 
-class BlockSparseFunction : public torch::autograd::Function<BlockSparseFunction> {
- public:
-  static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+struct BlockSparseOp {
+  struct Saved {
+    Tensor q, k, v, out, lse, key_lengths;
+    std::string pattern;
+    std::vector<int64_t> params;
+    bool causal = false;
+    double temp = 0.0, dropout_p = 0.0;
+    int64_t dropout_seed = 0;
+    auto tensors() { return std::tie(q, k, v, out, lse, key_lengths); }
+  };
+
+  static Tensor forward(Saved* saved, const Tensor& q, const Tensor& k, const Tensor& v,
                         c10::string_view pattern, c10::IntArrayRef params,
                         const c10::optional<Tensor>& key_lengths, bool causal,
                         c10::optional<double> softmax_temp, double dropout_p,
                         c10::optional<int64_t> dropout_seed) {
-    at::AutoDispatchBelowADInplaceOrView guard;
     ops::check_qkv(kOp, q, k, v);
     ops::check_dropout(kOp, dropout_p);
     const double temp = ops::resolve_softmax_temp(kOp, q, softmax_temp);
     // One seed for the forward and the backward: the same keep mask.
     const int64_t seed = ops::resolve_dropout_seed(dropout_p, dropout_seed);
-    auto [out, lse] =
-        call_forward(q, k, v, pattern, params, key_lengths, causal, temp, dropout_p, seed);
-    ctx->save_for_backward({q, k, v, out, lse});
-    ctx->saved_data["dropout_p"] = dropout_p;
-    ctx->saved_data["dropout_seed"] = seed;
-    ctx->saved_data["pattern"] = std::string(pattern);
-    ctx->saved_data["params"] = params.vec();
-    ctx->saved_data["key_lengths"] = key_lengths ? *key_lengths : Tensor();
-    ctx->saved_data["causal"] = causal;
-    ctx->saved_data["temp"] = temp;
+    auto [out, lse] = ops::call_op<kForwardOp, forward_cpu>(q, k, v, pattern, params, key_lengths,
+                                                            causal, temp, dropout_p, seed);
+    if (saved)
+      *saved = {q,
+                k,
+                v,
+                out,
+                lse,
+                ops::or_undefined(key_lengths),
+                std::string(pattern),
+                params.vec(),
+                causal,
+                temp,
+                dropout_p,
+                seed};
     return out;
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("fastattn::block_sparse_attention_backward", "")
-                         .typed<decltype(backward_cpu)>();
-    const auto saved = ctx->get_saved_variables();
-    const auto kl = ctx->saved_data["key_lengths"].toTensor();
-    const auto pattern = ctx->saved_data["pattern"].toStringRef();
-    const auto params = ctx->saved_data["params"].toIntVector();
-    auto [gq, gk, gv] =
-        op.call(grads[0], saved[0], saved[1], saved[2], saved[3], saved[4], pattern, params,
-                kl.defined() ? c10::optional<Tensor>(kl) : c10::nullopt,
-                ctx->saved_data["causal"].toBool(), ctx->saved_data["temp"].toDouble(),
-                ctx->saved_data["dropout_p"].toDouble(), ctx->saved_data["dropout_seed"].toInt());
-    return {gq, gk, gv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+  static variable_list backward(const Saved& s, const variable_list& grads) {
+    auto [gq, gk, gv] = ops::call_op<kBackwardOp, backward_cpu>(
+        grads[0], s.q, s.k, s.v, s.out, s.lse, s.pattern, s.params, ops::opt(s.key_lengths),
+        s.causal, s.temp, s.dropout_p, s.dropout_seed);
+    return {gq, gk, gv};
   }
 };
 
-Tensor autograd_impl(const Tensor& q, const Tensor& k, const Tensor& v, c10::string_view pattern,
-                     c10::IntArrayRef params, const c10::optional<Tensor>& key_lengths, bool causal,
-                     c10::optional<double> softmax_temp, double dropout_p,
-                     c10::optional<int64_t> dropout_seed) {
-  return BlockSparseFunction::apply(q, k, v, pattern, params, key_lengths, causal, softmax_temp,
-                                    dropout_p, dropout_seed);
-}
+using BlockSparseShell = ops::Shell<BlockSparseOp>;
 
 }  // namespace
 
@@ -243,11 +234,8 @@ Tensor block_sparse_no_grad_entry(const Tensor& q, const Tensor& k, const Tensor
                                   const c10::optional<Tensor>& key_lengths, bool causal,
                                   c10::optional<double> softmax_temp, double dropout_p,
                                   c10::optional<int64_t> dropout_seed) {
-  ops::check_qkv(kOp, q, k, v);
-  ops::check_dropout(kOp, dropout_p);
-  return std::get<0>(call_forward(q, k, v, pattern, params, key_lengths, causal,
-                                  ops::resolve_softmax_temp(kOp, q, softmax_temp), dropout_p,
-                                  ops::resolve_dropout_seed(dropout_p, dropout_seed)));
+  return BlockSparseShell::no_grad(q, k, v, pattern, params, key_lengths, causal, softmax_temp,
+                                   dropout_p, dropout_seed);
 }
 
 }  // namespace ops
@@ -258,19 +246,19 @@ TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
   m.impl("block_sparse_attention_backward", backward_cpu);
 }
 
-TORCH_LIBRARY_IMPL(fastattn, Autograd, m) { m.impl("block_sparse_attention", autograd_impl); }
+TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
+  m.impl("block_sparse_attention", BlockSparseShell::autograd);
+}
 
 Tensor block_sparse_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                               const std::string& pattern, const std::vector<int64_t>& params,
                               const std::optional<Tensor>& key_lengths, bool causal,
                               std::optional<double> softmax_temp, double dropout_p,
                               std::optional<int64_t> dropout_seed) {
-  ops::check_defined("fastattn::block_sparse_attention", {"q", "k", "v"}, {q, k, v});
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fastattn::block_sparse_attention", "")
-                       .typed<decltype(ops::block_sparse_no_grad_entry)>();
-  return op.call(q, k, v, pattern, params, to_c10(key_lengths), causal, to_c10(softmax_temp),
-                 dropout_p, to_c10(dropout_seed));
+  ops::check_defined(kOp, {"q", "k", "v"}, {q, k, v});
+  return ops::call_op<kOp, ops::block_sparse_no_grad_entry>(
+      q, k, v, pattern, params, to_c10(key_lengths), causal, to_c10(softmax_temp), dropout_p,
+      to_c10(dropout_seed));
 }
 
 }  // namespace fastattn

@@ -10,16 +10,16 @@
 
 #include "fastattn/ops.h"
 #include "ops/linear_attention_args.h"
+#include "ops/op_shell.h"
 #include "ops/op_util.h"
 
 namespace fastattn {
 namespace {
 
 using torch::Tensor;
-using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-constexpr const char* kOp = "fastattn::causal_linear_product";
+constexpr char kOp[] = "fastattn::causal_linear_product";
 
 void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v) {
   ops::check_causal_product_inputs(kOp, q, k, v);
@@ -67,35 +67,28 @@ std::tuple<Tensor, Tensor, Tensor> causal_linear_product_backward_cpu(const Tens
   return {gq, gk, gv};
 }
 
-Tensor call_forward(const Tensor& q, const Tensor& k, const Tensor& v) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fastattn::causal_linear_product_forward", "")
-                       .typed<decltype(causal_linear_product_forward_cpu)>();
-  return op.call(q, k, v);
-}
+constexpr char kForwardOp[] = "fastattn::causal_linear_product_forward";
+constexpr char kBackwardOp[] = "fastattn::causal_linear_product_backward";
 
-class CausalLinearProductFunction : public torch::autograd::Function<CausalLinearProductFunction> {
- public:
-  static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    auto out = call_forward(q, k, v);
-    ctx->save_for_backward({q, k, v});
-    return out;
+struct CausalProductOp {
+  struct Saved {
+    Tensor q, k, v;
+    auto tensors() { return std::tie(q, k, v); }
+  };
+
+  static Tensor forward(Saved* saved, const Tensor& q, const Tensor& k, const Tensor& v) {
+    if (saved) *saved = {q, k, v};
+    return ops::call_op<kForwardOp, causal_linear_product_forward_cpu>(q, k, v);
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("fastattn::causal_linear_product_backward", "")
-                         .typed<decltype(causal_linear_product_backward_cpu)>();
-    const auto saved = ctx->get_saved_variables();
-    auto [gq, gk, gv] = op.call(grads[0], saved[0], saved[1], saved[2]);
+  static variable_list backward(const Saved& s, const variable_list& grads) {
+    auto [gq, gk, gv] =
+        ops::call_op<kBackwardOp, causal_linear_product_backward_cpu>(grads[0], s.q, s.k, s.v);
     return {gq, gk, gv};
   }
 };
 
-Tensor causal_linear_product_autograd(const Tensor& q, const Tensor& k, const Tensor& v) {
-  return CausalLinearProductFunction::apply(q, k, v);
-}
+using CausalProductShell = ops::Shell<CausalProductOp>;
 
 }  // namespace
 
@@ -103,7 +96,7 @@ namespace ops {
 
 // Registered under CPU and CUDA: the forward op through the dispatcher.
 Tensor causal_linear_product_no_grad_entry(const Tensor& q, const Tensor& k, const Tensor& v) {
-  return call_forward(q, k, v);
+  return CausalProductShell::no_grad(q, k, v);
 }
 
 }  // namespace ops
@@ -115,15 +108,12 @@ TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
 }
 
 TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
-  m.impl("causal_linear_product", causal_linear_product_autograd);
+  m.impl("causal_linear_product", CausalProductShell::autograd);
 }
 
 Tensor causal_linear_product(const Tensor& q, const Tensor& k, const Tensor& v) {
-  ops::check_defined("fastattn::causal_linear_product", {"q", "k", "v"}, {q, k, v});
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fastattn::causal_linear_product", "")
-                       .typed<Tensor(const Tensor&, const Tensor&, const Tensor&)>();
-  return op.call(q, k, v);
+  ops::check_defined(kOp, {"q", "k", "v"}, {q, k, v});
+  return ops::call_op<kOp, CausalProductShell::no_grad>(q, k, v);
 }
 
 namespace reference {

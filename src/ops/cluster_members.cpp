@@ -4,13 +4,13 @@
 #include <torch/autograd.h>
 
 #include "kernels/clustered_topk/clustered_topk.h"
+#include "ops/op_shell.h"
 #include "ops/op_util.h"
 
 namespace fastattn::ops {
 namespace {
 
 using torch::Tensor;
-using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 }  // namespace
@@ -77,35 +77,39 @@ Tensor spread(const Tensor& table_in, const Tensor& assignments, const Tensor& c
   return out;
 }
 
-class ClusterMeansFunction : public torch::autograd::Function<ClusterMeansFunction> {
- public:
-  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& assignments,
+// Means of each cluster's members; the gradient spreads back divided by the
+// counts.
+struct ClusterMeansOp {
+  struct Saved {
+    Tensor x, assignments, counts;
+    auto tensors() { return std::tie(x, assignments, counts); }
+  };
+  static Tensor forward(Saved* saved, const Tensor& x, const Tensor& assignments,
                         const Tensor& counts) {
-    ctx->save_for_backward({x, assignments, counts});
+    if (saved) *saved = {x, assignments, counts};
     return cluster_sums(x, assignments, counts.size(2), counts);
   }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto s = ctx->get_saved_variables();
-    Tensor gx;
-    if (grads[0].defined()) gx = spread(grads[0], s[1], s[2], s[0]);
-    return {gx, Tensor(), Tensor()};
+  static variable_list backward(const Saved& s, const variable_list& grads) {
+    if (!grads[0].defined()) return {};
+    return {spread(grads[0], s.assignments, s.counts, s.x)};
   }
 };
 
-class SpreadToMembersFunction : public torch::autograd::Function<SpreadToMembersFunction> {
- public:
-  static Tensor forward(AutogradContext* ctx, const Tensor& table, const Tensor& assignments,
+// Each member gets its cluster's row; the gradient sums the members' rows.
+struct SpreadToMembersOp {
+  struct Saved {
+    Tensor assignments;
+    int64_t clusters = 0;
+    auto tensors() { return std::tie(assignments); }
+  };
+  static Tensor forward(Saved* saved, const Tensor& table, const Tensor& assignments,
                         const Tensor& like) {
-    ctx->save_for_backward({assignments});
-    ctx->saved_data["clusters"] = table.size(2);
+    if (saved) *saved = {assignments, table.size(2)};
     return spread(table, assignments, Tensor(), like);
   }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto s = ctx->get_saved_variables();
-    Tensor gt;
-    if (grads[0].defined())
-      gt = cluster_sums(grads[0], s[0], ctx->saved_data["clusters"].toInt(), Tensor());
-    return {gt, Tensor(), Tensor()};
+  static variable_list backward(const Saved& s, const variable_list& grads) {
+    if (!grads[0].defined()) return {};
+    return {cluster_sums(grads[0], s.assignments, s.clusters, Tensor())};
   }
 };
 
@@ -118,12 +122,12 @@ bool cluster_members_supports(const Tensor& x) {
 
 Tensor cluster_means(const Tensor& x, const Tensor& assignments, const Tensor& counts) {
   TORCH_INTERNAL_ASSERT(cluster_members_supports(x));
-  return ClusterMeansFunction::apply(x, assignments, counts);
+  return Shell<ClusterMeansOp>::autograd(x, assignments, counts);
 }
 
 Tensor spread_to_members(const Tensor& table, const Tensor& assignments, const Tensor& like) {
   TORCH_INTERNAL_ASSERT(cluster_members_supports(table));
-  return SpreadToMembersFunction::apply(table, assignments, like);
+  return Shell<SpreadToMembersOp>::autograd(table, assignments, like);
 }
 
 }  // namespace fastattn::ops

@@ -21,6 +21,7 @@
 #include "ops/clustered_topk_args.h"
 #include "ops/full_attention_internal.h"
 #include "ops/mask_util.h"
+#include "ops/op_shell.h"
 #include "ops/op_util.h"
 
 namespace fastattn {
@@ -51,6 +52,7 @@ void check_clustered_topk_inputs(const Tensor& q, const Tensor& k, const Tensor&
               "), got ", assignments.sizes());
   TORCH_CHECK(assignments.scalar_type() == torch::kLong, kClusteredTopkOp,
               ": assignments must be int64, got ", assignments.scalar_type());
+  if (!check_values()) return;
   if (topk.numel() > 0) {
     TORCH_CHECK(topk.min().item<int64_t>() >= -1 && topk.max().item<int64_t>() < k.size(2),
                 kClusteredTopkOp, ": topk must hold key indices in [0, S) = [0, ", k.size(2),
@@ -76,6 +78,7 @@ void check_improved_clusters(const Tensor& q, const Tensor& assignments, const T
               counts.sizes());
   TORCH_CHECK(counts.scalar_type() == torch::kLong, kImprovedClusteredOp,
               ": counts must be int64, got ", counts.scalar_type());
+  if (!check_values()) return;
   if (assignments.numel() > 0) {
     TORCH_CHECK(assignments.min().item<int64_t>() >= -1 &&
                     assignments.max().item<int64_t>() < counts.size(2),
@@ -97,10 +100,9 @@ void check_improved_clusters(const Tensor& q, const Tensor& assignments, const T
 namespace {
 
 using torch::Tensor;
-using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-constexpr const char* kOp = "fastattn::clustered_topk_attention";
+constexpr char kOp[] = "fastattn::clustered_topk_attention";
 
 struct Prepared {
   ops::QKVInputs in;
@@ -186,60 +188,39 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> clustered_topk_attention_backward_cpu
   return {gq, gk, gv, gm};
 }
 
-// Called below autograd (AutoDispatchBelowADInplaceOrView): reaches the
-// backend kernel through the dispatcher.
-Tensor call_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& topk,
-                    const Tensor& mass, const Tensor& assignments,
-                    const c10::optional<Tensor>& key_lengths, double temp, double dropout_p,
-                    int64_t dropout_seed) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fastattn::clustered_topk_attention", "")
-                       .typed<decltype(clustered_topk_attention_cpu)>();
-  return op.call(q, k, v, topk, mass, assignments, key_lengths, temp, dropout_p, dropout_seed);
-}
+constexpr char kBackwardOp[] = "fastattn::clustered_topk_attention_backward";
 
-class ClusteredTopkFunction : public torch::autograd::Function<ClusteredTopkFunction> {
- public:
-  static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+// The operator's CPU kernel is its forward; the autograd kernel calls it
+// below autograd with the dropout seed drawn once, for both passes.
+struct ClusteredTopkOp {
+  struct Saved {
+    Tensor q, k, v, topk, mass, assignments, key_lengths;
+    double temp = 0.0, dropout_p = 0.0;
+    int64_t dropout_seed = 0;
+    auto tensors() { return std::tie(q, k, v, topk, mass, assignments, key_lengths); }
+  };
+
+  static Tensor forward(Saved* saved, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& topk, const Tensor& mass, const Tensor& assignments,
                         const c10::optional<Tensor>& key_lengths, double temp, double dropout_p,
                         c10::optional<int64_t> dropout_seed) {
-    at::AutoDispatchBelowADInplaceOrView guard;
     ops::check_dropout(kOp, dropout_p);
     // One seed for the forward and the backward: the same keep mask.
     const int64_t seed = ops::resolve_dropout_seed(dropout_p, dropout_seed);
-    auto out = call_forward(q, k, v, topk, mass, assignments, key_lengths, temp, dropout_p, seed);
-    ctx->save_for_backward({q, k, v, topk, mass, assignments});
-    ctx->saved_data["key_lengths"] = key_lengths ? *key_lengths : Tensor();
-    ctx->saved_data["temp"] = temp;
-    ctx->saved_data["dropout_p"] = dropout_p;
-    ctx->saved_data["dropout_seed"] = seed;
-    return out;
+    if (saved)
+      *saved = {q,    k,         v,   topk, mass, assignments, ops::or_undefined(key_lengths),
+                temp, dropout_p, seed};
+    return ops::call_op<kOp, clustered_topk_attention_cpu>(q, k, v, topk, mass, assignments,
+                                                           key_lengths, temp, dropout_p, seed);
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("fastattn::clustered_topk_attention_backward", "")
-                         .typed<decltype(clustered_topk_attention_backward_cpu)>();
-    const auto s = ctx->get_saved_variables();
-    const auto kl = ctx->saved_data["key_lengths"].toTensor();
-    auto [gq, gk, gv, gm] = op.call(
-        grads[0], s[0], s[1], s[2], s[3], s[4], s[5],
-        kl.defined() ? c10::optional<Tensor>(kl) : c10::nullopt, ctx->saved_data["temp"].toDouble(),
-        ctx->saved_data["dropout_p"].toDouble(), ctx->saved_data["dropout_seed"].toInt());
-    return {gq, gk, gv, Tensor(), gm, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+  static variable_list backward(const Saved& s, const variable_list& grads) {
+    auto [gq, gk, gv, gm] = ops::call_op<kBackwardOp, clustered_topk_attention_backward_cpu>(
+        grads[0], s.q, s.k, s.v, s.topk, s.mass, s.assignments, ops::opt(s.key_lengths), s.temp,
+        s.dropout_p, s.dropout_seed);
+    return {gq, gk, gv, Tensor(), gm};
   }
 };
-
-Tensor clustered_topk_attention_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
-                                         const Tensor& topk, const Tensor& mass,
-                                         const Tensor& assignments,
-                                         const c10::optional<Tensor>& key_lengths,
-                                         double softmax_temp, double dropout_p,
-                                         c10::optional<int64_t> dropout_seed) {
-  return ClusteredTopkFunction::apply(q, k, v, topk, mass, assignments, key_lengths, softmax_temp,
-                                      dropout_p, dropout_seed);
-}
 
 // ---- improved_clustered_attention (fused) ------------------------------------------
 
@@ -366,61 +347,48 @@ std::tuple<Tensor, Tensor, Tensor> improved_clustered_backward_cpu(
   return {gq, gk, gv};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> call_improved_forward(
-    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& assignments,
-    const Tensor& counts, int64_t topk, const c10::optional<Tensor>& key_lengths, double temp,
-    double dropout_p, int64_t dropout_seed) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fastattn::improved_clustered_attention_forward", "")
-                       .typed<decltype(improved_clustered_forward_cpu)>();
-  return op.call(q, k, v, assignments, counts, topk, key_lengths, temp, dropout_p, dropout_seed);
-}
+constexpr char kImprovedForwardOp[] = "fastattn::improved_clustered_attention_forward";
+constexpr char kImprovedBackwardOp[] = "fastattn::improved_clustered_attention_backward";
 
-class ImprovedClusteredFunction : public torch::autograd::Function<ImprovedClusteredFunction> {
- public:
-  static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+struct ImprovedClusteredOp {
+  struct Saved {
+    Tensor q, k, v, assignments, counts, centroids, lse, out_c, top_idx, key_lengths;
+    double temp = 0.0, dropout_p = 0.0;
+    int64_t dropout_seed = 0;
+    auto tensors() {
+      return std::tie(q, k, v, assignments, counts, centroids, lse, out_c, top_idx, key_lengths);
+    }
+  };
+
+  static Tensor forward(Saved* saved, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& assignments, const Tensor& counts, int64_t topk,
                         const c10::optional<Tensor>& key_lengths,
                         c10::optional<double> softmax_temp, double dropout_p,
                         c10::optional<int64_t> dropout_seed) {
-    at::AutoDispatchBelowADInplaceOrView guard;
     ops::check_qkv(kImprovedOp, q, k, v);
     ops::check_dropout(kImprovedOp, dropout_p);
     const double temp = ops::resolve_softmax_temp(kImprovedOp, q, softmax_temp);
     // One seed for the forward and the backward: the same keep masks.
     const int64_t seed = ops::resolve_dropout_seed(dropout_p, dropout_seed);
-    auto [out, centroids, lse, out_c, top_idx] = call_improved_forward(
-        q, k, v, assignments, counts, topk, key_lengths, temp, dropout_p, seed);
-    ctx->save_for_backward({q, k, v, assignments, counts, centroids, lse, out_c, top_idx});
-    ctx->saved_data["key_lengths"] = key_lengths ? *key_lengths : Tensor();
-    ctx->saved_data["temp"] = temp;
-    ctx->saved_data["dropout_p"] = dropout_p;
-    ctx->saved_data["dropout_seed"] = seed;
+    auto [out, centroids, lse, out_c, top_idx] =
+        ops::call_op<kImprovedForwardOp, improved_clustered_forward_cpu>(
+            q, k, v, assignments, counts, topk, key_lengths, temp, dropout_p, seed);
+    if (saved)
+      *saved = {q,         k,         v,     assignments, counts,
+                centroids, lse,       out_c, top_idx,     ops::or_undefined(key_lengths),
+                temp,      dropout_p, seed};
     return out;
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("fastattn::improved_clustered_attention_backward", "")
-                         .typed<decltype(improved_clustered_backward_cpu)>();
-    const auto s = ctx->get_saved_variables();
-    const auto kl = ctx->saved_data["key_lengths"].toTensor();
-    auto [gq, gk, gv] = op.call(
-        grads[0], s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8],
-        kl.defined() ? c10::optional<Tensor>(kl) : c10::nullopt, ctx->saved_data["temp"].toDouble(),
-        ctx->saved_data["dropout_p"].toDouble(), ctx->saved_data["dropout_seed"].toInt());
-    return {gq, gk, gv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+  static variable_list backward(const Saved& s, const variable_list& grads) {
+    auto [gq, gk, gv] = ops::call_op<kImprovedBackwardOp, improved_clustered_backward_cpu>(
+        grads[0], s.q, s.k, s.v, s.assignments, s.counts, s.centroids, s.lse, s.out_c, s.top_idx,
+        ops::opt(s.key_lengths), s.temp, s.dropout_p, s.dropout_seed);
+    return {gq, gk, gv};
   }
 };
 
-Tensor improved_clustered_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
-                                   const Tensor& assignments, const Tensor& counts, int64_t topk,
-                                   const c10::optional<Tensor>& key_lengths,
-                                   c10::optional<double> softmax_temp, double dropout_p,
-                                   c10::optional<int64_t> dropout_seed) {
-  return ImprovedClusteredFunction::apply(q, k, v, assignments, counts, topk, key_lengths,
-                                          softmax_temp, dropout_p, dropout_seed);
-}
+using ImprovedClusteredShell = ops::Shell<ImprovedClusteredOp>;
 
 }  // namespace
 
@@ -432,12 +400,8 @@ Tensor improved_clustered_no_grad_entry(const Tensor& q, const Tensor& k, const 
                                         int64_t topk, const c10::optional<Tensor>& key_lengths,
                                         c10::optional<double> softmax_temp, double dropout_p,
                                         c10::optional<int64_t> dropout_seed) {
-  ops::check_qkv(kImprovedOp, q, k, v);
-  ops::check_dropout(kImprovedOp, dropout_p);
-  return std::get<0>(call_improved_forward(q, k, v, assignments, counts, topk, key_lengths,
-                                           ops::resolve_softmax_temp(kImprovedOp, q, softmax_temp),
-                                           dropout_p,
-                                           ops::resolve_dropout_seed(dropout_p, dropout_seed)));
+  return ImprovedClusteredShell::no_grad(q, k, v, assignments, counts, topk, key_lengths,
+                                         softmax_temp, dropout_p, dropout_seed);
 }
 
 }  // namespace ops
@@ -451,8 +415,8 @@ TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
 }
 
 TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
-  m.impl("clustered_topk_attention", clustered_topk_attention_autograd);
-  m.impl("improved_clustered_attention", improved_clustered_autograd);
+  m.impl("clustered_topk_attention", ops::Shell<ClusteredTopkOp>::autograd);
+  m.impl("improved_clustered_attention", ImprovedClusteredShell::autograd);
 }
 
 Tensor clustered_topk_attention(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -461,11 +425,9 @@ Tensor clustered_topk_attention(const Tensor& q, const Tensor& k, const Tensor& 
                                 double dropout_p, std::optional<int64_t> dropout_seed) {
   ops::check_defined(kOp, {"q", "k", "v", "topk", "mass", "assignments"},
                      {q, k, v, topk, mass, assignments});
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fastattn::clustered_topk_attention", "")
-                       .typed<decltype(clustered_topk_attention_cpu)>();
-  return op.call(q, k, v, topk, mass, assignments, to_c10(key_lengths), softmax_temp, dropout_p,
-                 to_c10(dropout_seed));
+  return ops::call_op<kOp, clustered_topk_attention_cpu>(q, k, v, topk, mass, assignments,
+                                                         to_c10(key_lengths), softmax_temp,
+                                                         dropout_p, to_c10(dropout_seed));
 }
 
 }  // namespace fastattn

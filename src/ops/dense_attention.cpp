@@ -12,6 +12,7 @@
 #include <limits>
 #include <string>
 
+#include "ops/op_shell.h"
 #include "ops/op_util.h"
 
 // PyTorch's flash attention ops with windows: torch >= 2.4 (their signature
@@ -335,45 +336,25 @@ std::tuple<Tensor, Tensor> merge_by_lse(const std::vector<Tensor>& outs,
 
 namespace {
 
-class DenseAttentionFunction : public torch::autograd::Function<DenseAttentionFunction> {
- public:
-  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& q, const Tensor& k,
-                        const Tensor& v, const DenseAttentionSpec& spec) {
-    at::AutoDispatchBelowADInplaceOrView guard;
+struct DenseOp {
+  struct Saved {
+    Tensor q, k, v, out, lse;
+    DenseAttentionSpec spec;
+    auto tensors() { return std::tie(q, k, v, out, lse); }
+  };
+
+  static Tensor forward(Saved* saved, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const DenseAttentionSpec& spec) {
     auto [out, lse] = dense_attention_forward(q, k, v, spec);
-    ctx->save_for_backward({q, k, v, out, lse});
-    ctx->saved_data["scale"] = spec.scale;
-    ctx->saved_data["causal"] = spec.causal;
-    ctx->saved_data["sizes"] = std::vector<int64_t>{spec.window_left, spec.window_right,
-                                                    spec.max_seqlen_q, spec.max_seqlen_k};
-    const auto opt = [](const c10::optional<Tensor>& t) { return t ? *t : Tensor(); };
-    ctx->saved_data["key_lengths"] = opt(spec.key_lengths);
-    ctx->saved_data["cu_seqlens_q"] = opt(spec.cu_seqlens_q);
-    ctx->saved_data["cu_seqlens_k"] = opt(spec.cu_seqlens_k);
+    if (saved) *saved = {q, k, v, out, lse, spec};
     return out;
   }
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const auto opt = [&](const char* name) {
-      const auto t = ctx->saved_data[name].toTensor();
-      return t.defined() ? c10::optional<Tensor>(t) : c10::nullopt;
-    };
-    DenseAttentionSpec spec;
-    spec.scale = ctx->saved_data["scale"].toDouble();
-    spec.causal = ctx->saved_data["causal"].toBool();
-    const auto sizes = ctx->saved_data["sizes"].toIntVector();
-    spec.window_left = sizes[0];
-    spec.window_right = sizes[1];
-    spec.max_seqlen_q = sizes[2];
-    spec.max_seqlen_k = sizes[3];
-    spec.key_lengths = opt("key_lengths");
-    spec.cu_seqlens_q = opt("cu_seqlens_q");
-    spec.cu_seqlens_k = opt("cu_seqlens_k");
-    auto [dq, dk, dv] = dense_attention_backward(grads[0].to(saved[3].scalar_type()), saved[0],
-                                                 saved[1], saved[2], saved[3], saved[4], spec);
-    return {dq, dk, dv, Tensor()};
+  static torch::autograd::variable_list backward(const Saved& s,
+                                                 const torch::autograd::variable_list& grads) {
+    auto [dq, dk, dv] = dense_attention_backward(grads[0].to(s.out.scalar_type()), s.q, s.k, s.v,
+                                                 s.out, s.lse, s.spec);
+    return {dq, dk, dv};
   }
 };
 
@@ -396,7 +377,7 @@ std::atomic<int>& route_setting() {
 
 Tensor dense_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                        const DenseAttentionSpec& spec) {
-  return DenseAttentionFunction::apply(q, k, v, spec);
+  return Shell<DenseOp>::autograd(q, k, v, spec);
 }
 
 DenseEngineRoute dense_engine_route() {

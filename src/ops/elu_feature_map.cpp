@@ -9,6 +9,7 @@
 #include "fastattn/ops.h"
 #include "kernels/feature_maps/elu_feature_map.h"
 #include "ops/linear_attention_args.h"
+#include "ops/op_shell.h"
 #include "ops/op_util.h"
 
 namespace fastattn {
@@ -16,7 +17,7 @@ namespace {
 
 using torch::Tensor;
 
-constexpr const char* kOp = "fastattn::elu_feature_map";
+constexpr char kOp[] = "fastattn::elu_feature_map";
 
 void check_input(const char* name, const Tensor& x) {
   ops::check_elu_feature_map_input(kOp, name, x);
@@ -55,30 +56,26 @@ Tensor elu_feature_map_backward_cpu(const Tensor& grad_out, const Tensor& x) {
   return run<true>(x, grad_out);
 }
 
-Tensor call_forward(const Tensor& x) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fastattn::elu_feature_map", "")
-                       .typed<Tensor(const Tensor&)>();
-  return op.call(x);
-}
+constexpr char kBackwardOp[] = "fastattn::elu_feature_map_backward";
 
-class EluFeatureMapFunction : public torch::autograd::Function<EluFeatureMapFunction> {
- public:
-  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& x) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    ctx->save_for_backward({x});
-    return call_forward(x);
+// The operator's CPU kernel is its forward; the autograd kernel calls it
+// below autograd.
+struct EluFeatureMapOp {
+  struct Saved {
+    Tensor x;
+    auto tensors() { return std::tie(x); }
+  };
+
+  static Tensor forward(Saved* saved, const Tensor& x) {
+    if (saved) saved->x = x;
+    return ops::call_op<kOp, elu_feature_map_cpu>(x);
   }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("fastattn::elu_feature_map_backward", "")
-                         .typed<Tensor(const Tensor&, const Tensor&)>();
-    return {op.call(grads[0], ctx->get_saved_variables()[0])};
+
+  static torch::autograd::variable_list backward(const Saved& s,
+                                                 const torch::autograd::variable_list& grads) {
+    return {ops::call_op<kBackwardOp, elu_feature_map_backward_cpu>(grads[0], s.x)};
   }
 };
-
-Tensor elu_feature_map_autograd(const Tensor& x) { return EluFeatureMapFunction::apply(x); }
 
 }  // namespace
 
@@ -87,11 +84,13 @@ TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
   m.impl("elu_feature_map_backward", elu_feature_map_backward_cpu);
 }
 
-TORCH_LIBRARY_IMPL(fastattn, Autograd, m) { m.impl("elu_feature_map", elu_feature_map_autograd); }
+TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
+  m.impl("elu_feature_map", ops::Shell<EluFeatureMapOp>::autograd);
+}
 
 Tensor elu_feature_map(const Tensor& x) {
   ops::check_defined(kOp, {"x"}, {x});
-  return call_forward(x);
+  return ops::call_op<kOp, elu_feature_map_cpu>(x);
 }
 
 namespace reference {

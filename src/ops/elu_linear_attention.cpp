@@ -15,16 +15,16 @@
 #include "ops/elu_linear_output_sums.h"
 #include "ops/linear_attention_args.h"
 #include "ops/mask_util.h"
+#include "ops/op_shell.h"
 #include "ops/op_util.h"
 
 namespace fastattn {
 namespace {
 
 using torch::Tensor;
-using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-constexpr const char* kOp = "fastattn::elu_linear_attention";
+constexpr char kOp[] = "fastattn::elu_linear_attention";
 // Rows per chunk. The causal form does C×C work per chunk inside it: small
 // chunks keep every tile in L1 and cut that work (the forward was fastest
 // at 8 rows, the backward at 16); at the AVX-512 level a chunk is at least a
@@ -132,48 +132,33 @@ std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_backward_cpu(
   return {gq, gk, gv};
 }
 
-std::tuple<Tensor, Tensor, Tensor> call_forward(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                const c10::optional<Tensor>& key_lengths,
-                                                bool causal, double eps) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fastattn::elu_linear_attention_forward", "")
-                       .typed<decltype(elu_linear_attention_forward_cpu)>();
-  return op.call(q, k, v, key_lengths, causal, eps);
-}
+constexpr char kForwardOp[] = "fastattn::elu_linear_attention_forward";
+constexpr char kBackwardOp[] = "fastattn::elu_linear_attention_backward";
 
-class EluLinearAttentionFunction : public torch::autograd::Function<EluLinearAttentionFunction> {
- public:
-  static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+struct EluLinearOp {
+  struct Saved {
+    Tensor q, k, v, out, den, state, key_lengths;
+    bool causal = false;
+    double eps = 0.0;
+    auto tensors() { return std::tie(q, k, v, out, den, state, key_lengths); }
+  };
+
+  static Tensor forward(Saved* saved, const Tensor& q, const Tensor& k, const Tensor& v,
                         const c10::optional<Tensor>& key_lengths, bool causal, double eps) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    auto [out, den, state] = call_forward(q, k, v, key_lengths, causal, eps);
-    ctx->save_for_backward({q, k, v, out, den, state});
-    if (key_lengths) ctx->saved_data["key_lengths"] = *key_lengths;
-    ctx->saved_data["causal"] = causal;
-    ctx->saved_data["eps"] = eps;
+    auto [out, den, state] = ops::call_op<kForwardOp, elu_linear_attention_forward_cpu>(
+        q, k, v, key_lengths, causal, eps);
+    if (saved) *saved = {q, k, v, out, den, state, ops::or_undefined(key_lengths), causal, eps};
     return out;
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("fastattn::elu_linear_attention_backward", "")
-                         .typed<decltype(elu_linear_attention_backward_cpu)>();
-    const auto s = ctx->get_saved_variables();
-    c10::optional<Tensor> key_lengths;
-    if (ctx->saved_data.count("key_lengths"))
-      key_lengths = ctx->saved_data["key_lengths"].toTensor();
-    auto [gq, gk, gv] =
-        op.call(grads[0], s[0], s[1], s[2], s[3], s[4], key_lengths,
-                ctx->saved_data["causal"].toBool(), ctx->saved_data["eps"].toDouble(), s[5]);
-    return {gq, gk, gv, Tensor(), Tensor(), Tensor()};
+  static variable_list backward(const Saved& s, const variable_list& grads) {
+    auto [gq, gk, gv] = ops::call_op<kBackwardOp, elu_linear_attention_backward_cpu>(
+        grads[0], s.q, s.k, s.v, s.out, s.den, ops::opt(s.key_lengths), s.causal, s.eps, s.state);
+    return {gq, gk, gv};
   }
 };
 
-Tensor elu_linear_attention_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
-                                     const c10::optional<Tensor>& key_lengths, bool causal,
-                                     double eps) {
-  return EluLinearAttentionFunction::apply(q, k, v, key_lengths, causal, eps);
-}
+using EluLinearShell = ops::Shell<EluLinearOp>;
 
 }  // namespace
 
@@ -193,7 +178,7 @@ EluLinearOutputSums* EluLinearOutputSums::active() { return active_output_sums; 
 Tensor elu_linear_attention_no_grad_entry(const Tensor& q, const Tensor& k, const Tensor& v,
                                           const c10::optional<Tensor>& key_lengths, bool causal,
                                           double eps) {
-  return std::get<0>(call_forward(q, k, v, key_lengths, causal, eps));
+  return EluLinearShell::no_grad(q, k, v, key_lengths, causal, eps);
 }
 
 }  // namespace ops
@@ -205,16 +190,13 @@ TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
 }
 
 TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
-  m.impl("elu_linear_attention", elu_linear_attention_autograd);
+  m.impl("elu_linear_attention", EluLinearShell::autograd);
 }
 
 Tensor elu_linear_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                             const std::optional<Tensor>& key_lengths, bool causal, double eps) {
-  ops::check_defined("fastattn::elu_linear_attention", {"q", "k", "v"}, {q, k, v});
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fastattn::elu_linear_attention", "")
-                       .typed<decltype(ops::elu_linear_attention_no_grad_entry)>();
-  return op.call(q, k, v, to_c10(key_lengths), causal, eps);
+  ops::check_defined(kOp, {"q", "k", "v"}, {q, k, v});
+  return ops::call_op<kOp, EluLinearShell::no_grad>(q, k, v, to_c10(key_lengths), causal, eps);
 }
 
 namespace reference {

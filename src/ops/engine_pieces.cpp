@@ -16,6 +16,7 @@
 #include "kernels/reformer/reformer.h"
 #include "ops/block_sparse_pattern.h"
 #include "ops/dense_attention.h"
+#include "ops/op_shell.h"
 #include "ops/op_util.h"
 
 namespace fastattn::ops {
@@ -202,33 +203,33 @@ struct SavedPieces : torch::CustomClassHolder {
   std::vector<PieceIndex> pieces;
 };
 
-class PiecesFunction : public torch::autograd::Function<PiecesFunction> {
- public:
-  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& q, const Tensor& k,
-                        const Tensor& v, const c10::intrusive_ptr<SavedPieces>& saved) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    auto [out, lse] = pieces_forward(q, k, v, saved->pieces);
-    ctx->save_for_backward({q, k, v, out, lse});
-    ctx->saved_data["pieces"] = c10::IValue::make_capsule(saved);
+struct PiecesOp {
+  struct Saved {
+    Tensor q, k, v, out, lse;
+    c10::intrusive_ptr<SavedPieces> pieces;
+    auto tensors() { return std::tie(q, k, v, out, lse); }
+  };
+
+  static Tensor forward(Saved* saved, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const c10::intrusive_ptr<SavedPieces>& pieces) {
+    auto [out, lse] = pieces_forward(q, k, v, pieces->pieces);
+    if (saved) *saved = {q, k, v, out, lse, pieces};
     return out;
   }
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto s = ctx->get_saved_variables();
-    const auto& q = s[0];
-    const auto& k = s[1];
-    const auto& v = s[2];
-    const auto& out = s[3];
-    const auto& lse = s[4];
-    const auto saved =
-        c10::static_intrusive_pointer_cast<SavedPieces>(ctx->saved_data["pieces"].toCapsule());
+  static torch::autograd::variable_list backward(const Saved& s,
+                                                 const torch::autograd::variable_list& grads) {
+    const auto& q = s.q;
+    const auto& k = s.k;
+    const auto& v = s.v;
+    const auto& out = s.out;
+    const auto& lse = s.lse;
     const auto acc = stats_dtype(q);  // gradients summed over pieces in float32 at least
     auto dq = torch::zeros(q.sizes(), q.options().dtype(acc));
     auto dk = torch::zeros(k.sizes(), k.options().dtype(acc));
     auto dv = torch::zeros(v.sizes(), v.options().dtype(acc));
     const auto grad_out = grads[0].to(out.scalar_type());
-    for (const auto& p : saved->pieces) {
+    for (const auto& p : s.pieces->pieces) {
       if (p.self) {  // dv_i += P_ii grad_out_i, P_ii = exp(self_lse - lse_i)
         dv.add_((p.self_lse - lse).exp().unsqueeze(-1).to(acc) * grad_out.to(acc));
         continue;
@@ -241,7 +242,7 @@ class PiecesFunction : public torch::autograd::Function<PiecesFunction> {
       from_piece(dk, gk, p.heads, p.k_rows, true);
       from_piece(dv, gv, p.heads, p.k_rows, true);
     }
-    return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type()), Tensor()};
+    return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type())};
   }
 };
 
@@ -251,7 +252,7 @@ Tensor attention_over_pieces(const Tensor& q, const Tensor& k, const Tensor& v, 
                              std::vector<EnginePiece> pieces) {
   auto saved = c10::make_intrusive<SavedPieces>();
   saved->pieces = index_all(pieces, scale, q.size(0), q.device());
-  return PiecesFunction::apply(q, k, v, saved);
+  return Shell<PiecesOp>::autograd(q, k, v, saved);
 }
 
 // ---- the block-sparse patterns as pieces -----------------------------------
@@ -522,7 +523,7 @@ Tensor block_sparse_on_engine(const Tensor& q, const Tensor& k, const Tensor& v,
       key.str(), [&] { return block_sparse_pieces(pattern, params, causal, H, L, S); }, N,
       q.device());
   for (auto& p : saved->pieces) p.spec.scale = scale;
-  return PiecesFunction::apply(q, k, v, saved);
+  return Shell<PiecesOp>::autograd(q, k, v, saved);
 }
 
 Tensor sorted_chunks_on_engine(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -550,7 +551,7 @@ Tensor sorted_chunks_on_engine(const Tensor& q, const Tensor& k, const Tensor& v
     self.self_lse = kernels::kReformerSelfScore + std::log(static_cast<double>(orders.size()));
     saved->pieces.push_back(self);
   }
-  return PiecesFunction::apply(q, k, v, saved);
+  return Shell<PiecesOp>::autograd(q, k, v, saved);
 }
 
 Tensor reformer_on_engine(const Tensor& q, const Tensor& v, const Tensor& buckets,

@@ -10,6 +10,7 @@
 #include "kernels/full/full_attention.h"
 #include "ops/full_attention_internal.h"
 #include "ops/mask_util.h"
+#include "ops/op_shell.h"
 #include "ops/op_util.h"
 #include "ops/row_dots.h"
 
@@ -17,10 +18,9 @@ namespace fastattn {
 namespace {
 
 using torch::Tensor;
-using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-constexpr const char* kOp = "fastattn::full_attention";
+constexpr char kOp[] = "fastattn::full_attention";
 
 void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
                   const c10::optional<Tensor>& attn_mask,
@@ -176,74 +176,56 @@ std::tuple<Tensor, Tensor, Tensor> full_attention_backward_cpu(
   return {gq, gk, gv};
 }
 
-// Calls below autograd go through the dispatcher so each backend's kernel runs.
-std::tuple<Tensor, Tensor> call_forward(const Tensor& q, const Tensor& k, const Tensor& v,
-                                        const c10::optional<Tensor>& attn_mask,
-                                        const c10::optional<Tensor>& key_lengths, bool causal,
-                                        double temp, double dropout_p = 0.0,
-                                        int64_t dropout_seed = 0) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fastattn::full_attention_forward", "")
-                       .typed<decltype(full_attention_forward_cpu)>();
-  return op.call(q, k, v, attn_mask, key_lengths, causal, temp, dropout_p, dropout_seed);
-}
+constexpr char kForwardOp[] = "fastattn::full_attention_forward";
+constexpr char kBackwardOp[] = "fastattn::full_attention_backward";
 
-Tensor full_attention_no_grad(const Tensor& q, const Tensor& k, const Tensor& v,
-                              const c10::optional<Tensor>& attn_mask,
-                              const c10::optional<Tensor>& key_lengths, bool causal,
-                              c10::optional<double> softmax_temp, double dropout_p,
-                              c10::optional<int64_t> dropout_seed) {
-  ops::check_qkv(kOp, q, k, v);
-  ops::check_dropout(kOp, dropout_p);
-  return std::get<0>(call_forward(q, k, v, attn_mask, key_lengths, causal,
-                                  ops::resolve_softmax_temp(kOp, q, softmax_temp), dropout_p,
-                                  ops::resolve_dropout_seed(dropout_p, dropout_seed)));
-}
+struct FullOp {
+  struct Saved {
+    Tensor q, k, v, out, lse, attn_mask, key_lengths;
+    bool causal = false;
+    double temp = 0.0, dropout_p = 0.0;
+    int64_t dropout_seed = 0;
+    auto tensors() { return std::tie(q, k, v, out, lse, attn_mask, key_lengths); }
+  };
 
-class FullAttentionFunction : public torch::autograd::Function<FullAttentionFunction> {
- public:
-  static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+  static Tensor forward(Saved* saved, const Tensor& q, const Tensor& k, const Tensor& v,
                         const c10::optional<Tensor>& attn_mask,
                         const c10::optional<Tensor>& key_lengths, bool causal,
                         c10::optional<double> softmax_temp, double dropout_p,
                         c10::optional<int64_t> dropout_seed) {
-    at::AutoDispatchBelowADInplaceOrView guard;
     ops::check_qkv(kOp, q, k, v);
     ops::check_dropout(kOp, dropout_p);
     const double temp = ops::resolve_softmax_temp(kOp, q, softmax_temp);
     // One seed for the forward and the backward: the same keep mask.
     const int64_t seed = ops::resolve_dropout_seed(dropout_p, dropout_seed);
-    auto [out, lse] = call_forward(q, k, v, attn_mask, key_lengths, causal, temp, dropout_p, seed);
-    ctx->save_for_backward({q, k, v, out, lse});
-    ctx->saved_data["attn_mask"] = attn_mask ? *attn_mask : Tensor();
-    ctx->saved_data["key_lengths"] = key_lengths ? *key_lengths : Tensor();
-    ctx->saved_data["causal"] = causal;
-    ctx->saved_data["temp"] = temp;
-    ctx->saved_data["dropout_p"] = dropout_p;
-    ctx->saved_data["dropout_seed"] = seed;
+    auto [out, lse] = ops::call_op<kForwardOp, full_attention_forward_cpu>(
+        q, k, v, attn_mask, key_lengths, causal, temp, dropout_p, seed);
+    if (saved)
+      *saved = {q,
+                k,
+                v,
+                out,
+                lse,
+                ops::or_undefined(attn_mask),
+                ops::or_undefined(key_lengths),
+                causal,
+                temp,
+                dropout_p,
+                seed};
     return out;
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("fastattn::full_attention_backward", "")
-                         .typed<decltype(full_attention_backward_cpu)>();
-    const auto saved = ctx->get_saved_variables();
-    auto opt = [](const c10::IValue& t) {
-      return t.toTensor().defined() ? c10::optional<Tensor>(t.toTensor()) : c10::nullopt;
-    };
-    auto [gq, gk, gv] = op.call(
-        grads[0], saved[0], saved[1], saved[2], saved[3], saved[4],
-        opt(ctx->saved_data["attn_mask"]), opt(ctx->saved_data["key_lengths"]),
-        ctx->saved_data["causal"].toBool(), ctx->saved_data["temp"].toDouble(), c10::nullopt,
-        ctx->saved_data["dropout_p"].toDouble(), ctx->saved_data["dropout_seed"].toInt());
-    return {gq, gk, gv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+  static variable_list backward(const Saved& s, const variable_list& grads) {
+    auto [gq, gk, gv] = ops::call_op<kBackwardOp, full_attention_backward_cpu>(
+        grads[0], s.q, s.k, s.v, s.out, s.lse, ops::opt(s.attn_mask), ops::opt(s.key_lengths),
+        s.causal, s.temp, c10::nullopt, s.dropout_p, s.dropout_seed);
+    return {gq, gk, gv};
   }
 };
 
 // ---- full_attention_lse_topk ------------------------------------------------------
 
-constexpr const char* kLseTopkOp = "fastattn::full_attention_lse_topk";
+constexpr char kLseTopkOp[] = "fastattn::full_attention_lse_topk";
 
 std::tuple<Tensor, Tensor, Tensor> full_attention_lse_topk_forward_cpu(
     const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& key_lengths,
@@ -251,87 +233,56 @@ std::tuple<Tensor, Tensor, Tensor> full_attention_lse_topk_forward_cpu(
   return ops::full_attention_lse_topk_cpu(q, k, v, key_lengths, softmax_temp, topk, 0.0, 0);
 }
 
-std::tuple<Tensor, Tensor, Tensor> call_lse_topk_forward(const Tensor& q, const Tensor& k,
-                                                         const Tensor& v,
-                                                         const c10::optional<Tensor>& key_lengths,
-                                                         double temp, int64_t topk) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fastattn::full_attention_lse_topk_forward", "")
-                       .typed<decltype(full_attention_lse_topk_forward_cpu)>();
-  return op.call(q, k, v, key_lengths, temp, topk);
-}
+constexpr char kLseTopkForwardOp[] = "fastattn::full_attention_lse_topk_forward";
 
-std::tuple<Tensor, Tensor, Tensor> full_attention_lse_topk_no_grad(
-    const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& key_lengths,
-    c10::optional<double> softmax_temp, int64_t topk) {
-  ops::check_qkv(kLseTopkOp, q, k, v);
-  return call_lse_topk_forward(q, k, v, key_lengths,
-                               ops::resolve_softmax_temp(kLseTopkOp, q, softmax_temp), topk);
-}
+// (out, lse, indices of the top-k keys): the backward takes a gradient on
+// lse too (it enters delta), none on the indices.
+struct LseTopkOp {
+  struct Saved {
+    Tensor q, k, v, out, lse, key_lengths;
+    double temp = 0.0;
+    auto tensors() { return std::tie(q, k, v, out, lse, key_lengths); }
+  };
 
-class FullAttentionLseTopkFunction
-    : public torch::autograd::Function<FullAttentionLseTopkFunction> {
- public:
-  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k,
-                               const Tensor& v, const c10::optional<Tensor>& key_lengths,
-                               c10::optional<double> softmax_temp, int64_t topk) {
-    at::AutoDispatchBelowADInplaceOrView guard;
+  static std::tuple<Tensor, Tensor, Tensor> forward(Saved* saved, const Tensor& q, const Tensor& k,
+                                                    const Tensor& v,
+                                                    const c10::optional<Tensor>& key_lengths,
+                                                    c10::optional<double> softmax_temp,
+                                                    int64_t topk) {
     ops::check_qkv(kLseTopkOp, q, k, v);
     const double temp = ops::resolve_softmax_temp(kLseTopkOp, q, softmax_temp);
-    auto [out, lse, idx] = call_lse_topk_forward(q, k, v, key_lengths, temp, topk);
-    ctx->save_for_backward({q, k, v, out, lse});
-    ctx->saved_data["key_lengths"] = key_lengths ? *key_lengths : Tensor();
-    ctx->saved_data["temp"] = temp;
-    ctx->mark_non_differentiable({idx});
-    return {out, lse, idx};
+    auto r = ops::call_op<kLseTopkForwardOp, full_attention_lse_topk_forward_cpu>(
+        q, k, v, key_lengths, temp, topk);
+    if (saved)
+      *saved = {q, k, v, std::get<0>(r), std::get<1>(r), ops::or_undefined(key_lengths), temp};
+    return r;
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("fastattn::full_attention_backward", "")
-                         .typed<decltype(full_attention_backward_cpu)>();
-    const auto saved = ctx->get_saved_variables();
-    const Tensor& klen = ctx->saved_data["key_lengths"].toTensor();
-    auto grad_out = grads[0].defined() ? grads[0] : torch::zeros_like(saved[3]);
-    auto [gq, gk, gv] =
-        op.call(grad_out, saved[0], saved[1], saved[2], saved[3], saved[4], c10::nullopt,
-                klen.defined() ? c10::optional<Tensor>(klen) : c10::nullopt,
-                /*causal=*/false, ctx->saved_data["temp"].toDouble(),
-                grads[1].defined() ? c10::optional<Tensor>(grads[1]) : c10::nullopt,
-                /*dropout_p=*/0.0, /*dropout_seed=*/0);
-    return {gq, gk, gv, Tensor(), Tensor(), Tensor()};
+  static variable_list backward(const Saved& s, const variable_list& grads) {
+    auto grad_out = grads[0].defined() ? grads[0] : torch::zeros_like(s.out);
+    auto [gq, gk, gv] = ops::call_op<kBackwardOp, full_attention_backward_cpu>(
+        grad_out, s.q, s.k, s.v, s.out, s.lse, c10::nullopt, ops::opt(s.key_lengths),
+        /*causal=*/false, s.temp, ops::opt(grads[1]), /*dropout_p=*/0.0, /*dropout_seed=*/0);
+    return {gq, gk, gv};
   }
 };
 
-std::tuple<Tensor, Tensor, Tensor> full_attention_lse_topk_autograd(
-    const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& key_lengths,
-    c10::optional<double> softmax_temp, int64_t topk) {
-  auto r = FullAttentionLseTopkFunction::apply(q, k, v, key_lengths, softmax_temp, topk);
-  return {r[0], r[1], r[2]};
-}
-
-Tensor full_attention_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
-                               const c10::optional<Tensor>& attn_mask,
-                               const c10::optional<Tensor>& key_lengths, bool causal,
-                               c10::optional<double> softmax_temp, double dropout_p,
-                               c10::optional<int64_t> dropout_seed) {
-  return FullAttentionFunction::apply(q, k, v, attn_mask, key_lengths, causal, softmax_temp,
-                                      dropout_p, dropout_seed);
-}
+using FullShell = ops::Shell<FullOp>;
+using LseTopkShell = ops::Shell<LseTopkOp>;
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
-  m.impl("full_attention", full_attention_no_grad);
+  m.impl("full_attention", FullShell::no_grad);
   m.impl("full_attention_forward", full_attention_forward_cpu);
   m.impl("full_attention_backward", full_attention_backward_cpu);
-  m.impl("full_attention_lse_topk", full_attention_lse_topk_no_grad);
+  m.impl("full_attention_lse_topk", LseTopkShell::no_grad);
   m.impl("full_attention_lse_topk_forward", full_attention_lse_topk_forward_cpu);
 }
 
 TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
-  m.impl("full_attention", full_attention_autograd);
-  m.impl("full_attention_lse_topk", full_attention_lse_topk_autograd);
+  m.impl("full_attention", FullShell::autograd);
+  m.impl("full_attention_lse_topk", LseTopkShell::autograd);
 }
 
 Tensor full_attention(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -340,11 +291,9 @@ Tensor full_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                       std::optional<double> softmax_temp, double dropout_p,
                       std::optional<int64_t> dropout_seed) {
   ops::check_defined("fastattn::full_attention", {"q", "k", "v"}, {q, k, v});
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fastattn::full_attention", "")
-                       .typed<decltype(full_attention_no_grad)>();
-  return op.call(q, k, v, to_c10(attn_mask), to_c10(key_lengths), causal, to_c10(softmax_temp),
-                 dropout_p, to_c10(dropout_seed));
+  return ops::call_op<kOp, FullShell::no_grad>(q, k, v, to_c10(attn_mask), to_c10(key_lengths),
+                                               causal, to_c10(softmax_temp), dropout_p,
+                                               to_c10(dropout_seed));
 }
 
 std::tuple<Tensor, Tensor, Tensor> full_attention_lse_topk(const Tensor& q, const Tensor& k,
@@ -353,10 +302,8 @@ std::tuple<Tensor, Tensor, Tensor> full_attention_lse_topk(const Tensor& q, cons
                                                            std::optional<double> softmax_temp,
                                                            int64_t topk) {
   ops::check_defined(kLseTopkOp, {"q", "k", "v"}, {q, k, v});
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fastattn::full_attention_lse_topk", "")
-                       .typed<decltype(full_attention_lse_topk_no_grad)>();
-  return op.call(q, k, v, to_c10(key_lengths), to_c10(softmax_temp), topk);
+  return ops::call_op<kLseTopkOp, LseTopkShell::no_grad>(q, k, v, to_c10(key_lengths),
+                                                         to_c10(softmax_temp), topk);
 }
 
 namespace ops {
@@ -472,14 +419,14 @@ Tensor full_attention_no_grad_entry(const Tensor& q, const Tensor& k, const Tens
                                     const c10::optional<Tensor>& key_lengths, bool causal,
                                     c10::optional<double> softmax_temp, double dropout_p,
                                     c10::optional<int64_t> dropout_seed) {
-  return full_attention_no_grad(q, k, v, attn_mask, key_lengths, causal, softmax_temp, dropout_p,
-                                dropout_seed);
+  return FullShell::no_grad(q, k, v, attn_mask, key_lengths, causal, softmax_temp, dropout_p,
+                            dropout_seed);
 }
 
 std::tuple<Tensor, Tensor, Tensor> full_attention_lse_topk_no_grad_entry(
     const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& key_lengths,
     c10::optional<double> softmax_temp, int64_t topk) {
-  return full_attention_lse_topk_no_grad(q, k, v, key_lengths, softmax_temp, topk);
+  return LseTopkShell::no_grad(q, k, v, key_lengths, softmax_temp, topk);
 }
 
 std::tuple<Tensor, Tensor, Tensor> full_attention_lse_topk_cpu(

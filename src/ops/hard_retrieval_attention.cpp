@@ -30,6 +30,7 @@
 #include "kernels/hard_retrieval/hard_retrieval.h"
 #include "ops/hard_retrieval_args.h"
 #include "ops/mask_util.h"
+#include "ops/op_shell.h"
 #include "ops/op_util.h"
 
 namespace fastattn {
@@ -69,7 +70,7 @@ void check_hard_retrieval_backward(const char* op, const torch::Tensor& grad_out
                                 soft_out.scalar_type() == lse_dtype),
       op, ": soft_out must be empty or ", lse_dtype, " of shape (N, H, L, M) = (", N, ", ", H, ", ",
       L, ", ", M, "), got ", soft_out.scalar_type(), " ", soft_out.sizes());
-  if (index.numel() > 0) {
+  if (index.numel() > 0 && check_values()) {
     TORCH_CHECK(index.min().item<int64_t>() >= -1 && index.max().item<int64_t>() < S, op,
                 ": index must be in [-1, S) = [-1, ", S, ")");
   }
@@ -80,10 +81,9 @@ void check_hard_retrieval_backward(const char* op, const torch::Tensor& grad_out
 namespace {
 
 using torch::Tensor;
-using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-constexpr const char* kOp = "fastattn::hard_retrieval_attention";
+constexpr char kOp[] = "fastattn::hard_retrieval_attention";
 
 void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
                   const c10::optional<Tensor>& attn_mask,
@@ -208,78 +208,64 @@ std::tuple<Tensor, Tensor, Tensor> hard_retrieval_attention_backward_cpu(
   return {gq, gk, gv};
 }
 
-// Calls below autograd go through the dispatcher so each backend's kernel runs.
-std::tuple<Tensor, Tensor, Tensor, Tensor> call_forward(const Tensor& q, const Tensor& k,
-                                                        const Tensor& v,
-                                                        const c10::optional<Tensor>& attn_mask,
-                                                        const c10::optional<Tensor>& key_lengths,
-                                                        bool causal, bool sample, double temp,
-                                                        int64_t seed, bool need_lse) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fastattn::hard_retrieval_attention_forward", "")
-                       .typed<decltype(hard_retrieval_attention_forward_cpu)>();
-  return op.call(q, k, v, attn_mask, key_lengths, causal, sample, temp, seed, need_lse);
-}
+constexpr char kForwardOp[] = "fastattn::hard_retrieval_attention_forward";
+constexpr char kBackwardOp[] = "fastattn::hard_retrieval_attention_backward";
 
-class HardRetrievalFunction : public torch::autograd::Function<HardRetrievalFunction> {
- public:
-  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k,
-                               const Tensor& v, const c10::optional<Tensor>& attn_mask,
-                               const c10::optional<Tensor>& key_lengths, bool causal, bool sample,
-                               c10::optional<double> softmax_temp, int64_t seed) {
+// (out, index of the retrieved key): gradients to q and k through the
+// training softmax (its lse and soft output saved only when q or k needs
+// one), to v through the retrieved rows.
+struct HardRetrievalOp {
+  struct Saved {
+    Tensor q, k, v, index, lse, soft_out, attn_mask, key_lengths;
+    bool causal = false, qk_grad = false;
+    double temp = 0.0;
+    auto tensors() { return std::tie(q, k, v, index, lse, soft_out, attn_mask, key_lengths); }
+  };
+
+  static std::tuple<Tensor, Tensor> forward(Saved* saved, const Tensor& q, const Tensor& k,
+                                            const Tensor& v, const c10::optional<Tensor>& attn_mask,
+                                            const c10::optional<Tensor>& key_lengths, bool causal,
+                                            bool sample, c10::optional<double> softmax_temp,
+                                            int64_t seed) {
     ops::check_qkv(kOp, q, k, v);
-    const bool need_lse = q.requires_grad() || k.requires_grad();
-    at::AutoDispatchBelowADInplaceOrView guard;
+    const bool need_lse = saved && (q.requires_grad() || k.requires_grad());
     const double temp = ops::resolve_softmax_temp(kOp, q, softmax_temp);
     auto [out, index, lse, soft_out] =
-        call_forward(q, k, v, attn_mask, key_lengths, causal, sample, temp, seed, need_lse);
-    ctx->save_for_backward({q, k, v, index, lse, soft_out});
-    ctx->saved_data["attn_mask"] = attn_mask ? *attn_mask : Tensor();
-    ctx->saved_data["key_lengths"] = key_lengths ? *key_lengths : Tensor();
-    ctx->saved_data["causal"] = causal;
-    ctx->saved_data["temp"] = temp;
-    ctx->saved_data["qk_grad"] = need_lse;
-    ctx->mark_non_differentiable({index});
+        ops::call_op<kForwardOp, hard_retrieval_attention_forward_cpu>(
+            q, k, v, attn_mask, key_lengths, causal, sample, temp, seed, need_lse);
+    if (saved)
+      *saved = {q,
+                k,
+                v,
+                index,
+                lse,
+                soft_out,
+                ops::or_undefined(attn_mask),
+                ops::or_undefined(key_lengths),
+                causal,
+                need_lse,
+                temp};
     return {out, index};
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("fastattn::hard_retrieval_attention_backward", "")
-                         .typed<decltype(hard_retrieval_attention_backward_cpu)>();
-    const auto s = ctx->get_saved_variables();
-    const variable_list none(9);
-    if (!grads[0].defined()) return none;
-    auto opt = [](const c10::IValue& t) {
-      return t.toTensor().defined() ? c10::optional<Tensor>(t.toTensor()) : c10::nullopt;
-    };
-    const auto attn_mask = opt(ctx->saved_data["attn_mask"]);
-    const auto key_lengths = opt(ctx->saved_data["key_lengths"]);
-    const bool causal = ctx->saved_data["causal"].toBool();
-    const double temp = ctx->saved_data["temp"].toDouble();
-    if (!ctx->saved_data["qk_grad"].toBool()) {
+  static variable_list backward(const Saved& s, const variable_list& grads) {
+    if (!grads[0].defined()) return {};
+    if (!s.qk_grad) {
       // Only v needed a gradient: the index-add alone (no softmax backward).
-      const auto& index = s[3];
-      auto go = grads[0].to(s[2].scalar_type());
-      auto src = go * (index >= 0).unsqueeze(-1).to(go.scalar_type());
-      auto gv = torch::zeros_like(s[2]).scatter_add_(
-          2, index.clamp_min(0).unsqueeze(-1).expand_as(go), src);
-      return {Tensor(), Tensor(), gv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+      auto go = grads[0].to(s.v.scalar_type());
+      auto src = go * (s.index >= 0).unsqueeze(-1).to(go.scalar_type());
+      auto gv = torch::zeros_like(s.v).scatter_add_(
+          2, s.index.clamp_min(0).unsqueeze(-1).expand_as(go), src);
+      return {Tensor(), Tensor(), gv};
     }
-    auto [gq, gk, gv] =
-        op.call(grads[0], s[0], s[1], s[2], s[3], s[4], s[5], attn_mask, key_lengths, causal, temp);
-    return {gq, gk, gv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    auto [gq, gk, gv] = ops::call_op<kBackwardOp, hard_retrieval_attention_backward_cpu>(
+        grads[0], s.q, s.k, s.v, s.index, s.lse, s.soft_out, ops::opt(s.attn_mask),
+        ops::opt(s.key_lengths), s.causal, s.temp);
+    return {gq, gk, gv};
   }
 };
 
-std::tuple<Tensor, Tensor> hard_retrieval_attention_autograd(
-    const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& attn_mask,
-    const c10::optional<Tensor>& key_lengths, bool causal, bool sample,
-    c10::optional<double> softmax_temp, int64_t seed) {
-  auto r = HardRetrievalFunction::apply(q, k, v, attn_mask, key_lengths, causal, sample,
-                                        softmax_temp, seed);
-  return {r[0], r[1]};
-}
+using HardRetrievalShell = ops::Shell<HardRetrievalOp>;
 
 }  // namespace
 
@@ -290,10 +276,8 @@ std::tuple<Tensor, Tensor> hard_retrieval_no_grad_entry(
     const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& attn_mask,
     const c10::optional<Tensor>& key_lengths, bool causal, bool sample,
     c10::optional<double> softmax_temp, int64_t seed) {
-  ops::check_qkv(kOp, q, k, v);
-  auto r = call_forward(q, k, v, attn_mask, key_lengths, causal, sample,
-                        ops::resolve_softmax_temp(kOp, q, softmax_temp), seed, false);
-  return {std::get<0>(r), std::get<1>(r)};
+  return HardRetrievalShell::no_grad(q, k, v, attn_mask, key_lengths, causal, sample, softmax_temp,
+                                     seed);
 }
 
 }  // namespace ops
@@ -305,19 +289,16 @@ TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
 }
 
 TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
-  m.impl("hard_retrieval_attention", hard_retrieval_attention_autograd);
+  m.impl("hard_retrieval_attention", HardRetrievalShell::autograd);
 }
 
 std::tuple<Tensor, Tensor> hard_retrieval_attention(
     const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& attn_mask,
     const std::optional<Tensor>& key_lengths, bool causal, bool sample,
     std::optional<double> softmax_temp, int64_t seed) {
-  ops::check_defined("fastattn::hard_retrieval_attention", {"q", "k", "v"}, {q, k, v});
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fastattn::hard_retrieval_attention", "")
-                       .typed<decltype(ops::hard_retrieval_no_grad_entry)>();
-  return op.call(q, k, v, to_c10(attn_mask), to_c10(key_lengths), causal, sample,
-                 to_c10(softmax_temp), seed);
+  ops::check_defined(kOp, {"q", "k", "v"}, {q, k, v});
+  return ops::call_op<kOp, ops::hard_retrieval_no_grad_entry>(
+      q, k, v, to_c10(attn_mask), to_c10(key_lengths), causal, sample, to_c10(softmax_temp), seed);
 }
 
 // ---- reference ----------------------------------------------------------------

@@ -59,6 +59,16 @@ kernels::DType kernel_dtype(const char* op, const char* name, const torch::Tenso
   }
 }
 
+namespace {
+thread_local bool saved_inputs_checked = false;
+}  // namespace
+
+SavedInputsChecked::SavedInputsChecked() : outer_(saved_inputs_checked) {
+  saved_inputs_checked = true;
+}
+SavedInputsChecked::~SavedInputsChecked() { saved_inputs_checked = outer_; }
+bool check_values() { return !saved_inputs_checked; }
+
 void check_qkv(const char* op, const torch::Tensor& q, const torch::Tensor& k,
                const torch::Tensor& v) {
   TORCH_CHECK(q.defined() && k.defined() && v.defined(), op,

@@ -33,6 +33,26 @@ namespace ops {
 void check_qkv(const char* op, const torch::Tensor& q, const torch::Tensor& k,
                const torch::Tensor& v);
 
+// Checks of tensor values (index and key-length ranges, the clusters'
+// histogram) read the tensors on the host: on CUDA a synchronisation each.
+// A backward through the operator shell runs on the tensors its forward
+// checked (saved, and autograd refuses them if modified since), so the
+// shell's backward opens a SavedInputsChecked scope and the value checks
+// skip while it is open on this thread (check_values() is false). Shapes,
+// dtypes and devices are checked always; a direct call of a backward
+// operator checks everything.
+class SavedInputsChecked {
+ public:
+  SavedInputsChecked();
+  ~SavedInputsChecked();
+  SavedInputsChecked(const SavedInputsChecked&) = delete;
+  SavedInputsChecked& operator=(const SavedInputsChecked&) = delete;
+
+ private:
+  bool outer_;
+};
+bool check_values();
+
 // The floating dtypes of the operators: float32, float64, float16 and
 // bfloat16 on the CPU (the last two computed in float32, see in_float32);
 // float32, float16 and bfloat16 on CUDA. check_float_dtype names `name`.

@@ -19,6 +19,7 @@
 #include "fastattn/ops.h"
 #include "kernels/reformer/reformer.h"
 #include "ops/mask_util.h"
+#include "ops/op_shell.h"
 #include "ops/op_util.h"
 #include "ops/row_dots.h"
 #include "ops/reformer_attention_internal.h"
@@ -96,7 +97,6 @@ void check_backward_inputs(const Tensor& grad_out, const Tensor& q, const Tensor
 namespace {
 
 using torch::Tensor;
-using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 using namespace ops::reformer;
 
@@ -208,16 +208,46 @@ std::tuple<Tensor, Tensor> reformer_attention_backward_cpu(const Tensor& grad_ou
   return {gq, gv};
 }
 
-std::tuple<Tensor, Tensor> call_forward(const Tensor& q, const Tensor& v, const Tensor& buckets,
-                                        const c10::optional<Tensor>& key_lengths,
-                                        int64_t chunk_size, bool causal, bool mask_self,
-                                        double temp, double dropout_p, int64_t dropout_seed) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fastattn::reformer_attention_forward", "")
-                       .typed<decltype(reformer_attention_forward_cpu)>();
-  return op.call(q, v, buckets, key_lengths, chunk_size, causal, mask_self, temp, dropout_p,
-                 dropout_seed);
-}
+constexpr char kForwardOp[] = "fastattn::reformer_attention_forward";
+constexpr char kBackwardOp[] = "fastattn::reformer_attention_backward";
+
+struct ReformerOp {
+  struct Saved {
+    Tensor q, v, buckets, out, stats, key_lengths;
+    int64_t chunk_size = 0;
+    bool causal = false, mask_self = false;
+    double temp = 0.0, dropout_p = 0.0;
+    int64_t dropout_seed = 0;
+    auto tensors() { return std::tie(q, v, buckets, out, stats, key_lengths); }
+  };
+
+  static Tensor forward(Saved* saved, const Tensor& q, const Tensor& v, const Tensor& buckets,
+                        const c10::optional<Tensor>& key_lengths, int64_t chunk_size, bool causal,
+                        bool mask_self, c10::optional<double> softmax_temp, double dropout_p,
+                        c10::optional<int64_t> dropout_seed) {
+    TORCH_CHECK(q.defined() && q.dim() == 4, kOp, ": q must have shape (N, H, L, E), got ",
+                q.defined() ? q.sizes() : c10::IntArrayRef{});
+    ops::check_dropout(kOp, dropout_p);
+    const double temp = ops::resolve_softmax_temp(kOp, q, softmax_temp);
+    // One seed for the forward and the backward: the same keep mask.
+    const int64_t seed = ops::resolve_dropout_seed(dropout_p, dropout_seed);
+    auto [out, stats] = ops::call_op<kForwardOp, reformer_attention_forward_cpu>(
+        q, v, buckets, key_lengths, chunk_size, causal, mask_self, temp, dropout_p, seed);
+    if (saved)
+      *saved = {q,          v,      buckets,   out,  stats,     ops::or_undefined(key_lengths),
+                chunk_size, causal, mask_self, temp, dropout_p, seed};
+    return out;
+  }
+
+  static variable_list backward(const Saved& s, const variable_list& grads) {
+    auto [gq, gv] = ops::call_op<kBackwardOp, reformer_attention_backward_cpu>(
+        grads[0], s.q, s.v, s.buckets, s.out, s.stats, ops::opt(s.key_lengths), s.chunk_size,
+        s.causal, s.mask_self, s.temp, s.dropout_p, s.dropout_seed);
+    return {gq, gv};
+  }
+};
+
+using ReformerShell = ops::Shell<ReformerOp>;
 
 }  // namespace
 
@@ -226,67 +256,9 @@ torch::Tensor ops::reformer::reformer_attention_no_grad(
     const Tensor& q, const Tensor& v, const Tensor& buckets,
     const c10::optional<Tensor>& key_lengths, int64_t chunk_size, bool causal, bool mask_self,
     c10::optional<double> softmax_temp, double dropout_p, c10::optional<int64_t> dropout_seed) {
-  TORCH_CHECK(q.defined() && q.dim() == 4, kOp, ": q must have shape (N, H, L, E), got ",
-              q.defined() ? q.sizes() : c10::IntArrayRef{});
-  ops::check_dropout(kOp, dropout_p);
-  return std::get<0>(call_forward(q, v, buckets, key_lengths, chunk_size, causal, mask_self,
-                                  ops::resolve_softmax_temp(kOp, q, softmax_temp), dropout_p,
-                                  ops::resolve_dropout_seed(dropout_p, dropout_seed)));
+  return ReformerShell::no_grad(q, v, buckets, key_lengths, chunk_size, causal, mask_self,
+                                softmax_temp, dropout_p, dropout_seed);
 }
-
-namespace {
-
-class ReformerFunction : public torch::autograd::Function<ReformerFunction> {
- public:
-  static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& v,
-                        const Tensor& buckets, const c10::optional<Tensor>& key_lengths,
-                        int64_t chunk_size, bool causal, bool mask_self,
-                        c10::optional<double> softmax_temp, double dropout_p,
-                        c10::optional<int64_t> dropout_seed) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    TORCH_CHECK(q.defined() && q.dim() == 4, kOp, ": q must have shape (N, H, L, E), got ",
-                q.defined() ? q.sizes() : c10::IntArrayRef{});
-    ops::check_dropout(kOp, dropout_p);
-    const double temp = ops::resolve_softmax_temp(kOp, q, softmax_temp);
-    const int64_t seed = ops::resolve_dropout_seed(dropout_p, dropout_seed);
-    auto [out, stats] = call_forward(q, v, buckets, key_lengths, chunk_size, causal, mask_self,
-                                     temp, dropout_p, seed);
-    ctx->save_for_backward({q, v, buckets, out, stats});
-    ctx->saved_data["key_lengths"] = key_lengths ? *key_lengths : Tensor();
-    ctx->saved_data["chunk_size"] = chunk_size;
-    ctx->saved_data["causal"] = causal;
-    ctx->saved_data["mask_self"] = mask_self;
-    ctx->saved_data["temp"] = temp;
-    ctx->saved_data["dropout_p"] = dropout_p;
-    ctx->saved_data["dropout_seed"] = seed;
-    return out;
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("fastattn::reformer_attention_backward", "")
-                         .typed<decltype(reformer_attention_backward_cpu)>();
-    const auto s = ctx->get_saved_variables();
-    const auto kl = ctx->saved_data["key_lengths"].toTensor();
-    auto [gq, gv] =
-        op.call(grads[0], s[0], s[1], s[2], s[3], s[4],
-                kl.defined() ? c10::optional<Tensor>(kl) : c10::nullopt,
-                ctx->saved_data["chunk_size"].toInt(), ctx->saved_data["causal"].toBool(),
-                ctx->saved_data["mask_self"].toBool(), ctx->saved_data["temp"].toDouble(),
-                ctx->saved_data["dropout_p"].toDouble(), ctx->saved_data["dropout_seed"].toInt());
-    return {gq, gv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
-  }
-};
-
-Tensor reformer_attention_autograd(const Tensor& q, const Tensor& v, const Tensor& buckets,
-                                   const c10::optional<Tensor>& key_lengths, int64_t chunk_size,
-                                   bool causal, bool mask_self, c10::optional<double> softmax_temp,
-                                   double dropout_p, c10::optional<int64_t> dropout_seed) {
-  return ReformerFunction::apply(q, v, buckets, key_lengths, chunk_size, causal, mask_self,
-                                 softmax_temp, dropout_p, dropout_seed);
-}
-
-}  // namespace
 
 TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
   m.impl("lsh_hash", lsh_hash_cpu);
@@ -295,16 +267,11 @@ TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
   m.impl("reformer_attention_backward", reformer_attention_backward_cpu);
 }
 
-TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
-  m.impl("reformer_attention", reformer_attention_autograd);
-}
+TORCH_LIBRARY_IMPL(fastattn, Autograd, m) { m.impl("reformer_attention", ReformerShell::autograd); }
 
 Tensor lsh_hash(const Tensor& x, const Tensor& rotations) {
   ops::check_defined(kHashOp, {"x", "rotations"}, {x, rotations});
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fastattn::lsh_hash", "")
-                       .typed<decltype(lsh_hash_cpu)>();
-  return op.call(x, rotations);
+  return ops::call_op<kHashOp, lsh_hash_cpu>(x, rotations);
 }
 
 Tensor reformer_attention(const Tensor& q, const Tensor& v, const Tensor& buckets,
@@ -312,11 +279,9 @@ Tensor reformer_attention(const Tensor& q, const Tensor& v, const Tensor& bucket
                           bool mask_self, std::optional<double> softmax_temp, double dropout_p,
                           std::optional<int64_t> dropout_seed) {
   ops::check_defined(kOp, {"q", "v", "buckets"}, {q, v, buckets});
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fastattn::reformer_attention", "")
-                       .typed<decltype(reformer_attention_no_grad)>();
-  return op.call(q, v, buckets, to_c10(key_lengths), chunk_size, causal, mask_self,
-                 to_c10(softmax_temp), dropout_p, to_c10(dropout_seed));
+  return ops::call_op<kOp, reformer_attention_no_grad>(
+      q, v, buckets, to_c10(key_lengths), chunk_size, causal, mask_self, to_c10(softmax_temp),
+      dropout_p, to_c10(dropout_seed));
 }
 
 // ---- plain-ATen references (tests and benchmarks only) ----------------------------

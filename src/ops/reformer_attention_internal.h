@@ -13,8 +13,8 @@
 
 namespace fastattn::ops::reformer {
 
-constexpr const char* kHashOp = "fastattn::lsh_hash";
-constexpr const char* kOp = "fastattn::reformer_attention";
+inline constexpr char kHashOp[] = "fastattn::lsh_hash";
+inline constexpr char kOp[] = "fastattn::reformer_attention";
 // Bound on bucket values (the CPU counting sort keeps a table of this many).
 constexpr int64_t kMaxBuckets = int64_t(1) << 24;
 

@@ -1,6 +1,9 @@
 // The one schema block of the fastattn operator library. Every operator is
 // declared here; implementations register per dispatch key beside their
 // kernels (CPU, CUDA, Autograd) in src/ops/<op>.cpp.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
 TORCH_LIBRARY(fastattn, m) {
@@ -288,4 +291,50 @@ TORCH_LIBRARY(fastattn, m) {
   // The CPU output cache (op_util.cpp).
   m.def("empty_cpu_cache() -> ()");
   m.def("cpu_cache_bytes() -> int");
+}
+
+namespace {
+
+// The Autograd kernel of the internal halves (the X_forward / X_backward
+// operators the differentiable operators call): they are not differentiable,
+// so they run below autograd and with grad mode off (the registry's halves
+// run types whose helpers would otherwise record a graph), and their outputs
+// carry no gradient history.
+// Without it a direct call with inputs that require grad took the autograd
+// fallback, whose outputs warn at backward and give no gradient.
+void not_differentiable(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
+                        torch::jit::Stack* stack) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  at::NoGradGuard no_grad;
+  op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
+  for (const char* name : {"full_attention_forward",
+                           "full_attention_backward",
+                           "full_attention_lse_topk_forward",
+                           "causal_linear_product_forward",
+                           "causal_linear_product_backward",
+                           "elu_linear_attention_forward",
+                           "elu_linear_attention_backward",
+                           "elu_feature_map_backward",
+                           "clustered_topk_attention_backward",
+                           "improved_clustered_attention_forward",
+                           "improved_clustered_attention_backward",
+                           "hard_retrieval_attention_forward",
+                           "hard_retrieval_attention_backward",
+                           "aft_attention_forward",
+                           "aft_attention_backward",
+                           "block_sparse_attention_forward",
+                           "block_sparse_attention_backward",
+                           "_dense_attention_forward",
+                           "_dense_attention_backward",
+                           "reformer_attention_forward",
+                           "reformer_attention_backward",
+                           "gather_tokens_backward",
+                           "attention_forward",
+                           "attention_backward"})
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&not_differentiable>());
 }

@@ -9,6 +9,7 @@
 
 #include "fastattn/ops.h"
 #include "kernels/token_gather/token_gather.h"
+#include "ops/op_shell.h"
 #include "ops/op_util.h"
 #include "ops/token_gather_args.h"
 
@@ -23,7 +24,7 @@ void check_gather_index(const Tensor& index, int64_t N, int64_t L) {
               index.defined() ? index.sizes() : torch::IntArrayRef{});
   TORCH_CHECK(index.scalar_type() == torch::kLong, kGatherTokensOp, ": index must be int64, got ",
               index.scalar_type());
-  if (index.numel() > 0) {
+  if (index.numel() > 0 && ops::check_values()) {
     const int64_t lo = index.min().item<int64_t>(), hi = index.max().item<int64_t>();
     TORCH_CHECK(lo >= -1 && hi < L, kGatherTokensOp,
                 ": index must hold token positions in [-1, L) = [-1, ", L, "), got values in [", lo,
@@ -88,35 +89,27 @@ Tensor gather_tokens_backward_cpu(const Tensor& grad_out_in, const Tensor& index
   return out;
 }
 
-Tensor call_forward(const Tensor& x, const Tensor& index) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fastattn::gather_tokens", "")
-                       .typed<Tensor(const Tensor&, const Tensor&)>();
-  return op.call(x, index);
-}
+constexpr char kBackwardOp[] = "fastattn::gather_tokens_backward";
 
-class GatherTokensFunction : public torch::autograd::Function<GatherTokensFunction> {
- public:
-  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& x,
-                        const Tensor& index) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    ctx->save_for_backward({index});
-    ctx->saved_data["length"] = x.size(2);
-    return call_forward(x, index);
+// The operator's CPU kernel is its forward; the autograd kernel calls it
+// below autograd.
+struct GatherTokensOp {
+  struct Saved {
+    Tensor index;
+    int64_t length = 0;
+    auto tensors() { return std::tie(index); }
+  };
+
+  static Tensor forward(Saved* saved, const Tensor& x, const Tensor& index) {
+    if (saved) *saved = {index, x.size(2)};
+    return ops::call_op<ops::kGatherTokensOp, gather_tokens_cpu>(x, index);
   }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("fastattn::gather_tokens_backward", "")
-                         .typed<Tensor(const Tensor&, const Tensor&, int64_t)>();
-    return {op.call(grads[0], ctx->get_saved_variables()[0], ctx->saved_data["length"].toInt()),
-            Tensor()};
+
+  static torch::autograd::variable_list backward(const Saved& s,
+                                                 const torch::autograd::variable_list& grads) {
+    return {ops::call_op<kBackwardOp, gather_tokens_backward_cpu>(grads[0], s.index, s.length)};
   }
 };
-
-Tensor gather_tokens_autograd(const Tensor& x, const Tensor& index) {
-  return GatherTokensFunction::apply(x, index);
-}
 
 }  // namespace
 
@@ -125,11 +118,13 @@ TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
   m.impl("gather_tokens_backward", gather_tokens_backward_cpu);
 }
 
-TORCH_LIBRARY_IMPL(fastattn, Autograd, m) { m.impl("gather_tokens", gather_tokens_autograd); }
+TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
+  m.impl("gather_tokens", ops::Shell<GatherTokensOp>::autograd);
+}
 
 Tensor gather_tokens(const Tensor& x, const Tensor& index) {
   ops::check_defined(kOp, {"x", "index"}, {x, index});
-  return call_forward(x, index);
+  return ops::call_op<ops::kGatherTokensOp, gather_tokens_cpu>(x, index);
 }
 
 namespace reference {

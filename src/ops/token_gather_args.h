@@ -10,7 +10,7 @@
 
 namespace fastattn::ops {
 
-constexpr const char* kGatherTokensOp = "fastattn::gather_tokens";
+inline constexpr char kGatherTokensOp[] = "fastattn::gather_tokens";
 
 // index (N, T) int64 with values in [-1, L).
 void check_gather_index(const torch::Tensor& index, int64_t N, int64_t L);

@@ -237,7 +237,9 @@ def test_opcheck_kernel_ops(name, op, args, kwargs):
 def inner_calls(op, args, kwargs):
     """The fastattn operators a differentiable operator calls in an eager
     forward and backward (its _forward and _backward operators), with the
-    arguments they were given, tensors detached."""
+    arguments they were given: tensors detached, those that required grad
+    still requiring it (the saved inputs a backward is given do), so that
+    opcheck's autograd-registration test runs on them."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     calls = []
@@ -245,7 +247,8 @@ def inner_calls(op, args, kwargs):
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, a=(), kw=None):
             if func.namespace == "fastattn" and func._overloadpacket is not op:
-                detach = lambda x: x.detach() if isinstance(x, torch.Tensor) else x
+                detach = (lambda x: x.detach().requires_grad_(x.requires_grad)
+                          if isinstance(x, torch.Tensor) else x)
                 calls.append((func, torch.utils._pytree.tree_map(detach, (a, kw or {}))))
             return func(*a, **(kw or {}))
 
@@ -269,6 +272,34 @@ def test_opcheck_forward_and_backward_ops(name, op, args, kwargs):
         return
     for func, (a, kw) in calls:
         torch.library.opcheck(func, a, kw)
+
+
+def test_internal_halves_are_not_differentiable():
+    """A direct call of an X_forward / X_backward operator with inputs that
+    require grad runs below autograd: its outputs have no gradient history
+    (no silent, warning autograd fallback), and gradients come from X."""
+    import warnings
+
+    ops = torch.ops.fastattn
+    halves = [n for n in torch._C._dispatch_get_all_op_names()
+              if n.startswith("fastattn::") and n.endswith(("_forward", "_backward"))]
+    assert len(halves) >= 20
+    unregistered = [n for n in halves
+                    if not torch._C._dispatch_has_kernel_for_dispatch_key(n, "Autograd")]
+    assert not unregistered, "halves without an Autograd kernel (schemas.cpp): %s" % unregistered
+    q, k, v = qkv(torch.float64, grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, lse = ops.full_attention_forward(q, k, v, None, None, False, 0.25, 0.0, 0)
+        grads = ops.full_attention_backward(torch.ones_like(out), q, k, v, out, lse, None,
+                                            None, False, 0.25, None, 0.0, 0)
+    assert not out.requires_grad and out.grad_fn is None
+    assert not any(g.requires_grad for g in grads)
+    ref = ops.full_attention(q, k, v, softmax_temp=0.25)
+    torch.testing.assert_close(out, ref.detach())
+    torch.autograd.backward(ref, torch.ones_like(ref))
+    for g, t in zip(grads, (q, k, v)):
+        torch.testing.assert_close(g, t.grad)
 
 
 def test_every_operator_has_a_fake_and_an_opcheck_case():
