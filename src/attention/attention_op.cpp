@@ -134,8 +134,26 @@ auto naming_allocation_failures(const std::string& op, const std::string& type,
 // check then settles.
 // `witness`: a tensor whose sum is finite only if t's elements are (the
 // type's take_finite_witness()), read instead of t when defined.
+// Every element finite, by one pass over a small CPU tensor's elements (x - x
+// is 0 for finite x and NaN otherwise; the loop vectorises). Below
+// kSmallFinite elements this is cheaper than a reduction's dispatch and
+// thread-pool start, which cost a tiny call more than its attention.
+constexpr int64_t kSmallFinite = int64_t{1} << 14;
+template <typename T>
+bool finite_elements(const at::Tensor& t) {
+  const auto c = t.contiguous();
+  const T* p = c.data_ptr<T>();
+  bool ok = true;
+  for (int64_t i = 0, n = c.numel(); i < n; ++i) ok &= (p[i] - p[i]) == T(0);
+  return ok;
+}
+
 bool all_finite(const at::Tensor& t, const at::Tensor& witness = at::Tensor()) {
   if (!t.defined() || !t.is_floating_point() || t.numel() == 0) return true;
+  if (t.is_cpu() && t.numel() <= kSmallFinite) {
+    if (t.scalar_type() == at::kFloat) return finite_elements<float>(t);
+    if (t.scalar_type() == at::kDouble) return finite_elements<double>(t);
+  }
   if (std::isfinite((witness.defined() ? witness : t).sum().item<double>())) return true;
   return torch::isfinite(t).all().item<bool>();
 }
@@ -298,23 +316,32 @@ class ReplayRng {
   at::Tensor saved_;
 };
 
+// The type's output, checked finite, not sharing memory with its inputs (an
+// operator's output must not), in the layout the fake implementation
+// promises: q's row layout (ops::empty_rows_like), which the linear types'
+// kernels write, so that a layer's transpose of a (N, L, H, E) projection's
+// result back is a view.
+at::Tensor type_output(const std::string& type, const at::Tensor& q, const at::Tensor& k,
+                       const at::Tensor& v, bool causal,
+                       const c10::optional<at::Tensor>& key_lengths,
+                       const c10::optional<at::Tensor>& attn_mask, const std::string& params_json,
+                       bool training) {
+  auto [out, witness] =
+      run_type(type, q, k, v, causal, key_lengths, attn_mask, params_json, training);
+  check_finite_result("fastattn::attention", type, params_json, out, witness, q, k, v,
+                      attn_mask ? at::TensorList(*attn_mask) : at::TensorList());
+  if (out.is_alias_of(q) || out.is_alias_of(k) || out.is_alias_of(v)) out = out.clone();
+  return ops::in_rows_layout_of(out, q);
+}
+
 std::tuple<at::Tensor, at::Tensor> attention_forward(std::string type, const at::Tensor& q,
                                                      const at::Tensor& k, const at::Tensor& v,
                                                      bool causal,
                                                      const c10::optional<at::Tensor>& key_lengths,
                                                      const c10::optional<at::Tensor>& attn_mask,
                                                      std::string params_json, bool training) {
-  auto rng = rng_state(q.device());
-  auto [out, witness] =
-      run_type(type, q, k, v, causal, key_lengths, attn_mask, params_json, training);
-  check_finite_result("fastattn::attention", type, params_json, out, witness, q, k, v,
-                      attn_mask ? at::TensorList(*attn_mask) : at::TensorList());
-  // An operator's output must not share memory with its inputs, and has the
-  // layout its fake implementation promises: q's row layout (ops::empty_rows_like),
-  // which the linear types' kernels write, so that a layer's transpose of a
-  // (N, L, H, E) projection's result back is a view.
-  if (out.is_alias_of(q) || out.is_alias_of(k) || out.is_alias_of(v)) out = out.clone();
-  return {ops::in_rows_layout_of(out, q), rng};
+  auto rng = rng_state(q.device());  // before the type draws
+  return {type_output(type, q, k, v, causal, key_lengths, attn_mask, params_json, training), rng};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
@@ -377,19 +404,21 @@ struct AttentionOp {
                             const c10::optional<at::Tensor>& key_lengths,
                             const c10::optional<at::Tensor>& attn_mask, std::string params_json,
                             bool training) {
+    // Without a backward, no generator state and no second operator.
+    if (!saved)
+      return type_output(type, q, k, v, causal, key_lengths, attn_mask, params_json, training);
     auto [out, rng] = ops::call_op<kForwardOp, attention_forward>(
         type, q, k, v, causal, key_lengths, attn_mask, params_json, training);
-    if (saved)
-      *saved = {q,
-                k,
-                v,
-                rng,
-                ops::or_undefined(key_lengths),
-                ops::or_undefined(attn_mask),
-                type,
-                params_json,
-                causal,
-                training};
+    *saved = {q,
+              k,
+              v,
+              rng,
+              ops::or_undefined(key_lengths),
+              ops::or_undefined(attn_mask),
+              type,
+              params_json,
+              causal,
+              training};
     return out;
   }
 
