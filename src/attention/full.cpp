@@ -13,6 +13,7 @@
 #include <limits>
 
 #include "attention/builtin_types.h"
+#include "attention/step_state.h"
 #include "fastattn/attention.h"
 #include "fastattn/ops.h"
 #include "fastattn/recurrent.h"
@@ -170,6 +171,58 @@ void register_full_attention_types(AttentionRegistry& registry) {
        [](const Params& p, const AttentionDims&) -> RecurrentCrossAttentionPtr {
          return std::make_shared<RecurrentCrossFullAttention>(p.get_optional_float("softmax_temp"));
        }});
+}
+
+// ---- step forms (include/fastattn/recurrent.h) -------------------------------
+
+using torch::Tensor;
+
+RecurrentFullAttention::RecurrentFullAttention(std::optional<double> softmax_temp)
+    : softmax_temp_(softmax_temp) {
+  TORCH_CHECK(!softmax_temp || (std::isfinite(*softmax_temp) && *softmax_temp > 0),
+              "RecurrentFullAttention: softmax_temp must be a finite number > 0, got ",
+              softmax_temp.value_or(0.0));
+}
+
+std::pair<Tensor, RecurrentState> RecurrentFullAttention::step(const Tensor& query,  // (N, H, E)
+                                                               const Tensor& key,    // (N, H, E)
+                                                               const Tensor& value,  // (N, H, M)
+                                                               const RecurrentState& state) {
+  auto next = append_to_cache("recurrent full", query, key, value, state);
+  // The newest query sees every cached key: the fused operator (its
+  // single-query path) over the whole buffers, limited to the t + 1 filled
+  // rows by key lengths, so nothing is copied and the rows past them are
+  // never read.
+  auto out = full_attention(query.unsqueeze(2), next.tensors[2], next.tensors[3], std::nullopt,
+                            filled_rows(next), false, softmax_temp_);
+  return {out.squeeze(2), std::move(next)};
+}
+
+RecurrentCrossFullAttention::RecurrentCrossFullAttention(std::optional<double> softmax_temp)
+    : softmax_temp_(softmax_temp) {
+  TORCH_CHECK(!softmax_temp || (std::isfinite(*softmax_temp) && *softmax_temp > 0),
+              "RecurrentCrossFullAttention: softmax_temp must be a finite number > 0, got ",
+              softmax_temp.value_or(0.0));
+}
+
+RecurrentState RecurrentCrossFullAttention::prepare(const Tensor& keys,    // (N, H, S, E)
+                                                    const Tensor& values,  // (N, H, S, M)
+                                                    const std::optional<Tensor>& key_lengths) {
+  check_memory("recurrent cross full", keys, values, key_lengths);
+  // Contiguous once here, so the operator does not copy them at every step.
+  return cache_memory(keys.contiguous(), values.contiguous(), key_lengths);
+}
+
+Tensor RecurrentCrossFullAttention::step(const Tensor& query,  // (N, H, E)
+                                         const RecurrentState& memory) {
+  constexpr const char* type = "recurrent cross full";
+  check_cached(type, memory);
+  check_query(type, query, memory.tensors[0]);
+  std::optional<Tensor> lengths;
+  if (memory.tensors.size() == 3) lengths = memory.tensors[2];
+  return full_attention(query.unsqueeze(2), memory.tensors[0], memory.tensors[1], std::nullopt,
+                        lengths, /*causal=*/false, softmax_temp_)
+      .squeeze(2);  // (N, H, M)
 }
 
 }  // namespace fastattn

@@ -12,6 +12,7 @@
 #include <tuple>
 
 #include "attention/builtin_types.h"
+#include "attention/step_state.h"
 #include "fastattn/ops.h"
 #include "fastattn/recurrent.h"
 #include "fastattn/registry.h"
@@ -198,6 +199,58 @@ void register_hard_retrieval_attention_types(AttentionRegistry& registry) {
        [](const Params&, const AttentionDims&) -> RecurrentCrossAttentionPtr {
          return std::make_shared<RecurrentCrossHardRetrievalAttention>();  // the argmax
        }});
+}
+
+// ---- step forms (include/fastattn/recurrent.h) -------------------------------
+
+using torch::Tensor;
+
+std::pair<Tensor, RecurrentState> RecurrentHardRetrievalAttention::step(
+    const Tensor& query,  // (N, H, E)
+    const Tensor& key,    // (N, H, E)
+    const Tensor& value,  // (N, H, M)
+    const RecurrentState& state) {
+  auto next = append_to_cache("recurrent hard-retrieval", query, key, value, state);
+  // The newest query sees every cached key: the argmax of the raw scores
+  // (first of equal maxima), never a sample, by the fused operator over the
+  // whole buffers limited to the t + 1 filled rows (as for full above): a
+  // dot product per key, then a copy of one value row per head.
+  auto out = std::get<0>(hard_retrieval_attention(
+      query.unsqueeze(2), next.tensors[2], next.tensors[3], std::nullopt, filled_rows(next)));
+  return {out.squeeze(2), std::move(next)};
+}
+
+Tensor RecurrentHardRetrievalAttention::retrieve(const Tensor& query,   // (N, H, E)
+                                                 const Tensor& keys) {  // (N, H, t, E)
+  TORCH_CHECK(query.defined() && query.dim() == 3,
+              "recurrent hard-retrieval: query must have shape (N, H, E), got ",
+              query.defined() ? query.sizes() : c10::IntArrayRef{});
+  // Zero-width values: the op computes the indices and copies nothing.
+  auto none = torch::empty({keys.size(0), keys.size(1), keys.size(2), 0}, keys.options());
+  return std::get<1>(hard_retrieval_attention(query.unsqueeze(2), keys, none)).squeeze(2);
+}
+
+RecurrentState RecurrentCrossHardRetrievalAttention::prepare(
+    const Tensor& keys,    // (N, H, S, E)
+    const Tensor& values,  // (N, H, S, M)
+    const std::optional<Tensor>& key_lengths) {
+  check_memory("recurrent cross hard-retrieval", keys, values, key_lengths);
+  return cache_memory(keys.contiguous(), values.contiguous(), key_lengths);
+}
+
+Tensor RecurrentCrossHardRetrievalAttention::step(const Tensor& query,  // (N, H, E)
+                                                  const RecurrentState& memory) {
+  constexpr const char* type = "recurrent cross hard-retrieval";
+  check_cached(type, memory);
+  check_query(type, query, memory.tensors[0]);
+  // The operator: raw scores, padding never retrieved, the first of equal
+  // maxima; one value row per head, nothing else read; zeros for a memory
+  // without kept keys.
+  std::optional<Tensor> lengths;
+  if (memory.tensors.size() == 3) lengths = memory.tensors[2];
+  return std::get<0>(hard_retrieval_attention(query.unsqueeze(2), memory.tensors[0],
+                                              memory.tensors[1], std::nullopt, lengths))
+      .squeeze(2);  // (N, H, M)
 }
 
 }  // namespace fastattn

@@ -18,6 +18,7 @@
 #include <cmath>
 
 #include "attention/builtin_types.h"
+#include "attention/step_state.h"
 #include "attention/normaliser_eps.h"
 #include "fastattn/attention.h"
 #include "fastattn/feature_maps.h"
@@ -274,6 +275,156 @@ void register_linear_attention_types(AttentionRegistry& registry) {
                   const auto o = linear_options(p, dims);
                   return std::make_shared<RecurrentLinearAttention>(make_feature_map(o.map), o.eps);
                 }});
+}
+
+// ---- step forms (include/fastattn/recurrent.h) -------------------------------
+
+RecurrentLinearAttention::RecurrentLinearAttention(std::shared_ptr<FeatureMap> feature_map,
+                                                   double eps)
+    : feature_map_(std::move(feature_map)), eps_(eps) {
+  TORCH_CHECK(feature_map_,
+              "RecurrentLinearAttention: feature_map must be a feature map, got null");
+  TORCH_CHECK(std::isfinite(eps_) && eps_ > 0,
+              "RecurrentLinearAttention: eps must be a finite number > 0, got ", eps_);
+  register_module("feature_map", feature_map_);
+}
+
+std::pair<Tensor, RecurrentState> RecurrentLinearAttention::step(const Tensor& query,  // (N, H, E)
+                                                                 const Tensor& key,    // (N, H, E)
+                                                                 const Tensor& value,  // (N, H, M)
+                                                                 const RecurrentState& state) {
+  constexpr const char* type = "recurrent causal-linear";
+  check_step_inputs(type, query, key, value);
+  const int64_t N = query.size(0), H = query.size(1), M = value.size(2);
+  const int64_t F = feature_map_->output_dim();
+  auto qf = feature_map_->forward_queries(query.unsqueeze(2));  // (N, H, 1, F)
+  // The key's features shifted by its own offset c_k (exponential maps; see
+  // include/fastattn/feature_maps.h), or unshifted.
+  auto [kf, key_offset] = feature_map_->map_keys(key.unsqueeze(2));  // (N, H, 1, F)
+  TORCH_CHECK(qf.dim() == 4 && qf.size(3) == F && kf.sizes() == qf.sizes(), type, ": feature map '",
+              feature_map_->name(), "' must map (N, H, 1, E) to (N, H, 1, ", F, "), got ",
+              qf.sizes(), " for the query and ", kf.sizes(), " for the key");
+  const bool shifted = key_offset.defined();
+  const size_t tensors = shifted ? 3 : 2;
+  auto kv = torch::matmul(kf.transpose(-1, -2), value.unsqueeze(2));  // (N, H, F, M)
+  auto kz = kf.squeeze(2);                                            // (N, H, F)
+  Tensor S, Z, offset;
+  if (state.empty()) {
+    S = kv;
+    Z = kz;
+    if (shifted) offset = key_offset.view({N, H});
+  } else {
+    TORCH_CHECK(state.tensors.size() == tensors, type,
+                ": state must be empty or hold {S (N, H, F, M), Z (N, H, F)",
+                shifted ? ", offset (N, H)" : "", "} for feature map '", feature_map_->name(),
+                "', got ", state.tensors.size(), " tensors");
+    check_state_tensor(type, "S", state.tensors[0], {N, H, F, M}, query);
+    check_state_tensor(type, "Z", state.tensors[1], {N, H, F}, query);
+    if (!shifted) {
+      S = state.tensors[0] + kv;
+      Z = state.tensors[1] + kz;
+    } else {
+      // S and Z hold the unshifted sums times exp(-offset), offset the largest
+      // key offset so far: when this key's is larger, the sums are rescaled
+      // to it; otherwise the key is. make_state's offset -inf: no key yet.
+      check_state_tensor(type, "offset", state.tensors[2], {N, H}, query);
+      const auto& old = state.tensors[2];
+      offset = torch::maximum(old, key_offset.view({N, H}));
+      auto keep_old = (old - offset).exp(), scale_key = (key_offset.view({N, H}) - offset).exp();
+      S = state.tensors[0] * keep_old.view({N, H, 1, 1}) + kv * scale_key.view({N, H, 1, 1});
+      Z = state.tensors[1] * keep_old.view({N, H, 1}) + kz * scale_key.view({N, H, 1});
+    }
+  }
+  auto num = torch::matmul(qf, S).squeeze(2);  // (N, H, M)
+  auto eps = shifted_eps(eps_, shifted ? offset.view({N, H, 1}) : Tensor(), qf.scalar_type(),
+                         qf.options());
+  auto den = (qf.squeeze(2) * Z).sum(-1, /*keepdim=*/true) + eps;  // (N, H, 1)
+  RecurrentState next{{S, Z}};
+  if (shifted) next.tensors.push_back(offset);
+  return {num / den, std::move(next)};
+}
+
+std::vector<Tensor> RecurrentLinearAttention::make_state(
+    int64_t N, int64_t H, int64_t /*E*/, int64_t M, int64_t /*capacity*/,
+    const torch::TensorOptions& options) const {
+  const int64_t F = feature_map_->output_dim();
+  std::vector<Tensor> state{torch::zeros({N, H, F, M}, options), torch::zeros({N, H, F}, options)};
+  // The running offset of the exponential maps: -inf before the first key.
+  if (feature_map_->shifts_keys())
+    state.push_back(torch::full({N, H}, -std::numeric_limits<double>::infinity(), options));
+  return state;
+}
+
+Tensor RecurrentLinearAttention::step_in_place(const Tensor& query, const Tensor& key,
+                                               const Tensor& value, torch::TensorList state) {
+  const size_t tensors = feature_map_->shifts_keys() ? 3 : 2;
+  TORCH_CHECK(state.size() == tensors,
+              "recurrent causal-linear: an in-place state must hold {S (N, H, F, M), Z (N, H, F)",
+              tensors == 3 ? ", offset (N, H)" : "", "} from make_state, got ", state.size(),
+              " tensors");
+  auto [out, next] = step(query, key, value, RecurrentState{state.vec()});
+  for (size_t i = 0; i < tensors; ++i) state[i].copy_(next.tensors[i]);
+  return out;
+}
+
+RecurrentCrossLinearAttention::RecurrentCrossLinearAttention(
+    std::shared_ptr<FeatureMap> feature_map, double eps)
+    : feature_map_(std::move(feature_map)), eps_(eps) {
+  TORCH_CHECK(feature_map_,
+              "RecurrentCrossLinearAttention: feature_map must be a feature map, got null");
+  TORCH_CHECK(std::isfinite(eps_) && eps_ > 0,
+              "RecurrentCrossLinearAttention: eps must be a finite number > 0, got ", eps_);
+  register_module("feature_map", feature_map_);
+}
+
+RecurrentState RecurrentCrossLinearAttention::prepare(const Tensor& keys,    // (N, H, S, E)
+                                                      const Tensor& values,  // (N, H, S, M)
+                                                      const std::optional<Tensor>& key_lengths) {
+  constexpr const char* type = "recurrent cross linear";
+  check_memory(type, keys, values, key_lengths);
+  const int64_t N = keys.size(0), S = keys.size(2);
+  // As LinearAttention: the key map sees the kept keys only, padded keys are 0.
+  std::optional<Tensor> keep;
+  if (key_lengths) {
+    keep = torch::arange(S, keys.options().dtype(torch::kLong)).unsqueeze(0) <
+           key_lengths->to(keys.device(), torch::kLong).unsqueeze(1);  // (N, S)
+  }
+  auto [kf, offset] = feature_map_->map_keys(keys, keep);  // (N, H, S, F)
+  TORCH_CHECK(kf.dim() == 4 && kf.size(2) == S, type, ": feature map '", feature_map_->name(),
+              "' must map (N, H, S, E) to (N, H, S, F), got ", kf.sizes());
+  if (keep) kf = kf.masked_fill(keep->reshape({N, 1, S, 1}).logical_not(), 0.0);
+  auto Sm = torch::matmul(kf.transpose(-1, -2), values);  // (N, H, F, M)
+  auto Z = kf.sum(2);                                     // (N, H, F)
+  RecurrentState memory{{Sm, Z}};
+  // The keys' offset (exponential maps), for the normaliser's eps.
+  if (offset.defined()) memory.tensors.push_back(offset.view({N, keys.size(1)}));
+  return memory;
+}
+
+Tensor RecurrentCrossLinearAttention::step(const Tensor& query,  // (N, H, E)
+                                           const RecurrentState& memory) {
+  constexpr const char* type = "recurrent cross linear";
+  const size_t tensors = feature_map_->shifts_keys() ? 3 : 2;
+  TORCH_CHECK(memory.tensors.size() == tensors, type,
+              ": memory state must hold {S (N, H, F, M), Z (N, H, F)",
+              tensors == 3 ? ", offset (N, H)" : "", "} from prepare, got ", memory.tensors.size(),
+              " tensors");
+  const auto &Sm = memory.tensors[0], &Z = memory.tensors[1];
+  TORCH_CHECK(query.defined() && query.dim() == 3 && Sm.dim() == 4 && query.size(0) == Sm.size(0) &&
+                  query.size(1) == Sm.size(1),
+              type, ": query must have shape (N, H, E) with N, H = ", Sm.size(0), ", ", Sm.size(1),
+              " of the memory, got ", query.defined() ? query.sizes() : c10::IntArrayRef{});
+  TORCH_CHECK(query.scalar_type() == Sm.scalar_type(), type, ": query must be ", Sm.scalar_type(),
+              " like the memory, got ", query.scalar_type());
+  auto qf = feature_map_->forward_queries(query.unsqueeze(2));  // (N, H, 1, F)
+  TORCH_CHECK(qf.dim() == 4 && qf.size(3) == Sm.size(2), type, ": feature map '",
+              feature_map_->name(), "' gave query features ", qf.sizes(), " for a memory of ",
+              Sm.size(2), " features");
+  auto num = torch::matmul(qf, Sm).squeeze(2);  // (N, H, M)
+  const auto offset = tensors == 3 ? memory.tensors[2].view({Sm.size(0), Sm.size(1), 1}) : Tensor();
+  auto den = (qf.squeeze(2) * Z).sum(-1, /*keepdim=*/true) +
+             shifted_eps(eps_, offset, qf.scalar_type(), qf.options());  // (N, H, 1)
+  return num / den;
 }
 
 }  // namespace fastattn

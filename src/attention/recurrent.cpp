@@ -1,8 +1,8 @@
-// Recurrent (token-by-token) attention: step forms of `causal-linear` (an RNN
-// with state S = sum_j phi(k_j) v_j^T, Z = sum_j phi(k_j): O(F·M) per step)
-// and `full` (a growing key/value cache: O(t·(E + M)) at step t), and
-// make_recurrent_attention. See include/fastattn/recurrent.h for the
-// contract and the FAVOR+ key-offset limitation.
+// The step forms' shared parts (include/fastattn/recurrent.h): input and
+// state checks, the key/value cache of full and hard-retrieval (grown by
+// doubling, appended in place), the fixed-size in-place cache state, and
+// make_recurrent_attention. Each type's step form lives beside its type
+// (linear.cpp: causal-linear; full.cpp; hard_retrieval.cpp; aft.cpp).
 // Tested by tests/cpp/test_recurrent.cpp (each step against the batch type's
 // causal output).
 #include "fastattn/recurrent.h"
@@ -14,6 +14,7 @@
 #include "attention/normaliser_eps.h"
 #include "fastattn/feature_maps.h"
 #include "fastattn/ops.h"
+#include "attention/step_state.h"
 #include "ops/op_util.h"
 
 namespace fastattn {
@@ -42,9 +43,6 @@ void check_step_inputs(const char* type, const Tensor& query, const Tensor& key,
               " like the query, got ", value.device());
 }
 
-namespace {
-
-// Checks state tensor `name` against the expected shape, dtype and device.
 void check_state_tensor(const char* type, const char* name, const Tensor& t,
                         c10::IntArrayRef expected, const Tensor& like) {
   TORCH_CHECK(t.defined() && t.sizes() == expected, type, ": state ", name, " must have shape ",
@@ -55,106 +53,7 @@ void check_state_tensor(const char* type, const char* name, const Tensor& t,
               " like the query, got ", t.device());
 }
 
-}  // namespace
-
-// ---- causal-linear ----------------------------------------------------------
-
-RecurrentLinearAttention::RecurrentLinearAttention(std::shared_ptr<FeatureMap> feature_map,
-                                                   double eps)
-    : feature_map_(std::move(feature_map)), eps_(eps) {
-  TORCH_CHECK(feature_map_,
-              "RecurrentLinearAttention: feature_map must be a feature map, got null");
-  TORCH_CHECK(std::isfinite(eps_) && eps_ > 0,
-              "RecurrentLinearAttention: eps must be a finite number > 0, got ", eps_);
-  register_module("feature_map", feature_map_);
-}
-
-std::pair<Tensor, RecurrentState> RecurrentLinearAttention::step(const Tensor& query,  // (N, H, E)
-                                                                 const Tensor& key,    // (N, H, E)
-                                                                 const Tensor& value,  // (N, H, M)
-                                                                 const RecurrentState& state) {
-  constexpr const char* type = "recurrent causal-linear";
-  check_step_inputs(type, query, key, value);
-  const int64_t N = query.size(0), H = query.size(1), M = value.size(2);
-  const int64_t F = feature_map_->output_dim();
-  auto qf = feature_map_->forward_queries(query.unsqueeze(2));  // (N, H, 1, F)
-  // The key's features shifted by its own offset c_k (exponential maps; see
-  // include/fastattn/feature_maps.h), or unshifted.
-  auto [kf, key_offset] = feature_map_->map_keys(key.unsqueeze(2));  // (N, H, 1, F)
-  TORCH_CHECK(qf.dim() == 4 && qf.size(3) == F && kf.sizes() == qf.sizes(), type, ": feature map '",
-              feature_map_->name(), "' must map (N, H, 1, E) to (N, H, 1, ", F, "), got ",
-              qf.sizes(), " for the query and ", kf.sizes(), " for the key");
-  const bool shifted = key_offset.defined();
-  const size_t tensors = shifted ? 3 : 2;
-  auto kv = torch::matmul(kf.transpose(-1, -2), value.unsqueeze(2));  // (N, H, F, M)
-  auto kz = kf.squeeze(2);                                            // (N, H, F)
-  Tensor S, Z, offset;
-  if (state.empty()) {
-    S = kv;
-    Z = kz;
-    if (shifted) offset = key_offset.view({N, H});
-  } else {
-    TORCH_CHECK(state.tensors.size() == tensors, type,
-                ": state must be empty or hold {S (N, H, F, M), Z (N, H, F)",
-                shifted ? ", offset (N, H)" : "", "} for feature map '", feature_map_->name(),
-                "', got ", state.tensors.size(), " tensors");
-    check_state_tensor(type, "S", state.tensors[0], {N, H, F, M}, query);
-    check_state_tensor(type, "Z", state.tensors[1], {N, H, F}, query);
-    if (!shifted) {
-      S = state.tensors[0] + kv;
-      Z = state.tensors[1] + kz;
-    } else {
-      // S and Z hold the unshifted sums times exp(-offset), offset the largest
-      // key offset so far: when this key's is larger, the sums are rescaled
-      // to it; otherwise the key is. make_state's offset -inf: no key yet.
-      check_state_tensor(type, "offset", state.tensors[2], {N, H}, query);
-      const auto& old = state.tensors[2];
-      offset = torch::maximum(old, key_offset.view({N, H}));
-      auto keep_old = (old - offset).exp(), scale_key = (key_offset.view({N, H}) - offset).exp();
-      S = state.tensors[0] * keep_old.view({N, H, 1, 1}) + kv * scale_key.view({N, H, 1, 1});
-      Z = state.tensors[1] * keep_old.view({N, H, 1}) + kz * scale_key.view({N, H, 1});
-    }
-  }
-  auto num = torch::matmul(qf, S).squeeze(2);  // (N, H, M)
-  auto eps = shifted_eps(eps_, shifted ? offset.view({N, H, 1}) : Tensor(), qf.scalar_type(),
-                         qf.options());
-  auto den = (qf.squeeze(2) * Z).sum(-1, /*keepdim=*/true) + eps;  // (N, H, 1)
-  RecurrentState next{{S, Z}};
-  if (shifted) next.tensors.push_back(offset);
-  return {num / den, std::move(next)};
-}
-
-std::vector<Tensor> RecurrentLinearAttention::make_state(
-    int64_t N, int64_t H, int64_t /*E*/, int64_t M, int64_t /*capacity*/,
-    const torch::TensorOptions& options) const {
-  const int64_t F = feature_map_->output_dim();
-  std::vector<Tensor> state{torch::zeros({N, H, F, M}, options), torch::zeros({N, H, F}, options)};
-  // The running offset of the exponential maps: -inf before the first key.
-  if (feature_map_->shifts_keys())
-    state.push_back(torch::full({N, H}, -std::numeric_limits<double>::infinity(), options));
-  return state;
-}
-
-Tensor RecurrentLinearAttention::step_in_place(const Tensor& query, const Tensor& key,
-                                               const Tensor& value, torch::TensorList state) {
-  const size_t tensors = feature_map_->shifts_keys() ? 3 : 2;
-  TORCH_CHECK(state.size() == tensors,
-              "recurrent causal-linear: an in-place state must hold {S (N, H, F, M), Z (N, H, F)",
-              tensors == 3 ? ", offset (N, H)" : "", "} from make_state, got ", state.size(),
-              " tensors");
-  auto [out, next] = step(query, key, value, RecurrentState{state.vec()});
-  for (size_t i = 0; i < tensors; ++i) state[i].copy_(next.tensors[i]);
-  return out;
-}
-
-// ---- full -------------------------------------------------------------------
-
-RecurrentFullAttention::RecurrentFullAttention(std::optional<double> softmax_temp)
-    : softmax_temp_(softmax_temp) {
-  TORCH_CHECK(!softmax_temp || (std::isfinite(*softmax_temp) && *softmax_temp > 0),
-              "RecurrentFullAttention: softmax_temp must be a finite number > 0, got ",
-              softmax_temp.value_or(0.0));
-}
+// ---- key/value caches (full, hard-retrieval) ----------------------------------
 
 namespace {
 
@@ -174,10 +73,8 @@ RecurrentState grow_cache(const Tensor& K, const Tensor& V, int64_t t, int64_t c
   return RecurrentState{{kb.narrow(2, 0, t), vb.narrow(2, 0, t), kb, vb, filled}};
 }
 
-// Appends (key, value) to a key/value cache state (empty, {K, V}, or the
-// {K, V, K buffer, V buffer, filled} a step returns): in place where the
-// buffer has room and no other state has written row t yet, else into grown
-// buffers. Returns the new 5-tensor state; its K and V views hold t + 1 rows.
+}  // namespace
+
 RecurrentState append_to_cache(const char* type, const Tensor& query, const Tensor& key,
                                const Tensor& value, const RecurrentState& state) {
   check_step_inputs(type, query, key, value);
@@ -231,14 +128,10 @@ RecurrentState append_to_cache(const char* type, const Tensor& query, const Tens
   return RecurrentState{{kb.narrow(2, 0, t + 1), vb.narrow(2, 0, t + 1), kb, vb, cache.tensors[4]}};
 }
 
-// Key lengths (N,) = t + 1 for the state append_to_cache returns: the rows of
-// its buffers that hold keys.
 Tensor filled_rows(const RecurrentState& cache) {
   const auto& K = cache.tensors[0];
   return torch::full({K.size(0)}, K.size(2), torch::dtype(torch::kLong).device(K.device()));
 }
-
-}  // namespace
 
 std::vector<Tensor> RecurrentCacheAttention::make_state(int64_t N, int64_t H, int64_t E, int64_t M,
                                                         int64_t capacity,
@@ -273,47 +166,6 @@ Tensor RecurrentCacheAttention::step_in_place(const Tensor& query, const Tensor&
   return step(query, key, value,
               RecurrentState{{kb.narrow(2, 0, t), vb.narrow(2, 0, t), kb, vb, filled}})
       .first;
-}
-
-std::pair<Tensor, RecurrentState> RecurrentFullAttention::step(const Tensor& query,  // (N, H, E)
-                                                               const Tensor& key,    // (N, H, E)
-                                                               const Tensor& value,  // (N, H, M)
-                                                               const RecurrentState& state) {
-  auto next = append_to_cache("recurrent full", query, key, value, state);
-  // The newest query sees every cached key: the fused operator (its
-  // single-query path) over the whole buffers, limited to the t + 1 filled
-  // rows by key lengths, so nothing is copied and the rows past them are
-  // never read.
-  auto out = full_attention(query.unsqueeze(2), next.tensors[2], next.tensors[3], std::nullopt,
-                            filled_rows(next), false, softmax_temp_);
-  return {out.squeeze(2), std::move(next)};
-}
-
-// ---- hard-retrieval -------------------------------------------------------------
-
-std::pair<Tensor, RecurrentState> RecurrentHardRetrievalAttention::step(
-    const Tensor& query,  // (N, H, E)
-    const Tensor& key,    // (N, H, E)
-    const Tensor& value,  // (N, H, M)
-    const RecurrentState& state) {
-  auto next = append_to_cache("recurrent hard-retrieval", query, key, value, state);
-  // The newest query sees every cached key: the argmax of the raw scores
-  // (first of equal maxima), never a sample, by the fused operator over the
-  // whole buffers limited to the t + 1 filled rows (as for full above): a
-  // dot product per key, then a copy of one value row per head.
-  auto out = std::get<0>(hard_retrieval_attention(
-      query.unsqueeze(2), next.tensors[2], next.tensors[3], std::nullopt, filled_rows(next)));
-  return {out.squeeze(2), std::move(next)};
-}
-
-Tensor RecurrentHardRetrievalAttention::retrieve(const Tensor& query,   // (N, H, E)
-                                                 const Tensor& keys) {  // (N, H, t, E)
-  TORCH_CHECK(query.defined() && query.dim() == 3,
-              "recurrent hard-retrieval: query must have shape (N, H, E), got ",
-              query.defined() ? query.sizes() : c10::IntArrayRef{});
-  // Zero-width values: the op computes the indices and copies nothing.
-  auto none = torch::empty({keys.size(0), keys.size(1), keys.size(2), 0}, keys.options());
-  return std::get<1>(hard_retrieval_attention(query.unsqueeze(2), keys, none)).squeeze(2);
 }
 
 // ---- construction by name ---------------------------------------------------

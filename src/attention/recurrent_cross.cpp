@@ -1,9 +1,11 @@
-// Recurrent cross-attention: one query per step over a fixed memory, prepared
-// once. `linear` precomputes S = sum_j phi(k_j) v_j^T and Z = sum_j phi(k_j)
-// (O(S·F·M) once, O(F·M) per step and head); `full` caches K, V and calls the
-// fused operator (O(S·(E + M)) per step); any other registered type caches
-// K, V and calls the batch type with L = 1 (the generic form). See
-// include/fastattn/recurrent.h.
+// Recurrent cross-attention's shared parts (include/fastattn/recurrent.h):
+// one query per step over a fixed memory, prepared once. Memory and query
+// checks, the cached {K, V[, key_lengths]} memory, the generic form (any
+// registered type: K, V cached, the batch type called with L = 1) and
+// make_recurrent_cross_attention. The dedicated forms live beside their
+// types: linear (linear.cpp: S = sum_j phi(k_j) v_j^T and Z precomputed,
+// O(F·M) a step), full (full.cpp: the fused operator over the cache) and
+// hard-retrieval (hard_retrieval.cpp).
 // Tested by tests/cpp/test_recurrent_decoder.cpp (each step against the batch
 // type's row for that query).
 #include <cmath>
@@ -12,13 +14,12 @@
 #include "fastattn/feature_maps.h"
 #include "fastattn/ops.h"
 #include "fastattn/recurrent.h"
+#include "attention/step_state.h"
 #include "ops/op_util.h"
 
 namespace fastattn {
 
 using torch::Tensor;
-
-namespace {
 
 // keys (N, H, S, E), values (N, H, S, M), key_lengths (N,) integer in [0, S].
 void check_memory(const char* type, const Tensor& keys, const Tensor& values,
@@ -75,124 +76,6 @@ void check_cached(const char* type, const RecurrentState& memory) {
   TORCH_CHECK(memory.tensors.size() == 2 || memory.tensors.size() == 3, type,
               ": memory state must hold {K, V} or {K, V, key_lengths} from prepare, got ",
               memory.tensors.size(), " tensors");
-}
-
-}  // namespace
-
-// ---- linear -----------------------------------------------------------------
-
-RecurrentCrossLinearAttention::RecurrentCrossLinearAttention(
-    std::shared_ptr<FeatureMap> feature_map, double eps)
-    : feature_map_(std::move(feature_map)), eps_(eps) {
-  TORCH_CHECK(feature_map_,
-              "RecurrentCrossLinearAttention: feature_map must be a feature map, got null");
-  TORCH_CHECK(std::isfinite(eps_) && eps_ > 0,
-              "RecurrentCrossLinearAttention: eps must be a finite number > 0, got ", eps_);
-  register_module("feature_map", feature_map_);
-}
-
-RecurrentState RecurrentCrossLinearAttention::prepare(const Tensor& keys,    // (N, H, S, E)
-                                                      const Tensor& values,  // (N, H, S, M)
-                                                      const std::optional<Tensor>& key_lengths) {
-  constexpr const char* type = "recurrent cross linear";
-  check_memory(type, keys, values, key_lengths);
-  const int64_t N = keys.size(0), S = keys.size(2);
-  // As LinearAttention: the key map sees the kept keys only, padded keys are 0.
-  std::optional<Tensor> keep;
-  if (key_lengths) {
-    keep = torch::arange(S, keys.options().dtype(torch::kLong)).unsqueeze(0) <
-           key_lengths->to(keys.device(), torch::kLong).unsqueeze(1);  // (N, S)
-  }
-  auto [kf, offset] = feature_map_->map_keys(keys, keep);  // (N, H, S, F)
-  TORCH_CHECK(kf.dim() == 4 && kf.size(2) == S, type, ": feature map '", feature_map_->name(),
-              "' must map (N, H, S, E) to (N, H, S, F), got ", kf.sizes());
-  if (keep) kf = kf.masked_fill(keep->reshape({N, 1, S, 1}).logical_not(), 0.0);
-  auto Sm = torch::matmul(kf.transpose(-1, -2), values);  // (N, H, F, M)
-  auto Z = kf.sum(2);                                     // (N, H, F)
-  RecurrentState memory{{Sm, Z}};
-  // The keys' offset (exponential maps), for the normaliser's eps.
-  if (offset.defined()) memory.tensors.push_back(offset.view({N, keys.size(1)}));
-  return memory;
-}
-
-Tensor RecurrentCrossLinearAttention::step(const Tensor& query,  // (N, H, E)
-                                           const RecurrentState& memory) {
-  constexpr const char* type = "recurrent cross linear";
-  const size_t tensors = feature_map_->shifts_keys() ? 3 : 2;
-  TORCH_CHECK(memory.tensors.size() == tensors, type,
-              ": memory state must hold {S (N, H, F, M), Z (N, H, F)",
-              tensors == 3 ? ", offset (N, H)" : "", "} from prepare, got ", memory.tensors.size(),
-              " tensors");
-  const auto &Sm = memory.tensors[0], &Z = memory.tensors[1];
-  TORCH_CHECK(query.defined() && query.dim() == 3 && Sm.dim() == 4 && query.size(0) == Sm.size(0) &&
-                  query.size(1) == Sm.size(1),
-              type, ": query must have shape (N, H, E) with N, H = ", Sm.size(0), ", ", Sm.size(1),
-              " of the memory, got ", query.defined() ? query.sizes() : c10::IntArrayRef{});
-  TORCH_CHECK(query.scalar_type() == Sm.scalar_type(), type, ": query must be ", Sm.scalar_type(),
-              " like the memory, got ", query.scalar_type());
-  auto qf = feature_map_->forward_queries(query.unsqueeze(2));  // (N, H, 1, F)
-  TORCH_CHECK(qf.dim() == 4 && qf.size(3) == Sm.size(2), type, ": feature map '",
-              feature_map_->name(), "' gave query features ", qf.sizes(), " for a memory of ",
-              Sm.size(2), " features");
-  auto num = torch::matmul(qf, Sm).squeeze(2);  // (N, H, M)
-  const auto offset = tensors == 3 ? memory.tensors[2].view({Sm.size(0), Sm.size(1), 1}) : Tensor();
-  auto den = (qf.squeeze(2) * Z).sum(-1, /*keepdim=*/true) +
-             shifted_eps(eps_, offset, qf.scalar_type(), qf.options());  // (N, H, 1)
-  return num / den;
-}
-
-// ---- full -------------------------------------------------------------------
-
-RecurrentCrossFullAttention::RecurrentCrossFullAttention(std::optional<double> softmax_temp)
-    : softmax_temp_(softmax_temp) {
-  TORCH_CHECK(!softmax_temp || (std::isfinite(*softmax_temp) && *softmax_temp > 0),
-              "RecurrentCrossFullAttention: softmax_temp must be a finite number > 0, got ",
-              softmax_temp.value_or(0.0));
-}
-
-RecurrentState RecurrentCrossFullAttention::prepare(const Tensor& keys,    // (N, H, S, E)
-                                                    const Tensor& values,  // (N, H, S, M)
-                                                    const std::optional<Tensor>& key_lengths) {
-  check_memory("recurrent cross full", keys, values, key_lengths);
-  // Contiguous once here, so the operator does not copy them at every step.
-  return cache_memory(keys.contiguous(), values.contiguous(), key_lengths);
-}
-
-Tensor RecurrentCrossFullAttention::step(const Tensor& query,  // (N, H, E)
-                                         const RecurrentState& memory) {
-  constexpr const char* type = "recurrent cross full";
-  check_cached(type, memory);
-  check_query(type, query, memory.tensors[0]);
-  std::optional<Tensor> lengths;
-  if (memory.tensors.size() == 3) lengths = memory.tensors[2];
-  return full_attention(query.unsqueeze(2), memory.tensors[0], memory.tensors[1], std::nullopt,
-                        lengths, /*causal=*/false, softmax_temp_)
-      .squeeze(2);  // (N, H, M)
-}
-
-// ---- hard-retrieval ---------------------------------------------------------
-
-RecurrentState RecurrentCrossHardRetrievalAttention::prepare(
-    const Tensor& keys,    // (N, H, S, E)
-    const Tensor& values,  // (N, H, S, M)
-    const std::optional<Tensor>& key_lengths) {
-  check_memory("recurrent cross hard-retrieval", keys, values, key_lengths);
-  return cache_memory(keys.contiguous(), values.contiguous(), key_lengths);
-}
-
-Tensor RecurrentCrossHardRetrievalAttention::step(const Tensor& query,  // (N, H, E)
-                                                  const RecurrentState& memory) {
-  constexpr const char* type = "recurrent cross hard-retrieval";
-  check_cached(type, memory);
-  check_query(type, query, memory.tensors[0]);
-  // The operator: raw scores, padding never retrieved, the first of equal
-  // maxima; one value row per head, nothing else read; zeros for a memory
-  // without kept keys.
-  std::optional<Tensor> lengths;
-  if (memory.tensors.size() == 3) lengths = memory.tensors[2];
-  return std::get<0>(hard_retrieval_attention(query.unsqueeze(2), memory.tensors[0],
-                                              memory.tensors[1], std::nullopt, lengths))
-      .squeeze(2);  // (N, H, M)
 }
 
 // ---- generic ----------------------------------------------------------------
