@@ -208,18 +208,13 @@ RecurrentCrossFullAttention::RecurrentCrossFullAttention(std::optional<double> s
 RecurrentState RecurrentCrossFullAttention::prepare(const Tensor& keys,    // (N, H, S, E)
                                                     const Tensor& values,  // (N, H, S, M)
                                                     const std::optional<Tensor>& key_lengths) {
-  check_memory("recurrent cross full", keys, values, key_lengths);
-  // Contiguous once here, so the operator does not copy them at every step.
-  return cache_memory(keys.contiguous(), values.contiguous(), key_lengths);
+  return cache_memory("recurrent cross full", keys, values, key_lengths, /*contiguous=*/true);
 }
 
 Tensor RecurrentCrossFullAttention::step(const Tensor& query,  // (N, H, E)
                                          const RecurrentState& memory) {
   constexpr const char* type = "recurrent cross full";
-  check_cached(type, memory);
-  check_query(type, query, memory.tensors[0]);
-  std::optional<Tensor> lengths;
-  if (memory.tensors.size() == 3) lengths = memory.tensors[2];
+  const auto lengths = cached_key_lengths(type, query, memory);
   return full_attention(query.unsqueeze(2), memory.tensors[0], memory.tensors[1], std::nullopt,
                         lengths, /*causal=*/false, softmax_temp_)
       .squeeze(2);  // (N, H, M)

@@ -234,20 +234,17 @@ RecurrentState RecurrentCrossHardRetrievalAttention::prepare(
     const Tensor& keys,    // (N, H, S, E)
     const Tensor& values,  // (N, H, S, M)
     const std::optional<Tensor>& key_lengths) {
-  check_memory("recurrent cross hard-retrieval", keys, values, key_lengths);
-  return cache_memory(keys.contiguous(), values.contiguous(), key_lengths);
+  return cache_memory("recurrent cross hard-retrieval", keys, values, key_lengths,
+                      /*contiguous=*/true);
 }
 
 Tensor RecurrentCrossHardRetrievalAttention::step(const Tensor& query,  // (N, H, E)
                                                   const RecurrentState& memory) {
   constexpr const char* type = "recurrent cross hard-retrieval";
-  check_cached(type, memory);
-  check_query(type, query, memory.tensors[0]);
+  const auto lengths = cached_key_lengths(type, query, memory);
   // The operator: raw scores, padding never retrieved, the first of equal
   // maxima; one value row per head, nothing else read; zeros for a memory
   // without kept keys.
-  std::optional<Tensor> lengths;
-  if (memory.tensors.size() == 3) lengths = memory.tensors[2];
   return std::get<0>(hard_retrieval_attention(query.unsqueeze(2), memory.tensors[0],
                                               memory.tensors[1], std::nullopt, lengths))
       .squeeze(2);  // (N, H, M)

@@ -51,6 +51,8 @@ void check_memory(const char* type, const Tensor& keys, const Tensor& values,
   }
 }
 
+namespace {
+
 // query (N, H, E) against the memory's keys (N, H, S, E).
 void check_query(const char* type, const Tensor& query, const Tensor& keys) {
   TORCH_CHECK(query.defined() && query.dim() == 3 && query.size(0) == keys.size(0) &&
@@ -64,18 +66,25 @@ void check_query(const char* type, const Tensor& query, const Tensor& keys) {
               " like the memory, got ", query.device());
 }
 
-// The {K, V[, key_lengths]} memory state of full and the generic form.
-RecurrentState cache_memory(const Tensor& keys, const Tensor& values,
-                            const std::optional<Tensor>& key_lengths) {
-  RecurrentState s{{keys, values}};
+}  // namespace
+
+RecurrentState cache_memory(const char* type, const Tensor& keys, const Tensor& values,
+                            const std::optional<Tensor>& key_lengths, bool contiguous) {
+  check_memory(type, keys, values, key_lengths);
+  RecurrentState s{
+      {contiguous ? keys.contiguous() : keys, contiguous ? values.contiguous() : values}};
   if (key_lengths) s.tensors.push_back(key_lengths->to(keys.device(), torch::kLong));
   return s;
 }
 
-void check_cached(const char* type, const RecurrentState& memory) {
+std::optional<Tensor> cached_key_lengths(const char* type, const Tensor& query,
+                                         const RecurrentState& memory) {
   TORCH_CHECK(memory.tensors.size() == 2 || memory.tensors.size() == 3, type,
               ": memory state must hold {K, V} or {K, V, key_lengths} from prepare, got ",
               memory.tensors.size(), " tensors");
+  check_query(type, query, memory.tensors[0]);
+  if (memory.tensors.size() == 3) return memory.tensors[2];
+  return std::nullopt;
 }
 
 // ---- generic ----------------------------------------------------------------
@@ -97,17 +106,16 @@ RecurrentCrossGenericAttention::RecurrentCrossGenericAttention(AttentionPtr atte
 RecurrentState RecurrentCrossGenericAttention::prepare(const Tensor& keys,    // (N, H, S, E)
                                                        const Tensor& values,  // (N, H, S, M)
                                                        const std::optional<Tensor>& key_lengths) {
-  check_memory("recurrent cross attention", keys, values, key_lengths);
-  return cache_memory(keys, values, key_lengths);
+  return cache_memory("recurrent cross attention", keys, values, key_lengths,
+                      /*contiguous=*/false);
 }
 
 Tensor RecurrentCrossGenericAttention::step(const Tensor& query,  // (N, H, E)
                                             const RecurrentState& memory) {
   const std::string type = "recurrent cross " + attention_->type_name();
-  check_cached(type.c_str(), memory);
-  check_query(type.c_str(), query, memory.tensors[0]);
+  const auto lengths = cached_key_lengths(type.c_str(), query, memory);
   Mask mask;
-  if (memory.tensors.size() == 3) mask = mask.with_key_lengths(memory.tensors[2]);
+  if (lengths) mask = mask.with_key_lengths(*lengths);
   attention_->train(is_training());
   return attention_->forward(query.unsqueeze(2), memory.tensors[0], memory.tensors[1], mask)
       .squeeze(2);  // (N, H, M)

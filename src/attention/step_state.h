@@ -34,15 +34,16 @@ torch::Tensor filled_rows(const RecurrentState& cache);
 void check_memory(const char* type, const torch::Tensor& keys, const torch::Tensor& values,
                   const std::optional<torch::Tensor>& key_lengths);
 
-// query (N, H, E) against the memory's keys (N, H, S, E).
-void check_query(const char* type, const torch::Tensor& query, const torch::Tensor& keys);
-
 // The {K, V[, key_lengths]} memory state of full, hard-retrieval and the
-// generic form.
-RecurrentState cache_memory(const torch::Tensor& keys, const torch::Tensor& values,
-                            const std::optional<torch::Tensor>& key_lengths);
+// generic form, after check_memory; K and V made contiguous where
+// `contiguous` (so that an operator copies nothing at each step).
+RecurrentState cache_memory(const char* type, const torch::Tensor& keys,
+                            const torch::Tensor& values,
+                            const std::optional<torch::Tensor>& key_lengths, bool contiguous);
 
-// A memory state from cache_memory.
-void check_cached(const char* type, const RecurrentState& memory);
+// A step's checks of a cache_memory state and of its query (N, H, E)
+// against the memory's keys; returns the memory's key lengths, if any.
+std::optional<torch::Tensor> cached_key_lengths(const char* type, const torch::Tensor& query,
+                                                const RecurrentState& memory);
 
 }  // namespace fastattn
