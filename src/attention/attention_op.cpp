@@ -386,6 +386,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
 }
 
 constexpr char kForwardOp[] = "fastattn::attention_forward";
+constexpr char kStepOp[] = "fastattn::attention_step";
+constexpr char kStepInPlaceOp[] = "fastattn::attention_step_";
 constexpr char kBackwardOp[] = "fastattn::attention_backward";
 
 // The opaque form: the forward operator, and the backward operator that
@@ -629,11 +631,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> attention_step_autograd(
     std::string type, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     at::TensorList state, std::string params_json) {
   if (records_grad(q, k, v, state)) return attention_step(type, q, k, v, state, params_json);
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fastattn::attention_step", "")
-                       .typed<decltype(attention_step)>();
   at::AutoDispatchBelowAutograd below;
-  return op.call(type, q, k, v, state, params_json);
+  return ops::call_op<kStepOp, attention_step>(type, q, k, v, state, params_json);
 }
 
 at::Tensor attention_step_in_place_autograd(std::string type, const at::Tensor& q,
@@ -643,11 +642,8 @@ at::Tensor attention_step_in_place_autograd(std::string type, const at::Tensor& 
               "fastattn::attention_step_ steps a state in place for inference and has no "
               "gradients: run it under torch.no_grad(), or use attention_step (functional, "
               "differentiable)");
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fastattn::attention_step_", "")
-                       .typed<decltype(attention_step_in_place)>();
   at::AutoDispatchBelowAutograd below;
-  return op.call(type, q, k, v, state, params_json);
+  return ops::call_op<kStepInPlaceOp, attention_step_in_place>(type, q, k, v, state, params_json);
 }
 
 // What attention_step_state returns, for the fake implementations: a JSON

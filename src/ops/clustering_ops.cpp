@@ -14,6 +14,7 @@
 #include "kernels/clustering/clustering.h"
 #include "kernels/hashing/hashing.h"
 #include "ops/clustering_args.h"
+#include "ops/op_shell.h"
 #include "ops/op_util.h"
 
 namespace fastattn {
@@ -74,6 +75,9 @@ namespace {
 
 using torch::Tensor;
 
+constexpr char kHashQueriesOp[] = "fastattn::hash_queries";
+constexpr char kClusterCodesOp[] = "fastattn::cluster_codes";
+
 Tensor hash_queries_cpu(const Tensor& x, const Tensor& planes) {
   ops::check_hash_inputs(x, planes);
   if (ops::is_reduced_float(x))
@@ -111,20 +115,15 @@ TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
 }
 
 Tensor hash_queries(const Tensor& x, const Tensor& planes) {
-  ops::check_defined("fastattn::hash_queries", {"x", "planes"}, {x, planes});
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fastattn::hash_queries", "")
-                       .typed<decltype(hash_queries_cpu)>();
-  return op.call(x, planes);
+  ops::check_defined(kHashQueriesOp, {"x", "planes"}, {x, planes});
+  return ops::call_op<kHashQueriesOp, hash_queries_cpu>(x, planes);
 }
 
 std::tuple<Tensor, Tensor> cluster_codes(const Tensor& codes, const std::optional<Tensor>& lengths,
                                          int64_t clusters, int64_t iterations, int64_t seed) {
-  ops::check_defined("fastattn::cluster_codes", {"codes"}, {codes});
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fastattn::cluster_codes", "")
-                       .typed<decltype(cluster_codes_cpu)>();
-  return op.call(codes, to_c10(lengths), clusters, iterations, seed);
+  ops::check_defined(kClusterCodesOp, {"codes"}, {codes});
+  return ops::call_op<kClusterCodesOp, cluster_codes_cpu>(codes, to_c10(lengths), clusters,
+                                                          iterations, seed);
 }
 
 namespace reference {
