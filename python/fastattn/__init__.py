@@ -156,6 +156,8 @@ def _params_json(params):
     parameter is accepted by the registry; a float for an int one is not).
     None leaves a parameter at its default.
     """
+    if not params:  # the common call: no JSON encoder on the per-call path
+        return "{}"
     out = {}
     for name, value in params.items():
         if value is None:
