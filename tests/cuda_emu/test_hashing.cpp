@@ -1,9 +1,8 @@
 // hash_queries_cuda (src/kernels/hashing/hash_queries_cuda.cu) under the
-// emulator against the CPU kernel: float32 codes bit-identical to
-// hash_queries_cpu<float>; every dtype: each bit equal to the sign of the
-// float64 projection of the same rounded inputs wherever that projection is
-// not within 1e-3 of 0. Sizes: B in {1, 17, 32, 33, 64}, E in {1, 16, 24,
-// 64} (shared planes) and 200 (planes read from global memory), rows not a
+// emulator against the plain reference (hashing_reference.h): every dtype,
+// each bit equal to the sign of the reference's float64 projection of the
+// same rounded inputs wherever that projection is not within 1e-3 of 0. Sizes: B in {1, 17, 32, 33,
+// 64}, E in {1, 16, 24, 64} (shared planes) and 200 (planes read from global memory), rows not a
 // multiple of the block's 8 warps.
 #include <gtest/gtest.h>
 
@@ -13,6 +12,7 @@
 #include "emu_test_util.h"
 #include "kernels/hashing/hash_queries_cuda.h"
 #include "kernels/hashing/hashing.h"
+#include "kernels/hashing/hashing_reference.h"
 
 namespace {
 
@@ -36,18 +36,13 @@ void check_hash(int64_t rows, int64_t E, int B, uint32_t seed) {
   a.dtype = dtype_of<T>();
   fastattn::cuda::hash_queries_cuda(a, nullptr);
 
-  if constexpr (std::is_same_v<T, float>) {
-    std::vector<int64_t> want(rows);
-    fastattn::kernels::HashParams<float> p;
-    p.x = x.dev.data();
-    p.planes = planes.dev.data();
-    p.codes = want.data();
-    p.rows = rows;
-    p.E = E;
-    p.B = B;
-    fastattn::kernels::hash_queries_cpu(p);
-    for (int64_t r = 0; r < rows; ++r) EXPECT_EQ(codes[r], want[r]) << "row " << r;
-  }
+  // The plain reference (hashing_reference.h) on the same rounded inputs.
+  fastattn::kernels::HashParams<double> ref;
+  ref.x = x.ref.data();
+  ref.planes = planes.ref.data();
+  ref.rows = rows;
+  ref.E = E;
+  ref.B = B;
   int64_t checked = 0;
   for (int64_t r = 0; r < rows; ++r) {
     const auto code = static_cast<uint64_t>(codes[r]);
@@ -56,8 +51,7 @@ void check_hash(int64_t rows, int64_t E, int B, uint32_t seed) {
         EXPECT_EQ((code >> b) & 1u, 0u) << "row " << r << " bit " << b << " beyond B";
         continue;
       }
-      double proj = planes.ref[b * (E + 1) + E];
-      for (int64_t e = 0; e < E; ++e) proj += x.ref[r * E + e] * planes.ref[b * (E + 1) + e];
+      const double proj = fastattn::kernels::hash_projection_reference(ref, r, b);
       if (std::fabs(proj) < 1e-3) continue;
       ++checked;
       EXPECT_EQ((code >> b) & 1u, proj > 0 ? 1u : 0u) << "row " << r << " bit " << b;

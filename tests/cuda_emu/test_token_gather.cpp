@@ -1,8 +1,8 @@
 // token_gather_{forward,backward}_cuda (src/kernels/token_gather/) under the
-// emulator against the CPU kernels in float64: the forward exactly (a copy),
-// the backward (a scatter-add with repeated and -1 indices) within 1e-6
-// relative of float64 for every dtype (grad_x is float32; inputs are the same
-// rounded values). Sizes: E in {1, 24, 64}, T larger and smaller than L.
+// emulator against the plain reference (token_gather_reference.h, float64): the forward exactly (a
+// copy), the backward (a scatter-add with repeated and -1 indices) within 1e-6 relative of float64
+// for every dtype (grad_x is float32; inputs are the same rounded values). Sizes: E in {1, 24, 64},
+// T larger and smaller than L.
 #include <gtest/gtest.h>
 
 #include <random>
@@ -10,6 +10,7 @@
 #include "emu_test_util.h"
 #include "kernels/token_gather/token_gather.h"
 #include "kernels/token_gather/token_gather_cuda.h"
+#include "kernels/token_gather/token_gather_reference.h"
 
 namespace {
 
@@ -47,7 +48,7 @@ void check_gather(int64_t N, int64_t H, int64_t L, int64_t Tn, int64_t E, uint32
   c.L = L;
   c.T_ = Tn;
   c.E = E;
-  fastattn::kernels::token_gather_forward_cpu(c);
+  fastattn::kernels::token_gather_forward_reference(c);
   EXPECT_EQ(to_double(out), want);
   // Backward.
   std::vector<float> gx(N * H * L * E, 0.f);
@@ -57,7 +58,7 @@ void check_gather(int64_t N, int64_t H, int64_t L, int64_t Tn, int64_t E, uint32
   std::vector<double> gwant(N * H * L * E);
   c.grad_out = g.ref.data();
   c.out = gwant.data();
-  fastattn::kernels::token_gather_backward_cpu(c);
+  fastattn::kernels::token_gather_backward_reference(c);
   expect_close(std::vector<double>(gx.begin(), gx.end()), gwant, {1e-6, 1e-6}, "grad_x");
 }
 
