@@ -341,26 +341,15 @@ bool AttentionRegistry::contains(const std::string& name) const {
   return types_.count(name) > 0;
 }
 
+// The names in the enums' order.
 const char* to_string(MaskKinds kinds) {
-  switch (kinds) {
-    case MaskKinds::Bool:
-      return "bool";
-    case MaskKinds::Any:
-      return "any";
-    default:
-      return "none";
-  }
+  static const char* const names[] = {"none", "bool", "any"};
+  return names[static_cast<int>(kinds)];
 }
 
 const char* to_string(IncrementalRows rows) {
-  switch (rows) {
-    case IncrementalRows::Yes:
-      return "yes";
-    case IncrementalRows::Stride:
-      return "stride";
-    default:
-      return "no";
-  }
+  static const char* const names[] = {"no", "yes", "stride"};
+  return names[static_cast<int>(rows)];
 }
 
 nlohmann::json Capabilities::to_json() const {

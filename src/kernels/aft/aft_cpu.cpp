@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 #include "kernels/common/isa_target.h"
@@ -48,6 +49,13 @@ struct Lanes {
   }
 };
 
+// Head nh's key length and its q, k, v rows.
+template <typename T>
+std::tuple<int64_t, const T*, const T*, const T*> head_rows(const AftScanArgs<T>& a, int64_t nh) {
+  return {a.key_lengths ? a.key_lengths[nh / a.H] : a.S, a.q + nh * a.L * a.E, a.k + nh * a.S * a.E,
+          a.v + nh * a.S * a.E};
+}
+
 template <typename T>
 struct ScanScratch {
   std::vector<T> x, y, z, w;
@@ -67,10 +75,9 @@ void aft_scan_forward_cpu(const AftScanArgs<T>& a) {
         for (auto* b : {&w.x, &w.y, &w.z, &w.w}) b->resize(E);
       },
       [&](int64_t nh, ScanScratch<T>& w) {
-        const int64_t len = a.key_lengths ? a.key_lengths[nh / a.H] : S_;
-        const T* q = a.q + nh * L * E;
-        const T* k = a.k + nh * S_ * E;
-        const T* v = a.v + nh * S_ * E;
+        int64_t len;  // (not a structured binding: the lambdas below capture them)
+        const T *q, *k, *v;
+        std::tie(len, q, k, v) = head_rows(a, nh);
         T* out = a.out + nh * L * E;
         // a and lse only where asked for (the backward's statistics).
         T* avg = a.a ? a.a + nh * L * E : nullptr;
@@ -141,10 +148,9 @@ void aft_scan_backward_cpu(const AftScanArgs<T>& a) {
         for (auto* b : {&w.x, &w.y, &w.z}) b->resize(E);
       },
       [&](int64_t nh, ScanScratch<T>& w) {
-        const int64_t len = a.key_lengths ? a.key_lengths[nh / a.H] : S_;
-        const T* q = a.q + nh * L * E;
-        const T* k = a.k + nh * S_ * E;
-        const T* v = a.v + nh * S_ * E;
+        int64_t len;  // (not a structured binding: the lambdas below capture them)
+        const T *q, *k, *v;
+        std::tie(len, q, k, v) = head_rows(a, nh);
         const T* g = a.grad_out + nh * L * E;
         const T* avg = a.a_in + nh * L * E;
         const T* lse = a.lse_in + nh * L * E;
