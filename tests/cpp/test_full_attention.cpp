@@ -145,8 +145,8 @@ std::tuple<torch::Tensor, torch::Tensor> forward_op(const torch::Tensor& q, cons
                        .typed<std::tuple<torch::Tensor, torch::Tensor>(
                            const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                            const c10::optional<torch::Tensor>&, const c10::optional<torch::Tensor>&,
-                           bool, double)>();
-  return op.call(q, k, v, mask, lengths, causal, temp);
+                           bool, double, double, int64_t)>();
+  return op.call(q, k, v, mask, lengths, causal, temp, /*dropout_p=*/0.0, /*dropout_seed=*/0);
 }
 
 // Every shape above in bfloat16 at each bfloat16 kernel level, forward and
