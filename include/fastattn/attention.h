@@ -55,6 +55,13 @@ torch::Tensor take_auxiliary_losses(torch::nn::Module& model);
 // dtype and device agreement) and the mask; throws naming the argument.
 void check_attention_inputs(const torch::Tensor& queries, const torch::Tensor& keys,
                             const torch::Tensor& values, const Mask& mask);
+// The same, then the refusals of what the global registry declares for
+// `type` (check_declared in fastattn/registry.h): what every registered type's
+// forward calls with its type_name(). A name without a declaration gets the
+// common checks only.
+void check_attention_inputs(const std::string& type, const torch::Tensor& queries,
+                            const torch::Tensor& keys, const torch::Tensor& values,
+                            const Mask& mask);
 
 // Exact softmax attention through the fused operator.
 class FullAttention : public AttentionBase {

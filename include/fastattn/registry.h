@@ -185,6 +185,17 @@ struct Capabilities {
   nlohmann::json to_json() const;
 };
 
+// Refuses what `caps` does not declare, in one message format:
+//   "<type>: <argument>: got <what came>, which <type> does not take (<what
+//   it takes>)[; use the type '<twin>']"
+// for a causal mask (causal), its absence (bidirectional), an attn_mask by
+// kind (attn_mask) and values narrower or wider than the keys (channelwise).
+// Every registered type's forward runs it through
+// check_attention_inputs(type_name(), ...); incremental rows refuse nothing
+// (a type without them computes the aligned rows, not the whole's).
+void check_declared(const std::string& type, const Capabilities& caps, const torch::Tensor& queries,
+                    const torch::Tensor& values, const Mask& mask);
+
 struct AttentionType {
   std::string name;
   std::string description;
@@ -204,6 +215,9 @@ class AttentionRegistry {
   bool contains(const std::string& name) const;  // understands conditional-full:<type>
   // The type's record; for "conditional-full:<type>" a synthesized record.
   AttentionType get(const std::string& name) const;
+  // The declaration of `name` (conditional-full:<type> included), or nullopt
+  // for a name the registry lacks (a user's type built without it).
+  std::optional<Capabilities> capabilities(const std::string& name) const;
   std::vector<std::string> names() const;  // sorted, without the decorator
   // Validates `params` against the type's specs and fills in defaults.
   Params validate(const std::string& name, const ParamMap& params) const;

@@ -53,15 +53,7 @@ torch::Tensor AftAttention::position_bias(int64_t L, int64_t S, bool causal) con
 
 torch::Tensor AftAttention::forward(const torch::Tensor& queries, const torch::Tensor& keys,
                                     const torch::Tensor& values, const Mask& mask) {
-  check_attention_inputs(queries, keys, values, mask);
-  const char* who = full_ ? "aft-full" : "aft-simple";
-  TORCH_CHECK(!mask.attn_mask(), who,
-              ": attn_mask is not supported (only the causal mask and key_lengths), got an "
-              "attn_mask of shape ",
-              mask.attn_mask() ? mask.attn_mask()->sizes() : at::IntArrayRef{});
-  TORCH_CHECK(values.size(3) == queries.size(3), who,
-              ": AFT works channel by channel: values must have the width E = ", queries.size(3),
-              " of the queries and keys, got ", values.size(3));
+  check_attention_inputs(type_name(), queries, keys, values, mask);
   std::optional<torch::Tensor> w;
   if (full_) {
     w = position_bias(queries.size(2), keys.size(2), mask.is_causal())

@@ -489,11 +489,7 @@ Tensor ExactTopkAttention::forward(const Tensor& queries,  // (N, H, L, E)
                                    const Tensor& keys,     // (N, H, S, E)
                                    const Tensor& values,   // (N, H, S, M)
                                    const Mask& mask) {
-  check_attention_inputs(queries, keys, values, mask);
-  TORCH_CHECK(!mask.is_causal(), "exact-topk: causal masking is not supported; got a causal mask");
-  TORCH_CHECK(
-      !mask.attn_mask(),
-      "exact-topk: attn_mask: an attention mask is not supported (only key lengths); got one");
+  check_attention_inputs(type_name(), queries, keys, values, mask);
   return exact_topk_attention(queries, keys, values, topk_, mask.key_lengths(), softmax_temp_,
                               is_training() ? attention_dropout_ : 0.0);
 }
@@ -531,15 +527,7 @@ Tensor ClusteredAttention::forward(const Tensor& queries,  // (N, H, L, E)
                                    const Tensor& keys,     // (N, H, S, E)
                                    const Tensor& values,   // (N, H, S, M)
                                    const Mask& mask) {
-  check_attention_inputs(queries, keys, values, mask);
-  TORCH_CHECK(!mask.is_causal(), type_name(),
-              ": causal masking is not supported (clusters mix past and future queries; use "
-              "causal-improved-clustered); got a causal mask");
-  TORCH_CHECK(
-      !mask.attn_mask(), type_name(),
-      ": attn_mask: an attention mask is not supported (only key and query lengths); got one of "
-      "shape ",
-      mask.attn_mask() ? mask.attn_mask()->sizes() : torch::IntArrayRef{});
+  check_attention_inputs(type_name(), queries, keys, values, mask);
   auto clusters = cluster_queries(queries, mask.query_lengths(), options_.clusters,
                                   options_.iterations, options_.bits, options_.hash_bias, gen_);
   const double dropout = is_training() ? options_.attention_dropout : 0.0;
@@ -567,19 +555,10 @@ Tensor CausalImprovedClusteredAttention::forward(const Tensor& queries,  // (N, 
                                                  const Tensor& keys,     // (N, H, S, E)
                                                  const Tensor& values,   // (N, H, S, M)
                                                  const Mask& mask) {
-  check_attention_inputs(queries, keys, values, mask);
-  TORCH_CHECK(mask.is_causal(),
-              "causal-improved-clustered: computes causal attention only and needs a causal mask "
-              "(Mask::causal_mask() or with_causal()), got ",
-              mask.to_string());
+  check_attention_inputs(type_name(), queries, keys, values, mask);
   TORCH_CHECK(keys.size(2) == queries.size(2),
               "causal-improved-clustered: needs as many keys as queries (S == L), got queries ",
               queries.sizes(), " and keys ", keys.sizes());
-  TORCH_CHECK(
-      !mask.attn_mask(),
-      "causal-improved-clustered: attn_mask: an attention mask is not supported (only the causal "
-      "mask and key and query lengths); got one of shape ",
-      mask.attn_mask() ? mask.attn_mask()->sizes() : torch::IntArrayRef{});
   auto clusters = cluster_queries(queries, mask.query_lengths(), options_.clusters,
                                   options_.iterations, options_.bits, options_.hash_bias, gen_);
   return causal_improved_clustered_attention(

@@ -245,12 +245,7 @@ Tensor ClusterFormerAttention::forward(const Tensor& queries,  // (N, H, L, E)
                                        const Tensor& keys,     // (N, H, S, E)
                                        const Tensor& values,   // (N, H, S, M)
                                        const Mask& mask) {
-  check_attention_inputs(queries, keys, values, mask);
-  TORCH_CHECK(
-      !mask.attn_mask(),
-      "clusterformer: attn_mask: an attention mask is not supported (only causal and key / query "
-      "lengths); got one of shape ",
-      mask.attn_mask() ? mask.attn_mask()->sizes() : torch::IntArrayRef{});
+  check_attention_inputs(type_name(), queries, keys, values, mask);
   const int64_t N = queries.size(0), H = queries.size(1), L = queries.size(2), E = queries.size(3);
   TORCH_CHECK(keys.size(2) == L,
               "clusterformer: is self-attention and needs as many keys as queries (S == L), got "

@@ -134,11 +134,7 @@ std::pair<torch::Tensor, torch::Tensor> HardRetrievalAttention::forward_with_ind
     const torch::Tensor& keys,     // (N, H, S, E)
     const torch::Tensor& values,   // (N, H, S, M)
     const Mask& mask) {
-  check_attention_inputs(queries, keys, values, mask);
-  TORCH_CHECK(!mask.attn_mask() || mask.attn_mask()->scalar_type() == torch::kBool,
-              "hard-retrieval: attn_mask must be a bool keep mask (true = keep), got ",
-              mask.attn_mask() ? mask.attn_mask()->scalar_type() : torch::kBool,
-              " (an additive mask has no meaning for an argmax of raw scores)");
+  check_attention_inputs(type_name(), queries, keys, values, mask);
   const bool sample = is_training() && train_mode_ == "sample";
   int64_t seed = 0;
   if (sample) {

@@ -185,13 +185,7 @@ Tensor LinearAttention::forward(const Tensor& queries,  // (N, H, L, E)
                                 const Tensor& keys,     // (N, H, S, E)
                                 const Tensor& values,   // (N, H, S, M)
                                 const Mask& mask) {
-  check_attention_inputs(queries, keys, values, mask);
-  TORCH_CHECK(!mask.attn_mask(),
-              "linear: attn_mask is not supported (linear attention never forms the L×S "
-              "weights); use key_lengths for padding, got an attn_mask of shape ",
-              mask.attn_mask()->sizes());
-  TORCH_CHECK(!mask.is_causal(),
-              "linear: a causal mask is not supported; use the attention type 'causal-linear'");
+  check_attention_inputs(type_name(), queries, keys, values, mask);
   finite_witness_ = Tensor();
   if (fused_elu(*feature_map_, queries))
     return fused_elu_attention(queries, keys, values, mask, /*causal=*/false, eps_,
@@ -218,18 +212,10 @@ Tensor CausalLinearAttention::forward(const Tensor& queries,  // (N, H, L, E)
                                       const Tensor& keys,     // (N, H, S, E)
                                       const Tensor& values,   // (N, H, S, M)
                                       const Mask& mask) {
-  check_attention_inputs(queries, keys, values, mask);
-  TORCH_CHECK(mask.is_causal(),
-              "causal-linear: computes causal attention only and needs a causal mask "
-              "(Mask::causal_mask() or with_causal()), got ",
-              mask.to_string());
+  check_attention_inputs(type_name(), queries, keys, values, mask);
   TORCH_CHECK(keys.size(2) == queries.size(2),
               "causal-linear: needs as many keys as queries (S == L), got queries ",
               queries.sizes(), " and keys ", keys.sizes());
-  TORCH_CHECK(!mask.attn_mask(),
-              "causal-linear: attn_mask is not supported (only the causal mask and key_lengths), "
-              "got an attn_mask of shape ",
-              mask.attn_mask()->sizes());
   finite_witness_ = Tensor();
   if (fused_elu(*feature_map_, queries))
     return fused_elu_attention(queries, keys, values, mask, /*causal=*/true, eps_,

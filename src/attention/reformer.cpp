@@ -59,16 +59,11 @@ torch::Tensor ReformerAttention::forward(const torch::Tensor& queries,  // (N, H
                                          const torch::Tensor& keys,     // (N, H, L, E), unused
                                          const torch::Tensor& values,   // (N, H, L, M)
                                          const Mask& mask) {
-  check_attention_inputs(queries, keys, values, mask);
+  check_attention_inputs(type_name(), queries, keys, values, mask);
   TORCH_CHECK(keys.size(2) == queries.size(2),
               "reformer: shared-QK attention needs as many keys as queries (S == L; the keys are "
               "the normalised queries), got queries ",
               queries.sizes(), " and keys ", keys.sizes());
-  TORCH_CHECK(!mask.attn_mask(),
-              "reformer: attn_mask: an attention mask is not supported (only key/query lengths "
-              "and causal); "
-              "got one of shape ",
-              mask.attn_mask() ? mask.attn_mask()->sizes() : torch::IntArrayRef{});
   // Every position is a query and a key: the padding is the shorter length.
   std::optional<torch::Tensor> lengths = mask.key_lengths();
   if (mask.query_lengths()) {

@@ -367,6 +367,61 @@ nlohmann::json Capabilities::to_json() const {
 
 namespace {
 
+[[noreturn]] void refuse(const std::string& type, const char* argument, const std::string& got,
+                         const std::string& takes, const std::string& twin) {
+  std::ostringstream os;
+  os << type << ": " << argument << ": got " << got << ", which " << type << " does not take ("
+     << takes << ")";
+  if (!twin.empty()) os << "; use the type '" << twin << "'";
+  TORCH_CHECK(false, os.str());
+}
+
+std::string masks_taken(const Capabilities& caps) {
+  switch (caps.attn_mask) {
+    case MaskKinds::None:
+      return caps.causal ? "only the causal mask and key_lengths" : "only key_lengths";
+    case MaskKinds::Bool:
+      return "boolean attn_masks (true = keep), not additive ones";
+    case MaskKinds::Any:
+      break;
+  }
+  return "any attn_mask";
+}
+
+}  // namespace
+
+void check_declared(const std::string& type, const Capabilities& caps, const torch::Tensor& queries,
+                    const torch::Tensor& values, const Mask& mask) {
+  if (mask.is_causal() && !caps.causal) {
+    refuse(type, "causal", "a causal mask", "it is bidirectional only", caps.causal_form);
+  }
+  if (!mask.is_causal() && !caps.bidirectional) {
+    refuse(type, "causal", "no causal mask", "it is causal only", caps.bidirectional_form);
+  }
+  if (const auto& m = mask.attn_mask()) {
+    const bool is_bool = m->scalar_type() == at::kBool;
+    if (caps.attn_mask == MaskKinds::None || (caps.attn_mask == MaskKinds::Bool && !is_bool)) {
+      std::ostringstream got;
+      if (is_bool) {
+        got << "a boolean attn_mask";
+      } else {
+        got << "an additive " << m->scalar_type() << " attn_mask";
+      }
+      got << " of shape " << m->sizes();
+      refuse(type, "attn_mask", got.str(), "it takes " + masks_taken(caps), "");
+    }
+  }
+  if (caps.channelwise && values.size(-1) != queries.size(-1)) {
+    std::ostringstream takes;
+    takes << "it works channel by channel: values as wide as the queries and keys, E = "
+          << queries.size(-1);
+    refuse(type, "values", "values of width M = " + std::to_string(values.size(-1)), takes.str(),
+           "");
+  }
+}
+
+namespace {
+
 // conditional-full:<type> runs full or <type> by length: it can do what both can.
 Capabilities both(const Capabilities& a, const Capabilities& b) {
   Capabilities c;
@@ -442,6 +497,20 @@ AttentionType AttentionRegistry::get(const std::string& name) const {
         std::move(inner_module), std::move(full_module), p.get_int(kLengthLimit));
   };
   return t;
+}
+
+std::optional<Capabilities> AttentionRegistry::capabilities(const std::string& name) const {
+  if (!is_conditional(name)) {
+    auto it = types_.find(name);
+    if (it == types_.end()) return std::nullopt;
+    return it->second.capabilities;
+  }
+  // As get() synthesizes it, without building the record.
+  const auto inner_name = name.substr(std::string(kConditionalPrefix).size());
+  if (is_conditional(inner_name)) return std::nullopt;
+  const auto inner = capabilities(inner_name), full = capabilities("full");
+  if (!inner || !full) return std::nullopt;
+  return both(*inner, *full);
 }
 
 Params AttentionRegistry::validate(const std::string& name, const ParamMap& params) const {

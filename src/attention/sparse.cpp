@@ -15,13 +15,6 @@ namespace fastattn {
 
 namespace {
 
-void check_no_attn_mask(const char* type, const Mask& mask) {
-  TORCH_CHECK(!mask.attn_mask(), type,
-              ": attn_mask is not supported (the pattern is the mask; key_lengths and causal "
-              "are), got a mask of shape ",
-              mask.attn_mask() ? mask.attn_mask()->sizes() : c10::IntArrayRef{});
-}
-
 void check_temp(const char* type, const std::optional<double>& t) {
   TORCH_CHECK(!t || (std::isfinite(*t) && *t > 0), type,
               ": softmax_temp must be a finite number > 0, got ", t.value_or(0.0));
@@ -41,8 +34,7 @@ torch::Tensor LocalAttention::forward(const torch::Tensor& queries,  // (N, H, L
                                       const torch::Tensor& keys,     // (N, H, S, E)
                                       const torch::Tensor& values,   // (N, H, S, M)
                                       const Mask& mask) {
-  check_attention_inputs(queries, keys, values, mask);
-  check_no_attn_mask("local", mask);
+  check_attention_inputs(type_name(), queries, keys, values, mask);
   const double dropout = is_training() ? attention_dropout_ : 0.0;
   // The window on the dense-attention engine where it runs on PyTorch's fused
   // kernels (src/ops/dense_attention.h): the same keys as the "local" pattern.
@@ -90,8 +82,7 @@ torch::Tensor SparseTransformerAttention::forward(const torch::Tensor& queries, 
                                                   const torch::Tensor& keys,     // (N, H, S, E)
                                                   const torch::Tensor& values,   // (N, H, S, M)
                                                   const Mask& mask) {
-  check_attention_inputs(queries, keys, values, mask);
-  check_no_attn_mask(fixed_ ? "sparse-fixed" : "sparse-strided", mask);
+  check_attention_inputs(type_name(), queries, keys, values, mask);
   TORCH_CHECK(options_.mode != SparseMode::Split || queries.size(1) >= 2, type_name(),
               ": mode split needs at least 2 heads, got ", queries.size(1));
   const auto [pattern_name, params] = this->pattern(queries.size(2));

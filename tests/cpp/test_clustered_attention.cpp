@@ -260,11 +260,13 @@ TEST(Clustered, RegistryAndBadMasks) {
   EXPECT_ERROR_CONTAINS(make_attention("clustered", {{"topk", int64_t(3)}}), "topk");
   auto q = torch::randn({1, 1, 5, 4});
   auto attn = make_attention("clustered");
-  EXPECT_ERROR_CONTAINS(attn->forward(q, q, q, Mask::causal_mask()), "clustered",
-                        "causal masking is not supported");
+  EXPECT_ERROR_CONTAINS(
+      attn->forward(q, q, q, Mask::causal_mask()),
+      "clustered: causal: got a causal mask, which clustered does not take (it is "
+      "bidirectional only); use the type 'causal-improved-clustered'");
   EXPECT_ERROR_CONTAINS(
       attn->forward(q, q, q, Mask().with_attn_mask(torch::ones({5, 5}, torch::kBool))),
-      "attention mask is not supported");
+      "clustered: attn_mask: got a boolean attn_mask");
   // conditional-full wraps it.
   auto cond = make_attention("conditional-full:improved-clustered", {{"length_limit", int64_t(4)}});
   EXPECT_EQ(cond->forward(q, q, q, Mask()).sizes(), q.sizes());
@@ -323,8 +325,9 @@ TEST(ExactTopk, TopkSEqualsFullAndRegistry) {
                                   reference::full_attention(q, k, v, std::nullopt, klen)),
             1e-12);
   EXPECT_EQ(AttentionRegistry::global().validate("exact-topk", {}).get_int("topk"), 32);
-  EXPECT_ERROR_CONTAINS(attn->forward(q, q, q, Mask::causal_mask()), "exact-topk",
-                        "causal masking is not supported");
+  EXPECT_ERROR_CONTAINS(attn->forward(q, q, q, Mask::causal_mask()),
+                        "exact-topk: causal: got a causal mask, which exact-topk does not take (it "
+                        "is bidirectional only)");
 }
 
 // The layers' (N, L, H, E) views, padded rows and heads broadcast with
@@ -609,14 +612,17 @@ TEST(CausalImprovedClustered, RegistryAndBadParams) {
                         "attention_dropout");
   auto q = torch::randn({1, 1, 5, 4});
   auto attn = make_attention("causal-improved-clustered");
-  EXPECT_ERROR_CONTAINS(attn->forward(q, q, q, Mask()), "causal-improved-clustered",
-                        "needs a causal mask");
+  EXPECT_ERROR_CONTAINS(attn->forward(q, q, q, Mask()),
+                        "causal-improved-clustered: causal: got no causal mask, which "
+                        "causal-improved-clustered does not take (it is causal only); use the "
+                        "type 'improved-clustered'");
   EXPECT_ERROR_CONTAINS(
       attn->forward(q, torch::randn({1, 1, 6, 4}), torch::randn({1, 1, 6, 4}), Mask::causal_mask()),
       "S == L");
   EXPECT_ERROR_CONTAINS(
       attn->forward(q, q, q, Mask::causal_mask().with_attn_mask(torch::ones({5, 5}, torch::kBool))),
-      "attention mask is not supported");
+      "causal-improved-clustered: attn_mask: got a boolean attn_mask of shape [5, 5], which "
+      "causal-improved-clustered does not take (it takes only the causal mask and key_lengths)");
 }
 
 TEST(CausalImprovedClustered, SameSeedSameOutput) {

@@ -410,7 +410,8 @@ TEST(ClusterFormer, BadParametersAndInputsAreNamed) {
       attn->forward(q, torch::randn({1, 2, 5, 4}), torch::randn({1, 2, 5, 4}), Mask()), "S == L");
   EXPECT_ERROR_CONTAINS(
       attn->forward(q, q, q, Mask().with_attn_mask(torch::ones({6, 6}, torch::kBool))),
-      "attention mask");
+      "clusterformer: attn_mask: got a boolean attn_mask of shape [6, 6], which clusterformer "
+      "does not take");
   auto q3 = torch::randn({1, 3, 6, 4});
   EXPECT_ERROR_CONTAINS(attn->forward(q3, q3, q3, Mask()), "H·E = 8");
   EXPECT_ERROR_CONTAINS(

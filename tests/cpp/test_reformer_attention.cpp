@@ -395,7 +395,7 @@ TEST(ReformerAttention, BadParamsNamed) {
       "reformer", "S == L");
   EXPECT_ERROR_CONTAINS(
       attn->forward(q, q, v, Mask().with_attn_mask(torch::ones({10, 10}, torch::kBool))),
-      "reformer", "attention mask");
+      "reformer: attn_mask: got a boolean attn_mask", "which reformer does not take");
 }
 
 // Sizes the inputs cannot use are clamped before anything is allocated: a

@@ -57,7 +57,8 @@ def test_registry_type_is_the_operator():
     lengths = torch.tensor([6, 2])
     out = fastattn.attention("aft-simple", q, k, v, causal=True, key_lengths=lengths)
     assert torch.allclose(out, fastattn.aft_attention(q, k, v, None, lengths, True), atol=1e-12)
-    with pytest.raises(RuntimeError, match="values must have the width E = 4"):
+    with pytest.raises(RuntimeError, match="aft-simple: values: got values of width M = 5, "
+                                           "which aft-simple does not take"):
         fastattn.attention("aft-simple", q, k, torch.randn(2, 3, 6, 5))
 
 

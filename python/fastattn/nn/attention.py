@@ -125,8 +125,8 @@ class Attention(nn.Module):
     def _aft_full(self, queries, keys, values, attn_mask, key_lengths, causal):
         where = "Attention('aft-full')"
         if attn_mask is not None:
-            raise ValueError("%s: attn_mask is not supported (only the causal mask and "
-                             "key_lengths)" % where)
+            raise ValueError("%s: attn_mask: got an attn_mask, which aft-full does not take "
+                             "(it takes only the causal mask and key_lengths)" % where)
         w = aft_position_bias(self.u, self.v, queries.shape[2], keys.shape[2], causal, where)
         return _aft_attention(queries, keys, values, w.to(queries.device, queries.dtype),
                               key_lengths, causal)
