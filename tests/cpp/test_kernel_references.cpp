@@ -3,19 +3,35 @@
 // struct, src/kernels/<kernel>/<kernel>_reference.h; the CUDA emulator tests
 // use the same references): token gather exactly in float64 and float32 (a
 // copy; sums in the reference's order), hashing bit for bit wherever a
-// projection is not within rounding of 0, contiguous and strided rows, one
-// and three threads.
+// projection is not within rounding of 0, the Hamming K-means' assignments
+// and counts exactly (the same seeded draws), clustered top-k (both forms,
+// with and without dropout) and the cluster means, hard retrieval's picks exactly
+// where the top two scores are apart, the sums of the causal product, the elu
+// feature map and linear attention, hard retrieval's softmax parts and AFT's
+// scan within rounding (float64: 1e-11, float32: 2e-5 of the largest value);
+// contiguous and strided rows, key lengths, causal and not, one and three
+// threads.
 //   build/fastattn_tests --gtest_filter='KernelReference.*'
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "kernels/aft/aft_reference.h"
+#include "kernels/causal_product/causal_product_reference.h"
+#include "kernels/clustered_topk/clustered_topk_reference.h"
+#include "kernels/clustering/clustering_reference.h"
 #include "kernels/common/cpu_isa.h"
+#include "kernels/feature_maps/elu_feature_map_reference.h"
+#include "kernels/hard_retrieval/hard_retrieval_reference.h"
 #include "kernels/hashing/hashing.h"
 #include "kernels/hashing/hashing_reference.h"
+#include "kernels/linear_attention/elu_linear_attention_reference.h"
 #include "kernels/token_gather/token_gather.h"
 #include "kernels/token_gather/token_gather_reference.h"
 
@@ -176,6 +192,613 @@ TEST(KernelReference, HashQueries) {
         check_hash<double>(1, 1, 9, 1, 1, strided, threads, rng);
       }
   }
+}
+
+// |got - want| <= tol·max(1, max |want|) everywhere.
+template <typename T>
+void expect_near_all(const std::vector<T>& got, const std::vector<double>& want, const char* what) {
+  const double tol = sizeof(T) == 8 ? 1e-11 : 2e-5;
+  ASSERT_EQ(got.size(), want.size()) << what;
+  double scale = 1;
+  for (double w : want) scale = std::max(scale, std::abs(w));
+  for (size_t i = 0; i < want.size(); ++i)
+    ASSERT_LE(std::abs(static_cast<double>(got[i]) - want[i]), tol * scale)
+        << what << " [" << i << "]: got " << got[i] << ", the reference " << want[i];
+}
+
+// fn(threads) at every instruction-set level, with 1 and 3 threads.
+void at_every_level(const std::function<void(int)>& fn) {
+  LevelGuard guard;
+  for (CpuIsa isa : kernels::supported_cpu_isas()) {
+    kernels::set_cpu_isa(isa);
+    for (int threads : {1, 3}) {
+      SCOPED_TRACE(std::string(kernels::cpu_isa_name(isa)) + ", threads " +
+                   std::to_string(threads));
+      fn(threads);
+    }
+  }
+}
+
+std::string dtype_name(size_t size) { return size == 8 ? "float64" : "float32"; }
+
+// ---- causal product -----------------------------------------------------------
+
+template <typename T>
+void check_causal_product(int64_t N, int64_t H, int64_t L, int64_t F, int64_t M, int64_t chunk,
+                          int threads, std::mt19937& rng) {
+  SCOPED_TRACE(dtype_name(sizeof(T)) + " L " + std::to_string(L) + " F " + std::to_string(F) +
+               " M " + std::to_string(M) + " chunk " + std::to_string(chunk));
+  const auto q = float_valued(normal(N * H * L * F, rng)), k = float_valued(normal(q.size(), rng));
+  const auto v = float_valued(normal(N * H * L * M, rng)), g = float_valued(normal(v.size(), rng));
+  std::vector<double> out(v.size()), gq(q.size()), gk(q.size()), gv(v.size());
+  kernels::CausalProductBackwardArgs<double> r;
+  r.q = q.data(), r.k = k.data(), r.v = v.data(), r.grad_out = g.data();
+  r.N = N, r.H = H, r.L = L, r.F = F, r.M = M;
+  r.grad_q = gq.data(), r.grad_k = gk.data(), r.grad_v = gv.data();
+  kernels::CausalProductForwardArgs<double> rf;
+  static_cast<kernels::CausalProductParams<double>&>(rf) = r;
+  rf.out = out.data();
+  kernels::causal_product_forward_reference(rf);
+  kernels::causal_product_backward_reference(r);
+
+  const auto qt = as<T>(q), kt = as<T>(k), vt = as<T>(v), gt = as<T>(g);
+  std::vector<T> o(v.size(), T(7)), oq(q.size(), T(7)), ok(q.size(), T(7)), ov(v.size(), T(7));
+  kernels::CausalProductBackwardArgs<T> a;
+  a.q = qt.data(), a.k = kt.data(), a.v = vt.data(), a.grad_out = gt.data();
+  a.N = N, a.H = H, a.L = L, a.F = F, a.M = M, a.chunk = chunk, a.num_threads = threads;
+  a.grad_q = oq.data(), a.grad_k = ok.data(), a.grad_v = ov.data();
+  kernels::CausalProductForwardArgs<T> af;
+  static_cast<kernels::CausalProductParams<T>&>(af) = a;
+  af.out = o.data();
+  kernels::causal_product_forward_cpu(af);
+  kernels::causal_product_backward_cpu(a);
+  expect_near_all(o, out, "out");
+  expect_near_all(oq, gq, "grad_q");
+  expect_near_all(ok, gk, "grad_k");
+  expect_near_all(ov, gv, "grad_v");
+}
+
+TEST(KernelReference, CausalProduct) {
+  std::mt19937 rng(13);
+  at_every_level([&](int threads) {
+    for (int64_t chunk : {1, 7, 64}) {
+      check_causal_product<double>(2, 2, 37, 16, 24, chunk, threads, rng);
+      check_causal_product<float>(2, 2, 37, 16, 24, chunk, threads, rng);
+    }
+    check_causal_product<float>(1, 1, 130, 33, 65, 64, threads, rng);
+    check_causal_product<double>(1, 3, 1, 1, 1, 64, threads, rng);
+  });
+}
+
+// ---- elu feature map -------------------------------------------------------------
+
+TEST(KernelReference, EluFeatureMap) {
+  std::mt19937 rng(17);
+  auto x = float_valued(normal(1000, rng));
+  for (auto& e : x) e *= 8;  // far into both branches
+  x.push_back(0.0);
+  x.push_back(-0.0);
+  x.push_back(-100.0);  // exp underflows in float32
+  const auto g = float_valued(normal(x.size(), rng));
+  const int64_t n = static_cast<int64_t>(x.size());
+  std::vector<double> want(n), gwant(n);
+  kernels::EluFeatureMapArgs<double> r;
+  r.x = x.data(), r.grad_out = g.data(), r.n = n, r.out = want.data();
+  kernels::elu_feature_map_forward_reference(r);
+  r.out = gwant.data();
+  kernels::elu_feature_map_backward_reference(r);
+  at_every_level([&](int threads) {
+    auto run = [&](auto zero) {
+      using T = decltype(zero);
+      const auto xt = as<T>(x), gt = as<T>(g);
+      std::vector<T> out(n, T(7)), gout(n, T(7));
+      kernels::EluFeatureMapArgs<T> a;
+      a.x = xt.data(), a.grad_out = gt.data(), a.n = n, a.num_threads = threads;
+      a.out = out.data();
+      kernels::elu_feature_map_forward_cpu(a);
+      a.out = gout.data();
+      kernels::elu_feature_map_backward_cpu(a);
+      SCOPED_TRACE(dtype_name(sizeof(T)));
+      expect_near_all(out, want, "phi");
+      expect_near_all(gout, gwant, "grad");
+    };
+    run(0.0);
+    run(0.0f);
+  });
+}
+
+// ---- elu linear attention --------------------------------------------------------
+
+template <typename T>
+void check_elu_linear(int64_t N, int64_t H, int64_t L, int64_t S, int64_t E, int64_t M, bool causal,
+                      bool lengths, bool strided, bool keep_state, int threads, std::mt19937& rng) {
+  SCOPED_TRACE(dtype_name(sizeof(T)) + " L " + std::to_string(L) + " S " + std::to_string(S) +
+               " E " + std::to_string(E) + " M " + std::to_string(M) + (causal ? " causal" : "") +
+               (lengths ? " key lengths" : "") + (strided ? " strided" : "") +
+               (keep_state ? " state" : ""));
+  const auto q = float_valued(normal(N * H * L * E, rng)),
+             k = float_valued(normal(N * H * S * E, rng));
+  const auto v = float_valued(normal(N * H * S * M, rng)),
+             g = float_valued(normal(N * H * L * M, rng));
+  std::vector<int64_t> len(N);
+  for (auto& l : len) l = static_cast<int64_t>(rng() % (S + 1));
+  // Strided: the layers' (N, R, H, C) tensors read as (N, H, R, C).
+  auto rows = [&](int64_t R, int64_t C) {
+    return strided ? kernels::RowStrides{R * H * C, C, H * C} : kernels::RowStrides{};
+  };
+  auto fill = [&](auto& p, const auto& qq, const auto& kk, const auto& vv) {
+    p.q = qq.data(), p.k = kk.data(), p.v = vv.data();
+    p.q_rows = rows(L, E), p.k_rows = rows(S, E), p.v_rows = rows(S, M);
+    p.key_lengths = lengths ? len.data() : nullptr;
+    p.N = N, p.H = H, p.L = L, p.S = S, p.E = E, p.M = M, p.causal = causal;
+  };
+  std::vector<double> out(N * H * L * M), den(N * H * L), state(N * H * E * (M + 1)), sums(N * H),
+      gq(q.size()), gk(k.size()), gv(v.size());
+  kernels::EluLinearForwardArgs<double> rf;
+  fill(rf, q, k, v);
+  rf.out = out.data(), rf.den = den.data(), rf.out_rows = rows(L, M);
+  rf.state = causal ? nullptr : state.data();
+  rf.out_sums = sums.data();
+  kernels::elu_linear_attention_forward_reference(rf);
+  kernels::EluLinearBackwardArgs<double> rb;
+  fill(rb, q, k, v);
+  rb.grad_out = g.data(), rb.grad_out_rows = rows(L, M);
+  rb.grad_q = gq.data(), rb.grad_k = gk.data(), rb.grad_v = gv.data();
+  rb.grad_q_rows = rows(L, E), rb.grad_k_rows = rows(S, E), rb.grad_v_rows = rows(S, M);
+  kernels::elu_linear_attention_backward_reference(rb);
+
+  using Acc = kernels::KernelScalar<T>;
+  const auto qt = as<T>(q), kt = as<T>(k), vt = as<T>(v), gt = as<T>(g);
+  std::vector<T> o(out.size(), T(7)), oq(q.size(), T(7)), ok(k.size(), T(7)), ov(v.size(), T(7));
+  std::vector<Acc> d(den.size(), Acc(7)), st(state.size(), Acc(7)), su(sums.size(), Acc(0));
+  kernels::EluLinearForwardArgs<T> af;
+  fill(af, qt, kt, vt);
+  af.num_threads = threads;
+  af.out = o.data(), af.den = d.data(), af.out_rows = rows(L, M);
+  af.state = keep_state ? st.data() : nullptr;
+  af.out_sums = su.data();
+  kernels::elu_linear_attention_forward_cpu(af);
+  expect_near_all(o, out, "out");
+  expect_near_all(d, den, "den");
+  expect_near_all(su, sums, "out_sums");
+  if (keep_state) expect_near_all(st, state, "state");
+  kernels::EluLinearBackwardArgs<T> ab;
+  fill(ab, qt, kt, vt);
+  ab.num_threads = threads;
+  ab.grad_out = gt.data(), ab.grad_out_rows = rows(L, M);
+  ab.out = o.data(), ab.out_rows = rows(L, M), ab.den = d.data();
+  ab.state = keep_state ? st.data() : nullptr;
+  ab.grad_q = oq.data(), ab.grad_k = ok.data(), ab.grad_v = ov.data();
+  ab.grad_q_rows = rows(L, E), ab.grad_k_rows = rows(S, E), ab.grad_v_rows = rows(S, M);
+  kernels::elu_linear_attention_backward_cpu(ab);
+  expect_near_all(oq, gq, "grad_q");
+  expect_near_all(ok, gk, "grad_k");
+  expect_near_all(ov, gv, "grad_v");
+}
+
+TEST(KernelReference, EluLinearAttention) {
+  std::mt19937 rng(19);
+  at_every_level([&](int threads) {
+    for (bool strided : {false, true})
+      for (bool lengths : {false, true}) {
+        check_elu_linear<double>(2, 2, 37, 37, 16, 24, true, lengths, strided, false, threads, rng);
+        check_elu_linear<float>(2, 2, 70, 70, 8, 5, true, lengths, strided, false, threads, rng);
+        for (bool keep_state : {false, true}) {
+          check_elu_linear<double>(2, 3, 21, 45, 16, 24, false, lengths, strided, keep_state,
+                                   threads, rng);
+          check_elu_linear<float>(1, 2, 9, 70, 33, 17, false, lengths, strided, keep_state, threads,
+                                  rng);
+        }
+      }
+  });
+}
+
+// ---- hard retrieval ---------------------------------------------------------------
+
+template <typename T>
+void check_hard_retrieval(int64_t N, int64_t H, int64_t L, int64_t S, int64_t E, int64_t M,
+                          bool causal, bool lengths, bool masked, bool strided, int threads,
+                          std::mt19937& rng) {
+  SCOPED_TRACE(dtype_name(sizeof(T)) + " L " + std::to_string(L) + " S " + std::to_string(S) +
+               " E " + std::to_string(E) + " M " + std::to_string(M) + (causal ? " causal" : "") +
+               (lengths ? " key lengths" : "") + (masked ? " keep mask" : "") +
+               (strided ? " strided" : ""));
+  const auto q = float_valued(normal(N * H * L * E, rng)),
+             k = float_valued(normal(N * H * S * E, rng));
+  const auto v = float_valued(normal(N * H * S * M, rng)),
+             g = float_valued(normal(N * H * L * M, rng));
+  std::vector<int64_t> len(N);
+  for (auto& l : len) l = static_cast<int64_t>(rng() % (S + 1));
+  std::unique_ptr<bool[]> keep(new bool[N * L * S]);  // (N, 1, L, S): shared by the heads
+  for (int64_t i = 0; i < N * L * S; ++i) keep[i] = rng() % 4 != 0;
+  auto rows = [&](int64_t R, int64_t C) {
+    return strided ? kernels::RowStrides{R * H * C, C, H * C} : kernels::RowStrides{};
+  };
+  auto fill = [&](auto& p, const auto& qq, const auto& kk, const auto& vv) {
+    p.q = qq.data(), p.k = kk.data(), p.v = vv.data();
+    p.q_rows = rows(L, E), p.k_rows = rows(S, E), p.v_rows = rows(S, M);
+    p.key_lengths = lengths ? len.data() : nullptr;
+    p.N = N, p.H = H, p.L = L, p.S = S, p.E = E, p.M = M, p.causal = causal, p.scale = 0.3;
+    if (masked) p.keep = keep.get(), p.keep_sn = L * S, p.keep_sh = 0, p.keep_sl = S;
+  };
+  std::vector<double> out(N * H * L * M), lse(N * H * L), soft(out.size()), delta(lse.size());
+  std::vector<int64_t> index(lse.size());
+  kernels::HardRetrievalForwardArgs<double> rf;
+  fill(rf, q, k, v);
+  rf.out = out.data(), rf.out_rows = rows(L, M), rf.index = index.data();
+  rf.lse = lse.data(), rf.soft_out = soft.data();
+  kernels::hard_retrieval_forward_reference(rf);
+  kernels::HardRetrievalDeltaArgs<double> rd;
+  fill(rd, q, k, v);
+  rd.lse = lse.data(), rd.grad_out = g.data(), rd.grad_out_rows = rows(L, M);
+  rd.delta = delta.data();
+  kernels::hard_retrieval_delta_reference(rd);
+
+  const auto qt = as<T>(q), kt = as<T>(k), vt = as<T>(v), gt = as<T>(g);
+  std::vector<T> o(out.size(), T(7)), so(soft.size(), T(7)), dl(delta.size(), T(7));
+  std::vector<T> ls(lse.size(), T(7));
+  std::vector<int64_t> idx(index.size(), -7);
+  kernels::HardRetrievalForwardArgs<T> af;
+  fill(af, qt, kt, vt);
+  af.num_threads = threads;
+  af.out = o.data(), af.out_rows = rows(L, M), af.index = idx.data();
+  af.lse = ls.data(), af.soft_out = so.data();
+  kernels::hard_retrieval_forward_cpu(af);
+  // The pick: exact where the reference's two best scores are apart by more
+  // than rounding; the retrieved row is then v's row, exactly.
+  int64_t checked = 0;
+  auto ref = rf;
+  kernels::resolve_qkv_rows(ref);
+  for (int64_t nh = 0; nh < N * H; ++nh)
+    for (int64_t i = 0; i < L; ++i) {
+      const auto s = kernels::hard_retrieval_detail::scores(ref, nh, i);
+      double second = -INFINITY;
+      for (int64_t j = 0; j < S; ++j)
+        if (j != index[nh * L + i]) second = std::max(second, s[j]);
+      const int64_t x = nh * L + i;
+      if (index[x] >= 0 && s[index[x]] - second <= (sizeof(T) == 8 ? 1e-9 : 1e-3)) continue;
+      ASSERT_EQ(idx[x], index[x]) << "index of query " << i << " of head " << nh;
+      ++checked;
+      const auto out_row = rows(L, M).resolved(H, L, M);
+      for (int64_t m = 0; m < M; ++m)
+        ASSERT_EQ(static_cast<double>(out_row.row(o.data(), nh, H, i)[m]),
+                  out_row.row(out.data(), nh, H, i)[m])
+            << "out of query " << i << " of head " << nh;
+    }
+  EXPECT_GT(checked, N * H * L / 2);
+  for (size_t i = 0; i < lse.size(); ++i) {
+    if (std::isinf(lse[i])) {
+      ASSERT_TRUE(std::isinf(ls[i]) && ls[i] < 0) << "lse " << i << ": " << ls[i];
+      ls[i] = 0, lse[i] = 0;  // compared below with the finite ones
+    }
+  }
+  expect_near_all(ls, lse, "lse");
+  expect_near_all(so, soft, "soft_out");
+  // delta from each side's own lse.
+  for (size_t i = 0; i < lse.size(); ++i)
+    if (idx[i] < 0) ls[i] = -INFINITY;
+  kernels::HardRetrievalDeltaArgs<T> ad;
+  fill(ad, qt, kt, vt);
+  ad.num_threads = threads;
+  ad.lse = ls.data(), ad.grad_out = gt.data(), ad.grad_out_rows = rows(L, M);
+  ad.delta = dl.data();
+  kernels::hard_retrieval_delta_cpu(ad);
+  expect_near_all(dl, delta, "delta");
+
+  // grad_v from the reference's picks.
+  std::vector<double> gv(v.size());
+  kernels::HardRetrievalGradVArgs<double> rv;
+  rv.grad_out = g.data(), rv.index = index.data(), rv.grad_v = gv.data();
+  rv.NH = N * H, rv.L = L, rv.S = S, rv.M = M, rv.H = H;
+  rv.grad_out_rows = rows(L, M), rv.grad_v_rows = rows(S, M);
+  kernels::hard_retrieval_grad_v_reference(rv);
+  std::vector<T> ogv(v.size(), T(7));
+  kernels::HardRetrievalGradVArgs<T> av;
+  av.grad_out = gt.data(), av.index = index.data(), av.grad_v = ogv.data();
+  av.NH = N * H, av.L = L, av.S = S, av.M = M, av.H = H, av.num_threads = threads;
+  av.grad_out_rows = rows(L, M), av.grad_v_rows = rows(S, M);
+  kernels::hard_retrieval_grad_v_cpu(av);
+  expect_near_all(ogv, gv, "grad_v");
+}
+
+TEST(KernelReference, HardRetrieval) {
+  std::mt19937 rng(23);
+  at_every_level([&](int threads) {
+    for (bool strided : {false, true})
+      for (bool masked : {false, true}) {
+        check_hard_retrieval<double>(2, 2, 37, 45, 16, 24, false, true, masked, strided, threads,
+                                     rng);
+        check_hard_retrieval<float>(2, 2, 37, 45, 16, 24, true, false, masked, strided, threads,
+                                    rng);
+        check_hard_retrieval<float>(1, 3, 70, 9, 33, 5, true, true, masked, strided, threads, rng);
+        check_hard_retrieval<double>(1, 1, 9, 130, 8, 70, false, false, masked, strided, threads,
+                                     rng);
+      }
+  });
+}
+
+// ---- Hamming K-means --------------------------------------------------------------
+
+// Random codes, codes near a few prototypes, or only three distinct codes
+// (ties in the seeding, re-seeded empty clusters).
+void check_clustering(int64_t N, int64_t H, int64_t L, int64_t C, int64_t iterations,
+                      std::vector<int64_t> lengths, int kind, int threads, uint64_t seed) {
+  SCOPED_TRACE("N " + std::to_string(N) + " H " + std::to_string(H) + " L " + std::to_string(L) +
+               " C " + std::to_string(C) + " iterations " + std::to_string(iterations) + " kind " +
+               std::to_string(kind) + " seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  std::vector<uint64_t> protos(6);
+  for (auto& p : protos) p = rng();
+  std::vector<int64_t> codes(N * H * L);
+  for (auto& c : codes) {
+    uint64_t x = rng();
+    if (kind == 1) {
+      x = protos[rng() % protos.size()];
+      for (int f = 0; f < 4; ++f) x ^= 1ull << (rng() % 64);
+    } else if (kind == 2) {
+      x = protos[rng() % 3];
+    }
+    c = static_cast<int64_t>(x);
+  }
+  kernels::ClusterParams p;
+  p.codes = codes.data();
+  p.lengths = lengths.empty() ? nullptr : lengths.data();
+  p.N = N, p.H = H, p.L = L, p.C = C, p.iterations = iterations, p.seed = seed;
+  std::vector<int64_t> a(N * H * L, 99), counts(N * H * C, 99), ra(a.size()), rc(counts.size());
+  p.assignments = ra.data(), p.counts = rc.data();
+  kernels::cluster_codes_reference(p);
+  p.assignments = a.data(), p.counts = counts.data(), p.num_threads = threads;
+  kernels::cluster_codes_cpu(p);
+  EXPECT_EQ(a, ra) << "assignments";
+  EXPECT_EQ(counts, rc) << "counts";
+}
+
+TEST(KernelReference, ClusterCodes) {
+  at_every_level([&](int threads) {
+    check_clustering(1, 2, 37, 5, 3, {}, 0, threads, 1);
+    check_clustering(2, 1, 70, 8, 20, {}, 1, threads, 2);
+    check_clustering(1, 1, 33, 1, 3, {}, 1, threads, 3);
+    check_clustering(1, 1, 17, 4, 0, {}, 0, threads, 4);
+    check_clustering(4, 2, 40, 6, 5, {0, 1, 4, 40}, 1, threads, 6);
+    check_clustering(2, 1, 50, 7, 5, {50, 23}, 2, threads, 7);
+    check_clustering(1, 1, 9, 9, 4, {}, 2, threads, 8);
+    check_clustering(1, 1, 200, 100, 6, {}, 1, threads, 9);
+    // From 1024 valid queries the kernel assigns by byte tables, and from the
+    // second assignment rescans only where centroids moved.
+    check_clustering(2, 1, 1500, 12, 6, {1500, 1100}, 1, threads, 10);
+  });
+}
+
+// ---- clustered top-k ----------------------------------------------------------------
+
+// Plain form (given masses) or improved (centroids, lse, out_c), with or
+// without dropout; padded queries, empty clusters, empty and out-of-length
+// top-k slots.
+template <typename T>
+void check_clustered_topk(int64_t N, int64_t H, int64_t L, int64_t S, int64_t E, int64_t M,
+                          int64_t C, int64_t K, bool improved, double dropout, bool strided,
+                          int threads, std::mt19937& rng) {
+  SCOPED_TRACE(dtype_name(sizeof(T)) + " L " + std::to_string(L) + " S " + std::to_string(S) +
+               " C " + std::to_string(C) + " K " + std::to_string(K) +
+               (improved ? " improved" : " plain") + " dropout " + std::to_string(dropout) +
+               (strided ? " strided" : ""));
+  using Acc = kernels::KernelScalar<T>;
+  const auto q = float_valued(normal(N * H * L * E, rng)),
+             k = float_valued(normal(N * H * S * E, rng));
+  const auto v = float_valued(normal(N * H * S * M, rng)),
+             g = float_valued(normal(N * H * L * M, rng));
+  const auto cen = float_valued(normal(N * H * C * E, rng)),
+             oc = float_valued(normal(N * H * C * M, rng));
+  std::vector<int64_t> len(N), assign(N * H * L), topk(N * H * C * K);
+  for (auto& l : len) l = static_cast<int64_t>(S / 2 + rng() % (S - S / 2 + 1));
+  for (auto& x : assign) x = static_cast<int64_t>(rng() % (C + 1)) - 1;  // -1: padded
+  std::vector<int64_t> keys(S);
+  for (int64_t c = 0; c < N * H * C; ++c) {  // K distinct keys, some slots empty
+    for (int64_t j = 0; j < S; ++j) keys[j] = j;
+    std::shuffle(keys.begin(), keys.end(), rng);
+    for (int64_t t = 0; t < K; ++t) topk[c * K + t] = rng() % 5 == 0 ? -1 : keys[t];
+  }
+  std::vector<double> mass(N * H * C), lse(N * H * C);
+  for (auto& m : mass) m = static_cast<float>(0.2 + (rng() % 1000) / 1000.0);
+  const double scale = 0.4;
+  for (int64_t nh = 0; nh < N * H; ++nh)  // lse over every key: the clamp at 0 never acts
+    for (int64_t c = 0; c < C; ++c) {
+      double mx = -INFINITY, sum = 0;
+      std::vector<double> s(S);
+      for (int64_t j = 0; j < S; ++j) {
+        s[j] = 0;
+        for (int64_t e = 0; e < E; ++e)
+          s[j] += scale * cen[(nh * C + c) * E + e] * k[(nh * S + j) * E + e];
+        mx = std::max(mx, s[j]);
+      }
+      for (double x : s) sum += std::exp(x - mx);
+      lse[nh * C + c] = static_cast<float>(mx + std::log(sum) + 0.01);
+    }
+  auto rows = [&](int64_t R, int64_t Cn) {
+    return strided ? kernels::RowStrides{R * H * Cn, Cn, H * Cn} : kernels::RowStrides{};
+  };
+  // k and v of the kernels' strided case: the reference reads the same layout.
+  auto fill = [&](auto& p, const auto& qq, const auto& kk, const auto& vv, const auto& cc,
+                  const auto& ll, const auto& mm, const auto& oo) {
+    p.q = qq.data(), p.k = kk.data(), p.v = vv.data();
+    p.q_rows = rows(L, E), p.k_rows = rows(S, E), p.v_rows = rows(S, M);
+    p.key_lengths = len.data();
+    p.N = N, p.H = H, p.L = L, p.S = S, p.E = E, p.M = M, p.C = C, p.K = K, p.scale = scale;
+    p.topk = topk.data(), p.assignments = assign.data();
+    if (improved) {
+      p.centroids = cc.data(), p.lse = ll.data(), p.out_c = oo.data();
+    } else {
+      p.mass = mm.data();
+    }
+    p.dropout_threshold = kernels::dropout_threshold(dropout);
+    p.dropout_seed = 1234567;
+    p.dropout_scale = 1 / (1 - dropout);
+  };
+  std::vector<double> out(N * H * L * M), gq(q.size()), gk(k.size()), gv(v.size()),
+      gmass(mass.size()), gcen(cen.size()), glse(lse.size()), goc(oc.size());
+  kernels::ClusteredTopkForwardArgs<double> rf;
+  fill(rf, q, k, v, cen, lse, mass, oc);
+  rf.out = out.data(), rf.out_rows = rows(L, M);
+  kernels::clustered_topk_forward_reference(rf);
+  kernels::ClusteredTopkBackwardArgs<double> rb;
+  fill(rb, q, k, v, cen, lse, mass, oc);
+  rb.grad_out = g.data(), rb.grad_out_rows = rows(L, M);
+  rb.grad_q = gq.data(), rb.grad_k = gk.data(), rb.grad_v = gv.data();
+  rb.grad_q_rows = rows(L, E), rb.grad_k_rows = rows(S, E), rb.grad_v_rows = rows(S, M);
+  rb.grad_mass = gmass.data(), rb.grad_centroids = gcen.data(), rb.grad_lse = glse.data();
+  rb.grad_out_c = goc.data();
+  kernels::clustered_topk_backward_reference(rb);
+
+  const auto qt = as<T>(q), kt = as<T>(k), vt = as<T>(v), gt = as<T>(g), ct = as<T>(cen),
+             ot = as<T>(oc);
+  const auto lt = as<Acc>(lse), mt = as<Acc>(mass);
+  std::vector<T> o(out.size(), T(7));
+  std::vector<Acc> oq(q.size(), Acc(7)), ok(k.size(), Acc(7)), ov(v.size(), Acc(7)),
+      om(mass.size(), Acc(7)), ocen(cen.size(), Acc(7)), olse(lse.size(), Acc(7)),
+      ooc(oc.size(), Acc(7));
+  kernels::ClusteredTopkForwardArgs<T> af;
+  fill(af, qt, kt, vt, ct, lt, mt, ot);
+  af.num_threads = threads;
+  af.out = o.data(), af.out_rows = rows(L, M);
+  kernels::clustered_topk_forward_cpu(af);
+  expect_near_all(o, out, "out");
+  kernels::ClusteredTopkBackwardArgs<T> ab;
+  fill(ab, qt, kt, vt, ct, lt, mt, ot);
+  ab.num_threads = threads;
+  ab.grad_out = gt.data(), ab.grad_out_rows = rows(L, M);
+  ab.grad_q = oq.data(), ab.grad_k = ok.data(), ab.grad_v = ov.data();
+  ab.grad_q_rows = rows(L, E), ab.grad_k_rows = rows(S, E), ab.grad_v_rows = rows(S, M);
+  ab.grad_mass = om.data(), ab.grad_centroids = ocen.data(), ab.grad_lse = olse.data();
+  ab.grad_out_c = ooc.data();
+  kernels::clustered_topk_backward_cpu(ab);
+  expect_near_all(oq, gq, "grad_q");
+  expect_near_all(ok, gk, "grad_k");
+  expect_near_all(ov, gv, "grad_v");
+  if (improved) {
+    expect_near_all(ocen, gcen, "grad_centroids");
+    expect_near_all(olse, glse, "grad_lse");
+    expect_near_all(ooc, goc, "grad_out_c");
+  } else {
+    expect_near_all(om, gmass, "grad_mass");
+  }
+}
+
+TEST(KernelReference, ClusteredTopk) {
+  std::mt19937 rng(31);
+  at_every_level([&](int threads) {
+    for (bool improved : {false, true})
+      for (double dropout : {0.0, 0.3}) {
+        check_clustered_topk<double>(2, 2, 40, 37, 16, 24, 5, 9, improved, dropout, false, threads,
+                                     rng);
+        check_clustered_topk<float>(1, 3, 200, 70, 33, 17, 3, 32, improved, dropout, true, threads,
+                                    rng);
+        // One member per cluster (the plain form's single-query path).
+        check_clustered_topk<double>(1, 1, 4, 20, 8, 8, 6, 5, improved, dropout, true, threads,
+                                     rng);
+      }
+  });
+}
+
+// Cluster means (and sums) and their spread back to the members.
+TEST(KernelReference, ClusterMeansAndSpread) {
+  std::mt19937 rng(37);
+  const int64_t N = 2, H = 3, L = 41, C = 6, E = 20;
+  const auto q = float_valued(normal(N * H * L * E, rng)), table = normal(N * H * C * E, rng);
+  std::vector<int64_t> assign(N * H * L), counts(N * H * C, 0);
+  for (int64_t x = 0; x < N * H * L; ++x) {
+    assign[x] = x % 7 == 0 ? -1 : static_cast<int64_t>(rng() % (C - 1));  // padded; C-1 empty
+    if (assign[x] >= 0) ++counts[x / L * C + assign[x]];
+  }
+  at_every_level([&](int threads) {
+    for (bool strided : {false, true})
+      for (bool mean : {false, true}) {
+        SCOPED_TRACE(std::string(strided ? "strided" : "contiguous") + (mean ? " means" : " sums"));
+        kernels::ClusterMeansArgs<double> a;
+        a.q = q.data(), a.assignments = assign.data(), a.counts = counts.data();
+        a.NH = N * H, a.L = L, a.C = C, a.E = E, a.H = H, a.mean = mean;
+        if (strided) a.q_rows = kernels::RowStrides{L * H * E, E, H * E};
+        std::vector<double> want(N * H * C * E), got(want.size(), 7.0);
+        a.centroids = want.data();
+        kernels::cluster_means_reference(a);
+        a.centroids = got.data(), a.num_threads = threads;
+        kernels::cluster_means_cpu(a);
+        expect_near_all(got, want, "centroids");
+      }
+    for (bool divide : {false, true})
+      for (bool accumulate : {false, true}) {
+        SCOPED_TRACE(std::string(divide ? "divide" : "") + (accumulate ? " accumulate" : ""));
+        kernels::CentroidSpreadArgs<double> a;
+        a.table = table.data(), a.assignments = assign.data(), a.counts = counts.data();
+        a.NH = N * H, a.L = L, a.C = C, a.E = E, a.H = H, a.divide = divide;
+        a.accumulate = accumulate;
+        a.dst_rows = kernels::RowStrides{L * H * E, E, H * E};
+        std::vector<double> want = normal(N * H * L * E, rng), got = want;
+        a.dst = want.data();
+        kernels::spread_centroids_reference(a);
+        a.dst = got.data(), a.num_threads = threads;
+        kernels::spread_centroids_cpu(a);
+        expect_near_all(got, want, "members");
+      }
+  });
+}
+
+// ---- AFT-simple's scan ------------------------------------------------------------
+
+template <typename T>
+void check_aft(int64_t N, int64_t H, int64_t L, int64_t S, int64_t E, bool causal, bool lengths,
+               int threads, std::mt19937& rng) {
+  SCOPED_TRACE(dtype_name(sizeof(T)) + " L " + std::to_string(L) + " S " + std::to_string(S) +
+               " E " + std::to_string(E) + (causal ? " causal" : "") +
+               (lengths ? " key lengths" : ""));
+  auto q = float_valued(normal(N * H * L * E, rng)), k = float_valued(normal(N * H * S * E, rng));
+  for (auto& x : k) x = static_cast<float>(4 * x);  // exponents apart
+  const auto v = float_valued(normal(k.size(), rng)), g = float_valued(normal(q.size(), rng));
+  std::vector<int64_t> len(N);
+  for (auto& l : len) l = static_cast<int64_t>(rng() % (S + 1));
+  std::vector<double> out(q.size()), a(q.size()), lse(q.size()), gq(q.size()), gk(k.size()),
+      gv(k.size());
+  kernels::AftScanArgs<double> r;
+  r.q = q.data(), r.k = k.data(), r.v = v.data(), r.key_lengths = lengths ? len.data() : nullptr;
+  r.causal = causal, r.N = N, r.H = H, r.L = L, r.S = S, r.E = E;
+  r.out = out.data(), r.a = a.data(), r.lse = lse.data();
+  kernels::aft_scan_forward_reference(r);
+  r.grad_out = g.data(), r.grad_q = gq.data(), r.grad_k = gk.data(), r.grad_v = gv.data();
+  kernels::aft_scan_backward_reference(r);
+
+  const auto qt = as<T>(q), kt = as<T>(k), vt = as<T>(v), gt = as<T>(g);
+  std::vector<T> o(q.size(), T(7)), oa(q.size(), T(7)), ol(q.size(), T(7)), oq(q.size(), T(7)),
+      ok(k.size(), T(7)), ov(k.size(), T(7));
+  kernels::AftScanArgs<T> p;
+  p.q = qt.data(), p.k = kt.data(), p.v = vt.data(), p.key_lengths = r.key_lengths;
+  p.causal = causal, p.N = N, p.H = H, p.L = L, p.S = S, p.E = E, p.num_threads = threads;
+  p.out = o.data(), p.a = oa.data(), p.lse = ol.data();
+  kernels::aft_scan_forward_cpu(p);
+  p.grad_out = gt.data(), p.a_in = oa.data(), p.lse_in = ol.data();
+  p.grad_q = oq.data(), p.grad_k = ok.data(), p.grad_v = ov.data();
+  kernels::aft_scan_backward_cpu(p);
+  expect_near_all(o, out, "out");
+  expect_near_all(oa, a, "a");
+  for (size_t i = 0; i < lse.size(); ++i) {
+    if (!std::isinf(lse[i])) continue;
+    ASSERT_TRUE(std::isinf(ol[i]) && ol[i] < 0) << "lse " << i << ": " << ol[i];
+    ol[i] = 0, lse[i] = 0;
+  }
+  expect_near_all(ol, lse, "lse");
+  expect_near_all(oq, gq, "grad_q");
+  expect_near_all(ok, gk, "grad_k");
+  expect_near_all(ov, gv, "grad_v");
+}
+
+TEST(KernelReference, AftScan) {
+  std::mt19937 rng(29);
+  at_every_level([&](int threads) {
+    for (bool causal : {false, true})
+      for (bool lengths : {false, true}) {
+        check_aft<double>(2, 2, 23, 23, 16, causal, lengths, threads, rng);
+        check_aft<float>(2, 3, 9, 31, 20, causal, lengths, threads, rng);
+        check_aft<double>(1, 1, 31, 9, 3, causal, lengths, threads, rng);
+      }
+  });
 }
 
 }  // namespace

@@ -1,15 +1,14 @@
 // The CUDA causal linear product kernels (src/kernels/causal_product/
-// causal_product_cuda.cu) run by the emulator, against the CPU kernels in
-// float64 on the same rounded inputs: forward and all three gradients, every
-// dtype, chunks 16/32/64, lengths that are not multiples of the chunk, head
-// dims from 1 to 150 (column blocks 16 to 80 wide, more than one), M = 0.
-// Tolerances in emu_test_util.h.
+// causal_product_cuda.cu) run by the emulator, against the plain reference
+// (causal_product_reference.h) in float64 on the same rounded inputs: forward and all three
+// gradients, every dtype, chunks 16/32/64, lengths that are not multiples of the chunk, head dims
+// from 1 to 150 (column blocks 16 to 80 wide, more than one), M = 0. Tolerances in emu_test_util.h.
 #include <gtest/gtest.h>
 
 #include <random>
 
 #include "emu_test_util.h"
-#include "kernels/causal_product/causal_product.h"
+#include "kernels/causal_product/causal_product_reference.h"
 #include "kernels/causal_product/causal_product_cuda.h"
 
 namespace {
@@ -49,7 +48,7 @@ void check_case(int64_t N, int64_t H, int64_t L, int64_t F, int64_t M, int64_t c
   ra.v = v.ref.data();
   ra.N = N, ra.H = H, ra.L = L, ra.F = F, ra.M = M, ra.chunk = 7;
   ra.out = ref_out.data();
-  fastattn::kernels::causal_product_forward_cpu(ra);
+  fastattn::kernels::causal_product_forward_reference(ra);
   expect_close_scaled(out, ref_out, rel_tol<T>(), "out");
 
   // Backward.
@@ -77,7 +76,7 @@ void check_case(int64_t N, int64_t H, int64_t L, int64_t F, int64_t M, int64_t c
   rb.grad_k = rk.data();
   rb.grad_v = rv.data();
   rb.N = N, rb.H = H, rb.L = L, rb.F = F, rb.M = M, rb.chunk = 5;
-  fastattn::kernels::causal_product_backward_cpu(rb);
+  fastattn::kernels::causal_product_backward_reference(rb);
   expect_close_scaled(gq, rq, rel_tol<T>(), "grad_q");
   expect_close_scaled(gk, rk, rel_tol<T>(), "grad_k");
   expect_close_scaled(gv, rv, rel_tol<T>(), "grad_v");

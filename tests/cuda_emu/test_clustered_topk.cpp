@@ -1,6 +1,6 @@
 // The clustered top-k kernels (src/kernels/clustered_topk/clustered_topk_cuda.cu)
-// under the emulator against the CPU kernels (clustered_topk.h) in float64 on
-// the same rounded inputs: forward and backward in the plain form (given
+// under the emulator against the plain references (clustered_topk_reference.h)
+// in float64 on the same rounded inputs: forward and backward in the plain form (given
 // masses) and the improved form (centroids, lse, centroid outputs), the
 // cluster means and the centroid-gradient scatter.
 // Covered: K = 0, 1, 7, 32 (one staged chunk) and 45, 70 (several chunks, with
@@ -19,7 +19,7 @@
 #include <random>
 
 #include "emu_test_util.h"
-#include "kernels/clustered_topk/clustered_topk.h"
+#include "kernels/clustered_topk/clustered_topk_reference.h"
 #include "kernels/clustered_topk/clustered_topk_cuda.h"
 
 namespace {
@@ -163,7 +163,7 @@ void check_topk(const Case& cs) {
   fastattn::kernels::ClusteredTopkForwardArgs<double> fc;
   fill_cpu(fc);
   fc.out = out_ref.data();
-  fastattn::kernels::clustered_topk_forward_cpu(fc);
+  fastattn::kernels::clustered_topk_forward_reference(fc);
   expect_close(to_double(out), out_ref, tol_for<T>(), "out");
   // Again with the grouping that call left in the workspace (as
   // cluster_means_cuda leaves it for the improved op): the same output.
@@ -199,7 +199,7 @@ void check_topk(const Case& cs) {
   bc.grad_centroids = rcen.data();
   bc.grad_lse = rlse.data();
   bc.grad_out_c = roc.data();
-  fastattn::kernels::clustered_topk_backward_cpu(bc);
+  fastattn::kernels::clustered_topk_backward_reference(bc);
   auto d = [](const std::vector<float>& x) { return std::vector<double>(x.begin(), x.end()); };
   expect_close(d(gq), rq, kGradTol, "grad_q");
   expect_close(d(gk), rk, kGradTol, "grad_k");
@@ -270,7 +270,7 @@ void check_means(int64_t N, int64_t H, int64_t L, int64_t C, int64_t E, uint32_t
   a.workspace = ws.data();
   fastattn::cuda::cluster_means_cuda(a, nullptr);
   std::vector<double> want(NH * C * E);
-  fastattn::kernels::cluster_means_cpu(fastattn::kernels::ClusterMeansArgs<double>{
+  fastattn::kernels::cluster_means_reference(fastattn::kernels::ClusterMeansArgs<double>{
       q.ref.data(), assignments.data(), counts.data(), want.data(), NH, L, C, E, 1});
   expect_close(to_double(cen), want, tol_for<T>(), "centroids");
 
@@ -291,7 +291,7 @@ void check_means(int64_t N, int64_t H, int64_t L, int64_t C, int64_t E, uint32_t
   g.C = C;
   g.E = E;
   fastattn::cuda::add_centroid_grads_cuda(g, nullptr);
-  fastattn::kernels::spread_centroids_cpu(fastattn::kernels::CentroidSpreadArgs<double>{
+  fastattn::kernels::spread_centroids_reference(fastattn::kernels::CentroidSpreadArgs<double>{
       gq_d.data(), table_d.data(), assignments.data(), counts.data(), NH, L, C, E, 1});
   expect_close(std::vector<double>(gq.begin(), gq.end()), gq_d, {1e-6, 1e-6}, "grad_q");
 }

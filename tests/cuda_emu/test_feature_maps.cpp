@@ -1,14 +1,14 @@
 // The CUDA elu feature map kernels (src/kernels/feature_maps/
-// elu_feature_map_cuda.cu) run by the emulator, against the CPU kernels in
-// float64 on the same rounded inputs: every dtype, lengths around the block
-// size, large and small values, NaN. Tolerances in emu_test_util.h.
+// elu_feature_map_cuda.cu) run by the emulator, against the plain reference
+// (elu_feature_map_reference.h) in float64 on the same rounded inputs: every dtype, lengths around
+// the block size, large and small values, NaN. Tolerances in emu_test_util.h.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <random>
 
 #include "emu_test_util.h"
-#include "kernels/feature_maps/elu_feature_map.h"
+#include "kernels/feature_maps/elu_feature_map_reference.h"
 #include "kernels/feature_maps/elu_feature_map_cuda.h"
 
 namespace {
@@ -41,9 +41,9 @@ void check(int64_t n, uint32_t seed) {
   r.grad_out = g.ref.data();
   r.n = n;
   r.out = rout.data();
-  fastattn::kernels::elu_feature_map_forward_cpu(r);
+  fastattn::kernels::elu_feature_map_forward_reference(r);
   r.out = rg.data();
-  fastattn::kernels::elu_feature_map_backward_cpu(r);
+  fastattn::kernels::elu_feature_map_backward_reference(r);
   // Elementwise: relative to each element (plus a tiny absolute floor).
   for (int64_t i = 0; i < n; ++i) {
     const double tol = rel_tol<T>() * std::fabs(rout[i]) + 1e-30;

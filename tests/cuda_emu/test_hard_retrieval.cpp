@@ -1,11 +1,12 @@
 // Hard retrieval attention CUDA kernels (src/kernels/hard_retrieval/
-// hard_retrieval_cuda.cu) run by the emulator against the CPU kernels in
-// float64 on the same (dtype-rounded) inputs: argmax (with exact ties from
-// integer inputs) and sampling (the same counter-based draws, so the same
-// indices), bool keep masks with empty rows, key lengths with an empty batch,
-// causal with S != L, several reservoir tiles (S > 128), the lse, and the
-// straight-through backward (dQ, dK against the CPU delta + full-attention
-// backward kernels, dV against the index-add), in float32, float16 and bfloat16.
+// hard_retrieval_cuda.cu) run by the emulator against the plain reference
+// (hard_retrieval_reference.h) in float64 on the same (dtype-rounded) inputs:
+// argmax (with exact ties from integer inputs) and, against the CPU kernel,
+// sampling (the same counter-based draws by key tile, so the same indices), bool keep masks with
+// empty rows, key lengths with an empty batch, causal with S != L, several reservoir tiles (S >
+// 128), the lse, and the straight-through backward (dQ, dK against the reference's delta and the
+// CPU full-attention backward kernel, dV against the reference's index-add), in float32, float16
+// and bfloat16.
 //   build-emu/fastattn_cuda_emu_tests --gtest_filter='CudaEmuHardRetrieval*'
 // Tolerances (|got - ref| <= atol + rtol·|ref|): float32 {2e-5, 2e-4}; float16
 // {2e-3, 4e-3}, bfloat16 {1.6e-2, 3e-2} (float32 accumulation on rounded
@@ -21,7 +22,7 @@
 
 #include "kernels/common/cuda_compat.cuh"
 #include "kernels/full/full_attention.h"
-#include "kernels/hard_retrieval/hard_retrieval.h"
+#include "kernels/hard_retrieval/hard_retrieval_reference.h"
 #include "kernels/hard_retrieval/hard_retrieval_cuda.h"
 
 namespace fastattn::cuda {
@@ -151,7 +152,13 @@ void run_case(const Case& c) {
   f.out = out_ref.data();
   f.index = idx_ref.data();
   f.lse = lse_ref.data();
-  hard_retrieval_forward_cpu(f);
+  // Argmax mode: the plain reference; sample mode: the CPU kernel, whose
+  // draws (by key tile) the CUDA kernel's follow.
+  if (c.sample) {
+    hard_retrieval_forward_cpu(f);
+  } else {
+    hard_retrieval_forward_reference(f);
+  }
 
   // CUDA, emulated.
   std::vector<T> out(N * H * L * M);
@@ -212,7 +219,7 @@ void run_case(const Case& c) {
   d.lse = lse_ref.data();
   d.grad_out = god.data();
   d.delta = delta_ref.data();
-  hard_retrieval_delta_cpu(d);
+  hard_retrieval_delta_reference(d);
   FullAttentionBackwardArgs<double> b;
   b.q = qd.data();
   b.k = kd.data();
@@ -233,7 +240,7 @@ void run_case(const Case& c) {
   b.grad_k = gk_ref.data();
   b.grad_v = gv_soft.data();
   full_attention_backward_cpu(b);
-  hard_retrieval_grad_v_cpu(
+  hard_retrieval_grad_v_reference(
       HardRetrievalGradVArgs<double>{god.data(), idx_ref.data(), gv_ref.data(), N * H, L, S, M, 1});
 
   std::vector<float> ws_out(N * H * L * M), ws_lse(N * H * L), ws_delta(N * H * L);

@@ -1,16 +1,17 @@
 // The CUDA elu linear attention kernels (src/kernels/linear_attention/
-// elu_linear_attention_cuda.cu) run by the emulator, against the CPU kernels
-// in float64 on the same rounded inputs: out, den and the three gradients,
+// elu_linear_attention_cuda.cu) run by the emulator, against the plain
+// reference (elu_linear_attention_reference.h) in float64 on the same rounded
+// inputs: out, den and the three gradients,
 // causal and not, key_lengths (none, partial, zero, full), L != S, chunks
 // 16/32/64, lengths not multiples of the chunk, M + 1 = 65 and 129 (one and
-// two column blocks), L = 0 and S = 0. The backward of both gets the GPU forward's out
-// and den. Tolerances in emu_test_util.h.
+// two column blocks), L = 0 and S = 0. Both backwards get the GPU forward's out and den. Tolerances
+// in emu_test_util.h.
 #include <gtest/gtest.h>
 
 #include <random>
 
 #include "emu_test_util.h"
-#include "kernels/linear_attention/elu_linear_attention.h"
+#include "kernels/linear_attention/elu_linear_attention_reference.h"
 #include "kernels/linear_attention/elu_linear_attention_cuda.h"
 
 namespace {
@@ -72,7 +73,7 @@ void check_case(const Case& c, uint32_t seed) {
   ra.chunk = 7;
   ra.out = rout.data();
   ra.den = rden.data();
-  fastattn::kernels::elu_linear_attention_forward_cpu(ra);
+  fastattn::kernels::elu_linear_attention_forward_reference(ra);
   expect_close_scaled(out, rout, rel_tol<T>(), "out");
   // den is float32 whatever the dtype (its inputs were rounded the same way).
   expect_close_scaled(den, rden, 1e-5, "den");
@@ -117,7 +118,7 @@ void check_case(const Case& c, uint32_t seed) {
   rb.grad_q = rq.data();
   rb.grad_k = rk.data();
   rb.grad_v = rv.data();
-  fastattn::kernels::elu_linear_attention_backward_cpu(rb);
+  fastattn::kernels::elu_linear_attention_backward_reference(rb);
   expect_close_scaled(gq, rq, rel_tol<T>(), "grad_q");
   expect_close_scaled(gk, rk, rel_tol<T>(), "grad_k");
   expect_close_scaled(gv, rv, rel_tol<T>(), "grad_v");
