@@ -350,7 +350,7 @@ kernels::AftScanArgs<T> scan_args(const Tensor& q, const Tensor& k, const Tensor
 }
 
 // (out, a, lse): out in q's dtype, a and lse in the compute dtype.
-std::tuple<Tensor, Tensor, Tensor> aft_attention_forward_impl(
+std::tuple<Tensor, Tensor, Tensor> aft_attention_forward_cpu_op(
     const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& position_bias,
     const c10::optional<Tensor>& key_lengths, bool causal, bool need_stats) {
   check_inputs(q, k, v, position_bias, key_lengths);
@@ -381,7 +381,7 @@ std::tuple<Tensor, Tensor, Tensor> aft_attention_forward_impl(
 }
 
 // (grad_q, grad_k, grad_v, grad_position_bias): the last empty without a bias.
-std::tuple<Tensor, Tensor, Tensor, Tensor> aft_attention_backward_impl(
+std::tuple<Tensor, Tensor, Tensor, Tensor> aft_attention_backward_cpu_op(
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
     const c10::optional<Tensor>& position_bias, const Tensor& a, const Tensor& lse,
     const c10::optional<Tensor>& key_lengths, bool causal) {
@@ -437,7 +437,7 @@ struct AftOp {
     // Statistics only when a gradient will be asked for.
     const bool need_stats = saved && (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
                                       (position_bias && position_bias->requires_grad()));
-    auto [out, a, lse] = ops::call_op<kForwardOp, aft_attention_forward_impl>(
+    auto [out, a, lse] = ops::call_op<kForwardOp, aft_attention_forward_cpu_op>(
         q, k, v, position_bias, key_lengths, causal, need_stats);
     if (saved)
       *saved = {
@@ -448,7 +448,7 @@ struct AftOp {
 
   static variable_list backward(const Saved& s, const variable_list& grads) {
     if (!grads[0].defined()) return {};
-    auto [dq, dk, dv, dw] = ops::call_op<kBackwardOp, aft_attention_backward_impl>(
+    auto [dq, dk, dv, dw] = ops::call_op<kBackwardOp, aft_attention_backward_cpu_op>(
         grads[0], s.q, s.k, s.v, ops::opt(s.position_bias), s.a, s.lse, ops::opt(s.key_lengths),
         s.causal);
     return {dq, dk, dv, s.position_bias.defined() ? dw : Tensor()};
@@ -461,16 +461,16 @@ using AftShell = ops::Shell<AftOp>;
 
 TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
   m.impl("aft_attention", AftShell::no_grad);
-  m.impl("aft_attention_forward", aft_attention_forward_impl);
-  m.impl("aft_attention_backward", aft_attention_backward_impl);
+  m.impl("aft_attention_forward", aft_attention_forward_cpu_op);
+  m.impl("aft_attention_backward", aft_attention_backward_cpu_op);
 }
 
 // The split form is ATen throughout: the same functions on CUDA tensors
 // (cuBLAS products; AFT-simple on CUDA takes the split form too).
 TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
   m.impl("aft_attention", AftShell::no_grad);
-  m.impl("aft_attention_forward", aft_attention_forward_impl);
-  m.impl("aft_attention_backward", aft_attention_backward_impl);
+  m.impl("aft_attention_forward", aft_attention_forward_cpu_op);
+  m.impl("aft_attention_backward", aft_attention_backward_cpu_op);
 }
 
 TORCH_LIBRARY_IMPL(fastattn, Autograd, m) { m.impl("aft_attention", AftShell::autograd); }

@@ -108,17 +108,16 @@ void fill_params(kernels::BlockSparseParams<T>& a, const Prepared& p, double tem
   ops::set_dropout_args(a, dropout_p, dropout_seed);
 }
 
-std::tuple<Tensor, Tensor> forward_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
-                                       c10::string_view pattern, c10::IntArrayRef params,
-                                       const c10::optional<Tensor>& key_lengths, bool causal,
-                                       double softmax_temp, double dropout_p,
-                                       int64_t dropout_seed) {
+std::tuple<Tensor, Tensor> block_sparse_attention_forward_cpu_op(
+    const Tensor& q, const Tensor& k, const Tensor& v, c10::string_view pattern,
+    c10::IntArrayRef params, const c10::optional<Tensor>& key_lengths, bool causal,
+    double softmax_temp, double dropout_p, int64_t dropout_seed) {
   const auto p = prepare(q, k, v, std::string(pattern), params, key_lengths, causal);
   ops::check_dropout(kOp, dropout_p);
   if (ops::is_reduced_float(q)) {
     auto [out, lse] =
-        ops::in_float32<1>(q.scalar_type(), forward_cpu, q, k, v, pattern, params, key_lengths,
-                           causal, softmax_temp, dropout_p, dropout_seed);
+        ops::in_float32<1>(q.scalar_type(), block_sparse_attention_forward_cpu_op, q, k, v, pattern,
+                           params, key_lengths, causal, softmax_temp, dropout_p, dropout_seed);
     return {ops::in_rows_layout_of(out, q), lse};
   }
   // out in q's row layout: the layers' transpose back to (N, L, H, M) is a view.
@@ -135,20 +134,19 @@ std::tuple<Tensor, Tensor> forward_cpu(const Tensor& q, const Tensor& k, const T
   return {out, lse};
 }
 
-std::tuple<Tensor, Tensor, Tensor> backward_cpu(const Tensor& grad_out, const Tensor& q,
-                                                const Tensor& k, const Tensor& v, const Tensor& out,
-                                                const Tensor& lse, c10::string_view pattern,
-                                                c10::IntArrayRef params,
-                                                const c10::optional<Tensor>& key_lengths,
-                                                bool causal, double softmax_temp, double dropout_p,
-                                                int64_t dropout_seed) {
+std::tuple<Tensor, Tensor, Tensor> block_sparse_attention_backward_cpu_op(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+    const Tensor& lse, c10::string_view pattern, c10::IntArrayRef params,
+    const c10::optional<Tensor>& key_lengths, bool causal, double softmax_temp, double dropout_p,
+    int64_t dropout_seed) {
   const auto p = prepare(q, k, v, std::string(pattern), params, key_lengths, causal);
   ops::check_block_sparse_backward(kOp, grad_out, out, lse);
   ops::check_dropout(kOp, dropout_p);
   if (ops::is_reduced_float(q)) {
     return ops::in_rows_layouts_of(
-        ops::in_float32(q.scalar_type(), backward_cpu, grad_out, q, k, v, out, lse, pattern, params,
-                        key_lengths, causal, softmax_temp, dropout_p, dropout_seed),
+        ops::in_float32(q.scalar_type(), block_sparse_attention_backward_cpu_op, grad_out, q, k, v,
+                        out, lse, pattern, params, key_lengths, causal, softmax_temp, dropout_p,
+                        dropout_seed),
         q, k, v);
   }
   auto go = ops::rows_contiguous(grad_out.to(q.scalar_type()));
@@ -196,8 +194,8 @@ struct BlockSparseOp {
     const double temp = ops::resolve_softmax_temp(kOp, q, softmax_temp);
     // One seed for the forward and the backward: the same keep mask.
     const int64_t seed = ops::resolve_dropout_seed(dropout_p, dropout_seed);
-    auto [out, lse] = ops::call_op<kForwardOp, forward_cpu>(q, k, v, pattern, params, key_lengths,
-                                                            causal, temp, dropout_p, seed);
+    auto [out, lse] = ops::call_op<kForwardOp, block_sparse_attention_forward_cpu_op>(
+        q, k, v, pattern, params, key_lengths, causal, temp, dropout_p, seed);
     if (saved)
       *saved = {q,
                 k,
@@ -215,7 +213,7 @@ struct BlockSparseOp {
   }
 
   static variable_list backward(const Saved& s, const variable_list& grads) {
-    auto [gq, gk, gv] = ops::call_op<kBackwardOp, backward_cpu>(
+    auto [gq, gk, gv] = ops::call_op<kBackwardOp, block_sparse_attention_backward_cpu_op>(
         grads[0], s.q, s.k, s.v, s.out, s.lse, s.pattern, s.params, ops::opt(s.key_lengths),
         s.causal, s.temp, s.dropout_p, s.dropout_seed);
     return {gq, gk, gv};
@@ -242,8 +240,8 @@ Tensor block_sparse_no_grad_entry(const Tensor& q, const Tensor& k, const Tensor
 
 TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
   m.impl("block_sparse_attention", ops::block_sparse_no_grad_entry);
-  m.impl("block_sparse_attention_forward", forward_cpu);
-  m.impl("block_sparse_attention_backward", backward_cpu);
+  m.impl("block_sparse_attention_forward", block_sparse_attention_forward_cpu_op);
+  m.impl("block_sparse_attention_backward", block_sparse_attention_backward_cpu_op);
 }
 
 TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {

@@ -25,14 +25,15 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v) {
   ops::check_causal_product_inputs(kOp, q, k, v);
 }
 
-Tensor causal_linear_product_forward_cpu(const Tensor& q_in, const Tensor& k_in,
-                                         const Tensor& v_in) {
+Tensor causal_linear_product_forward_cpu_op(const Tensor& q_in, const Tensor& k_in,
+                                            const Tensor& v_in) {
   check_inputs(q_in, k_in, v_in);
   if (ops::is_reduced_float(q_in))
-    return ops::in_float32(q_in.scalar_type(), causal_linear_product_forward_cpu, q_in, k_in, v_in);
+    return ops::in_float32(q_in.scalar_type(), causal_linear_product_forward_cpu_op, q_in, k_in,
+                           v_in);
   const auto q = ops::contiguous(q_in), k = ops::contiguous(k_in), v = ops::contiguous(v_in);
   auto out = ops::empty_output({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "causal_linear_product_forward_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "causal_linear_product_forward_cpu_op", [&] {
     kernels::CausalProductForwardArgs<scalar_t> a;
     ops::fill_causal_product_args<scalar_t>(a, kOp, q, k, v, kCausalLinearProductChunk);
     a.out = out.data_ptr<scalar_t>();
@@ -41,21 +42,21 @@ Tensor causal_linear_product_forward_cpu(const Tensor& q_in, const Tensor& k_in,
   return out;
 }
 
-std::tuple<Tensor, Tensor, Tensor> causal_linear_product_backward_cpu(const Tensor& grad_out,
-                                                                      const Tensor& q_in,
-                                                                      const Tensor& k_in,
-                                                                      const Tensor& v_in) {
+std::tuple<Tensor, Tensor, Tensor> causal_linear_product_backward_cpu_op(const Tensor& grad_out,
+                                                                         const Tensor& q_in,
+                                                                         const Tensor& k_in,
+                                                                         const Tensor& v_in) {
   check_inputs(q_in, k_in, v_in);
   ops::check_causal_product_grad(kOp, grad_out, q_in, v_in);
   if (ops::is_reduced_float(q_in))
-    return ops::in_float32(q_in.scalar_type(), causal_linear_product_backward_cpu, grad_out, q_in,
-                           k_in, v_in);
+    return ops::in_float32(q_in.scalar_type(), causal_linear_product_backward_cpu_op, grad_out,
+                           q_in, k_in, v_in);
   const auto q = ops::contiguous(q_in), k = ops::contiguous(k_in), v = ops::contiguous(v_in);
   const auto go = ops::contiguous(grad_out.to(q.scalar_type()));
   auto gq = ops::empty_output(q.sizes(), q.options()),
        gk = ops::empty_output(k.sizes(), k.options()),
        gv = ops::empty_output(v.sizes(), v.options());
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "causal_linear_product_backward_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "causal_linear_product_backward_cpu_op", [&] {
     kernels::CausalProductBackwardArgs<scalar_t> a;
     ops::fill_causal_product_args<scalar_t>(a, kOp, q, k, v, kCausalLinearProductChunk);
     a.grad_out = go.data_ptr<scalar_t>();
@@ -78,12 +79,12 @@ struct CausalProductOp {
 
   static Tensor forward(Saved* saved, const Tensor& q, const Tensor& k, const Tensor& v) {
     if (saved) *saved = {q, k, v};
-    return ops::call_op<kForwardOp, causal_linear_product_forward_cpu>(q, k, v);
+    return ops::call_op<kForwardOp, causal_linear_product_forward_cpu_op>(q, k, v);
   }
 
   static variable_list backward(const Saved& s, const variable_list& grads) {
     auto [gq, gk, gv] =
-        ops::call_op<kBackwardOp, causal_linear_product_backward_cpu>(grads[0], s.q, s.k, s.v);
+        ops::call_op<kBackwardOp, causal_linear_product_backward_cpu_op>(grads[0], s.q, s.k, s.v);
     return {gq, gk, gv};
   }
 };
@@ -103,8 +104,8 @@ Tensor causal_linear_product_no_grad_entry(const Tensor& q, const Tensor& k, con
 
 TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
   m.impl("causal_linear_product", ops::causal_linear_product_no_grad_entry);
-  m.impl("causal_linear_product_forward", causal_linear_product_forward_cpu);
-  m.impl("causal_linear_product_backward", causal_linear_product_backward_cpu);
+  m.impl("causal_linear_product_forward", causal_linear_product_forward_cpu_op);
+  m.impl("causal_linear_product_backward", causal_linear_product_backward_cpu_op);
 }
 
 TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {

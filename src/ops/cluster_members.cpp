@@ -13,10 +13,10 @@ namespace {
 using torch::Tensor;
 using torch::autograd::variable_list;
 
-}  // namespace
-
-Tensor cluster_sums(const Tensor& x_in, const Tensor& assignments, int64_t C,
-                    const Tensor& counts) {
+// (N, H, C, E): the sums of each cluster's rows of x, or their means when
+// counts are given (cluster_means_cpu with or without `mean`).
+Tensor reduce_clusters(const Tensor& x_in, const Tensor& assignments, int64_t C,
+                       const Tensor& counts) {
   const auto x = rows_contiguous(x_in);
   const auto a = assignments.contiguous();
   const bool mean = counts.defined();
@@ -24,7 +24,7 @@ Tensor cluster_sums(const Tensor& x_in, const Tensor& assignments, int64_t C,
   if (mean) c = counts.contiguous();
   const int64_t N = x.size(0), H = x.size(1), L = x.size(2), E = x.size(3);
   auto out = torch::empty({N, H, C, E}, x.options());
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "cluster_sums", [&] {
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "reduce_clusters", [&] {
     kernels::ClusterMeansArgs<scalar_t> m;
     m.q = x.data_ptr<scalar_t>();
     m.q_rows = row_strides(x);
@@ -42,8 +42,6 @@ Tensor cluster_sums(const Tensor& x_in, const Tensor& assignments, int64_t C,
   });
   return out;
 }
-
-namespace {
 
 // (N, H, L, E) in like's row layout: row l = table[a_l] (divided by its
 // count when counts are given), zeros for a_l = -1.
@@ -87,7 +85,7 @@ struct ClusterMeansOp {
   static Tensor forward(Saved* saved, const Tensor& x, const Tensor& assignments,
                         const Tensor& counts) {
     if (saved) *saved = {x, assignments, counts};
-    return cluster_sums(x, assignments, counts.size(2), counts);
+    return cluster_means_no_grad(x, assignments, counts);
   }
   static variable_list backward(const Saved& s, const variable_list& grads) {
     if (!grads[0].defined()) return {};
@@ -109,11 +107,15 @@ struct SpreadToMembersOp {
   }
   static variable_list backward(const Saved& s, const variable_list& grads) {
     if (!grads[0].defined()) return {};
-    return {cluster_sums(grads[0], s.assignments, s.clusters, Tensor())};
+    return {reduce_clusters(grads[0], s.assignments, s.clusters, Tensor())};
   }
 };
 
 }  // namespace
+
+Tensor cluster_means_no_grad(const Tensor& x, const Tensor& assignments, const Tensor& counts) {
+  return reduce_clusters(x, assignments, counts.size(2), counts);
+}
 
 bool cluster_members_supports(const Tensor& x) {
   return x.device().is_cpu() &&

@@ -18,11 +18,11 @@ namespace fastattn::ops {
 // Whether the two functions below take x (a CPU float32 / float64 tensor).
 bool cluster_members_supports(const torch::Tensor& x);
 
-// (N, H, C, E), contiguous, no autograd: the per-cluster sums of x's rows
-// (N, H, L, E, any row layout; rows with assignment -1 left out), or their
-// means (zeros for an empty cluster) when counts are given.
-torch::Tensor cluster_sums(const torch::Tensor& x, const torch::Tensor& assignments, int64_t C,
-                           const torch::Tensor& counts = {});
+// (N, H, C, E), contiguous, no autograd: the mean of each cluster's rows of
+// x (N, H, L, E, any row layout; zeros for an empty cluster, rows with
+// assignment -1 left out), C = counts.size(2).
+torch::Tensor cluster_means_no_grad(const torch::Tensor& x, const torch::Tensor& assignments,
+                                    const torch::Tensor& counts);
 
 // (N, H, C, E): the mean of each cluster's rows of x (N, H, L, E, any row
 // layout; zeros for an empty cluster, padded rows with assignment -1 left

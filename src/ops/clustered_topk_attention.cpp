@@ -124,25 +124,26 @@ void fill_params(kernels::ClusteredTopkParams<T>& a, const Prepared& p, double s
   ops::set_dropout_args(a, dropout_p, dropout_seed);
 }
 
-Tensor clustered_topk_attention_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
-                                    const Tensor& topk, const Tensor& mass,
-                                    const Tensor& assignments,
-                                    const c10::optional<Tensor>& key_lengths, double softmax_temp,
-                                    double dropout_p, c10::optional<int64_t> dropout_seed) {
+Tensor clustered_topk_attention_cpu_op(const Tensor& q, const Tensor& k, const Tensor& v,
+                                       const Tensor& topk, const Tensor& mass,
+                                       const Tensor& assignments,
+                                       const c10::optional<Tensor>& key_lengths,
+                                       double softmax_temp, double dropout_p,
+                                       c10::optional<int64_t> dropout_seed) {
   ops::check_clustered_topk_inputs(q, k, v, topk, mass, assignments, key_lengths);
   ops::resolve_softmax_temp(kOp, q, softmax_temp);  // checks it is finite and > 0
   ops::check_dropout(kOp, dropout_p);
   const int64_t seed = ops::resolve_dropout_seed(dropout_p, dropout_seed);
   if (ops::is_reduced_float(q))
     return ops::in_rows_layout_of(
-        ops::in_float32(q.scalar_type(), clustered_topk_attention_cpu, q, k, v, topk, mass,
+        ops::in_float32(q.scalar_type(), clustered_topk_attention_cpu_op, q, k, v, topk, mass,
                         assignments, key_lengths, softmax_temp, dropout_p,
                         c10::optional<int64_t>(seed)),
         q);
   const auto p = prepare(q, k, v, topk, mass, assignments, key_lengths);
   // out in q's row layout: the layers' transpose back to (N, L, H, M) is a view.
   auto out = ops::empty_rows_like(q, v.size(3));
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "clustered_topk_attention_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "clustered_topk_attention_cpu_op", [&] {
     kernels::ClusteredTopkForwardArgs<scalar_t> a;
     fill_params<scalar_t>(a, p, softmax_temp, dropout_p, seed);
     a.out = out.data_ptr<scalar_t>();
@@ -152,7 +153,7 @@ Tensor clustered_topk_attention_cpu(const Tensor& q, const Tensor& k, const Tens
   return out;
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> clustered_topk_attention_backward_cpu(
+std::tuple<Tensor, Tensor, Tensor, Tensor> clustered_topk_attention_backward_cpu_op(
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& topk,
     const Tensor& mass, const Tensor& assignments, const c10::optional<Tensor>& key_lengths,
     double softmax_temp, double dropout_p, int64_t dropout_seed) {
@@ -163,9 +164,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> clustered_topk_attention_backward_cpu
                   grad_out.size(3) == v.size(3),
               kOp, ": grad_out must have shape (N, H, L, M), got ", grad_out.sizes());
   if (ops::is_reduced_float(q)) {
-    auto [gq, gk, gv, gm] = ops::in_float32(q.scalar_type(), clustered_topk_attention_backward_cpu,
-                                            grad_out, q, k, v, topk, mass, assignments, key_lengths,
-                                            softmax_temp, dropout_p, dropout_seed);
+    auto [gq, gk, gv, gm] = ops::in_float32(
+        q.scalar_type(), clustered_topk_attention_backward_cpu_op, grad_out, q, k, v, topk, mass,
+        assignments, key_lengths, softmax_temp, dropout_p, dropout_seed);
     return {ops::in_rows_layout_of(gq, q), ops::in_rows_layout_of(gk, k),
             ops::in_rows_layout_of(gv, v), gm};
   }
@@ -174,7 +175,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> clustered_topk_attention_backward_cpu
   // Gradients in the inputs' row layouts (as the fake implementation promises).
   auto gq = ops::empty_rows_like(q, q.size(3)), gk = ops::empty_rows_like(k, k.size(3)),
        gv = ops::empty_rows_like(v, v.size(3)), gm = torch::empty_like(p.mass);
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "clustered_topk_attention_backward_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "clustered_topk_attention_backward_cpu_op", [&] {
     kernels::ClusteredTopkBackwardArgs<scalar_t> a;
     fill_params<scalar_t>(a, p, softmax_temp, dropout_p, dropout_seed);
     a.grad_out = go.data_ptr<scalar_t>();
@@ -210,12 +211,12 @@ struct ClusteredTopkOp {
     if (saved)
       *saved = {q,    k,         v,   topk, mass, assignments, ops::or_undefined(key_lengths),
                 temp, dropout_p, seed};
-    return ops::call_op<kOp, clustered_topk_attention_cpu>(q, k, v, topk, mass, assignments,
-                                                           key_lengths, temp, dropout_p, seed);
+    return ops::call_op<kOp, clustered_topk_attention_cpu_op>(q, k, v, topk, mass, assignments,
+                                                              key_lengths, temp, dropout_p, seed);
   }
 
   static variable_list backward(const Saved& s, const variable_list& grads) {
-    auto [gq, gk, gv, gm] = ops::call_op<kBackwardOp, clustered_topk_attention_backward_cpu>(
+    auto [gq, gk, gv, gm] = ops::call_op<kBackwardOp, clustered_topk_attention_backward_cpu_op>(
         grads[0], s.q, s.k, s.v, s.topk, s.mass, s.assignments, ops::opt(s.key_lengths), s.temp,
         s.dropout_p, s.dropout_seed);
     return {gq, gk, gv, Tensor(), gm};
@@ -246,7 +247,7 @@ int64_t centroid_dropout_seed(int64_t seed) {
       kernels::dropout_stream_seed(static_cast<uint64_t>(seed), kernels::kDropoutCentroidStream));
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> improved_clustered_forward_cpu(
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> improved_clustered_attention_forward_cpu_op(
     const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, const Tensor& assignments_in,
     const Tensor& counts_in, int64_t topk, const c10::optional<Tensor>& key_lengths,
     double softmax_temp, double dropout_p, int64_t dropout_seed) {
@@ -258,15 +259,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> improved_clustered_forward_cp
   ops::check_dropout(kImprovedOp, dropout_p);
   if (ops::is_reduced_float(q_in)) {
     auto [out, centroids, lse, out_c, top_idx] = ops::in_float32<2>(
-        q_in.scalar_type(), improved_clustered_forward_cpu, q_in, k_in, v_in, assignments_in,
-        counts_in, topk, key_lengths, softmax_temp, dropout_p, dropout_seed);
+        q_in.scalar_type(), improved_clustered_attention_forward_cpu_op, q_in, k_in, v_in,
+        assignments_in, counts_in, topk, key_lengths, softmax_temp, dropout_p, dropout_seed);
     return {ops::in_rows_layout_of(out, q_in), centroids, lse, out_c, top_idx};
   }
   // Rows read in place (the layers' (N, L, H, E) views): the kernels take row strides.
   const auto in = ops::qkv_inputs(q_in, k_in, v_in, key_lengths);
   const auto &q = in.q, &k = in.k, &v = in.v;
   auto assignments = assignments_in.contiguous(), counts = counts_in.contiguous();
-  auto centroids = ops::cluster_sums(q, assignments, counts.size(2), counts);  // the means
+  auto centroids = ops::cluster_means_no_grad(q, assignments, counts);
   // Named tensors, not structured bindings: lambdas cannot capture those before C++20 (clang).
   // With dropout, out_c's weights drop by the centroid rows' mask.
   Tensor out_c, lse, top_idx;
@@ -274,7 +275,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> improved_clustered_forward_cp
       ops::full_attention_lse_topk_cpu(centroids, k, v, key_lengths, softmax_temp, topk, dropout_p,
                                        centroid_dropout_seed(dropout_seed));
   auto out = ops::empty_rows_like(q, v.size(3));
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "improved_clustered_forward_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "improved_clustered_attention_forward_cpu_op", [&] {
     kernels::ClusteredTopkForwardArgs<scalar_t> a;
     fill_improved(a, in, assignments, top_idx, centroids, lse, out_c, softmax_temp, dropout_p,
                   dropout_seed);
@@ -285,7 +286,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> improved_clustered_forward_cp
   return {out, centroids, lse, out_c, top_idx};
 }
 
-std::tuple<Tensor, Tensor, Tensor> improved_clustered_backward_cpu(
+std::tuple<Tensor, Tensor, Tensor> improved_clustered_attention_backward_cpu_op(
     const Tensor& grad_out, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
     const Tensor& assignments_in, const Tensor& counts_in, const Tensor& centroids,
     const Tensor& lse, const Tensor& out_c, const Tensor& top_idx,
@@ -296,8 +297,8 @@ std::tuple<Tensor, Tensor, Tensor> improved_clustered_backward_cpu(
   ops::check_dropout(kImprovedOp, dropout_p);
   if (ops::is_reduced_float(q_in)) {
     return ops::in_rows_layouts_of(
-        ops::in_float32(q_in.scalar_type(), improved_clustered_backward_cpu, grad_out, q_in, k_in,
-                        v_in, assignments_in, counts_in, centroids, lse, out_c, top_idx,
+        ops::in_float32(q_in.scalar_type(), improved_clustered_attention_backward_cpu_op, grad_out,
+                        q_in, k_in, v_in, assignments_in, counts_in, centroids, lse, out_c, top_idx,
                         key_lengths, softmax_temp, dropout_p, dropout_seed),
         q_in, k_in, v_in);
   }
@@ -310,7 +311,7 @@ std::tuple<Tensor, Tensor, Tensor> improved_clustered_backward_cpu(
        gv = ops::empty_rows_like(v_in, v.size(3));
   auto g_cen = torch::empty_like(centroids), g_lse = torch::empty_like(lse),
        g_out_c = torch::empty_like(out_c);
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "improved_clustered_backward_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "improved_clustered_attention_backward_cpu_op", [&] {
     kernels::ClusteredTopkBackwardArgs<scalar_t> a;
     fill_improved(a, in, assignments, top_idx, centroids, lse, out_c, softmax_temp, dropout_p,
                   dropout_seed);
@@ -371,7 +372,7 @@ struct ImprovedClusteredOp {
     // One seed for the forward and the backward: the same keep masks.
     const int64_t seed = ops::resolve_dropout_seed(dropout_p, dropout_seed);
     auto [out, centroids, lse, out_c, top_idx] =
-        ops::call_op<kImprovedForwardOp, improved_clustered_forward_cpu>(
+        ops::call_op<kImprovedForwardOp, improved_clustered_attention_forward_cpu_op>(
             q, k, v, assignments, counts, topk, key_lengths, temp, dropout_p, seed);
     if (saved)
       *saved = {q,         k,         v,     assignments, counts,
@@ -381,9 +382,10 @@ struct ImprovedClusteredOp {
   }
 
   static variable_list backward(const Saved& s, const variable_list& grads) {
-    auto [gq, gk, gv] = ops::call_op<kImprovedBackwardOp, improved_clustered_backward_cpu>(
-        grads[0], s.q, s.k, s.v, s.assignments, s.counts, s.centroids, s.lse, s.out_c, s.top_idx,
-        ops::opt(s.key_lengths), s.temp, s.dropout_p, s.dropout_seed);
+    auto [gq, gk, gv] =
+        ops::call_op<kImprovedBackwardOp, improved_clustered_attention_backward_cpu_op>(
+            grads[0], s.q, s.k, s.v, s.assignments, s.counts, s.centroids, s.lse, s.out_c,
+            s.top_idx, ops::opt(s.key_lengths), s.temp, s.dropout_p, s.dropout_seed);
     return {gq, gk, gv};
   }
 };
@@ -407,11 +409,11 @@ Tensor improved_clustered_no_grad_entry(const Tensor& q, const Tensor& k, const 
 }  // namespace ops
 
 TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
-  m.impl("clustered_topk_attention", clustered_topk_attention_cpu);
-  m.impl("clustered_topk_attention_backward", clustered_topk_attention_backward_cpu);
+  m.impl("clustered_topk_attention", clustered_topk_attention_cpu_op);
+  m.impl("clustered_topk_attention_backward", clustered_topk_attention_backward_cpu_op);
   m.impl("improved_clustered_attention", ops::improved_clustered_no_grad_entry);
-  m.impl("improved_clustered_attention_forward", improved_clustered_forward_cpu);
-  m.impl("improved_clustered_attention_backward", improved_clustered_backward_cpu);
+  m.impl("improved_clustered_attention_forward", improved_clustered_attention_forward_cpu_op);
+  m.impl("improved_clustered_attention_backward", improved_clustered_attention_backward_cpu_op);
 }
 
 TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
@@ -425,9 +427,9 @@ Tensor clustered_topk_attention(const Tensor& q, const Tensor& k, const Tensor& 
                                 double dropout_p, std::optional<int64_t> dropout_seed) {
   ops::check_defined(kOp, {"q", "k", "v", "topk", "mass", "assignments"},
                      {q, k, v, topk, mass, assignments});
-  return ops::call_op<kOp, clustered_topk_attention_cpu>(q, k, v, topk, mass, assignments,
-                                                         to_c10(key_lengths), softmax_temp,
-                                                         dropout_p, to_c10(dropout_seed));
+  return ops::call_op<kOp, clustered_topk_attention_cpu_op>(q, k, v, topk, mass, assignments,
+                                                            to_c10(key_lengths), softmax_temp,
+                                                            dropout_p, to_c10(dropout_seed));
 }
 
 }  // namespace fastattn

@@ -78,14 +78,14 @@ using torch::Tensor;
 constexpr char kHashQueriesOp[] = "fastattn::hash_queries";
 constexpr char kClusterCodesOp[] = "fastattn::cluster_codes";
 
-Tensor hash_queries_cpu(const Tensor& x, const Tensor& planes) {
+Tensor hash_queries_cpu_op(const Tensor& x, const Tensor& planes) {
   ops::check_hash_inputs(x, planes);
   if (ops::is_reduced_float(x))
-    return ops::in_float32(x.scalar_type(), hash_queries_cpu, x, planes);
+    return ops::in_float32(x.scalar_type(), hash_queries_cpu_op, x, planes);
   auto xc = ops::rows_contiguous(x);  // the layers' (N, L, H, E) views read in place
   auto pc = planes.contiguous();
   auto codes = torch::empty({x.size(0), x.size(1), x.size(2)}, x.options().dtype(torch::kLong));
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "hash_queries_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "hash_queries_cpu_op", [&] {
     kernels::HashParams<scalar_t> p;
     ops::fill_hash_args(p, xc, pc, codes);
     kernels::hash_queries_cpu(p);
@@ -93,9 +93,10 @@ Tensor hash_queries_cpu(const Tensor& x, const Tensor& planes) {
   return codes;
 }
 
-std::tuple<Tensor, Tensor> cluster_codes_cpu(const Tensor& codes,
-                                             const c10::optional<Tensor>& lengths, int64_t clusters,
-                                             int64_t iterations, int64_t seed) {
+std::tuple<Tensor, Tensor> cluster_codes_cpu_op(const Tensor& codes,
+                                                const c10::optional<Tensor>& lengths,
+                                                int64_t clusters, int64_t iterations,
+                                                int64_t seed) {
   const Tensor len = ops::check_cluster_codes_inputs(codes, lengths, clusters, iterations);
   const int64_t N = codes.size(0), H = codes.size(1), L = codes.size(2);
   const int64_t C = ops::effective_clusters(clusters, L);
@@ -110,20 +111,20 @@ std::tuple<Tensor, Tensor> cluster_codes_cpu(const Tensor& codes,
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
-  m.impl("hash_queries", hash_queries_cpu);
-  m.impl("cluster_codes", cluster_codes_cpu);
+  m.impl("hash_queries", hash_queries_cpu_op);
+  m.impl("cluster_codes", cluster_codes_cpu_op);
 }
 
 Tensor hash_queries(const Tensor& x, const Tensor& planes) {
   ops::check_defined(kHashQueriesOp, {"x", "planes"}, {x, planes});
-  return ops::call_op<kHashQueriesOp, hash_queries_cpu>(x, planes);
+  return ops::call_op<kHashQueriesOp, hash_queries_cpu_op>(x, planes);
 }
 
 std::tuple<Tensor, Tensor> cluster_codes(const Tensor& codes, const std::optional<Tensor>& lengths,
                                          int64_t clusters, int64_t iterations, int64_t seed) {
   ops::check_defined(kClusterCodesOp, {"codes"}, {codes});
-  return ops::call_op<kClusterCodesOp, cluster_codes_cpu>(codes, to_c10(lengths), clusters,
-                                                          iterations, seed);
+  return ops::call_op<kClusterCodesOp, cluster_codes_cpu_op>(codes, to_c10(lengths), clusters,
+                                                             iterations, seed);
 }
 
 namespace reference {

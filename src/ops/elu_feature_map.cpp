@@ -29,7 +29,7 @@ Tensor run(const Tensor& x_in, const Tensor& grad_in) {
   Tensor g;
   if (Backward) g = ops::contiguous(grad_in.to(x.scalar_type()));
   auto out = ops::empty_output(x.sizes(), x.options());
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "elu_feature_map_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "elu_feature_map_cpu_op", [&] {
     kernels::EluFeatureMapArgs<scalar_t> a;
     ops::fill_elu_feature_map_args(a, kOp, x, g, out);
     if (Backward) {
@@ -41,18 +41,18 @@ Tensor run(const Tensor& x_in, const Tensor& grad_in) {
   return out;
 }
 
-Tensor elu_feature_map_cpu(const Tensor& x) {
+Tensor elu_feature_map_cpu_op(const Tensor& x) {
   check_input("x", x);
-  if (ops::is_reduced_float(x)) return ops::in_float32(x.scalar_type(), elu_feature_map_cpu, x);
+  if (ops::is_reduced_float(x)) return ops::in_float32(x.scalar_type(), elu_feature_map_cpu_op, x);
   return run<false>(x, Tensor());
 }
 
-Tensor elu_feature_map_backward_cpu(const Tensor& grad_out, const Tensor& x) {
+Tensor elu_feature_map_backward_cpu_op(const Tensor& grad_out, const Tensor& x) {
   check_input("x", x);
   TORCH_CHECK(grad_out.sizes() == x.sizes(), kOp, ": grad_out must have the shape of x ", x.sizes(),
               ", got ", grad_out.sizes());
   if (ops::is_reduced_float(x))
-    return ops::in_float32(x.scalar_type(), elu_feature_map_backward_cpu, grad_out, x);
+    return ops::in_float32(x.scalar_type(), elu_feature_map_backward_cpu_op, grad_out, x);
   return run<true>(x, grad_out);
 }
 
@@ -68,20 +68,20 @@ struct EluFeatureMapOp {
 
   static Tensor forward(Saved* saved, const Tensor& x) {
     if (saved) saved->x = x;
-    return ops::call_op<kOp, elu_feature_map_cpu>(x);
+    return ops::call_op<kOp, elu_feature_map_cpu_op>(x);
   }
 
   static torch::autograd::variable_list backward(const Saved& s,
                                                  const torch::autograd::variable_list& grads) {
-    return {ops::call_op<kBackwardOp, elu_feature_map_backward_cpu>(grads[0], s.x)};
+    return {ops::call_op<kBackwardOp, elu_feature_map_backward_cpu_op>(grads[0], s.x)};
   }
 };
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
-  m.impl("elu_feature_map", elu_feature_map_cpu);
-  m.impl("elu_feature_map_backward", elu_feature_map_backward_cpu);
+  m.impl("elu_feature_map", elu_feature_map_cpu_op);
+  m.impl("elu_feature_map_backward", elu_feature_map_backward_cpu_op);
 }
 
 TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
@@ -90,7 +90,7 @@ TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
 
 Tensor elu_feature_map(const Tensor& x) {
   ops::check_defined(kOp, {"x"}, {x});
-  return ops::call_op<kOp, elu_feature_map_cpu>(x);
+  return ops::call_op<kOp, elu_feature_map_cpu_op>(x);
 }
 
 namespace reference {

@@ -44,14 +44,14 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
   ops::check_elu_linear_inputs(kOp, q, k, v, key_lengths, causal, eps);
 }
 
-std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_forward_cpu(
+std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_forward_cpu_op(
     const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
     const c10::optional<Tensor>& key_lengths, bool causal, double eps) {
   check_inputs(q_in, k_in, v_in, key_lengths, causal, eps);
   auto* sums_scope = ops::EluLinearOutputSums::active();
   if (q_in.scalar_type() == torch::kHalf) {  // bfloat16 goes to the kernels as it is
     auto [out, den, state] =
-        ops::in_float32<1, 2>(q_in.scalar_type(), elu_linear_attention_forward_cpu, q_in, k_in,
+        ops::in_float32<1, 2>(q_in.scalar_type(), elu_linear_attention_forward_cpu_op, q_in, k_in,
                               v_in, key_lengths, causal, eps);
     if (sums_scope) sums_scope->set({});  // the float32 sums miss float16's rounding
     return {ops::in_rows_layout_of(out, q_in), den, state};
@@ -87,7 +87,7 @@ std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_forward_cpu(
   return {out, den, state};
 }
 
-std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_backward_cpu(
+std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_backward_cpu_op(
     const Tensor& grad_out, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
     const Tensor& out_in, const Tensor& den_in, const c10::optional<Tensor>& key_lengths,
     bool causal, double eps, const c10::optional<Tensor>& state_in) {
@@ -97,8 +97,8 @@ std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_backward_cpu(
   const bool with_state = ops::check_elu_linear_state(kOp, state_in, q_in, v_in) && !causal;
   if (q_in.scalar_type() == torch::kHalf) {
     return ops::in_rows_layouts_of(
-        ops::in_float32(q_in.scalar_type(), elu_linear_attention_backward_cpu, grad_out, q_in, k_in,
-                        v_in, out_in, den_in, key_lengths, causal, eps, state_in),
+        ops::in_float32(q_in.scalar_type(), elu_linear_attention_backward_cpu_op, grad_out, q_in,
+                        k_in, v_in, out_in, den_in, key_lengths, causal, eps, state_in),
         q_in, k_in, v_in);
   }
   const auto p = ops::qkv_inputs(q_in, k_in, v_in, key_lengths);
@@ -145,14 +145,14 @@ struct EluLinearOp {
 
   static Tensor forward(Saved* saved, const Tensor& q, const Tensor& k, const Tensor& v,
                         const c10::optional<Tensor>& key_lengths, bool causal, double eps) {
-    auto [out, den, state] = ops::call_op<kForwardOp, elu_linear_attention_forward_cpu>(
+    auto [out, den, state] = ops::call_op<kForwardOp, elu_linear_attention_forward_cpu_op>(
         q, k, v, key_lengths, causal, eps);
     if (saved) *saved = {q, k, v, out, den, state, ops::or_undefined(key_lengths), causal, eps};
     return out;
   }
 
   static variable_list backward(const Saved& s, const variable_list& grads) {
-    auto [gq, gk, gv] = ops::call_op<kBackwardOp, elu_linear_attention_backward_cpu>(
+    auto [gq, gk, gv] = ops::call_op<kBackwardOp, elu_linear_attention_backward_cpu_op>(
         grads[0], s.q, s.k, s.v, s.out, s.den, ops::opt(s.key_lengths), s.causal, s.eps, s.state);
     return {gq, gk, gv};
   }
@@ -185,8 +185,8 @@ Tensor elu_linear_attention_no_grad_entry(const Tensor& q, const Tensor& k, cons
 
 TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
   m.impl("elu_linear_attention", ops::elu_linear_attention_no_grad_entry);
-  m.impl("elu_linear_attention_forward", elu_linear_attention_forward_cpu);
-  m.impl("elu_linear_attention_backward", elu_linear_attention_backward_cpu);
+  m.impl("elu_linear_attention_forward", elu_linear_attention_forward_cpu_op);
+  m.impl("elu_linear_attention_backward", elu_linear_attention_backward_cpu_op);
 }
 
 TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {

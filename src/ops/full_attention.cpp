@@ -86,12 +86,12 @@ std::tuple<Tensor, Tensor, Tensor> backward_bf16(const Tensor& grad_out, const T
 #endif
 }
 
-std::tuple<Tensor, Tensor> full_attention_forward_cpu(const Tensor& q, const Tensor& k,
-                                                      const Tensor& v,
-                                                      const c10::optional<Tensor>& attn_mask,
-                                                      const c10::optional<Tensor>& key_lengths,
-                                                      bool causal, double softmax_temp,
-                                                      double dropout_p, int64_t dropout_seed) {
+std::tuple<Tensor, Tensor> full_attention_forward_cpu_op(const Tensor& q, const Tensor& k,
+                                                         const Tensor& v,
+                                                         const c10::optional<Tensor>& attn_mask,
+                                                         const c10::optional<Tensor>& key_lengths,
+                                                         bool causal, double softmax_temp,
+                                                         double dropout_p, int64_t dropout_seed) {
   check_inputs(q, k, v, attn_mask, key_lengths);
   ops::check_dropout(kOp, dropout_p);
   // The bfloat16 kernels have no dropout: with it, the float32 kernels.
@@ -100,7 +100,7 @@ std::tuple<Tensor, Tensor> full_attention_forward_cpu(const Tensor& q, const Ten
     return forward_bf16(q, k, v, attn_mask, key_lengths, causal, softmax_temp);
   if (ops::is_reduced_float(q)) {
     auto [out, lse] =
-        ops::in_float32<1>(q.scalar_type(), full_attention_forward_cpu, q, k, v, attn_mask,
+        ops::in_float32<1>(q.scalar_type(), full_attention_forward_cpu_op, q, k, v, attn_mask,
                            key_lengths, causal, softmax_temp, dropout_p, dropout_seed);
     return {ops::in_rows_layout_of(out, q), lse};
   }
@@ -116,7 +116,7 @@ std::tuple<Tensor, Tensor> full_attention_forward_cpu(const Tensor& q, const Ten
   // out in q's row layout: the layers' transpose back to (N, L, H, M) is a view.
   auto out = ops::empty_rows_like(q, v.size(3));
   auto lse = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "full_attention_forward_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "full_attention_forward_cpu_op", [&] {
     kernels::FullAttentionForwardArgs<scalar_t> a;
     ops::fill_full_attention_args(a, kOp, p, causal, softmax_temp);
     ops::set_dropout_args(a, dropout_p, dropout_seed);
@@ -128,7 +128,7 @@ std::tuple<Tensor, Tensor> full_attention_forward_cpu(const Tensor& q, const Ten
   return {out, lse};
 }
 
-std::tuple<Tensor, Tensor, Tensor> full_attention_backward_cpu(
+std::tuple<Tensor, Tensor, Tensor> full_attention_backward_cpu_op(
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
     const Tensor& lse, const c10::optional<Tensor>& attn_mask,
     const c10::optional<Tensor>& key_lengths, bool causal, double softmax_temp,
@@ -142,8 +142,8 @@ std::tuple<Tensor, Tensor, Tensor> full_attention_backward_cpu(
                          grad_lse);
   if (ops::is_reduced_float(q)) {
     return ops::in_rows_layouts_of(
-        ops::in_float32(q.scalar_type(), full_attention_backward_cpu, grad_out, q, k, v, out, lse,
-                        attn_mask, key_lengths, causal, softmax_temp, grad_lse, dropout_p,
+        ops::in_float32(q.scalar_type(), full_attention_backward_cpu_op, grad_out, q, k, v, out,
+                        lse, attn_mask, key_lengths, causal, softmax_temp, grad_lse, dropout_p,
                         dropout_seed),
         q, k, v);
   }
@@ -160,7 +160,7 @@ std::tuple<Tensor, Tensor, Tensor> full_attention_backward_cpu(
   // Gradients in the row layouts of their inputs.
   auto gq = ops::empty_rows_like(q, q.size(3)), gk = ops::empty_rows_like(k, k.size(3)),
        gv = ops::empty_rows_like(v, v.size(3));
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "full_attention_backward_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "full_attention_backward_cpu_op", [&] {
     kernels::FullAttentionBackwardArgs<scalar_t> a;
     ops::fill_full_attention_args(a, kOp, p, causal, softmax_temp);
     ops::set_dropout_args(a, dropout_p, dropout_seed);
@@ -198,7 +198,7 @@ struct FullOp {
     const double temp = ops::resolve_softmax_temp(kOp, q, softmax_temp);
     // One seed for the forward and the backward: the same keep mask.
     const int64_t seed = ops::resolve_dropout_seed(dropout_p, dropout_seed);
-    auto [out, lse] = ops::call_op<kForwardOp, full_attention_forward_cpu>(
+    auto [out, lse] = ops::call_op<kForwardOp, full_attention_forward_cpu_op>(
         q, k, v, attn_mask, key_lengths, causal, temp, dropout_p, seed);
     if (saved)
       *saved = {q,
@@ -216,7 +216,7 @@ struct FullOp {
   }
 
   static variable_list backward(const Saved& s, const variable_list& grads) {
-    auto [gq, gk, gv] = ops::call_op<kBackwardOp, full_attention_backward_cpu>(
+    auto [gq, gk, gv] = ops::call_op<kBackwardOp, full_attention_backward_cpu_op>(
         grads[0], s.q, s.k, s.v, s.out, s.lse, ops::opt(s.attn_mask), ops::opt(s.key_lengths),
         s.causal, s.temp, c10::nullopt, s.dropout_p, s.dropout_seed);
     return {gq, gk, gv};
@@ -227,7 +227,7 @@ struct FullOp {
 
 constexpr char kLseTopkOp[] = "fastattn::full_attention_lse_topk";
 
-std::tuple<Tensor, Tensor, Tensor> full_attention_lse_topk_forward_cpu(
+std::tuple<Tensor, Tensor, Tensor> full_attention_lse_topk_forward_cpu_op(
     const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& key_lengths,
     double softmax_temp, int64_t topk) {
   return ops::full_attention_lse_topk_cpu(q, k, v, key_lengths, softmax_temp, topk, 0.0, 0);
@@ -251,7 +251,7 @@ struct LseTopkOp {
                                                     int64_t topk) {
     ops::check_qkv(kLseTopkOp, q, k, v);
     const double temp = ops::resolve_softmax_temp(kLseTopkOp, q, softmax_temp);
-    auto r = ops::call_op<kLseTopkForwardOp, full_attention_lse_topk_forward_cpu>(
+    auto r = ops::call_op<kLseTopkForwardOp, full_attention_lse_topk_forward_cpu_op>(
         q, k, v, key_lengths, temp, topk);
     if (saved)
       *saved = {q, k, v, std::get<0>(r), std::get<1>(r), ops::or_undefined(key_lengths), temp};
@@ -260,7 +260,7 @@ struct LseTopkOp {
 
   static variable_list backward(const Saved& s, const variable_list& grads) {
     auto grad_out = grads[0].defined() ? grads[0] : torch::zeros_like(s.out);
-    auto [gq, gk, gv] = ops::call_op<kBackwardOp, full_attention_backward_cpu>(
+    auto [gq, gk, gv] = ops::call_op<kBackwardOp, full_attention_backward_cpu_op>(
         grad_out, s.q, s.k, s.v, s.out, s.lse, c10::nullopt, ops::opt(s.key_lengths),
         /*causal=*/false, s.temp, ops::opt(grads[1]), /*dropout_p=*/0.0, /*dropout_seed=*/0);
     return {gq, gk, gv};
@@ -274,10 +274,10 @@ using LseTopkShell = ops::Shell<LseTopkOp>;
 
 TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
   m.impl("full_attention", FullShell::no_grad);
-  m.impl("full_attention_forward", full_attention_forward_cpu);
-  m.impl("full_attention_backward", full_attention_backward_cpu);
+  m.impl("full_attention_forward", full_attention_forward_cpu_op);
+  m.impl("full_attention_backward", full_attention_backward_cpu_op);
   m.impl("full_attention_lse_topk", LseTopkShell::no_grad);
-  m.impl("full_attention_lse_topk_forward", full_attention_lse_topk_forward_cpu);
+  m.impl("full_attention_lse_topk_forward", full_attention_lse_topk_forward_cpu_op);
 }
 
 TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
@@ -442,7 +442,7 @@ std::tuple<Tensor, Tensor, Tensor> full_attention_lse_topk_cpu(
   auto out = ops::empty_output({N, H, L, v.size(3)}, q.options());
   auto lse = torch::empty({N, H, L}, q.options());
   auto idx = torch::empty({N, H, L, topk}, q.options().dtype(torch::kLong));
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "full_attention_lse_topk_forward_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "full_attention_lse_topk_forward_cpu_op", [&] {
     kernels::FullAttentionForwardArgs<scalar_t> a;
     ops::fill_full_attention_args(a, kOp, p, /*causal=*/false, softmax_temp);
     a.out = out.data_ptr<scalar_t>();

@@ -94,7 +94,7 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
 // (out, index, lse, soft_out); lse is empty (numel 0) unless sample or
 // need_lse, soft_out (the softmax output P V, for the backward's delta)
 // unless need_lse.
-std::tuple<Tensor, Tensor, Tensor, Tensor> hard_retrieval_attention_forward_cpu(
+std::tuple<Tensor, Tensor, Tensor, Tensor> hard_retrieval_attention_forward_cpu_op(
     const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& attn_mask,
     const c10::optional<Tensor>& key_lengths, bool causal, bool sample, double softmax_temp,
     int64_t seed, bool need_lse) {
@@ -102,7 +102,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> hard_retrieval_attention_forward_cpu(
   ops::resolve_softmax_temp(kOp, q, softmax_temp);
   if (ops::is_reduced_float(q)) {
     auto [out, index, lse, soft_out] =
-        ops::in_float32<2, 3>(q.scalar_type(), hard_retrieval_attention_forward_cpu, q, k, v,
+        ops::in_float32<2, 3>(q.scalar_type(), hard_retrieval_attention_forward_cpu_op, q, k, v,
                               attn_mask, key_lengths, causal, sample, softmax_temp, seed, need_lse);
     return {ops::in_rows_layout_of(out, q), index, lse, soft_out};
   }
@@ -115,7 +115,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> hard_retrieval_attention_forward_cpu(
   auto lse = with_lse ? torch::empty({N, H, L}, q.options()) : torch::empty({0}, q.options());
   auto soft_out =
       need_lse ? torch::empty({N, H, L, v.size(3)}, q.options()) : torch::empty({0}, q.options());
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "hard_retrieval_attention_forward_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "hard_retrieval_attention_forward_cpu_op", [&] {
     kernels::HardRetrievalForwardArgs<scalar_t> a;
     ops::fill_hard_retrieval_args(a, kOp, p, causal, softmax_temp);
     a.sample = sample;
@@ -130,7 +130,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> hard_retrieval_attention_forward_cpu(
   return {out, index, lse, soft_out};
 }
 
-std::tuple<Tensor, Tensor, Tensor> hard_retrieval_attention_backward_cpu(
+std::tuple<Tensor, Tensor, Tensor> hard_retrieval_attention_backward_cpu_op(
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& index,
     const Tensor& lse, const Tensor& soft_out, const c10::optional<Tensor>& attn_mask,
     const c10::optional<Tensor>& key_lengths, bool causal, double softmax_temp) {
@@ -138,8 +138,8 @@ std::tuple<Tensor, Tensor, Tensor> hard_retrieval_attention_backward_cpu(
   ops::check_hard_retrieval_backward(kOp, grad_out, q, k, v, index, lse, soft_out);
   if (ops::is_reduced_float(q)) {
     return ops::in_rows_layouts_of(
-        ops::in_float32(q.scalar_type(), hard_retrieval_attention_backward_cpu, grad_out, q, k, v,
-                        index, lse, soft_out, attn_mask, key_lengths, causal, softmax_temp),
+        ops::in_float32(q.scalar_type(), hard_retrieval_attention_backward_cpu_op, grad_out, q, k,
+                        v, index, lse, soft_out, attn_mask, key_lengths, causal, softmax_temp),
         q, k, v);
   }
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), M = v.size(3);
@@ -160,7 +160,7 @@ std::tuple<Tensor, Tensor, Tensor> hard_retrieval_attention_backward_cpu(
     additive = ops::broadcast_mask(ops::additive_mask(*attn_mask, q.scalar_type()).contiguous(), N,
                                    H, L, S);
   }
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "hard_retrieval_attention_backward_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "hard_retrieval_attention_backward_cpu_op", [&] {
     using T = scalar_t;
     kernels::HardRetrievalDeltaArgs<T> d;
     ops::fill_hard_retrieval_args(d, kOp, p, causal, softmax_temp);
@@ -231,7 +231,7 @@ struct HardRetrievalOp {
     const bool need_lse = saved && (q.requires_grad() || k.requires_grad());
     const double temp = ops::resolve_softmax_temp(kOp, q, softmax_temp);
     auto [out, index, lse, soft_out] =
-        ops::call_op<kForwardOp, hard_retrieval_attention_forward_cpu>(
+        ops::call_op<kForwardOp, hard_retrieval_attention_forward_cpu_op>(
             q, k, v, attn_mask, key_lengths, causal, sample, temp, seed, need_lse);
     if (saved)
       *saved = {q,
@@ -258,7 +258,7 @@ struct HardRetrievalOp {
           2, s.index.clamp_min(0).unsqueeze(-1).expand_as(go), src);
       return {Tensor(), Tensor(), gv};
     }
-    auto [gq, gk, gv] = ops::call_op<kBackwardOp, hard_retrieval_attention_backward_cpu>(
+    auto [gq, gk, gv] = ops::call_op<kBackwardOp, hard_retrieval_attention_backward_cpu_op>(
         grads[0], s.q, s.k, s.v, s.index, s.lse, s.soft_out, ops::opt(s.attn_mask),
         ops::opt(s.key_lengths), s.causal, s.temp);
     return {gq, gk, gv};
@@ -284,8 +284,8 @@ std::tuple<Tensor, Tensor> hard_retrieval_no_grad_entry(
 
 TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
   m.impl("hard_retrieval_attention", ops::hard_retrieval_no_grad_entry);
-  m.impl("hard_retrieval_attention_forward", hard_retrieval_attention_forward_cpu);
-  m.impl("hard_retrieval_attention_backward", hard_retrieval_attention_backward_cpu);
+  m.impl("hard_retrieval_attention_forward", hard_retrieval_attention_forward_cpu_op);
+  m.impl("hard_retrieval_attention_backward", hard_retrieval_attention_backward_cpu_op);
 }
 
 TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {

@@ -100,15 +100,16 @@ using torch::Tensor;
 using torch::autograd::variable_list;
 using namespace ops::reformer;
 
-Tensor lsh_hash_cpu(const Tensor& x, const Tensor& rotations) {
+Tensor lsh_hash_cpu_op(const Tensor& x, const Tensor& rotations) {
   check_hash_inputs(x, rotations);
-  if (ops::is_reduced_float(x)) return ops::in_float32(x.scalar_type(), lsh_hash_cpu, x, rotations);
+  if (ops::is_reduced_float(x))
+    return ops::in_float32(x.scalar_type(), lsh_hash_cpu_op, x, rotations);
   auto xc = ops::rows_contiguous(x);  // rows read in place
   auto rc = rotations.contiguous();
   const int64_t R = rotations.size(0);
   auto buckets =
       torch::empty({x.size(0), x.size(1), R, x.size(2)}, x.options().dtype(torch::kLong));
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "lsh_hash_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "lsh_hash_cpu_op", [&] {
     kernels::LshHashArgs<scalar_t> a;
     fill_lsh_hash_args(a, xc, rc, buckets);
     kernels::lsh_hash_cpu(a);
@@ -140,25 +141,23 @@ void fill_params(kernels::ReformerParams<T>& a, const Prepared& p, int64_t chunk
   ops::set_dropout_args(a, dropout_p, dropout_seed);
 }
 
-std::tuple<Tensor, Tensor> reformer_attention_forward_cpu(const Tensor& q, const Tensor& v,
-                                                          const Tensor& buckets,
-                                                          const c10::optional<Tensor>& key_lengths,
-                                                          int64_t chunk_size, bool causal,
-                                                          bool mask_self, double softmax_temp,
-                                                          double dropout_p, int64_t dropout_seed) {
+std::tuple<Tensor, Tensor> reformer_attention_forward_cpu_op(
+    const Tensor& q, const Tensor& v, const Tensor& buckets,
+    const c10::optional<Tensor>& key_lengths, int64_t chunk_size, bool causal, bool mask_self,
+    double softmax_temp, double dropout_p, int64_t dropout_seed) {
   const auto p = prepare(q, v, buckets, key_lengths, chunk_size);  // checks the arguments
   ops::check_dropout(kOp, dropout_p);
   if (ops::is_reduced_float(q)) {
-    auto [out, stats] =
-        ops::in_float32(q.scalar_type(), reformer_attention_forward_cpu, q, v, buckets, key_lengths,
-                        chunk_size, causal, mask_self, softmax_temp, dropout_p, dropout_seed);
+    auto [out, stats] = ops::in_float32(q.scalar_type(), reformer_attention_forward_cpu_op, q, v,
+                                        buckets, key_lengths, chunk_size, causal, mask_self,
+                                        softmax_temp, dropout_p, dropout_seed);
     return {ops::in_rows_layout_of(out, q), stats};
   }
   // out in q's row layout: the layers' transpose back to (N, L, H, M) is a view.
   auto out = ops::empty_rows_like(q, v.size(3));
   auto stats =
       torch::empty({q.size(0), q.size(1), q.size(2), 2}, q.options().dtype(torch::kDouble));
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "reformer_attention_forward_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "reformer_attention_forward_cpu_op", [&] {
     kernels::ReformerForwardArgs<scalar_t> a;
     fill_params<scalar_t>(a, p, chunk_size, causal, mask_self, softmax_temp, dropout_p,
                           dropout_seed);
@@ -170,19 +169,17 @@ std::tuple<Tensor, Tensor> reformer_attention_forward_cpu(const Tensor& q, const
   return {out, stats};
 }
 
-std::tuple<Tensor, Tensor> reformer_attention_backward_cpu(const Tensor& grad_out, const Tensor& q,
-                                                           const Tensor& v, const Tensor& buckets,
-                                                           const Tensor& out, const Tensor& stats,
-                                                           const c10::optional<Tensor>& key_lengths,
-                                                           int64_t chunk_size, bool causal,
-                                                           bool mask_self, double softmax_temp,
-                                                           double dropout_p, int64_t dropout_seed) {
+std::tuple<Tensor, Tensor> reformer_attention_backward_cpu_op(
+    const Tensor& grad_out, const Tensor& q, const Tensor& v, const Tensor& buckets,
+    const Tensor& out, const Tensor& stats, const c10::optional<Tensor>& key_lengths,
+    int64_t chunk_size, bool causal, bool mask_self, double softmax_temp, double dropout_p,
+    int64_t dropout_seed) {
   const auto p = prepare(q, v, buckets, key_lengths, chunk_size);
   check_backward_inputs(grad_out, q, v, out, stats);
   ops::check_dropout(kOp, dropout_p);
   if (ops::is_reduced_float(q)) {
-    auto [gq, gv] = ops::in_float32(q.scalar_type(), reformer_attention_backward_cpu, grad_out, q,
-                                    v, buckets, out, stats, key_lengths, chunk_size, causal,
+    auto [gq, gv] = ops::in_float32(q.scalar_type(), reformer_attention_backward_cpu_op, grad_out,
+                                    q, v, buckets, out, stats, key_lengths, chunk_size, causal,
                                     mask_self, softmax_temp, dropout_p, dropout_seed);
     return {ops::in_rows_layout_of(gq, q), ops::in_rows_layout_of(gv, v)};
   }
@@ -191,7 +188,7 @@ std::tuple<Tensor, Tensor> reformer_attention_backward_cpu(const Tensor& grad_ou
   auto stats_c = stats.to(torch::kDouble).contiguous();
   // Gradients in the inputs' row layouts (as the fake implementation promises).
   auto gq = ops::empty_rows_like(q, q.size(3)), gv = ops::empty_rows_like(v, v.size(3));
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "reformer_attention_backward_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "reformer_attention_backward_cpu_op", [&] {
     kernels::ReformerBackwardArgs<scalar_t> a;
     fill_params<scalar_t>(a, p, chunk_size, causal, mask_self, softmax_temp, dropout_p,
                           dropout_seed);
@@ -231,7 +228,7 @@ struct ReformerOp {
     const double temp = ops::resolve_softmax_temp(kOp, q, softmax_temp);
     // One seed for the forward and the backward: the same keep mask.
     const int64_t seed = ops::resolve_dropout_seed(dropout_p, dropout_seed);
-    auto [out, stats] = ops::call_op<kForwardOp, reformer_attention_forward_cpu>(
+    auto [out, stats] = ops::call_op<kForwardOp, reformer_attention_forward_cpu_op>(
         q, v, buckets, key_lengths, chunk_size, causal, mask_self, temp, dropout_p, seed);
     if (saved)
       *saved = {q,          v,      buckets,   out,  stats,     ops::or_undefined(key_lengths),
@@ -240,7 +237,7 @@ struct ReformerOp {
   }
 
   static variable_list backward(const Saved& s, const variable_list& grads) {
-    auto [gq, gv] = ops::call_op<kBackwardOp, reformer_attention_backward_cpu>(
+    auto [gq, gv] = ops::call_op<kBackwardOp, reformer_attention_backward_cpu_op>(
         grads[0], s.q, s.v, s.buckets, s.out, s.stats, ops::opt(s.key_lengths), s.chunk_size,
         s.causal, s.mask_self, s.temp, s.dropout_p, s.dropout_seed);
     return {gq, gv};
@@ -261,17 +258,17 @@ torch::Tensor ops::reformer::reformer_attention_no_grad(
 }
 
 TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
-  m.impl("lsh_hash", lsh_hash_cpu);
+  m.impl("lsh_hash", lsh_hash_cpu_op);
   m.impl("reformer_attention", reformer_attention_no_grad);
-  m.impl("reformer_attention_forward", reformer_attention_forward_cpu);
-  m.impl("reformer_attention_backward", reformer_attention_backward_cpu);
+  m.impl("reformer_attention_forward", reformer_attention_forward_cpu_op);
+  m.impl("reformer_attention_backward", reformer_attention_backward_cpu_op);
 }
 
 TORCH_LIBRARY_IMPL(fastattn, Autograd, m) { m.impl("reformer_attention", ReformerShell::autograd); }
 
 Tensor lsh_hash(const Tensor& x, const Tensor& rotations) {
   ops::check_defined(kHashOp, {"x", "rotations"}, {x, rotations});
-  return ops::call_op<kHashOp, lsh_hash_cpu>(x, rotations);
+  return ops::call_op<kHashOp, lsh_hash_cpu_op>(x, rotations);
 }
 
 Tensor reformer_attention(const Tensor& q, const Tensor& v, const Tensor& buckets,

@@ -47,15 +47,15 @@ using torch::Tensor;
 
 constexpr const char* kOp = ops::kGatherTokensOp;
 
-Tensor gather_tokens_cpu(const Tensor& x_in, const Tensor& index_in) {
+Tensor gather_tokens_cpu_op(const Tensor& x_in, const Tensor& index_in) {
   ops::check_gather_x("x", x_in);
   ops::check_gather_index(index_in, x_in.size(0), x_in.size(2));
   if (ops::is_reduced_float(x_in))
-    return ops::in_float32(x_in.scalar_type(), gather_tokens_cpu, x_in, index_in);
+    return ops::in_float32(x_in.scalar_type(), gather_tokens_cpu_op, x_in, index_in);
   const auto x = ops::contiguous(x_in);
   const auto index = index_in.contiguous();
   auto out = ops::empty_output({x.size(0), x.size(1), index.size(1), x.size(3)}, x.options());
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "gather_tokens_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "gather_tokens_cpu_op", [&] {
     kernels::TokenGatherArgs<scalar_t> a;
     ops::fill_token_gather_args(a, "x", x, index, x.size(2));
     a.x = x.data_ptr<scalar_t>();
@@ -65,8 +65,8 @@ Tensor gather_tokens_cpu(const Tensor& x_in, const Tensor& index_in) {
   return out;
 }
 
-Tensor gather_tokens_backward_cpu(const Tensor& grad_out_in, const Tensor& index_in,
-                                  int64_t length) {
+Tensor gather_tokens_backward_cpu_op(const Tensor& grad_out_in, const Tensor& index_in,
+                                     int64_t length) {
   ops::check_gather_x("grad_out", grad_out_in);
   TORCH_CHECK(length >= 0, kOp, ": length must be >= 0, got ", length);
   ops::check_gather_index(index_in, grad_out_in.size(0), length);
@@ -74,12 +74,12 @@ Tensor gather_tokens_backward_cpu(const Tensor& grad_out_in, const Tensor& index
               ": grad_out must have T = index.size(1) = ", index_in.size(1), " rows, got ",
               grad_out_in.sizes());
   if (ops::is_reduced_float(grad_out_in))
-    return ops::in_float32(grad_out_in.scalar_type(), gather_tokens_backward_cpu, grad_out_in,
+    return ops::in_float32(grad_out_in.scalar_type(), gather_tokens_backward_cpu_op, grad_out_in,
                            index_in, length);
   const auto g = ops::contiguous(grad_out_in);
   const auto index = index_in.contiguous();
   auto out = ops::empty_output({g.size(0), g.size(1), length, g.size(3)}, g.options());
-  AT_DISPATCH_FLOATING_TYPES(g.scalar_type(), "gather_tokens_backward_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES(g.scalar_type(), "gather_tokens_backward_cpu_op", [&] {
     kernels::TokenGatherArgs<scalar_t> a;
     ops::fill_token_gather_args(a, "grad_out", g, index, length);
     a.grad_out = g.data_ptr<scalar_t>();
@@ -102,20 +102,20 @@ struct GatherTokensOp {
 
   static Tensor forward(Saved* saved, const Tensor& x, const Tensor& index) {
     if (saved) *saved = {index, x.size(2)};
-    return ops::call_op<ops::kGatherTokensOp, gather_tokens_cpu>(x, index);
+    return ops::call_op<ops::kGatherTokensOp, gather_tokens_cpu_op>(x, index);
   }
 
   static torch::autograd::variable_list backward(const Saved& s,
                                                  const torch::autograd::variable_list& grads) {
-    return {ops::call_op<kBackwardOp, gather_tokens_backward_cpu>(grads[0], s.index, s.length)};
+    return {ops::call_op<kBackwardOp, gather_tokens_backward_cpu_op>(grads[0], s.index, s.length)};
   }
 };
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
-  m.impl("gather_tokens", gather_tokens_cpu);
-  m.impl("gather_tokens_backward", gather_tokens_backward_cpu);
+  m.impl("gather_tokens", gather_tokens_cpu_op);
+  m.impl("gather_tokens_backward", gather_tokens_backward_cpu_op);
 }
 
 TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
@@ -124,7 +124,7 @@ TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
 
 Tensor gather_tokens(const Tensor& x, const Tensor& index) {
   ops::check_defined(kOp, {"x", "index"}, {x, index});
-  return ops::call_op<ops::kGatherTokensOp, gather_tokens_cpu>(x, index);
+  return ops::call_op<ops::kGatherTokensOp, gather_tokens_cpu_op>(x, index);
 }
 
 namespace reference {

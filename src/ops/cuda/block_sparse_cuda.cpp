@@ -106,11 +106,10 @@ Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v, const std::s
   return p;
 }
 
-std::tuple<Tensor, Tensor> forward_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
-                                        c10::string_view pattern, c10::IntArrayRef params,
-                                        const c10::optional<Tensor>& key_lengths, bool causal,
-                                        double softmax_temp, double dropout_p,
-                                        int64_t /*dropout_seed*/) {
+std::tuple<Tensor, Tensor> block_sparse_attention_forward_cuda_op(
+    const Tensor& q, const Tensor& k, const Tensor& v, c10::string_view pattern,
+    c10::IntArrayRef params, const c10::optional<Tensor>& key_lengths, bool causal,
+    double softmax_temp, double dropout_p, int64_t /*dropout_seed*/) {
   ops::cuda::check_no_dropout(kOp, dropout_p);
   c10::cuda::CUDAGuard guard(q.device());
   const auto p = prepare(q, k, v, std::string(pattern), params, key_lengths, causal, softmax_temp);
@@ -133,13 +132,11 @@ std::tuple<Tensor, Tensor> forward_cuda(const Tensor& q, const Tensor& k, const 
   return {ops::in_rows_layout_of(out, q), lse};
 }
 
-std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& grad_out, const Tensor& q,
-                                                 const Tensor& k, const Tensor& v,
-                                                 const Tensor& out, const Tensor& lse,
-                                                 c10::string_view pattern, c10::IntArrayRef params,
-                                                 const c10::optional<Tensor>& key_lengths,
-                                                 bool causal, double softmax_temp, double dropout_p,
-                                                 int64_t /*dropout_seed*/) {
+std::tuple<Tensor, Tensor, Tensor> block_sparse_attention_backward_cuda_op(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+    const Tensor& lse, c10::string_view pattern, c10::IntArrayRef params,
+    const c10::optional<Tensor>& key_lengths, bool causal, double softmax_temp, double dropout_p,
+    int64_t /*dropout_seed*/) {
   ops::cuda::check_no_dropout(kOp, dropout_p);
   c10::cuda::CUDAGuard guard(q.device());
   const auto p = prepare(q, k, v, std::string(pattern), params, key_lengths, causal, softmax_temp);
@@ -171,8 +168,8 @@ std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& grad_out, const T
 
 TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
   m.impl("block_sparse_attention", ops::block_sparse_no_grad_entry);
-  m.impl("block_sparse_attention_forward", forward_cuda);
-  m.impl("block_sparse_attention_backward", backward_cuda);
+  m.impl("block_sparse_attention_forward", block_sparse_attention_forward_cuda_op);
+  m.impl("block_sparse_attention_backward", block_sparse_attention_backward_cuda_op);
 }
 
 }  // namespace fastattn

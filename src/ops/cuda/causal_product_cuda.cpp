@@ -26,8 +26,8 @@ Tensor workspace(const Tensor& q, int64_t F, int64_t M) {
       q.options().dtype(torch::kFloat));
 }
 
-Tensor causal_linear_product_forward_cuda(const Tensor& q_in, const Tensor& k_in,
-                                          const Tensor& v_in) {
+Tensor causal_linear_product_forward_cuda_op(const Tensor& q_in, const Tensor& k_in,
+                                             const Tensor& v_in) {
   ops::check_causal_product_inputs(kOp, q_in, k_in, v_in);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
@@ -41,10 +41,10 @@ Tensor causal_linear_product_forward_cuda(const Tensor& q_in, const Tensor& k_in
   return out;
 }
 
-std::tuple<Tensor, Tensor, Tensor> causal_linear_product_backward_cuda(const Tensor& grad_out,
-                                                                       const Tensor& q_in,
-                                                                       const Tensor& k_in,
-                                                                       const Tensor& v_in) {
+std::tuple<Tensor, Tensor, Tensor> causal_linear_product_backward_cuda_op(const Tensor& grad_out,
+                                                                          const Tensor& q_in,
+                                                                          const Tensor& k_in,
+                                                                          const Tensor& v_in) {
   ops::check_causal_product_inputs(kOp, q_in, k_in, v_in);
   ops::check_causal_product_grad(kOp, grad_out, q_in, v_in);
   ops::cuda::check_same_device(kOp, "grad_out", grad_out, q_in.device());
@@ -68,8 +68,8 @@ std::tuple<Tensor, Tensor, Tensor> causal_linear_product_backward_cuda(const Ten
 
 TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
   m.impl("causal_linear_product", ops::causal_linear_product_no_grad_entry);
-  m.impl("causal_linear_product_forward", causal_linear_product_forward_cuda);
-  m.impl("causal_linear_product_backward", causal_linear_product_backward_cuda);
+  m.impl("causal_linear_product_forward", causal_linear_product_forward_cuda_op);
+  m.impl("causal_linear_product_backward", causal_linear_product_backward_cuda_op);
 }
 
 }  // namespace fastattn

@@ -49,11 +49,12 @@ void fill_common(cuda::ClusteredTopkCudaArgs& a, const char* op, const ops::QKVI
 
 // ---- clustered_topk_attention -----------------------------------------------------
 
-Tensor clustered_topk_forward_cuda_op(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
-                                      const Tensor& topk_in, const Tensor& mass_in,
-                                      const Tensor& assignments_in,
-                                      const c10::optional<Tensor>& key_lengths, double softmax_temp,
-                                      double dropout_p, c10::optional<int64_t> /*dropout_seed*/) {
+Tensor clustered_topk_attention_cuda_op(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
+                                        const Tensor& topk_in, const Tensor& mass_in,
+                                        const Tensor& assignments_in,
+                                        const c10::optional<Tensor>& key_lengths,
+                                        double softmax_temp, double dropout_p,
+                                        c10::optional<int64_t> /*dropout_seed*/) {
   constexpr const char* op = ops::kClusteredTopkOp;
   ops::cuda::check_no_dropout(op, dropout_p);
   check_devices(op, q_in,
@@ -75,7 +76,7 @@ Tensor clustered_topk_forward_cuda_op(const Tensor& q_in, const Tensor& k_in, co
   return ops::in_rows_layout_of(out, q_in);
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> clustered_topk_backward_cuda_op(
+std::tuple<Tensor, Tensor, Tensor, Tensor> clustered_topk_attention_backward_cuda_op(
     const Tensor& grad_out, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
     const Tensor& topk_in, const Tensor& mass_in, const Tensor& assignments_in,
     const c10::optional<Tensor>& key_lengths, double softmax_temp, double dropout_p,
@@ -119,7 +120,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> clustered_topk_backward_cuda_op(
 
 // ---- improved_clustered_attention -------------------------------------------------
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> improved_forward_cuda_op(
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> improved_clustered_attention_forward_cuda_op(
     const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, const Tensor& assignments_in,
     const Tensor& counts_in, int64_t topk, const c10::optional<Tensor>& key_lengths,
     double softmax_temp, double dropout_p, int64_t /*dropout_seed*/) {
@@ -177,7 +178,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> improved_forward_cuda_op(
   return {ops::in_rows_layout_of(out, q_in), centroids, lse, out_c, top_idx};
 }
 
-std::tuple<Tensor, Tensor, Tensor> improved_backward_cuda_op(
+std::tuple<Tensor, Tensor, Tensor> improved_clustered_attention_backward_cuda_op(
     const Tensor& grad_out, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
     const Tensor& assignments_in, const Tensor& counts_in, const Tensor& centroids_in,
     const Tensor& lse, const Tensor& out_c_in, const Tensor& top_idx_in,
@@ -264,11 +265,11 @@ std::tuple<Tensor, Tensor, Tensor> improved_backward_cuda_op(
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
-  m.impl("clustered_topk_attention", clustered_topk_forward_cuda_op);
-  m.impl("clustered_topk_attention_backward", clustered_topk_backward_cuda_op);
+  m.impl("clustered_topk_attention", clustered_topk_attention_cuda_op);
+  m.impl("clustered_topk_attention_backward", clustered_topk_attention_backward_cuda_op);
   m.impl("improved_clustered_attention", ops::improved_clustered_no_grad_entry);
-  m.impl("improved_clustered_attention_forward", improved_forward_cuda_op);
-  m.impl("improved_clustered_attention_backward", improved_backward_cuda_op);
+  m.impl("improved_clustered_attention_forward", improved_clustered_attention_forward_cuda_op);
+  m.impl("improved_clustered_attention_backward", improved_clustered_attention_backward_cuda_op);
 }
 
 }  // namespace fastattn

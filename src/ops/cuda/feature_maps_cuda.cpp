@@ -33,12 +33,12 @@ Tensor run(const Tensor& x_in, const Tensor& grad_in) {
   return out;
 }
 
-Tensor elu_feature_map_cuda(const Tensor& x) {
+Tensor elu_feature_map_cuda_op(const Tensor& x) {
   ops::check_elu_feature_map_input(kOp, "x", x);
   return run<false>(x, Tensor());
 }
 
-Tensor elu_feature_map_backward_cuda(const Tensor& grad_out, const Tensor& x) {
+Tensor elu_feature_map_backward_cuda_op(const Tensor& grad_out, const Tensor& x) {
   ops::check_elu_feature_map_input(kOp, "x", x);
   TORCH_CHECK(grad_out.sizes() == x.sizes(), kOp, ": grad_out must have the shape of x ", x.sizes(),
               ", got ", grad_out.sizes());
@@ -49,8 +49,8 @@ Tensor elu_feature_map_backward_cuda(const Tensor& grad_out, const Tensor& x) {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
-  m.impl("elu_feature_map", elu_feature_map_cuda);
-  m.impl("elu_feature_map_backward", elu_feature_map_backward_cuda);
+  m.impl("elu_feature_map", elu_feature_map_cuda_op);
+  m.impl("elu_feature_map_backward", elu_feature_map_backward_cuda_op);
 }
 
 }  // namespace fastattn

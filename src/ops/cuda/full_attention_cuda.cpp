@@ -72,12 +72,12 @@ bool few_query_blocks(const Tensor& q, const Tensor& k) {
   return blocks > 0 && blocks < sms && S >= 4096 && N * H * L * S <= (int64_t(64) << 20);
 }
 
-std::tuple<Tensor, Tensor> full_attention_forward_cuda(const Tensor& q, const Tensor& k,
-                                                       const Tensor& v,
-                                                       const c10::optional<Tensor>& attn_mask,
-                                                       const c10::optional<Tensor>& key_lengths,
-                                                       bool causal, double softmax_temp,
-                                                       double dropout_p, int64_t dropout_seed) {
+std::tuple<Tensor, Tensor> full_attention_forward_cuda_op(const Tensor& q, const Tensor& k,
+                                                          const Tensor& v,
+                                                          const c10::optional<Tensor>& attn_mask,
+                                                          const c10::optional<Tensor>& key_lengths,
+                                                          bool causal, double softmax_temp,
+                                                          double dropout_p, int64_t dropout_seed) {
   ops::check_full_attention_inputs(q, k, v, attn_mask, key_lengths);
   ops::cuda::check_no_dropout(kOp, dropout_p);
   Tensor out, lse;
@@ -125,7 +125,7 @@ void backward_impl(const Tensor& grad_out, const Tensor& q, const Tensor& k, con
   cuda::full_attention_backward_cuda(a, ops::cuda::current_stream());
 }
 
-std::tuple<Tensor, Tensor, Tensor> full_attention_backward_cuda(
+std::tuple<Tensor, Tensor, Tensor> full_attention_backward_cuda_op(
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
     const Tensor& lse, const c10::optional<Tensor>& attn_mask,
     const c10::optional<Tensor>& key_lengths, bool causal, double softmax_temp,
@@ -142,7 +142,7 @@ std::tuple<Tensor, Tensor, Tensor> full_attention_backward_cuda(
           ops::in_rows_layout_of(gv, v)};
 }
 
-std::tuple<Tensor, Tensor, Tensor> full_attention_lse_topk_forward_cuda(
+std::tuple<Tensor, Tensor, Tensor> full_attention_lse_topk_forward_cuda_op(
     const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& key_lengths,
     double softmax_temp, int64_t topk) {
   ops::check_lse_topk_inputs(q, k, v, key_lengths, topk);
@@ -204,10 +204,10 @@ void full_attention_backward_accumulate_cuda(const Tensor& grad_out, const Tenso
 
 TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
   m.impl("full_attention", ops::full_attention_no_grad_entry);
-  m.impl("full_attention_forward", full_attention_forward_cuda);
-  m.impl("full_attention_backward", full_attention_backward_cuda);
+  m.impl("full_attention_forward", full_attention_forward_cuda_op);
+  m.impl("full_attention_backward", full_attention_backward_cuda_op);
   m.impl("full_attention_lse_topk", ops::full_attention_lse_topk_no_grad_entry);
-  m.impl("full_attention_lse_topk_forward", full_attention_lse_topk_forward_cuda);
+  m.impl("full_attention_lse_topk_forward", full_attention_lse_topk_forward_cuda_op);
 }
 
 }  // namespace fastattn

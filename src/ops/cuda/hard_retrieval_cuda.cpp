@@ -42,7 +42,7 @@ Prepared prepare(const Tensor& q, const Tensor& k, const Tensor& v,
 // (out, index, lse, soft_out); lse (float32) is empty (numel 0) unless
 // sample or need_lse; soft_out is always empty here (the CUDA backward
 // recomputes delta in its own pass).
-std::tuple<Tensor, Tensor, Tensor, Tensor> forward_cuda(
+std::tuple<Tensor, Tensor, Tensor, Tensor> hard_retrieval_attention_forward_cuda_op(
     const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& attn_mask,
     const c10::optional<Tensor>& key_lengths, bool causal, bool sample, double softmax_temp,
     int64_t seed, bool need_lse) {
@@ -67,7 +67,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> forward_cuda(
   return {ops::in_rows_layout_of(out, q), index, lse, torch::empty({0}, f32)};
 }
 
-std::tuple<Tensor, Tensor, Tensor> backward_cuda(
+std::tuple<Tensor, Tensor, Tensor> hard_retrieval_attention_backward_cuda_op(
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& index,
     const Tensor& lse, const Tensor& soft_out, const c10::optional<Tensor>& attn_mask,
     const c10::optional<Tensor>& key_lengths, bool causal, double softmax_temp) {
@@ -107,8 +107,8 @@ std::tuple<Tensor, Tensor, Tensor> backward_cuda(
 
 TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
   m.impl("hard_retrieval_attention", ops::hard_retrieval_no_grad_entry);
-  m.impl("hard_retrieval_attention_forward", forward_cuda);
-  m.impl("hard_retrieval_attention_backward", backward_cuda);
+  m.impl("hard_retrieval_attention_forward", hard_retrieval_attention_forward_cuda_op);
+  m.impl("hard_retrieval_attention_backward", hard_retrieval_attention_backward_cuda_op);
 }
 
 }  // namespace fastattn

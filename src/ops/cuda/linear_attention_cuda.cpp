@@ -44,7 +44,7 @@ void fill_params(Args& a, const Prepared& p, bool causal, double eps) {
   a.workspace = p.workspace.data_ptr<float>();
 }
 
-std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_forward_cuda(
+std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_forward_cuda_op(
     const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
     const c10::optional<Tensor>& key_lengths, bool causal, double eps) {
   ops::check_elu_linear_inputs(kOp, q_in, k_in, v_in, key_lengths, causal, eps);
@@ -63,7 +63,7 @@ std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_forward_cuda(
   return {ops::in_rows_layout_of(out, q_in), den, torch::empty({0}, den.options())};
 }
 
-std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_backward_cuda(
+std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_backward_cuda_op(
     const Tensor& grad_out, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
     const Tensor& out_in, const Tensor& den_in, const c10::optional<Tensor>& key_lengths,
     bool causal, double eps, const c10::optional<Tensor>& state) {
@@ -98,8 +98,8 @@ std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_backward_cuda(
 
 TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
   m.impl("elu_linear_attention", ops::elu_linear_attention_no_grad_entry);
-  m.impl("elu_linear_attention_forward", elu_linear_attention_forward_cuda);
-  m.impl("elu_linear_attention_backward", elu_linear_attention_backward_cuda);
+  m.impl("elu_linear_attention_forward", elu_linear_attention_forward_cuda_op);
+  m.impl("elu_linear_attention_backward", elu_linear_attention_backward_cuda_op);
 }
 
 }  // namespace fastattn

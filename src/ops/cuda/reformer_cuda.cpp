@@ -77,12 +77,10 @@ void fill_params(cuda::ReformerCudaParams& a, const Prepared& p, int64_t chunk_s
   a.perm = p.perm.data_ptr<int64_t>();
 }
 
-std::tuple<Tensor, Tensor> reformer_attention_forward_cuda(const Tensor& q, const Tensor& v,
-                                                           const Tensor& buckets,
-                                                           const c10::optional<Tensor>& key_lengths,
-                                                           int64_t chunk_size, bool causal,
-                                                           bool mask_self, double softmax_temp,
-                                                           double dropout_p, int64_t /*seed*/) {
+std::tuple<Tensor, Tensor> reformer_attention_forward_cuda_op(
+    const Tensor& q, const Tensor& v, const Tensor& buckets,
+    const c10::optional<Tensor>& key_lengths, int64_t chunk_size, bool causal, bool mask_self,
+    double softmax_temp, double dropout_p, int64_t /*seed*/) {
   TORCH_CHECK(q.defined(), kOp, ": q must be a defined tensor");
   check_no_dropout(kOp, dropout_p);
   // The checks come before the guard: a CPU q with CUDA buckets dispatches here too.
@@ -102,7 +100,7 @@ std::tuple<Tensor, Tensor> reformer_attention_forward_cuda(const Tensor& q, cons
   return {ops::in_rows_layout_of(out, q), stats};
 }
 
-std::tuple<Tensor, Tensor> reformer_attention_backward_cuda(
+std::tuple<Tensor, Tensor> reformer_attention_backward_cuda_op(
     const Tensor& grad_out, const Tensor& q, const Tensor& v, const Tensor& buckets,
     const Tensor& out, const Tensor& stats, const c10::optional<Tensor>& key_lengths,
     int64_t chunk_size, bool causal, bool mask_self, double softmax_temp, double dropout_p,
@@ -138,8 +136,8 @@ std::tuple<Tensor, Tensor> reformer_attention_backward_cuda(
 TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
   m.impl("lsh_hash", lsh_hash_cuda_op);
   m.impl("reformer_attention", ops::reformer::reformer_attention_no_grad);
-  m.impl("reformer_attention_forward", reformer_attention_forward_cuda);
-  m.impl("reformer_attention_backward", reformer_attention_backward_cuda);
+  m.impl("reformer_attention_forward", reformer_attention_forward_cuda_op);
+  m.impl("reformer_attention_backward", reformer_attention_backward_cuda_op);
 }
 
 }  // namespace fastattn
