@@ -23,15 +23,18 @@
 #include <vector>
 
 #include "kernels/aft/aft_reference.h"
+#include "kernels/block_sparse/block_sparse_attention_reference.h"
 #include "kernels/causal_product/causal_product_reference.h"
 #include "kernels/clustered_topk/clustered_topk_reference.h"
 #include "kernels/clustering/clustering_reference.h"
 #include "kernels/common/cpu_isa.h"
 #include "kernels/feature_maps/elu_feature_map_reference.h"
+#include "kernels/full/full_attention_reference.h"
 #include "kernels/hard_retrieval/hard_retrieval_reference.h"
 #include "kernels/hashing/hashing.h"
 #include "kernels/hashing/hashing_reference.h"
 #include "kernels/linear_attention/elu_linear_attention_reference.h"
+#include "kernels/reformer/reformer_reference.h"
 #include "kernels/token_gather/token_gather.h"
 #include "kernels/token_gather/token_gather_reference.h"
 
@@ -194,10 +197,11 @@ TEST(KernelReference, HashQueries) {
   }
 }
 
-// |got - want| <= tol·max(1, max |want|) everywhere.
+// |got - want| <= tol·max(1, max |want|) everywhere; tol by got's type, or
+// given (float64 buffers of a float32 kernel).
 template <typename T>
-void expect_near_all(const std::vector<T>& got, const std::vector<double>& want, const char* what) {
-  const double tol = sizeof(T) == 8 ? 1e-11 : 2e-5;
+void expect_near_all(const std::vector<T>& got, const std::vector<double>& want, const char* what,
+                     double tol = sizeof(T) == 8 ? 1e-11 : 2e-5) {
   ASSERT_EQ(got.size(), want.size()) << what;
   double scale = 1;
   for (double w : want) scale = std::max(scale, std::abs(w));
@@ -738,6 +742,367 @@ TEST(KernelReference, ClusterMeansAndSpread) {
         a.dst = got.data(), a.num_threads = threads;
         kernels::spread_centroids_cpu(a);
         expect_near_all(got, want, "members");
+      }
+  });
+}
+
+// ---- full attention -----------------------------------------------------------------
+
+// Inputs with an additive mask (some -inf, shared by the heads), key lengths,
+// causal alignment with L != S, dropout, strided rows; the top-k keys without
+// a mask and not causal; the backward from the reference's lse and delta,
+// overwriting and accumulating.
+template <typename T>
+void check_full(int64_t N, int64_t H, int64_t L, int64_t S, int64_t E, int64_t M, bool causal,
+                bool masked, double dropout, bool strided, int64_t topk, int threads,
+                std::mt19937& rng) {
+  SCOPED_TRACE(dtype_name(sizeof(T)) + " L " + std::to_string(L) + " S " + std::to_string(S) +
+               " E " + std::to_string(E) + " M " + std::to_string(M) + (causal ? " causal" : "") +
+               (masked ? " mask" : "") + " dropout " + std::to_string(dropout) +
+               (strided ? " strided" : "") + " topk " + std::to_string(topk));
+  using Acc = kernels::KernelScalar<T>;
+  const auto q = float_valued(normal(N * H * L * E, rng)),
+             k = float_valued(normal(N * H * S * E, rng));
+  const auto v = float_valued(normal(N * H * S * M, rng)),
+             g = float_valued(normal(N * H * L * M, rng));
+  auto mask = float_valued(normal(N * L * S, rng));
+  for (auto& x : mask)
+    if (rng() % 5 == 0) x = -INFINITY;
+  std::vector<int64_t> len(N);
+  for (auto& l : len) l = static_cast<int64_t>(rng() % (S + 1));
+  auto rows = [&](int64_t R, int64_t C) {
+    return strided ? kernels::RowStrides{R * H * C, C, H * C} : kernels::RowStrides{};
+  };
+  auto fill = [&](auto& p, const auto& qq, const auto& kk, const auto& vv, const auto& mm) {
+    p.q = qq.data(), p.k = kk.data(), p.v = vv.data();
+    p.q_rows = rows(L, E), p.k_rows = rows(S, E), p.v_rows = rows(S, M);
+    p.key_lengths = len.data();
+    p.N = N, p.H = H, p.L = L, p.S = S, p.E = E, p.M = M, p.causal = causal, p.scale = 0.3;
+    if (masked) p.mask = mm.data(), p.mask_sn = L * S, p.mask_sh = 0, p.mask_sl = S;
+    p.dropout_threshold = kernels::dropout_threshold(dropout);
+    p.dropout_seed = 987654321;
+    p.dropout_scale = 1 / (1 - dropout);
+  };
+  std::vector<double> out(N * H * L * M), lse(N * H * L), delta(lse.size());
+  std::vector<int64_t> top(N * H * L * std::max<int64_t>(topk, 1), -1);
+  kernels::FullAttentionForwardArgs<double> rf;
+  fill(rf, q, k, v, mask);
+  rf.out = out.data(), rf.out_rows = rows(L, M), rf.lse = lse.data();
+  rf.topk = topk, rf.top_idx = top.data();
+  kernels::full_attention_forward_reference(rf);
+  const auto out_rows = rows(L, M).resolved(H, L, M), g_rows = out_rows;
+  for (int64_t nh = 0; nh < N * H; ++nh)
+    for (int64_t i = 0; i < L; ++i) {
+      double d = 0;
+      for (int64_t m = 0; m < M; ++m)
+        d += g_rows.row(g.data(), nh, H, i)[m] * out_rows.row(out.data(), nh, H, i)[m];
+      delta[nh * L + i] = d;
+    }
+  // Gradients onto these values: overwritten, or added to with accumulate.
+  const auto base_q = normal(q.size(), rng), base_k = normal(k.size(), rng),
+             base_v = normal(v.size(), rng);
+  for (bool accumulate : {false, true}) {
+    SCOPED_TRACE(accumulate ? "accumulate" : "overwrite");
+    auto gq = base_q, gk = base_k, gv = base_v;
+    kernels::FullAttentionBackwardArgs<double> rb;
+    fill(rb, q, k, v, mask);
+    rb.grad_out = g.data(), rb.grad_out_rows = rows(L, M), rb.lse = lse.data();
+    rb.delta = delta.data(), rb.accumulate = accumulate;
+    rb.grad_q = gq.data(), rb.grad_k = gk.data(), rb.grad_v = gv.data();
+    rb.grad_q_rows = rows(L, E), rb.grad_k_rows = rows(S, E), rb.grad_v_rows = rows(S, M);
+    kernels::full_attention_backward_reference(rb);
+
+    const auto qt = as<T>(q), kt = as<T>(k), vt = as<T>(v), gt = as<T>(g), mt = as<T>(mask);
+    const auto lt = as<Acc>(lse), dt = as<Acc>(delta);
+    auto oq = as<T>(base_q), ok = as<T>(base_k), ov = as<T>(base_v);
+    kernels::FullAttentionBackwardArgs<T> ab;
+    fill(ab, qt, kt, vt, mt);
+    ab.num_threads = threads;
+    ab.grad_out = gt.data(), ab.grad_out_rows = rows(L, M), ab.lse = lt.data();
+    ab.delta = dt.data(), ab.accumulate = accumulate;
+    ab.grad_q = oq.data(), ab.grad_k = ok.data(), ab.grad_v = ov.data();
+    ab.grad_q_rows = rows(L, E), ab.grad_k_rows = rows(S, E), ab.grad_v_rows = rows(S, M);
+    kernels::full_attention_backward_cpu(ab);
+    expect_near_all(oq, gq, "grad_q");
+    expect_near_all(ok, gk, "grad_k");
+    expect_near_all(ov, gv, "grad_v");
+  }
+
+  const auto qt = as<T>(q), kt = as<T>(k), vt = as<T>(v), mt = as<T>(mask);
+  std::vector<T> o(out.size(), T(7));
+  std::vector<Acc> ls(lse.size(), Acc(7));
+  std::vector<int64_t> otop(top.size(), -7);
+  kernels::FullAttentionForwardArgs<T> af;
+  fill(af, qt, kt, vt, mt);
+  af.num_threads = threads;
+  af.out = o.data(), af.out_rows = rows(L, M), af.lse = ls.data();
+  af.topk = topk, af.top_idx = otop.data();
+  kernels::full_attention_forward_cpu(af);
+  expect_near_all(o, out, "out");
+  for (size_t i = 0; i < lse.size(); ++i) {
+    if (!std::isinf(lse[i])) continue;
+    ASSERT_TRUE(std::isinf(ls[i]) && ls[i] < 0) << "lse " << i << ": " << ls[i];
+    ls[i] = 0, lse[i] = 0;
+  }
+  expect_near_all(ls, lse, "lse");
+  if (topk > 0 && sizeof(T) == 8) EXPECT_EQ(otop, top) << "top_idx";
+}
+
+TEST(KernelReference, FullAttention) {
+  std::mt19937 rng(41);
+  at_every_level([&](int threads) {
+    for (bool strided : {false, true})
+      for (double dropout : {0.0, 0.25}) {
+        check_full<double>(2, 2, 37, 45, 16, 24, true, true, dropout, strided, 0, threads, rng);
+        check_full<float>(1, 3, 70, 21, 33, 17, true, false, dropout, strided, 0, threads, rng);
+        check_full<double>(2, 1, 9, 200, 8, 40, false, true, dropout, strided, 0, threads, rng);
+        check_full<float>(1, 2, 250, 250, 64, 64, false, false, dropout, strided, 0, threads, rng);
+      }
+    check_full<double>(2, 2, 21, 45, 16, 8, false, false, 0.0, false, 7, threads, rng);
+  });
+}
+
+// ---- block-sparse attention ------------------------------------------------------------
+
+template <typename T>
+void check_block_sparse(int pattern, const std::vector<int64_t>& params, int64_t N, int64_t H,
+                        int64_t L, int64_t S, int64_t E, int64_t M, bool causal, double dropout,
+                        bool strided, int threads, std::mt19937& rng) {
+  std::string ps;
+  for (auto x : params) ps += " " + std::to_string(x);
+  SCOPED_TRACE(dtype_name(sizeof(T)) + " pattern " + std::to_string(pattern) + ps + " L " +
+               std::to_string(L) + " S " + std::to_string(S) + (causal ? " causal" : "") +
+               " dropout " + std::to_string(dropout) + (strided ? " strided" : ""));
+  const auto parts = kernels::make_sparse_parts(pattern, params, causal, H);
+  const auto q = float_valued(normal(N * H * L * E, rng)),
+             k = float_valued(normal(N * H * S * E, rng));
+  const auto v = float_valued(normal(N * H * S * M, rng)),
+             g = float_valued(normal(N * H * L * M, rng));
+  std::vector<int64_t> len(N);
+  for (auto& l : len) l = static_cast<int64_t>(S / 2 + rng() % (S - S / 2 + 1));
+  auto rows = [&](int64_t R, int64_t C) {
+    return strided ? kernels::RowStrides{R * H * C, C, H * C} : kernels::RowStrides{};
+  };
+  auto fill = [&](auto& p, const auto& qq, const auto& kk, const auto& vv) {
+    p.q = qq.data(), p.k = kk.data(), p.v = vv.data();
+    p.q_rows = rows(L, E), p.k_rows = rows(S, E), p.v_rows = rows(S, M);
+    p.key_lengths = len.data();
+    p.N = N, p.H = H, p.L = L, p.S = S, p.E = E, p.M = M, p.scale = 0.3;
+    p.parts = parts.data(), p.num_parts = static_cast<int>(parts.size());
+    p.dropout_threshold = kernels::dropout_threshold(dropout);
+    p.dropout_seed = 777;
+    p.dropout_scale = 1 / (1 - dropout);
+  };
+  std::vector<double> out(N * H * L * M), lse(N * H * L), delta(lse.size()), gq(q.size()),
+      gk(k.size()), gv(v.size());
+  kernels::BlockSparseForwardArgs<double> rf;
+  fill(rf, q, k, v);
+  rf.out = out.data(), rf.out_rows = rows(L, M), rf.lse = lse.data();
+  kernels::block_sparse_attention_forward_reference(rf);
+  const auto o_rows = rows(L, M).resolved(H, L, M);
+  for (int64_t nh = 0; nh < N * H; ++nh)
+    for (int64_t i = 0; i < L; ++i) {
+      double d = 0;
+      for (int64_t m = 0; m < M; ++m)
+        d += o_rows.row(g.data(), nh, H, i)[m] * o_rows.row(out.data(), nh, H, i)[m];
+      delta[nh * L + i] = d;
+    }
+  kernels::BlockSparseBackwardArgs<double> rb;
+  fill(rb, q, k, v);
+  rb.grad_out = g.data(), rb.grad_out_rows = rows(L, M), rb.lse = lse.data();
+  rb.delta = delta.data();
+  rb.grad_q = gq.data(), rb.grad_k = gk.data(), rb.grad_v = gv.data();
+  rb.grad_q_rows = rows(L, E), rb.grad_k_rows = rows(S, E), rb.grad_v_rows = rows(S, M);
+  kernels::block_sparse_attention_backward_reference(rb);
+
+  const auto qt = as<T>(q), kt = as<T>(k), vt = as<T>(v), gt = as<T>(g);
+  std::vector<T> o(out.size(), T(7)), ls(lse.size(), T(7)), oq(q.size(), T(7)), ok(k.size(), T(7)),
+      ov(v.size(), T(7));
+  kernels::BlockSparseForwardArgs<T> af;
+  fill(af, qt, kt, vt);
+  af.num_threads = threads;
+  af.out = o.data(), af.out_rows = rows(L, M), af.lse = ls.data();
+  kernels::block_sparse_attention_forward_cpu(af);
+  expect_near_all(o, out, "out");
+  auto lse_finite = lse;
+  for (size_t i = 0; i < lse.size(); ++i) {
+    if (!std::isinf(lse[i])) continue;
+    ASSERT_TRUE(std::isinf(ls[i]) && ls[i] < 0) << "lse " << i << ": " << ls[i];
+    ls[i] = 0, lse_finite[i] = 0;
+  }
+  expect_near_all(ls, lse_finite, "lse");
+  const auto lt = as<T>(lse), dt = as<T>(delta);
+  kernels::BlockSparseBackwardArgs<T> ab;
+  fill(ab, qt, kt, vt);
+  ab.num_threads = threads;
+  ab.grad_out = gt.data(), ab.grad_out_rows = rows(L, M), ab.lse = lt.data();
+  ab.delta = dt.data();
+  ab.grad_q = oq.data(), ab.grad_k = ok.data(), ab.grad_v = ov.data();
+  ab.grad_q_rows = rows(L, E), ab.grad_k_rows = rows(S, E), ab.grad_v_rows = rows(S, M);
+  kernels::block_sparse_attention_backward_cpu(ab);
+  expect_near_all(oq, gq, "grad_q");
+  expect_near_all(ok, gk, "grad_k");
+  expect_near_all(ov, gv, "grad_v");
+}
+
+TEST(KernelReference, BlockSparse) {
+  std::mt19937 rng(47);
+  struct Pattern {
+    int kind;
+    std::vector<int64_t> params;
+  };
+  const std::vector<Pattern> patterns = {
+      {kernels::kLocalPattern, {7}},          {kernels::kWindowPattern, {5, 2}},
+      {kernels::kStridedPattern, {6, 0}},     {kernels::kStridedPattern, {6, 1}},
+      {kernels::kStridedPattern, {5, 2}},     {kernels::kStridedPattern, {6, 3}},
+      {kernels::kFixedPattern, {8, 2, 0, 0}}, {kernels::kFixedPattern, {8, 2, 0, 1}},
+      {kernels::kFixedPattern, {6, 3, 1, 0}}, {kernels::kFixedPattern, {6, 2, 2, 1}},
+      {kernels::kFixedPattern, {9, 3, 3, 0}}};
+  at_every_level([&](int threads) {
+    for (const auto& p : patterns)
+      for (bool causal : {false, true}) {
+        check_block_sparse<double>(p.kind, p.params, 2, 4, 37, 45, 16, 24, causal, 0.0, false,
+                                   threads, rng);
+        check_block_sparse<float>(p.kind, p.params, 1, 3, 70, 70, 33, 17, causal, 0.2, true,
+                                  threads, rng);
+        check_block_sparse<double>(p.kind, p.params, 1, 2, 50, 20, 8, 8, causal, 0.2, true, threads,
+                                   rng);
+      }
+  });
+}
+
+// ---- Reformer -----------------------------------------------------------------------
+
+template <typename T>
+void check_lsh_hash(int64_t N, int64_t H, int64_t L, int64_t E, int64_t R, int64_t B2, int threads,
+                    std::mt19937& rng) {
+  SCOPED_TRACE(dtype_name(sizeof(T)) + " E " + std::to_string(E) + " R " + std::to_string(R) +
+               " B2 " + std::to_string(B2));
+  const auto x = float_valued(normal(N * H * L * E, rng));
+  const auto rot = float_valued(normal(R * E * B2, rng));
+  kernels::LshHashArgs<double> r;
+  r.x = x.data(), r.rotations = rot.data(), r.N = N, r.H = H, r.L = L, r.E = E, r.R = R;
+  r.B2 = B2;
+  std::vector<int64_t> want(N * H * R * L), got(want.size(), -7);
+  r.buckets = want.data();
+  kernels::lsh_hash_reference(r);
+  const auto xt = as<T>(x), rt = as<T>(rot);
+  kernels::LshHashArgs<T> a;
+  a.x = xt.data(), a.rotations = rt.data(), a.N = N, a.H = H, a.L = L, a.E = E, a.R = R;
+  a.B2 = B2, a.num_threads = threads, a.buckets = got.data();
+  kernels::lsh_hash_cpu(a);
+  // Exact where the best of the 2·B2 projections leads the second by more
+  // than rounding.
+  int64_t checked = 0;
+  for (int64_t nh = 0; nh < N * H; ++nh)
+    for (int64_t rr = 0; rr < R; ++rr)
+      for (int64_t l = 0; l < L; ++l) {
+        std::vector<double> p;
+        for (int64_t b = 0; b < B2; ++b) {
+          double d = 0;
+          for (int64_t e = 0; e < E; ++e) d += x[(nh * L + l) * E + e] * rot[(rr * E + e) * B2 + b];
+          p.push_back(d);
+          p.push_back(-d);
+        }
+        std::sort(p.begin(), p.end());
+        if (p.size() >= 2 && p[p.size() - 1] - p[p.size() - 2] <= (sizeof(T) == 8 ? 1e-9 : 1e-4))
+          continue;
+        const int64_t x_ = (nh * R + rr) * L + l;
+        ASSERT_EQ(got[x_], want[x_]) << "head " << nh << " round " << rr << " position " << l;
+        ++checked;
+      }
+  EXPECT_GT(checked, N * H * R * L / 2);
+}
+
+template <typename T>
+void check_reformer(int64_t N, int64_t H, int64_t L, int64_t E, int64_t M, int64_t R,
+                    int64_t n_buckets, int64_t chunk, bool causal, bool mask_self, double dropout,
+                    bool strided, int threads, std::mt19937& rng) {
+  SCOPED_TRACE(dtype_name(sizeof(T)) + " L " + std::to_string(L) + " R " + std::to_string(R) +
+               " buckets " + std::to_string(n_buckets) + " chunk " + std::to_string(chunk) +
+               (causal ? " causal" : "") + (mask_self ? " mask_self" : "") + " dropout " +
+               std::to_string(dropout) + (strided ? " strided" : ""));
+  using Acc = kernels::KernelScalar<T>;
+  const auto q = float_valued(normal(N * H * L * E, rng)),
+             v = float_valued(normal(N * H * L * M, rng));
+  const auto g = float_valued(normal(N * H * L * M, rng));
+  std::vector<int64_t> buckets(N * H * R * L), len(N);
+  for (auto& b : buckets) b = static_cast<int64_t>(rng() % n_buckets);
+  for (auto& l : len) l = static_cast<int64_t>(rng() % (L + 1));
+  auto rows = [&](int64_t C) {
+    return strided ? kernels::RowStrides{L * H * C, C, H * C} : kernels::RowStrides{};
+  };
+  auto fill = [&](auto& p, const auto& qq, const auto& vv) {
+    p.q = qq.data(), p.v = vv.data(), p.q_rows = rows(E), p.v_rows = rows(M);
+    p.buckets = buckets.data(), p.n_buckets = n_buckets, p.lengths = len.data();
+    p.N = N, p.H = H, p.L = L, p.E = E, p.M = M, p.R = R, p.chunk = chunk;
+    p.causal = causal, p.mask_self = mask_self, p.scale = 0.7;
+    p.dropout_threshold = kernels::dropout_threshold(dropout);
+    p.dropout_seed = 4242;
+    p.dropout_scale = 1 / (1 - dropout);
+  };
+  std::vector<double> out(N * H * L * M), stats(N * H * L * 2), delta(N * H * L), gq(q.size()),
+      gv(v.size());
+  kernels::ReformerForwardArgs<double> rf;
+  fill(rf, q, v);
+  rf.out = out.data(), rf.out_rows = rows(M), rf.stats = stats.data();
+  kernels::reformer_forward_reference(rf);
+  const auto o_rows = rows(M).resolved(H, L, M);
+  for (int64_t nh = 0; nh < N * H; ++nh)
+    for (int64_t i = 0; i < L; ++i) {
+      double d = 0;
+      for (int64_t m = 0; m < M; ++m)
+        d += o_rows.row(g.data(), nh, H, i)[m] * o_rows.row(out.data(), nh, H, i)[m];
+      delta[nh * L + i] = d;
+    }
+  kernels::ReformerBackwardArgs<double> rb;
+  fill(rb, q, v);
+  rb.grad_out = g.data(), rb.grad_out_rows = rows(M), rb.stats = stats.data();
+  rb.delta = delta.data(), rb.grad_q = gq.data(), rb.grad_v = gv.data();
+  rb.grad_q_rows = rows(E), rb.grad_v_rows = rows(M);
+  kernels::reformer_backward_reference(rb);
+
+  const auto qt = as<T>(q), vt = as<T>(v), gt = as<T>(g);
+  const auto dt = as<Acc>(delta);
+  std::vector<T> o(out.size(), T(7)), oq(q.size(), T(7)), ov(v.size(), T(7));
+  std::vector<double> st(stats.size(), 7.0);
+  kernels::ReformerForwardArgs<T> af;
+  fill(af, qt, vt);
+  af.num_threads = threads;
+  af.out = o.data(), af.out_rows = rows(M), af.stats = st.data();
+  kernels::reformer_forward_cpu(af);
+  expect_near_all(o, out, "out");
+  for (size_t i = 0; i < stats.size(); i += 2) {
+    if (std::isinf(stats[i])) {
+      ASSERT_TRUE(std::isinf(st[i]) && st[i] < 0) << "stats " << i / 2 << ": " << st[i];
+      st[i] = stats[i] = 0;
+    }
+  }
+  expect_near_all(st, stats, "stats", sizeof(T) == 8 ? 1e-11 : 2e-5);
+  kernels::ReformerBackwardArgs<T> ab;
+  fill(ab, qt, vt);
+  ab.num_threads = threads;
+  ab.grad_out = gt.data(), ab.grad_out_rows = rows(M), ab.stats = stats.data();
+  ab.delta = dt.data(), ab.grad_q = oq.data(), ab.grad_v = ov.data();
+  ab.grad_q_rows = rows(E), ab.grad_v_rows = rows(M);
+  kernels::reformer_backward_cpu(ab);
+  expect_near_all(oq, gq, "grad_q");
+  expect_near_all(ov, gv, "grad_v");
+}
+
+TEST(KernelReference, Reformer) {
+  std::mt19937 rng(43);
+  at_every_level([&](int threads) {
+    check_lsh_hash<double>(2, 2, 33, 16, 3, 4, threads, rng);
+    check_lsh_hash<float>(1, 3, 70, 40, 2, 16, threads, rng);
+    check_lsh_hash<double>(1, 1, 9, 8, 2, 0, threads, rng);
+    for (bool causal : {false, true})
+      for (double dropout : {0.0, 0.2}) {
+        check_reformer<double>(2, 2, 37, 16, 24, 2, 4, 5, causal, true, dropout, false, threads,
+                               rng);
+        check_reformer<float>(1, 3, 70, 33, 17, 3, 8, 8, causal, true, dropout, true, threads, rng);
+        check_reformer<double>(1, 1, 20, 8, 8, 1, 1, 32, causal, false, dropout, true, threads,
+                               rng);
       }
   });
 }

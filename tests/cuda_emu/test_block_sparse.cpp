@@ -1,6 +1,7 @@
 // Block-sparse attention CUDA kernels (src/kernels/block_sparse/
-// block_sparse_attention_cuda.cu) run by the emulator against the CPU kernels
-// in float64 on the same (dtype-rounded) inputs: every pattern family and
+// block_sparse_attention_cuda.cu) run by the emulator against the plain
+// reference (block_sparse_attention_reference.h) in float64 on the same
+// (dtype-rounded) inputs: every pattern family and
 // mode, causal, S != L, key lengths with an empty batch, head dims that
 // exercise each register-chunk count, forward (out, lse) and backward (dQ, dK,
 // dV), in float32, float16 and bfloat16.
@@ -17,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/block_sparse/block_sparse_attention.h"
+#include "kernels/block_sparse/block_sparse_attention_reference.h"
 #include "kernels/block_sparse/block_sparse_attention_cuda.h"
 #include "kernels/common/cuda_compat.cuh"
 
@@ -107,7 +108,7 @@ void run_case(const Case& c) {
   const auto parts = make_sparse_parts(c.pattern, c.params, c.causal, H);
   const int64_t* lengths = c.lengths.empty() ? nullptr : c.lengths.data();
 
-  // CPU, float64.
+  // The float64 reference.
   std::vector<double> out_ref(N * H * L * M), lse_ref(N * H * L);
   BlockSparseForwardArgs<double> f;
   f.q = qd.data();
@@ -120,7 +121,7 @@ void run_case(const Case& c) {
   f.num_parts = static_cast<int>(parts.size());
   f.out = out_ref.data();
   f.lse = lse_ref.data();
-  block_sparse_attention_forward_cpu(f);
+  block_sparse_attention_forward_reference(f);
 
   // CUDA kernels, emulated.
   std::vector<SparsePlanLayout> lay;
@@ -182,7 +183,7 @@ void run_case(const Case& c) {
   b.grad_q = gq_ref.data();
   b.grad_k = gk_ref.data();
   b.grad_v = gv_ref.data();
-  block_sparse_attention_backward_cpu(b);
+  block_sparse_attention_backward_reference(b);
 
   std::vector<float> gq(qd.size(), 0.f), gk(kd.size(), 0.f), gv(vd.size(), 0.f);
   BlockSparseBackwardCudaArgs ba;

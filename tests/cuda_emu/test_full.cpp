@@ -1,10 +1,10 @@
 // The fused full-attention CUDA kernels (src/kernels/full/full_attention_cuda.cu)
-// run by the emulator against the CPU kernels in float64, per dtype, on the
-// same rounded inputs: forward (out, lse) and backward (dQ, dK, dV), with
-// additive masks (full and broadcast, -inf entries, fully masked rows), key
-// lengths (including 0), causal with L < S and L > S (rows without keys),
-// grad_lse folded into delta, accumulate, head dims 8..128 (padded to 16 on
-// the tensor-core path) with E != M, lengths not multiples of the tiles.
+// run by the emulator against the plain reference (full_attention_reference.h)
+// in float64, per dtype, on the same rounded inputs: forward (out, lse) and backward (dQ, dK, dV),
+// with additive masks (full and broadcast, -inf entries, fully masked rows), key lengths (including
+// 0), causal with L < S and L > S (rows without keys), grad_lse folded into delta, accumulate, head
+// dims 8..128 (padded to 16 on the tensor-core path) with E != M, lengths not multiples of the
+// tiles.
 //
 // Tolerance: |got - ref| <= atol·max(1, max|ref|) + rtol·|ref| with
 // (atol, rtol) = float32 (2e-5, 2e-4), float16 (2e-3, 4e-3),
@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "kernels/common/cuda_compat.cuh"
-#include "kernels/full/full_attention.h"
+#include "kernels/full/full_attention_reference.h"
 #include "kernels/full/full_attention_cuda.h"
 
 namespace {
@@ -113,7 +113,7 @@ void expect_close(const std::vector<T>& got, const std::vector<double>& ref,
     if (!(err <= atol * maxref + rtol * std::abs(ref[i]))) {
       if (++bad <= 5) {
         ADD_FAILURE() << what << ": element " << i << " is " << g
-                      << ", the CPU float64 kernel gives " << ref[i];
+                      << ", the float64 reference gives " << ref[i];
       }
     }
   }
@@ -154,7 +154,7 @@ void run_case(const Case& c, unsigned seed) {
     }
   }
 
-  // Reference forward (float64, CPU kernel).
+  // Reference forward (float64, the plain reference).
   std::vector<double> out_ref(N * H * L * M), lse_ref(N * H * L);
   {
     fastattn::kernels::FullAttentionForwardArgs<double> a;
@@ -166,7 +166,7 @@ void run_case(const Case& c, unsigned seed) {
     a.scale = scale;
     a.out = out_ref.data();
     a.lse = lse_ref.data();
-    fastattn::kernels::full_attention_forward_cpu(a);
+    fastattn::kernels::full_attention_forward_reference(a);
   }
 
   // CUDA forward.
@@ -247,7 +247,7 @@ void run_case(const Case& c, unsigned seed) {
     a.delta = delta.data();
     a.grad_q = gq_ref.data(), a.grad_k = gk_ref.data(), a.grad_v = gv_ref.data();
     a.accumulate = c.accumulate;
-    fastattn::kernels::full_attention_backward_cpu(a);
+    fastattn::kernels::full_attention_backward_reference(a);
   }
   {
     std::vector<float> lse32(lse_ref.begin(), lse_ref.end()), delta32(delta.begin(), delta.end());

@@ -2,11 +2,12 @@
 // hard_retrieval_cuda.cu) run by the emulator against the plain reference
 // (hard_retrieval_reference.h) in float64 on the same (dtype-rounded) inputs:
 // argmax (with exact ties from integer inputs) and, against the CPU kernel,
-// sampling (the same counter-based draws by key tile, so the same indices), bool keep masks with
-// empty rows, key lengths with an empty batch, causal with S != L, several reservoir tiles (S >
-// 128), the lse, and the straight-through backward (dQ, dK against the reference's delta and the
-// CPU full-attention backward kernel, dV against the reference's index-add), in float32, float16
-// and bfloat16.
+// sampling (the same counter-based draws by key tile, so the same indices),
+// bool keep masks with empty rows, key lengths with an empty batch, causal
+// with S != L, several reservoir tiles (S > 128), the lse, and the
+// straight-through backward (dQ, dK against the reference's delta and the
+// full-attention backward's reference, dV against the reference's
+// index-add), in float32, float16 and bfloat16.
 //   build-emu/fastattn_cuda_emu_tests --gtest_filter='CudaEmuHardRetrieval*'
 // Tolerances (|got - ref| <= atol + rtol·|ref|): float32 {2e-5, 2e-4}; float16
 // {2e-3, 4e-3}, bfloat16 {1.6e-2, 3e-2} (float32 accumulation on rounded
@@ -21,7 +22,7 @@
 #include <vector>
 
 #include "kernels/common/cuda_compat.cuh"
-#include "kernels/full/full_attention.h"
+#include "kernels/full/full_attention_reference.h"
 #include "kernels/hard_retrieval/hard_retrieval_reference.h"
 #include "kernels/hard_retrieval/hard_retrieval_cuda.h"
 
@@ -239,7 +240,7 @@ void run_case(const Case& c) {
   b.grad_q = gq_ref.data();
   b.grad_k = gk_ref.data();
   b.grad_v = gv_soft.data();
-  full_attention_backward_cpu(b);
+  full_attention_backward_reference(b);
   hard_retrieval_grad_v_reference(
       HardRetrievalGradVArgs<double>{god.data(), idx_ref.data(), gv_ref.data(), N * H, L, S, M, 1});
 

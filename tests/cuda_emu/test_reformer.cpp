@@ -1,6 +1,6 @@
 // The Reformer CUDA kernels (src/kernels/reformer/reformer_cuda.cu) under the
-// emulator, against the CPU kernels run in float64 on the same (rounded)
-// inputs: lsh_hash (buckets equal except at near-ties of the projections),
+// emulator, against the plain reference (reformer_reference.h) in float64 on
+// the same (rounded) inputs: lsh_hash (buckets equal except at near-ties of the projections),
 // the forward (output and the float64 stats) and the backward (grad_q,
 // grad_v) with the forward's output and stats, per dtype, over awkward sizes
 // (L 1 .. 40; E 16, 24, 64, 256; M 0 .. 64; chunks 1 .. larger than L),
@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "kernels/common/cuda_compat.cuh"
-#include "kernels/reformer/reformer.h"
+#include "kernels/reformer/reformer_reference.h"
 #include "kernels/reformer/reformer_cuda.h"
 
 namespace {
@@ -96,7 +96,7 @@ void expect_close(const std::vector<double>& got, const std::vector<double>& ref
     }
     const double err = std::abs(got[i] - ref[i]);
     if (!(err <= t.atol * scale + t.rtol * std::abs(ref[i])) && bad++ < 5) {
-      ADD_FAILURE() << what << "[" << i << "] = " << got[i] << ", CPU float64 " << ref[i]
+      ADD_FAILURE() << what << "[" << i << "] = " << got[i] << ", the float64 reference " << ref[i]
                     << " (error " << err << ")";
     }
   }
@@ -125,7 +125,7 @@ void check_hash(int64_t N, int64_t H, int64_t L, int64_t E, int64_t R, int64_t B
   c.rotations = rot.ref.data();
   c.buckets = want.data();
   c.N = N, c.H = H, c.L = L, c.E = E, c.R = R, c.B2 = B2;
-  k::lsh_hash_cpu(c);
+  k::lsh_hash_reference(c);
   int mismatches = 0;
   for (int64_t nh = 0; nh < N * H; ++nh)
     for (int64_t r = 0; r < R; ++r)
@@ -142,7 +142,7 @@ void check_hash(int64_t N, int64_t H, int64_t L, int64_t E, int64_t R, int64_t B
             p += x.ref[(nh * L + i) * E + e] * rot.ref[(r * E + e) * B2 + col];
           return b < B2 ? p : -p;
         };
-        EXPECT_NEAR(value(g), value(w), 1e-4) << "bucket " << g << " vs CPU " << w;
+        EXPECT_NEAR(value(g), value(w), 1e-4) << "bucket " << g << " vs the reference's " << w;
         ++mismatches;
       }
   EXPECT_LE(mismatches, 2) << "more near-ties than expected";
@@ -157,7 +157,8 @@ TEST(ReformerCudaEmu, LshHashMatchesCpu) {
 }
 
 // Small integer inputs: exact projections with many ties (equal columns,
-// p[imax] == -p[imin], zero rows), which must follow the CPU's rule exactly.
+// p[imax] == -p[imin], zero rows), which must follow the reference's rule
+// exactly.
 template <typename T>
 void check_hash_ties(int64_t B2, int seed) {
   SCOPED_TRACE("ties B2=" + std::to_string(B2));
@@ -182,7 +183,7 @@ void check_hash_ties(int64_t B2, int seed) {
   c.rotations = rr.data();
   c.buckets = want.data();
   c.N = N, c.H = H, c.L = L, c.E = E, c.R = R, c.B2 = B2;
-  k::lsh_hash_cpu(c);
+  k::lsh_hash_reference(c);
   EXPECT_EQ(got, want);
 }
 
@@ -253,7 +254,7 @@ void check_attention(const Case& c, int seed) {
   const auto perm = make_perm(c, buckets);
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.E)) * 1.5;
 
-  // CPU float64.
+  // The float64 reference.
   std::vector<double> out_ref(NH * c.L * c.M), stats_ref(NH * c.L * 2);
   auto fill_cpu = [&](k::ReformerParams<double>& p) {
     p.q = q.ref.data();
@@ -271,7 +272,7 @@ void check_attention(const Case& c, int seed) {
   fill_cpu(f);
   f.out = out_ref.data();
   f.stats = stats_ref.data();
-  k::reformer_forward_cpu(f);
+  k::reformer_forward_reference(f);
 
   // Emulated CUDA.
   auto fill_cuda = [&](fastattn::cuda::ReformerCudaParams& p) {
@@ -305,7 +306,7 @@ void check_attention(const Case& c, int seed) {
   expect_close<T>(st0, st0_ref, "stats max");
   expect_close<T>(st1, st1_ref, "stats log sum");
 
-  // Backward: CPU with its own out/stats, CUDA with the emulated forward's.
+  // Backward: the reference with its own out/stats, CUDA with the emulated forward's.
   std::vector<double> delta_ref(NH * c.L), gq_ref(NH * c.L * c.E), gv_ref(NH * c.L * c.M);
   std::vector<float> delta(NH * c.L);
   for (int64_t i = 0; i < NH * c.L; ++i) {
@@ -324,7 +325,7 @@ void check_attention(const Case& c, int seed) {
   b.delta = delta_ref.data();
   b.grad_q = gq_ref.data();
   b.grad_v = gv_ref.data();
-  k::reformer_backward_cpu(b);
+  k::reformer_backward_reference(b);
 
   std::vector<T> gq(NH * c.L * c.E, from_float<T>(5.f)), gv(NH * c.L * c.M, from_float<T>(5.f));
   std::vector<float> bws(NH * c.L * (2 * c.E + c.M), 3.f);
