@@ -3,7 +3,7 @@
 // Each key is tested against each of the head's parts by the parts'
 // definitions (no orders, ranges or tiles), and the kept keys of a query take
 // one softmax, with the fused dropout's keep mask (as full attention's:
-// kernels/common/dropout.h). tests/cpp/test_kernel_references.cpp holds the
+// kernels/common/softmax_reference.h). tests/cpp/test_kernel_references.cpp holds the
 // CPU kernels at every instruction-set level to it. (The operator's reference
 // over tensors is src/ops/block_sparse_reference.cpp.)
 #pragma once
@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "kernels/block_sparse/block_sparse_attention.h"
-#include "kernels/common/dropout.h"
+#include "kernels/common/softmax_reference.h"
 
 namespace fastattn::kernels {
 
@@ -55,88 +55,28 @@ inline std::vector<double> scores(const BlockSparseParams<double>& a, int64_t nh
     bool kept = false;
     for (int x = 0; x < a.num_parts; ++x) kept = kept || part_keeps(a.parts[x], h, p, j);
     if (!kept) continue;
-    const double* k = a.k_rows.row(a.k, nh, a.H, j);
-    double d = 0;
-    for (int64_t e = 0; e < a.E; ++e) d += q[e] * k[e];
-    s[j] = a.scale * d;
+    s[j] = a.scale * reference::dot(q, a.k_rows.row(a.k, nh, a.H, j), a.E);
   }
   return s;
 }
 
-inline double drop_factor(const BlockSparseParams<double>& a, int64_t nh, int64_t i, int64_t j) {
-  if (!a.dropout_threshold) return 1;
-  return dropout_bits(dropout_row_key(a.dropout_seed, nh, i), j) >= a.dropout_threshold
-             ? a.dropout_scale
-             : 0.0;
-}
-
 }  // namespace block_sparse_detail
 
-// out_i = Σ_j softmax(s_i)_j z_ij v_j over the kept keys (zeros without
-// one), lse_i (-inf without one).
+// Softmax attention over the kept keys (softmax_attention_forward).
 inline void block_sparse_attention_forward_reference(const BlockSparseForwardArgs<double>& args) {
-  using namespace block_sparse_detail;
   auto a = args;
   resolve_qkv_rows(a);
-  const RowStrides out_rows = a.out_rows.resolved(a.H, a.L, a.M);
-  for (int64_t nh = 0; nh < a.N * a.H; ++nh)
-    for (int64_t i = 0; i < a.L; ++i) {
-      const auto s = scores(a, nh, i);
-      double m = -std::numeric_limits<double>::infinity(), sum = 0;
-      for (double x : s) m = std::max(m, x);
-      for (double x : s)
-        if (!std::isinf(x)) sum += std::exp(x - m);
-      const double lse = std::isinf(m) ? m : m + std::log(sum);
-      a.lse[nh * a.L + i] = lse;
-      double* out = out_rows.row(a.out, nh, a.H, i);
-      std::fill_n(out, a.M, 0.0);
-      for (int64_t j = 0; j < a.S; ++j) {
-        if (std::isinf(s[j])) continue;
-        const double w = std::exp(s[j] - lse) * drop_factor(a, nh, i, j);
-        const double* v = a.v_rows.row(a.v, nh, a.H, j);
-        for (int64_t x = 0; x < a.M; ++x) out[x] += w * v[x];
-      }
-    }
+  auto scores = [&](int64_t nh, int64_t i) { return block_sparse_detail::scores(a, nh, i); };
+  reference::softmax_attention_forward(a, scores, a.out, a.out_rows.resolved(a.H, a.L, a.M), a.lse);
 }
 
-// As full attention's backward over the kept keys: with P from the given lse,
-// dS = P (z g_i·v_j - delta_i) scale; grad_q_i = Σ dS k_j, grad_k_j = Σ dS q_i,
-// grad_v_j = Σ P z g_i.
+// Its gradients from the given lse and delta (softmax_attention_backward).
 inline void block_sparse_attention_backward_reference(const BlockSparseBackwardArgs<double>& args) {
-  using namespace block_sparse_detail;
   auto a = args;
   resolve_qkv_rows(a);
   resolve_grad_rows(a);
-  const int64_t E = a.E, M = a.M;
-  for (int64_t nh = 0; nh < a.N * a.H; ++nh) {
-    for (int64_t i = 0; i < a.L; ++i) std::fill_n(a.grad_q_rows.row(a.grad_q, nh, a.H, i), E, 0.0);
-    for (int64_t j = 0; j < a.S; ++j) {
-      std::fill_n(a.grad_k_rows.row(a.grad_k, nh, a.H, j), E, 0.0);
-      std::fill_n(a.grad_v_rows.row(a.grad_v, nh, a.H, j), M, 0.0);
-    }
-    for (int64_t i = 0; i < a.L; ++i) {
-      const auto s = scores(a, nh, i);
-      const double* q = a.q_rows.row(a.q, nh, a.H, i);
-      const double* g = a.grad_out_rows.row(a.grad_out, nh, a.H, i);
-      double* gq = a.grad_q_rows.row(a.grad_q, nh, a.H, i);
-      for (int64_t j = 0; j < a.S; ++j) {
-        if (std::isinf(s[j])) continue;
-        const double w = std::exp(s[j] - a.lse[nh * a.L + i]), z = drop_factor(a, nh, i, j);
-        const double* v = a.v_rows.row(a.v, nh, a.H, j);
-        double g_v = 0;
-        for (int64_t x = 0; x < M; ++x) g_v += g[x] * v[x];
-        const double ds = w * (z * g_v - a.delta[nh * a.L + i]) * a.scale;
-        const double* k = a.k_rows.row(a.k, nh, a.H, j);
-        double* gk = a.grad_k_rows.row(a.grad_k, nh, a.H, j);
-        double* gv = a.grad_v_rows.row(a.grad_v, nh, a.H, j);
-        for (int64_t e = 0; e < E; ++e) {
-          gq[e] += ds * k[e];
-          gk[e] += ds * q[e];
-        }
-        for (int64_t x = 0; x < M; ++x) gv[x] += w * z * g[x];
-      }
-    }
-  }
+  auto scores = [&](int64_t nh, int64_t i) { return block_sparse_detail::scores(a, nh, i); };
+  reference::softmax_attention_backward(a, scores, a.scale, /*accumulate=*/false);
 }
 
 }  // namespace fastattn::kernels

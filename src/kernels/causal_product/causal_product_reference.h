@@ -9,20 +9,13 @@
 #include <cstdint>
 
 #include "kernels/causal_product/causal_product.h"
+#include "kernels/common/softmax_reference.h"
 
 namespace fastattn::kernels {
 
-namespace causal_product_detail {
-inline double dot(const double* a, const double* b, int64_t n) {
-  double s = 0;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-}  // namespace causal_product_detail
-
 // out_i = sum_{j <= i} (q_i·k_j) v_j.
 inline void causal_product_forward_reference(const CausalProductForwardArgs<double>& a) {
-  using causal_product_detail::dot;
+  using reference::dot;
   for (int64_t nh = 0; nh < a.N * a.H; ++nh) {
     const double *q = a.q + nh * a.L * a.F, *k = a.k + nh * a.L * a.F, *v = a.v + nh * a.L * a.M;
     double* out = a.out + nh * a.L * a.M;
@@ -41,7 +34,7 @@ inline void causal_product_forward_reference(const CausalProductForwardArgs<doub
 //   grad_k_j = sum_{i >= j} (g_i·v_j) q_i,
 //   grad_v_j = sum_{i >= j} (q_i·k_j) g_i.
 inline void causal_product_backward_reference(const CausalProductBackwardArgs<double>& a) {
-  using causal_product_detail::dot;
+  using reference::dot;
   const int64_t L = a.L, F = a.F, M = a.M;
   for (int64_t nh = 0; nh < a.N * a.H; ++nh) {
     const double *q = a.q + nh * L * F, *k = a.k + nh * L * F, *v = a.v + nh * L * M,

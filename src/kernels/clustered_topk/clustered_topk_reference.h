@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "kernels/clustered_topk/clustered_topk.h"
-#include "kernels/common/dropout.h"
+#include "kernels/common/softmax_reference.h"
 
 namespace fastattn::kernels {
 
@@ -22,17 +22,11 @@ namespace clustered_topk_detail {
 
 using P = ClusteredTopkParams<double>;
 
-inline double dot(const double* a, const double* b, int64_t n) {
-  double s = 0;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
+using reference::dot;
 
-// The dropout factor of key `key` in the row with key `row_key`: the scale
-// where kept, 0 where dropped; 1 without dropout.
+// The dropout factor of key `key` in the row with key `row_key`.
 inline double drop_factor(const P& a, uint64_t row_key, int64_t key) {
-  if (!a.dropout_threshold) return 1;
-  return dropout_bits(row_key, key) >= a.dropout_threshold ? a.dropout_scale : 0.0;
+  return reference::dropout_factor(a.dropout_threshold, a.dropout_scale, row_key, key);
 }
 
 // Cluster c of head nh: its kept keys (slot t -> key index, -1 if dropped)

@@ -13,6 +13,7 @@
 #include <limits>
 #include <vector>
 
+#include "kernels/common/softmax_reference.h"
 #include "kernels/hard_retrieval/hard_retrieval.h"
 
 namespace fastattn::kernels {
@@ -33,23 +34,9 @@ inline std::vector<double> scores(const HardRetrievalParams<double>& p, int64_t 
   const double* q = p.q_rows.row(p.q, nh, p.H, i);
   for (int64_t j = 0; j < p.S; ++j) {
     if (!keeps(p, n, h, i, j)) continue;
-    const double* k = p.k_rows.row(p.k, nh, p.H, j);
-    double d = 0;
-    for (int64_t e = 0; e < p.E; ++e) d += q[e] * k[e];
-    s[j] = d;
+    s[j] = reference::dot(q, p.k_rows.row(p.k, nh, p.H, j), p.E);
   }
   return s;
-}
-
-// log sum_j exp(scale·s_j) over the kept keys, -inf if none.
-inline double log_sum_exp(const std::vector<double>& s, double scale) {
-  double m = -std::numeric_limits<double>::infinity();
-  for (double x : s) m = std::max(m, scale * x);
-  if (std::isinf(m)) return m;
-  double sum = 0;
-  for (double x : s)
-    if (!std::isinf(x)) sum += std::exp(scale * x - m);
-  return m + std::log(sum);
 }
 
 }  // namespace hard_retrieval_detail
@@ -73,7 +60,9 @@ inline void hard_retrieval_forward_reference(const HardRetrievalForwardArgs<doub
       for (int64_t m = 0; m < a.M; ++m)
         out[m] = best < 0 ? 0.0 : a.v_rows.row(a.v, nh, a.H, best)[m];
       if (!a.lse) continue;
-      const double lse = log_sum_exp(s, a.scale);
+      std::vector<double> scaled(s);
+      for (auto& x : scaled) x *= a.scale;
+      const double lse = reference::log_sum_exp(scaled);
       a.lse[nh * a.L + i] = lse;
       if (!a.soft_out) continue;
       double* soft = a.soft_out + (nh * a.L + i) * a.M;

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernels/common/softmax_reference.h"
 #include "kernels/feature_maps/elu_feature_map_reference.h"
 #include "kernels/linear_attention/elu_linear_attention.h"
 
@@ -39,16 +40,10 @@ inline std::vector<double> phi_row(const double* x, RowStrides rows, int64_t nh,
   return out;
 }
 
-inline double dot(const std::vector<double>& a, const std::vector<double>& b) {
-  double s = 0;
-  for (size_t c = 0; c < a.size(); ++c) s += a[c] * b[c];
-  return s;
-}
+using reference::dot;
 
-inline double dot(const double* a, const double* b, int64_t n) {
-  double s = 0;
-  for (int64_t c = 0; c < n; ++c) s += a[c] * b[c];
-  return s;
+inline double dot(const std::vector<double>& a, const std::vector<double>& b) {
+  return dot(a.data(), b.data(), static_cast<int64_t>(a.size()));
 }
 
 }  // namespace elu_linear_detail

@@ -14,6 +14,7 @@
 #include <limits>
 #include <vector>
 
+#include "kernels/common/softmax_reference.h"
 #include "kernels/reformer/reformer.h"
 
 namespace fastattn::kernels {
@@ -82,9 +83,7 @@ inline std::vector<std::vector<Pair>> pairs(const P& a, int64_t nh) {
         double score = kReformerSelfScore;
         if (j != i || !a.mask_self) {
           const auto k = unit_key(a, nh, j);
-          double d = 0;
-          for (int64_t e = 0; e < a.E; ++e) d += q[e] * k[e];
-          score = a.scale * d;
+          score = a.scale * reference::dot(q, k.data(), a.E);
         }
         out[i].push_back({r, j, score});
       }
@@ -94,9 +93,9 @@ inline std::vector<std::vector<Pair>> pairs(const P& a, int64_t nh) {
 }
 
 inline double drop_factor(const P& a, int64_t nh, int64_t i, const Pair& p) {
-  if (!a.dropout_threshold) return 1;
-  const uint64_t row = dropout_row_key(reformer_round_seed(a.dropout_seed, p.round), nh, i);
-  return dropout_bits(row, p.key) >= a.dropout_threshold ? a.dropout_scale : 0.0;
+  return reference::dropout_factor(
+      a.dropout_threshold, a.dropout_scale,
+      dropout_row_key(reformer_round_seed(a.dropout_seed, p.round), nh, i), p.key);
 }
 
 }  // namespace reformer_detail
