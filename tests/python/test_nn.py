@@ -8,7 +8,6 @@ Run: ctest -R python_tests, or
 """
 
 import json
-import math
 import os
 import subprocess
 import sys
