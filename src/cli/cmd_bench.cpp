@@ -123,35 +123,32 @@ nlohmann::json run_case(const BenchConfig& c, const AttentionSpec& spec, int64_t
 
 class BenchCommand : public Command {
  public:
-  std::string name() const override { return "bench"; }
-  std::string help() const override {
-    return "time attention types over lengths: time, peak memory, GFLOP/s, error vs full";
-  }
-  std::string usage() const override {
-    return "Runs each attention type at each length on random N(0,1) data (L = S, E = M =\n"
-           "--dim) and prints one row per (type, length, pass) as it finishes.\n\n"
-           "Attention specs (--attention, comma-separated):\n"
-           "  TYPE[:PARAM=VALUE[:PARAM=VALUE...]]   e.g. full:softmax_temp=0.125\n"
-           "  conditional-full:TYPE[:PARAM=VALUE...] (segments without '=' name the type)\n"
-           "  See `fastattn list` for the types and their parameters.\n\n"
-           "Columns:\n"
-           "  time ms   median of --repeat timed calls after one untimed warm-up; 'backward'\n"
-           "            times forward + backward (module in training mode; forward runs in\n"
-           "            evaluation mode without autograd)\n"
-           "  GFLOP/s   for `full` only: forward 4*N*H*P*E FLOPs, P the attended query-key\n"
-           "            pairs (L*S, or fewer when causal); backward rows count 3.5x that\n"
-           "  peak mem  growth of the process's peak resident memory during one more call,\n"
-           "            beyond the inputs: each case runs in a forked child, which trims\n"
-           "            malloc, resets VmHWM (/proc/self/clear_refs) and reads VmHWM - VmRSS\n"
-           "  max err   max |out - exact| in the run's dtype, for L <= --error-max-length;\n"
-           "            exact = fastattn::full_attention (for `full` itself: the plain-ATen\n"
-           "            reference, so the column checks the fused kernel)\n\n"
-           "examples:\n"
-           "  fastattn bench\n"
-           "  fastattn bench --attention full --length 512,1024,2048 --pass both --causal\n"
-           "  fastattn --threads 1 bench --attention full:softmax_temp=0.1 --dtype float64 \\\n"
-           "      --repeat 5 --json results.json\n";
-  }
+  BenchCommand()
+      : Command(
+            "bench", "time attention types over lengths: time, peak memory, GFLOP/s, error vs full",
+            "Runs each attention type at each length on random N(0,1) data (L = S, E = M =\n"
+            "--dim) and prints one row per (type, length, pass) as it finishes.\n\n"
+            "Attention specs (--attention, comma-separated):\n"
+            "  TYPE[:PARAM=VALUE[:PARAM=VALUE...]]   e.g. full:softmax_temp=0.125\n"
+            "  conditional-full:TYPE[:PARAM=VALUE...] (segments without '=' name the type)\n"
+            "  See `fastattn list` for the types and their parameters.\n\n"
+            "Columns:\n"
+            "  time ms   median of --repeat timed calls after one untimed warm-up; 'backward'\n"
+            "            times forward + backward (module in training mode; forward runs in\n"
+            "            evaluation mode without autograd)\n"
+            "  GFLOP/s   for `full` only: forward 4*N*H*P*E FLOPs, P the attended query-key\n"
+            "            pairs (L*S, or fewer when causal); backward rows count 3.5x that\n"
+            "  peak mem  growth of the process's peak resident memory during one more call,\n"
+            "            beyond the inputs: each case runs in a forked child, which trims\n"
+            "            malloc, resets VmHWM (/proc/self/clear_refs) and reads VmHWM - VmRSS\n"
+            "  max err   max |out - exact| in the run's dtype, for L <= --error-max-length;\n"
+            "            exact = fastattn::full_attention (for `full` itself: the plain-ATen\n"
+            "            reference, so the column checks the fused kernel)\n\n"
+            "examples:\n"
+            "  fastattn bench\n"
+            "  fastattn bench --attention full --length 512,1024,2048 --pass both --causal\n"
+            "  fastattn --threads 1 bench --attention full:softmax_temp=0.1 --dtype float64 \\\n"
+            "      --repeat 5 --json results.json\n") {}
   std::vector<FlagSpec> flags() const override {
     return {
         FlagSpec::value("attention", "SPECS", "attention types to time, comma-separated", "full"),

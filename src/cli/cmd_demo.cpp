@@ -224,20 +224,16 @@ nlohmann::json encoder_step() {
 
 class DemoCommand : public Command {
  public:
-  std::string name() const override { return "demo"; }
-  std::string help() const override {
-    return "a short tour on synthetic data (what `make demo` runs)";
-  }
-  std::string usage() const override {
-    return "Lists the attention types, checks the fused full attention against the\n"
-           "plain-ATen reference, times both at a few lengths with their peak memory,\n"
-           "times every attention type at one length, builds a small encoder and runs\n"
-           "forward and backward. A few minutes on 2 cores. Every step runs in a\n"
-           "forked child process.\n\n"
-           "examples:\n"
-           "  fastattn demo\n"
-           "  fastattn demo --quick --threads 1\n";
-  }
+  DemoCommand()
+      : Command("demo", "a short tour on synthetic data (what `make demo` runs)",
+                "Lists the attention types, checks the fused full attention against the\n"
+                "plain-ATen reference, times both at a few lengths with their peak memory,\n"
+                "times every attention type at one length, builds a small encoder and runs\n"
+                "forward and backward. A few minutes on 2 cores. Every step runs in a\n"
+                "forked child process.\n\n"
+                "examples:\n"
+                "  fastattn demo\n"
+                "  fastattn demo --quick --threads 1\n") {}
   std::vector<FlagSpec> flags() const override {
     return {FlagSpec::boolean("quick", "shorter timings: lengths 256 and 1024, one repeat")};
   }

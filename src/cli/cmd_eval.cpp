@@ -18,26 +18,23 @@ namespace {
 
 class EvalCommand : public Command {
  public:
-  std::string name() const override { return "eval"; }
-  std::string help() const override {
-    return "evaluate a training checkpoint, optionally with other attention types";
-  }
-  std::string usage() const override {
-    return "Loads the weights of a `fastattn train` checkpoint and evaluates them on the\n"
-           "run's fixed evaluation set (same seed, batch and --eval-batches as the run\n"
-           "unless given). The attention flags replace the attention types the weights\n"
-           "were trained with; every learned parameter of the new model must be in the\n"
-           "checkpoint (types without learned parameters can be swapped freely).\n"
-           "Transduction models are also timed: greedy decoding of the evaluation set,\n"
-           "token by token through the decoder's recurrent form (--decode step, the\n"
-           "default when the decoder self-attention has one) or re-running the decoder\n"
-           "over the prefix (--decode rerun); the timing repeats --repeat times and\n"
-           "reports the fastest.\n\n"
-           "examples:\n"
-           "  fastattn eval --checkpoint runs/copy --attention improved-clustered:clusters=15\n"
-           "  fastattn eval --checkpoint runs/soft --decoder-attention hard-retrieval \\\n"
-           "      --cross-attention hard-retrieval --json soft-as-hard.json\n";
-  }
+  EvalCommand()
+      : Command(
+            "eval", "evaluate a training checkpoint, optionally with other attention types",
+            "Loads the weights of a `fastattn train` checkpoint and evaluates them on the\n"
+            "run's fixed evaluation set (same seed, batch and --eval-batches as the run\n"
+            "unless given). The attention flags replace the attention types the weights\n"
+            "were trained with; every learned parameter of the new model must be in the\n"
+            "checkpoint (types without learned parameters can be swapped freely).\n"
+            "Transduction models are also timed: greedy decoding of the evaluation set,\n"
+            "token by token through the decoder's recurrent form (--decode step, the\n"
+            "default when the decoder self-attention has one) or re-running the decoder\n"
+            "over the prefix (--decode rerun); the timing repeats --repeat times and\n"
+            "reports the fastest.\n\n"
+            "examples:\n"
+            "  fastattn eval --checkpoint runs/copy --attention improved-clustered:clusters=15\n"
+            "  fastattn eval --checkpoint runs/soft --decoder-attention hard-retrieval \\\n"
+            "      --cross-attention hard-retrieval --json soft-as-hard.json\n") {}
   std::vector<FlagSpec> flags() const override {
     return {
         FlagSpec::value("checkpoint", "DIR", "checkpoint directory of `fastattn train`"),

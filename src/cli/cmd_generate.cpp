@@ -157,49 +157,52 @@ std::string join_tokens(const torch::Tensor& row) {
   return os.str();
 }
 
+// One line per task type with a generator: its default --samples and own flags.
+std::string generator_list() {
+  std::string out;
+  for (const auto& t : train::task_types()) {
+    if (!t.generator.run) continue;
+    std::string line =
+        "  " + t.name + ": --samples N (default " + std::to_string(t.generator.default_count) + ")";
+    for (const auto& f : t.generator.flags)
+      line += ", --" + f.flag + (f.metavar.empty() ? "" : " " + f.metavar);
+    out += line + "\n";
+  }
+  return out;
+}
+
+std::string generate_usage() {
+  return "Builds a decoder-only language model (token embedding, sinusoidal positions,\n"
+         "a causal encoder stack, output projection; fastattn::CausalLanguageModel) with\n"
+         "random weights (--seed), and generates from --prefix token by token in its\n"
+         "recurrent form (fastattn::generate). Prints the tokens and the time per token.\n\n"
+         "--bench: for each position t in --positions and each of --attention and\n"
+         "--baseline, sets the recurrent state to that of t tokens without generating\n"
+         "them (causal-linear: the (S, Z) state of one real step scaled by t, whose size\n"
+         "does not depend on t; full: a key/value cache of t random rows per layer; other\n"
+         "types: t real steps), runs 2 untimed steps, then times --steps single-token\n"
+         "steps of the whole model (median). 'attention ms' times one layer's attention\n"
+         "step alone at the same position. Each case runs in a forked child.\n\n"
+         "examples:\n"
+         "  fastattn generate --prefix 1,2,3 --max-new-tokens 20 --greedy\n"
+         "  fastattn generate --attention full --temperature 0.8 --top-k 40 --seed 3\n"
+         "  fastattn generate --bench --positions 1024,4096,16384,65536 --json gen.json\n\n"
+         "--checkpoint DIR: loads DIR/model.safetensors written by `fastattn train` and\n"
+         "samples from it with its task type's generator, in the recurrent form (the\n"
+         "batch model re-run over the prefix for types without one, or with --batch-form):\n" +
+         generator_list() +
+         "Prints the samples per second; --json FILE writes it with the settings.\n"
+         "  fastattn generate --checkpoint runs/digits --samples 8 --pgm digits.pgm\n"
+         "  fastattn generate --checkpoint runs/charlm --prompt 'The ' --max-new-tokens "
+         "200\n";
+}
+
 class GenerateCommand : public Command {
  public:
-  std::string name() const override { return "generate"; }
-  std::string help() const override {
-    return "generate tokens with a recurrent language model; --bench: time per token";
-  }
-  std::string usage() const override {
-    return "Builds a decoder-only language model (token embedding, sinusoidal positions,\n"
-           "a causal encoder stack, output projection; fastattn::CausalLanguageModel) with\n"
-           "random weights (--seed), and generates from --prefix token by token in its\n"
-           "recurrent form (fastattn::generate). Prints the tokens and the time per token.\n\n"
-           "--bench: for each position t in --positions and each of --attention and\n"
-           "--baseline, sets the recurrent state to that of t tokens without generating\n"
-           "them (causal-linear: the (S, Z) state of one real step scaled by t, whose size\n"
-           "does not depend on t; full: a key/value cache of t random rows per layer; other\n"
-           "types: t real steps), runs 2 untimed steps, then times --steps single-token\n"
-           "steps of the whole model (median). 'attention ms' times one layer's attention\n"
-           "step alone at the same position. Each case runs in a forked child.\n\n"
-           "examples:\n"
-           "  fastattn generate --prefix 1,2,3 --max-new-tokens 20 --greedy\n"
-           "  fastattn generate --attention full --temperature 0.8 --top-k 40 --seed 3\n"
-           "  fastattn generate --bench --positions 1024,4096,16384,65536 --json gen.json\n\n"
-           "--checkpoint DIR: loads DIR/model.safetensors written by `fastattn train` and\n"
-           "samples from it with its task type's generator, in the recurrent form (the\n"
-           "batch model re-run over the prefix for types without one, or with --batch-form):\n" +
-           generator_list() +
-           "Prints the samples per second; --json FILE writes it with the settings.\n"
-           "  fastattn generate --checkpoint runs/digits --samples 8 --pgm digits.pgm\n"
-           "  fastattn generate --checkpoint runs/charlm --prompt 'The ' --max-new-tokens 200\n";
-  }
-  // One line per task type with a generator: its default --samples and own flags.
-  static std::string generator_list() {
-    std::string out;
-    for (const auto& t : train::task_types()) {
-      if (!t.generator.run) continue;
-      std::string line = "  " + t.name + ": --samples N (default " +
-                         std::to_string(t.generator.default_count) + ")";
-      for (const auto& f : t.generator.flags)
-        line += ", --" + f.flag + (f.metavar.empty() ? "" : " " + f.metavar);
-      out += line + "\n";
-    }
-    return out;
-  }
+  GenerateCommand()
+      : Command("generate",
+                "generate tokens with a recurrent language model; --bench: time per token",
+                generate_usage()) {}
   static const std::vector<train::TaskSetting>& generate_flags(const train::TaskType& t) {
     return t.generator.flags;
   }

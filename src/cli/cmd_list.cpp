@@ -95,20 +95,16 @@ void print_entry(const nlohmann::json& t) {
 
 class ListCommand : public Command {
  public:
-  std::string name() const override { return "list"; }
-  std::string help() const override {
-    return "list every attention type with its parameters, defaults and ranges";
-  }
-  std::string usage() const override {
-    return "Prints each registered attention type, its description and a table of its\n"
-           "parameters. Parameters are what `bench --attention type:param=value` and the\n"
-           "Python fastattn.attention(type, ..., param=value) accept.\n"
-           "The decorator conditional-full:<type> wraps any type: full attention while\n"
-           "max(L, S) <= length_limit, <type> beyond it.\n\n"
-           "examples:\n"
-           "  fastattn list\n"
-           "  fastattn list --json > types.json\n";
-  }
+  ListCommand()
+      : Command("list", "list every attention type with its parameters, defaults and ranges",
+                "Prints each registered attention type, its description and a table of its\n"
+                "parameters. Parameters are what `bench --attention type:param=value` and the\n"
+                "Python fastattn.attention(type, ..., param=value) accept.\n"
+                "The decorator conditional-full:<type> wraps any type: full attention while\n"
+                "max(L, S) <= length_limit, <type> beyond it.\n\n"
+                "examples:\n"
+                "  fastattn list\n"
+                "  fastattn list --json > types.json\n") {}
   std::vector<FlagSpec> flags() const override {
     return {FlagSpec::boolean("json", "print the registry's JSON description instead")};
   }

@@ -93,47 +93,51 @@ std::string task_list() {
   return out;
 }
 
+std::string train_usage() {
+  return "Trains a transformer on a synthetic task and reports evaluation metrics.\n\n"
+         "Tasks:\n" +
+         task_list() +
+         "  (decoder-only tasks need a causal attention type: full, causal-linear,\n"
+         "  causal-improved-clustered, ...; sample with `fastattn generate "
+         "--checkpoint`.)\n\n"
+         "The model comes from the size flags, or from --config FILE: builder JSON\n"
+         "(docs/training.md; for transduction {\"encoder\": {...}, \"decoder\": {...}}).\n"
+         "Attention specs are TYPE[:PARAM=VALUE...] as in `fastattn bench`.\n\n"
+         "Checkpoints: --checkpoint DIR writes DIR/checkpoint.safetensors (everything)\n"
+         "and DIR/model.safetensors (weights) atomically every --checkpoint-every steps,\n"
+         "at the end, and on Ctrl-C / SIGTERM. --resume continues from DIR with the\n"
+         "stored config (flags may change only --steps, --eval-every, --checkpoint-every)\n"
+         "and gives the same result as an uninterrupted run with the same --threads.\n"
+         "--time-budget S stops once the training time (time inside optimiser steps, not\n"
+         "evaluation or checkpoints) reaches S seconds; the time is stored in the\n"
+         "checkpoint, so a resumed run continues the same budget (a new --time-budget\n"
+         "replaces the stored one). --steps still caps the run and sets the schedule.\n"
+         "--result FILE writes the final evaluation, step and training time as JSON.\n\n"
+         "examples:\n"
+         "  fastattn train --task copy --length 32 --steps 2000 --eval-every 200\n"
+         "  fastattn train --task copy --attention improved-clustered:clusters=15 \\\n"
+         "      --checkpoint runs/ic --metrics runs/ic/metrics.jsonl\n"
+         "  fastattn train --checkpoint runs/ic --resume --steps 4000\n"
+         "  fastattn train --task transduction --mode sort --min-length 20 --max-length 60\n"
+         "  fastattn train --task digits --attention causal-linear --time-budget 600 \\\n"
+         "      --checkpoint runs/digits-linear --result runs/digits-linear/result.json\n"
+         "  fastattn train --task charlm --length 128 --attention causal-linear\n"
+         "\n"
+         "Data parallel (docs/distributed.md): --nproc N starts N local processes; or "
+         "start\n"
+         "one process per rank with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set (as\n"
+         "torchrun does). --batch is per process; rank 0 alone writes checkpoints and "
+         "logs.\n"
+         "  fastattn train --task copy --nproc 2 --batch 16 --checkpoint runs/dp\n";
+}
+
 class TrainCommand : public Command {
  public:
-  std::string name() const override { return "train"; }
-  std::string help() const override {
-    return "train a model on a built-in task (copy, reverse/sort, digits, charlm), with "
-           "checkpoints";
-  }
-  std::string usage() const override {
-    return "Trains a transformer on a synthetic task and reports evaluation metrics.\n\n"
-           "Tasks:\n" +
-           task_list() +
-           "  (decoder-only tasks need a causal attention type: full, causal-linear,\n"
-           "  causal-improved-clustered, ...; sample with `fastattn generate --checkpoint`.)\n\n"
-           "The model comes from the size flags, or from --config FILE: builder JSON\n"
-           "(docs/training.md; for transduction {\"encoder\": {...}, \"decoder\": {...}}).\n"
-           "Attention specs are TYPE[:PARAM=VALUE...] as in `fastattn bench`.\n\n"
-           "Checkpoints: --checkpoint DIR writes DIR/checkpoint.safetensors (everything)\n"
-           "and DIR/model.safetensors (weights) atomically every --checkpoint-every steps,\n"
-           "at the end, and on Ctrl-C / SIGTERM. --resume continues from DIR with the\n"
-           "stored config (flags may change only --steps, --eval-every, --checkpoint-every)\n"
-           "and gives the same result as an uninterrupted run with the same --threads.\n"
-           "--time-budget S stops once the training time (time inside optimiser steps, not\n"
-           "evaluation or checkpoints) reaches S seconds; the time is stored in the\n"
-           "checkpoint, so a resumed run continues the same budget (a new --time-budget\n"
-           "replaces the stored one). --steps still caps the run and sets the schedule.\n"
-           "--result FILE writes the final evaluation, step and training time as JSON.\n\n"
-           "examples:\n"
-           "  fastattn train --task copy --length 32 --steps 2000 --eval-every 200\n"
-           "  fastattn train --task copy --attention improved-clustered:clusters=15 \\\n"
-           "      --checkpoint runs/ic --metrics runs/ic/metrics.jsonl\n"
-           "  fastattn train --checkpoint runs/ic --resume --steps 4000\n"
-           "  fastattn train --task transduction --mode sort --min-length 20 --max-length 60\n"
-           "  fastattn train --task digits --attention causal-linear --time-budget 600 \\\n"
-           "      --checkpoint runs/digits-linear --result runs/digits-linear/result.json\n"
-           "  fastattn train --task charlm --length 128 --attention causal-linear\n"
-           "\n"
-           "Data parallel (docs/distributed.md): --nproc N starts N local processes; or start\n"
-           "one process per rank with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set (as\n"
-           "torchrun does). --batch is per process; rank 0 alone writes checkpoints and logs.\n"
-           "  fastattn train --task copy --nproc 2 --batch 16 --checkpoint runs/dp\n";
-  }
+  TrainCommand()
+      : Command("train",
+                "train a model on a built-in task (copy, reverse/sort, digits, charlm), with "
+                "checkpoints",
+                train_usage()) {}
   std::vector<FlagSpec> flags() const override {
     std::vector<FlagSpec> out = {FlagSpec::value("task", "NAME", train::task_type_names(), "copy")};
     const auto task_flags = setting_flag_specs(train_settings);

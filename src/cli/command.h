@@ -4,9 +4,8 @@
 // Adding a command is one file in src/cli/:
 //
 //   class TrainCommand : public Command {
-//     std::string name() const override { return "train"; }
-//     std::string help() const override { return "train a model on a task"; }
-//     std::string usage() const override { return "Longer text, examples..."; }
+//    public:
+//     TrainCommand() : Command("train", "train a model on a task", "Longer text...") {}
 //     std::vector<FlagSpec> flags() const override {
 //       return {FlagSpec::value("steps", "N", "optimiser steps", "1000")};
 //     }
@@ -25,6 +24,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace fastattn::cli {
@@ -82,17 +82,26 @@ double parse_double(const std::string& s, const std::string& what);
 bool parse_bool(const std::string& s, const std::string& what);
 std::vector<std::string> split(const std::string& s, char sep);
 
+// A subcommand: its texts are data given at construction, its flags and its
+// run() code.
 class Command {
  public:
+  // help: one line, for `fastattn --help`; usage: the longer text of
+  // `fastattn <name> --help`.
+  Command(std::string name, std::string help, std::string usage)
+      : name_(std::move(name)), help_(std::move(help)), usage_(std::move(usage)) {}
   virtual ~Command() = default;
-  virtual std::string name() const = 0;
-  virtual std::string help() const = 0;   // one line, for `fastattn --help`
-  virtual std::string usage() const = 0;  // longer text for `fastattn <cmd> --help`
+  const std::string& name() const { return name_; }
+  const std::string& help() const { return help_; }
+  const std::string& usage() const { return usage_; }
   virtual std::vector<FlagSpec> flags() const = 0;
   virtual bool allow_positional() const { return false; }
   // Returns the exit code; may throw UsageError (exit 2) or any other
   // exception (printed, exit 1).
   virtual int run(const Args& args) = 0;
+
+ private:
+  std::string name_, help_, usage_;
 };
 
 using CommandFactory = std::unique_ptr<Command> (*)();
