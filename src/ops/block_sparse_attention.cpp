@@ -161,9 +161,7 @@ std::tuple<Tensor, Tensor, Tensor> block_sparse_attention_backward_cpu_op(
     a.grad_out = go.data_ptr<scalar_t>();
     a.lse = lse_c.data_ptr<scalar_t>();
     a.delta = delta.data_ptr<scalar_t>();
-    a.grad_q = gq.data_ptr<scalar_t>();
-    a.grad_k = gk.data_ptr<scalar_t>();
-    a.grad_v = gv.data_ptr<scalar_t>();
+    ops::set_qkv_grads<scalar_t>(a, gq, gk, gv);
     ops::set_grad_rows(a, go, gq, gk, gv);
     kernels::block_sparse_attention_backward_cpu(a);
   });

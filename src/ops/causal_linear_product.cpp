@@ -60,9 +60,7 @@ std::tuple<Tensor, Tensor, Tensor> causal_linear_product_backward_cpu_op(const T
     kernels::CausalProductBackwardArgs<scalar_t> a;
     ops::fill_causal_product_args<scalar_t>(a, kOp, q, k, v, kCausalLinearProductChunk);
     a.grad_out = go.data_ptr<scalar_t>();
-    a.grad_q = gq.data_ptr<scalar_t>();
-    a.grad_k = gk.data_ptr<scalar_t>();
-    a.grad_v = gv.data_ptr<scalar_t>();
+    ops::set_qkv_grads<scalar_t>(a, gq, gk, gv);
     kernels::causal_product_backward_cpu(a);
   });
   return {gq, gk, gv};

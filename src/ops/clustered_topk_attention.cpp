@@ -179,9 +179,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> clustered_topk_attention_backward_cpu
     kernels::ClusteredTopkBackwardArgs<scalar_t> a;
     fill_params<scalar_t>(a, p, softmax_temp, dropout_p, dropout_seed);
     a.grad_out = go.data_ptr<scalar_t>();
-    a.grad_q = gq.data_ptr<scalar_t>();
-    a.grad_k = gk.data_ptr<scalar_t>();
-    a.grad_v = gv.data_ptr<scalar_t>();
+    ops::set_qkv_grads<scalar_t>(a, gq, gk, gv);
     a.grad_mass = gm.data_ptr<scalar_t>();
     ops::set_grad_rows(a, go, gq, gk, gv);
     kernels::clustered_topk_backward_cpu(a);
@@ -316,9 +314,7 @@ std::tuple<Tensor, Tensor, Tensor> improved_clustered_attention_backward_cpu_op(
     fill_improved(a, in, assignments, top_idx, centroids, lse, out_c, softmax_temp, dropout_p,
                   dropout_seed);
     a.grad_out = go.data_ptr<scalar_t>();
-    a.grad_q = gq.data_ptr<scalar_t>();
-    a.grad_k = gk.data_ptr<scalar_t>();
-    a.grad_v = gv.data_ptr<scalar_t>();
+    ops::set_qkv_grads<scalar_t>(a, gq, gk, gv);
     a.grad_centroids = g_cen.data_ptr<scalar_t>();
     a.grad_lse = g_lse.data_ptr<scalar_t>();
     a.grad_out_c = g_out_c.data_ptr<scalar_t>();

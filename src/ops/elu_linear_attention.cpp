@@ -119,9 +119,7 @@ std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_backward_cpu_op(
     a.out = ops::kernel_data<T>(out);
     a.den = den.data_ptr<kernels::KernelScalar<T>>();
     if (with_state) a.state = state.data_ptr<kernels::KernelScalar<T>>();
-    a.grad_q = ops::kernel_data<T>(gq);
-    a.grad_k = ops::kernel_data<T>(gk);
-    a.grad_v = ops::kernel_data<T>(gv);
+    ops::set_qkv_grads<T>(a, gq, gk, gv);
     a.grad_out_rows = ops::row_strides(go);
     a.out_rows = ops::row_strides(out);
     a.grad_q_rows = ops::row_strides(gq);

@@ -76,9 +76,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_bf16(const Tensor& grad_out, const T
   ops::set_grad_rows(a, go, gq, gk, gv);
   a.lse = lse_c.data_ptr<float>();
   a.delta = delta.data_ptr<float>();
-  a.grad_q = ops::kernel_data<kernels::Bf16>(gq);
-  a.grad_k = ops::kernel_data<kernels::Bf16>(gk);
-  a.grad_v = ops::kernel_data<kernels::Bf16>(gv);
+  ops::set_qkv_grads<kernels::Bf16>(a, gq, gk, gv);
   kernels::full_attention_backward_bf16(a);
   return {gq, gk, gv};
 #else
@@ -168,9 +166,7 @@ std::tuple<Tensor, Tensor, Tensor> full_attention_backward_cpu_op(
     ops::set_grad_rows(a, go, gq, gk, gv);
     a.lse = lse_c.data_ptr<scalar_t>();
     a.delta = delta.data_ptr<scalar_t>();
-    a.grad_q = gq.data_ptr<scalar_t>();
-    a.grad_k = gk.data_ptr<scalar_t>();
-    a.grad_v = gv.data_ptr<scalar_t>();
+    ops::set_qkv_grads<scalar_t>(a, gq, gk, gv);
     kernels::full_attention_backward_cpu(a);
   });
   return {gq, gk, gv};
@@ -486,9 +482,7 @@ void full_attention_backward_accumulate(const Tensor& grad_out, const Tensor& gr
     a.grad_out = go.data_ptr<scalar_t>();
     a.lse = lse_c.data_ptr<scalar_t>();
     a.delta = delta.data_ptr<scalar_t>();
-    a.grad_q = grad_q.data_ptr<scalar_t>();
-    a.grad_k = grad_k.data_ptr<scalar_t>();
-    a.grad_v = grad_v.data_ptr<scalar_t>();
+    ops::set_qkv_grads<scalar_t>(a, grad_q, grad_k, grad_v);
     // Any row layout (kernels/common/rows.h): the gradients of the layers' views.
     a.grad_q_rows = ops::row_strides(grad_q);
     a.grad_k_rows = ops::row_strides(grad_k);

@@ -3,7 +3,6 @@
 // declaration. An operator declares
 //
 //   struct AftOp {
-//     static constexpr char kName[] = "fastattn::aft_attention";
 //     struct Saved {                      // what its backward needs
 //       Tensor q, k, v, a, lse;           // tensors: saved by the shell
 //       bool causal = false;              // anything else: kept as is
@@ -11,6 +10,8 @@
 //     };
 //     // The forward: `saved` is null when no gradient is wanted (the no-grad
 //     // entry), else the state to fill. Returns the operator's result.
+//     // It calls the internal halves through the dispatcher by name:
+//     //   call_op<kForwardOp, aft_attention_forward_cpu_op>(...)
 //     static Tensor forward(Saved* saved, const Tensor& q, ...);
 //     // Gradients of the differentiable inputs, in argument order (the
 //     // shell pads the rest with undefined tensors).

@@ -203,6 +203,15 @@ auto kernel_data(const torch::Tensor& t) {
     return t.data_ptr<T>();
   }
 }
+// A q, k, v backward's gradient outputs in its argument struct (element
+// type T as kernel_data's).
+template <typename T, typename Args>
+void set_qkv_grads(Args& a, const torch::Tensor& gq, const torch::Tensor& gk,
+                   const torch::Tensor& gv) {
+  a.grad_q = kernel_data<T>(gq);
+  a.grad_k = kernel_data<T>(gk);
+  a.grad_v = kernel_data<T>(gv);
+}
 // The CUDA kernels' element type of t: float32, float16 or bfloat16 (other
 // dtypes: an error naming `op` and the argument `name`).
 kernels::DType kernel_dtype(const char* op, const char* name, const torch::Tensor& t);

@@ -147,21 +147,15 @@ std::tuple<Tensor, Tensor, Tensor> block_sparse_attention_backward_cuda_op(
   auto go = grad_out.to(q.scalar_type()).contiguous();
   auto delta = (go.to(torch::kFloat) * out.to(torch::kFloat)).sum(-1).contiguous();  // (N, H, L)
   auto lse_f = lse.to(torch::kFloat).contiguous();
-  const auto f32 = q.options().dtype(torch::kFloat);
-  auto gq = torch::zeros(q.sizes(), f32), gk = torch::zeros(k.sizes(), f32),
-       gv = torch::zeros(v.sizes(), f32);
+  const ops::cuda::Float32QkvGrads g(q, k, v);
   cuda::BlockSparseBackwardCudaArgs a;
   static_cast<cuda::BlockSparseCudaParams&>(a) = p.params;
   a.grad_out = go.data_ptr();
   a.lse = lse_f.data_ptr<float>();
   a.delta = delta.data_ptr<float>();
-  a.grad_q = gq.data_ptr<float>();
-  a.grad_k = gk.data_ptr<float>();
-  a.grad_v = gv.data_ptr<float>();
+  g.set(a);
   cuda::block_sparse_attention_backward_cuda(a, ops::cuda::current_stream());
-  return {ops::in_rows_layout_of(gq.to(q.scalar_type()), q),
-          ops::in_rows_layout_of(gk.to(q.scalar_type()), k),
-          ops::in_rows_layout_of(gv.to(q.scalar_type()), v)};
+  return g.in_layouts_of(q, k, v);
 }
 
 }  // namespace

@@ -56,9 +56,7 @@ std::tuple<Tensor, Tensor, Tensor> causal_linear_product_backward_cuda_op(const 
   cuda::CausalProductBackwardCudaArgs a;
   ops::fill_causal_product_args<void>(a, kOp, q, k, v, kChunk);
   a.grad_out = go.data_ptr();
-  a.grad_q = gq.data_ptr();
-  a.grad_k = gk.data_ptr();
-  a.grad_v = gv.data_ptr();
+  ops::set_qkv_grads<void>(a, gq, gk, gv);
   a.workspace = ws.data_ptr<float>();
   cuda::causal_product_backward_cuda(a, ops::cuda::current_stream());
   return {gq, gk, gv};

@@ -99,23 +99,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> clustered_topk_attention_backward_cud
   const auto topk = topk_in.contiguous(), assignments = assignments_in.contiguous();
   const auto mass = mass_in.to(torch::kFloat).contiguous();
   const auto go = grad_out.to(q.scalar_type()).contiguous();
-  const auto f32 = q.options().dtype(torch::kFloat);
-  auto gq = torch::zeros(q.sizes(), f32), gk = torch::zeros(k.sizes(), f32),
-       gv = torch::zeros(v.sizes(), f32), gm = torch::empty(mass.sizes(), f32);
+  const ops::cuda::Float32QkvGrads g(q, k, v);
+  auto gm = torch::empty(mass.sizes(), q.options().dtype(torch::kFloat));
   const auto ws = workspace_for(q, q.size(2), topk.size(2), topk.size(3), v.size(3));
   cuda::ClusteredTopkBackwardCudaArgs a;
   fill_common(a, op, in, topk, assignments, softmax_temp, ws);
   a.mass = mass.data_ptr<float>();
   a.grad_out = go.data_ptr();
-  a.grad_q = gq.data_ptr<float>();
-  a.grad_k = gk.data_ptr<float>();
-  a.grad_v = gv.data_ptr<float>();
+  g.set(a);
   a.grad_mass = gm.data_ptr<float>();
   cuda::clustered_topk_backward_cuda(a, ops::cuda::current_stream());
-  const auto dt = q.scalar_type();
-  // In the inputs' row layouts, as the CPU op writes them and the fake promises.
-  return {ops::in_rows_layout_of(gq.to(dt), q_in), ops::in_rows_layout_of(gk.to(dt), k_in),
-          ops::in_rows_layout_of(gv.to(dt), v_in), gm.to(mass_in.scalar_type())};
+  const auto [gq, gk, gv] = g.in_layouts_of(q_in, k_in, v_in);
+  return {gq, gk, gv, gm.to(mass_in.scalar_type())};
 }
 
 // ---- improved_clustered_attention -------------------------------------------------
@@ -207,8 +202,7 @@ std::tuple<Tensor, Tensor, Tensor> improved_clustered_attention_backward_cuda_op
   const auto go = grad_out.to(q.scalar_type()).contiguous();
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), E = q.size(3), C = counts.size(2);
   const auto f32 = q.options().dtype(torch::kFloat);
-  auto gq = torch::zeros(q.sizes(), f32), gk = torch::zeros(k.sizes(), f32),
-       gv = torch::zeros(v.sizes(), f32);
+  const ops::cuda::Float32QkvGrads g(q, k, v);
   auto g_cen = torch::empty({N, H, C, E}, f32), g_lse = torch::empty({N, H, C}, f32),
        g_out_c = torch::empty({N, H, C, v.size(3)}, f32);
   const auto stream = ops::cuda::current_stream();
@@ -220,9 +214,7 @@ std::tuple<Tensor, Tensor, Tensor> improved_clustered_attention_backward_cuda_op
     a.lse = lse_f.data_ptr<float>();
     a.out_c = out_c.data_ptr();
     a.grad_out = go.data_ptr();
-    a.grad_q = gq.data_ptr<float>();
-    a.grad_k = gk.data_ptr<float>();
-    a.grad_v = gv.data_ptr<float>();
+    g.set(a);
     a.grad_centroids = g_cen.data_ptr<float>();
     a.grad_lse = g_lse.data_ptr<float>();
     a.grad_out_c = g_out_c.data_ptr<float>();
@@ -244,10 +236,10 @@ std::tuple<Tensor, Tensor, Tensor> improved_clustered_attention_backward_cuda_op
       /*causal=*/false, softmax_temp, c10::optional<Tensor>(g_lse.to(lse.scalar_type())),
       /*dropout_p=*/0.0, /*dropout_seed=*/0);
   g_cen.add_(gc2.to(torch::kFloat));
-  gk.add_(gk2.to(torch::kFloat));
-  gv.add_(gv2.to(torch::kFloat));
+  g.k.add_(gk2.to(torch::kFloat));
+  g.v.add_(gv2.to(torch::kFloat));
   cuda::AddCentroidGradsCudaArgs a;
-  a.dst = gq.data_ptr<float>();
+  a.dst = g.q.data_ptr<float>();
   a.table = g_cen.data_ptr<float>();
   a.assignments = assignments.data_ptr<int64_t>();
   a.counts = counts.data_ptr<int64_t>();
@@ -257,9 +249,7 @@ std::tuple<Tensor, Tensor, Tensor> improved_clustered_attention_backward_cuda_op
   a.C = C;
   a.E = E;
   cuda::add_centroid_grads_cuda(a, stream);
-  const auto dt = q.scalar_type();
-  return {ops::in_rows_layout_of(gq.to(dt), q_in), ops::in_rows_layout_of(gk.to(dt), k_in),
-          ops::in_rows_layout_of(gv.to(dt), v_in)};
+  return g.in_layouts_of(q_in, k_in, v_in);
 }
 
 }  // namespace

@@ -27,4 +27,27 @@ inline void check_no_dropout(const char* op, double dropout_p) {
               "engine's route is to take it (issue 64)");
 }
 
+// Gradients to q, k and v accumulated in float32 by a CUDA backward (zeroed:
+// the kernels add into them), returned in the inputs' dtype and row layouts
+// (as the CPU operators write them and the fakes promise).
+struct Float32QkvGrads {
+  Float32QkvGrads(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v)
+      : q(zeros_like_f32(q)), k(zeros_like_f32(k)), v(zeros_like_f32(v)) {}
+  template <typename Args>
+  void set(Args& a) const {
+    set_qkv_grads<float>(a, q, k, v);
+  }
+  std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> in_layouts_of(
+      const torch::Tensor& q_in, const torch::Tensor& k_in, const torch::Tensor& v_in) const {
+    const auto dt = q_in.scalar_type();
+    return in_rows_layouts_of({q.to(dt), k.to(dt), v.to(dt)}, q_in, k_in, v_in);
+  }
+  torch::Tensor q, k, v;
+
+ private:
+  static torch::Tensor zeros_like_f32(const torch::Tensor& t) {
+    return torch::zeros(t.sizes(), t.options().dtype(torch::kFloat));
+  }
+};
+
 }  // namespace fastattn::ops::cuda

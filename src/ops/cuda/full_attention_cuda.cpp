@@ -117,9 +117,7 @@ void backward_impl(const Tensor& grad_out, const Tensor& q, const Tensor& k, con
   a.grad_out = go.data_ptr();
   a.lse = lse_c.data_ptr<float>();
   a.delta = delta.data_ptr<float>();
-  a.grad_q = gq.data_ptr();
-  a.grad_k = gk.data_ptr();
-  a.grad_v = gv.data_ptr();
+  ops::set_qkv_grads<void>(a, gq, gk, gv);
   a.dq_workspace = ws.data_ptr<float>();
   a.accumulate = accumulate;
   cuda::full_attention_backward_cuda(a, ops::cuda::current_stream());

@@ -84,8 +84,7 @@ std::tuple<Tensor, Tensor, Tensor> hard_retrieval_attention_backward_cuda_op(
   const auto f32 = q.options().dtype(torch::kFloat);
   auto ws_out = torch::empty({N, H, L, M}, f32);
   auto ws_lse = torch::empty({N, H, L}, f32), ws_delta = torch::empty({N, H, L}, f32);
-  auto gq = torch::zeros(q.sizes(), f32), gk = torch::zeros(k.sizes(), f32),
-       gv = torch::zeros(v.sizes(), f32);
+  const ops::cuda::Float32QkvGrads g(q, k, v);
   cuda::HardRetrievalBackwardCudaArgs a;
   static_cast<cuda::HardRetrievalCudaParams&>(a) = p.params;
   a.grad_out = go.data_ptr();
@@ -94,13 +93,9 @@ std::tuple<Tensor, Tensor, Tensor> hard_retrieval_attention_backward_cuda_op(
   a.ws_out = ws_out.data_ptr<float>();
   a.ws_lse = ws_lse.data_ptr<float>();
   a.ws_delta = ws_delta.data_ptr<float>();
-  a.grad_q = gq.data_ptr<float>();
-  a.grad_k = gk.data_ptr<float>();
-  a.grad_v = gv.data_ptr<float>();
+  g.set(a);
   cuda::hard_retrieval_backward_cuda(a, ops::cuda::current_stream());
-  return {ops::in_rows_layout_of(gq.to(q.scalar_type()), q),
-          ops::in_rows_layout_of(gk.to(q.scalar_type()), k),
-          ops::in_rows_layout_of(gv.to(q.scalar_type()), v)};
+  return g.in_layouts_of(q, k, v);
 }
 
 }  // namespace

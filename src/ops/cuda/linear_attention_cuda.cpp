@@ -86,9 +86,7 @@ std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_backward_cuda_op(
   a.grad_out = go.data_ptr();
   a.out = out.data_ptr();
   a.den = den.data_ptr<float>();
-  a.grad_q = gq.data_ptr();
-  a.grad_k = gk.data_ptr();
-  a.grad_v = gv.data_ptr();
+  ops::set_qkv_grads<void>(a, gq, gk, gv);
   cuda::elu_linear_attention_backward_cuda(a, ops::cuda::current_stream());
   return {ops::in_rows_layout_of(gq, q_in), ops::in_rows_layout_of(gk, k_in),
           ops::in_rows_layout_of(gv, v_in)};
