@@ -235,6 +235,12 @@ class AttentionRegistry {
   nlohmann::json describe() const;
 
  private:
+  // The record of `name` without a copy: the stored one, or conditional-full's
+  // synthesized into `scratch` (this runs on every call of a registry-built
+  // type).
+  const AttentionType& find(const std::string& name, AttentionType& scratch) const;
+  Params validate(const AttentionType& type, const ParamMap& params) const;
+
   std::map<std::string, AttentionType> types_;
 };
 

@@ -74,6 +74,7 @@ bool Mask::is_all_ones() const {
 }
 
 void Mask::check(int64_t N, int64_t H, int64_t L, int64_t S) const {
+  if (!attn_mask_ && !key_lengths_ && !query_lengths_) return;  // causal alone: nothing to check
   // check_masks reads N, H, L and the device from a queries tensor: an empty
   // (N, H, L, 0) stand-in on the mask's device costs nothing.
   const auto device = attn_mask_ ? attn_mask_->device() : torch::Device(torch::kCPU);

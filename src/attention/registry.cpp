@@ -63,33 +63,36 @@ const ParamSpec* find_spec(const std::vector<ParamSpec>& specs, const std::strin
 }
 
 // Checks one value against its spec and returns it in the spec's kind (an int
-// given to a Float spec becomes a double). `where` names the parameter.
-ParamValue coerce(const ParamSpec& spec, const ParamValue& v, const std::string& where) {
+// given to a Float spec becomes a double). `where` names the parameter in a
+// message: a callable giving a string, called only when the value is refused.
+template <typename Where>
+ParamValue coerce(const ParamSpec& spec, const ParamValue& v, const Where& where) {
   const auto got = [&] { return std::string(value_kind(v)) + " " + param_value_to_string(v); };
   ParamValue out = v;
   switch (spec.type) {
     case ParamType::Int:
-      TORCH_CHECK(std::holds_alternative<int64_t>(v), where, " must be an int, got ", got());
+      TORCH_CHECK(std::holds_alternative<int64_t>(v), where(), " must be an int, got ", got());
       break;
     case ParamType::Float:
       if (std::holds_alternative<int64_t>(v)) {
         out = static_cast<double>(std::get<int64_t>(v));
       }
-      TORCH_CHECK(std::holds_alternative<double>(out), where, " must be a float, got ", got());
-      TORCH_CHECK(std::isfinite(std::get<double>(out)), where, " must be a finite float, got ",
+      TORCH_CHECK(std::holds_alternative<double>(out), where(), " must be a float, got ", got());
+      TORCH_CHECK(std::isfinite(std::get<double>(out)), where(), " must be a finite float, got ",
                   got());
       break;
     case ParamType::Bool:
-      TORCH_CHECK(std::holds_alternative<bool>(v), where, " must be a bool, got ", got());
+      TORCH_CHECK(std::holds_alternative<bool>(v), where(), " must be a bool, got ", got());
       break;
     case ParamType::Choice: {
       const auto* s = std::get_if<std::string>(&v);
       bool ok = s && std::find(spec.choices.begin(), spec.choices.end(), *s) != spec.choices.end();
-      TORCH_CHECK(ok, where, " must be one of ", join(spec.choices), ", got ", got());
+      TORCH_CHECK(ok, where(), " must be one of ", join(spec.choices), ", got ", got());
       break;
     }
     case ParamType::String:
-      TORCH_CHECK(std::holds_alternative<std::string>(v), where, " must be a string, got ", got());
+      TORCH_CHECK(std::holds_alternative<std::string>(v), where(), " must be a string, got ",
+                  got());
       break;
   }
   if (spec.type == ParamType::Int || spec.type == ParamType::Float) {
@@ -98,7 +101,7 @@ ParamValue coerce(const ParamSpec& spec, const ParamValue& v, const std::string&
     bool ok = true;
     if (spec.min) ok = ok && (spec.min_exclusive ? x > *spec.min : x >= *spec.min);
     if (spec.max) ok = ok && (spec.max_exclusive ? x < *spec.max : x <= *spec.max);
-    TORCH_CHECK(ok, where, " must be ", spec.range_string(), ", got ", param_value_to_string(v));
+    TORCH_CHECK(ok, where(), " must be ", spec.range_string(), ", got ", param_value_to_string(v));
   }
   return out;
 }
@@ -328,7 +331,8 @@ void AttentionRegistry::add(AttentionType type) {
                 "' has no choices");
     // A default must pass its own spec (catches a wrong kind or range early).
     if (spec.default_value)
-      coerce(spec, *spec.default_value, "default of " + param_where(name, spec.name));
+      coerce(spec, *spec.default_value,
+             [&] { return "default of " + param_where(name, spec.name); });
   }
   types_.emplace(name, std::move(type));
 }
@@ -513,19 +517,35 @@ std::optional<Capabilities> AttentionRegistry::capabilities(const std::string& n
   return both(*inner, *full);
 }
 
+const AttentionType& AttentionRegistry::find(const std::string& name,
+                                             AttentionType& scratch) const {
+  if (!is_conditional(name)) {
+    auto it = types_.find(name);
+    if (it != types_.end()) return it->second;
+  }
+  scratch = get(name);  // synthesizes conditional-full, or names the unknown type
+  return scratch;
+}
+
 Params AttentionRegistry::validate(const std::string& name, const ParamMap& params) const {
-  const AttentionType type = get(name);
+  AttentionType scratch;
+  return validate(find(name, scratch), params);
+}
+
+Params AttentionRegistry::validate(const AttentionType& type, const ParamMap& params) const {
+  const std::string& name = type.name;
   for (const auto& kv : params) {
     TORCH_CHECK(find_spec(type.params, kv.first), "attention type '", name, "' has no parameter '",
                 kv.first, "'; its parameters: ", spec_names(type.params));
   }
   ParamMap out;
   for (const auto& spec : type.params) {
+    const auto where = [&] { return param_where(name, spec.name); };
     auto it = params.find(spec.name);
     if (it != params.end()) {
-      out.emplace(spec.name, coerce(spec, it->second, param_where(name, spec.name)));
+      out.emplace(spec.name, coerce(spec, it->second, where));
     } else if (spec.default_value) {
-      out.emplace(spec.name, coerce(spec, *spec.default_value, param_where(name, spec.name)));
+      out.emplace(spec.name, coerce(spec, *spec.default_value, where));
     }
   }
   return Params(std::move(out));
@@ -536,7 +556,9 @@ AttentionPtr AttentionRegistry::build(const std::string& name, const ParamMap& p
   TORCH_CHECK(dims.heads >= 1 && dims.query_dim >= 1 && dims.value_dim >= 1, "attention type '",
               name, "': dims must be >= 1, got heads=", dims.heads, ", query_dim=", dims.query_dim,
               ", value_dim=", dims.value_dim);
-  auto attention = get(name).factory(validate(name, params), dims);
+  AttentionType scratch;
+  const AttentionType& type = find(name, scratch);
+  auto attention = type.factory(validate(type, params), dims);
   TORCH_CHECK(attention, "attention type '", name, "': its factory returned null");
   return attention;
 }

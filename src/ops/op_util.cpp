@@ -9,6 +9,8 @@
 #include "fastattn/ops.h"
 #include "kernels/common/scratch.h"
 
+#include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <limits>
@@ -436,9 +438,15 @@ torch::Tensor empty_rows_like(const torch::Tensor& like, int64_t cols, int64_t r
 torch::Tensor in_rows_layout_of(const torch::Tensor& t, const torch::Tensor& like) {
   const bool heads_in_rows = heads_within_rows(like);
   const auto shape = t.sizes();
-  const auto laid = empty_in_layout(heads_in_rows, shape[0], shape[1], shape[2], shape[3],
-                                    t.options().device(torch::kMeta));
-  if (laid.strides() == t.strides()) return t;
+  // The strides empty_in_layout gives: (N, H, rows, cols) contiguous, or
+  // (N, rows, H, cols) contiguous seen as (N, H, rows, cols). Computed here
+  // rather than read from an empty tensor: this runs on every call.
+  const int64_t cols = std::max<int64_t>(shape[3], 1);
+  const int64_t inner = cols * std::max<int64_t>(heads_in_rows ? shape[1] : shape[2], 1);
+  const int64_t batch = inner * std::max<int64_t>(heads_in_rows ? shape[2] : shape[1], 1);
+  const std::array<int64_t, 4> laid = heads_in_rows ? std::array<int64_t, 4>{batch, cols, inner, 1}
+                                                    : std::array<int64_t, 4>{batch, inner, cols, 1};
+  if (t.strides() == at::IntArrayRef(laid)) return t;
   return empty_in_layout(heads_in_rows, shape[0], shape[1], shape[2], shape[3], t.options())
       .copy_(t);
 }
