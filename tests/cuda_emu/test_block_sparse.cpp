@@ -1,7 +1,7 @@
 // Block-sparse attention CUDA kernels (src/kernels/block_sparse/
-// block_sparse_attention_cuda.cu) run by the emulator against the plain
-// reference (block_sparse_attention_reference.h) in float64 on the same
-// (dtype-rounded) inputs: every pattern family and
+// block_sparse_attention_{forward,backward}_cuda.cu) run by the emulator
+// against the plain reference (block_sparse_attention_reference.h) in float64
+// on the same (dtype-rounded) inputs: every pattern family and
 // mode, causal, S != L, key lengths with an empty batch, head dims that
 // exercise each register-chunk count, forward (out, lse) and backward (dQ, dK,
 // dV), in float32, float16 and bfloat16.

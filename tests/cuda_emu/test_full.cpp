@@ -1,4 +1,4 @@
-// The fused full-attention CUDA kernels (src/kernels/full/full_attention_cuda.cu)
+// The fused full-attention CUDA kernels (src/kernels/full/full_attention_*_cuda.cu)
 // run by the emulator against the plain reference (full_attention_reference.h)
 // in float64, per dtype, on the same rounded inputs: forward (out, lse) and backward (dQ, dK, dV),
 // with additive masks (full and broadcast, -inf entries, fully masked rows), key lengths (including

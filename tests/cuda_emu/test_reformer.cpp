@@ -1,4 +1,4 @@
-// The Reformer CUDA kernels (src/kernels/reformer/reformer_cuda.cu) under the
+// The Reformer CUDA kernels (src/kernels/reformer/reformer_*_cuda.cu) under the
 // emulator, against the plain reference (reformer_reference.h) in float64 on
 // the same (rounded) inputs: lsh_hash (buckets equal except at near-ties of the projections),
 // the forward (output and the float64 stats) and the backward (grad_q,

@@ -1,5 +1,7 @@
 // CUDA kernels of block-sparse softmax attention (local, Sparse Transformer
-// strided / fixed patterns), see block_sparse_attention_cuda.cu.
+// strided / fixed patterns): block_sparse_attention_forward_cuda.cu and
+// block_sparse_attention_backward_cuda.cu, their design and shared parts in
+// block_sparse_attention_cuda_common.cuh.
 //
 // A pattern reaches the kernels as at most two *parts*, each a plan of plain
 // int64 arrays made on the host by kernels::make_sparse_plans /

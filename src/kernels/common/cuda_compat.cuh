@@ -146,8 +146,8 @@ inline int kernel_arch(const void* kernel, const char* what) {
 
 #define FA_LAUNCH(grid, block, shared_bytes, stream, ...) \
   __VA_ARGS__<<<(grid), (block), (shared_bytes), (stream)>>>
-#define FA_DYNAMIC_SHARED(type, name)                           \
-  extern __shared__ __align__(16) unsigned char fa_dyn_smem_[]; \
+#define FA_DYNAMIC_SHARED(type, name)                            \
+  extern __shared__ __align__(128) unsigned char fa_dyn_smem_[]; \
   type* name = reinterpret_cast<type*>(fa_dyn_smem_)
 #define FA_CHECK_LAUNCH(what)                                                        \
   do {                                                                               \

@@ -1,7 +1,8 @@
 // Fused softmax attention on CUDA (FlashAttention-2 style): forward with an
 // online softmax over key tiles, backward recomputing the probabilities from
-// the saved row log-sum-exp. Never materialises the L×S matrix. See
-// full_attention_cuda.cu for the design, cost and tests.
+// the saved row log-sum-exp. Never materialises the L×S matrix. Kernels in
+// full_attention_forward_cuda.cu and full_attention_backward_cuda.cu; see
+// full_attention_cuda_common.cuh for the design, cost and tests.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -1,4 +1,5 @@
-// CUDA kernels of Reformer LSH attention (see reformer_cuda.cu and, for the
+// CUDA kernels of Reformer LSH attention (see reformer_cuda_common.cuh,
+// reformer_forward_cuda.cu and reformer_backward_cuda.cu and, for the
 // semantics they reproduce, reformer.h). Data pointers are device pointers
 // (host pointers under the emulator), type-erased: their element type is
 // `dtype` where a comment says T.

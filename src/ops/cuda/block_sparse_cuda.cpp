@@ -4,9 +4,10 @@
 // host (kernels::make_sparse_plans: per head group the part's query / key
 // orders and per-query kept ranges, a few int64 per query), copied to the
 // device and cached per (pattern, shape, device), then the kernels of
-// src/kernels/block_sparse/block_sparse_attention_cuda.cu. On CUDA the lse is
-// float32 whatever the dtype; the gradients are accumulated in float32 and
-// converted; delta = rowsum(grad_out ∘ out) is one ATen reduction.
+// src/kernels/block_sparse/block_sparse_attention_{forward,backward}_cuda.cu.
+// On CUDA the lse is float32 whatever the dtype; the gradients are accumulated
+// in float32 and converted; delta = rowsum(grad_out ∘ out) is one ATen
+// reduction.
 // Tested by tests/cuda/test_cuda_block_sparse.cpp.
 #include <torch/library.h>
 

@@ -2,7 +2,8 @@
 // attention): full_attention (no-grad composite), full_attention_forward,
 // full_attention_backward, full_attention_lse_topk (no-grad composite) and
 // full_attention_lse_topk_forward. The kernels are in
-// src/kernels/full/full_attention_cuda.cu (head dims E, M <= 128).
+// src/kernels/full/full_attention_{forward,backward}_cuda.cu (head dims E,
+// M <= 128).
 //
 // Differences from the CPU op: the lse output is float32 whatever q's dtype
 // (the backward takes lse of any floating dtype and reads it as float32), and

@@ -9,7 +9,7 @@
 // The per-round sort of the valid positions by (bucket, position) is ATen on
 // the GPU (a sort of the unique keys bucket·L + position, padding after every
 // valid key); the chunk attention, the round merge and the backward are our
-// kernels (src/kernels/reformer/reformer_cuda.cu). The backward's
+// kernels (src/kernels/reformer/reformer_{forward,backward}_cuda.cu). The backward's
 // delta = rowsum(grad_out ∘ out) is ATen in float32.
 // Tested by tests/cuda/test_cuda_reformer.cpp (against the CPU op in float64).
 #include <torch/library.h>
