@@ -4,6 +4,7 @@
 // projections and the feed-forward block.
 #include "fastattn/transformer.h"
 #include "fastattn/clusterformer.h"
+#include "transformer/stack.h"
 
 namespace fastattn {
 
@@ -128,13 +129,7 @@ torch::Tensor TransformerEncoderLayerImpl::forward(const torch::Tensor& x,  // (
 TransformerEncoderImpl::TransformerEncoderImpl(std::vector<TransformerEncoderLayer> layers,
                                                torch::nn::LayerNorm norm)
     : layers_(std::move(layers)) {
-  auto list = torch::nn::ModuleList();
-  for (const auto& layer : layers_) {
-    TORCH_CHECK(!layer.is_empty(), "TransformerEncoder: layers must not hold a null layer");
-    list->push_back(layer);
-  }
-  register_module("layers", list);
-  if (!norm.is_empty()) norm_ = register_module("norm", norm);
+  norm_ = transformer_detail::register_stack(*this, "TransformerEncoder", layers_, std::move(norm));
   link_clusterformer_centroids(*this);  // "handed" ClusterFormer centroids, layer to layer
 }
 
@@ -194,13 +189,7 @@ torch::Tensor TransformerDecoderLayerImpl::forward(const torch::Tensor& x,      
 TransformerDecoderImpl::TransformerDecoderImpl(std::vector<TransformerDecoderLayer> layers,
                                                torch::nn::LayerNorm norm)
     : layers_(std::move(layers)) {
-  auto list = torch::nn::ModuleList();
-  for (const auto& layer : layers_) {
-    TORCH_CHECK(!layer.is_empty(), "TransformerDecoder: layers must not hold a null layer");
-    list->push_back(layer);
-  }
-  register_module("layers", list);
-  if (!norm.is_empty()) norm_ = register_module("norm", norm);
+  norm_ = transformer_detail::register_stack(*this, "TransformerDecoder", layers_, std::move(norm));
   link_clusterformer_centroids(*this);  // "handed" ClusterFormer centroids, layer to layer
 }
 

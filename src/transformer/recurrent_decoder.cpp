@@ -8,6 +8,7 @@
 // batch decoder with the same weights).
 #include "fastattn/recurrent_transformer.h"
 #include "transformer/step_linear.h"
+#include "transformer/stack.h"
 
 namespace fastattn {
 
@@ -111,13 +112,7 @@ std::pair<Tensor, RecurrentState> RecurrentDecoderLayerImpl::step(
 RecurrentDecoderImpl::RecurrentDecoderImpl(std::vector<RecurrentDecoderLayer> layers,
                                            torch::nn::LayerNorm norm)
     : layers_(std::move(layers)) {
-  auto list = torch::nn::ModuleList();
-  for (const auto& layer : layers_) {
-    TORCH_CHECK(!layer.is_empty(), "RecurrentDecoder: layers must not hold a null layer");
-    list->push_back(layer);
-  }
-  register_module("layers", list);
-  if (!norm.is_empty()) norm_ = register_module("norm", norm);
+  norm_ = transformer_detail::register_stack(*this, "RecurrentDecoder", layers_, std::move(norm));
 }
 
 RecurrentDecoderState RecurrentDecoderImpl::prepare(const Tensor& memory,  // (N, S, Dm)

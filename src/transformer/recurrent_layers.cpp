@@ -6,6 +6,7 @@
 // batch encoder with the same weights).
 #include "fastattn/recurrent_transformer.h"
 #include "transformer/step_linear.h"
+#include "transformer/stack.h"
 
 namespace fastattn {
 
@@ -87,13 +88,7 @@ std::pair<Tensor, RecurrentState> RecurrentEncoderLayerImpl::step(const Tensor& 
 RecurrentEncoderImpl::RecurrentEncoderImpl(std::vector<RecurrentEncoderLayer> layers,
                                            torch::nn::LayerNorm norm)
     : layers_(std::move(layers)) {
-  auto list = torch::nn::ModuleList();
-  for (const auto& layer : layers_) {
-    TORCH_CHECK(!layer.is_empty(), "RecurrentEncoder: layers must not hold a null layer");
-    list->push_back(layer);
-  }
-  register_module("layers", list);
-  if (!norm.is_empty()) norm_ = register_module("norm", norm);
+  norm_ = transformer_detail::register_stack(*this, "RecurrentEncoder", layers_, std::move(norm));
 }
 
 std::pair<Tensor, std::vector<RecurrentState>> RecurrentEncoderImpl::step(
