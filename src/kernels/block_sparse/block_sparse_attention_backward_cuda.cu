@@ -34,14 +34,14 @@ __global__ void __launch_bounds__(kThreads)
   int64_t qi[kRows];
   RowRange rg[kRows];
   float lse[kRows], delta[kRows], dq[kRows][DC];
-  FA_BS_UNROLL
+  FA_UNROLL
   for (int rr = 0; rr < kRows; ++rr) {
     const int r = warp * kRows + rr;
     qi[rr] = sm.qidx[r];
     rg[rr] = range_or_none(P, a, t * kBq + r, qi[rr]);
     lse[rr] = qi[rr] >= 0 ? a.lse[nh * L + qi[rr]] : -INFINITY;
     delta[rr] = qi[rr] >= 0 ? a.delta[nh * L + qi[rr]] : 0.f;
-    FA_BS_UNROLL
+    FA_UNROLL
     for (int u = 0; u < DC; ++u) dq[rr][u] = 0.f;
   }
 
@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(kThreads)
                  load_rows(sm.vs, static_cast<int>(M + 1), hb.v, sm.kidx, kBk, M);
                });
     const int64_t jo = j0 + lane, ko = sm.kidx[lane];
-    FA_BS_UNROLL
+    FA_UNROLL
     for (int rr = 0; rr < kRows; ++rr) {
       if (lse[rr] == -INFINITY || misses_tile(rg[rr], j0)) continue;
       const int r = warp * kRows + rr;
@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int j = 0; j < 32; ++j) {
         const float dsj = __shfl_sync(0xffffffffu, ds, j);
         if (dsj == 0.f) continue;
-        FA_BS_UNROLL
+        FA_UNROLL
         for (int u = 0; u < DC; ++u) {
           const int64_t c = lane + 32 * u;
           if (c < E) dq[rr][u] += dsj * sm.ks[j * (E + 1) + c];
@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
 
-  FA_BS_UNROLL
+  FA_UNROLL
   for (int rr = 0; rr < kRows; ++rr) {
     if (qi[rr] < 0 || lse[rr] == -INFINITY) continue;
     add_lane_cols(a.grad_q + (nh * L + qi[rr]) * E, dq[rr], E, lane);
@@ -108,11 +108,11 @@ __global__ void __launch_bounds__(kThreads)
 
   int64_t ko[kRows];
   float dk[kRows][DC], dv[kRows][DC];
-  FA_BS_UNROLL
+  FA_UNROLL
   for (int rr = 0; rr < kRows; ++rr) {
     const int64_t kx = sm.kidx[warp * kRows + rr];
     ko[rr] = kx >= 0 && kx < len ? kx : -1;  // keys past the length are dropped everywhere
-    FA_BS_UNROLL
+    FA_UNROLL
     for (int u = 0; u < DC; ++u) dk[rr][u] = dv[rr][u] = 0.f;
   }
 
@@ -131,7 +131,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t i = sm.qidx[lane];
     const RowRange rg = sm.range(lane);
     const float lse = sm.qlse[lane], delta = sm.qdelta[lane];
-    FA_BS_UNROLL
+    FA_UNROLL
     for (int rr = 0; rr < kRows; ++rr) {
       if (ko[rr] < 0) continue;  // warp-uniform
       const int r = warp * kRows + rr;
@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(kThreads)
         const float pj = __shfl_sync(0xffffffffu, p, j);
         const float dsj = __shfl_sync(0xffffffffu, ds, j);
         if (pj == 0.f && dsj == 0.f) continue;
-        FA_BS_UNROLL
+        FA_UNROLL
         for (int u = 0; u < DC; ++u) {
           const int64_t c = lane + 32 * u;
           if (c < M) dv[rr][u] += pj * sm.dos[j * (M + 1) + c];
@@ -158,7 +158,7 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
 
-  FA_BS_UNROLL
+  FA_UNROLL
   for (int rr = 0; rr < kRows; ++rr) {
     if (ko[rr] < 0) continue;
     add_lane_cols(a.grad_k + (nh * S + ko[rr]) * E, dk[rr], E, lane);
@@ -208,7 +208,7 @@ __device__ __forceinline__ void backward_dq_wmma(const BlockSparseBackwardCudaAr
     wmma_tiles::band_scores(sm.dps + warp * 16 * kBk, sm.dos + warp * 16 * Mp,
                             static_cast<unsigned>(Mp), sm.vs, static_cast<unsigned>(Mp), Mp);
     __syncwarp();
-    FA_BS_UNROLL
+    FA_UNROLL
     for (int u = 0; u < 16; ++u) {
       const int c = pair_col(lane, u);
       const int64_t jo = j0 + c, ko = sm.kidx[c];
@@ -282,7 +282,7 @@ __device__ __forceinline__ void backward_dkv_wmma(const BlockSparseBackwardCudaA
                             static_cast<unsigned>(Mp), sm.dos, static_cast<unsigned>(Mp), Mp);
     __syncwarp();
     float ds[16];
-    FA_BS_UNROLL
+    FA_UNROLL
     for (int u = 0; u < 16; ++u) {
       const int c = pair_col(lane, u);
       const int64_t i = sm.qidx[c];
@@ -304,7 +304,7 @@ __device__ __forceinline__ void backward_dkv_wmma(const BlockSparseBackwardCudaA
                                 sm.pts + warp * 16 * kBq, kBq, sm.dos, static_cast<unsigned>(Mp),
                                 Mp);
     __syncwarp();
-    FA_BS_UNROLL
+    FA_UNROLL
     for (int u = 0; u < 16; ++u) sm.pts[r * kBq + pair_col(lane, u)] = from_float<T>(ds[u]);
     __syncwarp();
     wmma_tiles::band_mma_rows(sm.dk + warp * 16 * Ep, static_cast<unsigned>(Ep),

@@ -42,14 +42,6 @@
 #include "kernels/common/cuda_compat.cuh"
 #include "kernels/common/smem_layout.cuh"
 
-// Full unrolling of the loops over a thread's rows and register chunks keeps
-// those arrays in registers (nvcc); the emulator's compiler needs no hint.
-#if defined(__CUDACC__)
-#define FA_BS_UNROLL _Pragma("unroll")
-#else
-#define FA_BS_UNROLL
-#endif
-
 namespace fastattn::cuda {
 
 // The kernels' shared argument structs and host helpers.
@@ -466,7 +458,7 @@ __device__ __forceinline__ float dot(const float* x, const float* y, int64_t D) 
 // g[c] += x[u] for this lane's columns c = lane + 32·u < D.
 template <int DC>
 __device__ __forceinline__ void add_lane_cols(float* g, const float (&x)[DC], int64_t D, int lane) {
-  FA_BS_UNROLL
+  FA_UNROLL
   for (int u = 0; u < DC; ++u) {
     const int64_t c = lane + 32 * u;
     if (c < D) g[c] += x[u];

@@ -56,14 +56,14 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(BlockSparseForwardCud
   RowRange rg[kRows];
   float m[kRows], l[kRows], acc[kRows][DC];
   const bool first = P.flags & 1, last = P.flags & 2;
-  FA_BS_UNROLL
+  FA_UNROLL
   for (int rr = 0; rr < kRows; ++rr) {
     const int r = warp * kRows + rr;
     qi[rr] = sm.qidx[r];
     rg[rr] = range_or_none(P, a, t * kBq + r, qi[rr]);
     m[rr] = -INFINITY;
     l[rr] = 0.f;
-    FA_BS_UNROLL
+    FA_UNROLL
     for (int u = 0; u < DC; ++u) {
       const int64_t c = lane + 32 * u;
       acc[rr][u] = 0.f;
@@ -82,7 +82,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(BlockSparseForwardCud
                  load_rows(sm.vs, static_cast<int>(M), hb.v, sm.kidx, kBk, M);
                });
     const int64_t jo = j0 + lane, ko = sm.kidx[lane];
-    FA_BS_UNROLL
+    FA_UNROLL
     for (int rr = 0; rr < kRows; ++rr) {
       if (qi[rr] < 0 || misses_tile(rg[rr], j0)) continue;  // warp-uniform
       const int r = warp * kRows + rr;
@@ -94,12 +94,12 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(BlockSparseForwardCud
       const float alpha = expf(m[rr] - m_new);  // 0 while m was -inf
       l[rr] = l[rr] * alpha + warp_sum(p);
       m[rr] = m_new;
-      FA_BS_UNROLL
+      FA_UNROLL
       for (int u = 0; u < DC; ++u) acc[rr][u] *= alpha;
       for (int j = 0; j < 32; ++j) {
         const float pj = __shfl_sync(0xffffffffu, p, j);
         if (pj == 0.f) continue;  // warp-uniform
-        FA_BS_UNROLL
+        FA_UNROLL
         for (int u = 0; u < DC; ++u) {
           const int64_t c = lane + 32 * u;
           if (c < M) acc[rr][u] += pj * sm.vs[j * M + c];
@@ -108,19 +108,19 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(BlockSparseForwardCud
     }
   }
 
-  FA_BS_UNROLL
+  FA_UNROLL
   for (int rr = 0; rr < kRows; ++rr) {
     if (qi[rr] < 0) continue;
     const int64_t row = nh * L + qi[rr];
     if (last) {
       const float inv = l[rr] > 0.f ? 1.f / l[rr] : 0.f;
-      FA_BS_UNROLL
+      FA_UNROLL
       for (int u = 0; u < DC; ++u) {
         const int64_t c = lane + 32 * u;
         if (c < M) store_out<T>(a, row * M + c, acc[rr][u] * inv);
       }
     } else {
-      FA_BS_UNROLL
+      FA_UNROLL
       for (int u = 0; u < DC; ++u) {
         const int64_t c = lane + 32 * u;
         if (c < M) a.ws_acc[row * M + c] = acc[rr][u];

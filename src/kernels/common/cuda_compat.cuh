@@ -49,6 +49,10 @@
 // any GPU with a build whose code for it predates sm_80). Both sides look at
 // the same thing (the architecture the code was compiled for), so they agree.
 //
+// FA_UNROLL before a loop asks nvcc to unroll it fully (a thread's
+// per-row or per-chunk arrays then stay in registers); the emulator's
+// compiler needs no hint.
+//
 // Launch with FA_LAUNCH(grid, block, shared_bytes, stream, kernel)(args...)
 // (the kernel last, so template arguments with commas need no parentheses),
 // then FA_CHECK_LAUNCH("name"), which throws std::runtime_error on a launch
@@ -56,6 +60,12 @@
 // FA_SET_MAX_DYNAMIC_SHARED(bytes, kernel) before the launch. Kernel
 // arguments are passed by value (plain structs of pointers and sizes).
 #pragma once
+
+#if defined(__CUDACC__)
+#define FA_UNROLL _Pragma("unroll")
+#else
+#define FA_UNROLL
+#endif
 
 #include <cstdint>
 #include <stdexcept>

@@ -164,7 +164,7 @@ __device__ __forceinline__ void warp_tile_abt(float* dst, int ldd, const T* A, i
   using BCol = fa_wmma::fragment<fa_wmma::matrix_b, 16, 16, 16, T, fa_wmma::col_major>;
   fa_wmma::fragment<fa_wmma::accumulator, 16, 16, 16, float> acc;
   fa_wmma::fill_fragment(acc, 0.f);
-  FULL_UNROLL
+  FA_UNROLL
   for (int f = 0; f < DF; ++f) {
     if (f < nf) {
       ARow fa;
@@ -207,7 +207,7 @@ __device__ __forceinline__ void full_backward_tc(const FullAttentionBackwardCuda
   const T* doh = static_cast<const T*>(a.grad_out) + b.nh * L * M;
   load_kv_tile<BC>(sm, b, j0, cols, Ep, Mp);
   AccFrag dk[DF], dv[DF];
-  FULL_UNROLL
+  FA_UNROLL
   for (int f = 0; f < DF; ++f) {
     fa_wmma::fill_fragment(dk[f], 0.f);
     fa_wmma::fill_fragment(dv[f], 0.f);
@@ -222,7 +222,7 @@ __device__ __forceinline__ void full_backward_tc(const FullAttentionBackwardCuda
     load_query_tile<BR, true>(sm, b, a, doh, i0, rows, Ep, Mp);  // lse in base 2
     __syncthreads();
     // S^T strip (16 × BR) = K_w · Q^T ; dP^T strip = V_w · dO^T
-    FULL_UNROLL
+    FA_UNROLL
     for (int c = 0; c < BR / 16; ++c) {
       warp_tile_abt<T, DF>(Stw + 16 * c, sm.ldst, sm.k + k0 * sm.ldk, sm.ldk,
                            sm.q + 16 * c * sm.ldq, sm.ldq, ef);
@@ -248,12 +248,12 @@ __device__ __forceinline__ void full_backward_tc(const FullAttentionBackwardCuda
     }
     __syncwarp();
     // dV_w += P^T · dO ; dK_w += dS^T · Q
-    FULL_UNROLL
+    FA_UNROLL
     for (int c = 0; c < BR / 16; ++c) {
       ARow pa, dsa;
       fa_wmma::load_matrix_sync(pa, Ptw + 16 * c, sm.ldpt);
       fa_wmma::load_matrix_sync(dsa, dStw + 16 * c, sm.ldpt);
-      FULL_UNROLL
+      FA_UNROLL
       for (int f = 0; f < DF; ++f) {
         if (f < mf) {
           BRow dob;
@@ -276,7 +276,7 @@ __device__ __forceinline__ void full_backward_tc(const FullAttentionBackwardCuda
   __syncthreads();  // the dQ tile is no longer read: the strips stage dK and dV
   // dK, dV rows of the warp's keys (zero beyond the key length).
   const int64_t my_rows = kt.rows_k - k0;  // may be <= 0
-  FULL_UNROLL
+  FA_UNROLL
   for (int f = 0; f < DF; ++f) {
     for (int which = 0; which < 2; ++which) {
       const bool is_k = which == 0;

@@ -62,12 +62,6 @@
 namespace fastattn::cuda {
 namespace {
 
-#if defined(__CUDACC__)
-#define FULL_UNROLL _Pragma("unroll")
-#else
-#define FULL_UNROLL
-#endif
-
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
 

@@ -151,7 +151,7 @@ __device__ __forceinline__ void full_forward_tc(const FullAttentionForwardCudaAr
     fa_wmma::load_matrix_sync(rowf, sm.row_ids, 16, fa_wmma::mem_row_major);
     for (int e = 0; e < NE; ++e) row_of[e] = r0 + static_cast<int>(rowf.x[e]);
   }
-  FULL_UNROLL
+  FA_UNROLL
   for (int f = 0; f < DF; ++f) {
     if (f < ef) fa_wmma::load_matrix_sync(qf[f], sm.q + r0 * sm.ldq + 16 * f, sm.ldq);
     fa_wmma::fill_fragment(of[f], 0.f);
@@ -166,11 +166,11 @@ __device__ __forceinline__ void full_forward_tc(const FullAttentionForwardCudaAr
     load_kv_tile<BC>(sm, b, j0, cols, Ep, Mp);
     __syncthreads();
     // S strip (16 × BC) = Q strip · K^T
-    FULL_UNROLL
+    FA_UNROLL
     for (int c = 0; c < BC / 16; ++c) {
       AccFrag acc;
       fa_wmma::fill_fragment(acc, 0.f);
-      FULL_UNROLL
+      FA_UNROLL
       for (int f = 0; f < DF; ++f) {
         if (f < ef) {
           fa_wmma::fragment<fa_wmma::matrix_b, 16, 16, 16, T, fa_wmma::col_major> kb;
@@ -199,7 +199,7 @@ __device__ __forceinline__ void full_forward_tc(const FullAttentionForwardCudaAr
       const int rot = 2 * (rr >> 3) + hh;
       float x[HALF];
       float mx = -INFINITY;
-      FULL_UNROLL
+      FA_UNROLL
       for (int u = 0; u < HALF; ++u) {
         const int c = hh * HALF + ((u + rot) & (HALF - 1));
         float s = -INFINITY;
@@ -214,7 +214,7 @@ __device__ __forceinline__ void full_forward_tc(const FullAttentionForwardCudaAr
       const float m_new = fmaxf(m_old, mx);
       const float m_use = m_new == -INFINITY ? 0.f : m_new;  // rows with nothing kept: p = 0
       float sum = 0.f;
-      FULL_UNROLL
+      FA_UNROLL
       for (int u = 0; u < HALF; ++u) {
         const float p = exp2f(x[u] - m_use);
         Pw[rr * sm.ldp + hh * HALF + ((u + rot) & (HALF - 1))] = from_float<T>(p);
@@ -232,16 +232,16 @@ __device__ __forceinline__ void full_forward_tc(const FullAttentionForwardCudaAr
     __syncwarp();
     // O strip = O strip · diag(alpha) + P strip · V
     if (rescale) {
-      FULL_UNROLL
+      FA_UNROLL
       for (int f = 0; f < DF; ++f) {
         for (int e = 0; e < NE; ++e) of[f].x[e] *= sm.alpha[row_of[e]];
       }
     }
-    FULL_UNROLL
+    FA_UNROLL
     for (int c = 0; c < BC / 16; ++c) {
       AFrag pa;
       fa_wmma::load_matrix_sync(pa, Pw + 16 * c, sm.ldp);
-      FULL_UNROLL
+      FA_UNROLL
       for (int f = 0; f < DF; ++f) {
         if (f < mf) {
           fa_wmma::fragment<fa_wmma::matrix_b, 16, 16, 16, T, fa_wmma::row_major> vb;
@@ -260,7 +260,7 @@ __device__ __forceinline__ void full_forward_tc(const FullAttentionForwardCudaAr
   __syncwarp();
   T* out = static_cast<T*>(a.out) + (b.nh * L + i0 + r0) * M;
   const int64_t my_rows = rows - r0;  // may be <= 0
-  FULL_UNROLL
+  FA_UNROLL
   for (int f = 0; f < DF; ++f) {
     if (f < mf) {
       for (int e = 0; e < NE; ++e) of[f].x[e] *= sm.alpha[row_of[e]];

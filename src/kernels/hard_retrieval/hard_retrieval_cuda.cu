@@ -33,14 +33,6 @@
 
 #include <type_traits>
 
-// Full unrolling of the loops over a thread's rows and register chunks keeps
-// those arrays in registers (nvcc); the emulator's compiler needs no hint.
-#if defined(__CUDACC__)
-#define FA_HR_UNROLL _Pragma("unroll")
-#else
-#define FA_HR_UNROLL
-#endif
-
 namespace fastattn::cuda {
 
 // The kernels' shared argument structs and host helpers.
@@ -134,7 +126,7 @@ __device__ __forceinline__ void forward_body(const HardRetrievalForwardCudaArgs&
   float m[kRows], w[kRows], best_score[kRows];
   int64_t best[kRows];
   bool locked[kRows];
-  FA_HR_UNROLL
+  FA_UNROLL
   for (int rr = 0; rr < kRows; ++rr) {
     m[rr] = -INFINITY;
     w[rr] = 0.f;
@@ -182,7 +174,7 @@ __device__ __forceinline__ void forward_body(const HardRetrievalForwardCudaArgs&
           }
         }
         __syncthreads();
-        FA_HR_UNROLL
+        FA_UNROLL
         for (int rr = 0; rr < kRows; ++rr) {
           const int r = warp * kRows + rr;
           const int64_t i = i0 + r, j = js + lane;
@@ -200,14 +192,14 @@ __device__ __forceinline__ void forward_body(const HardRetrievalForwardCudaArgs&
       __syncwarp();  // each warp reads only its own rows
     }
     const uint64_t tile = static_cast<uint64_t>(j0 / kTile);
-    FA_HR_UNROLL
+    FA_UNROLL
     for (int rr = 0; rr < kRows; ++rr) {
       const int r = warp * kRows + rr;
       const int64_t i = i0 + r;
       if (i >= L) continue;  // warp-uniform
       float raw[4];
       bool kk[4];
-      FA_HR_UNROLL
+      FA_UNROLL
       for (int u = 0; u < 4; ++u) {
         raw[u] = sc[r * kTile + 4 * lane + u];
         kk[u] = kp[r * kTile + 4 * lane + u] != 0;
@@ -217,7 +209,7 @@ __device__ __forceinline__ void forward_body(const HardRetrievalForwardCudaArgs&
         // greater score. So a NaN first key stays; otherwise the lowest index
         // of the largest non-NaN score.
         int first = 1 << 30;
-        FA_HR_UNROLL
+        FA_UNROLL
         for (int u = 3; u >= 0; --u)
           if (kk[u]) first = 4 * lane + u;
         for (int o = 16; o > 0; o >>= 1) {
@@ -230,7 +222,7 @@ __device__ __forceinline__ void forward_body(const HardRetrievalForwardCudaArgs&
         } else {
           float cs = -INFINITY;
           int ci = -1;
-          FA_HR_UNROLL
+          FA_UNROLL
           for (int u = 0; u < 4; ++u)
             if (kk[u] && !isnan(raw[u]) && (ci < 0 || raw[u] > cs)) {
               cs = raw[u];
@@ -252,7 +244,7 @@ __device__ __forceinline__ void forward_body(const HardRetrievalForwardCudaArgs&
       }
       if (!need_softmax) continue;
       float s[4], tmax = -INFINITY;
-      FA_HR_UNROLL
+      FA_UNROLL
       for (int u = 0; u < 4; ++u) {
         s[u] = kk[u] ? raw[u] * a.scale : -INFINITY;
         tmax = fmaxf(tmax, s[u]);
@@ -261,7 +253,7 @@ __device__ __forceinline__ void forward_body(const HardRetrievalForwardCudaArgs&
       if (m_new == -INFINITY) continue;  // nothing kept so far
       const float alpha = expf(m[rr] - m_new);
       float p[4], lane_sum = 0.f;
-      FA_HR_UNROLL
+      FA_UNROLL
       for (int u = 0; u < 4; ++u) {
         p[u] = kk[u] ? expf(s[u] - m_new) : 0.f;
         lane_sum += p[u];
@@ -277,7 +269,7 @@ __device__ __forceinline__ void forward_body(const HardRetrievalForwardCudaArgs&
       // Inverse CDF inside the tile; rounding falls back to the last kept key.
       const double target = hard_retrieval_uniform_cuda(a.seed, row_id, tile, 1) * wt;
       double incl = 0;
-      FA_HR_UNROLL
+      FA_UNROLL
       for (int u = 0; u < 4; ++u) incl += static_cast<double>(p[u]);
       for (int o = 1; o < 32; o <<= 1) {
         const double y = __shfl_up_sync(0xffffffffu, incl, o);
@@ -286,7 +278,7 @@ __device__ __forceinline__ void forward_body(const HardRetrievalForwardCudaArgs&
       double cum = __shfl_up_sync(0xffffffffu, incl, 1);
       if (lane == 0) cum = 0;
       int hit = -1, last_pos = -1;
-      FA_HR_UNROLL
+      FA_UNROLL
       for (int u = 0; u < 4; ++u) {
         if (!(p[u] > 0.f)) continue;
         last_pos = 4 * lane + u;
@@ -305,7 +297,7 @@ __device__ __forceinline__ void forward_body(const HardRetrievalForwardCudaArgs&
     }
   }
 
-  FA_HR_UNROLL
+  FA_UNROLL
   for (int rr = 0; rr < kRows; ++rr) {
     const int64_t i = i0 + warp * kRows + rr;
     if (i >= L) continue;
