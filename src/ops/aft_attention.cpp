@@ -459,21 +459,14 @@ using AftShell = ops::Shell<AftOp>;
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
-  m.impl("aft_attention", AftShell::no_grad);
-  m.impl("aft_attention_forward", aft_attention_forward_cpu_op);
-  m.impl("aft_attention_backward", aft_attention_backward_cpu_op);
-}
-
-// The split form is ATen throughout: the same functions on CUDA tensors
+// The split form is ATen throughout: the same halves serve CUDA tensors
 // (cuBLAS products; AFT-simple on CUDA takes the split form too).
-TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
-  m.impl("aft_attention", AftShell::no_grad);
-  m.impl("aft_attention_forward", aft_attention_forward_cpu_op);
-  m.impl("aft_attention_backward", aft_attention_backward_cpu_op);
+TORCH_LIBRARY_FRAGMENT(fastattn, m) {
+  ops::impl_shell<AftOp>(m, "aft_attention", aft_attention_forward_cpu_op,
+                         aft_attention_backward_cpu_op);
+  ops::impl_halves(m, c10::DispatchKey::CUDA, "aft_attention", aft_attention_forward_cpu_op,
+                   aft_attention_backward_cpu_op);
 }
-
-TORCH_LIBRARY_IMPL(fastattn, Autograd, m) { m.impl("aft_attention", AftShell::autograd); }
 
 Tensor aft_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                      const std::optional<Tensor>& position_bias,

@@ -210,11 +210,10 @@ struct BlockSparseOp {
     return out;
   }
 
-  static variable_list backward(const Saved& s, const variable_list& grads) {
-    auto [gq, gk, gv] = ops::call_op<kBackwardOp, block_sparse_attention_backward_cpu_op>(
+  static auto backward(const Saved& s, const variable_list& grads) {
+    return ops::call_op<kBackwardOp, block_sparse_attention_backward_cpu_op>(
         grads[0], s.q, s.k, s.v, s.out, s.lse, s.pattern, s.params, ops::opt(s.key_lengths),
         s.causal, s.temp, s.dropout_p, s.dropout_seed);
-    return {gq, gk, gv};
   }
 };
 
@@ -222,28 +221,9 @@ using BlockSparseShell = ops::Shell<BlockSparseOp>;
 
 }  // namespace
 
-namespace ops {
-
-// Registered under CPU and CUDA: the forward op through the dispatcher.
-Tensor block_sparse_no_grad_entry(const Tensor& q, const Tensor& k, const Tensor& v,
-                                  c10::string_view pattern, c10::IntArrayRef params,
-                                  const c10::optional<Tensor>& key_lengths, bool causal,
-                                  c10::optional<double> softmax_temp, double dropout_p,
-                                  c10::optional<int64_t> dropout_seed) {
-  return BlockSparseShell::no_grad(q, k, v, pattern, params, key_lengths, causal, softmax_temp,
-                                   dropout_p, dropout_seed);
-}
-
-}  // namespace ops
-
-TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
-  m.impl("block_sparse_attention", ops::block_sparse_no_grad_entry);
-  m.impl("block_sparse_attention_forward", block_sparse_attention_forward_cpu_op);
-  m.impl("block_sparse_attention_backward", block_sparse_attention_backward_cpu_op);
-}
-
-TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
-  m.impl("block_sparse_attention", BlockSparseShell::autograd);
+TORCH_LIBRARY_FRAGMENT(fastattn, m) {
+  ops::impl_shell<BlockSparseOp>(m, "block_sparse_attention", block_sparse_attention_forward_cpu_op,
+                                 block_sparse_attention_backward_cpu_op);
 }
 
 Tensor block_sparse_attention(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -252,9 +232,9 @@ Tensor block_sparse_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                               std::optional<double> softmax_temp, double dropout_p,
                               std::optional<int64_t> dropout_seed) {
   ops::check_defined(kOp, {"q", "k", "v"}, {q, k, v});
-  return ops::call_op<kOp, ops::block_sparse_no_grad_entry>(
-      q, k, v, pattern, params, to_c10(key_lengths), causal, to_c10(softmax_temp), dropout_p,
-      to_c10(dropout_seed));
+  return ops::call_op<kOp, BlockSparseShell::no_grad>(q, k, v, pattern, params, to_c10(key_lengths),
+                                                      causal, to_c10(softmax_temp), dropout_p,
+                                                      to_c10(dropout_seed));
 }
 
 }  // namespace fastattn

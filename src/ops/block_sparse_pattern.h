@@ -28,13 +28,4 @@ int check_block_sparse_inputs(const char* op, const torch::Tensor& q, const torc
 void check_block_sparse_backward(const char* op, const torch::Tensor& grad_out,
                                  const torch::Tensor& out, const torch::Tensor& lse);
 
-// The no-grad composite (the forward op through the dispatcher, its output),
-// registered under CPU and CUDA.
-torch::Tensor block_sparse_no_grad_entry(const torch::Tensor& q, const torch::Tensor& k,
-                                         const torch::Tensor& v, c10::string_view pattern,
-                                         c10::IntArrayRef params,
-                                         const c10::optional<torch::Tensor>& key_lengths,
-                                         bool causal, c10::optional<double> softmax_temp,
-                                         double dropout_p, c10::optional<int64_t> dropout_seed);
-
 }  // namespace fastattn::ops

@@ -80,10 +80,9 @@ struct CausalProductOp {
     return ops::call_op<kForwardOp, causal_linear_product_forward_cpu_op>(q, k, v);
   }
 
-  static variable_list backward(const Saved& s, const variable_list& grads) {
-    auto [gq, gk, gv] =
-        ops::call_op<kBackwardOp, causal_linear_product_backward_cpu_op>(grads[0], s.q, s.k, s.v);
-    return {gq, gk, gv};
+  static auto backward(const Saved& s, const variable_list& grads) {
+    return ops::call_op<kBackwardOp, causal_linear_product_backward_cpu_op>(grads[0], s.q, s.k,
+                                                                            s.v);
   }
 };
 
@@ -91,23 +90,9 @@ using CausalProductShell = ops::Shell<CausalProductOp>;
 
 }  // namespace
 
-namespace ops {
-
-// Registered under CPU and CUDA: the forward op through the dispatcher.
-Tensor causal_linear_product_no_grad_entry(const Tensor& q, const Tensor& k, const Tensor& v) {
-  return CausalProductShell::no_grad(q, k, v);
-}
-
-}  // namespace ops
-
-TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
-  m.impl("causal_linear_product", ops::causal_linear_product_no_grad_entry);
-  m.impl("causal_linear_product_forward", causal_linear_product_forward_cpu_op);
-  m.impl("causal_linear_product_backward", causal_linear_product_backward_cpu_op);
-}
-
-TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
-  m.impl("causal_linear_product", CausalProductShell::autograd);
+TORCH_LIBRARY_FRAGMENT(fastattn, m) {
+  ops::impl_shell<CausalProductOp>(m, "causal_linear_product", causal_linear_product_forward_cpu_op,
+                                   causal_linear_product_backward_cpu_op);
 }
 
 Tensor causal_linear_product(const Tensor& q, const Tensor& k, const Tensor& v) {

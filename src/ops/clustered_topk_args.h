@@ -27,16 +27,6 @@ void check_clustered_topk_inputs(const torch::Tensor& q, const torch::Tensor& k,
 void check_improved_clusters(const torch::Tensor& q, const torch::Tensor& assignments,
                              const torch::Tensor& counts);
 
-// improved_clustered_attention's no-grad composite (the forward op through
-// the dispatcher, its output), registered under CPU and CUDA.
-torch::Tensor improved_clustered_no_grad_entry(const torch::Tensor& q, const torch::Tensor& k,
-                                               const torch::Tensor& v,
-                                               const torch::Tensor& assignments,
-                                               const torch::Tensor& counts, int64_t topk,
-                                               const c10::optional<torch::Tensor>& key_lengths,
-                                               c10::optional<double> softmax_temp, double dropout_p,
-                                               c10::optional<int64_t> dropout_seed);
-
 // The struct's operands (qkv_inputs), the clusters' top-k keys (N, H, C, K)
 // and the queries' assignments (N, H, L), int64 contiguous, and the scale;
 // the caller sets the masses (plain form) or the centroid pass's results

@@ -377,12 +377,10 @@ struct ImprovedClusteredOp {
     return out;
   }
 
-  static variable_list backward(const Saved& s, const variable_list& grads) {
-    auto [gq, gk, gv] =
-        ops::call_op<kImprovedBackwardOp, improved_clustered_attention_backward_cpu_op>(
-            grads[0], s.q, s.k, s.v, s.assignments, s.counts, s.centroids, s.lse, s.out_c,
-            s.top_idx, ops::opt(s.key_lengths), s.temp, s.dropout_p, s.dropout_seed);
-    return {gq, gk, gv};
+  static auto backward(const Saved& s, const variable_list& grads) {
+    return ops::call_op<kImprovedBackwardOp, improved_clustered_attention_backward_cpu_op>(
+        grads[0], s.q, s.k, s.v, s.assignments, s.counts, s.centroids, s.lse, s.out_c, s.top_idx,
+        ops::opt(s.key_lengths), s.temp, s.dropout_p, s.dropout_seed);
   }
 };
 
@@ -390,31 +388,19 @@ using ImprovedClusteredShell = ops::Shell<ImprovedClusteredOp>;
 
 }  // namespace
 
-namespace ops {
-
-// Registered under CPU and CUDA: the forward op through the dispatcher.
-Tensor improved_clustered_no_grad_entry(const Tensor& q, const Tensor& k, const Tensor& v,
-                                        const Tensor& assignments, const Tensor& counts,
-                                        int64_t topk, const c10::optional<Tensor>& key_lengths,
-                                        c10::optional<double> softmax_temp, double dropout_p,
-                                        c10::optional<int64_t> dropout_seed) {
-  return ImprovedClusteredShell::no_grad(q, k, v, assignments, counts, topk, key_lengths,
-                                         softmax_temp, dropout_p, dropout_seed);
-}
-
-}  // namespace ops
-
 TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
   m.impl("clustered_topk_attention", clustered_topk_attention_cpu_op);
   m.impl("clustered_topk_attention_backward", clustered_topk_attention_backward_cpu_op);
-  m.impl("improved_clustered_attention", ops::improved_clustered_no_grad_entry);
-  m.impl("improved_clustered_attention_forward", improved_clustered_attention_forward_cpu_op);
-  m.impl("improved_clustered_attention_backward", improved_clustered_attention_backward_cpu_op);
 }
 
 TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
   m.impl("clustered_topk_attention", ops::Shell<ClusteredTopkOp>::autograd);
-  m.impl("improved_clustered_attention", ImprovedClusteredShell::autograd);
+}
+
+TORCH_LIBRARY_FRAGMENT(fastattn, m) {
+  ops::impl_shell<ImprovedClusteredOp>(m, "improved_clustered_attention",
+                                       improved_clustered_attention_forward_cpu_op,
+                                       improved_clustered_attention_backward_cpu_op);
 }
 
 Tensor clustered_topk_attention(const Tensor& q, const Tensor& k, const Tensor& v,

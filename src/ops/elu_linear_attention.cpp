@@ -149,10 +149,9 @@ struct EluLinearOp {
     return out;
   }
 
-  static variable_list backward(const Saved& s, const variable_list& grads) {
-    auto [gq, gk, gv] = ops::call_op<kBackwardOp, elu_linear_attention_backward_cpu_op>(
+  static auto backward(const Saved& s, const variable_list& grads) {
+    return ops::call_op<kBackwardOp, elu_linear_attention_backward_cpu_op>(
         grads[0], s.q, s.k, s.v, s.out, s.den, ops::opt(s.key_lengths), s.causal, s.eps, s.state);
-    return {gq, gk, gv};
   }
 };
 
@@ -172,23 +171,11 @@ EluLinearOutputSums::EluLinearOutputSums() : outer_(active_output_sums) {
 EluLinearOutputSums::~EluLinearOutputSums() { active_output_sums = outer_; }
 EluLinearOutputSums* EluLinearOutputSums::active() { return active_output_sums; }
 
-// Registered under CPU and CUDA: the forward op through the dispatcher.
-Tensor elu_linear_attention_no_grad_entry(const Tensor& q, const Tensor& k, const Tensor& v,
-                                          const c10::optional<Tensor>& key_lengths, bool causal,
-                                          double eps) {
-  return EluLinearShell::no_grad(q, k, v, key_lengths, causal, eps);
-}
-
 }  // namespace ops
 
-TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
-  m.impl("elu_linear_attention", ops::elu_linear_attention_no_grad_entry);
-  m.impl("elu_linear_attention_forward", elu_linear_attention_forward_cpu_op);
-  m.impl("elu_linear_attention_backward", elu_linear_attention_backward_cpu_op);
-}
-
-TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
-  m.impl("elu_linear_attention", EluLinearShell::autograd);
+TORCH_LIBRARY_FRAGMENT(fastattn, m) {
+  ops::impl_shell<EluLinearOp>(m, "elu_linear_attention", elu_linear_attention_forward_cpu_op,
+                               elu_linear_attention_backward_cpu_op);
 }
 
 Tensor elu_linear_attention(const Tensor& q, const Tensor& k, const Tensor& v,

@@ -211,11 +211,10 @@ struct FullOp {
     return out;
   }
 
-  static variable_list backward(const Saved& s, const variable_list& grads) {
-    auto [gq, gk, gv] = ops::call_op<kBackwardOp, full_attention_backward_cpu_op>(
+  static auto backward(const Saved& s, const variable_list& grads) {
+    return ops::call_op<kBackwardOp, full_attention_backward_cpu_op>(
         grads[0], s.q, s.k, s.v, s.out, s.lse, ops::opt(s.attn_mask), ops::opt(s.key_lengths),
         s.causal, s.temp, c10::nullopt, s.dropout_p, s.dropout_seed);
-    return {gq, gk, gv};
   }
 };
 
@@ -268,17 +267,10 @@ using LseTopkShell = ops::Shell<LseTopkOp>;
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
-  m.impl("full_attention", FullShell::no_grad);
-  m.impl("full_attention_forward", full_attention_forward_cpu_op);
-  m.impl("full_attention_backward", full_attention_backward_cpu_op);
-  m.impl("full_attention_lse_topk", LseTopkShell::no_grad);
-  m.impl("full_attention_lse_topk_forward", full_attention_lse_topk_forward_cpu_op);
-}
-
-TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
-  m.impl("full_attention", FullShell::autograd);
-  m.impl("full_attention_lse_topk", LseTopkShell::autograd);
+TORCH_LIBRARY_FRAGMENT(fastattn, m) {
+  ops::impl_shell<FullOp>(m, "full_attention", full_attention_forward_cpu_op,
+                          full_attention_backward_cpu_op);
+  ops::impl_shell<LseTopkOp>(m, "full_attention_lse_topk", full_attention_lse_topk_forward_cpu_op);
 }
 
 Tensor full_attention(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -408,21 +400,6 @@ std::tuple<Tensor, Tensor, Tensor> full_attention_dense(const Tensor& q, const T
   scores.sub_(lse.masked_fill(lse.isinf(), 0).unsqueeze(-1)).exp_();
   auto out = matmul_split_k(scores, v.to(torch::kFloat)).to(q.scalar_type());
   return {out, lse, idx};
-}
-
-Tensor full_attention_no_grad_entry(const Tensor& q, const Tensor& k, const Tensor& v,
-                                    const c10::optional<Tensor>& attn_mask,
-                                    const c10::optional<Tensor>& key_lengths, bool causal,
-                                    c10::optional<double> softmax_temp, double dropout_p,
-                                    c10::optional<int64_t> dropout_seed) {
-  return FullShell::no_grad(q, k, v, attn_mask, key_lengths, causal, softmax_temp, dropout_p,
-                            dropout_seed);
-}
-
-std::tuple<Tensor, Tensor, Tensor> full_attention_lse_topk_no_grad_entry(
-    const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& key_lengths,
-    c10::optional<double> softmax_temp, int64_t topk) {
-  return LseTopkShell::no_grad(q, k, v, key_lengths, softmax_temp, topk);
 }
 
 std::tuple<Tensor, Tensor, Tensor> full_attention_lse_topk_cpu(

@@ -91,20 +91,6 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> full_attention_dense(
     const c10::optional<torch::Tensor>& key_lengths, bool causal, double softmax_temp,
     int64_t topk);
 
-// The no-grad composite entries of full_attention and full_attention_lse_topk
-// (they call the _forward ops through the dispatcher): registered under CPU
-// and CUDA.
-torch::Tensor full_attention_no_grad_entry(const torch::Tensor& q, const torch::Tensor& k,
-                                           const torch::Tensor& v,
-                                           const c10::optional<torch::Tensor>& attn_mask,
-                                           const c10::optional<torch::Tensor>& key_lengths,
-                                           bool causal, c10::optional<double> softmax_temp,
-                                           double dropout_p, c10::optional<int64_t> dropout_seed);
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> full_attention_lse_topk_no_grad_entry(
-    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-    const c10::optional<torch::Tensor>& key_lengths, c10::optional<double> softmax_temp,
-    int64_t topk);
-
 // ---- kernel arguments (kernels/common/kernel_args.h), CPU and CUDA ------------
 
 // q, k, v and key_lengths as the kernels read them (qkv_inputs), the mask

@@ -26,13 +26,6 @@ void check_hard_retrieval_backward(const char* op, const torch::Tensor& grad_out
                                    const torch::Tensor& v, const torch::Tensor& index,
                                    const torch::Tensor& lse, const torch::Tensor& soft_out);
 
-// The no-grad composite (the forward op through the dispatcher), registered
-// under CPU and CUDA: (out, index).
-std::tuple<torch::Tensor, torch::Tensor> hard_retrieval_no_grad_entry(
-    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-    const c10::optional<torch::Tensor>& attn_mask, const c10::optional<torch::Tensor>& key_lengths,
-    bool causal, bool sample, c10::optional<double> softmax_temp, int64_t seed);
-
 // q, k, v and key_lengths as the kernels read them (qkv_inputs), the keep
 // mask as a bool (N, H, L, S) view.
 struct HardRetrievalInputs : QKVInputs {

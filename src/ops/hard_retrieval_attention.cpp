@@ -269,27 +269,10 @@ using HardRetrievalShell = ops::Shell<HardRetrievalOp>;
 
 }  // namespace
 
-namespace ops {
-
-// Registered under CPU and CUDA: the forward op through the dispatcher.
-std::tuple<Tensor, Tensor> hard_retrieval_no_grad_entry(
-    const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& attn_mask,
-    const c10::optional<Tensor>& key_lengths, bool causal, bool sample,
-    c10::optional<double> softmax_temp, int64_t seed) {
-  return HardRetrievalShell::no_grad(q, k, v, attn_mask, key_lengths, causal, sample, softmax_temp,
-                                     seed);
-}
-
-}  // namespace ops
-
-TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
-  m.impl("hard_retrieval_attention", ops::hard_retrieval_no_grad_entry);
-  m.impl("hard_retrieval_attention_forward", hard_retrieval_attention_forward_cpu_op);
-  m.impl("hard_retrieval_attention_backward", hard_retrieval_attention_backward_cpu_op);
-}
-
-TORCH_LIBRARY_IMPL(fastattn, Autograd, m) {
-  m.impl("hard_retrieval_attention", HardRetrievalShell::autograd);
+TORCH_LIBRARY_FRAGMENT(fastattn, m) {
+  ops::impl_shell<HardRetrievalOp>(m, "hard_retrieval_attention",
+                                   hard_retrieval_attention_forward_cpu_op,
+                                   hard_retrieval_attention_backward_cpu_op);
 }
 
 std::tuple<Tensor, Tensor> hard_retrieval_attention(
@@ -297,7 +280,7 @@ std::tuple<Tensor, Tensor> hard_retrieval_attention(
     const std::optional<Tensor>& key_lengths, bool causal, bool sample,
     std::optional<double> softmax_temp, int64_t seed) {
   ops::check_defined(kOp, {"q", "k", "v"}, {q, k, v});
-  return ops::call_op<kOp, ops::hard_retrieval_no_grad_entry>(
+  return ops::call_op<kOp, HardRetrievalShell::no_grad>(
       q, k, v, to_c10(attn_mask), to_c10(key_lengths), causal, sample, to_c10(softmax_temp), seed);
 }
 

@@ -88,15 +88,6 @@ inline void check_elu_feature_map_input(const char* op, const char* name, const 
   check_float_dtype(op, name, x);
 }
 
-// The no-grad composites (the forward ops through the dispatcher),
-// registered under CPU and CUDA.
-torch::Tensor causal_linear_product_no_grad_entry(const torch::Tensor& q, const torch::Tensor& k,
-                                                  const torch::Tensor& v);
-torch::Tensor elu_linear_attention_no_grad_entry(const torch::Tensor& q, const torch::Tensor& k,
-                                                 const torch::Tensor& v,
-                                                 const c10::optional<torch::Tensor>& key_lengths,
-                                                 bool causal, double eps);
-
 // ---- kernel arguments ------------------------------------------------------
 
 // causal_linear_product's forward and backward structs from its inputs (as

@@ -13,27 +13,36 @@
 //     // It calls the internal halves through the dispatcher by name:
 //     //   call_op<kForwardOp, aft_attention_forward_cpu_op>(...)
 //     static Tensor forward(Saved* saved, const Tensor& q, ...);
-//     // Gradients of the differentiable inputs, in argument order (the
-//     // shell pads the rest with undefined tensors).
+//     // Gradients of the differentiable inputs, in argument order (a list
+//     // or a tuple of tensors; the shell pads the rest with undefined ones).
 //     static variable_list backward(const Saved& saved, const variable_list& grads);
 //   };
 //
-// and registers Shell<AftOp>::no_grad under its backends and
-// Shell<AftOp>::autograd under Autograd. The shell saves Saved's tensors
-// with save_for_backward (version checks; no reference cycle through a
-// saved output), keeps the rest of Saved in the autograd context, marks the
-// outputs that are not floating point non-differentiable, and runs the
-// forward below autograd (an Op that records its own graph in its forward
-// declares `static constexpr bool kRecordsGraph = true;` and runs with
-// autograd's dispatch keys on). Internal halves (X_forward, X_backward) are not
+// and registers itself with its CPU halves in one line,
+//
+//   TORCH_LIBRARY_FRAGMENT(fastattn, m) {
+//     ops::impl_shell<AftOp>(m, "aft_attention", aft_attention_forward_cpu_op,
+//                            aft_attention_backward_cpu_op);
+//   }
+//
+// (Shell<AftOp>::no_grad under CPU and CUDA, Shell<AftOp>::autograd under
+// Autograd); a CUDA build adds its CUDA halves with impl_halves. The shell
+// saves Saved's tensors with save_for_backward (version checks; no reference
+// cycle through a saved output), keeps the rest of Saved in the autograd
+// context, marks the outputs that are not floating point non-differentiable,
+// and runs the forward below autograd (an Op that records its own graph in
+// its forward declares `static constexpr bool kRecordsGraph = true;` and runs
+// with autograd's dispatch keys on). Internal halves (X_forward, X_backward) are not
 // differentiable: schemas.cpp registers an explicit Autograd kernel for them
 // that returns outputs without a gradient history.
 #pragma once
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
 #include <torch/torch.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -75,6 +84,8 @@ template <typename R>
 torch::autograd::variable_list to_list(R&& r) {
   if constexpr (std::is_same_v<std::decay_t<R>, torch::Tensor>) {
     return {std::forward<R>(r)};
+  } else if constexpr (std::is_same_v<std::decay_t<R>, torch::autograd::variable_list>) {
+    return std::forward<R>(r);
   } else {
     return std::apply([](auto&&... t) { return torch::autograd::variable_list{t...}; }, r);
   }
@@ -147,7 +158,7 @@ struct Shell<Op, R (*)(typename Op::Saved*, A...)> {
       std::apply([&](auto&... t) { ((t = tensors[i++]), ...); }, saved.tensors());
       // The saved inputs were checked by the forward: no value checks again.
       SavedInputsChecked checked;
-      auto g = Op::backward(saved, grads);
+      auto g = shell_detail::to_list(Op::backward(saved, grads));
       g.resize(sizeof...(A));
       return g;
     }
@@ -158,5 +169,30 @@ struct Shell<Op, R (*)(typename Op::Saved*, A...)> {
   // The backends' kernel: the forward without saving anything.
   static R no_grad(A... args) { return Op::forward(nullptr, args...); }
 };
+
+// Registers an operator's halves `<name>_forward` and `<name>_backward` (when
+// `backward` is not null) for one dispatch key. In a block without a key
+// (TORCH_LIBRARY_FRAGMENT) or one with the same key.
+template <typename Forward, typename Backward = std::nullptr_t>
+void impl_halves(torch::Library& m, c10::DispatchKey key, const std::string& name, Forward* forward,
+                 Backward* backward = nullptr) {
+  m.impl((name + "_forward").c_str(), torch::dispatch(key, forward));
+  if constexpr (!std::is_same_v<Backward, std::nullptr_t>)
+    m.impl((name + "_backward").c_str(), torch::dispatch(key, backward));
+}
+
+// Registers operator `name` made by the shell from `Op`: its no-grad entry
+// under CPU and CUDA (it reaches the device's halves through the dispatcher,
+// so one entry serves both), its Autograd kernel, and its CPU halves. Called
+// in a TORCH_LIBRARY_FRAGMENT block (one without a dispatch key).
+template <typename Op, typename Forward, typename Backward = std::nullptr_t>
+void impl_shell(torch::Library& m, const std::string& name, Forward* forward_cpu,
+                Backward* backward_cpu = nullptr) {
+  using S = Shell<Op>;
+  m.impl(name.c_str(), torch::dispatch(c10::DispatchKey::CPU, S::no_grad));
+  m.impl(name.c_str(), torch::dispatch(c10::DispatchKey::CUDA, S::no_grad));
+  m.impl(name.c_str(), torch::dispatch(c10::DispatchKey::Autograd, S::autograd));
+  impl_halves(m, c10::DispatchKey::CPU, name, forward_cpu, backward_cpu);
+}
 
 }  // namespace fastattn::ops

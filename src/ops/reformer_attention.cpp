@@ -236,11 +236,10 @@ struct ReformerOp {
     return out;
   }
 
-  static variable_list backward(const Saved& s, const variable_list& grads) {
-    auto [gq, gv] = ops::call_op<kBackwardOp, reformer_attention_backward_cpu_op>(
+  static auto backward(const Saved& s, const variable_list& grads) {
+    return ops::call_op<kBackwardOp, reformer_attention_backward_cpu_op>(
         grads[0], s.q, s.v, s.buckets, s.out, s.stats, ops::opt(s.key_lengths), s.chunk_size,
         s.causal, s.mask_self, s.temp, s.dropout_p, s.dropout_seed);
-    return {gq, gv};
   }
 };
 
@@ -248,23 +247,12 @@ using ReformerShell = ops::Shell<ReformerOp>;
 
 }  // namespace
 
-// The top-level op without autograd (also registered under CUDA).
-torch::Tensor ops::reformer::reformer_attention_no_grad(
-    const Tensor& q, const Tensor& v, const Tensor& buckets,
-    const c10::optional<Tensor>& key_lengths, int64_t chunk_size, bool causal, bool mask_self,
-    c10::optional<double> softmax_temp, double dropout_p, c10::optional<int64_t> dropout_seed) {
-  return ReformerShell::no_grad(q, v, buckets, key_lengths, chunk_size, causal, mask_self,
-                                softmax_temp, dropout_p, dropout_seed);
-}
+TORCH_LIBRARY_IMPL(fastattn, CPU, m) { m.impl("lsh_hash", lsh_hash_cpu_op); }
 
-TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
-  m.impl("lsh_hash", lsh_hash_cpu_op);
-  m.impl("reformer_attention", reformer_attention_no_grad);
-  m.impl("reformer_attention_forward", reformer_attention_forward_cpu_op);
-  m.impl("reformer_attention_backward", reformer_attention_backward_cpu_op);
+TORCH_LIBRARY_FRAGMENT(fastattn, m) {
+  ops::impl_shell<ReformerOp>(m, "reformer_attention", reformer_attention_forward_cpu_op,
+                              reformer_attention_backward_cpu_op);
 }
-
-TORCH_LIBRARY_IMPL(fastattn, Autograd, m) { m.impl("reformer_attention", ReformerShell::autograd); }
 
 Tensor lsh_hash(const Tensor& x, const Tensor& rotations) {
   ops::check_defined(kHashOp, {"x", "rotations"}, {x, rotations});
@@ -276,9 +264,9 @@ Tensor reformer_attention(const Tensor& q, const Tensor& v, const Tensor& bucket
                           bool mask_self, std::optional<double> softmax_temp, double dropout_p,
                           std::optional<int64_t> dropout_seed) {
   ops::check_defined(kOp, {"q", "v", "buckets"}, {q, v, buckets});
-  return ops::call_op<kOp, reformer_attention_no_grad>(
-      q, v, buckets, to_c10(key_lengths), chunk_size, causal, mask_self, to_c10(softmax_temp),
-      dropout_p, to_c10(dropout_seed));
+  return ops::call_op<kOp, ReformerShell::no_grad>(q, v, buckets, to_c10(key_lengths), chunk_size,
+                                                   causal, mask_self, to_c10(softmax_temp),
+                                                   dropout_p, to_c10(dropout_seed));
 }
 
 // ---- plain-ATen references (tests and benchmarks only) ----------------------------

@@ -91,13 +91,4 @@ void fill_reformer_args(kernels::ReformerParams<T>& a, const torch::Tensor& q,
   }
 }
 
-// fastattn::reformer_attention without autograd: resolves softmax_temp and
-// calls reformer_attention_forward through the dispatcher (CPU and CUDA).
-torch::Tensor reformer_attention_no_grad(const torch::Tensor& q, const torch::Tensor& v,
-                                         const torch::Tensor& buckets,
-                                         const c10::optional<torch::Tensor>& key_lengths,
-                                         int64_t chunk_size, bool causal, bool mask_self,
-                                         c10::optional<double> softmax_temp, double dropout_p,
-                                         c10::optional<int64_t> dropout_seed);
-
 }  // namespace fastattn::ops::reformer

@@ -19,6 +19,7 @@
 #include "kernels/block_sparse/block_sparse_attention_cuda.h"
 #include "ops/block_sparse_pattern.h"
 #include "ops/cuda/cuda_op_util.h"
+#include "ops/op_shell.h"
 #include "ops/op_util.h"
 
 namespace fastattn {
@@ -162,9 +163,8 @@ std::tuple<Tensor, Tensor, Tensor> block_sparse_attention_backward_cuda_op(
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
-  m.impl("block_sparse_attention", ops::block_sparse_no_grad_entry);
-  m.impl("block_sparse_attention_forward", block_sparse_attention_forward_cuda_op);
-  m.impl("block_sparse_attention_backward", block_sparse_attention_backward_cuda_op);
+  ops::impl_halves(m, c10::DispatchKey::CUDA, "block_sparse_attention",
+                   block_sparse_attention_forward_cuda_op, block_sparse_attention_backward_cuda_op);
 }
 
 }  // namespace fastattn

@@ -11,6 +11,7 @@
 #include "kernels/causal_product/causal_product_cuda.h"
 #include "ops/cuda/cuda_op_util.h"
 #include "ops/linear_attention_args.h"
+#include "ops/op_shell.h"
 
 namespace fastattn {
 namespace {
@@ -65,9 +66,8 @@ std::tuple<Tensor, Tensor, Tensor> causal_linear_product_backward_cuda_op(const 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
-  m.impl("causal_linear_product", ops::causal_linear_product_no_grad_entry);
-  m.impl("causal_linear_product_forward", causal_linear_product_forward_cuda_op);
-  m.impl("causal_linear_product_backward", causal_linear_product_backward_cuda_op);
+  ops::impl_halves(m, c10::DispatchKey::CUDA, "causal_linear_product",
+                   causal_linear_product_forward_cuda_op, causal_linear_product_backward_cuda_op);
 }
 
 }  // namespace fastattn

@@ -21,6 +21,7 @@
 #include "ops/clustered_topk_args.h"
 #include "ops/cuda/cuda_op_util.h"
 #include "ops/mask_util.h"
+#include "ops/op_shell.h"
 #include "ops/op_util.h"
 
 namespace fastattn {
@@ -257,9 +258,9 @@ std::tuple<Tensor, Tensor, Tensor> improved_clustered_attention_backward_cuda_op
 TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
   m.impl("clustered_topk_attention", clustered_topk_attention_cuda_op);
   m.impl("clustered_topk_attention_backward", clustered_topk_attention_backward_cuda_op);
-  m.impl("improved_clustered_attention", ops::improved_clustered_no_grad_entry);
-  m.impl("improved_clustered_attention_forward", improved_clustered_attention_forward_cuda_op);
-  m.impl("improved_clustered_attention_backward", improved_clustered_attention_backward_cuda_op);
+  ops::impl_halves(m, c10::DispatchKey::CUDA, "improved_clustered_attention",
+                   improved_clustered_attention_forward_cuda_op,
+                   improved_clustered_attention_backward_cuda_op);
 }
 
 }  // namespace fastattn

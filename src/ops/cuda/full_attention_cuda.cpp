@@ -24,6 +24,7 @@
 #include "ops/cuda/cuda_op_util.h"
 #include "ops/full_attention_internal.h"
 #include "ops/mask_util.h"
+#include "ops/op_shell.h"
 #include "ops/op_util.h"
 
 namespace fastattn {
@@ -202,11 +203,10 @@ void full_attention_backward_accumulate_cuda(const Tensor& grad_out, const Tenso
 }  // namespace ops
 
 TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
-  m.impl("full_attention", ops::full_attention_no_grad_entry);
-  m.impl("full_attention_forward", full_attention_forward_cuda_op);
-  m.impl("full_attention_backward", full_attention_backward_cuda_op);
-  m.impl("full_attention_lse_topk", ops::full_attention_lse_topk_no_grad_entry);
-  m.impl("full_attention_lse_topk_forward", full_attention_lse_topk_forward_cuda_op);
+  ops::impl_halves(m, c10::DispatchKey::CUDA, "full_attention", full_attention_forward_cuda_op,
+                   full_attention_backward_cuda_op);
+  ops::impl_halves(m, c10::DispatchKey::CUDA, "full_attention_lse_topk",
+                   full_attention_lse_topk_forward_cuda_op);
 }
 
 }  // namespace fastattn

@@ -12,6 +12,7 @@
 #include "ops/cuda/cuda_op_util.h"
 #include "ops/hard_retrieval_args.h"
 #include "ops/mask_util.h"
+#include "ops/op_shell.h"
 #include "ops/op_util.h"
 
 namespace fastattn {
@@ -101,9 +102,9 @@ std::tuple<Tensor, Tensor, Tensor> hard_retrieval_attention_backward_cuda_op(
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
-  m.impl("hard_retrieval_attention", ops::hard_retrieval_no_grad_entry);
-  m.impl("hard_retrieval_attention_forward", hard_retrieval_attention_forward_cuda_op);
-  m.impl("hard_retrieval_attention_backward", hard_retrieval_attention_backward_cuda_op);
+  ops::impl_halves(m, c10::DispatchKey::CUDA, "hard_retrieval_attention",
+                   hard_retrieval_attention_forward_cuda_op,
+                   hard_retrieval_attention_backward_cuda_op);
 }
 
 }  // namespace fastattn

@@ -13,6 +13,7 @@
 #include "kernels/linear_attention/elu_linear_attention_cuda.h"
 #include "ops/cuda/cuda_op_util.h"
 #include "ops/linear_attention_args.h"
+#include "ops/op_shell.h"
 
 namespace fastattn {
 namespace {
@@ -95,9 +96,8 @@ std::tuple<Tensor, Tensor, Tensor> elu_linear_attention_backward_cuda_op(
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
-  m.impl("elu_linear_attention", ops::elu_linear_attention_no_grad_entry);
-  m.impl("elu_linear_attention_forward", elu_linear_attention_forward_cuda_op);
-  m.impl("elu_linear_attention_backward", elu_linear_attention_backward_cuda_op);
+  ops::impl_halves(m, c10::DispatchKey::CUDA, "elu_linear_attention",
+                   elu_linear_attention_forward_cuda_op, elu_linear_attention_backward_cuda_op);
 }
 
 }  // namespace fastattn

@@ -16,6 +16,7 @@
 
 #include "kernels/reformer/reformer_cuda.h"
 #include "ops/cuda/cuda_op_util.h"
+#include "ops/op_shell.h"
 #include "ops/op_util.h"
 #include "ops/reformer_attention_internal.h"
 
@@ -135,9 +136,8 @@ std::tuple<Tensor, Tensor> reformer_attention_backward_cuda_op(
 
 TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
   m.impl("lsh_hash", lsh_hash_cuda_op);
-  m.impl("reformer_attention", ops::reformer::reformer_attention_no_grad);
-  m.impl("reformer_attention_forward", reformer_attention_forward_cuda_op);
-  m.impl("reformer_attention_backward", reformer_attention_backward_cuda_op);
+  ops::impl_halves(m, c10::DispatchKey::CUDA, "reformer_attention",
+                   reformer_attention_forward_cuda_op, reformer_attention_backward_cuda_op);
 }
 
 }  // namespace fastattn
