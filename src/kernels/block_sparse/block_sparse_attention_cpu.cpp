@@ -825,17 +825,13 @@ void block_sparse_attention_backward_cpu(const BlockSparseBackwardArgs<T>& args)
     kv_stored[h] = g != nullptr && g->Sp == S;
   }
   {
-    struct None {};
-    parallel_items<None>(
-        NH, a.num_threads, [](None&) {},
-        [&](int64_t nh, None&) {
-          const int64_t h = nh % H;
-          if (first_part[h] < 0)
-            zero_rows(a.grad_q_rows.head(a.grad_q, nh, H), L, E, a.grad_q_rows.sr);
-          if (kv_stored[h]) return;
-          zero_rows(a.grad_k_rows.head(a.grad_k, nh, H), S, E, a.grad_k_rows.sr);
-          zero_rows(a.grad_v_rows.head(a.grad_v, nh, H), S, M, a.grad_v_rows.sr);
-        });
+    parallel_for_items(NH, a.num_threads, [&](int64_t nh) {
+      const int64_t h = nh % H;
+      if (first_part[h] < 0) zero_rows(a.grad_q_rows.head(a.grad_q, nh, H), L, E, a.grad_q_rows.sr);
+      if (kv_stored[h]) return;
+      zero_rows(a.grad_k_rows.head(a.grad_k, nh, H), S, E, a.grad_k_rows.sr);
+      zero_rows(a.grad_v_rows.head(a.grad_v, nh, H), S, M, a.grad_v_rows.sr);
+    });
   }
   // Per (nh, query tile) of the current part: its dQ rows written.
   std::vector<uint8_t> dq_written(static_cast<size_t>(NH * q_tiles));

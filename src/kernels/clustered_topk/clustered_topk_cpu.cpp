@@ -484,26 +484,23 @@ void cluster_means_cpu(const ClusterMeansArgs<T>& args) {
   ClusterMeansArgs<T> a = args;
   a.q_rows = a.q_rows.resolved(a.H, a.L, a.E);
   const int64_t L = a.L, C = a.C, E = a.E;
-  struct None {};
-  parallel_items<None>(
-      a.NH, a.num_threads, [](None&) {},
-      [&](int64_t nh, None&) {
-        T* cen = a.centroids + nh * C * E;
-        std::fill(cen, cen + C * E, T(0));
-        const T* q = a.q_rows.head(a.q, nh, a.H);
-        for (int64_t l = 0; l < L; ++l) {
-          prefetch_ahead(q, l, L, E, a.q_rows.sr);
-          const int64_t c = a.assignments[nh * L + l];
-          if (c < 0) continue;
-          const T* src = q + l * a.q_rows.sr;
-          for (int64_t x = 0; x < E; ++x) cen[c * E + x] += src[x];
-        }
-        if (!a.mean) return;
-        for (int64_t c = 0; c < C; ++c) {
-          const T inv = T(1) / static_cast<T>(std::max<int64_t>(1, a.counts[nh * C + c]));
-          for (int64_t x = 0; x < E; ++x) cen[c * E + x] *= inv;
-        }
-      });
+  parallel_for_items(a.NH, a.num_threads, [&](int64_t nh) {
+    T* cen = a.centroids + nh * C * E;
+    std::fill(cen, cen + C * E, T(0));
+    const T* q = a.q_rows.head(a.q, nh, a.H);
+    for (int64_t l = 0; l < L; ++l) {
+      prefetch_ahead(q, l, L, E, a.q_rows.sr);
+      const int64_t c = a.assignments[nh * L + l];
+      if (c < 0) continue;
+      const T* src = q + l * a.q_rows.sr;
+      for (int64_t x = 0; x < E; ++x) cen[c * E + x] += src[x];
+    }
+    if (!a.mean) return;
+    for (int64_t c = 0; c < C; ++c) {
+      const T inv = T(1) / static_cast<T>(std::max<int64_t>(1, a.counts[nh * C + c]));
+      for (int64_t x = 0; x < E; ++x) cen[c * E + x] *= inv;
+    }
+  });
 }
 
 template <typename T>
@@ -511,30 +508,27 @@ void spread_centroids_cpu(const CentroidSpreadArgs<T>& args) {
   CentroidSpreadArgs<T> a = args;
   a.dst_rows = a.dst_rows.resolved(a.H, a.L, a.E);
   const int64_t L = a.L, C = a.C, E = a.E;
-  struct None {};
-  parallel_items<None>(
-      a.NH, a.num_threads, [](None&) {},
-      [&](int64_t nh, None&) {
-        T* head = a.dst_rows.head(a.dst, nh, a.H);
-        for (int64_t l = 0; l < L; ++l) {
-          if (a.accumulate) prefetch_ahead(head, l, L, E, a.dst_rows.sr, /*write=*/true);
-          const int64_t c = a.assignments[nh * L + l];
-          T* dst = head + l * a.dst_rows.sr;
-          if (c < 0) {
-            if (!a.accumulate) std::fill(dst, dst + E, T(0));
-            continue;
-          }
-          const T* src = a.table + (nh * C + c) * E;
-          const T inv =
-              a.divide ? T(1) / static_cast<T>(std::max<int64_t>(1, a.counts[nh * C + c])) : T(1);
-          if (a.accumulate) {
-            for (int64_t x = 0; x < E; ++x) dst[x] += inv * src[x];
-          } else {
-            stream_scaled(src, inv, dst, E);
-          }
-        }
-        stream_fence();
-      });
+  parallel_for_items(a.NH, a.num_threads, [&](int64_t nh) {
+    T* head = a.dst_rows.head(a.dst, nh, a.H);
+    for (int64_t l = 0; l < L; ++l) {
+      if (a.accumulate) prefetch_ahead(head, l, L, E, a.dst_rows.sr, /*write=*/true);
+      const int64_t c = a.assignments[nh * L + l];
+      T* dst = head + l * a.dst_rows.sr;
+      if (c < 0) {
+        if (!a.accumulate) std::fill(dst, dst + E, T(0));
+        continue;
+      }
+      const T* src = a.table + (nh * C + c) * E;
+      const T inv =
+          a.divide ? T(1) / static_cast<T>(std::max<int64_t>(1, a.counts[nh * C + c])) : T(1);
+      if (a.accumulate) {
+        for (int64_t x = 0; x < E; ++x) dst[x] += inv * src[x];
+      } else {
+        stream_scaled(src, inv, dst, E);
+      }
+    }
+    stream_fence();
+  });
 }
 
 FASTATTN_ISA_END

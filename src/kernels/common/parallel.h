@@ -59,6 +59,15 @@ void parallel_items(int64_t n, int num_threads, Init init, Body body) {
   if (error) std::rethrow_exception(error);
 }
 
+// parallel_items without per-thread scratch: body(item) for every item in
+// [0, n).
+template <typename Body>
+void parallel_for_items(int64_t n, int num_threads, Body body) {
+  struct None {};
+  parallel_items<None>(
+      n, num_threads, [](None&) {}, [&](int64_t i, None&) { body(i); });
+}
+
 // zero_all_rows (rows.h) split between the threads: zeroing a gradient or
 // output on one thread first (the first touch of a fresh allocation's pages)
 // left the other threads waiting, a large part of a backward whose own work
@@ -74,15 +83,11 @@ void zero_all_rows_parallel(T* x, const RowStrides& s, int64_t NH, int64_t H, in
   // A few pieces per thread, each a run of one head's rows.
   const int64_t pieces = std::clamp<int64_t>((4 * num_threads + NH - 1) / NH, 1, rows);
   const int64_t piece_rows = (rows + pieces - 1) / pieces;
-  struct None {};
-  parallel_items<None>(
-      NH * pieces, num_threads, [](None&) {},
-      [&](int64_t item, None&) {
-        const int64_t r0 = item % pieces * piece_rows;
-        if (r0 >= rows) return;
-        zero_rows(s.head(x, item / pieces, H) + r0 * s.sr, std::min(piece_rows, rows - r0), cols,
-                  s.sr);
-      });
+  parallel_for_items(NH * pieces, num_threads, [&](int64_t item) {
+    const int64_t r0 = item % pieces * piece_rows;
+    if (r0 >= rows) return;
+    zero_rows(s.head(x, item / pieces, H) + r0 * s.sr, std::min(piece_rows, rows - r0), cols, s.sr);
+  });
 }
 
 FASTATTN_ISA_END

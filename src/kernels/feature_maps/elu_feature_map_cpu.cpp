@@ -14,18 +14,15 @@ constexpr int64_t kBlock = 16384;  // elements per work item
 
 template <typename T, bool Backward>
 void run(const EluFeatureMapArgs<T>& a) {
-  struct None {};
   const int64_t blocks = (a.n + kBlock - 1) / kBlock;
-  parallel_items<None>(
-      blocks, a.num_threads, [](None&) {},
-      [&](int64_t b, None&) {
-        const int64_t i0 = b * kBlock, n = std::min(a.n, i0 + kBlock) - i0;
-        if constexpr (Backward) {
-          elu_plus_one_backward(a.x + i0, a.grad_out + i0, a.out + i0, n);
-        } else {
-          elu_plus_one(a.x + i0, a.out + i0, n);
-        }
-      });
+  parallel_for_items(blocks, a.num_threads, [&](int64_t b) {
+    const int64_t i0 = b * kBlock, n = std::min(a.n, i0 + kBlock) - i0;
+    if constexpr (Backward) {
+      elu_plus_one_backward(a.x + i0, a.grad_out + i0, a.out + i0, n);
+    } else {
+      elu_plus_one(a.x + i0, a.out + i0, n);
+    }
+  });
 }
 
 }  // namespace

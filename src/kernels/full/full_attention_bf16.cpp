@@ -396,30 +396,27 @@ void full_attention_backward_bf16(const FullAttentionBackwardArgs<Bf16>& args) {
   ScratchArray<Bf16> qr(static_cast<size_t>(NH * Lp * Ep)), qt(static_cast<size_t>(NH * Lp * Ep)),
       dor(static_cast<size_t>(NH * Lp * Mp)), dot(static_cast<size_t>(NH * Lp * Mp));
   {
-    struct None {};
     const int64_t chunks32 = Sp / kBlock;
-    parallel_items<None>(
-        NH * (chunks32 + 1), a.num_threads, [](None&) {},
-        [&](int64_t item, None&) {
-          const int64_t nh = item / (chunks32 + 1), kc = item % (chunks32 + 1);
-          if (kc == chunks32) {  // this head's queries and output gradients
-            copy_padded(a.q_rows.head(a.q, nh, H), a.q_rows.sr, L, E, Lp, Ep,
-                        qr.get() + nh * Lp * Ep, qt.get() + nh * Lp * Ep);
-            copy_padded(a.grad_out_rows.head(a.grad_out, nh, H), a.grad_out_rows.sr, L, M, Lp, Mp,
-                        dor.get() + nh * Lp * Mp, dot.get() + nh * Lp * Mp);
-            return;
-          }
-          const Bf16* kh = a.k_rows.head(a.k, nh, H);
-          const Bf16* vh = a.v_rows.head(a.v, nh, H);
-          for (int64_t b = 2 * kc; b < 2 * kc + 2; ++b) {
-            pack_key_block(kh, a.k_rows.sr, S, E, e_chunks, b,
-                           kt.get() + nh * wk + b * e_chunks * kTileWords);
-            pack_key_block(vh, a.v_rows.sr, S, M, m_chunks, b,
-                           vt.get() + nh * wv + b * m_chunks * kTileWords);
-          }
-          pack_value_chunk(kh, a.k_rows.sr, S, E, e_blocks, kc,
-                           kpair.get() + nh * wk + kc * e_blocks * kTileWords);
-        });
+    parallel_for_items(NH * (chunks32 + 1), a.num_threads, [&](int64_t item) {
+      const int64_t nh = item / (chunks32 + 1), kc = item % (chunks32 + 1);
+      if (kc == chunks32) {  // this head's queries and output gradients
+        copy_padded(a.q_rows.head(a.q, nh, H), a.q_rows.sr, L, E, Lp, Ep, qr.get() + nh * Lp * Ep,
+                    qt.get() + nh * Lp * Ep);
+        copy_padded(a.grad_out_rows.head(a.grad_out, nh, H), a.grad_out_rows.sr, L, M, Lp, Mp,
+                    dor.get() + nh * Lp * Mp, dot.get() + nh * Lp * Mp);
+        return;
+      }
+      const Bf16* kh = a.k_rows.head(a.k, nh, H);
+      const Bf16* vh = a.v_rows.head(a.v, nh, H);
+      for (int64_t b = 2 * kc; b < 2 * kc + 2; ++b) {
+        pack_key_block(kh, a.k_rows.sr, S, E, e_chunks, b,
+                       kt.get() + nh * wk + b * e_chunks * kTileWords);
+        pack_key_block(vh, a.v_rows.sr, S, M, m_chunks, b,
+                       vt.get() + nh * wv + b * m_chunks * kTileWords);
+      }
+      pack_value_chunk(kh, a.k_rows.sr, S, E, e_blocks, kc,
+                       kpair.get() + nh * wk + kc * e_blocks * kTileWords);
+    });
   }
 
   const int64_t k_tiles = (S + kBwdKeys - 1) / kBwdKeys;
@@ -562,20 +559,17 @@ void full_attention_backward_bf16(const FullAttentionBackwardArgs<Bf16>& args) {
       });
 
   // dQ: the splits' parts summed, rounded once.
-  struct None {};
-  parallel_items<None>(
-      NH, a.num_threads, [](None&) {},
-      [&](int64_t nh, None&) {
-        Bf16* dst = a.grad_q_rows.head(a.grad_q, nh, H);
-        const float* part = dq_parts.get() + nh * splits * Lp * Ep;
-        for (int64_t i = 0; i < L; ++i) {
-          for (int64_t e = 0; e < E; ++e) {
-            float sum = 0;
-            for (int64_t sp = 0; sp < splits; ++sp) sum += part[sp * Lp * Ep + i * Ep + e];
-            dst[i * a.grad_q_rows.sr + e].bits = bf16_bits(sum);
-          }
-        }
-      });
+  parallel_for_items(NH, a.num_threads, [&](int64_t nh) {
+    Bf16* dst = a.grad_q_rows.head(a.grad_q, nh, H);
+    const float* part = dq_parts.get() + nh * splits * Lp * Ep;
+    for (int64_t i = 0; i < L; ++i) {
+      for (int64_t e = 0; e < E; ++e) {
+        float sum = 0;
+        for (int64_t sp = 0; sp < splits; ++sp) sum += part[sp * Lp * Ep + i * Ep + e];
+        dst[i * a.grad_q_rows.sr + e].bits = bf16_bits(sum);
+      }
+    }
+  });
 }
 
 // One query per (n, h), no mask (token-by-token decoding over a cache): K
@@ -645,20 +639,17 @@ void full_attention_forward_bf16(const FullAttentionForwardArgs<Bf16>& args) {
   ScratchArray<uint32_t> kp(static_cast<size_t>(NH * head_words_k));
   ScratchArray<uint32_t> vp(static_cast<size_t>(NH * head_words_v));
   {
-    struct None {};
     const int64_t per_head = Sp / kBlock;
-    parallel_items<None>(
-        NH * per_head, a.num_threads, [](None&) {},
-        [&](int64_t item, None&) {
-          const int64_t nh = item / per_head, kc = item % per_head;
-          const Bf16* kh = a.k_rows.head(a.k, nh, H);
-          const Bf16* vh = a.v_rows.head(a.v, nh, H);
-          uint32_t* kdst = kp.get() + nh * head_words_k;
-          for (int64_t b = 2 * kc; b < 2 * kc + 2; ++b)
-            pack_key_block(kh, a.k_rows.sr, S, E, chunks, b, kdst + b * chunks * kTileWords);
-          pack_value_chunk(vh, a.v_rows.sr, S, M, col_blocks, kc,
-                           vp.get() + nh * head_words_v + kc * col_blocks * kTileWords);
-        });
+    parallel_for_items(NH * per_head, a.num_threads, [&](int64_t item) {
+      const int64_t nh = item / per_head, kc = item % per_head;
+      const Bf16* kh = a.k_rows.head(a.k, nh, H);
+      const Bf16* vh = a.v_rows.head(a.v, nh, H);
+      uint32_t* kdst = kp.get() + nh * head_words_k;
+      for (int64_t b = 2 * kc; b < 2 * kc + 2; ++b)
+        pack_key_block(kh, a.k_rows.sr, S, E, chunks, b, kdst + b * chunks * kTileWords);
+      pack_value_chunk(vh, a.v_rows.sr, S, M, col_blocks, kc,
+                       vp.get() + nh * head_words_v + kc * col_blocks * kTileWords);
+    });
   }
 
   const int64_t q_tiles = (L + kMaxQueryTile - 1) / kMaxQueryTile;

@@ -666,16 +666,13 @@ void full_attention_backward_cpu(const FullAttentionBackwardArgs<T>& args) {
       });
 
   if (parts) {
-    struct None {};
-    parallel_items<None>(
-        NH, a.num_threads, [](None&) {},
-        [&](int64_t nh, None&) {
-          T* dst = a.grad_q_rows.head(a.grad_q, nh, H);
-          for (int64_t s = 0; s < splits; ++s) {
-            const T* src = dq_parts.get() + (nh * splits + s) * L * E;
-            store_rows(src, L, E, dst, a.grad_q_rows.sr, /*add=*/s > 0 || a.accumulate);
-          }
-        });
+    parallel_for_items(NH, a.num_threads, [&](int64_t nh) {
+      T* dst = a.grad_q_rows.head(a.grad_q, nh, H);
+      for (int64_t s = 0; s < splits; ++s) {
+        const T* src = dq_parts.get() + (nh * splits + s) * L * E;
+        store_rows(src, L, E, dst, a.grad_q_rows.sr, /*add=*/s > 0 || a.accumulate);
+      }
+    });
   }
 }
 

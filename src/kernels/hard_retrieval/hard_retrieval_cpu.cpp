@@ -46,12 +46,9 @@ ScratchArray<T> pack_heads(const T* x, const RowStrides& xr, int64_t NH, int64_t
                            int64_t D, int64_t rows_pad, int num_threads) {
   ScratchArray<T> out(static_cast<size_t>(NH * rows_pad * D));
   T* o = out.get();
-  struct None {};
-  parallel_items<None>(
-      NH, num_threads, [](None&) {},
-      [&](int64_t nh, None&) {
-        pack_transposed_panels(xr.head(x, nh, H), rows, D, xr.sr, rows_pad, o + nh * rows_pad * D);
-      });
+  parallel_for_items(NH, num_threads, [&](int64_t nh) {
+    pack_transposed_panels(xr.head(x, nh, H), rows, D, xr.sr, rows_pad, o + nh * rows_pad * D);
+  });
   return out;
 }
 
@@ -286,21 +283,18 @@ void hard_retrieval_grad_v_cpu(const HardRetrievalGradVArgs<T>& args) {
   a.grad_out_rows = a.grad_out_rows.resolved(a.H, a.L, a.M);
   a.grad_v_rows = a.grad_v_rows.resolved(a.H, a.S, a.M);
   const int64_t L = a.L, S = a.S, M = a.M;
-  struct None {};
   // One head per work item: no two items write the same rows; each zeroes
   // its own head first (in parallel, unlike one pass over every head).
-  parallel_items<None>(
-      a.NH, a.num_threads, [](None&) {},
-      [&](int64_t nh, None&) {
-        zero_rows(a.grad_v_rows.head(a.grad_v, nh, a.H), S, M, a.grad_v_rows.sr);
-        for (int64_t i = 0; i < L; ++i) {
-          const int64_t idx = a.index[nh * L + i];
-          if (idx < 0) continue;
-          const T* src = a.grad_out_rows.row(a.grad_out, nh, a.H, i);
-          T* dst = a.grad_v_rows.row(a.grad_v, nh, a.H, idx);
-          for (int64_t c = 0; c < M; ++c) dst[c] += src[c];
-        }
-      });
+  parallel_for_items(a.NH, a.num_threads, [&](int64_t nh) {
+    zero_rows(a.grad_v_rows.head(a.grad_v, nh, a.H), S, M, a.grad_v_rows.sr);
+    for (int64_t i = 0; i < L; ++i) {
+      const int64_t idx = a.index[nh * L + i];
+      if (idx < 0) continue;
+      const T* src = a.grad_out_rows.row(a.grad_out, nh, a.H, i);
+      T* dst = a.grad_v_rows.row(a.grad_v, nh, a.H, idx);
+      for (int64_t c = 0; c < M; ++c) dst[c] += src[c];
+    }
+  });
 }
 
 FASTATTN_ISA_END

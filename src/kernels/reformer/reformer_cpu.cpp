@@ -74,13 +74,10 @@ int64_t valid_length(const ReformerParams<T>& a, int64_t nh) {
 // positions, which no round writes; every row when `all`.
 template <typename T>
 void zero_padded_rows(const ReformerParams<T>& a, T* x, const RowStrides& xr, int64_t D, bool all) {
-  struct None {};
-  parallel_items<None>(
-      a.N * a.H, a.num_threads, [](None&) {},
-      [&](int64_t nh, None&) {
-        const int64_t len = all ? 0 : valid_length(a, nh);
-        zero_rows(xr.row(x, nh, a.H, len), a.L - len, D, xr.sr);
-      });
+  parallel_for_items(a.N * a.H, a.num_threads, [&](int64_t nh) {
+    const int64_t len = all ? 0 : valid_length(a, nh);
+    zero_rows(xr.row(x, nh, a.H, len), a.L - len, D, xr.sr);
+  });
 }
 
 template <typename T>
@@ -90,13 +87,10 @@ Prepared<T> prepare(const ReformerParams<T>& a) {
   p.NH = NH;
   p.keys.reset(static_cast<size_t>(NH * L * E));
   p.perm.reset(static_cast<size_t>(NH * R * L));
-  struct None {};
-  parallel_items<None>(
-      NH, a.num_threads, [](None&) {},
-      [&](int64_t nh, None&) {
-        T* k = p.keys.get() + nh * L * E;
-        for (int64_t i = 0; i < L; ++i) normalized_row(a.q_rows.row(a.q, nh, a.H, i), k + i * E, E);
-      });
+  parallel_for_items(NH, a.num_threads, [&](int64_t nh) {
+    T* k = p.keys.get() + nh * L * E;
+    for (int64_t i = 0; i < L; ++i) normalized_row(a.q_rows.row(a.q, nh, a.H, i), k + i * E, E);
+  });
   // Counting sort per (n, h, r): stable, so ties in the bucket keep position order.
   parallel_items<std::vector<int64_t>>(
       NH * R, a.num_threads, [&](std::vector<int64_t>& count) { count.resize(a.n_buckets + 1); },
@@ -416,19 +410,16 @@ void reformer_forward_cpu(const ReformerForwardArgs<T>& args) {
           }
         });
   }
-  struct None {};
-  parallel_items<None>(
-      NH, a.num_threads, [](None&) {},
-      [&](int64_t nh, None&) {
-        for (int64_t i = 0; i < L; ++i) {
-          double* st = a.stats + 2 * (nh * L + i);
-          if (st[0] == neg_inf<double>()) continue;  // padding
-          const T inv = static_cast<T>(1.0 / st[1]);
-          T* out = a.out_rows.row(a.out, nh, H, i);
-          for (int64_t d = 0; d < M; ++d) out[d] *= inv;
-          st[1] = std::log(st[1]);
-        }
-      });
+  parallel_for_items(NH, a.num_threads, [&](int64_t nh) {
+    for (int64_t i = 0; i < L; ++i) {
+      double* st = a.stats + 2 * (nh * L + i);
+      if (st[0] == neg_inf<double>()) continue;  // padding
+      const T inv = static_cast<T>(1.0 / st[1]);
+      T* out = a.out_rows.row(a.out, nh, H, i);
+      for (int64_t d = 0; d < M; ++d) out[d] *= inv;
+      st[1] = std::log(st[1]);
+    }
+  });
 }
 
 template <typename T>
@@ -593,27 +584,24 @@ void reformer_backward_cpu(const ReformerBackwardArgs<T>& args) {
   }
   // Through k = q / max(|q|, eps): dq += (dk - k (k·dk)) / |q|, or dk / eps
   // where the norm is clamped.
-  struct None {};
-  parallel_items<None>(
-      NH, a.num_threads, [](None&) {},
-      [&](int64_t nh, None&) {
-        const int64_t len = valid_length(a, nh);
-        for (int64_t i = 0; i < len; ++i) {
-          const T* q = a.q_rows.row(a.q, nh, H, i);
-          const T* k = p.keys.get() + (nh * L + i) * E;
-          const T* g = grad_k.get() + (nh * L + i) * E;
-          T* dq = a.grad_q_rows.row(a.grad_q, nh, H, i);
-          const T ss = simd_dot(q, q, E), dot = simd_dot(k, g, E);
-          const T norm = std::sqrt(ss);
-          if (norm > T(kNormEps)) {
-            const T inv = T(1) / norm;
-            for (int64_t e = 0; e < E; ++e) dq[e] += (g[e] - k[e] * dot) * inv;
-          } else {
-            const T inv = T(1) / T(kNormEps);
-            for (int64_t e = 0; e < E; ++e) dq[e] += g[e] * inv;
-          }
-        }
-      });
+  parallel_for_items(NH, a.num_threads, [&](int64_t nh) {
+    const int64_t len = valid_length(a, nh);
+    for (int64_t i = 0; i < len; ++i) {
+      const T* q = a.q_rows.row(a.q, nh, H, i);
+      const T* k = p.keys.get() + (nh * L + i) * E;
+      const T* g = grad_k.get() + (nh * L + i) * E;
+      T* dq = a.grad_q_rows.row(a.grad_q, nh, H, i);
+      const T ss = simd_dot(q, q, E), dot = simd_dot(k, g, E);
+      const T norm = std::sqrt(ss);
+      if (norm > T(kNormEps)) {
+        const T inv = T(1) / norm;
+        for (int64_t e = 0; e < E; ++e) dq[e] += (g[e] - k[e] * dot) * inv;
+      } else {
+        const T inv = T(1) / T(kNormEps);
+        for (int64_t e = 0; e < E; ++e) dq[e] += g[e] * inv;
+      }
+    }
+  });
 }
 
 FASTATTN_ISA_END
