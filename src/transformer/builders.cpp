@@ -91,6 +91,12 @@ TransformerLayerOptions layer_options(const TransformerConfig& c, const Resolved
       .norm_first(c.norm_first);
 }
 
+// The stack's final norm, or none.
+torch::nn::LayerNorm final_norm(const TransformerConfig& c, const ResolvedConfig& r) {
+  if (!c.final_normalization) return torch::nn::LayerNorm(nullptr);
+  return torch::nn::LayerNorm(torch::nn::LayerNormOptions({r.d_model}));
+}
+
 // ---- JSON ---------------------------------------------------------------------
 
 int64_t json_int(const char* who, const std::string& key, const nlohmann::json& v) {
@@ -194,10 +200,7 @@ TransformerEncoder EncoderBuilder::build() const {
     layers.emplace_back(attention_layer(layer_spec(attention_, i), config_, r, std::nullopt),
                         layer_options(config_, r));
   }
-  torch::nn::LayerNorm norm{nullptr};
-  if (config_.final_normalization)
-    norm = torch::nn::LayerNorm(torch::nn::LayerNormOptions({r.d_model}));
-  return TransformerEncoder(std::move(layers), norm);
+  return TransformerEncoder(std::move(layers), final_norm(config_, r));
 }
 
 EncoderBuilder EncoderBuilder::from_json(const nlohmann::json& j) {
@@ -249,10 +252,7 @@ TransformerDecoder DecoderBuilder::build() const {
         attention_layer(layer_spec(cross_attention_, i), config_, r, memory_dimensions_),
         layer_options(config_, r));
   }
-  torch::nn::LayerNorm norm{nullptr};
-  if (config_.final_normalization)
-    norm = torch::nn::LayerNorm(torch::nn::LayerNormOptions({r.d_model}));
-  return TransformerDecoder(std::move(layers), norm);
+  return TransformerDecoder(std::move(layers), final_norm(config_, r));
 }
 
 DecoderBuilder DecoderBuilder::from_json(const nlohmann::json& j) {

@@ -8,35 +8,16 @@
 
 namespace fastattn {
 
+using transformer_detail::check_layer_options;
+using transformer_detail::feed_forward;
+
 namespace {
-
-// dropout(linear2(dropout(activation(linear1(y))))): (N, L, D) -> (N, L, D).
-torch::Tensor feed_forward(const torch::Tensor& y, torch::nn::Linear& linear1,
-                           torch::nn::Linear& linear2, torch::nn::Dropout& dropout,
-                           const std::string& activation) {
-  auto h = linear1(y);
-  h = activation == "gelu" ? torch::gelu(h) : torch::relu(h);
-  return dropout(linear2(dropout(h)));
-}
-
-void check_layer_options(const char* who, const TransformerLayerOptions& o) {
-  TORCH_CHECK(o.d_model() >= 1, who, ": d_model must be >= 1, got ", o.d_model());
-  TORCH_CHECK(!o.d_ff() || *o.d_ff() >= 1, who, ": d_ff must be >= 1, got ", o.d_ff().value_or(0));
-  TORCH_CHECK(o.dropout() >= 0 && o.dropout() < 1, who, ": dropout must be in [0, 1), got ",
-              o.dropout());
-  TORCH_CHECK(o.activation() == "relu" || o.activation() == "gelu", who,
-              ": activation must be one of relu, gelu, got '", o.activation(), "'");
-}
 
 // x must be (N, <length>, width).
 void check_width(const char* who, const char* name, const char* length, const torch::Tensor& x,
                  int64_t width) {
   TORCH_CHECK(x.dim() == 3 && x.size(2) == width, who, ": ", name, " must have shape (N, ", length,
               ", ", width, "), got ", x.sizes());
-}
-
-torch::nn::LayerNorm layer_norm(int64_t d) {
-  return torch::nn::LayerNorm(torch::nn::LayerNormOptions({d}));
 }
 
 }  // namespace
@@ -63,12 +44,9 @@ AttentionLayerImpl::AttentionLayerImpl(AttentionPtr attention, const AttentionLa
     : options_(options), dims_(options.dims()), inner_attention_(std::move(attention)) {
   TORCH_CHECK(inner_attention_, "AttentionLayer: attention must be an attention module, got null");
   const int64_t D = options_.d_model(), Dk = options_.d_model_keys().value_or(D);
-  const int64_t H = dims_.heads, E = dims_.query_dim, M = dims_.value_dim;
-  inner_attention_ = register_module("inner_attention", inner_attention_);
-  query_projection_ = register_module("query_projection", torch::nn::Linear(D, H * E));
-  key_projection_ = register_module("key_projection", torch::nn::Linear(Dk, H * E));
-  value_projection_ = register_module("value_projection", torch::nn::Linear(Dk, H * M));
-  out_projection_ = register_module("out_projection", torch::nn::Linear(H * M, D));
+  transformer_detail::register_attention_layer(*this, inner_attention_, D, Dk, dims_,
+                                               query_projection_, key_projection_,
+                                               value_projection_, out_projection_);
 }
 
 torch::Tensor AttentionLayerImpl::forward(const torch::Tensor& queries,  // (N, L, D)
@@ -98,18 +76,15 @@ TransformerEncoderLayerImpl::TransformerEncoderLayerImpl(AttentionLayer attentio
     : options_(options) {
   check_layer_options("TransformerEncoderLayer", options_);
   TORCH_CHECK(!attention.is_empty(), "TransformerEncoderLayer: attention must be set, got null");
-  const int64_t D = options_.d_model(), F = options_.d_ff().value_or(4 * D);
+  const int64_t D = options_.d_model();
   TORCH_CHECK(
       attention->options().d_model() == D && attention->options().d_model_keys().value_or(D) == D,
       "TransformerEncoderLayer: attention must map width d_model = ", D,
       " to itself, got d_model = ", attention->options().d_model(),
       ", d_model_keys = ", attention->options().d_model_keys().value_or(D));
   attention_ = register_module("attention", attention);
-  linear1_ = register_module("linear1", torch::nn::Linear(D, F));
-  linear2_ = register_module("linear2", torch::nn::Linear(F, D));
-  norm1_ = register_module("norm1", layer_norm(D));
-  norm2_ = register_module("norm2", layer_norm(D));
-  dropout_ = register_module("dropout", torch::nn::Dropout(options_.dropout()));
+  transformer_detail::register_feed_forward(*this, options_, linear1_, linear2_, {&norm1_, &norm2_},
+                                            dropout_);
 }
 
 torch::Tensor TransformerEncoderLayerImpl::forward(const torch::Tensor& x,  // (N, L, D)
@@ -149,7 +124,7 @@ TransformerDecoderLayerImpl::TransformerDecoderLayerImpl(AttentionLayer self_att
   check_layer_options("TransformerDecoderLayer", options_);
   TORCH_CHECK(!self_attention.is_empty() && !cross_attention.is_empty(),
               "TransformerDecoderLayer: self_attention and cross_attention must be set");
-  const int64_t D = options_.d_model(), F = options_.d_ff().value_or(4 * D);
+  const int64_t D = options_.d_model();
   TORCH_CHECK(self_attention->options().d_model() == D &&
                   self_attention->options().d_model_keys().value_or(D) == D,
               "TransformerDecoderLayer: self_attention must map width d_model = ", D,
@@ -160,12 +135,8 @@ TransformerDecoderLayerImpl::TransformerDecoderLayerImpl(AttentionLayer self_att
               ", got ", cross_attention->options().d_model());
   self_attention_ = register_module("self_attention", self_attention);
   cross_attention_ = register_module("cross_attention", cross_attention);
-  linear1_ = register_module("linear1", torch::nn::Linear(D, F));
-  linear2_ = register_module("linear2", torch::nn::Linear(F, D));
-  norm1_ = register_module("norm1", layer_norm(D));
-  norm2_ = register_module("norm2", layer_norm(D));
-  norm3_ = register_module("norm3", layer_norm(D));
-  dropout_ = register_module("dropout", torch::nn::Dropout(options_.dropout()));
+  transformer_detail::register_feed_forward(*this, options_, linear1_, linear2_,
+                                            {&norm1_, &norm2_, &norm3_}, dropout_);
 }
 
 torch::Tensor TransformerDecoderLayerImpl::forward(const torch::Tensor& x,       // (N, L, D)

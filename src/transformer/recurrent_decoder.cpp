@@ -23,12 +23,9 @@ RecurrentCrossAttentionLayerImpl::RecurrentCrossAttentionLayerImpl(
               "RecurrentCrossAttentionLayer: attention must be a recurrent cross-attention "
               "module, got null");
   const int64_t D = options_.d_model(), Dk = options_.d_model_keys().value_or(D);
-  const int64_t H = dims_.heads, E = dims_.query_dim, M = dims_.value_dim;
-  inner_attention_ = register_module("inner_attention", inner_attention_);
-  query_projection_ = register_module("query_projection", torch::nn::Linear(D, H * E));
-  key_projection_ = register_module("key_projection", torch::nn::Linear(Dk, H * E));
-  value_projection_ = register_module("value_projection", torch::nn::Linear(Dk, H * M));
-  out_projection_ = register_module("out_projection", torch::nn::Linear(H * M, D));
+  transformer_detail::register_attention_layer(*this, inner_attention_, D, Dk, dims_,
+                                               query_projection_, key_projection_,
+                                               value_projection_, out_projection_);
 }
 
 RecurrentState RecurrentCrossAttentionLayerImpl::prepare(const Tensor& memory,  // (N, S, Dk)
@@ -62,23 +59,13 @@ RecurrentDecoderLayerImpl::RecurrentDecoderLayerImpl(RecurrentAttentionLayer sel
                                                      RecurrentCrossAttentionLayer cross_attention,
                                                      const TransformerLayerOptions& options)
     : options_(options) {
+  transformer_detail::check_layer_options("RecurrentDecoderLayer", options_);
   TORCH_CHECK(!self_attention.is_empty() && !cross_attention.is_empty(),
               "RecurrentDecoderLayer: self_attention and cross_attention must be set");
-  TORCH_CHECK(options_.dropout() >= 0 && options_.dropout() < 1,
-              "RecurrentDecoderLayer: dropout must be in [0, 1), got ", options_.dropout());
-  TORCH_CHECK(options_.activation() == "relu" || options_.activation() == "gelu",
-              "RecurrentDecoderLayer: activation must be one of relu, gelu, got '",
-              options_.activation(), "'");
-  const int64_t D = options_.d_model(), F = options_.d_ff().value_or(4 * D);
-  auto norm = [&] { return torch::nn::LayerNorm(torch::nn::LayerNormOptions({D})); };
   self_attention_ = register_module("self_attention", self_attention);
   cross_attention_ = register_module("cross_attention", cross_attention);
-  linear1_ = register_module("linear1", torch::nn::Linear(D, F));
-  linear2_ = register_module("linear2", torch::nn::Linear(F, D));
-  norm1_ = register_module("norm1", norm());
-  norm2_ = register_module("norm2", norm());
-  norm3_ = register_module("norm3", norm());
-  dropout_ = register_module("dropout", torch::nn::Dropout(options_.dropout()));
+  transformer_detail::register_feed_forward(*this, options_, linear1_, linear2_,
+                                            {&norm1_, &norm2_, &norm3_}, dropout_);
 }
 
 RecurrentState RecurrentDecoderLayerImpl::prepare(const Tensor& memory,
@@ -91,9 +78,7 @@ std::pair<Tensor, RecurrentState> RecurrentDecoderLayerImpl::step(
     const RecurrentState& memory, const RecurrentState& self_state) {
   // As TransformerDecoderLayer::forward on one position.
   auto ff = [&](const Tensor& y) {
-    auto h = detail::step_linear(linear1_, y);
-    h = options_.activation() == "gelu" ? torch::gelu(h) : torch::relu(h);
-    return dropout_(detail::step_linear(linear2_, dropout_(h)));
+    return transformer_detail::feed_forward(y, linear1_, linear2_, dropout_, options_.activation());
   };
   if (options_.norm_first()) {
     auto [a, next] = self_attention_->step(norm1_(x), self_state);

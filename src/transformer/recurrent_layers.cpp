@@ -23,12 +23,9 @@ RecurrentAttentionLayerImpl::RecurrentAttentionLayerImpl(RecurrentAttentionPtr a
               "RecurrentAttentionLayer: self-attention needs d_model_keys = d_model = ",
               options_.d_model(), ", got ", options_.d_model_keys().value_or(0));
   const int64_t D = options_.d_model();
-  const int64_t H = dims_.heads, E = dims_.query_dim, M = dims_.value_dim;
-  inner_attention_ = register_module("inner_attention", inner_attention_);
-  query_projection_ = register_module("query_projection", torch::nn::Linear(D, H * E));
-  key_projection_ = register_module("key_projection", torch::nn::Linear(D, H * E));
-  value_projection_ = register_module("value_projection", torch::nn::Linear(D, H * M));
-  out_projection_ = register_module("out_projection", torch::nn::Linear(H * M, D));
+  transformer_detail::register_attention_layer(*this, inner_attention_, D, D, dims_,
+                                               query_projection_, key_projection_,
+                                               value_projection_, out_projection_);
 }
 
 std::pair<Tensor, RecurrentState> RecurrentAttentionLayerImpl::step(const Tensor& x,  // (N, D)
@@ -50,28 +47,18 @@ std::pair<Tensor, RecurrentState> RecurrentAttentionLayerImpl::step(const Tensor
 RecurrentEncoderLayerImpl::RecurrentEncoderLayerImpl(RecurrentAttentionLayer attention,
                                                      const TransformerLayerOptions& options)
     : options_(options) {
+  transformer_detail::check_layer_options("RecurrentEncoderLayer", options_);
   TORCH_CHECK(!attention.is_empty(), "RecurrentEncoderLayer: attention must be set, got null");
-  TORCH_CHECK(options_.dropout() >= 0 && options_.dropout() < 1,
-              "RecurrentEncoderLayer: dropout must be in [0, 1), got ", options_.dropout());
-  TORCH_CHECK(options_.activation() == "relu" || options_.activation() == "gelu",
-              "RecurrentEncoderLayer: activation must be one of relu, gelu, got '",
-              options_.activation(), "'");
-  const int64_t D = options_.d_model(), F = options_.d_ff().value_or(4 * D);
   attention_ = register_module("attention", attention);
-  linear1_ = register_module("linear1", torch::nn::Linear(D, F));
-  linear2_ = register_module("linear2", torch::nn::Linear(F, D));
-  norm1_ = register_module("norm1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({D})));
-  norm2_ = register_module("norm2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({D})));
-  dropout_ = register_module("dropout", torch::nn::Dropout(options_.dropout()));
+  transformer_detail::register_feed_forward(*this, options_, linear1_, linear2_, {&norm1_, &norm2_},
+                                            dropout_);
 }
 
 std::pair<Tensor, RecurrentState> RecurrentEncoderLayerImpl::step(const Tensor& x,  // (N, D)
                                                                   const RecurrentState& state) {
   // As TransformerEncoderLayer::forward on one position.
   auto ff = [&](const Tensor& y) {
-    auto h = detail::step_linear(linear1_, y);
-    h = options_.activation() == "gelu" ? torch::gelu(h) : torch::relu(h);
-    return dropout_(detail::step_linear(linear2_, dropout_(h)));
+    return transformer_detail::feed_forward(y, linear1_, linear2_, dropout_, options_.activation());
   };
   if (options_.norm_first()) {
     auto [a, next] = attention_->step(norm1_(x), state);
