@@ -3,6 +3,9 @@
 // a new family declares its function here and adds one line below.
 #pragma once
 
+#include <cmath>
+#include <optional>
+
 #include "fastattn/registry.h"
 
 namespace fastattn {
@@ -52,7 +55,12 @@ inline ParamSpec attention_dropout_spec() {
       .exclusive_max();
 }
 
-// Its check in the types' constructors (which run without the registry too).
+// The checks of softmax_temp_spec and attention_dropout_spec in the types'
+// constructors (which run without the registry too).
+inline void check_softmax_temp(const char* who, const std::optional<double>& t) {
+  TORCH_CHECK(!t || (std::isfinite(*t) && *t > 0), who,
+              ": softmax_temp must be a finite number > 0, got ", t.value_or(0.0));
+}
 inline void check_attention_dropout(const char* who, double p) {
   TORCH_CHECK(p >= 0 && p < 1, who, ": attention_dropout must be in [0, 1), got ", p);
 }

@@ -480,9 +480,7 @@ ExactTopkAttention::ExactTopkAttention(int64_t topk, std::optional<double> softm
     : topk_(topk), softmax_temp_(softmax_temp), attention_dropout_(attention_dropout) {
   TORCH_CHECK(topk_ >= 1, "ExactTopkAttention: topk must be >= 1, got ", topk_);
   check_attention_dropout("ExactTopkAttention", attention_dropout);
-  TORCH_CHECK(!softmax_temp_ || (std::isfinite(*softmax_temp_) && *softmax_temp_ > 0),
-              "ExactTopkAttention: softmax_temp must be a finite number > 0, got ",
-              softmax_temp_.value_or(0.0));
+  check_softmax_temp("ExactTopkAttention", softmax_temp_);
 }
 
 Tensor ExactTopkAttention::forward(const Tensor& queries,  // (N, H, L, E)
@@ -497,19 +495,16 @@ Tensor ExactTopkAttention::forward(const Tensor& queries,  // (N, H, L, E)
 // ---- the attention types ------------------------------------------------------
 
 namespace {
-// Checks the options every clustered type shares; messages name `who`.
-void check_clustered_options(const char* who, const ClusteredOptions& o) {
+// Checks the options every clustered type shares, naming `who`; returns its seeded
+// generator, or the global one without a seed.
+at::Generator checked_clustered_generator(const char* who, const ClusteredOptions& o) {
   TORCH_CHECK(o.clusters >= 1, who, ": clusters must be >= 1, got ", o.clusters);
   TORCH_CHECK(o.iterations >= 0 && o.iterations <= kMaxClusterIterations, who,
               ": iterations must be in [0, ", kMaxClusterIterations, "], got ", o.iterations);
   TORCH_CHECK(o.bits >= 1 && o.bits <= 64, who, ": bits must be in [1, 64], got ", o.bits);
   TORCH_CHECK(o.topk >= 1, who, ": topk must be >= 1, got ", o.topk);
-  TORCH_CHECK(!o.softmax_temp || (std::isfinite(*o.softmax_temp) && *o.softmax_temp > 0), who,
-              ": softmax_temp must be a finite number > 0, got ", o.softmax_temp.value_or(0.0));
-}
-
-// The seeded generator of a type, or the global one without a seed.
-at::Generator clustered_generator(const ClusteredOptions& o) {
+  check_softmax_temp(who, o.softmax_temp);
+  check_attention_dropout(who, o.attention_dropout);
   return o.seed ? at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(*o.seed))
                 : at::detail::getDefaultCPUGenerator();
 }
@@ -518,9 +513,7 @@ at::Generator clustered_generator(const ClusteredOptions& o) {
 ClusteredAttention::ClusteredAttention(ClusteredOptions options, bool improved)
     : options_(std::move(options)), improved_(improved) {
   const char* who = improved ? "ImprovedClusteredAttention" : "ClusteredAttention";
-  check_clustered_options(who, options_);
-  check_attention_dropout(who, options_.attention_dropout);
-  gen_ = clustered_generator(options_);
+  gen_ = checked_clustered_generator(who, options_);
 }
 
 Tensor ClusteredAttention::forward(const Tensor& queries,  // (N, H, L, E)
@@ -544,11 +537,9 @@ Tensor ClusteredAttention::forward(const Tensor& queries,  // (N, H, L, E)
 CausalImprovedClusteredAttention::CausalImprovedClusteredAttention(ClusteredOptions options)
     : options_(std::move(options)) {
   const char* who = "CausalImprovedClusteredAttention";
-  check_clustered_options(who, options_);
   TORCH_CHECK(options_.local_context >= 1, who, ": local_context must be >= 1, got ",
               options_.local_context);
-  check_attention_dropout(who, options_.attention_dropout);
-  gen_ = clustered_generator(options_);
+  gen_ = checked_clustered_generator(who, options_);
 }
 
 Tensor CausalImprovedClusteredAttention::forward(const Tensor& queries,  // (N, H, L, E)
@@ -570,7 +561,9 @@ Tensor CausalImprovedClusteredAttention::forward(const Tensor& queries,  // (N, 
 
 namespace {
 
-std::vector<ParamSpec> clustered_specs(bool improved) {
+// The hashing and clustering parameters of every clustered type, then the
+// type's own (`own`), then softmax_temp, attention_dropout and seed.
+std::vector<ParamSpec> clustered_specs(std::vector<ParamSpec> own) {
   std::vector<ParamSpec> specs = {
       ParamSpec::integer("clusters", 100,
                          "number of query clusters C (clamped to the valid queries)", 1),
@@ -578,18 +571,16 @@ std::vector<ParamSpec> clustered_specs(bool improved) {
                          "Lloyd iterations of the Hamming K-means (fewer once nothing changes)", 0,
                          double(kMaxClusterIterations)),
       ParamSpec::integer("bits", 63, "bits B of the query hash", 1, 64),
-      ParamSpec::boolean("hash_bias", true, "random bias in the hash planes"),
-      softmax_temp_spec(),
-      attention_dropout_spec(),
-      seed_spec("planes, K-means initialisation")};
-  if (improved) {
-    specs.push_back(ParamSpec::integer(
-        "topk", 32, "keys per cluster whose weights are recomputed per query (clamped to S)", 1));
-  }
+      ParamSpec::boolean("hash_bias", true, "random bias in the hash planes")};
+  specs.insert(specs.end(), own.begin(), own.end());
+  specs.push_back(softmax_temp_spec());
+  specs.push_back(attention_dropout_spec());
+  specs.push_back(seed_spec("planes, K-means initialisation"));
   return specs;
 }
 
-AttentionPtr build_clustered(const Params& p, bool improved) {
+// The options every clustered type reads (clustered_specs' shared ones).
+ClusteredOptions clustered_options(const Params& p) {
   ClusteredOptions o;
   o.clusters = p.get_int("clusters");
   o.iterations = p.get_int("iterations");
@@ -598,43 +589,32 @@ AttentionPtr build_clustered(const Params& p, bool improved) {
   o.softmax_temp = p.get_optional_float("softmax_temp");
   o.attention_dropout = p.get_float("attention_dropout");
   o.seed = p.get_optional_int("seed");
+  return o;
+}
+
+AttentionPtr build_clustered(const Params& p, bool improved) {
+  ClusteredOptions o = clustered_options(p);
   if (improved) o.topk = p.get_int("topk");
   return std::make_shared<ClusteredAttention>(o, improved);
 }
 
 AttentionPtr build_causal_improved_clustered(const Params& p) {
-  ClusteredOptions o;
-  o.clusters = p.get_int("clusters");
-  o.iterations = p.get_int("iterations");
-  o.bits = p.get_int("bits");
-  o.hash_bias = p.get_bool("hash_bias");
-  o.softmax_temp = p.get_optional_float("softmax_temp");
-  o.seed = p.get_optional_int("seed");
+  ClusteredOptions o = clustered_options(p);
   o.topk = p.get_int("topk");
   o.local_context = p.get_int("local_context");
-  o.attention_dropout = p.get_float("attention_dropout");
   return std::make_shared<CausalImprovedClusteredAttention>(o);
 }
 
 std::vector<ParamSpec> causal_improved_clustered_specs() {
-  return {ParamSpec::integer("clusters", 100,
-                             "number of query clusters C (clamped to the valid queries)", 1),
-          ParamSpec::integer("iterations", 10,
-                             "Lloyd iterations of the Hamming K-means (fewer once nothing changes)",
-                             0, double(kMaxClusterIterations)),
-          ParamSpec::integer("bits", 63, "bits B of the query hash", 1, 64),
-          ParamSpec::boolean("hash_bias", true, "random bias in the hash planes"),
-          ParamSpec::integer("topk", 32,
-                             "keys per cluster and block, taken from the keys before the block "
-                             "(clamped to S)",
-                             1),
-          ParamSpec::integer("local_context", 32,
-                             "local causal window: every query also attends to its last "
-                             "local_context keys (also the block length of the top-k sets)",
-                             1),
-          softmax_temp_spec(),
-          attention_dropout_spec(),
-          seed_spec("planes, K-means initialisation")};
+  return clustered_specs(
+      {ParamSpec::integer("topk", 32,
+                          "keys per cluster and block, taken from the keys before the block "
+                          "(clamped to S)",
+                          1),
+       ParamSpec::integer("local_context", 32,
+                          "local causal window: every query also attends to its last "
+                          "local_context keys (also the block length of the top-k sets)",
+                          1)});
 }
 
 }  // namespace
@@ -643,14 +623,16 @@ void register_clustered_attention_types(AttentionRegistry& registry) {
   registry.add({"clustered",
                 "queries hashed and clustered (Hamming K-means); attention once per centroid, "
                 "broadcast to the members: O(L·C) (Vyas et al. 2020)",
-                clustered_specs(false),
+                clustered_specs({}),
                 [](const Params& p, const AttentionDims&) { return build_clustered(p, false); },
                 Capabilities().bidirectional_only("causal-improved-clustered").selecting(),
                 /*recurrent=*/nullptr});
   registry.add({"improved-clustered",
                 "clustered attention with exact per-query weights on each cluster's top-k keys "
                 "(Vyas et al. 2020, eq. 9-10)",
-                clustered_specs(true),
+                clustered_specs({ParamSpec::integer(
+                    "topk", 32,
+                    "keys per cluster whose weights are recomputed per query (clamped to S)", 1)}),
                 [](const Params& p, const AttentionDims&) { return build_clustered(p, true); },
                 Capabilities().bidirectional_only("causal-improved-clustered").selecting(),
                 /*recurrent=*/nullptr});

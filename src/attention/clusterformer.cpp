@@ -198,10 +198,7 @@ ClusterFormerAttention::ClusterFormerAttention(ClusterFormerOptions options,
   TORCH_CHECK(options_.centroid_mode == "handed" || options_.centroid_mode == "per-layer",
               "clusterformer: centroid_mode must be \"handed\" or \"per-layer\", got \"",
               options_.centroid_mode, "\"");
-  TORCH_CHECK(!options_.softmax_temp ||
-                  (std::isfinite(*options_.softmax_temp) && *options_.softmax_temp > 0),
-              "clusterformer: softmax_temp must be a finite number > 0, got ",
-              options_.softmax_temp.value_or(0.0));
+  check_softmax_temp("clusterformer", options_.softmax_temp);
   check_attention_dropout("clusterformer", options_.attention_dropout);
   TORCH_CHECK(dims.heads >= 1 && dims.query_dim >= 1,
               "clusterformer: heads and query_dim must be >= 1, got ", dims.heads, " and ",

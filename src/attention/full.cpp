@@ -79,9 +79,7 @@ torch::Tensor take_auxiliary_losses(torch::nn::Module& model) {
 
 FullAttention::FullAttention(std::optional<double> softmax_temp, double attention_dropout)
     : softmax_temp_(softmax_temp), attention_dropout_(attention_dropout) {
-  TORCH_CHECK(!softmax_temp || (std::isfinite(*softmax_temp) && *softmax_temp > 0),
-              "FullAttention: softmax_temp must be a finite number > 0, got ",
-              softmax_temp.value_or(0.0));
+  check_softmax_temp("FullAttention", softmax_temp);
   check_attention_dropout("FullAttention", attention_dropout);
 }
 
@@ -191,9 +189,7 @@ using torch::Tensor;
 
 RecurrentFullAttention::RecurrentFullAttention(std::optional<double> softmax_temp)
     : softmax_temp_(softmax_temp) {
-  TORCH_CHECK(!softmax_temp || (std::isfinite(*softmax_temp) && *softmax_temp > 0),
-              "RecurrentFullAttention: softmax_temp must be a finite number > 0, got ",
-              softmax_temp.value_or(0.0));
+  check_softmax_temp("RecurrentFullAttention", softmax_temp);
 }
 
 std::pair<Tensor, RecurrentState> RecurrentFullAttention::step(const Tensor& query,  // (N, H, E)
@@ -212,9 +208,7 @@ std::pair<Tensor, RecurrentState> RecurrentFullAttention::step(const Tensor& que
 
 RecurrentCrossFullAttention::RecurrentCrossFullAttention(std::optional<double> softmax_temp)
     : softmax_temp_(softmax_temp) {
-  TORCH_CHECK(!softmax_temp || (std::isfinite(*softmax_temp) && *softmax_temp > 0),
-              "RecurrentCrossFullAttention: softmax_temp must be a finite number > 0, got ",
-              softmax_temp.value_or(0.0));
+  check_softmax_temp("RecurrentCrossFullAttention", softmax_temp);
 }
 
 RecurrentState RecurrentCrossFullAttention::prepare(const Tensor& keys,    // (N, H, S, E)

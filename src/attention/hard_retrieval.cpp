@@ -120,9 +120,7 @@ HardRetrievalAttention::HardRetrievalAttention(std::string train_mode,
   TORCH_CHECK(train_mode_ == "sample" || train_mode_ == "argmax",
               "HardRetrievalAttention: train_mode must be 'sample' or 'argmax', got '", train_mode_,
               "'");
-  TORCH_CHECK(!softmax_temp || (std::isfinite(*softmax_temp) && *softmax_temp > 0),
-              "HardRetrievalAttention: softmax_temp must be a finite number > 0, got ",
-              softmax_temp.value_or(0.0));
+  check_softmax_temp("HardRetrievalAttention", softmax_temp);
   TORCH_CHECK(!seed || *seed >= 0, "HardRetrievalAttention: seed must be >= 0, got ",
               seed.value_or(0));
   gen_ = seed ? at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(*seed))

@@ -29,8 +29,7 @@ ReformerAttention::ReformerAttention(ReformerOptions options) : options_(std::mo
               o.n_buckets);
   TORCH_CHECK(o.rounds >= 1 && o.rounds <= kMaxReformerRounds, who, ": rounds must be in [1, ",
               kMaxReformerRounds, "], got ", o.rounds);
-  TORCH_CHECK(!o.softmax_temp || (std::isfinite(*o.softmax_temp) && *o.softmax_temp > 0), who,
-              ": softmax_temp must be a finite number > 0, got ", o.softmax_temp.value_or(0.0));
+  check_softmax_temp(who, o.softmax_temp);
   TORCH_CHECK(!o.seed || *o.seed >= 0, who, ": seed must be >= 0, got ", o.seed.value_or(0));
   check_attention_dropout(who, o.attention_dropout);
   gen_ = o.seed ? at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(*o.seed))

@@ -175,47 +175,46 @@ std::string param_value_to_string(const ParamValue& v) {
   return nlohmann::json(std::get<std::string>(v)).dump();
 }
 
-ParamSpec ParamSpec::integer(std::string name, std::optional<int64_t> def, std::string help,
-                             std::optional<double> min, std::optional<double> max) {
+namespace {
+
+ParamSpec spec(std::string name, ParamType type, std::optional<ParamValue> def, std::string help,
+               std::optional<double> min = std::nullopt, std::optional<double> max = std::nullopt) {
   ParamSpec s;
   s.name = std::move(name);
-  s.type = ParamType::Int;
-  if (def) s.default_value = *def;
+  s.type = type;
+  s.default_value = std::move(def);
   s.help = std::move(help);
   s.min = min;
   s.max = max;
   return s;
+}
+
+template <typename T>
+std::optional<ParamValue> value_or_none(const std::optional<T>& v) {
+  return v ? std::optional<ParamValue>(*v) : std::nullopt;
+}
+
+}  // namespace
+
+ParamSpec ParamSpec::integer(std::string name, std::optional<int64_t> def, std::string help,
+                             std::optional<double> min, std::optional<double> max) {
+  return spec(std::move(name), ParamType::Int, value_or_none(def), std::move(help), min, max);
 }
 
 ParamSpec ParamSpec::real(std::string name, std::optional<double> def, std::string help,
                           std::optional<double> min, std::optional<double> max) {
-  ParamSpec s;
-  s.name = std::move(name);
-  s.type = ParamType::Float;
-  if (def) s.default_value = *def;
-  s.help = std::move(help);
-  s.min = min;
-  s.max = max;
-  return s;
+  return spec(std::move(name), ParamType::Float, value_or_none(def), std::move(help), min, max);
 }
 
 ParamSpec ParamSpec::boolean(std::string name, bool def, std::string help) {
-  ParamSpec s;
-  s.name = std::move(name);
-  s.type = ParamType::Bool;
-  s.default_value = def;
-  s.help = std::move(help);
-  return s;
+  return spec(std::move(name), ParamType::Bool, ParamValue(def), std::move(help));
 }
 
 ParamSpec ParamSpec::choice(std::string name, std::string def, std::vector<std::string> choices,
                             std::string help) {
-  ParamSpec s;
-  s.name = std::move(name);
-  s.type = ParamType::Choice;
-  s.default_value = std::move(def);
+  ParamSpec s =
+      spec(std::move(name), ParamType::Choice, ParamValue(std::move(def)), std::move(help));
   s.choices = std::move(choices);
-  s.help = std::move(help);
   return s;
 }
 

@@ -13,20 +13,11 @@
 
 namespace fastattn {
 
-namespace {
-
-void check_temp(const char* type, const std::optional<double>& t) {
-  TORCH_CHECK(!t || (std::isfinite(*t) && *t > 0), type,
-              ": softmax_temp must be a finite number > 0, got ", t.value_or(0.0));
-}
-
-}  // namespace
-
 LocalAttention::LocalAttention(int64_t window, std::optional<double> softmax_temp,
                                double attention_dropout)
     : window_(window), softmax_temp_(softmax_temp), attention_dropout_(attention_dropout) {
   TORCH_CHECK(window >= 1, "local: window must be >= 1, got ", window);
-  check_temp("local", softmax_temp);
+  check_softmax_temp("local", softmax_temp);
   check_attention_dropout("local", attention_dropout);
 }
 
@@ -62,7 +53,7 @@ SparseTransformerAttention::SparseTransformerAttention(bool fixed, SparseTransfo
   TORCH_CHECK(fixed || !o.summary, who, ": summary applies only to sparse-fixed");
   TORCH_CHECK(fixed || !o.per_head_summary, who, ": per_head_summary applies only to sparse-fixed");
   TORCH_CHECK(o.part == 1 || o.part == 2, who, ": part must be 1 (A1) or 2 (A2), got ", o.part);
-  check_temp(who, o.softmax_temp);
+  check_softmax_temp(who, o.softmax_temp);
   check_attention_dropout(who, o.attention_dropout);
 }
 
