@@ -7,42 +7,11 @@
 
 #include "fastattn/experiments/lm_tasks.h"
 #include "fastattn/experiments/train.h"
+#include "experiments/train/json_fields.h"
 
 namespace fastattn::train {
 
 namespace {
-
-// Checks that `j` is an object whose keys are all in `valid`.
-void check_keys(const char* who, const nlohmann::json& j, const std::vector<std::string>& valid) {
-  TORCH_CHECK(j.is_object(), who, ": expected a JSON object, got ", j.dump());
-  for (const auto& [key, value] : j.items()) {
-    if (std::find(valid.begin(), valid.end(), key) == valid.end()) {
-      std::string list;
-      for (const auto& v : valid) list += (list.empty() ? "" : ", ") + v;
-      TORCH_CHECK(false, who, ": unknown key '", key, "'; valid keys: ", list);
-    }
-  }
-}
-
-int64_t get_int(const char* who, const nlohmann::json& j, const char* key, int64_t def) {
-  if (!j.contains(key)) return def;
-  TORCH_CHECK(j[key].is_number_integer(), who, ": '", key, "' must be an integer, got ",
-              j[key].dump());
-  return j[key].get<int64_t>();
-}
-
-double get_double(const char* who, const nlohmann::json& j, const char* key, double def) {
-  if (!j.contains(key)) return def;
-  TORCH_CHECK(j[key].is_number(), who, ": '", key, "' must be a number, got ", j[key].dump());
-  return j[key].get<double>();
-}
-
-std::string get_string(const char* who, const nlohmann::json& j, const char* key,
-                       const std::string& def) {
-  if (!j.contains(key)) return def;
-  TORCH_CHECK(j[key].is_string(), who, ": '", key, "' must be a string, got ", j[key].dump());
-  return j[key].get<std::string>();
-}
 
 torch::Tensor embed(torch::nn::Embedding& embedding, const torch::Tensor& tokens, int64_t d_model) {
   // nn::Embedding starts at N(0, 1) per coordinate, the scale of the positions:
@@ -374,10 +343,10 @@ std::vector<TaskType> builtin_task_types() {
                [](const nlohmann::json& j) {
                  check_keys("copy task", j, {"name", "length", "vocab", "mask_fraction", "loss"});
                  CopyTaskOptions o;
-                 o.length = get_int("copy task", j, "length", o.length);
-                 o.vocab = get_int("copy task", j, "vocab", o.vocab);
-                 o.mask_fraction = get_double("copy task", j, "mask_fraction", o.mask_fraction);
-                 o.loss = get_string("copy task", j, "loss", o.loss);
+                 read_field("copy task", j, "length", o.length);
+                 read_field("copy task", j, "vocab", o.vocab);
+                 read_field("copy task", j, "mask_fraction", o.mask_fraction);
+                 read_field("copy task", j, "loss", o.loss);
                  return std::unique_ptr<Task>(std::make_unique<CopyTask>(o));
                }});
   out.push_back(TaskType{
@@ -393,10 +362,10 @@ std::vector<TaskType> builtin_task_types() {
       [](const nlohmann::json& j) {
         check_keys("transduction task", j, {"name", "mode", "vocab", "min_length", "max_length"});
         TransductionTaskOptions o;
-        o.mode = get_string("transduction task", j, "mode", o.mode);
-        o.vocab = get_int("transduction task", j, "vocab", o.vocab);
-        o.min_length = get_int("transduction task", j, "min_length", o.min_length);
-        o.max_length = get_int("transduction task", j, "max_length", o.max_length);
+        read_field("transduction task", j, "mode", o.mode);
+        read_field("transduction task", j, "vocab", o.vocab);
+        read_field("transduction task", j, "min_length", o.min_length);
+        read_field("transduction task", j, "max_length", o.max_length);
         return std::unique_ptr<Task>(std::make_unique<TransductionTask>(o));
       }});
   out.push_back(TaskType{
@@ -412,14 +381,9 @@ std::vector<TaskType> builtin_task_types() {
       [](const nlohmann::json& j) {
         check_keys("digits task", j, {"name", "path", "conditional", "test_size"});
         DigitsTaskOptions o;
-        o.path = get_string("digits task", j, "path", o.path);
-        if (j.contains("conditional")) {
-          TORCH_CHECK(j["conditional"].is_boolean(),
-                      "digits task: 'conditional' must be true or false, got ",
-                      j["conditional"].dump());
-          o.conditional = j["conditional"].get<bool>();
-        }
-        o.test_size = get_int("digits task", j, "test_size", o.test_size);
+        read_field("digits task", j, "path", o.path);
+        read_field("digits task", j, "conditional", o.conditional);
+        read_field("digits task", j, "test_size", o.test_size);
         return std::unique_ptr<Task>(std::make_unique<DigitsTask>(o));
       },
       digits_generator()});
@@ -435,9 +399,10 @@ std::vector<TaskType> builtin_task_types() {
       [](const nlohmann::json& j) {
         check_keys("charlm task", j, {"name", "path", "length", "vocabulary"});
         CharLMTaskOptions o;
-        o.path = get_string("charlm task", j, "path", o.path);
-        o.length = get_int("charlm task", j, "length", o.length);
-        if (j.contains("vocabulary")) o.vocabulary = get_string("charlm task", j, "vocabulary", "");
+        read_field("charlm task", j, "path", o.path);
+        read_field("charlm task", j, "length", o.length);
+        if (j.contains("vocabulary"))
+          read_field("charlm task", j, "vocabulary", o.vocabulary.emplace());
         return std::unique_ptr<Task>(std::make_unique<CharLMTask>(o));
       },
       charlm_generator()});

@@ -17,6 +17,7 @@
 #include "fastattn/experiments/distributed.h"
 #include "fastattn/safetensors.h"
 #include "fastattn/experiments/train.h"
+#include "experiments/train/json_fields.h"
 
 namespace fastattn::train {
 
@@ -149,38 +150,9 @@ nlohmann::json TrainConfig::to_json() const {
           {"time_budget", time_budget}};
 }
 
-namespace {
-
-void check_only(const char* who, const nlohmann::json& j, const std::vector<std::string>& valid) {
-  TORCH_CHECK(j.is_object(), who, ": expected a JSON object, got ", j.dump());
-  for (const auto& [key, value] : j.items()) {
-    if (std::find(valid.begin(), valid.end(), key) == valid.end()) {
-      std::string list;
-      for (const auto& v : valid) list += (list.empty() ? "" : ", ") + v;
-      TORCH_CHECK(false, who, ": unknown key '", key, "'; valid keys: ", list);
-    }
-  }
-}
-
-template <class T>
-void read(const char* who, const nlohmann::json& j, const char* key, T& out) {
-  if (!j.contains(key)) return;
-  const auto& v = j[key];
-  if constexpr (std::is_same_v<T, std::string>) {
-    TORCH_CHECK(v.is_string(), who, ": '", key, "' must be a string, got ", v.dump());
-  } else if constexpr (std::is_integral_v<T>) {
-    TORCH_CHECK(v.is_number_integer(), who, ": '", key, "' must be an integer, got ", v.dump());
-  } else {
-    TORCH_CHECK(v.is_number(), who, ": '", key, "' must be a number, got ", v.dump());
-  }
-  out = v.get<T>();
-}
-
-}  // namespace
-
 TrainConfig TrainConfig::from_json(const nlohmann::json& j) {
   const char* who = "train config";
-  check_only(who, j,
+  check_keys(who, j,
              {"task", "model", "optimizer", "schedule", "clip", "steps", "batch_size", "eval_every",
               "eval_batches", "checkpoint_every", "seed", "time_budget"});
   TrainConfig c;
@@ -188,30 +160,30 @@ TrainConfig TrainConfig::from_json(const nlohmann::json& j) {
   if (j.contains("model")) c.model = j["model"];
   if (j.contains("optimizer")) {
     const auto& o = j["optimizer"];
-    check_only("train config: optimizer", o,
+    check_keys("train config: optimizer", o,
                {"name", "lr", "beta1", "beta2", "eps", "weight_decay"});
-    read(who, o, "name", c.optimizer.name);
-    read(who, o, "lr", c.optimizer.lr);
-    read(who, o, "beta1", c.optimizer.beta1);
-    read(who, o, "beta2", c.optimizer.beta2);
-    read(who, o, "eps", c.optimizer.eps);
-    read(who, o, "weight_decay", c.optimizer.weight_decay);
+    read_field(who, o, "name", c.optimizer.name);
+    read_field(who, o, "lr", c.optimizer.lr);
+    read_field(who, o, "beta1", c.optimizer.beta1);
+    read_field(who, o, "beta2", c.optimizer.beta2);
+    read_field(who, o, "eps", c.optimizer.eps);
+    read_field(who, o, "weight_decay", c.optimizer.weight_decay);
   }
   if (j.contains("schedule")) {
     const auto& s = j["schedule"];
-    check_only("train config: schedule", s, {"warmup", "decay", "min_lr_ratio"});
-    read(who, s, "warmup", c.schedule.warmup);
-    read(who, s, "decay", c.schedule.decay);
-    read(who, s, "min_lr_ratio", c.schedule.min_lr_ratio);
+    check_keys("train config: schedule", s, {"warmup", "decay", "min_lr_ratio"});
+    read_field(who, s, "warmup", c.schedule.warmup);
+    read_field(who, s, "decay", c.schedule.decay);
+    read_field(who, s, "min_lr_ratio", c.schedule.min_lr_ratio);
   }
-  read(who, j, "clip", c.clip);
-  read(who, j, "steps", c.steps);
-  read(who, j, "batch_size", c.batch_size);
-  read(who, j, "eval_every", c.eval_every);
-  read(who, j, "eval_batches", c.eval_batches);
-  read(who, j, "checkpoint_every", c.checkpoint_every);
-  read(who, j, "seed", c.seed);
-  read(who, j, "time_budget", c.time_budget);
+  read_field(who, j, "clip", c.clip);
+  read_field(who, j, "steps", c.steps);
+  read_field(who, j, "batch_size", c.batch_size);
+  read_field(who, j, "eval_every", c.eval_every);
+  read_field(who, j, "eval_batches", c.eval_batches);
+  read_field(who, j, "checkpoint_every", c.checkpoint_every);
+  read_field(who, j, "seed", c.seed);
+  read_field(who, j, "time_budget", c.time_budget);
   return c;
 }
 
