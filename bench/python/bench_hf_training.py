@@ -22,6 +22,7 @@ the issue's figure uses the default.)
 """
 import argparse
 import platform
+import sys
 import time
 
 import torch
@@ -94,6 +95,10 @@ def main():
             losses, took = train(impl, args, cfg, seed)
             curves[impl].append(losses)
             seconds[impl] += took
+            tail = losses[-args.window:]
+            print("# seed %d %s: last %d steps' mean loss %.4f, %.0f s"
+                  % (seed, impl, len(tail), sum(tail) / len(tail), took),
+                  file=sys.stderr, flush=True)
     w = args.window
 
     def cell(impl, s):
